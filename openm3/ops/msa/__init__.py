@@ -1,0 +1,47 @@
+"""MSA (MiniMax Sparse Attention) ops: public functions with backend dispatch.
+
+Every function validates its inputs (ValueError naming the argument) and then runs the backend that
+`backend.pick_backend` chooses: `reference.py` (the spec) or the Triton kernels (`triton_*.py`).
+Shapes and semantics are documented in `reference.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .backend import BACKENDS, pick_backend, use_backend
+
+__all__ = ["select_blocks", "sparse_attention", "indexer_kl", "use_backend", "pick_backend", "BACKENDS"]
+
+
+def select_blocks(qi, ki, cu_seqlens, *, block_size: int, topk: int, local_blocks: int = 1, cu_seqlens_k=None):
+    """Top-k key blocks per (index head, query). See `reference.select_blocks`."""
+    if pick_backend(qi) == "triton":
+        from .triton_select import select_blocks as impl
+    else:
+        impl = reference.select_blocks
+    return impl(qi, ki, cu_seqlens, block_size=block_size, topk=topk, local_blocks=local_blocks,
+                cu_seqlens_k=cu_seqlens_k)
+
+
+def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
+                     cu_seqlens_k=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax attention over the selected key blocks. See `reference.sparse_attention`."""
+    if pick_backend(q) == "triton":
+        from .triton_attention import sparse_attention as impl
+    else:
+        impl = reference.sparse_attention
+    return impl(q, k, v, block_idx, cu_seqlens, block_size=block_size, scale=scale, cu_seqlens_k=cu_seqlens_k)
+
+
+def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
+               index_scale: float | None = None, lse: torch.Tensor | None = None, cu_seqlens_k=None) -> torch.Tensor:
+    """KL(main attention || index distribution); `block_idx=None` is the dense warm-up variant.
+    See `reference.indexer_kl`."""
+    if pick_backend(qi) == "triton":
+        from .triton_kl import indexer_kl as impl
+    else:
+        impl = reference.indexer_kl
+    return impl(q, k, qi, ki, block_idx, cu_seqlens, block_size=block_size, scale=scale, index_scale=index_scale,
+                lse=lse, cu_seqlens_k=cu_seqlens_k)

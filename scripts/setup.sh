@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates ./.venv (if missing) and installs openm3 with the given extras, CPU build of torch.
+# Usage: bash scripts/setup.sh [extras]   e.g. bash scripts/setup.sh test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+# Pin the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+if [ -n "$extras" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${extras}]"
+else
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e .
+fi
