@@ -1,0 +1,128 @@
+"""`openm3 <command>`: the command-line entry point.
+
+Each subcommand is one function decorated with `@command(name, help, *arguments)`, where every argument is
+`arg("--flag", ...)` with `argparse.add_argument`'s parameters. Heavy imports happen inside the functions, so
+`openm3 --help` stays fast and a command's optional dependencies are needed only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable
+
+_COMMANDS: dict[str, tuple[str, tuple[tuple[tuple, dict], ...], Callable[[argparse.Namespace], int | None]]] = {}
+
+
+def arg(*flags, **kwargs) -> tuple[tuple, dict]:
+    """One `add_argument(*flags, **kwargs)` call for `@command`."""
+    return flags, kwargs
+
+
+def command(name: str, help: str, *arguments: tuple[tuple, dict]):
+    """Register `fn(args) -> exit code | None` as the subcommand `name`."""
+    def register(fn):
+        if name in _COMMANDS:
+            raise ValueError(f"command {name!r} is registered twice")
+        _COMMANDS[name] = (help, arguments, fn)
+        return fn
+    return register
+
+
+@command(
+    "smoke", "build a random M3 model, run one forward pass over a prompt, print the next-token top-k",
+    arg("--prompt", default="def fibonacci(n):\n    return", help="text to run (byte-level token ids)"),
+    arg("--config", default="m3-tiny", help="model preset (m3-tiny, m3-small, m3)"),
+    arg("--checkpoint", default=None, help="load this checkpoint directory instead of a random --config model"),
+    arg("--seed", type=int, default=0, help="random init seed"),
+    arg("--device", default="cpu", help="torch device"),
+    arg("--topk", type=int, default=5, help="number of next-token predictions to print"),
+)
+def smoke(args: argparse.Namespace) -> int:
+    import torch
+
+    from .models import M3TextConfig, M3TextModel, load_pretrained
+
+    if args.topk < 1:
+        raise ValueError(f"--topk must be >= 1, got {args.topk}")
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    if args.checkpoint:
+        model = load_pretrained(args.checkpoint, device=args.device)
+        source = f"checkpoint {args.checkpoint}"
+    else:
+        with torch.device(args.device):
+            model = M3TextModel(M3TextConfig.from_name(args.config)).eval()
+        source = f"{args.config}, random init, seed {args.seed}"
+    built = time.perf_counter() - start
+    config = model.config
+    if config.vocab_size < 256:
+        raise ValueError(f"vocab_size {config.vocab_size} < 256 cannot hold byte ids")
+    # Byte-level ids (0-255) until the trained tokenizer is wired in: the model is random anyway.
+    ids = torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.long, device=args.device)
+    if ids.numel() == 0:
+        raise ValueError("--prompt must not be empty")
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model(ids, logits_index=torch.tensor([ids.numel() - 1], device=args.device), return_block_idx=True)
+    elapsed = time.perf_counter() - start
+    probs = torch.softmax(out.logits[0].float(), dim=-1)
+    top = torch.topk(probs, args.topk)
+
+    kinds = ", ".join(f"{config.layer_types.count(t)} {t}" for t in dict.fromkeys(config.layer_types))
+    mlps = ", ".join(f"{config.mlp_layer_types.count(t)} {t}" for t in dict.fromkeys(config.mlp_layer_types))
+    print(f"openm3 smoke: {source}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"{config.num_hidden_layers} layers ({kinds}; MLP: {mlps}), ready in {built:.2f}s on {args.device}")
+    print(f"prompt: {args.prompt!r} -> {ids.numel()} byte-level token ids; forward {elapsed * 1000:.1f} ms")
+    print(f"next-token top-{args.topk}:")
+    for rank, (p, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+        label = repr(bytes([i]))[1:] if i < 256 else f"<id {i}>"
+        print(f"  {rank}. id {i:5d} {label:10s} p={p:.4f}")
+    return 0
+
+
+@command(
+    "convert", "rewrite a checkpoint (transformers' or the published layout) in the published layout",
+    arg("source", help="checkpoint directory to read"),
+    arg("target", help="directory to write"),
+    arg("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+        help="parameter dtype to write (default: the source's)"),
+    arg("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB"),
+)
+def convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from .models import load_pretrained
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model = load_pretrained(args.source, dtype=dtype)
+    model.save_pretrained(args.target, max_shard_size=args.max_shard_size)
+    print(f"openm3 convert: {args.source} -> {args.target} "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+          f"{next(model.parameters()).dtype})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openm3", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, arguments, fn) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        for flags, kwargs in arguments:
+            p.add_argument(*flags, **kwargs)
+        p.set_defaults(_run=fn)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args) or 0
+    except ValueError as err:
+        print(f"openm3 {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

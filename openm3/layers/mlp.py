@@ -1,0 +1,31 @@
+"""Dense SwiGLU-OAI MLP (the dense layers' MLP and the MoE shared expert)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """SwiGLU-OAI on a fused projection: [..., 2I] (gate first, then up) -> [..., I].
+
+    `gate` is clamped above at `limit`, `up` to [-limit, limit]; out = (up + 1) * gate * sigmoid(alpha * gate).
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+class DenseMLP(nn.Module):
+    """x [..., hidden] -> [..., hidden] through `gate_up_proj` [2I, hidden] and `down_proj` [hidden, I]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha = alpha
+        self.limit = limit
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))

@@ -1,0 +1,30 @@
+"""RMSNorm as M3 uses it: zero-centred weight (the scale is `1 + weight`), computed in fp32."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """`y = x / rms(x) * (1 + weight)` over the last dim, in fp32, cast back to x's dtype.
+
+    x: [..., dim] -> [..., dim]. The weight is stored zero-centred, as in the published checkpoints, so a freshly
+    initialised norm (weight 0) is the identity scale.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

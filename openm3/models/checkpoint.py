@@ -1,0 +1,353 @@
+"""Checkpoint I/O for the M3 text model: safetensors shards + `model.safetensors.index.json` + `config.json`.
+
+Two layouts are read (and may even be mixed):
+
+- what `transformers` writes with `save_pretrained` for `MiniMaxM3VLForCausalLM` (`model.layers.N...`,
+  fused `mlp.gate_up_proj.weight`, stacked `mlp.experts.gate_up_proj [E, 2I, H]`, `self_attn.indexer.*`), or
+  for the VL model without conversion (`model.language_model.*`);
+- the layout MiniMax publishes (the `minimax_m3_vl` entry of `transformers/conversion_mapping.py`):
+  `language_model.model.*`, `language_model.lm_head.weight`, `block_sparse_moe.{gate,experts.E.w1|w2|w3,
+  shared_experts.*, e_score_correction_bias}`, split `gate_proj`/`up_proj`, `self_attn.index_{q,k}_{proj,norm}`.
+  Vision tower and projector tensors (and MTP heads) are skipped by this text-only loader.
+
+`save_pretrained` writes the published layout. Loading builds the model on the meta device, allocates it once on
+the target device, checks every name and shape against the shard headers before reading any data, then copies the
+tensors shard by shard (a fused parameter receives its published pieces in place), so the weights are never held
+twice. Every problem raises `CheckpointError` (a `ValueError`) that names the file or tensors involved.
+
+To extend the mapping (e.g. for the VL model), add rows to `_LOAD_RULES` / `_SAVE_RULES` or prefixes to
+`_PREFIXES` / `_IGNORED`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import M3TextConfig
+from .text import M3TextModel
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded as an M3 text model (message says which file/tensor)."""
+
+
+# ---------------------------------------------------------------------------------------------- name mapping
+# Checkpoint name prefix -> our prefix (first match wins).
+_PREFIXES = (
+    ("language_model.model.", ""),   # published
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", ""),   # transformers VL model, unconverted
+    ("model.", ""),                  # transformers MiniMaxM3VLForCausalLM
+    ("lm_head.", "lm_head."),
+)
+# Tensors of the checkpoint that the text model does not use.
+_IGNORED = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.|(^|\.)mtp\.")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a checkpoint tensor goes: `param[expert]` (if set), then half `half` of dim 0 (if set)."""
+
+    param: str
+    expert: int | None = None
+    half: int | None = None
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.expert is not None:
+            tensor = tensor[self.expert]
+        if self.half is not None:
+            rows = tensor.shape[0] // 2
+            tensor = tensor[self.half * rows:(self.half + 1) * rows]
+        return tensor
+
+    def describe(self) -> str:
+        parts = [] if self.expert is None else [f"expert {self.expert}"]
+        parts += [] if self.half is None else [("gate", "up")[self.half] + " half"]
+        return self.param + (f" ({', '.join(parts)})" if parts else "")
+
+
+_L = r"layers\.(\d+)\."
+# (pattern on the de-prefixed name, our parameter name template, group holding the expert id, half)
+_LOAD_RULES = (
+    (_L + r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", "layers.{0}.mlp.experts.gate_up_proj", 1, 0),
+    (_L + r"block_sparse_moe\.experts\.(\d+)\.w3\.weight", "layers.{0}.mlp.experts.gate_up_proj", 1, 1),
+    (_L + r"block_sparse_moe\.experts\.(\d+)\.w2\.weight", "layers.{0}.mlp.experts.down_proj", 1, None),
+    (_L + r"block_sparse_moe\.gate\.weight", "layers.{0}.mlp.gate.weight", None, None),
+    (_L + r"block_sparse_moe\.e_score_correction_bias", "layers.{0}.mlp.gate.e_score_correction_bias", None, None),
+    (_L + r"block_sparse_moe\.shared_experts\.gate_proj\.weight", "layers.{0}.mlp.shared_experts.gate_up_proj.weight",
+     None, 0),
+    (_L + r"block_sparse_moe\.shared_experts\.up_proj\.weight", "layers.{0}.mlp.shared_experts.gate_up_proj.weight",
+     None, 1),
+    (_L + r"block_sparse_moe\.shared_experts\.down_proj\.weight", "layers.{0}.mlp.shared_experts.down_proj.weight",
+     None, None),
+    (_L + r"mlp\.gate_proj\.weight", "layers.{0}.mlp.gate_up_proj.weight", None, 0),
+    (_L + r"mlp\.up_proj\.weight", "layers.{0}.mlp.gate_up_proj.weight", None, 1),
+    (_L + r"self_attn\.index_(q|k)_(proj|norm)\.weight", "layers.{0}.self_attn.indexer.{1}_{2}.weight", None, None),
+)
+_LOAD_RULES = tuple((re.compile(p), t, g, h) for p, t, g, h in _LOAD_RULES)
+
+# (pattern on our parameter name, published names: one per piece; "{e}" = expert id; pieces split dim 0 in halves)
+_SAVE_RULES = (
+    (_L + r"mlp\.experts\.gate_up_proj", ("layers.{0}.block_sparse_moe.experts.{e}.w1.weight",
+                                          "layers.{0}.block_sparse_moe.experts.{e}.w3.weight")),
+    (_L + r"mlp\.experts\.down_proj", ("layers.{0}.block_sparse_moe.experts.{e}.w2.weight",)),
+    (_L + r"mlp\.gate\.weight", ("layers.{0}.block_sparse_moe.gate.weight",)),
+    (_L + r"mlp\.gate\.e_score_correction_bias", ("layers.{0}.block_sparse_moe.e_score_correction_bias",)),
+    (_L + r"mlp\.shared_experts\.gate_up_proj\.weight", ("layers.{0}.block_sparse_moe.shared_experts.gate_proj.weight",
+                                                        "layers.{0}.block_sparse_moe.shared_experts.up_proj.weight")),
+    (_L + r"mlp\.shared_experts\.down_proj\.weight", ("layers.{0}.block_sparse_moe.shared_experts.down_proj.weight",)),
+    (_L + r"mlp\.gate_up_proj\.weight", ("layers.{0}.mlp.gate_proj.weight", "layers.{0}.mlp.up_proj.weight")),
+    (_L + r"self_attn\.indexer\.(q|k)_(proj|norm)\.weight", ("layers.{0}.self_attn.index_{1}_{2}.weight",)),
+)
+_SAVE_RULES = tuple((re.compile(p), names) for p, names in _SAVE_RULES)
+
+
+def map_checkpoint_name(name: str, params: dict[str, torch.Tensor]) -> _Target | None:
+    """The target of checkpoint tensor `name` among `params` (our names), None if the name is to be skipped.
+    Raises CheckpointError for a name that matches nothing."""
+    if _IGNORED.search(name):
+        return None
+    body = None
+    for prefix, ours in _PREFIXES:
+        if name.startswith(prefix):
+            body = ours + name[len(prefix):]
+            break
+    if body is not None:
+        for pattern, template, expert_group, half in _LOAD_RULES:
+            m = pattern.fullmatch(body)
+            if m:
+                groups = m.groups()
+                expert = int(groups[expert_group]) if expert_group is not None else None
+                return _Target(template.format(*groups), expert, half)
+        if body in params:
+            return _Target(body)
+    raise CheckpointError(name)
+
+
+def published_tensors(model: M3TextModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """(published name, tensor view) for every weight of `model`, in the layout MiniMax publishes."""
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, tensor in state.items():
+        prefix = "language_model." if name.startswith("lm_head.") else "language_model.model."
+        for pattern, names in _SAVE_RULES:
+            m = pattern.fullmatch(name)
+            if m:
+                break
+        else:
+            yield prefix + name, tensor
+            continue
+        groups = m.groups()
+        experts = range(tensor.shape[0]) if "{e}" in names[0] else [None]
+        for e in experts:
+            piece = tensor if e is None else tensor[e]
+            rows = piece.shape[0] // len(names)
+            for i, template in enumerate(names):
+                part = piece if len(names) == 1 else piece[i * rows:(i + 1) * rows]
+                yield prefix + template.format(*groups, e=e), part
+
+
+# ---------------------------------------------------------------------------------------------- save
+def save_pretrained(model: M3TextModel, path, *, max_shard_size: int | str = "5GB") -> None:
+    """Write `path/config.json`, `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`.
+
+    Tensors are grouped into shards of at most `max_shard_size` bytes (a single larger tensor gets its own shard)
+    and only one shard is materialised on the CPU at a time.
+    """
+    if not isinstance(model, M3TextModel):
+        raise ValueError(f"model must be an M3TextModel, got {type(model).__name__}")
+    limit = _parse_size(max_shard_size)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = total = 0
+    for name, tensor in published_tensors(model):
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, tensor))
+        size += nbytes
+        total += nbytes
+
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        # clone: published pieces are views of one fused parameter, and safetensors refuses shared storage
+        save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in shard}, str(out / file),
+                  metadata={"format": "pt"})
+        weight_map.update({n: file for n, _ in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = model.config.to_dict()
+    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size must be a positive int or a string like '5GB', got {size!r}")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    value = int(float(m.group(1)) * scale)
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- load
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_config(path) -> M3TextConfig:
+    """The `M3TextConfig` of a checkpoint directory (its config.json; a VL config's `text_config` is used)."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file}: config.json not found")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err})") from None
+    model_type = data.get("model_type")
+    if model_type is not None and not str(model_type).startswith("minimax_m3"):
+        raise CheckpointError(f"{file}: unsupported model_type {model_type!r} (expected minimax_m3_vl[_text])")
+    try:
+        return M3TextConfig.from_dict(data)
+    except ValueError as err:
+        raise CheckpointError(f"{file}: unsupported config: {err}") from None
+
+
+def _shard_files(root: Path) -> dict[str, list[str]]:
+    """shard file -> tensor names the index lists for it (or the single file's names)."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({err})") from None
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(file, []).append(name)
+        missing = sorted(f for f in files if not (root / f).is_file())
+        if missing:
+            raise CheckpointError(f"{root}: missing shard file(s) listed in {INDEX_FILE}: {missing[:5]}"
+                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        return files
+    if (root / SINGLE_FILE).is_file():
+        with safe_open(str(root / SINGLE_FILE), framework="pt") as f:
+            return {SINGLE_FILE: list(f.keys())}
+    raise CheckpointError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+
+
+def _few(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _plan(root: Path, files: dict[str, list[str]], params: dict[str, torch.Tensor], tied: bool
+          ) -> dict[str, list[tuple[str, _Target]]]:
+    """Check every checkpoint tensor's name and shape against the model before any data is read.
+    Returns shard file -> [(checkpoint name, target)]. With `tied` embeddings an lm_head tensor is skipped."""
+    plan: dict[str, list[tuple[str, _Target]]] = {}
+    unknown, mismatched, duplicated = [], [], []
+    covered: dict[str, int] = {}
+    seen: set[_Target] = set()
+    for file, listed in files.items():
+        with safe_open(str(root / file), framework="pt") as f:
+            present = set(f.keys())
+            absent = sorted(set(listed) - present)
+            if absent:
+                raise CheckpointError(f"{root / file}: tensors listed in the index are missing: {_few(absent)}")
+            entries = plan.setdefault(file, [])
+            for name in sorted(listed):
+                try:
+                    target = map_checkpoint_name(name, params)
+                except CheckpointError:
+                    unknown.append(name)
+                    continue
+                if target is None or (tied and target.param == "lm_head.weight"):
+                    continue
+                if target.param not in params:
+                    unknown.append(name)
+                    continue
+                if target in seen:
+                    duplicated.append(name)
+                    continue
+                seen.add(target)
+                try:
+                    expected = tuple(target.view(params[target.param]).shape)
+                except IndexError:
+                    expected = None
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected:
+                    mismatched.append(f"{name}: checkpoint {list(shape)} vs model "
+                                      f"{list(expected) if expected else 'no such slot'} ({target.describe()})")
+                    continue
+                covered[target.param] = covered.get(target.param, 0) + int(torch.Size(shape).numel())
+                entries.append((name, target))
+    if unknown:
+        raise CheckpointError(f"{root}: unknown tensor names (not part of this config's M3 text model): "
+                              f"{_few(unknown)}")
+    if duplicated:
+        raise CheckpointError(f"{root}: tensors that fill the same weight twice: {_few(duplicated)}")
+    if mismatched:
+        raise CheckpointError(f"{root}: shape mismatch between checkpoint and config: {_few(mismatched, 3)}")
+    missing = [n for n, p in params.items() if covered.get(n, 0) != p.numel()]
+    if missing:
+        raise CheckpointError(f"{root}: checkpoint lacks tensors for: {_few(missing)}")
+    return plan
+
+
+def load_pretrained(path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                    ) -> M3TextModel:
+    """Load an M3 text model from a local checkpoint directory (either layout, see the module docstring).
+
+    dtype: parameter dtype (default: the `dtype` / `torch_dtype` of config.json, else float32).
+    device: where to allocate the model (default CPU). Returns the model in eval mode.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint directory not found")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    config = read_config(root)
+    if dtype is None:
+        raw = json.loads((root / CONFIG_FILE).read_text())
+        name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        dtype = _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+    device = torch.device(device if device is not None else "cpu")
+
+    files = _shard_files(root)
+    with torch.device("meta"):
+        model = M3TextModel(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.state_dict(keep_vars=True))
+    if config.tie_word_embeddings:
+        params.pop("lm_head.weight")
+    plan = _plan(root, files, params, config.tie_word_embeddings)
+
+    with torch.no_grad():
+        for file, entries in plan.items():
+            with safe_open(str(root / file), framework="pt", device="cpu") as f:
+                for name, target in entries:
+                    target.view(params[target.param]).copy_(f.get_tensor(name))
+    return model.eval()

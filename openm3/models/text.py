@@ -1,0 +1,207 @@
+"""The M3 text decoder over packed varlen batches.
+
+Tokens of B sequences are packed into one dimension: `input_ids [T]`, `cu_seqlens int32 [B+1]` (sequence b is
+`cu_seqlens[b]:cu_seqlens[b+1]`), `position_ids [T]` restarting at 0 for each sequence. Each layer is pre-RMSNorm
+attention (dense or MSA, `openm3.layers.attention`) then pre-RMSNorm MLP (dense SwiGLU-OAI or MoE); a final norm
+and `lm_head` give logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..layers.attention import Attention
+from ..layers.mlp import DenseMLP
+from ..layers.moe import MoE, Router, Experts, load_balancing_loss
+from ..layers.norm import RMSNorm
+from ..layers.rope import rope_cos_sin
+from ..ops.attention import check_cu_seqlens
+from .config import M3TextConfig
+
+
+@dataclass
+class M3TextOutput:
+    """What `M3TextModel.forward` returns.
+
+    logits: [T, V] (or [N, V] for `logits_index [N]`).
+    indexer_kl: scalar, the indexer KL averaged over MSA layers (when asked for; 0 without MSA layers).
+    aux_loss: scalar load-balancing loss over MoE layers (when asked for).
+    router_logits: per MoE layer [T, E] (when asked for).
+    block_idx: per layer, int32 [Hi, T, topk] for MSA layers and None for dense ones (when asked for).
+    """
+
+    logits: torch.Tensor
+    indexer_kl: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    block_idx: tuple[torch.Tensor | None, ...] | None = None
+
+
+class DecoderLayer(nn.Module):
+    """x [T, hidden] -> (x, indexer KL or None, router logits [T, E] or None, block_idx or None)."""
+
+    def __init__(self, config: M3TextConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.is_moe = config.mlp_layer_types[layer_idx] == "sparse"
+        if self.is_moe:
+            self.mlp = MoE(config.hidden_size, config.intermediate_size, config.shared_intermediate_size,
+                           config.num_local_experts, config.num_experts_per_tok, config.routed_scaling_factor,
+                           config.swiglu_alpha, config.swiglu_limit)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.dense_intermediate_size, config.swiglu_alpha,
+                                config.swiglu_limit)
+
+    def forward(self, x, cos, sin, cu_seqlens, compute_kl, dense_warmup, return_block_idx, cache):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, compute_kl=compute_kl,
+                              dense_warmup=dense_warmup, return_block_idx=return_block_idx, cache=cache)
+        x = x + attn.out
+        h = self.post_attention_layernorm(x)
+        router_logits = None
+        if self.is_moe:
+            h, router_logits = self.mlp(h)
+        else:
+            h = self.mlp(h)
+        return x + h, attn.kl, router_logits, attn.block_idx
+
+
+class M3TextModel(nn.Module):
+    """The M3 decoder: `embed_tokens`, `layers`, `norm`, `lm_head` (parameter names as in transformers, without
+    its `model.` prefix, so transformers' checkpoints map by prefix)."""
+
+    def __init__(self, config: M3TextConfig):
+        super().__init__()
+        if not isinstance(config, M3TextConfig):
+            raise ValueError(f"config must be an M3TextConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.gradient_checkpointing = False
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    # ------------------------------------------------------------------ init / io
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random init as transformers does: normal(0, initializer_range) weights, zero norms and router bias."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, Experts):
+                nn.init.normal_(module.gate_up_proj, 0.0, std)
+                nn.init.normal_(module.down_proj, 0.0, std)
+            elif isinstance(module, Router):
+                nn.init.normal_(module.weight, 0.0, std)
+                module.e_score_correction_bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB") -> None:
+        """Write config.json, safetensors shards and their index in the published MiniMax layout."""
+        from .checkpoint import save_pretrained
+        save_pretrained(self, path, max_shard_size=max_shard_size)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "M3TextModel":
+        from .checkpoint import load_pretrained
+        return load_pretrained(path, dtype=dtype, device=device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, *,
+                msa_stage: str = "sparse", return_kl: bool | None = None, return_aux: bool = False,
+                return_router_logits: bool = False, return_block_idx: bool = False,
+                logits_index: torch.Tensor | None = None, cache: Any = None) -> M3TextOutput:
+        """Logits for a packed batch.
+
+        input_ids: int [T], or inputs_embeds: [T, hidden] (exactly one). cu_seqlens: int32 [B+1] (default: one
+        sequence). position_ids: int [T] (default: 0.. per sequence; required with a cache, where they are the
+        absolute positions of the new tokens). msa_stage: "sparse" (MSA layers attend to their selected blocks)
+        or "dense" (the warm-up stage: MSA layers attend densely and the KL uses all causal tokens).
+        return_kl: add the indexer KL (default: `self.training`); return_aux: add the MoE load-balancing loss;
+        return_router_logits / return_block_idx: add those per layer. logits_index: int [N], compute logits only
+        for these token rows. cache: an inference cache (protocol in `openm3.layers.attention`).
+        """
+        x = self._embed(input_ids, inputs_embeds)
+        t = x.shape[0]
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, t], dtype=torch.int32, device=x.device)
+        offsets = check_cu_seqlens(cu_seqlens, t, "cu_seqlens")
+        if position_ids is None:
+            if cache is not None:
+                raise ValueError("position_ids are required with a cache (absolute positions of the new tokens)")
+            position_ids = _positions(offsets, x.device)
+        elif position_ids.shape != (t,) or position_ids.dtype.is_floating_point:
+            raise ValueError(f"position_ids must be an int tensor [T={t}], got {position_ids.dtype} "
+                             f"{tuple(position_ids.shape)}")
+        if msa_stage not in ("sparse", "dense"):
+            raise ValueError(f"msa_stage must be 'sparse' or 'dense', got {msa_stage!r}")
+        dense_warmup = msa_stage == "dense"
+        compute_kl = self.training if return_kl is None else return_kl
+        if cache is not None and (compute_kl or return_block_idx or dense_warmup):
+            raise ValueError("cache: return_kl, msa_stage='dense' and return_block_idx are not available with a "
+                             "cache")
+
+        cos, sin = rope_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta, x.dtype)
+        kls, routers, blocks = [], [], []
+        for layer in self.layers:
+            args = (x, cos, sin, cu_seqlens, compute_kl, dense_warmup, return_block_idx, cache)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x, kl, router_logits, block_idx = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                x, kl, router_logits, block_idx = layer(*args)
+            if kl is not None:
+                kls.append(kl)
+            if router_logits is not None:
+                routers.append(router_logits)
+            blocks.append(block_idx)
+
+        x = self.norm(x)
+        if logits_index is not None:
+            x = x[logits_index]
+        out = M3TextOutput(logits=self.lm_head(x))
+        if compute_kl:
+            out.indexer_kl = torch.stack(kls).mean() if kls else x.new_zeros((), dtype=torch.float32)
+        if return_router_logits:
+            out.router_logits = tuple(routers)
+        if return_aux and routers:
+            out.aux_loss = load_balancing_loss(routers, self.config.num_local_experts,
+                                               self.config.num_experts_per_tok)
+        if return_block_idx:
+            out.block_idx = tuple(blocks)
+        return out
+
+    def _embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [T] or inputs_embeds [T, hidden]")
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 2 or inputs_embeds.shape[1] != self.config.hidden_size:
+                raise ValueError(f"inputs_embeds must be [T, hidden={self.config.hidden_size}], got "
+                                 f"{tuple(inputs_embeds.shape)}")
+            return inputs_embeds
+        if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an int tensor [T], got {input_ids.dtype} {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        return self.embed_tokens(input_ids)
+
+
+def _positions(offsets: list[int], device) -> torch.Tensor:
+    """Positions restarting at 0 for each packed sequence: [T] int64."""
+    lengths = torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], device=device)
+    starts = torch.tensor(offsets[:-1], device=device)
+    t = offsets[-1]
+    return torch.arange(t, device=device) - torch.repeat_interleave(starts, lengths, output_size=t)
