@@ -104,6 +104,28 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# Commands whose module parses its own arguments: `openm3 NAME ...` calls `module.function(argv)`.
+_DELEGATED: dict[str, tuple[str, str]] = {
+    "data": ("openm3.data.cli:main", "offline data: preview samples, build the tokenizer"),
+    "generate": ("openm3.engine.generate:main", "generate text with a model from a checkpoint or a preset"),
+    "train": ("openm3.train.cli:main", "train a model with a recipe (single process or torchrun)"),
+    "demo": ("openm3.demo:main", "train m3-tiny natively multimodal on CPU, evaluate it, write a report"),
+}
+
+
+def _run_delegated(name: str, argv: list[str]) -> int:
+    import importlib
+
+    target, _ = _DELEGATED[name]
+    module_name, fn_name = target.split(":")
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    try:
+        return fn(argv) or 0
+    except ValueError as err:
+        print(f"openm3 {name}: error: {err}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openm3", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -112,10 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
         for flags, kwargs in arguments:
             p.add_argument(*flags, **kwargs)
         p.set_defaults(_run=fn)
+    for name, (_, help_text) in _DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _DELEGATED:
+        return _run_delegated(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args._run(args) or 0
