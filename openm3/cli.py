@@ -42,14 +42,14 @@ def command(name: str, help: str, *arguments: tuple[tuple, dict]):
 def smoke(args: argparse.Namespace) -> int:
     import torch
 
-    from .models import M3TextConfig, M3TextModel, load_pretrained
+    from .models import M3TextConfig, M3TextModel, load_text_model
 
     if args.topk < 1:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     if args.checkpoint:
-        model = load_pretrained(args.checkpoint, device=args.device)
+        model = load_text_model(args.checkpoint, device=args.device)
         source = f"checkpoint {args.checkpoint}"
     else:
         with torch.device(args.device):

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from hf_utils import build_hf_causal_lm, build_hf_vl_from_text, pack, random_ids, save_hf
 from openm3.cli import main
-from openm3.models import CheckpointError, M3TextConfig, M3TextModel, load_pretrained, read_config
+from openm3.models import (CheckpointError, M3TextConfig, M3TextModel, load_pretrained, load_text_model,
+                           read_config)
 
 LENGTHS = [45, 83]
 
@@ -56,7 +57,7 @@ def test_published_layout_matches_transformers(published_dir, reference_logits):
     names = _names(published_dir)
     assert any(".block_sparse_moe.experts.0.w1.weight" in n for n in names)
     assert any(n.startswith("vision_tower.") for n in names) and "language_model.lm_head.weight" in names
-    model = load_pretrained(published_dir)
+    model = load_text_model(published_dir)  # a VL checkpoint: its text decoder
     seqs, refs = reference_logits
     for ours, ref in zip(_logits(model, seqs), refs):
         assert (ours - ref).abs().max().item() < 1e-4
@@ -64,7 +65,7 @@ def test_published_layout_matches_transformers(published_dir, reference_logits):
 
 def test_both_layouts_load_identical_weights(hf_dir, published_dir):
     a = load_pretrained(hf_dir).state_dict()
-    b = load_pretrained(published_dir).state_dict()
+    b = load_text_model(published_dir).state_dict()
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -142,7 +143,7 @@ def test_missing_shard(broken):
     victim = sorted(set(_names(broken).values()))[-1]
     (broken / victim).unlink()
     with pytest.raises(CheckpointError, match=f"missing shard file.*{victim}"):
-        load_pretrained(broken)
+        load_text_model(broken)
 
 
 def test_shape_mismatch(broken):
@@ -151,7 +152,7 @@ def test_shape_mismatch(broken):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"shape mismatch .*layers\.[02]\.mlp\.(down|gate|up)_proj\.weight: "
                                               r"checkpoint \[\d+, \d+\] vs model \[\d+, \d+\]"):
-        load_pretrained(broken)
+        load_text_model(broken)
 
 
 def test_unknown_tensor(broken):
@@ -163,7 +164,7 @@ def test_unknown_tensor(broken):
     index["weight_map"]["language_model.model.layers.0.self_attn.bogus.weight"] = file
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"unknown tensor names.*self_attn\.bogus\.weight"):
-        load_pretrained(broken)
+        load_text_model(broken)
 
 
 def test_missing_tensor(broken):
@@ -173,7 +174,7 @@ def test_missing_tensor(broken):
     _rewrite_shard(broken, file, lambda t: t.pop(name))
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"lacks tensors for: layers\.1\.mlp\.experts\.gate_up_proj"):
-        load_pretrained(broken)
+        load_text_model(broken)
 
 
 def test_index_lists_a_tensor_its_shard_lacks(broken):
@@ -181,7 +182,7 @@ def test_index_lists_a_tensor_its_shard_lacks(broken):
     file = _names(broken)[name]
     _rewrite_shard(broken, file, lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=r"tensors listed in the index are missing: language_model\.model\.norm"):
-        load_pretrained(broken)
+        load_text_model(broken)
 
 
 @pytest.mark.parametrize("edit,match", [
@@ -196,15 +197,15 @@ def test_unsupported_config(broken, edit, match):
     edit(config)
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=match):
-        load_pretrained(broken)
+        load_text_model(broken)
 
 
 def test_missing_files(broken, tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint directory not found"):
-        load_pretrained(tmp_path / "nowhere")
+        load_text_model(tmp_path / "nowhere")
     (broken / "model.safetensors.index.json").unlink()
     with pytest.raises(CheckpointError, match="neither model.safetensors.index.json nor model.safetensors"):
-        load_pretrained(broken)
+        load_text_model(broken)
     (broken / "config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json not found"):
-        load_pretrained(broken)
+        load_text_model(broken)

@@ -1,4 +1,20 @@
-"""M3 mixture of experts: sigmoid router with a selection-only correction bias, routed experts, shared expert."""
+"""M3 mixture of experts: sigmoid router with a selection-only correction bias, routed experts, shared expert.
+
+The routed experts have two implementations with the same numbers (`Experts.impl`):
+
+- ``"reference"``: the spec. Per expert, gather its tokens, run the SwiGLU-OAI MLP, add the weighted result back.
+  One host sync (the per-expert token counts) and two small matmuls per expert; the CPU default and what the
+  parity tests with transformers run.
+- ``"grouped"``: the training path. The (token, slot) pairs are sorted by expert once, each projection is one
+  grouped matmul over all experts (``torch._grouped_mm`` with per-expert row offsets computed on the device), the
+  activation is one fused elementwise kernel on CUDA (``torch.compile``), and the k expert outputs of a token are
+  un-permuted and mixed with its routing weights by one batched matmul (no atomics, deterministic). With
+  ``torch._grouped_mm`` present and 16-byte aligned rows there is no host sync; otherwise each projection runs
+  per expert on contiguous sorted slices, which needs the counts on the host (one sync).
+
+``"auto"`` (the default) picks ``grouped`` for bf16 on CUDA (the Hopper grouped GEMM is bf16-only) and
+``reference`` everywhere else. `set_experts_impl(model, impl)` switches every `Experts` inside a model.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mlp import DenseMLP, swiglu_oai
+
+IMPLS = ("auto", "reference", "grouped")
 
 
 class Router(nn.Module):
@@ -36,17 +54,65 @@ class Experts(nn.Module):
     """Routed SwiGLU-OAI experts stored as stacked tensors.
 
     gate_up_proj: [E, 2I, hidden] (gate rows first, then up rows); down_proj: [E, hidden, I].
+    impl: "auto" | "reference" | "grouped" (see the module docstring); may be reassigned at any time.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float,
+                 impl: str = "auto"):
         super().__init__()
         self.alpha = alpha
         self.limit = limit
+        self.impl = impl
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        if value not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {value!r}")
+        self._impl = value
+
+    def resolved_impl(self, x: torch.Tensor) -> str:
+        """The implementation `forward(x, ...)` runs: "reference" or "grouped"."""
+        if self.impl != "auto":
+            return self.impl
+        return "grouped" if x.is_cuda and x.dtype == torch.bfloat16 and _HAS_GROUPED_MM else "reference"
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [N, hidden], experts: [N, k] ids, weights: [N, k] -> weighted sum of expert outputs [N, hidden]."""
+        """x: [N, hidden], experts: [N, k] ids in [0, E), weights: [N, k] -> weighted sum of expert outputs
+        [N, hidden] (dtype of x)."""
+        self._check(x, experts, weights)
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        if self.resolved_impl(x) == "grouped":
+            return self._grouped(x, experts, weights)
+        return self._reference(x, experts, weights)
+
+    def _check(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> None:
+        num_experts, _, hidden = self.gate_up_proj.shape
+        if x.dim() != 2 or x.shape[1] != hidden:
+            raise ValueError(f"x must be [N, {hidden}], got {tuple(x.shape)}")
+        if x.dtype != self.gate_up_proj.dtype:
+            raise ValueError(f"x must have the experts' dtype {self.gate_up_proj.dtype}, got {x.dtype}")
+        if experts.dim() != 2 or experts.shape[0] != x.shape[0] or experts.dtype.is_floating_point \
+                or experts.dtype == torch.bool:
+            raise ValueError(f"experts must be an integer tensor [N={x.shape[0]}, k], got {experts.dtype} "
+                             f"{tuple(experts.shape)}")
+        if weights.shape != experts.shape or not weights.dtype.is_floating_point:
+            raise ValueError(f"weights must be a float tensor of the shape of experts {tuple(experts.shape)}, got "
+                             f"{weights.dtype} {tuple(weights.shape)}")
+        in_range = ((experts >= 0) & (experts < num_experts)).all()
+        if experts.is_cuda:
+            torch._assert_async(in_range, f"experts: ids must lie in [0, {num_experts})")  # no host sync
+        elif not bool(in_range):
+            raise ValueError(f"experts: ids must lie in [0, {num_experts}), got [{int(experts.min())}, "
+                             f"{int(experts.max())}]")
+
+    def _reference(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         num_experts = self.gate_up_proj.shape[0]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -65,16 +131,104 @@ class Experts(nn.Module):
             out.index_add_(0, tok, h.to(out.dtype))
         return out
 
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n, k = experts.shape
+        num_experts = self.gate_up_proj.shape[0]
+        sorted_ids, order = torch.sort(experts.reshape(-1), stable=True)  # (token, slot) pairs grouped by expert
+        # offs[e] = end of expert e's rows in sorted order, computed on the device (no host sync)
+        offs = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype),
+                                  right=True, out_int32=True)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        rows = _PermuteRows.apply(x, order, inverse, k)  # [N*k, hidden]: row i is token order[i] // k
+        h = grouped_linear(rows, self.gate_up_proj, offs)  # [N*k, 2I]
+        h = _activation(h)(h, self.alpha, self.limit)  # [N*k, I]
+        y = grouped_linear(h, self.down_proj, offs)  # [N*k, hidden], expert order
+        y = _PermuteRows.apply(y, inverse, order, 1).view(n, k, -1)  # back to (token, slot) order
+        # sum_j weights[t, j] * y[t, j]: one batched matmul (fp32 accumulation in bf16 too)
+        return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """out = x[index // repeats] where `index` is a permutation of range(len(x) * repeats) and `inverse` its
+    inverse: each row of x appears `repeats` times. The backward gathers with `inverse` and sums the repeats, so
+    no atomics (unlike the backward of plain indexing): deterministic and cheaper."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, repeats: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.repeats = repeats
+        return x[index // repeats]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        grad = grad[inverse]
+        if ctx.repeats > 1:
+            grad = grad.view(-1, ctx.repeats, grad.shape[-1]).sum(dim=1)
+        return grad, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-group `x[rows of group e] @ weight[e].T`.
+
+    x: [M, in] with rows sorted by group; weight: [E, out, in]; offs: int32 [E], offs[e] = end row of group e
+    (non-decreasing, offs[-1] == M). Returns [M, out]. Uses one `torch._grouped_mm` when present and the rows are
+    16-byte aligned, else one matmul per group on contiguous slices (one host sync for the offsets).
+    """
+    if _grouped_mm_ok(x, weight):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+    parts, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            parts.append(F.linear(x[start:end], weight[e]))
+        start = end
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+USE_GROUPED_MM = _HAS_GROUPED_MM  # tests set this to False to run the sliced fallback
+
+
+def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # the grouped GEMM needs every row stride (in, out) to be a multiple of 16 bytes
+    align = 16 // x.element_size()
+    return (USE_GROUPED_MM and x.dtype in (torch.bfloat16, torch.float32) and x.dtype == weight.dtype
+            and weight.shape[1] % align == 0 and weight.shape[2] % align == 0)
+
+
+COMPILE_ACTIVATION = True  # False: run the grouped path's activation eagerly on CUDA too (debugging)
+_FUSED_SWIGLU = None
+
+
+def _activation(h: torch.Tensor):
+    """SwiGLU-OAI for `h`: one fused Triton kernel (forward and backward) via torch.compile on CUDA, eager on CPU."""
+    global _FUSED_SWIGLU
+    if not h.is_cuda or not COMPILE_ACTIVATION:
+        return swiglu_oai
+    if _FUSED_SWIGLU is None:
+        _FUSED_SWIGLU = torch.compile(swiglu_oai, dynamic=True, fullgraph=True)
+    return _FUSED_SWIGLU
+
+
+def set_experts_impl(module: nn.Module, impl: str) -> int:
+    """Set `impl` ("auto" | "reference" | "grouped") on every `Experts` inside `module`; returns how many."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    found = [m for m in module.modules() if isinstance(m, Experts)]
+    for m in found:
+        m.impl = impl
+    return len(found)
+
 
 class MoE(nn.Module):
     """x [N, hidden] -> (routed_scaling_factor * routed experts + shared expert, router logits [N, E])."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, shared_intermediate_size: int, num_experts: int,
-                 top_k: int, routed_scaling_factor: float, alpha: float, limit: float):
+                 top_k: int, routed_scaling_factor: float, alpha: float, limit: float, impl: str = "auto"):
         super().__init__()
         self.routed_scaling_factor = routed_scaling_factor
         self.gate = Router(hidden_size, num_experts, top_k)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, alpha, limit)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, alpha, limit, impl)
         self.shared_experts = DenseMLP(hidden_size, shared_intermediate_size, alpha, limit)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,10 +10,14 @@ Two layouts are read (and may even be mixed):
   shared_experts.*, e_score_correction_bias}`, split `gate_proj`/`up_proj`, `self_attn.index_{q,k}_{proj,norm}`.
   Vision tower and projector tensors (and MTP heads) are skipped by this text-only loader.
 
-`save_pretrained` writes the published layout. Loading builds the model on the meta device, allocates it once on
+`save_pretrained` writes the published layout through `write_checkpoint`, which every model's save uses: shards,
+index and config.json go to a temporary directory beside the target that is then renamed into place, so a reader
+never sees a half-written checkpoint. `load_text_model` builds the model on the meta device, allocates it once on
 the target device, checks every name and shape against the shard headers before reading any data, then copies the
 tensors shard by shard (a fused parameter receives its published pieces in place), so the weights are never held
-twice. Every problem raises `CheckpointError` (a `ValueError`) that names the file or tensors involved.
+twice. `load_pretrained` reads config.json and returns the VL model (`openm3.models.multimodal`) for a config with
+a `vision_config`, the text model otherwise. Every problem raises `CheckpointError` (a `ValueError`) that names
+the file or tensors involved.
 
 To extend the mapping (e.g. for the VL model), add rows to `_LOAD_RULES` / `_SAVE_RULES` or prefixes to
 `_PREFIXES` / `_IGNORED`.
@@ -22,10 +26,13 @@ To extend the mapping (e.g. for the VL model), add rows to `_LOAD_RULES` / `_SAV
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -33,6 +40,9 @@ from safetensors.torch import save_file
 
 from .config import M3TextConfig
 from .text import M3TextModel
+
+if TYPE_CHECKING:
+    from .multimodal import M3ForConditionalGeneration
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -161,41 +171,113 @@ def published_tensors(model: M3TextModel) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def save_pretrained(model: M3TextModel, path, *, max_shard_size: int | str = "5GB") -> None:
-    """Write `path/config.json`, `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`.
-
-    Tensors are grouped into shards of at most `max_shard_size` bytes (a single larger tensor gets its own shard)
-    and only one shard is materialised on the CPU at a time.
-    """
+def save_pretrained(model: M3TextModel, path, *, max_shard_size: int | str = "5GB") -> Path:
+    """Write the text model to `path` in the published layout (see `write_checkpoint`); returns the path."""
     if not isinstance(model, M3TextModel):
         raise ValueError(f"model must be an M3TextModel, got {type(model).__name__}")
-    limit = _parse_size(max_shard_size)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return write_checkpoint(published_tensors(model), config, path, max_shard_size)
 
+
+def write_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], config_dict: dict, path,
+                     max_shard_size: int | str = "5GB") -> Path:
+    """Write `config.json`, `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json` into `path`.
+
+    named_tensors: (checkpoint name, tensor of any shape/device) pairs; views of one storage are fine (each shard
+    is copied to the CPU on its own, one shard at a time). Tensors are grouped in order into shards of at most
+    `max_shard_size` bytes (an int, or a string like "5GB" / "500MiB"); a larger tensor gets a shard of its own.
+    config_dict: written as config.json (must be JSON-serialisable).
+
+    Atomic: everything is written into a temporary directory beside `path`, which is then renamed to `path`. When
+    `path` already exists, the previous checkpoint files (config.json, the index, `model*.safetensors`) are
+    replaced as a whole and its other files (a tokenizer, say) are kept; `path` is briefly absent during the swap.
+    Returns `path` as a Path.
+    """
+    limit = _parse_size(max_shard_size)
+    if not isinstance(config_dict, dict):
+        raise ValueError(f"config_dict must be a dict, got {type(config_dict).__name__}")
+    try:
+        config_text = json.dumps(config_dict, indent=2) + "\n"
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"config_dict must be JSON-serialisable: {err}") from None
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"path must be a directory (or not exist yet), got the file {out}")
+    shards = _plan_shards(named_tensors, limit)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(out, "partial")
+    tmp.mkdir()  # (not mkdtemp: its 0700 mode would become the checkpoint's)
+    try:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            # clone: published pieces are views of one fused parameter, and safetensors refuses shared storage
+            save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in shard}, str(tmp / file),
+                      metadata={"format": "pt"})
+            weight_map.update({n: file for n, _ in shard})
+            total += sum(t.numel() * t.element_size() for _, t in shard)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (tmp / CONFIG_FILE).write_text(config_text)
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _plan_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int
+                 ) -> list[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs, in order, into shards of at most `limit` bytes; checks names and types."""
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = total = 0
-    for name, tensor in published_tensors(model):
+    seen: set[str] = set()
+    size = 0
+    for item in named_tensors:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and item[0]
+                and isinstance(item[1], torch.Tensor)):
+            raise ValueError(f"named_tensors must yield (non-empty name, tensor) pairs, got {item!r:.80}")
+        name, tensor = item
+        if name in seen:
+            raise ValueError(f"named_tensors: the name {name!r} appears twice")
+        seen.add(name)
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
         shards[-1].append((name, tensor))
         size += nbytes
-        total += nbytes
+    if not seen:
+        raise ValueError("named_tensors must hold at least one tensor")
+    return shards
 
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        # clone: published pieces are views of one fused parameter, and safetensors refuses shared storage
-        save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in shard}, str(out / file),
-                  metadata={"format": "pt"})
-        weight_map.update({n: file for n, _ in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    config = model.config.to_dict()
-    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+def _is_checkpoint_file(name: str) -> bool:
+    return name in (CONFIG_FILE, INDEX_FILE) or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _sibling(out: Path, tag: str) -> Path:
+    """A fresh hidden name beside `out` (same file system, so renames between them are atomic)."""
+    return out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.{tag}"
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished directory `tmp` to `out`, carrying over `out`'s non-checkpoint files if it exists."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = _sibling(out, "old")
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    for entry in old.iterdir():
+        if not _is_checkpoint_file(entry.name):
+            os.rename(entry, out / entry.name)
+    shutil.rmtree(old)
 
 
 def _parse_size(size: int | str) -> int:
@@ -216,8 +298,9 @@ def _parse_size(size: int | str) -> int:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def read_config(path) -> M3TextConfig:
-    """The `M3TextConfig` of a checkpoint directory (its config.json; a VL config's `text_config` is used)."""
+def config_json(path) -> dict:
+    """The parsed config.json of checkpoint directory `path`; raises CheckpointError if it is missing, not JSON,
+    or of a model_type other than minimax_m3*."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise CheckpointError(f"{file}: config.json not found")
@@ -225,17 +308,27 @@ def read_config(path) -> M3TextConfig:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
     model_type = data.get("model_type")
     if model_type is not None and not str(model_type).startswith("minimax_m3"):
         raise CheckpointError(f"{file}: unsupported model_type {model_type!r} (expected minimax_m3_vl[_text])")
+    return data
+
+
+def read_config(path) -> M3TextConfig:
+    """The `M3TextConfig` of a checkpoint directory (its config.json; a VL config's `text_config` is used)."""
+    data = config_json(path)
     try:
         return M3TextConfig.from_dict(data)
     except ValueError as err:
-        raise CheckpointError(f"{file}: unsupported config: {err}") from None
+        raise CheckpointError(f"{Path(path) / CONFIG_FILE}: unsupported config: {err}") from None
 
 
-def _shard_files(root: Path) -> dict[str, list[str]]:
-    """shard file -> tensor names the index lists for it (or the single file's names)."""
+def shard_index(path) -> dict[str, list[str]]:
+    """Shard file -> the tensor names the index lists for it (or the single `model.safetensors`'s names) of
+    checkpoint directory `path`; raises CheckpointError when the index or a shard it lists is missing."""
+    root = Path(path)
     index = root / INDEX_FILE
     if index.is_file():
         try:
@@ -316,25 +409,47 @@ def _plan(root: Path, files: dict[str, list[str]], params: dict[str, torch.Tenso
 
 
 def load_pretrained(path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+                    ) -> M3TextModel | M3ForConditionalGeneration:
+    """Load an M3 model from a local checkpoint directory (either layout, see the module docstring).
+
+    Returns `M3ForConditionalGeneration` (text decoder + vision tower + projector) when config.json is a VL config
+    with a `vision_config`, else `M3TextModel`; `load_text_model` reads only the text decoder of either.
+    dtype: parameter dtype (default: the `dtype` / `torch_dtype` of config.json, else float32).
+    device: where to allocate the model (default CPU). Returns the model in eval mode.
+    """
+    root = _checkpoint_dir(path)
+    if config_json(root).get("vision_config") is not None:
+        from .multimodal import load_pretrained as load_vl
+
+        return load_vl(root, dtype=dtype, device=device)
+    return load_text_model(root, dtype=dtype, device=device)
+
+
+def _checkpoint_dir(path) -> Path:
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint directory not found")
+    return root
+
+
+def load_text_model(path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
                     ) -> M3TextModel:
-    """Load an M3 text model from a local checkpoint directory (either layout, see the module docstring).
+    """Load the M3 text decoder from a local checkpoint directory, text-only or VL (vision tensors are skipped).
 
     dtype: parameter dtype (default: the `dtype` / `torch_dtype` of config.json, else float32).
     device: where to allocate the model (default CPU). Returns the model in eval mode.
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: checkpoint directory not found")
+    root = _checkpoint_dir(path)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     config = read_config(root)
     if dtype is None:
-        raw = json.loads((root / CONFIG_FILE).read_text())
+        raw = config_json(root)
         name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         dtype = _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
     device = torch.device(device if device is not None else "cpu")
 
-    files = _shard_files(root)
+    files = shard_index(root)
     with torch.device("meta"):
         model = M3TextModel(config)
     model = model.to(dtype=dtype).to_empty(device=device)

@@ -9,14 +9,14 @@ Checkpoints: ``from_pretrained`` reads the layout MiniMax publishes (``language_
 ``vision_tower.vision_model.*``, ``multi_modal_projector.*``, ``patch_merge_mlp.*``; transformers also
 writes this layout with ``save_pretrained``) and transformers' in-memory layout (``model.language_model.*``,
 ``model.vision_tower.*``, ``model.multi_modal_projector.*``, ``lm_head.*``); ``save_pretrained`` writes the
-published one. The text tensors go through ``openm3.models.checkpoint``; the vision tensors are mapped
-here, shard by shard.
+published one, through ``openm3.models.checkpoint.write_checkpoint`` (atomic). The text tensors go through
+``openm3.models.checkpoint``; the vision tensors are mapped here, shard by shard.
+``openm3.models.load_pretrained`` returns this model for a config.json with a ``vision_config``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from . import checkpoint as text_checkpoint
@@ -186,9 +185,9 @@ class M3ForConditionalGeneration(nn.Module):
         return self.language_model(inputs_embeds=embeds, **text_kwargs)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB") -> None:
-        """Write config.json, safetensors shards and their index in the published MiniMax layout."""
-        save_pretrained(self, path, max_shard_size=max_shard_size)
+    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB") -> Path:
+        """Write config.json, safetensors shards and their index in the published MiniMax layout (atomically)."""
+        return save_pretrained(self, path, max_shard_size=max_shard_size)
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "M3ForConditionalGeneration":
@@ -246,44 +245,24 @@ def published_tensors(model: M3ForConditionalGeneration):
             yield published_vision_name(name), tensor
 
 
-def save_pretrained(model: M3ForConditionalGeneration, path, *, max_shard_size: int | str = "5GB") -> None:
-    """Write ``path/config.json``, ``model-0000i-of-0000n.safetensors`` and the index (published layout)."""
+def save_pretrained(model: M3ForConditionalGeneration, path, *, max_shard_size: int | str = "5GB") -> Path:
+    """Write ``path/config.json``, the safetensors shards and their index in the published layout, atomically
+    (``openm3.models.checkpoint.write_checkpoint``); returns the path."""
     if not isinstance(model, M3ForConditionalGeneration):
         raise ValueError(f"model: expected an M3ForConditionalGeneration, got {type(model).__name__}")
-    limit = text_checkpoint._parse_size(max_shard_size)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = total = 0
-    for name, tensor in published_tensors(model):
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, tensor))
-        size, total = size + nbytes, total + nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in shard}, str(out / file),
-                  metadata={"format": "pt"})
-        weight_map.update({n: file for n, _ in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / text_checkpoint.INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config = model.config.to_dict()
     config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    (out / text_checkpoint.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return text_checkpoint.write_checkpoint(published_tensors(model), config, path, max_shard_size)
 
 
 def read_config(path) -> M3VLConfig:
     """The ``M3VLConfig`` of a checkpoint directory."""
-    file = Path(path) / text_checkpoint.CONFIG_FILE
-    if not file.is_file():
-        raise text_checkpoint.CheckpointError(f"{file}: config.json not found")
+    data = text_checkpoint.config_json(path)
     try:
-        return M3VLConfig.from_dict(json.loads(file.read_text()))
-    except (ValueError, json.JSONDecodeError) as err:
-        raise text_checkpoint.CheckpointError(f"{file}: not an M3 VL config: {err}") from None
+        return M3VLConfig.from_dict(data)
+    except ValueError as err:
+        raise text_checkpoint.CheckpointError(f"{Path(path) / text_checkpoint.CONFIG_FILE}: unsupported config: "
+                                              f"{err}") from None
 
 
 def load_pretrained(path, dtype: torch.dtype | None = None, device=None) -> M3ForConditionalGeneration:
@@ -292,8 +271,10 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device=None) -> M3Fo
     The text model is loaded by ``openm3.models.checkpoint`` (which skips vision tensors); the vision tower
     and projector are then filled shard by shard here. Every vision weight must be present exactly once."""
     root = Path(path)
+    if not root.is_dir():
+        raise text_checkpoint.CheckpointError(f"{root}: checkpoint directory not found")
     config = read_config(root)
-    language_model = text_checkpoint.load_pretrained(root, dtype=dtype, device=device)
+    language_model = text_checkpoint.load_text_model(root, dtype=dtype, device=device)
     dtype = next(language_model.parameters()).dtype
     device = next(language_model.parameters()).device
     with torch.device("meta"):
@@ -306,7 +287,7 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device=None) -> M3Fo
     params = {n: p for n, p in model.state_dict(keep_vars=True).items() if not n.startswith("language_model.")}
     filled: set[str] = set()
     with torch.no_grad():
-        for file, names in text_checkpoint._shard_files(root).items():
+        for file, names in text_checkpoint.shard_index(root).items():
             with safe_open(str(root / file), framework="pt", device="cpu") as f:
                 for name in names:
                     ours = vision_checkpoint_name(name)

@@ -115,8 +115,8 @@ class M3TextModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "M3TextModel":
-        from .checkpoint import load_pretrained
-        return load_pretrained(path, dtype=dtype, device=device)
+        from .checkpoint import load_text_model
+        return load_text_model(path, dtype=dtype, device=device)
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs on the H200 device machine (torch 2.11 / triton 3.6 there; no install needed: the package is pure Python).
+# Usage: bash scripts/gpu_all.sh [tests] [kernels] [decode] [train] ...   (default: tests kernels)
+# Logs and JSON land in $OUT (or ./gpu_out when OUT is unset).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+stages=("$@"); [ ${#stages[@]} -eq 0 ] && stages=(tests kernels)
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee -a "$OUT/gpu.txt"
+for s in "${stages[@]}"; do
+  echo "=== stage $s ($(date -u +%T)) ==="
+  case "$s" in
+    tests)   python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tests:*) python3 -m pytest -q -m gpu ${s#tests:} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_sel.log" | tail -40 ;;
+    kernels) python3 -m benchmarks.msa_kernels --out "$OUT" 2>&1 | tee "$OUT/msa_kernels.log" | tail -60 ;;
+    kernels:*) python3 -m benchmarks.msa_kernels --out "$OUT" --T ${s#kernels:} 2>&1 | tee "$OUT/msa_kernels.log" | tail -60 ;;
+    selkl)   python3 -m benchmarks.msa_select_kl --out "$OUT" 2>&1 | tee "$OUT/msa_select_kl.log" | tail -40 ;;
+    decode)  python3 -m benchmarks.msa_decode --out "$OUT" 2>&1 | tee "$OUT/msa_decode.log" | tail -40 ;;
+    train)   python3 -m benchmarks.train_throughput --out "$OUT" 2>&1 | tee "$OUT/train.log" | tail -40 ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+echo "=== done ($(date -u +%T)) ==="

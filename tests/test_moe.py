@@ -1,0 +1,187 @@
+"""MoE experts: the grouped (training) path equals the reference path, forward and backward; bad input fails fast.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_moe.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openm3.layers import moe
+from openm3.layers.moe import MoE, Experts, grouped_linear, set_experts_impl
+from openm3.models import M3TextConfig, M3TextModel
+
+ALPHA, LIMIT = 1.702, 7.0
+
+# (N tokens, hidden, intermediate, experts, top-k)
+SHAPES = [(1, 16, 8, 4, 1), (37, 32, 24, 6, 2), (64, 48, 40, 16, 2), (50, 64, 32, 8, 4)]
+SHAPE_IDS = [f"N{n}-H{h}-I{i}-E{e}-k{k}" for n, h, i, e, k in SHAPES]
+
+
+def make_moe(hidden, inter, experts, top_k, seed=0, dtype=torch.float32) -> MoE:
+    """A random MoE layer whose gate/up pre-activations (std 4) often pass the SwiGLU clamp (|x| > 7)."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = MoE(hidden, inter, inter, experts, top_k, 2.0, ALPHA, LIMIT)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = (4.0 if "gate_up_proj" in name else 1.0) / p.shape[-1] ** 0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        layer.gate.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.2)
+    return layer.to(dtype)
+
+
+def run(layer: MoE, x: torch.Tensor, grad: torch.Tensor, impl: str):
+    """Output, input gradient and parameter gradients of `layer` run with `impl`."""
+    layer.experts.impl = impl
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    y, _ = layer(x)
+    y.backward(grad)
+    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def assert_same(got, ref, tol):
+    """Every tensor of `got` within `tol` times the largest magnitude (at least 1) of its `ref` counterpart."""
+    pairs = [("output", got[0], ref[0]), ("dx", got[1], ref[1])]
+    assert got[2].keys() == ref[2].keys()
+    pairs += [(name, got[2][name], ref[2][name]) for name in ref[2]]
+    for name, a, b in pairs:
+        bound = tol * max(1.0, b.abs().max().item())
+        err = (a - b).abs().max().item()
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "sliced"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_grouped_equals_reference_fp32(shape, grouped_mm, monkeypatch):
+    if grouped_mm and not moe._HAS_GROUPED_MM:
+        pytest.fail("torch._grouped_mm is missing from this torch build")
+    monkeypatch.setattr(moe, "USE_GROUPED_MM", grouped_mm)
+    n, hidden, inter, experts, top_k = shape
+    layer = make_moe(hidden, inter, experts, top_k, seed=n)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, hidden, generator=gen)
+    grad = torch.randn(n, hidden, generator=gen)
+    ref = run(layer, x, grad, "reference")
+    fast = run(layer, x, grad, "grouped")
+    # every parameter gets a gradient (the router's is zero only with top-1: its weights are then always 1)
+    assert all(g.abs().sum() > 0 for name, g in ref[2].items() if top_k > 1 or name != "gate.weight")
+    assert_same(fast, ref, 1e-5)
+
+
+def test_grouped_path_uses_grouped_mm(monkeypatch):
+    """The aligned fp32 case really goes through torch._grouped_mm (not the sliced fallback)."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    layer = make_moe(32, 24, 6, 2)
+    layer.experts.impl = "grouped"
+    layer(torch.randn(20, 32))
+    assert len(calls) == 2  # gate_up and down projections
+
+
+def test_unused_experts_and_empty_input():
+    """Experts that receive no token (and an empty batch) are handled by both paths alike."""
+    layer = make_moe(32, 16, 8, 2, seed=3)
+    with torch.no_grad():
+        layer.gate.e_score_correction_bias[:5] = -100.0  # only experts 5, 6, 7 can be chosen
+    gen = torch.Generator().manual_seed(2)
+    x, grad = torch.randn(25, 32, generator=gen), torch.randn(25, 32, generator=gen)
+    ref, fast = run(layer, x, grad, "reference"), run(layer, x, grad, "grouped")
+    assert_same(fast, ref, 1e-5)
+    assert ref[2]["experts.gate_up_proj"][:5].abs().sum() == 0
+    for impl in ("reference", "grouped"):
+        layer.experts.impl = impl
+        y, logits = layer(torch.zeros(0, 32))
+        assert y.shape == (0, 32) and logits.shape == (0, 8)
+
+
+@pytest.mark.parametrize("ends", [[3, 3, 9, 12], [0, 0, 0, 12], [12, 12, 12, 12]],
+                         ids=["one-empty", "last-only", "first-only"])
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "sliced"])
+def test_grouped_linear(ends, grouped_mm, monkeypatch):
+    monkeypatch.setattr(moe, "USE_GROUPED_MM", grouped_mm)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(12, 16, generator=gen), torch.randn(4, 8, 16, generator=gen)
+    out = grouped_linear(x, w, torch.tensor(ends, dtype=torch.int32))
+    starts = [0] + ends[:-1]
+    expected = torch.cat([x[s:e] @ w[g].T for g, (s, e) in enumerate(zip(starts, ends))])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_grouped_error_within_twice_reference_error():
+    """In bf16 the grouped path may round differently, but it must be no worse than the bf16 reference path
+    (both measured against the fp32 reference)."""
+    layer = make_moe(64, 32, 8, 2, seed=5)
+    gen = torch.Generator().manual_seed(4)
+    x, grad = torch.randn(96, 64, generator=gen), torch.randn(96, 64, generator=gen)
+    exact = run(layer, x, grad, "reference")
+    layer16 = make_moe(64, 32, 8, 2, seed=5, dtype=torch.bfloat16)
+    ref16 = run(layer16, x.bfloat16(), grad.bfloat16(), "reference")
+    fast16 = run(layer16, x.bfloat16(), grad.bfloat16(), "grouped")
+    for i, what in ((0, "output"), (1, "dx")):
+        err_ref = (ref16[i].float() - exact[i]).abs().max().item()
+        err_fast = (fast16[i].float() - exact[i]).abs().max().item()
+        assert err_fast <= 2 * err_ref + 1e-3 * exact[i].abs().max().item(), (what, err_fast, err_ref)
+    for name, g in exact[2].items():
+        err_ref = (ref16[2][name].float() - g).norm().item()
+        err_fast = (fast16[2][name].float() - g).norm().item()
+        assert err_fast <= 2 * err_ref + 1e-3 * g.norm().item(), (name, err_fast, err_ref)
+
+
+def test_whole_model_paths_agree():
+    """Logits, aux loss and every parameter gradient of a tiny M3 model match between the two paths."""
+    torch.manual_seed(0)
+    config = M3TextConfig.from_name("m3-tiny", vocab_size=256, hidden_size=64, intermediate_size=32,
+                                    shared_intermediate_size=32, dense_intermediate_size=64)
+    model = M3TextModel(config)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    results = []
+    for impl in ("reference", "grouped"):
+        assert set_experts_impl(model, impl) == config.mlp_layer_types.count("sparse")
+        model.zero_grad(set_to_none=True)
+        out = model(ids, cu_seqlens=cu, return_aux=True)
+        (out.logits.square().mean() + out.aux_loss).backward()
+        results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (ref_logits, ref_grads), (logits, grads) = results
+    assert grads.keys() == ref_grads.keys() and any(".experts." in n for n in grads)
+    assert_same((logits, logits, grads), (ref_logits, ref_logits, ref_grads), 1e-5)
+
+
+def test_auto_is_reference_on_cpu():
+    layer = Experts(4, 16, 8, ALPHA, LIMIT)
+    assert layer.impl == "auto"
+    assert layer.resolved_impl(torch.zeros(1, 16)) == "reference"
+    assert layer.resolved_impl(torch.zeros(1, 16, dtype=torch.bfloat16)) == "reference"
+    layer.impl = "grouped"
+    assert layer.resolved_impl(torch.zeros(1, 16)) == "grouped"
+
+
+def test_bad_inputs():
+    layer = Experts(4, 16, 8, ALPHA, LIMIT)
+    nn_init = torch.nn.init
+    nn_init.normal_(layer.gate_up_proj)
+    nn_init.normal_(layer.down_proj)
+    x, ids, w = torch.randn(5, 16), torch.zeros(5, 2, dtype=torch.long), torch.full((5, 2), 0.5)
+    with pytest.raises(ValueError, match=r"x must be \[N, 16\]"):
+        layer(torch.randn(5, 12), ids, w)
+    with pytest.raises(ValueError, match="x must have the experts' dtype"):
+        layer(x.double(), ids, w)
+    with pytest.raises(ValueError, match="experts must be an integer tensor"):
+        layer(x, ids.float(), w)
+    with pytest.raises(ValueError, match="experts must be an integer tensor"):
+        layer(x, ids[:4], w)
+    with pytest.raises(ValueError, match="weights must be a float tensor"):
+        layer(x, ids, w[:, :1])
+    for impl in ("reference", "grouped"):
+        layer.impl = impl
+        with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\), got \[0, 4\]"):
+            layer(x, ids.index_fill(0, torch.tensor([2]), 4), w)
+        with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\), got \[-1, 0\]"):
+            layer(x, ids.index_fill(0, torch.tensor([0]), -1), w)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        layer.impl = "fast"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        set_experts_impl(layer, "cuda")
