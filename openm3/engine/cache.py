@@ -1,0 +1,446 @@
+"""Paged KV and index-key caches for inference, planned up front from a token budget.
+
+Memory is one pool of `num_pages` pages shared by all layers: page p of sequence s holds the same 128 (=
+`index_block_size`) token positions in every layer, so one page table per sequence serves the whole model and a
+page is exactly one MSA key block. Per layer the pool holds
+
+- `k, v [num_pages, page_size, Hkv, D]` in the KV dtype (every layer), and
+- for MSA layers, the index keys `[num_pages, page_size, Di]` in the model dtype / bf16, or fp8 e4m3 with one fp32
+  scale per token `[num_pages, page_size]` (the decode kernels read ~132 B per token instead of 256 B).
+
+A request reserves the pages for its whole length (prompt + new tokens) when it is admitted, so a batch that does
+not fit is refused before any work and an admitted one never runs out half way.
+
+The model drives the cache through the protocol documented in `openm3/layers/attention.py`:
+
+    cache.admit({seq_id: prompt_len + max_new_tokens, ...})
+    with cache.step(seq_ids, q_lens):             # the new tokens of each sequence, in packed order
+        logits = model(input_ids, position_ids=..., cu_seqlens=..., cache=cache)
+    # inside, every attention layer calls cache.attend(layer_idx, q, k, v, qi, ki, ...) once
+
+`attend` appends the new keys to the pages and attends the new queries to everything cached. Backends: the
+reference path (`openm3.ops.msa.decode`, any batch shape, CPU) or, with the `triton` backend, the Triton decode
+kernels for decode steps (every sequence has the same small number of new tokens) and the MSA prefill ops of
+`openm3.ops.msa` over each sequence's cached tokens for prefill chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import msa
+from ..ops.msa import decode
+from ..ops.msa.backend import pick_backend
+
+FP8 = decode.FP8_DTYPE
+_INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": FP8}
+MAX_DECODE_QUERIES = 8  # new tokens per sequence up to which a step runs the decode kernels
+
+
+class CacheFullError(ValueError):
+    """A request (or batch) needs more pages than the cache has free."""
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the cache stores for a model: per-layer flags and the head shapes.
+
+    sparse[l]: layer l is an MSA layer (stores index keys); page_size: tokens per page (= MSA block size).
+    """
+
+    sparse: tuple[bool, ...]
+    num_kv_heads: int
+    head_dim: int
+    index_head_dim: int
+    page_size: int
+
+    @classmethod
+    def from_config(cls, config) -> "CacheLayout":
+        """From an `M3TextConfig` (or anything with its field names)."""
+        return cls(sparse=tuple(t == "minimax_m3_sparse" for t in config.layer_types),
+                   num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                   index_head_dim=config.index_head_dim, page_size=config.index_block_size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.sparse)
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How much memory the cache takes: `num_pages` pages of `layout.page_size` tokens in every layer."""
+
+    layout: CacheLayout
+    num_pages: int
+    kv_dtype: torch.dtype
+    index_dtype: torch.dtype
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_pages * self.layout.page_size
+
+    @property
+    def kv_bytes(self) -> int:
+        lay = self.layout
+        per_layer = 2 * self.token_capacity * lay.num_kv_heads * lay.head_dim * _dtype_size(self.kv_dtype)
+        return per_layer * lay.num_layers
+
+    @property
+    def index_bytes(self) -> int:
+        per_token = self.layout.index_head_dim * _dtype_size(self.index_dtype) + (4 if self.index_dtype == FP8 else 0)
+        return per_token * self.token_capacity * sum(self.layout.sparse)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.index_bytes
+
+    def summary(self) -> str:
+        gib = 2.0 ** 30
+        return (f"cache plan: {self.num_pages} pages x {self.layout.page_size} tokens = {self.token_capacity} tokens, "
+                f"{self.layout.num_layers} layers ({sum(self.layout.sparse)} MSA); "
+                f"KV {self.kv_bytes / gib:.3f} GiB ({self.kv_dtype}), "
+                f"index keys {self.index_bytes / gib:.3f} GiB ({self.index_dtype}), "
+                f"total {self.total_bytes / gib:.3f} GiB")
+
+
+def resolve_index_dtype(index_dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """`None` -> the KV dtype; 'bf16' | 'fp16' | 'fp32' | 'fp8' or a torch dtype -> that dtype."""
+    if index_dtype is None:
+        return kv_dtype
+    if isinstance(index_dtype, str):
+        if index_dtype not in _INDEX_DTYPES:
+            raise ValueError(f"index_dtype must be one of {sorted(_INDEX_DTYPES)}, got {index_dtype!r}")
+        return _INDEX_DTYPES[index_dtype]
+    if index_dtype not in _INDEX_DTYPES.values():
+        raise ValueError(f"index_dtype must be one of {sorted(_INDEX_DTYPES)}, got {index_dtype}")
+    return index_dtype
+
+
+def plan_cache(layout: CacheLayout, token_budget: int, *, kv_dtype: torch.dtype = torch.bfloat16,
+               index_dtype=None) -> CachePlan:
+    """Enough pages for `token_budget` cached tokens (rounded up to whole pages).
+
+    Every sequence rounds its own length up to whole pages, so a batch of B sequences fits in a budget of
+    sum(ceil(len_b / page_size)) * page_size tokens.
+    """
+    if not isinstance(token_budget, int) or token_budget <= 0:
+        raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
+    if kv_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"kv_dtype must be bf16, fp16 or fp32, got {kv_dtype}")
+    num_pages = -(-token_budget // layout.page_size)
+    return CachePlan(layout, num_pages, kv_dtype, resolve_index_dtype(index_dtype, kv_dtype))
+
+
+@dataclass
+class _Sequence:
+    pages: list[int]
+    length: int = 0
+
+    def __post_init__(self):
+        self.page_ids = torch.tensor(self.pages, dtype=torch.int32)
+
+    def capacity(self, page_size: int) -> int:
+        return len(self.pages) * page_size
+
+
+@dataclass
+class _Step:
+    """Per-forward state shared by all layers: which sequences, where the new tokens go."""
+
+    seq_ids: list[int]
+    q_lens: list[int]
+    lens: list[int]  # cached tokens after this step
+    slots: torch.Tensor  # int64 [T_new]: flat pool position of each new token
+    block_table: torch.Tensor  # int32 [B, max reserved pages] on the cache device
+    seq_lens: torch.Tensor  # int32 [B] on the cache device
+    cu_seqlens_q: torch.Tensor  # int32 [B+1] on the cache device
+    written: set
+
+
+class PagedCache:
+    """The caches of every layer plus one page table per sequence (see the module docstring)."""
+
+    def __init__(self, plan: CachePlan, device: torch.device | str = "cpu"):
+        self.plan = plan
+        self.layout = lay = plan.layout
+        self.device = torch.device(device)
+        shape = (plan.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        self.k = [torch.zeros(shape, dtype=plan.kv_dtype, device=self.device) for _ in lay.sparse]
+        self.v = [torch.zeros(shape, dtype=plan.kv_dtype, device=self.device) for _ in lay.sparse]
+        ishape = (plan.num_pages, lay.page_size, lay.index_head_dim)
+        self.ki = [torch.zeros(ishape, dtype=plan.index_dtype, device=self.device) if s else None for s in lay.sparse]
+        fp8 = plan.index_dtype == FP8
+        self.ki_scale = [torch.zeros(ishape[:2], dtype=torch.float32, device=self.device) if s and fp8 else None
+                         for s in lay.sparse]
+        self._free = list(range(plan.num_pages))  # kept sorted: allocation takes the lowest ids
+        self._seqs: dict[int, _Sequence] = {}
+        self._step: _Step | None = None
+        self._table_key: tuple | None = None  # batch whose page table is on the device
+        self._table: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ sequences and pages
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.layout.page_size)
+
+    def admit(self, requests: Mapping[int, int]) -> None:
+        """Reserve pages for new sequences, all or nothing: {seq_id: tokens to reserve (prompt + new tokens)}.
+
+        Raises CacheFullError (nothing reserved) when the batch needs more pages than are free.
+        """
+        need = 0
+        for seq_id, tokens in requests.items():
+            if seq_id in self._seqs:
+                raise ValueError(f"sequence {seq_id} is already in the cache")
+            if not isinstance(tokens, int) or tokens <= 0:
+                raise ValueError(f"tokens to reserve for sequence {seq_id} must be a positive int, got {tokens!r}")
+            need += self.pages_for(tokens)
+        if need > len(self._free):
+            raise CacheFullError(
+                f"batch needs {need} pages ({need * self.layout.page_size} tokens) but only {len(self._free)} of "
+                f"{self.plan.num_pages} are free ({self.plan.token_capacity} tokens planned); "
+                f"raise the token budget or send fewer/shorter requests")
+        for seq_id, tokens in requests.items():
+            self._seqs[seq_id] = _Sequence(self._allocate(self.pages_for(tokens)))
+
+    def _allocate(self, n: int) -> list[int]:
+        """n page ids, one contiguous run when the free list has one (so prefill can read a zero-copy view)."""
+        free = self._free
+        run_start = 0
+        for i in range(1, len(free) + 1):
+            if i - run_start == n:
+                pages = free[run_start:i]
+                del free[run_start:i]
+                return pages
+            if i < len(free) and free[i] != free[i - 1] + 1:
+                run_start = i
+        pages = free[:n]
+        del free[:n]
+        return pages
+
+    def release(self, seq_id: int) -> None:
+        """Return a sequence's pages to the pool."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise ValueError(f"sequence {seq_id} is not in the cache")
+        self._table_key = None
+        self._free = sorted(self._free + seq.pages)
+
+    def length(self, seq_id: int) -> int:
+        """Tokens cached for a sequence."""
+        if seq_id not in self._seqs:
+            raise ValueError(f"sequence {seq_id} is not in the cache")
+        return self._seqs[seq_id].length
+
+    def page_table(self, seq_id: int) -> list[int]:
+        return list(self._seqs[seq_id].pages)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Forget the cached tokens of a sequence from position `length` on (rejected speculative / MTP draft
+        tokens); their pages stay reserved and are overwritten by the next tokens."""
+        if seq_id not in self._seqs:
+            raise ValueError(f"sequence {seq_id} is not in the cache")
+        seq = self._seqs[seq_id]
+        if not isinstance(length, int) or not 0 <= length <= seq.length:
+            raise ValueError(f"length must be an int in [0, {seq.length}] for sequence {seq_id}, got {length!r}")
+        seq.length = length
+
+    # ------------------------------------------------------------------ one forward pass
+
+    @contextlib.contextmanager
+    def step(self, seq_ids: Sequence[int], q_lens: Sequence[int]) -> Iterator["PagedCache"]:
+        """Scope of one model forward over `q_lens[b]` new tokens of sequence `seq_ids[b]` (packed in that order).
+
+        The lengths advance when the block exits without an exception.
+        """
+        if self._step is not None:
+            raise RuntimeError("cache.step() is already open")
+        if len(seq_ids) == 0 or len(seq_ids) != len(q_lens) or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct and match q_lens one to one, got {seq_ids} and {q_lens}")
+        ps = self.layout.page_size
+        lens, slots = [], []
+        for seq_id, n in zip(seq_ids, q_lens):
+            if seq_id not in self._seqs:
+                raise ValueError(f"sequence {seq_id} was not admitted to the cache")
+            seq = self._seqs[seq_id]
+            if not isinstance(n, int) or n <= 0:
+                raise ValueError(f"q_lens entries must be positive ints, got {n!r} for sequence {seq_id}")
+            if seq.length + n > seq.capacity(ps):
+                raise CacheFullError(f"sequence {seq_id}: {seq.length} cached + {n} new tokens exceed its "
+                                     f"reservation of {seq.capacity(ps)} tokens")
+            pos = torch.arange(seq.length, seq.length + n)
+            slots.append(seq.page_ids[pos // ps].long() * ps + pos % ps)
+            lens.append(seq.length + n)
+        dev = self.device
+        key = tuple(seq_ids)
+        if self._table_key != key:  # pages are reserved up front, so a batch's table only changes with the batch
+            width = max(len(self._seqs[s].pages) for s in seq_ids)
+            table = torch.zeros(len(seq_ids), width, dtype=torch.int32)
+            for b, seq_id in enumerate(seq_ids):
+                table[b, :len(self._seqs[seq_id].pages)] = self._seqs[seq_id].page_ids
+            self._table, self._table_key = table.to(dev), key
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(q_lens).cumsum(0)
+        self._step = _Step(list(seq_ids), list(q_lens), lens, torch.cat(slots).to(dev), self._table,
+                           torch.tensor(lens, dtype=torch.int32, device=dev), cu.to(dev), set())
+        try:
+            yield self
+            for seq_id, n in zip(seq_ids, lens):
+                self._seqs[seq_id].length = n
+        finally:
+            self._step = None
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qi: torch.Tensor | None,
+               ki: torch.Tensor | None, *, cu_seqlens: torch.Tensor, scale: float, block_size: int | None = None,
+               topk: int | None = None, local_blocks: int | None = None) -> torch.Tensor:
+        """Store the new tokens' keys in layer `layer_idx` and attend the new queries to the cache.
+
+        q: [T_new, Hq, D]; k, v: [T_new, Hkv, D]; qi: [T_new, Hi, Di] and ki: [T_new, Di] for MSA layers (None for
+        dense ones); cu_seqlens: int32 [B+1] over the new tokens, as opened by `step`. Returns o [T_new, Hq, D].
+        """
+        st = self._step
+        if st is None:
+            raise RuntimeError("cache.attend() called outside cache.step()")
+        if not 0 <= layer_idx < self.layout.num_layers:
+            raise ValueError(f"layer_idx must be in [0, {self.layout.num_layers}), got {layer_idx}")
+        if layer_idx in st.written:
+            raise RuntimeError(f"layer {layer_idx} attended twice in one step")
+        sparse = self.layout.sparse[layer_idx]
+        total = st.slots.numel()
+        mismatch = q.shape[0] != total or k.shape[0] != total or cu_seqlens.numel() != len(st.q_lens) + 1
+        if not mismatch and cu_seqlens.device.type == "cpu":  # values too, where reading them costs no sync
+            mismatch = not torch.equal(cu_seqlens.to(torch.int64), st.cu_seqlens_q.cpu().to(torch.int64))
+        if mismatch:
+            raise ValueError(f"the forward's tokens ({q.shape[0]}, cu_seqlens {cu_seqlens.tolist()}) do not match "
+                             f"cache.step: new tokens per sequence {st.q_lens}")
+        if sparse != (qi is not None and ki is not None):
+            raise ValueError(f"layer {layer_idx} is {'an MSA' if sparse else 'a dense'} layer in the cache layout: "
+                             f"qi and ki must {'' if sparse else 'not '}be given")
+        if sparse and block_size != self.layout.page_size:
+            raise ValueError(f"block_size {block_size} of layer {layer_idx} must equal the page size "
+                             f"{self.layout.page_size}")
+        st.written.add(layer_idx)
+        self._write(layer_idx, k, v, ki, st.slots)
+
+        backend = pick_backend(q)
+        uniform = len(set(st.q_lens)) == 1 and st.q_lens[0] <= MAX_DECODE_QUERIES
+        if backend == "triton" and uniform:
+            return self._attend_decode_kernels(layer_idx, q, qi, st, scale=scale, topk=topk, local_blocks=local_blocks)
+        if backend == "triton":
+            return self._attend_prefill(layer_idx, q, qi, st, scale=scale, topk=topk, local_blocks=local_blocks)
+        return self._attend_reference(layer_idx, q, qi, st, scale=scale, topk=topk, local_blocks=local_blocks)
+
+    # ------------------------------------------------------------------ internals
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, ki: torch.Tensor | None, slots: torch.Tensor):
+        lay = self.layout
+        self.k[layer].view(-1, lay.num_kv_heads, lay.head_dim).index_copy_(0, slots, k.to(self.plan.kv_dtype))
+        self.v[layer].view(-1, lay.num_kv_heads, lay.head_dim).index_copy_(0, slots, v.to(self.plan.kv_dtype))
+        if ki is None:
+            return
+        pool = self.ki[layer]
+        if pool.dtype == FP8:
+            q8, scale = decode.quantize_index_keys(ki)
+            pool.view(torch.uint8).view(-1, lay.index_head_dim).index_copy_(0, slots, q8.view(torch.uint8))
+            self.ki_scale[layer].view(-1).index_copy_(0, slots, scale)
+        else:
+            pool.view(-1, lay.index_head_dim).index_copy_(0, slots, ki.to(pool.dtype))
+
+    def _attend_reference(self, layer, q, qi, st: _Step, *, scale, topk, local_blocks):
+        ps = self.layout.page_size
+        if qi is None:
+            o, _ = decode.paged_dense_attention(q, self.k[layer], self.v[layer], st.block_table, st.cu_seqlens_q,
+                                                st.lens, block_size=ps, scale=scale)
+            return o
+        idx = decode.paged_select_blocks(qi, self.ki[layer], st.block_table, st.cu_seqlens_q, st.lens,
+                                         block_size=ps, topk=topk, local_blocks=local_blocks,
+                                         ki_scale=self.ki_scale[layer])
+        o, _ = decode.paged_sparse_attention(q, self.k[layer], self.v[layer], st.block_table, idx, st.cu_seqlens_q,
+                                             st.lens, block_size=ps, scale=scale)
+        return o
+
+    def _attend_decode_kernels(self, layer, q, qi, st: _Step, *, scale, topk, local_blocks):
+        from ..ops.msa import triton_decode
+
+        q_len = st.q_lens[0]
+        idx = None
+        if qi is not None:
+            idx = triton_decode.decode_select_blocks(
+                qi.contiguous(), self.ki[layer], st.block_table, st.seq_lens, q_len=q_len,
+                block_size=self.layout.page_size, topk=topk, local_blocks=local_blocks, ki_scale=self.ki_scale[layer])
+        o, _ = triton_decode.decode_attention(q.contiguous(), self.k[layer], self.v[layer], st.block_table,
+                                              st.seq_lens, idx, q_len=q_len, scale=scale)
+        return o
+
+    def _tokens(self, pool: torch.Tensor, seq_id: int, length: int) -> torch.Tensor:
+        """The first `length` cached tokens of a sequence: [length, ...]; a view when its pages are contiguous."""
+        ps = self.layout.page_size
+        pages = self._seqs[seq_id].pages[:self.pages_for(length)]
+        flat = pool.flatten(0, 1)
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            return flat[pages[0] * ps: pages[0] * ps + length]
+        ids = torch.tensor(pages, dtype=torch.int64, device=pool.device)
+        return pool.index_select(0, ids).flatten(0, 1)[:length]
+
+    def _attend_prefill(self, layer, q, qi, st: _Step, *, scale, topk, local_blocks):
+        """Prefill chunks on the fast path: per sequence, the MSA ops (or SDPA) over its cached tokens."""
+        ps = self.layout.page_size
+        outs, start = [], 0
+        for seq_id, n_q, n_k in zip(st.seq_ids, st.q_lens, st.lens):
+            qb = q[start:start + n_q]
+            k = self._tokens(self.k[layer], seq_id, n_k).to(q.dtype)
+            v = self._tokens(self.v[layer], seq_id, n_k).to(q.dtype)
+            if qi is None:
+                outs.append(dense_lower_right(qb, k, v, scale=scale))
+            else:
+                ki = self._tokens(self.ki[layer], seq_id, n_k)
+                if self.ki_scale[layer] is not None:
+                    ki = decode.dequantize_index_keys(ki, self._tokens(self.ki_scale[layer], seq_id, n_k))
+                ki = ki.to(qi.dtype)
+                cu_q = torch.tensor([0, n_q], dtype=torch.int32, device=q.device)
+                cu_k = torch.tensor([0, n_k], dtype=torch.int32, device=q.device)
+                idx = msa.select_blocks(qi[start:start + n_q].contiguous(), ki, cu_q, block_size=ps, topk=topk,
+                                        local_blocks=local_blocks, cu_seqlens_k=cu_k)
+                o, _ = msa.sparse_attention(qb.contiguous(), k, v, idx, cu_q, block_size=ps, scale=scale,
+                                            cu_seqlens_k=cu_k)
+                outs.append(o)
+            start += n_q
+        return torch.cat(outs, dim=0)
+
+
+def dense_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Causal attention of the last q_len of k_len tokens without materialising a mask on CUDA.
+
+    q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] with Tk >= Tq. Returns [Tq, Hq, D]. SDPA with a lower-right causal bias
+    runs the flash kernel (GQA native); if the kernel refuses GQA, each KV group runs on its own (the KV head
+    expanded as a view).
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    hq, hkv = q.shape[1], k.shape[1]
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if q.shape[0] == k.shape[0]:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+        return out[0].transpose(0, 1)
+    bias = causal_lower_right(q.shape[0], k.shape[0])
+    try:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale, enable_gqa=hq != hkv)
+    except RuntimeError:  # a kernel that wants equal head counts: expand one KV group at a time (bounded memory)
+        g = hq // hkv
+        out = torch.cat([F.scaled_dot_product_attention(qh[:, j * g:(j + 1) * g], kh[:, j:j + 1].expand(-1, g, -1, -1),
+                                                        vh[:, j:j + 1].expand(-1, g, -1, -1), attn_mask=bias,
+                                                        scale=scale) for j in range(hkv)], dim=1)
+    return out[0].transpose(0, 1)

@@ -1,0 +1,317 @@
+"""Text generation over the paged cache, and the `openm3 generate` command.
+
+    python -m openm3.engine.generate --preset m3-tiny --prompt-ids 1,2,3 --max-new-tokens 16
+    python -m openm3.engine.generate --checkpoint ckpt/ --tokenizer tok/tokenizer.json --prompt "def f(" --top-p 0.9
+    python -m openm3.engine.generate --preset m3-small --random-prompt 1048576 --max-new-tokens 32   # on a GPU
+
+`generate(model, prompts, ...)` admits the whole batch to a cache planned from its token budget (refused before
+any work if it does not fit), prefills the prompts in chunks, then decodes one token per running sequence per
+step until each hits a stop token or `max_new_tokens`. It reports time to first token, prefill and decode
+throughput, and on CUDA the peak memory against the plan (weights + cache + an estimate of the chunk's workspace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
+from .sampling import SamplingParams, sample
+from .scheduler import decode_step, prefill
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class GenerationResult:
+    """tokens: the generated ids (a stop token, when hit, is the last one); finish_reason: 'stop' | 'length'."""
+
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+@dataclass
+class GenerationStats:
+    """Timings of one `generate` call; memory figures are bytes (peak only on CUDA)."""
+
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0  # start -> first token of every sequence sampled (prefill + first sample)
+    decode_s: float = 0.0
+    decode_tokens: int = 0  # tokens produced by decode steps (the first token of each sequence is prefill's)
+    cache_bytes: int = 0
+    weight_bytes: int = 0
+    workspace_bytes: int = 0  # planned estimate
+    peak_bytes: int | None = None
+    plan: str = ""  # the cache plan's summary
+
+    @property
+    def planned_bytes(self) -> int:
+        return self.cache_bytes + self.weight_bytes + self.workspace_bytes
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    def summary(self) -> str:
+        gib = 2.0 ** 30
+        lines = [f"prompt tokens {self.prompt_tokens}, time to first token {self.ttft_s:.3f} s "
+                 f"({self.prefill_tokens_per_s:.1f} prefill tokens/s)",
+                 f"decode: {self.decode_tokens} tokens in {self.decode_s:.3f} s = "
+                 f"{self.decode_tokens_per_s:.2f} tokens/s",
+                 self.plan,
+                 f"memory plan: weights {self.weight_bytes / gib:.3f} GiB + cache {self.cache_bytes / gib:.3f} GiB + "
+                 f"workspace (est.) {self.workspace_bytes / gib:.3f} GiB = {self.planned_bytes / gib:.3f} GiB"]
+        if self.peak_bytes is not None:
+            ratio = self.peak_bytes / self.planned_bytes
+            lines.append(f"peak GPU memory {self.peak_bytes / gib:.3f} GiB = {ratio:.3f} x plan")
+        return "\n".join(lines)
+
+
+def workspace_estimate(config, chunk_size: int, dtype: torch.dtype, vocab_rows: int) -> int:
+    """Rough peak activation bytes of one prefill chunk: the residual stream and its temporaries, q/k/v and the
+    index projections, the widest MLP/MoE intermediate, fp32 MSA selection scores, and the logits rows."""
+    el = torch.empty((), dtype=dtype).element_size()
+    c = config
+    per_token = (6 * c.hidden_size
+                 + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * 2
+                 + (c.index_n_heads + 1) * c.index_head_dim
+                 + 3 * max(c.dense_intermediate_size, c.intermediate_size * c.num_experts_per_tok,
+                           c.shared_intermediate_size)) * el
+    selection = 4 * c.index_n_heads * (c.max_position_embeddings // c.index_block_size)  # fp32 block scores
+    return chunk_size * (per_token + selection) + vocab_rows * c.vocab_size * 4
+
+
+def check_prompts(prompts, vocab_size: int, max_new_tokens: int, max_total_tokens: int) -> list[torch.Tensor]:
+    """Validates token-id prompts; returns them as int64 tensors."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if len(prompts) == 0:
+        raise ValueError("prompts must hold at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = torch.as_tensor(p, dtype=torch.int64).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError(f"prompt {i} is empty: give at least one token")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab_size})")
+        if ids.numel() + max_new_tokens > max_total_tokens:
+            raise ValueError(f"prompt {i} has {ids.numel()} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                             f"the configured maximum of {max_total_tokens} tokens")
+        out.append(ids)
+    return out
+
+
+@torch.no_grad()
+def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+             sampling: SamplingParams = SamplingParams(), stop_tokens: Sequence[int] = (), chunk_size: int = 8192,
+             token_budget: int | None = None, index_dtype=None, max_total_tokens: int | None = None,
+             seed: int = 0, on_token: Callable[[int, int], None] | None = None,
+             on_prefill: Callable[[int], None] | None = None) -> tuple[list[GenerationResult], GenerationStats]:
+    """Generates continuations of a batch of token-id prompts.
+
+    model: an `M3TextModel` (its dtype and device are the cache's); prompts: B lists of token ids;
+    stop_tokens: generation of a sequence ends after any of them; token_budget: tokens the cache is planned for
+    (default: exactly what the batch reserves; a batch beyond it raises CacheFullError before any work);
+    index_dtype: index-key cache dtype (None = model dtype, 'bf16', 'fp8'); max_total_tokens: prompt +
+    max_new_tokens limit per sequence (default: config.max_position_embeddings); on_token(b, token) streams
+    each sampled token; on_prefill(n) reports prefill progress in tokens.
+    Returns one GenerationResult per prompt and the run's GenerationStats.
+    """
+    config = model.config
+    limit = max_total_tokens or config.max_position_embeddings
+    ids = check_prompts(prompts, config.vocab_size, max_new_tokens, limit)
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    layout = CacheLayout.from_config(config)
+    reserve = {b: p.numel() + max_new_tokens for b, p in enumerate(ids)}
+    needed = sum(-(-n // layout.page_size) for n in reserve.values()) * layout.page_size
+    plan = plan_cache(layout, token_budget or needed, kv_dtype=dtype, index_dtype=index_dtype)
+    if needed > plan.token_capacity:  # refuse before allocating anything
+        raise CacheFullError(f"the batch reserves {needed} tokens (whole pages of {layout.page_size}: prompt + "
+                             f"max_new_tokens per sequence) but the token budget is {token_budget}")
+    stats = GenerationStats(prompt_tokens=sum(p.numel() for p in ids), cache_bytes=plan.total_bytes,
+                            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                            workspace_bytes=workspace_estimate(config, chunk_size, dtype, len(ids)),
+                            plan=plan.summary())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = PagedCache(plan, device)
+    cache.admit(reserve)  # all or nothing, before any work
+    gen = torch.Generator(device=device).manual_seed(seed)
+    stop = set(int(t) for t in stop_tokens)
+    results = [GenerationResult(prompt_len=p.numel()) for p in ids]
+
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, list(range(len(ids))), ids, chunk_size=chunk_size, on_chunk=on_prefill)
+    tokens = sample(logits, sampling, gen)
+    running = _emit(results, list(range(len(ids))), tokens.tolist(), stop, max_new_tokens, on_token)
+    stats.ttft_s = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    live = set(range(len(ids)))
+    while running:
+        for b in live - set(running):  # finished sequences give their pages back
+            cache.release(b)
+        live = set(running)
+        feed = torch.tensor([results[b].tokens[-1] for b in running], dtype=torch.int64, device=device)
+        logits = decode_step(model, cache, running, feed)
+        tokens = sample(logits, sampling, gen).tolist()
+        stats.decode_tokens += len(running)
+        running = _emit(results, running, tokens, stop, max_new_tokens, on_token)
+    if cuda:
+        torch.cuda.synchronize(device)
+        stats.peak_bytes = torch.cuda.max_memory_allocated(device)
+    stats.decode_s = time.perf_counter() - t1
+    return results, stats
+
+
+def _emit(results, seqs, tokens, stop, max_new_tokens, on_token) -> list[int]:
+    """Appends each sequence's new token; returns the sequences still running."""
+    running = []
+    for b, tok in zip(seqs, tokens):
+        results[b].tokens.append(tok)
+        if on_token is not None:
+            on_token(b, tok)
+        if tok in stop:
+            results[b].finish_reason = "stop"
+        elif len(results[b].tokens) < max_new_tokens:
+            running.append(b)
+    return running
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openm3 generate", description="Generate text with an M3 model over the "
+                                "paged MSA cache (chunked prefill, Triton decode kernels on CUDA).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="local checkpoint directory (config.json + safetensors)")
+    src.add_argument("--preset", help="model preset with random weights: m3 | m3-small | m3-tiny")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs --tokenizer)")
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    prompt.add_argument("--random-prompt", type=int, metavar="N", help="N random token ids (long-context runs)")
+    p.add_argument("--tokenizer", help="path to a tokenizer.json (for --prompt and to print text)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", default="", help="comma-separated stop token ids")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
+    p.add_argument("--token-budget", type=int, default=None, help="tokens to plan the cache for")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="prompt + new tokens limit")
+    p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
+                   help="index-key cache dtype (default: the model dtype)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--no-stream", action="store_true", help="print the output only at the end")
+    return p
+
+
+def load_model(args, device: torch.device, dtype: torch.dtype):
+    """The model named by --checkpoint or --preset (random weights, seeded)."""
+    from ..models import M3TextConfig, M3TextModel, load_text_model
+
+    if args.checkpoint is not None:
+        return load_text_model(args.checkpoint, dtype=dtype, device=device).eval()
+    config = M3TextConfig.from_name(args.preset)  # ValueError naming the presets for an unknown one
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = M3TextModel(config)
+    return model.to(dtype).eval()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`openm3 generate ARGS` (see `build_parser`); bad requests exit with `error: ...`."""
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs a parsed `openm3 generate` request: streams the new tokens to stdout, the report to stderr."""
+    import os
+
+    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        raise SystemExit(f"error: checkpoint directory {args.checkpoint!r} does not exist")
+    try:
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+        stop = [int(s) for s in args.stop.split(",") if s.strip()]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    tokenizer = None
+    if args.tokenizer is not None:
+        if not os.path.isfile(args.tokenizer):
+            raise SystemExit(f"error: tokenizer file {args.tokenizer!r} does not exist")
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(args.tokenizer)
+    if args.prompt is not None and tokenizer is None:
+        raise SystemExit("error: --prompt needs --tokenizer PATH/tokenizer.json (or pass --prompt-ids)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        model = load_model(args, device, dtype)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    if args.prompt is not None:
+        prompt = tokenizer.encode(args.prompt).ids
+    elif args.prompt_ids is not None:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"error: --prompt-ids must be comma-separated ints, got {args.prompt_ids!r}")
+    else:
+        if args.random_prompt <= 0:
+            raise SystemExit(f"error: --random-prompt must be > 0, got {args.random_prompt}")
+        gen = torch.Generator().manual_seed(args.seed)
+        prompt = torch.randint(0, model.config.vocab_size, (args.random_prompt,), generator=gen).tolist()
+
+    bar = _progress(len(prompt)) if len(prompt) > args.chunk_size else None
+    stream = None if args.no_stream else _streamer(tokenizer)
+    try:
+        results, stats = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                  stop_tokens=stop, chunk_size=args.chunk_size, token_budget=args.token_budget,
+                                  index_dtype=args.index_dtype, max_total_tokens=args.max_total_tokens,
+                                  seed=args.seed, on_token=stream, on_prefill=bar.update if bar else None)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    finally:
+        if bar is not None:
+            bar.close()
+    out = results[0].tokens
+    if args.no_stream:
+        print(tokenizer.decode(out) if tokenizer else ",".join(map(str, out)))
+    else:
+        print()
+    print(f"finish reason: {results[0].finish_reason}", file=sys.stderr)
+    print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr)
+
+
+def _streamer(tokenizer) -> Callable[[int, int], None]:
+    def show(_b: int, tok: int) -> None:
+        print(tokenizer.decode([tok]) if tokenizer else f"{tok},", end="", flush=True)
+
+    return show
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""Engine end to end on tiny random models: chunked prefill + decode through the paged cache equal one full forward,
+on the reference path and with the Triton decode kernels (TRITON_INTERPRET=1 on CPU)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from openm3.engine.cache import CacheLayout, PagedCache, plan_cache  # noqa: E402
+from openm3.engine.scheduler import _forward, decode_step, prefill  # noqa: E402
+from openm3.models import M3TextConfig, M3TextModel  # noqa: E402
+from openm3.ops.msa import use_backend  # noqa: E402
+
+
+def tiny_model(seed=0, **overrides) -> M3TextModel:
+    """m3-tiny (dense layer 0 with a dense MLP, MSA layers 1-3 with MoE; blocks of 16) with few blocks chosen, so
+    selection is really sparse at these lengths."""
+    torch.manual_seed(seed)
+    config = M3TextConfig.from_name("m3-tiny", **{"index_topk_blocks": 2, "num_hidden_layers": 3,
+                                                  "layer_types": ["full_attention"] + ["minimax_m3_sparse"] * 2,
+                                                  "mlp_layer_types": ["dense", "sparse", "sparse"], **overrides})
+    return M3TextModel(config).eval()
+
+
+def full_logits(model, seqs):
+    """One forward over the packed full sequences -> per-sequence logits [L_b, V]."""
+    lens = [len(s) for s in seqs]
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lens).cumsum(0)
+    with torch.no_grad():
+        logits = model(torch.tensor(sum(seqs, [])), cu_seqlens=cu).logits
+    return list(logits.split(lens))
+
+
+CASES = [
+    # prompt lengths, chunk size, decode steps, overrides
+    ([50], 16, 4, {}),
+    ([37, 9, 16], 20, 5, {}),
+    ([33, 18], 64, 3, {"index_local_blocks": 2, "index_topk_blocks": 3}),
+]
+
+
+def _case_id(c):
+    extra = "-".join(f"{k.split('_')[-2]}{v}" for k, v in c[3].items())
+    return f"L{'-'.join(map(str, c[0]))}-chunk{c[1]}-N{c[2]}" + (f"-{extra}" if extra else "")
+
+
+def _run(model, prompts, chunk, steps, seqs, decode_backend=None, index_dtype=None):
+    """Prefill + `steps` decode steps feeding the tokens of `seqs`; returns per-sequence logits
+    [steps + 1, V] (last prompt token, then each decode step)."""
+    layout = CacheLayout.from_config(model.config)
+    cache = PagedCache(plan_cache(layout, sum(len(s) for s in seqs) + 16 * len(seqs), kv_dtype=torch.float32,
+                                  index_dtype=index_dtype))
+    ids = list(range(len(prompts)))
+    cache.admit({b: len(s) for b, s in enumerate(seqs)})
+    out = [[lg] for lg in prefill(model, cache, ids, [torch.tensor(p) for p in prompts], chunk_size=chunk)]
+    with use_backend(decode_backend):
+        for s in range(steps):
+            feed = torch.tensor([seqs[b][len(prompts[b]) + s] for b in ids])
+            for b, lg in enumerate(decode_step(model, cache, ids, feed)):
+                out[b].append(lg)
+    return [torch.stack(o) for o in out], cache
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_prefill_and_decode_equal_full_forward(case):
+    lens, chunk, steps, overrides = case
+    model = tiny_model(**overrides)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, model.config.vocab_size, (n + steps,), generator=gen).tolist() for n in lens]
+    prompts = [s[:n] for s, n in zip(seqs, lens)]
+    got, cache = _run(model, prompts, chunk, steps, seqs)
+    for b, (g, full) in enumerate(zip(got, full_logits(model, seqs))):
+        want = full[lens[b] - 1: lens[b] + steps]
+        assert (g - want).abs().max().item() < 1e-4, f"sequence {b}"
+        assert cache.length(b) == lens[b] + steps
+
+
+@pytest.mark.parametrize("q_len", [1, 2], ids=["Q1", "Q2-mtp"])
+def test_triton_decode_kernels_in_the_engine_equal_full_forward(q_len):
+    """Decode steps (one or two new tokens per sequence, as for MTP drafts) through the Triton decode kernels;
+    sequences of unequal lengths crossing page boundaries in one launch."""
+    model = tiny_model()
+    lens, steps = [30, 47], 2
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, model.config.vocab_size, (n + steps * q_len,), generator=gen).tolist() for n in lens]
+    prompts = [s[:n] for s, n in zip(seqs, lens)]
+    layout = CacheLayout.from_config(model.config)
+    cache = PagedCache(plan_cache(layout, 160, kv_dtype=torch.float32))
+    cache.admit({0: len(seqs[0]), 1: len(seqs[1])})
+    prefill(model, cache, [0, 1], [torch.tensor(p) for p in prompts], chunk_size=32)
+    full = full_logits(model, seqs)
+    with use_backend("triton"), torch.no_grad():
+        for s in range(steps):
+            starts = [n + s * q_len for n in lens]
+            pieces = [torch.tensor(seqs[b][starts[b]:starts[b] + q_len]) for b in (0, 1)]
+            logits = _forward(model, cache, [0, 1], pieces, starts, list(range(2 * q_len)))
+            for b in (0, 1):
+                want = full[b][starts[b]:starts[b] + q_len]
+                assert (logits[b * q_len:(b + 1) * q_len] - want).abs().max().item() < 1e-4
+
+
+def test_fp8_index_cache_runs_and_stays_close():
+    """With fp8 index keys the engine may pick other blocks on near-ties; logits stay close to the full forward."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, model.config.vocab_size, (45,), generator=gen).tolist()]
+    got, _ = _run(model, [seqs[0][:40]], 16, 5, seqs, index_dtype="fp8")
+    want = full_logits(model, seqs)[0][39:45]
+    assert got[0].shape == want.shape
+    assert (got[0].argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+def test_rejected_draft_tokens_are_truncated():
+    """Speculative / MTP use: verify 3 draft tokens in one step (the decode kernels with q_len=3), reject the last
+    two, continue from the accepted one: logits still equal the full forward of the accepted sequence."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, model.config.vocab_size, (37,), generator=gen).tolist()
+    drafts = torch.randint(0, model.config.vocab_size, (3,), generator=gen).tolist()
+    after = torch.randint(0, model.config.vocab_size, (2,), generator=gen).tolist()
+    cache = PagedCache(plan_cache(CacheLayout.from_config(model.config), 64, kv_dtype=torch.float32))
+    cache.admit({0: 48})
+    prefill(model, cache, [0], [torch.tensor(prompt)], chunk_size=16)
+    with use_backend("triton"), torch.no_grad():
+        verify = _forward(model, cache, [0], [torch.tensor(drafts)], [37], [0, 1, 2])
+        cache.truncate(0, 38)  # keep the first draft token
+        with pytest.raises(ValueError, match="length must be"):
+            cache.truncate(0, 39)
+        cont = [decode_step(model, cache, [0], torch.tensor([t]))[0] for t in after]
+    full = full_logits(model, [prompt + drafts])[0]
+    assert (verify - full[37:40]).abs().max().item() < 1e-4
+    accepted = full_logits(model, [prompt + drafts[:1] + after])[0]
+    assert (torch.stack(cont) - accepted[38:40]).abs().max().item() < 1e-4
+    assert cache.length(0) == 40

@@ -1,0 +1,140 @@
+"""generate(), sampling, and the `openm3 generate` command: behaviour and fast failures on bad requests."""
+
+import json
+
+import pytest
+import torch
+
+from openm3.engine.cache import CacheFullError
+from openm3.engine.generate import generate, main
+from openm3.engine.sampling import SamplingParams, filter_logits, sample
+from openm3.models import M3TextConfig, M3TextModel
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = M3TextConfig.from_name("m3-tiny", num_hidden_layers=2, layer_types=["full_attention",
+                                    "minimax_m3_sparse"], mlp_layer_types=["dense", "sparse"], index_topk_blocks=2,
+                                    max_position_embeddings=256)
+    return M3TextModel(config).eval()
+
+
+def test_greedy_generation_is_the_argmax_of_the_full_forward(model):
+    prompts = [[5, 17, 300, 42] * 5, [7, 8, 9]]
+    streamed = []
+    results, stats = generate(model, prompts, max_new_tokens=4, chunk_size=8,
+                              on_token=lambda b, t: streamed.append((b, t)))
+    for p, r in zip(prompts, results):
+        assert len(r.tokens) == 4 and r.finish_reason == "length"
+        with torch.no_grad():
+            logits = model(torch.tensor(p + r.tokens)).logits
+        assert logits[len(p) - 1:-1].argmax(-1).tolist() == r.tokens
+    assert sorted(streamed) == sorted((b, t) for b, r in enumerate(results) for t in r.tokens)
+    assert stats.prompt_tokens == 23 and stats.decode_tokens == 6 and stats.ttft_s > 0
+    assert "time to first token" in stats.summary() and "tokens/s" in stats.summary()
+    assert "cache plan: 3 pages x 16 tokens" in stats.summary()  # 24 + 7 reserved tokens -> 2 + 1 pages
+
+
+def test_stop_token_ends_a_sequence(model):
+    first, _ = generate(model, [[1, 2, 3]], max_new_tokens=3)
+    stop = first[0].tokens[1]
+    results, _ = generate(model, [[1, 2, 3]], max_new_tokens=3, stop_tokens=[stop])
+    want = first[0].tokens[:first[0].tokens.index(stop) + 1]
+    assert results[0].tokens == want and results[0].finish_reason == "stop"
+
+
+def test_sampling_with_top_k_1_or_tiny_top_p_is_greedy(model):
+    greedy, _ = generate(model, [[3, 1, 4, 1, 5]], max_new_tokens=3)
+    for params in (SamplingParams(temperature=1.3, top_k=1), SamplingParams(temperature=0.7, top_p=1e-6)):
+        sampled, _ = generate(model, [[3, 1, 4, 1, 5]], max_new_tokens=3, sampling=params, seed=5)
+        assert sampled[0].tokens == greedy[0].tokens
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_k=2)).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.8)).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 + 0.3 reaches 0.8
+    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.81)).isfinite()
+    assert kept.tolist() == [[True, True, True, False]]
+    gen = torch.Generator().manual_seed(0)
+    draws = sample(logits.expand(4000, -1), SamplingParams(temperature=1.0), gen)
+    freq = torch.bincount(draws, minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k")], ids=["temp-neg", "top_p-0", "top_p-1.5", "top_k-neg"])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompts,kwargs,match", [
+    ([[]], {}, "prompt 0 is empty"),
+    ([], {}, "at least one prompt"),
+    ([[1] * 250], dict(max_new_tokens=10), "configured maximum of 256"),
+    ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens"),
+    ([[1, 99999]], {}, "vocab_size"),
+], ids=["empty-prompt", "no-prompts", "too-long", "no-new-tokens", "bad-id"])
+def test_bad_requests_fail_fast(model, prompts, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        generate(model, prompts, **kwargs)
+
+
+def test_over_budget_batch_is_refused_before_any_work(model):
+    calls = []
+    handle = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(CacheFullError, match="token budget is 64"):
+            generate(model, [[1] * 40, [2] * 40], max_new_tokens=8, token_budget=64)
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+def test_cli_preset_prompt_ids(capsys):
+    assert main(["--preset", "m3-tiny", "--prompt-ids", "1,2,3,4", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert len([t for t in out.strip().split(",") if t]) == 3
+    assert "time to first token" in err and "decode:" in err and "cache plan" not in out
+
+
+def test_cli_text_prompt_with_tokenizer(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    assert json.loads(path.read_text())["model"]["type"] == "WordLevel"
+    assert main(["--preset", "m3-tiny", "--tokenizer", str(path), "--prompt", "hello world", "--max-new-tokens",
+                 "2", "--no-stream", "--device", "cpu"]) == 0
+    assert "finish reason" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--preset", "m3-huge", "--prompt-ids", "1"], "unknown config name"),
+    (["--checkpoint", "/nonexistent/ckpt", "--prompt-ids", "1"], "does not exist"),
+    (["--preset", "m3-tiny", "--prompt-ids", "1", "--top-p", "1.5"], "top_p"),
+    (["--preset", "m3-tiny", "--prompt", "hi"], "needs --tokenizer"),
+    (["--preset", "m3-tiny", "--prompt-ids", ""], "prompt 0 is empty"),
+    (["--preset", "m3-tiny", "--prompt-ids", "1,x"], "comma-separated ints"),
+    (["--preset", "m3-tiny", "--random-prompt", "9000"], "configured maximum"),
+], ids=["unknown-preset", "missing-checkpoint", "top-p", "text-without-tokenizer", "empty", "bad-ids", "too-long"])
+def test_cli_bad_requests(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        main(argv + ["--device", "cpu"])
+
+
+def test_cli_local_checkpoint(model, tmp_path, capsys):
+    model.save_pretrained(tmp_path / "ckpt")
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--device",
+            "cpu", "--no-stream"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    want, _ = generate(model, [[5, 6, 7]], max_new_tokens=3)
+    assert [int(t) for t in out.split(",")] == want[0].tokens
