@@ -1,0 +1,519 @@
+"""Times the MSA Triton kernels against dense cuDNN attention and FlexAttention on one GPU (M3 shape, bf16).
+
+    python -m benchmarks.msa_kernels --T 8192 32768 131072 1048576 --out benchmarks/results/
+    python -m benchmarks.msa_kernels --T 131072 --skip-dense --sweep-T 131072    # tuning only
+
+One layer of M3's attention: 64 query heads, 4 KV heads, head dim 128, index 4 x 128 + 1 key head, blocks of 128,
+top-16 with 1 local block, one sequence of T tokens. Per T it times (medians, ms):
+  select          openm3.ops.msa.select_blocks (Triton)
+  sparse_fwd      sparse_attention forward          sparse_fwd_bwd   forward + backward (dq, dk, dv)
+  kl_fwd_bwd      indexer_kl forward + backward (sparse, with the attention's lse)
+  msa_prefill     select + sparse forward           msa_train_step   select + attention fwd/bwd + KL fwd/bwd
+  dense_fwd       cuDNN SDPA causal forward         dense_fwd_bwd    forward + backward (skipped at >= 1M)
+  flex_fwd        FlexAttention over the union of the selected blocks of each 128-query tile (per KV group, so
+                  the block mask stays [NQ, NKV]); flex_fwd_bwd forward + backward
+and, at the largest T, the peak workspace of the MSA forward (select + attention) beyond q, k, v, o, lse, qi, ki
+and block_idx. At the smallest T it first checks the kernels against the fp32 reference on the last queries.
+Every case runs in its own try/except: a failure is reported and the run continues. The index queries drift slowly
+along the sequence (as a trained indexer's do) so neighbouring queries pick overlapping blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
+BLOCK, TOPK, LOCAL = 128, 16, 1
+GIB = 1024 ** 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs and timing
+
+
+def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0) -> dict:
+    """q [T,64,128], k, v [T,4,128], qi [T,4,128], ki [T,128], cu_seqlens [0, T]."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
+
+    q, k, v = randn(t, HQ, D), randn(t, HKV, D), randn(t, HKV, D)
+    # Slowly drifting index queries: linear interpolation between anchors every 512 tokens, plus noise.
+    anchors = torch.randn(t // 512 + 2, HI, DI, device=device, generator=gen)
+    pos = torch.arange(t, device=device, dtype=torch.float32) / 512
+    lo = pos.floor().long()
+    w = (pos - lo).view(t, 1, 1)
+    qi = (anchors[lo] * (1 - w) + anchors[lo + 1] * w + 0.3 * torch.randn(t, HI, DI, device=device, generator=gen))
+    qi = qi.to(dtype)
+    ki = randn(t, DI)
+    cu = torch.tensor([0, t], device=device, dtype=torch.int32)
+    return dict(q=q, k=k, v=v, qi=qi, ki=ki, cu=cu)
+
+
+def _sync_time_ms(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def bench_ms(fn, *, warmup: bool = True, slow_ms: float = 200.0, slow_reps: int = 2) -> float:
+    """Median time of `fn` in ms: triton's do_bench for fast ops, a few timed calls for slow ones."""
+    import triton.testing
+
+    first = _sync_time_ms(fn)  # compiles / warms up
+    if first < slow_ms:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    if not warmup:
+        return first
+    return statistics.median(_sync_time_ms(fn) for _ in range(slow_reps))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cases
+
+
+def synthetic_selection(t: int, device: str = "cuda", share: int = 16, seed: int = 1) -> torch.Tensor:
+    """A valid block_idx [HKV, t, TOPK] without the indexer: own block, then distinct earlier blocks drawn per run
+    of `share` tokens, -1 trailing. Used only when select_blocks fails, so attention can still be timed."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    own = torch.arange(t, device=device) // BLOCK
+    first_own = (torch.arange(t, device=device) // share * share) // BLOCK
+    draws = torch.rand(HKV, -(-t // share), TOPK - 1, device=device, generator=gen).repeat_interleave(share, 1)
+    picks = (draws[:, :t] * first_own.view(1, t, 1)).long()
+    picks = torch.where(first_own.view(1, t, 1) > 0, picks, -1).sort(dim=-1, descending=True).values
+    dup = torch.zeros_like(picks, dtype=torch.bool)
+    dup[..., 1:] = picks[..., 1:] == picks[..., :-1]
+    picks = torch.where(dup, -1, picks).sort(dim=-1, descending=True).values
+    return torch.cat([own.view(1, t, 1).expand(HKV, t, 1), picks], dim=-1).to(torch.int32).contiguous()
+
+
+def msa_fns(x: dict, res: dict):
+    """Closures over the openm3 MSA ops for one input set; `block_idx` is computed once here (select_blocks, or a
+    synthetic selection if it fails: then select, msa_prefill and msa_train_step are reported missing)."""
+    from openm3.ops import msa
+
+    cu = x["cu"]
+    kw = dict(block_size=BLOCK)
+
+    def select():
+        return msa.select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+
+    have_select = True
+    try:
+        with torch.no_grad():
+            block_idx = select()
+    except Exception as exc:
+        have_select = False
+        res.setdefault("errors", {})["select"] = f"{type(exc).__name__}: {exc}"[:2000]
+        res["selection"] = "synthetic (select_blocks failed)"
+        print(f"    select_blocks FAILED ({type(exc).__name__}: {str(exc)[:300]}); timing attention on a "
+              f"synthetic selection", flush=True)
+        traceback.print_exc(limit=3)
+        block_idx = synthetic_selection(x["q"].shape[0])
+    q, k, v = (x[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+    qi, ki = (x[n].detach().requires_grad_(True) for n in ("qi", "ki"))
+    do = torch.randn_like(x["q"])
+
+    def sparse_fwd():
+        with torch.no_grad():
+            return msa.sparse_attention(x["q"], x["k"], x["v"], block_idx, cu, **kw)
+
+    def sparse_fwd_bwd():
+        q.grad = k.grad = v.grad = None
+        o, _ = msa.sparse_attention(q, k, v, block_idx, cu, **kw)
+        o.backward(do)
+
+    with torch.no_grad():
+        _, lse = msa.sparse_attention(x["q"], x["k"], x["v"], block_idx, cu, **kw)
+
+    def kl_fwd_bwd():
+        qi.grad = ki.grad = None
+        msa.indexer_kl(x["q"], x["k"], qi, ki, block_idx, cu, lse=lse, **kw).backward()
+
+    def prefill():
+        with torch.no_grad():
+            bi = select()
+            return msa.sparse_attention(x["q"], x["k"], x["v"], bi, cu, **kw)
+
+    def train_step():
+        q.grad = k.grad = v.grad = qi.grad = ki.grad = None
+        with torch.no_grad():
+            bi = select()
+        o, lse_t = msa.sparse_attention(q, k, v, bi, cu, **kw)
+        kl = msa.indexer_kl(q.detach(), k.detach(), qi, ki, bi, cu, lse=lse_t.detach(), **kw)
+        torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
+
+    cases = dict(sparse_fwd=sparse_fwd, sparse_fwd_bwd=sparse_fwd_bwd, kl_fwd_bwd=kl_fwd_bwd)
+    if have_select:
+        cases.update(select=select, msa_prefill=prefill, msa_train_step=train_step)
+    return cases, block_idx
+
+
+def dense_fns(x: dict, with_bwd: bool):
+    """cuDNN SDPA over [1, H, T, D] (layout change done once, outside the timing)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (x[n].transpose(0, 1).unsqueeze(0).contiguous() for n in ("q", "k", "v"))
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    fns = dict(dense_fwd=fwd)
+    if with_bwd:
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        do = torch.randn_like(q)
+
+        def fwd_bwd():
+            qg.grad = kg.grad = vg.grad = None
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True).backward(do)
+
+        fns["dense_fwd_bwd"] = fwd_bwd
+    return fns
+
+
+def flex_block_masks(block_idx: torch.Tensor, t: int):
+    """One BlockMask per KV group: the union of the selected blocks over each 128-query tile.
+
+    Blocks strictly before the tile are `full` (no mask_mod); the tile's diagonal block is partial (causal).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nq = nk = -(-t // BLOCK)
+    masks = []
+    for g in range(block_idx.shape[0]):
+        sel = block_idx[g]
+        pad = nq * BLOCK - t
+        if pad:
+            sel = torch.cat([sel, sel.new_full((pad, TOPK), -1)])
+        sel = sel.view(nq, BLOCK * TOPK).long()
+        dense = torch.zeros(nq, nk + 1, device=sel.device, dtype=torch.bool)
+        dense.scatter_(1, torch.where(sel >= 0, sel, nk), True)
+        dense = dense[:, :nk]
+        diag = torch.eye(nq, nk, device=sel.device, dtype=torch.bool)
+        full = dense & ~diag & torch.ones_like(dense).tril()
+        partial = dense & diag
+
+        def ordered(m):
+            num = m.sum(-1, dtype=torch.int32)
+            idx = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+            return num[None, None].contiguous(), idx[None, None].contiguous()
+
+        kv_num, kv_idx = ordered(partial)
+        full_num, full_idx = ordered(full)
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        masks.append(BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
+                                              mask_mod=causal, seq_lengths=(t, t)))
+        del dense, full, partial
+    return masks
+
+
+def flex_fns(x: dict, block_idx: torch.Tensor):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention)
+    t = x["q"].shape[0]
+    g_size = HQ // HKV
+    qs = [x["q"][:, g * g_size:(g + 1) * g_size].transpose(0, 1).unsqueeze(0).contiguous() for g in range(HKV)]
+    ks = [x["k"][:, g:g + 1].transpose(0, 1).unsqueeze(0).contiguous() for g in range(HKV)]
+    vs = [x["v"][:, g:g + 1].transpose(0, 1).unsqueeze(0).contiguous() for g in range(HKV)]
+    masks = flex_block_masks(block_idx, t)
+    qg = [a.detach().requires_grad_(True) for a in qs]
+    kg = [a.detach().requires_grad_(True) for a in ks]
+    vg = [a.detach().requires_grad_(True) for a in vs]
+    do = torch.randn_like(qs[0])
+
+    def fwd():
+        with torch.no_grad():
+            return [flex(qs[g], ks[g], vs[g], block_mask=masks[g], enable_gqa=True) for g in range(HKV)]
+
+    def fwd_bwd():
+        for g in range(HKV):
+            qg[g].grad = kg[g].grad = vg[g].grad = None
+            flex(qg[g], kg[g], vg[g], block_mask=masks[g], enable_gqa=True).backward(do)
+
+    return dict(flex_fwd=fwd, flex_fwd_bwd=fwd_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Correctness self-check (fp32 reference on the last queries: bottom-right aligned sub-problem)
+
+
+def check_against_reference(x: dict, block_idx: torch.Tensor, tail: int = 512) -> dict:
+    """Max errors of the Triton kernels vs the fp32 reference for the last `tail` queries of the sequence."""
+    from openm3.ops import msa
+    from openm3.ops.msa import reference
+
+    t = x["q"].shape[0]
+    tail = min(tail, t)
+    dev = x["q"].device
+    cu_q = torch.tensor([0, tail], device=dev, dtype=torch.int32)
+    cu_k = torch.tensor([0, t], device=dev, dtype=torch.int32)
+    sl = slice(t - tail, t)
+    out = {}
+    ref_sel = reference.select_blocks(x["qi"][sl].float(), x["ki"].float(), cu_q, block_size=BLOCK, topk=TOPK,
+                                      local_blocks=LOCAL, cu_seqlens_k=cu_k)
+    same = (ref_sel.sort(-1).values == block_idx[:, sl].sort(-1).values).all(-1)
+    out["select_rows_identical_frac"] = same.float().mean().item()
+
+    q, k, v = (x[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+    o, lse = msa.sparse_attention(q, k, v, block_idx, x["cu"], block_size=BLOCK)
+    do = torch.zeros_like(o)
+    do[sl] = torch.randn_like(o[sl])
+    o.backward(do)
+    qr, kr, vr = (x[n].float().detach().requires_grad_(True) for n in ("q", "k", "v"))
+    o_r, lse_r = reference.sparse_attention(qr[sl], kr, vr, block_idx[:, sl].contiguous(), cu_q, block_size=BLOCK,
+                                            cu_seqlens_k=cu_k)
+    o_r.backward(do[sl].float())
+
+    def rel(a, b):
+        return ((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+    out["o_max_abs"] = (o[sl].float() - o_r).abs().max().item()
+    out["lse_max_abs"] = (lse[sl] - lse_r).abs().max().item()
+    out["dq_rel"] = rel(q.grad[sl], qr.grad[sl])
+    out["dk_rel"] = rel(k.grad, kr.grad)
+    out["dv_rel"] = rel(v.grad, vr.grad)
+    kl = msa.indexer_kl(x["q"], x["k"], x["qi"], x["ki"], block_idx, x["cu"], block_size=BLOCK, lse=lse.detach())
+    out["kl"] = kl.item()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def _run_case(results: dict, name: str, fn, **kw) -> None:
+    try:
+        ms = bench_ms(fn, **kw)
+        results[name] = round(ms, 3)
+        print(f"    {name:16s} {ms:10.2f} ms", flush=True)
+    except Exception as exc:  # one failing case must not lose the others
+        results[name] = None
+        results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"    {name:16s} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        traceback.print_exc(limit=3)
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _workspace(x: dict, msa_cases: dict) -> dict:
+    """Peak memory of select + sparse forward beyond inputs and outputs."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o, lse = msa_cases.get("msa_prefill", msa_cases["sparse_fwd"])()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    t = x["q"].shape[0]
+    outputs = o.numel() * o.element_size() + lse.numel() * lse.element_size() + HKV * t * TOPK * 4
+    del o, lse
+    return {"workspace_gib": round((peak - base - outputs) / GIB, 3), "peak_gib": round(peak / GIB, 2),
+            "workspace_includes_select": "msa_prefill" in msa_cases}
+
+
+def run_T(t: int, args, results_all: list) -> None:
+    res: dict = {"T": t}
+    results_all.append(res)
+    print(f"\n== T = {t} ==", flush=True)
+    t0 = time.time()
+    try:
+        x = m3_inputs(t)
+    except Exception as exc:
+        res["errors"] = {"inputs": f"{type(exc).__name__}: {exc}"}
+        print(f"    inputs FAILED: {exc}")
+        return
+    big = t >= 1 << 20
+    block_idx = None
+    try:
+        msa_cases, block_idx = msa_fns(x, res)
+    except Exception as exc:
+        res.setdefault("errors", {})["msa_setup"] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"    MSA setup FAILED (select/sparse_attention missing or broken): {exc}", flush=True)
+        traceback.print_exc(limit=5)
+        msa_cases = {}
+    if block_idx is not None and t == min(args.T):
+        try:
+            res["check"] = check_against_reference(x, block_idx)
+            print("    check vs fp32 reference (last 512 queries):",
+                  {k: (round(v, 6) if isinstance(v, float) else v) for k, v in res["check"].items()}, flush=True)
+        except Exception as exc:
+            res.setdefault("errors", {})["check"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"    check FAILED: {exc}", flush=True)
+            traceback.print_exc(limit=5)
+    slow_reps = 1 if big else 2
+    for name in ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step"):
+        if name in msa_cases:
+            _run_case(res, name, msa_cases[name], slow_reps=slow_reps)
+    if big and msa_cases:
+        try:
+            res.update(_workspace(x, msa_cases))
+            print(f"    workspace        {res['workspace_gib']:.3f} GiB (peak {res['peak_gib']} GiB)", flush=True)
+        except Exception as exc:
+            res.setdefault("errors", {})["workspace"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"    workspace FAILED: {exc}", flush=True)
+    msa_cases = None
+    torch.cuda.empty_cache()
+
+    if not args.skip_dense:
+        try:
+            dense = dense_fns(x, with_bwd=not big)
+            # dense forward at 1M takes ~35 s: time it once, without a warm-up call
+            _run_case(res, "dense_fwd", dense["dense_fwd"], warmup=not big, slow_reps=1 if big else 2)
+            if "dense_fwd_bwd" in dense:
+                _run_case(res, "dense_fwd_bwd", dense["dense_fwd_bwd"])
+            else:
+                res["dense_fwd_bwd_note"] = "skipped at 1M (about 64x the 128K figure, minutes)"
+            del dense
+        except Exception as exc:
+            res.setdefault("errors", {})["dense"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"    dense FAILED: {exc}", flush=True)
+        torch.cuda.empty_cache()
+
+    if not args.skip_flex and block_idx is not None:
+        try:
+            flex = flex_fns(x, block_idx)
+            _run_case(res, "flex_fwd", flex["flex_fwd"], slow_reps=slow_reps)
+            _run_case(res, "flex_fwd_bwd", flex["flex_fwd_bwd"], slow_reps=slow_reps)
+            del flex
+        except Exception as exc:
+            res.setdefault("errors", {})["flex"] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"    flex FAILED: {exc}", flush=True)
+            traceback.print_exc(limit=3)
+        torch.cuda.empty_cache()
+    _ratios(res)
+    res["wall_s"] = round(time.time() - t0, 1)
+    del x
+    torch.cuda.empty_cache()
+
+
+def _ratios(res: dict) -> None:
+    def ratio(a, b):
+        return round(res[a] / res[b], 2) if res.get(a) and res.get(b) else None
+
+    res["ratios"] = {
+        "prefill_speedup_vs_dense": ratio("dense_fwd", "msa_prefill"),
+        "train_speedup_vs_dense": ratio("dense_fwd_bwd", "msa_train_step"),
+        "sparse_fwd_speedup_vs_flex": ratio("flex_fwd", "sparse_fwd"),
+        "sparse_fwd_bwd_speedup_vs_flex": ratio("flex_fwd_bwd", "sparse_fwd_bwd"),
+        "sparse_fwd_speedup_vs_dense": ratio("dense_fwd", "sparse_fwd"),
+    }
+
+
+def sweep(t: int, configs: list[str], results: list) -> None:
+    """Sparse fwd and fwd+bwd under several launch configs (OPENM3_ATTN_LAUNCH overrides)."""
+    print(f"\n== launch sweep at T = {t} ==", flush=True)
+    x = m3_inputs(t)
+    saved = os.environ.get("OPENM3_ATTN_LAUNCH")
+    try:
+        for cfg in configs:
+            os.environ["OPENM3_ATTN_LAUNCH"] = cfg
+            res = {"T": t, "launch": cfg}
+            try:
+                cases, _ = msa_fns(x, res)
+                for name in ("sparse_fwd", "sparse_fwd_bwd"):
+                    _run_case(res, name, cases[name])
+            except Exception as exc:
+                res["errors"] = {"setup": f"{type(exc).__name__}: {exc}"[:1000]}
+            print(f"    [{cfg}] fwd {res.get('sparse_fwd')} ms, fwd+bwd {res.get('sparse_fwd_bwd')} ms", flush=True)
+            results.append(res)
+    finally:
+        if saved is None:
+            os.environ.pop("OPENM3_ATTN_LAUNCH", None)
+        else:
+            os.environ["OPENM3_ATTN_LAUNCH"] = saved
+
+
+# The default launch (see triton_common.attention_launch) is timed in the main table; these vary one idea each:
+# bigger key tiles, 2/4/8 query tokens per tile (union of their blocks), deeper pipelining and bigger dk/dv steps.
+DEFAULT_SWEEP = [
+    "block_m=16,block_n=128,num_warps=8,num_stages=2",
+    "block_m=32,block_n=64,num_warps=4,num_stages=2",
+    "block_m=64,block_n=64,num_warps=8,num_stages=2",
+    "block_m=128,block_n=64,num_warps=8,num_stages=2",
+    "block_m=16,block_n=64,num_warps=4,num_stages=3,dkdv_block_m=64,dkdv_num_warps=8",
+]
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step", "dense_fwd",
+            "dense_fwd_bwd", "flex_fwd", "flex_fwd_bwd"]
+    print("\n" + "T".rjust(8) + "".join(c.rjust(16) for c in cols))
+    for r in rows:
+        if "launch" in r:
+            continue
+        print(str(r["T"]).rjust(8) + "".join(
+            (f"{r[c]:.2f}" if isinstance(r.get(c), float) else "-").rjust(16) for c in cols))
+    print("\nratios (higher is better; targets: prefill >= 12x at 128K and >= 20x at 1M, train >= 10x at 128K, "
+          "sparse vs flex > 1)")
+    names = ["prefill_speedup_vs_dense", "train_speedup_vs_dense", "sparse_fwd_speedup_vs_flex",
+             "sparse_fwd_bwd_speedup_vs_flex", "sparse_fwd_speedup_vs_dense"]
+    print("T".rjust(8) + "".join(n.replace("_speedup", "").rjust(22) for n in names))
+    for r in rows:
+        if "ratios" in r:
+            print(str(r["T"]).rjust(8) + "".join(str(r["ratios"].get(n)).rjust(22) for n in names))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072, 1048576])
+    parser.add_argument("--out", default="benchmarks/results/")
+    parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--skip-flex", action="store_true")
+    parser.add_argument("--sweep-T", type=int, default=32768,
+                        help="also time sparse fwd and fwd+bwd under several launch configs at this T (0: off)")
+    parser.add_argument("--sweep", nargs="*", default=None, help="launch configs for the sweep (key=v,...)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("msa_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "shape": dict(Hq=HQ, Hkv=HKV, D=D, Hi=HI, Di=DI, block=BLOCK, topk=TOPK, local_blocks=LOCAL),
+            "dtype": "bfloat16", "attn_launch_env": os.environ.get("OPENM3_ATTN_LAUNCH"),
+            "select_launch_env": os.environ.get("OPENM3_SELECT_LAUNCH")}
+    # Time the kernels, not the O(T * topk) value checks of block_idx (select_blocks' output is trusted).
+    from openm3.ops.msa import triton_attention
+    triton_attention.VALIDATE_BLOCK_IDX = False
+    meta["note"] = "block_idx value validation off while timing (triton_attention.VALIDATE_BLOCK_IDX = False)"
+    print(json.dumps(meta), flush=True)
+    rows: list[dict] = []
+    for t in sorted(args.T):
+        run_T(t, args, rows)
+    if args.sweep_T:
+        sweep(args.sweep_T, args.sweep or DEFAULT_SWEEP, rows)
+    print_table(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"msa_kernels_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""MSA sparse attention in Triton: forward, and backward (dq query-outer, dk/dv key-block-outer).
+
+Public entry: `sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size, scale=None, cu_seqlens_k=None)
+-> (o [T, Hq, D], lse fp32 [T, Hq])`, the same contract as `reference.sparse_attention`.
+
+Schedule (details and cost floors in docs/kernels_attention.md):
+- Query tiles. A program owns `tokens_per_tile` consecutive query tokens times the `G = Hq // Hkv` query heads of
+  one KV group: a [block_m, D] tile, rows ordered (token, head). With M3's G = 16 a tile is one token's 16 heads.
+  With smaller groups several tokens share a tile; their selections differ, so the program walks the *union* of
+  their blocks (sorted, deduplicated with torch ops beforehand) and masks each row to the blocks its own token
+  chose (a [block_m, topk] membership test per block, cheap next to the two dots). Blocks are addressed by
+  absolute key row, so a tile may straddle a sequence boundary; causality is `key_row <= qpos[row]`.
+- Forward: online softmax (exp2 domain) over the candidate blocks, fp32 accumulators, writes o and lse.
+- Backward: delta = rowsum(dO * O) in torch; dq with the forward's tiling, recomputing P from lse;
+  dk/dv key-block-outer: one program per (group, key sub-block, chunk of at most `dkdv_max_tokens` queries
+  that selected that block), walking those queries (from an inverse index built with one sort) in steps of
+  whole tokens. Only hot blocks split into several chunks need atomics (fp32 adds of one [block_n, D] tile per
+  chunk); all other tiles are written once.
+
+Launch parameters come from `triton_common.attention_launch` (one place, overridable for tuning).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import (check_attention_inputs, check_block_idx, check_block_params, check_scale,
+                      check_seqlens)
+from .triton_common import (absolute_block_starts, attention_launch, interpreting, key_block_work, next_pow2,
+                            query_positions, tile_candidates)
+
+__all__ = ["sparse_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _load_query_tile(X, tok, head, row_ok, d, d_ok, stride_t, stride_h):
+    """[BLOCK_M, BLOCK_D] rows (tok, head) of a [T, H, D] tensor."""
+    ptrs = X + tok[:, None].to(tl.int64) * stride_t + head[:, None] * stride_h + d[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _load_key_tile(X, kpos, k_ok, g, d, d_ok, stride_t, stride_h):
+    """[BLOCK_N, BLOCK_D] rows kpos of head g of a [Tk, Hkv, D] tensor."""
+    ptrs = X + kpos[:, None].to(tl.int64) * stride_t + g * stride_h + d[None, :]
+    return tl.load(ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _visible(kpos, k_ok, qpos, sel, start, TOKENS: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask: causal, inside the key tensor and, for multi-token tiles, a block the row's own
+    token selected (`sel` holds each row's selected block starts)."""
+    visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
+    if TOKENS > 1:
+        member = tl.sum((sel == start).to(tl.int32), axis=1) > 0
+        visible = visible & member[:, None]
+    return visible
+
+
+@triton.jit
+def _fwd_step(q, qpos, sel, m_i, l_i, acc, K, V, cand_base, step, g, d, d_ok, Tk,
+              stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+              N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One [BLOCK_N] key tile of the online softmax (exp2 domain)."""
+    start = tl.load(cand_base + step // N_SUB)
+    kpos = start + (step % N_SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = kpos < Tk
+    k = _load_key_tile(K, kpos, k_ok, g, d, d_ok, stride_kt, stride_kh)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(_visible(kpos, k_ok, qpos, sel, start, TOKENS), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_key_tile(V, kpos, k_ok, g, d, d_ok, stride_vt, stride_vh)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_tile_rows(Q, QPOS, SEL, tile, g, T, stride_qt, stride_qh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOPK: tl.constexpr,
+                    BLOCK_TOPK: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr):
+    """Row bookkeeping of a query tile: rows are (token, head) = (tile * TOKENS + r // GROUP, g * GROUP + r % GROUP)."""
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile * TOKENS + rows // GROUP
+    head = g * GROUP + rows % GROUP
+    row_ok = (rows < TOKENS * GROUP) & (tok < T)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = _load_query_tile(Q, tok, head, row_ok, d, d_ok, stride_qt, stride_qh)
+    qpos = tl.load(QPOS + tok, mask=row_ok, other=-1)
+    slot = tl.arange(0, BLOCK_TOPK)
+    if TOKENS > 1:
+        sel = tl.load(SEL + (g * T + tok[:, None]).to(tl.int64) * TOPK + slot[None, :],
+                      mask=row_ok[:, None] & (slot[None, :] < TOPK), other=-2)
+    else:  # one token per tile: every candidate block is the row's own, no membership test
+        sel = tl.zeros([BLOCK_M, BLOCK_TOPK], dtype=tl.int32)
+    return tok, head, row_ok, d, d_ok, q, qpos, sel
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, QPOS, SEL, CAND, NCAND,
+    T, Tk, n_tiles, cand_stride,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+):
+    """o, lse of one query tile (grid: n_tiles x Hkv). LSE is [T, Hq] fp32 contiguous."""
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    tok, head, row_ok, d, d_ok, q, qpos, sel = _load_tile_rows(
+        Q, QPOS, SEL, tile, g, T, stride_qt, stride_qh,
+        GROUP, HEAD_DIM, BLOCK_D, TOPK, BLOCK_TOPK, BLOCK_M, TOKENS)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    cand_base = CAND + (g * n_tiles + tile).to(tl.int64) * cand_stride
+    N_SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    n_steps = tl.load(NCAND + g * n_tiles + tile) * N_SUB
+    if WHILE_LOOPS:  # the CPU interpreter cannot use a loaded scalar as a range() bound
+        step = 0
+        while step < n_steps:
+            m_i, l_i, acc = _fwd_step(q, qpos, sel, m_i, l_i, acc, K, V, cand_base, step, g, d, d_ok, Tk,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                                      N_SUB, BLOCK_N, TOKENS, DOT_PRECISION)
+            step += 1
+    else:
+        for step in range(0, n_steps):
+            m_i, l_i, acc = _fwd_step(q, qpos, sel, m_i, l_i, acc, K, V, cand_base, step, g, d, d_ok, Tk,
+                                      stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                                      N_SUB, BLOCK_N, TOKENS, DOT_PRECISION)
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # x ln 2
+    o_ptrs = O + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + tok.to(tl.int64) * (GROUP * tl.num_programs(1)) + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_step(q, do, lse2, delta, qpos, sel, dq, K, V, cand_base, step, g, d, d_ok, Tk,
+             stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+             N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dq += dS @ K over one [BLOCK_N] key tile, P recomputed from lse (log2 domain)."""
+    start = tl.load(cand_base + step // N_SUB)
+    kpos = start + (step % N_SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = kpos < Tk
+    k = _load_key_tile(K, kpos, k_ok, g, d, d_ok, stride_kt, stride_kh)
+    v = _load_key_tile(V, kpos, k_ok, g, d, d_ok, stride_vt, stride_vh)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    p = tl.where(_visible(kpos, k_ok, qpos, sel, start, TOKENS), tl.math.exp2(s - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attn_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, SEL, CAND, NCAND,
+    T, Tk, n_tiles, cand_stride,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+):
+    """dq of one query tile (grid: n_tiles x Hkv). DO and DQ share q's strides; LSE, DELTA are [T, Hq] fp32."""
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    num_heads = GROUP * tl.num_programs(1)
+    tok, head, row_ok, d, d_ok, q, qpos, sel = _load_tile_rows(
+        Q, QPOS, SEL, tile, g, T, stride_qt, stride_qh,
+        GROUP, HEAD_DIM, BLOCK_D, TOPK, BLOCK_TOPK, BLOCK_M, TOKENS)
+    do = _load_query_tile(DO, tok, head, row_ok, d, d_ok, stride_qt, stride_qh)
+    lse = tl.load(LSE + tok.to(tl.int64) * num_heads + head, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # no keys: P = 0
+    delta = tl.load(DELTA + tok.to(tl.int64) * num_heads + head, mask=row_ok, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    cand_base = CAND + (g * n_tiles + tile).to(tl.int64) * cand_stride
+    N_SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    n_steps = tl.load(NCAND + g * n_tiles + tile) * N_SUB
+    if WHILE_LOOPS:
+        step = 0
+        while step < n_steps:
+            dq = _dq_step(q, do, lse2, delta, qpos, sel, dq, K, V, cand_base, step, g, d, d_ok, Tk,
+                          stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, N_SUB, BLOCK_N, TOKENS,
+                          DOT_PRECISION)
+            step += 1
+    else:
+        for step in range(0, n_steps):
+            dq = _dq_step(q, do, lse2, delta, qpos, sel, dq, K, V, cand_base, step, g, d, d_ok, Tk,
+                          stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, N_SUB, BLOCK_N, TOKENS,
+                          DOT_PRECISION)
+
+    dq_ptrs = DQ + tok[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, TOKENS_LIST, j, hi, g,
+               stride_qt, stride_qh, qk_scale, d, d_ok,
+               NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """Accumulate dk, dv of one key tile over the next TOKENS queries `TOKENS_LIST[j : j + TOKENS]`."""
+    rows = tl.arange(0, BLOCK_M)
+    head = g * GROUP + rows % GROUP
+    idx = j + rows // GROUP
+    row_ok = (rows < TOKENS * GROUP) & (idx < hi)
+    tok = tl.load(TOKENS_LIST + idx, mask=row_ok, other=0)
+    q = _load_query_tile(Q, tok, head, row_ok, d, d_ok, stride_qt, stride_qh)
+    do = _load_query_tile(DO, tok, head, row_ok, d, d_ok, stride_qt, stride_qh)
+    lse = tl.load(LSE + tok.to(tl.int64) * NUM_HEADS + head, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + tok.to(tl.int64) * NUM_HEADS + head, mask=row_ok, other=0.0)
+    qpos = tl.load(QPOS + tok, mask=row_ok, other=-1)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & row_ok[:, None]
+    p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS,
+    TOKENS_LIST, ITEM_BUCKET, ITEM_LO, ITEM_HI, ITEM_SPLIT, BLOCK_START, BLOCK_END,
+    num_block_slots,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dt, stride_dh,
+    qk_scale, sm_scale,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+):
+    """dk, dv of one [BLOCK_N] key sub-block of one group over one chunk of the queries that selected it
+    (grid: work items x sub-blocks per selection block). DO shares q's strides; DK/DV are fp32 [Tk, Hkv, D]."""
+    item = tl.program_id(0)
+    sub = tl.program_id(1)
+    lo = tl.load(ITEM_LO + item)
+    hi = tl.load(ITEM_HI + item)
+    bucket = tl.load(ITEM_BUCKET + item)
+    g = bucket // num_block_slots
+    gb = bucket % num_block_slots
+    kstart = tl.load(BLOCK_START + gb) + sub * BLOCK_N
+    kend = tl.load(BLOCK_END + gb)
+    if (hi > lo) & (kstart < kend):
+        kpos = kstart + tl.arange(0, BLOCK_N)
+        k_ok = kpos < kend  # a partial last block must not touch the next sequence's keys
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        k = _load_key_tile(K, kpos, k_ok, g, d, d_ok, stride_kt, stride_kh)
+        v = _load_key_tile(V, kpos, k_ok, g, d, d_ok, stride_vt, stride_vh)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        if WHILE_LOOPS:
+            j = lo
+            while j < hi:
+                dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, TOKENS_LIST, j, hi, g,
+                                    stride_qt, stride_qh, qk_scale, d, d_ok,
+                                    NUM_HEADS, GROUP, BLOCK_M, TOKENS, DOT_PRECISION)
+                j += TOKENS
+        else:
+            for j in range(lo, hi, TOKENS):
+                dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, TOKENS_LIST, j, hi, g,
+                                    stride_qt, stride_qh, qk_scale, d, d_ok,
+                                    NUM_HEADS, GROUP, BLOCK_M, TOKENS, DOT_PRECISION)
+        offs = kpos[:, None].to(tl.int64) * stride_dt + g * stride_dh + d[None, :]
+        out_ok = k_ok[:, None] & d_ok[None, :]
+        if tl.load(ITEM_SPLIT + item) != 0:  # a hot block split over several programs: sum their parts
+            tl.atomic_add(DK + offs, dk * sm_scale, mask=out_ok)
+            tl.atomic_add(DV + offs, dv, mask=out_ok)
+        else:
+            tl.store(DK + offs, dk * sm_scale, mask=out_ok)
+            tl.store(DV + offs, dv, mask=out_ok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs are compared against the fp32 reference: no TF32 rounding.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _launch_common(q, k, block_size):
+    t, hq, dim = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    launch = attention_launch(group, dim, block_size, q.dtype, q.is_cuda)
+    return t, hq, hkv, group, dim, launch
+
+
+def _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens):
+    seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
+    sel = absolute_block_starts(block_idx, seq, cu_seqlens_k, block_size).contiguous()
+    cand, ncand = tile_candidates(sel, tokens)
+    return seq, qpos, sel, cand, ncand
+
+
+def _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):
+    t, hq, hkv, group, dim, launch = _launch_common(q, k, block_size)
+    tokens = launch.tokens_per_tile(group)
+    _, qpos, sel, cand, ncand = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens)
+    o = torch.empty_like(q)
+    lse = torch.empty((t, hq), device=q.device, dtype=torch.float32)
+    topk = block_idx.shape[-1]
+    n_tiles = cand.shape[1]
+    if t == 0:
+        return o, lse
+    _attn_fwd_kernel[(n_tiles, hkv)](
+        q, k, v, o, lse, qpos, sel, cand, ncand,
+        t, k.shape[0], n_tiles, cand.shape[2],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+        scale * _LOG2E,
+        GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), TOPK=topk, BLOCK_TOPK=next_pow2(topk),
+        BLOCK_SIZE=block_size, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, TOKENS=tokens,
+        DOT_PRECISION=_dot_precision(q.dtype), WHILE_LOOPS=interpreting(),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):
+    t, hq, hkv, group, dim, launch = _launch_common(q, k, block_size)
+    tk = k.shape[0]
+    # The kernels index dO and dq with q's strides: give all three one dense layout (a copy only for a q that is
+    # a strided view, e.g. a slice of a fused qkv projection).
+    dq = torch.empty_like(q)
+    if dq.stride() != q.stride():
+        q = q.contiguous()
+    if do.stride() != q.stride():
+        do = torch.empty_like(q).copy_(do)
+    dk = torch.zeros((tk, hkv, dim), device=q.device, dtype=torch.float32)
+    dv = torch.zeros_like(dk)
+    if t == 0:
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    delta = (do.float() * o.float()).sum(-1).contiguous()
+    lse = lse.contiguous()
+    topk = block_idx.shape[-1]
+    precision = _dot_precision(q.dtype)
+
+    tokens = launch.tokens_per_tile(group)
+    seq, qpos, sel, cand, ncand = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens)
+    n_tiles = cand.shape[1]
+    _attn_dq_kernel[(n_tiles, hkv)](
+        q, k, v, do, lse, delta, dq, qpos, sel, cand, ncand,
+        t, tk, n_tiles, cand.shape[2],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        scale * _LOG2E, scale,
+        GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), TOPK=topk, BLOCK_TOPK=next_pow2(topk),
+        BLOCK_SIZE=block_size, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, TOKENS=tokens,
+        DOT_PRECISION=precision, WHILE_LOOPS=interpreting(),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+
+    work = key_block_work(block_idx, seq, cu_seqlens_k, tk, block_size, launch.dkdv_max_tokens)
+    n_sub = block_size // launch.block_n
+    _attn_dkdv_kernel[(work.lo.numel(), n_sub)](
+        q, k, v, do, lse, delta, dk, dv, qpos,
+        work.tokens, work.bucket, work.lo, work.hi, work.split, work.block_start, work.block_end,
+        work.num_block_slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dk.stride(0), dk.stride(1),
+        scale * _LOG2E, scale,
+        NUM_HEADS=hq, GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim),
+        BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.block_n, TOKENS=launch.dkdv_tokens(group),
+        DOT_PRECISION=precision, WHILE_LOOPS=interpreting(),
+        num_warps=launch.dkdv_num_warps, num_stages=launch.num_stages,
+    )
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.library ops (traceable by torch.compile) and autograd
+
+
+@torch.library.custom_op("openm3::msa_sparse_attn_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, cu_seqlens: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("openm3::msa_sparse_attn_bwd", mutates_args=())
+def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+            lse: torch.Tensor, block_idx: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor,
+            block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale):
+    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale):
+        o, lse = torch.ops.openm3.msa_sparse_attn_fwd(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size,
+                                                      scale)
+        ctx.save_for_backward(q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k)
+        ctx.block_size = block_size
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = torch.ops.openm3.msa_sparse_attn_bwd(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k,
+                                                          ctx.block_size, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public function
+
+
+# Value checks of block_idx synchronise with the device and cost a few sorts of [Hkv, T, topk]; benchmarks of the
+# kernels alone may switch them off (`triton_attention.VALIDATE_BLOCK_IDX = False`).
+VALIDATE_BLOCK_IDX = True
+
+
+def _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale) -> None:
+    """The reference's validation plus what the kernels additionally need."""
+    _, hkv, _ = check_attention_inputs(q, k, v)
+    check_block_params(block_size=block_size)
+    check_scale(scale)
+    segments = check_seqlens(cu_seqlens, q.shape[0], cu_seqlens_k, k.shape[0], device=q.device)
+    if block_idx is None or not isinstance(block_idx, torch.Tensor):
+        raise ValueError("block_idx must be an int32 tensor of shape [Hi, T, topk]")
+    if block_idx.device != q.device:
+        raise ValueError(f"block_idx must be on q's device {q.device}, got {block_idx.device}")
+    check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size, values=VALIDATE_BLOCK_IDX)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q: the Triton kernels take float16, bfloat16 or float32, got {q.dtype}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name}: the Triton kernels need a contiguous last (head_dim) dimension, "
+                             f"got strides {x.stride()}")
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor,
+                     cu_seqlens: torch.Tensor, *, block_size: int, scale: float | None = None,
+                     cu_seqlens_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax attention of each query over the keys of its selected blocks (Triton).
+
+    q: [T, Hq, D]; k, v: [Tk, Hkv, D]; block_idx: int32 [Hkv, T, topk] block numbers relative to each sequence
+    start, -1 in unused slots; cu_seqlens: int32 [B+1] query offsets; cu_seqlens_k: int32 [B+1] key offsets
+    (default cu_seqlens; queries are the last tokens of their sequence). scale defaults to 1/sqrt(D).
+    Returns o [T, Hq, D] in q.dtype and lse fp32 [T, Hq] (natural log; -inf for a query with no visible key).
+    Differentiable in q, k, v.
+    """
+    _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
+    if cu_seqlens_k is None:
+        cu_seqlens_k = cu_seqlens
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return _SparseAttention.apply(q, k, v, block_idx.contiguous(), cu_seqlens, cu_seqlens_k, block_size,
+                                  float(scale))

@@ -1,0 +1,248 @@
+"""Helpers shared by the MSA Triton kernels: token/block bookkeeping built with torch ops, and launch configs.
+
+Everything here is plain PyTorch on the kernels' device (no Triton import), so it can be unit-tested anywhere.
+
+Conventions (packed varlen, see `reference.py`):
+- `cu_seqlens` int32 [B+1] delimits the queries of each sequence, `cu_seqlens_k` int32 [B+1] its keys. Query `i`
+  of sequence `b` sits at key position `kv_len_b - q_len_b + i` of its sequence (bottom-right causal alignment).
+- Kernels address keys by **absolute** row in the packed key tensor, so a block is identified by its first key
+  row `cu_seqlens_k[b] + block * block_size`; this is unique across sequences, which lets one tile of queries
+  span a sequence boundary.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Sentinel for "no block" after sorting (sorts after every real key row).
+NO_BLOCK = torch.iinfo(torch.int32).max
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def query_positions(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, num_tokens: int):
+    """Sequence and absolute key-space position of every packed query.
+
+    Returns `(seq [T] int64, qpos [T] int32)`: `seq[t]` is the sequence of query t and `qpos[t]` the absolute key
+    row of its own position, so key row `j` is causally visible to query t iff `cu_seqlens_k[seq[t]] <= j <=
+    qpos[t]`.
+    """
+    cu_q = cu_seqlens.to(torch.int64)
+    cu_k = cu_seqlens_k.to(torch.int64)
+    t = torch.arange(num_tokens, device=cu_q.device, dtype=torch.int64)
+    seq = torch.searchsorted(cu_q, t, right=True) - 1
+    q_len = cu_q[1:] - cu_q[:-1]
+    k_len = cu_k[1:] - cu_k[:-1]
+    qpos = cu_k[seq] + (k_len - q_len)[seq] + (t - cu_q[seq])
+    return seq, qpos.to(torch.int32)
+
+
+def absolute_block_starts(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                          block_size: int) -> torch.Tensor:
+    """First absolute key row of every selected block.
+
+    block_idx: int32 [H, T, topk] (block numbers relative to each sequence, -1 unused); seq: [T] from
+    `query_positions`. Returns int32 [H, T, topk], -1 where block_idx is -1. Computed in int32 (key rows < 2^31)
+    so the transient workspace stays at the size of block_idx.
+    """
+    base = cu_seqlens_k.to(torch.int32)[seq].view(1, -1, 1)
+    return torch.where(block_idx >= 0, block_idx * block_size + base, -1).to(torch.int32)
+
+
+# Tiles per sort in `tile_candidates`: bounds the sort's transient int64 indices to ~tiles * width * 8 bytes.
+_TILES_PER_SORT = 1 << 16
+
+
+def tile_candidates(block_starts: torch.Tensor, tokens_per_tile: int):
+    """Union of the selected blocks of each tile of `tokens_per_tile` consecutive queries.
+
+    block_starts: int32 [H, T, topk] from `absolute_block_starts`. Returns `(cand, ncand)`: cand int32
+    [H, n_tiles, tokens_per_tile * topk] holds each tile's distinct block starts, padded with `NO_BLOCK`; ncand
+    int32 [H, n_tiles] counts them. For several tokens per tile they are sorted ascending and deduplicated (two
+    sorts, done in chunks of tiles to bound the workspace). For one token per tile the selection is its own
+    candidate list: valid blocks are distinct and left-packed by contract (`-1` only in trailing slots).
+    No host synchronisation.
+    """
+    h, t, topk = block_starts.shape
+    if tokens_per_tile == 1:
+        ncand = (block_starts >= 0).sum(dim=-1, dtype=torch.int32)
+        return block_starts.contiguous(), ncand
+    n_tiles = -(-t // tokens_per_tile)
+    pad = n_tiles * tokens_per_tile - t
+    x = torch.where(block_starts >= 0, block_starts, NO_BLOCK)
+    if pad:
+        x = torch.cat([x, x.new_full((h, pad, topk), NO_BLOCK)], dim=1)
+    x = x.view(h, n_tiles, tokens_per_tile * topk)
+    for lo in range(0, n_tiles, _TILES_PER_SORT):
+        part = x[:, lo:lo + _TILES_PER_SORT].sort(dim=-1).values
+        dup = torch.zeros_like(part, dtype=torch.bool)
+        dup[..., 1:] = part[..., 1:] == part[..., :-1]
+        x[:, lo:lo + _TILES_PER_SORT] = torch.where(dup, NO_BLOCK, part).sort(dim=-1).values
+    ncand = (x != NO_BLOCK).sum(dim=-1, dtype=torch.int32)
+    return x, ncand
+
+
+@dataclass(frozen=True)
+class KeyBlockWork:
+    """Inverse index for key-block-outer kernels: for each (head, key block), the queries that selected it.
+
+    `tokens` int32 [N]: query tokens grouped by bucket (bucket = head * num_block_slots + global block).
+    Work item `i` handles `tokens[lo[i]:hi[i]]` of bucket `bucket[i]` (empty when `lo == hi`); a bucket with more
+    queries than `max_tokens` is split into several items, flagged `split` (their results must be summed).
+    `block_start` / `block_end` int32 [num_block_slots]: absolute key rows [start, end) of each global block
+    (start == end for unused slots).
+    """
+
+    tokens: torch.Tensor
+    bucket: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    split: torch.Tensor
+    block_start: torch.Tensor
+    block_end: torch.Tensor
+    num_block_slots: int
+
+
+def key_block_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
+                   block_size: int, max_tokens: int) -> KeyBlockWork:
+    """Build the inverse index of `block_idx` (int32 [H, T, topk]) with torch sort ops, without host syncs.
+
+    Global block numbers run over all sequences' blocks in order; `num_block_slots = ceil(Tk / block_size) + B`
+    bounds their count, so every size here is known from shapes alone.
+    """
+    h, t, topk = block_idx.shape
+    device = block_idx.device
+    cu_k = cu_seqlens_k.to(torch.int64)
+    num_seqs = cu_k.numel() - 1
+    slots = -(-num_keys // block_size) + num_seqs
+    # Global block numbering: offset of each sequence's block 0.
+    blocks_per_seq = (cu_k[1:] - cu_k[:-1] + block_size - 1) // block_size
+    seq_block_end = torch.cumsum(blocks_per_seq, 0)
+    seq_block_off = seq_block_end - blocks_per_seq
+
+    valid = block_idx >= 0
+    heads = torch.arange(h, device=device, dtype=torch.int64).view(h, 1, 1)
+    gblock = seq_block_off[seq].view(1, t, 1) + block_idx.to(torch.int64)
+    dump = h * slots  # bucket of unused slots, sorted last and never referenced by a work item
+    bucket = torch.where(valid, heads * slots + gblock, dump).flatten()
+    token = torch.arange(t, device=device, dtype=torch.int64).view(1, t, 1).expand(h, t, topk).flatten()
+    order = torch.sort(bucket * t + token).values
+    tokens = (order % t).to(torch.int32)
+
+    counts = torch.zeros(dump + 1, device=device, dtype=torch.int64)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:dump]
+    offsets = torch.cumsum(counts, 0) - counts
+    chunks = (counts + max_tokens - 1) // max_tokens
+    chunk_end = torch.cumsum(chunks, 0)
+    num_items = dump + -(-(h * t * topk) // max_tokens)  # upper bound on sum(chunks)
+    item = torch.arange(num_items, device=device, dtype=torch.int64)
+    b = torch.searchsorted(chunk_end, item, right=True)
+    live = b < dump
+    b = b.clamp(max=dump - 1)
+    chunk = item - (chunk_end[b] - chunks[b])
+    lo = offsets[b] + chunk * max_tokens
+    hi = torch.minimum(lo + max_tokens, offsets[b] + counts[b])
+    hi = torch.where(live, hi, lo)
+
+    gb = torch.arange(slots, device=device, dtype=torch.int64)
+    sb = torch.searchsorted(seq_block_end, gb, right=True)
+    used = sb < num_seqs
+    sb = sb.clamp(max=num_seqs - 1)
+    start = cu_k[sb] + (gb - seq_block_off[sb]) * block_size
+    end = torch.minimum(start + block_size, cu_k[sb + 1])
+    start = torch.where(used, start, num_keys)
+    end = torch.where(used, end, num_keys)
+    return KeyBlockWork(tokens=tokens, bucket=b.to(torch.int32), lo=lo.to(torch.int32), hi=hi.to(torch.int32),
+                        split=(chunks[b] > 1).to(torch.int32), block_start=start.to(torch.int32),
+                        block_end=end.to(torch.int32), num_block_slots=slots)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch configuration: the one place to tune the attention kernels.
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Launch parameters of the sparse-attention kernels.
+
+    block_m: rows of a query tile = tokens_per_tile * group heads (padded to a power of two, >= 16 for tl.dot).
+    block_n: keys per inner tile; divides the selection block size.
+    dkdv_block_m: rows per step of the key-block-outer dk/dv kernel (whole tokens of group heads).
+    dkdv_max_tokens: queries handled by one dk/dv work item before a hot block is split across programs.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    dkdv_block_m: int
+    dkdv_num_warps: int
+    dkdv_max_tokens: int
+
+    def tokens_per_tile(self, group: int) -> int:
+        return max(1, self.block_m // group)
+
+    def dkdv_tokens(self, group: int) -> int:
+        return max(1, self.dkdv_block_m // group)
+
+
+# Overrides for tuning on the GPU: OPENM3_ATTN_LAUNCH="block_m=32,block_n=64,num_warps=4".
+_ENV_OVERRIDE = "OPENM3_ATTN_LAUNCH"
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtype, on_gpu: bool,
+                     **overrides) -> AttentionLaunch:
+    """Pick launch parameters for a (group size, head dim, block size, dtype) problem.
+
+    `overrides` (or the `OPENM3_ATTN_LAUNCH` environment variable, `key=value,...`) replace single fields.
+    """
+    min_rows = 16  # tl.dot's minimum M on GPUs
+    if on_gpu:
+        block_m = next_pow2(max(min_rows, group))
+        block_n = _largest_pow2_divisor(block_size, 128 if head_dim <= 64 else 64)
+        cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2,
+                   dkdv_block_m=max(block_m, 32), dkdv_num_warps=4 if head_dim <= 64 else 8, dkdv_max_tokens=2048)
+    else:
+        # The CPU interpreter pays per operation, not per element: few programs with large tiles run fastest.
+        block_m = next_pow2(max(64, group))
+        cfg = dict(block_m=block_m, block_n=_largest_pow2_divisor(block_size, 64), num_warps=4, num_stages=1,
+                   dkdv_block_m=block_m, dkdv_num_warps=4, dkdv_max_tokens=64)
+    env = os.environ.get(_ENV_OVERRIDE, "")
+    for item in filter(None, (s.strip() for s in env.split(","))):
+        key, _, value = item.partition("=")
+        cfg[key.strip()] = int(value)
+    cfg.update(overrides)
+    unknown = set(cfg) - set(AttentionLaunch.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"attention launch: unknown fields {sorted(unknown)}; known: "
+                         f"{sorted(AttentionLaunch.__dataclass_fields__)}")
+    launch = AttentionLaunch(**cfg)
+    if launch.block_m < group or launch.dkdv_block_m < group:
+        raise ValueError(f"attention launch: block_m={launch.block_m} / dkdv_block_m={launch.dkdv_block_m} "
+                         f"must hold a whole group of {group} query heads")
+    if block_size % launch.block_n:
+        raise ValueError(f"attention launch: block_n={launch.block_n} must divide block_size={block_size}")
+    for name in ("block_m", "block_n", "dkdv_block_m"):
+        value = getattr(launch, name)
+        if value & (value - 1):
+            raise ValueError(f"attention launch: {name}={value} must be a power of two")
+    return launch
