@@ -55,20 +55,27 @@ def test_auto_picks_grouped_for_bf16():
     assert layer.experts.resolved_impl(x.float()) == "reference"
 
 
-@pytest.mark.parametrize("tokens", [1, 2048], ids=["T1", "T2048"])
-def test_grouped_bf16_error_within_twice_reference_error(tokens):
+@pytest.mark.parametrize("tokens,draws", [(1, 16), (2048, 1)], ids=["T1x16", "T2048"])
+def test_grouped_bf16_error_within_twice_reference_error(tokens, draws):
+    """Errors are summed (in quadrature) over `draws` independent inputs: with one token a single rounding event
+    decides a gradient's error, so one draw says nothing about the method's precision."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     exact_layer, layer = small_moe(torch.float32), small_moe(torch.bfloat16)
     hidden = layer.gate.weight.shape[1]
-    x = torch.randn(tokens, hidden, device="cuda", generator=gen)
-    grad = torch.randn(tokens, hidden, device="cuda", generator=gen)
-    exact = run(exact_layer, x, grad, "reference")
-    ref16 = run(layer, x.bfloat16(), grad.bfloat16(), "reference")
-    fast16 = run(layer, x.bfloat16(), grad.bfloat16(), "grouped")
-    for name, want in exact.items():
-        err_ref = (ref16[name].float() - want).norm().item()
-        err_fast = (fast16[name].float() - want).norm().item()
-        assert err_fast <= 2 * err_ref + 1e-3 * want.norm().item(), f"{name}: {err_fast:.3g} vs bf16 ref {err_ref:.3g}"
+    err_ref, err_fast, scale = {}, {}, {}
+    for _ in range(draws):
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen)
+        grad = torch.randn(tokens, hidden, device="cuda", generator=gen)
+        exact = run(exact_layer, x, grad, "reference")
+        ref16 = run(layer, x.bfloat16(), grad.bfloat16(), "reference")
+        fast16 = run(layer, x.bfloat16(), grad.bfloat16(), "grouped")
+        for name, want in exact.items():
+            err_ref[name] = err_ref.get(name, 0.0) + (ref16[name].float() - want).norm().item() ** 2
+            err_fast[name] = err_fast.get(name, 0.0) + (fast16[name].float() - want).norm().item() ** 2
+            scale[name] = scale.get(name, 0.0) + want.norm().item() ** 2
+    for name in err_ref:
+        e_ref, e_fast, norm = err_ref[name] ** 0.5, err_fast[name] ** 0.5, scale[name] ** 0.5
+        assert e_fast <= 2 * e_ref + 1e-3 * norm, f"{name}: {e_fast:.3g} vs bf16 ref {e_ref:.3g}"
 
 
 def test_grouped_fp32_equals_reference():

@@ -22,28 +22,48 @@ def packed_ids(lengths: list[int], vocab: int, seed: int) -> tuple[torch.Tensor,
     return ids, cu
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_backend_matches_reference_on_gpu(dtype):
-    """The model on CUDA: the Triton MSA kernels give the reference's logits, KL and gradients."""
+def run_model(model: M3TextModel, ids, cu, backend: str):
+    """Logits, indexer KL and parameter gradients (fp32 copies) of one training forward/backward."""
+    model.zero_grad(set_to_none=True)
+    with msa.use_backend(backend):
+        out = model(ids, cu_seqlens=cu, return_kl=True)
+        (out.logits.float().logsumexp(-1).mean() + out.indexer_kl).backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.float().detach(), out.indexer_kl.float().detach(), grads
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def test_triton_backend_matches_reference_on_gpu_fp32():
+    """The model on CUDA in fp32: the Triton MSA kernels give the reference's logits, KL and gradients."""
     torch.manual_seed(0)
-    model = M3TextModel(tiny(index_topk_blocks=2)).to("cuda", dtype).train()
-    ids, cu = packed_ids([150, 93], 128, seed=8)
-    ids, cu = ids.cuda(), cu.cuda()
-    results = {}
-    for backend in ("reference", "triton"):
-        model.zero_grad(set_to_none=True)
-        with msa.use_backend(backend):
-            out = model(ids, cu_seqlens=cu, return_kl=True)
-            (out.logits.float().logsumexp(-1).mean() + out.indexer_kl).backward()
-        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-        results[backend] = (out.logits.float(), out.indexer_kl.float(), grads)
-    (ref_logits, ref_kl, ref_grads), (logits, kl, grads) = results["reference"], results["triton"]
-    tol = 1e-3 if dtype == torch.float32 else 3e-2
-    assert ((logits - ref_logits).norm() / ref_logits.norm()).item() < tol
-    assert abs(kl.item() - ref_kl.item()) <= tol * max(1.0, abs(ref_kl.item()))
+    model = M3TextModel(tiny(index_topk_blocks=2)).to("cuda").train()
+    ids, cu = (t.cuda() for t in packed_ids([150, 93], 128, seed=8))
+    ref_logits, ref_kl, ref_grads = run_model(model, ids, cu, "reference")
+    logits, kl, grads = run_model(model, ids, cu, "triton")
+    assert rel(logits, ref_logits) < 1e-3
+    assert abs(kl.item() - ref_kl.item()) <= 1e-3 * max(1.0, abs(ref_kl.item()))
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
-        assert ((g - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-12)).item() < 10 * tol, name
+        assert rel(g, ref_grads[name]) < 1e-2, name
+
+
+def test_triton_backend_bf16_error_within_twice_bf16_pytorch():
+    """bf16 model with the Triton kernels vs the fp32 model: error at most 2x that of the same bf16 model run with
+    the PyTorch reference ops (the issue's bound), for logits and the KL."""
+    torch.manual_seed(0)
+    model = M3TextModel(tiny(index_topk_blocks=2)).to("cuda").train()
+    ids, cu = (t.cuda() for t in packed_ids([150, 93], 128, seed=8))
+    exact_logits, exact_kl, _ = run_model(model, ids, cu, "reference")
+    model = model.to(torch.bfloat16)
+    ref_logits, ref_kl, _ = run_model(model, ids, cu, "reference")
+    logits, kl, _ = run_model(model, ids, cu, "triton")
+    err_ref, err_tri = rel(ref_logits, exact_logits), rel(logits, exact_logits)
+    print(f"bf16 logits rel err vs fp32: reference ops {err_ref:.3g}, triton {err_tri:.3g}")
+    assert err_tri <= 2 * err_ref + 1e-3
+    assert abs(kl.item() - exact_kl.item()) <= 2 * abs(ref_kl.item() - exact_kl.item()) + 1e-3 * abs(exact_kl.item())
 
 
 def test_load_pretrained_on_gpu_matches_cpu(tmp_path):
