@@ -1,0 +1,507 @@
+"""GPU self-check and timing of the MSA selection and indexer-KL Triton kernels (M3 shape, bf16, one layer).
+
+    python -m benchmarks.msa_select_kl --out benchmarks/results/            # checks + timings, ~2-3 min on an H200
+    python -m benchmarks.msa_select_kl --T 8192 131072 --skip-check          # timings only
+    TRITON_DUMP_PTXAS_LOG=1 python -m benchmarks.msa_select_kl --compile-check   # sm_90 compile, no GPU needed
+
+Shape: index 4 heads x 128 + 1 key head, main 64 query heads / 4 KV heads x 128, blocks of 128, top-16, 1 local
+block, one sequence of T tokens. The index queries drift slowly along the sequence (as a trained indexer's do), so
+neighbouring queries pick overlapping blocks.
+
+1. Checks (T in --check-T): the last `--tail` queries of a T-token sequence form a bottom-right aligned
+   sub-problem (cu_seqlens_k), cheap for the fp32 reference at any T. Selection: rows identical to the reference
+   (on the same bf16 values) and rows whose block *set* differs (only near-ties may differ). KL (sparse with the
+   attention lse, sparse without, dense at the smallest T): loss, dqi, dki errors against the fp32 reference next
+   to the error of a plain bf16 PyTorch computation (`kl_bf16_torch`); pass = kernel error <= 2x bf16 error.
+2. Timings (median ms, CUDA): select; the value checks of block_idx (kl_chk, skipped in the KL timings); the KL
+   inverse index; KL forward (no grad); KL forward+grad (what a training step runs; backward only scales); KL
+   without lse (adds the teacher-normaliser pass; T <= 32K); the cuDNN dense causal forward in the same run
+   (T <= 128K) for ratios. Achieved TFLOP/s against the FLOP counts.
+3. Workspace: peak memory of select beyond its inputs and output at the largest T.
+4. With --sweep [T ...]: select and KL timings for the launch variants in SELECT_SWEEP / KL_SWEEP.
+
+Each case runs in its own try/except: a failure is printed with its traceback and the run continues.
+Writes JSON (GPU, versions, date, every figure) to --out/msa_select_kl.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
+BLOCK, TOPK, LOCAL = 128, 16, 1
+GIB = 1024 ** 3
+DEVICE = "cuda"  # the timing cases' device (a CPU smoke test of this script sets "cpu" under the interpreter)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs, timing, errors
+
+
+def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0, main: bool = True) -> dict:
+    """q [T,64,128], k [T,4,128], v [T,4,128] (only if `main`), qi [T,4,128], ki [T,128] (all `dtype`)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    anchors = randn(t // 512 + 2, HI, DI)
+    pos = torch.arange(t, device=device, dtype=torch.float32) / 512
+    lo = pos.floor().long()
+    w = (pos - lo).view(t, 1, 1)
+    qi = anchors[lo] * (1 - w) + anchors[lo + 1] * w + 0.3 * randn(t, HI, DI)
+    x = dict(qi=qi.to(dtype), ki=randn(t, DI).to(dtype))
+    if main:
+        x.update(q=randn(t, HQ, D).to(dtype), k=randn(t, HKV, D).to(dtype), v=randn(t, HKV, D).to(dtype))
+    return x
+
+
+def bench_ms(fn, reps: int = 5) -> float:
+    """Median of `reps` timed calls after one warm-up call (compiles), CUDA events."""
+    times = []
+    for i in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max |ref| (|x - ref| / |ref| for scalars)."""
+    x, ref = x.double(), ref.double()
+    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def kl_bf16_torch(q, k, qi, ki, block_idx, *, scale, index_scale, lse=None, chunk: int = 32):
+    """Sparse indexer KL in plain PyTorch in the inputs' dtype: the low-precision baseline of the checks.
+
+    One sequence whose T queries are the last T of its Tk keys; block_idx [Hi, T, topk]. Returns
+    (loss float, dqi [T, Hi, Di], dki [Tk, Di]) with gradients from autograd in the inputs' dtype.
+    """
+    t, hq, d = q.shape
+    tk, hi, _ = k.shape
+    group = hq // hi
+    qi = qi.detach().clone().requires_grad_(True)
+    ki = ki.detach().clone().requires_grad_(True)
+    k_t = k.transpose(0, 1)
+    heads = torch.arange(hi, device=q.device)[:, None, None]
+    total = 0.0
+    for c0 in range(0, t, chunk):
+        rows = slice(c0, min(c0 + chunk, t))
+        qpos = torch.arange(tk - t + c0, tk - t + rows.stop, device=q.device)
+        blocks = block_idx[:, rows].long()  # [Hi, C, K]
+        pos = (blocks[..., None] * BLOCK + torch.arange(BLOCK, device=q.device)).flatten(2)
+        valid = (blocks[..., None] >= 0).expand(*blocks.shape, BLOCK).flatten(2) & (pos <= qpos[None, :, None])
+        pos = pos.clamp(0, tk - 1)
+        q_c = q[rows].unflatten(1, (hi, group)).transpose(0, 1)  # [Hi, C, G, D]
+        s = (q_c @ k_t[heads, pos].transpose(-1, -2)) * scale  # [Hi, C, G, S]
+        s = s.masked_fill(~valid[:, :, None], -math.inf)
+        if lse is None:
+            p = torch.softmax(s, -1).mean(2)
+        else:
+            lse_c = lse[rows].unflatten(1, (hi, group)).transpose(0, 1).to(s.dtype)
+            p = (s - lse_c[..., None]).exp().mean(2)
+        z = (qi[rows].transpose(0, 1)[:, :, None, :] @ ki[pos].transpose(-1, -2)).squeeze(-2) * index_scale
+        log_r = torch.log_softmax(z.masked_fill(~valid, -math.inf), -1)
+        term = torch.where(valid, torch.special.xlogy(p, p) - p * torch.where(valid, log_r, 0.0), 0.0)
+        loss = term.sum() / (t * hi)
+        loss.backward()
+        total += loss.item()
+    return total, qi.grad, ki.grad
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks
+
+
+def check_select(x: dict, tail: int) -> dict:
+    from openm3.ops.msa import reference
+    from openm3.ops.msa.triton_select import select_blocks
+
+    t, dev = x["ki"].shape[0], x["ki"].device
+    qi = x["qi"][-tail:]
+    cu_q = torch.tensor([0, qi.shape[0]], device=dev, dtype=torch.int32)
+    cu_k = torch.tensor([0, t], device=dev, dtype=torch.int32)
+    kw = dict(block_size=BLOCK, topk=TOPK, local_blocks=LOCAL, cu_seqlens_k=cu_k)
+    out = select_blocks(qi, x["ki"], cu_q, **kw)
+    ref = reference.select_blocks(qi.float(), x["ki"].float(), cu_q, workspace=1 << 26, **kw)
+    rows_equal = (out == ref).all(-1).float().mean().item()
+    sets_equal = (out.sort(-1).values == ref.sort(-1).values).all(-1).float().mean().item()
+    res = dict(rows_identical=rows_equal, sets_identical=sets_equal, passed=sets_equal >= 0.99)
+    try:  # the TMA variant of the kernel must agree with the pointer-load one exactly
+        from openm3.ops.msa.triton_select import _select, select_launch
+
+        launch = select_launch(HI, DI, BLOCK, qi.is_cuda, tma=1)
+        res["tma_identical"] = bool(torch.equal(_select(qi, x["ki"], cu_q, cu_k, BLOCK, TOPK, LOCAL, launch=launch),
+                                                out))
+    except Exception as exc:  # noqa: BLE001 - reported, the pointer-load default is what the check covers
+        res["tma_identical"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return res
+
+
+def check_kl(x: dict, tail: int, sparse: bool, with_lse: bool) -> dict:
+    from openm3.ops.msa import reference
+    from openm3.ops.msa.triton_kl import indexer_kl
+
+    t, dev = x["ki"].shape[0], x["ki"].device
+    q, qi = x["q"][-tail:], x["qi"][-tail:]
+    cu_q = torch.tensor([0, tail], device=dev, dtype=torch.int32)
+    cu_k = torch.tensor([0, t], device=dev, dtype=torch.int32)
+    f32 = lambda y: y.detach().float().clone()  # noqa: E731 - a copy even for fp32 inputs
+    if sparse:
+        block_idx = reference.select_blocks(f32(qi), f32(x["ki"]), cu_q, block_size=BLOCK, topk=TOPK,
+                                            local_blocks=LOCAL, cu_seqlens_k=cu_k, workspace=1 << 26)
+    else:
+        nb = -(-t // BLOCK)
+        own = (torch.arange(t - tail, t, device=dev) // BLOCK)[:, None]
+        j = torch.arange(nb, device=dev)
+        block_idx = torch.where(j <= own, j, -1).to(torch.int32)[None].expand(HI, -1, -1).contiguous()
+    lse = None
+    if with_lse:
+        _, lse = reference.sparse_attention(f32(q), f32(x["k"]), f32(x["k"]), block_idx, cu_q, block_size=BLOCK,
+                                            cu_seqlens_k=cu_k, workspace=1 << 27)
+    scale, index_scale = D ** -0.5, DI ** -0.5
+    qi32, ki32 = f32(qi).requires_grad_(True), f32(x["ki"]).requires_grad_(True)
+    ref = reference.indexer_kl(f32(q), f32(x["k"]), qi32, ki32, block_idx if sparse else None, cu_q,
+                               block_size=BLOCK, lse=lse, cu_seqlens_k=cu_k, workspace=1 << 27)
+    ref.backward()
+    qi_k, ki_k = qi.detach().clone().requires_grad_(True), x["ki"].detach().clone().requires_grad_(True)
+    out = indexer_kl(q, x["k"], qi_k, ki_k, block_idx if sparse else None, cu_q, block_size=BLOCK, lse=lse,
+                     cu_seqlens_k=cu_k)
+    out.backward()
+    base_loss, base_dqi, base_dki = kl_bf16_torch(q, x["k"], qi, x["ki"], block_idx, scale=scale,
+                                                  index_scale=index_scale, lse=lse)
+    res = {}
+    for name, mine, base, r in (("loss", out.detach(), torch.tensor(base_loss), ref.detach()),
+                                ("dqi", qi_k.grad, base_dqi, qi32.grad), ("dki", ki_k.grad, base_dki, ki32.grad)):
+        e_kernel, e_base = rel_err(mine.cpu(), r.cpu()), rel_err(base.cpu(), r.cpu())
+        res[name] = dict(kernel=e_kernel, bf16_torch=e_base, ok=e_kernel <= 2 * e_base + 1e-6)
+    res["loss_value"] = float(ref)
+    res["passed"] = all(res[n]["ok"] for n in ("loss", "dqi", "dki"))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timings
+
+
+def time_case(x: dict, t: int, with_dense: bool, no_lse: bool) -> dict:
+    from openm3.ops.msa import triton_kl
+    from openm3.ops.msa._checks import check_block_idx, check_seqlens
+    from openm3.ops.msa.triton_common import query_positions
+    from openm3.ops.msa.triton_kl import _entry_work, indexer_kl, kl_launch
+    from openm3.ops.msa.triton_select import select_blocks
+
+    cu = torch.tensor([0, t], device=DEVICE, dtype=torch.int32)
+    res = {}
+
+    def select():
+        return select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+
+    res["select_ms"] = bench_ms(select)
+    res["select_tflops"] = HI * 2 * DI * t * (t + 1) / 2 / res["select_ms"] / 1e9
+    block_idx = select()
+    lse = _attention_lse(x, block_idx, cu)
+    qi, ki = x["qi"].detach().requires_grad_(True), x["ki"].detach().requires_grad_(True)
+    kw = dict(block_size=BLOCK, lse=lse)
+
+    # The value checks of block_idx (host syncs + sorts) are timed on their own; the KL timings skip them.
+    segments = check_seqlens(cu, t)
+    res["kl_validate_ms"] = bench_ms(lambda: check_block_idx(block_idx, num_heads=HI, segments=segments,
+                                                             block_size=BLOCK))
+    launch = kl_launch(HQ // HKV, D, BLOCK, True)
+    seq, _ = query_positions(cu, cu, t)
+    res["kl_index_ms"] = bench_ms(lambda: _entry_work(block_idx, seq, cu, t, BLOCK, launch.max_entries))
+    triton_kl.VALIDATE_BLOCK_IDX = False
+    try:
+        with torch.no_grad():
+            res["kl_fwd_ms"] = bench_ms(lambda: indexer_kl(x["q"], x["k"], x["qi"], x["ki"], block_idx, cu, **kw))
+
+        def fwd_bwd():
+            qi.grad = ki.grad = None
+            indexer_kl(x["q"], x["k"], qi, ki, block_idx, cu, **kw).backward()
+
+        res["kl_fwd_bwd_ms"] = bench_ms(fwd_bwd)
+        if no_lse:
+            with torch.no_grad():
+                res["kl_fwd_no_lse_ms"] = bench_ms(
+                    lambda: indexer_kl(x["q"], x["k"], x["qi"], x["ki"], block_idx, cu, block_size=BLOCK))
+    finally:
+        triton_kl.VALIDATE_BLOCK_IDX = True
+    keys = (block_idx >= 0).sum().item() * BLOCK  # upper bound on (g, t, key) pairs (partial diagonals)
+    teacher_flop = 2 * (HQ // HKV) * D * keys
+    student_flop = 2 * DI * keys * 4  # z in both passes, dqi, dki
+    res["kl_fwd_bwd_tflops"] = (teacher_flop + student_flop) / res["kl_fwd_bwd_ms"] / 1e9
+    if with_dense:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q, k, v = (x[n].transpose(0, 1).unsqueeze(0).contiguous() for n in ("q", "k", "v"))
+
+        def dense():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        res["dense_fwd_ms"] = bench_ms(dense, reps=3 if t < 100_000 else 2)
+        res["dense_over_select"] = res["dense_fwd_ms"] / res["select_ms"]
+    return res
+
+
+# Launch variants tried by --sweep (fields of SelectLaunch / KLLaunch; {} is the default).
+SELECT_SWEEP = [{}, dict(tma=1), dict(block_n=64), dict(block_m=256, block_n=64), dict(block_m=256, block_n=64, tma=1),
+                dict(num_stages=2)]
+KL_SWEEP = [{}, dict(heads_per_dot=8), dict(block_n=128), dict(max_entries=128), dict(num_warps=4),
+            dict(num_stages=1)]
+
+
+def sweep(x: dict, t: int) -> dict:
+    """Median ms of select and of the KL forward+gradient pass for each launch variant (one T)."""
+    from openm3.ops.msa.triton_kl import _kl_forward, kl_launch
+    from openm3.ops.msa.triton_select import _select, select_launch
+
+    cu = torch.tensor([0, t], device=DEVICE, dtype=torch.int32)
+    res = {}
+    for over in SELECT_SWEEP:
+        name = "select " + (",".join(f"{k}={v}" for k, v in over.items()) or "default")
+        try:
+            launch = select_launch(HI, DI, BLOCK, True, **over)
+            res[name] = bench_ms(lambda: _select(x["qi"], x["ki"], cu, cu, BLOCK, TOPK, LOCAL, launch=launch))
+        except Exception as exc:  # noqa: BLE001 - a variant may not compile or fit; report and go on
+            res[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(f"    {name}: {res[name]}", flush=True)
+    block_idx = _select(x["qi"], x["ki"], cu, cu, BLOCK, TOPK, LOCAL)
+    lse = _attention_lse(x, block_idx, cu)
+    for over in KL_SWEEP:
+        name = "kl " + (",".join(f"{k}={v}" for k, v in over.items()) or "default")
+        try:
+            launch = kl_launch(HQ // HKV, D, BLOCK, True, **over)
+            res[name] = bench_ms(lambda: _kl_forward(x["q"], x["k"], x["qi"], x["ki"], block_idx, cu, cu, lse,
+                                                     BLOCK, D ** -0.5, DI ** -0.5, True, launch=launch))
+        except Exception as exc:  # noqa: BLE001
+            res[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(f"    {name}: {res[name]}", flush=True)
+    return res
+
+
+def time_select(x: dict, t: int) -> dict:
+    from openm3.ops.msa.triton_select import select_blocks
+
+    cu = torch.tensor([0, t], device=DEVICE, dtype=torch.int32)
+    ms = bench_ms(lambda: select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL),
+                  reps=2)
+    return dict(select_ms=ms, select_tflops=HI * 2 * DI * t * (t + 1) / 2 / ms / 1e9)
+
+
+def _attention_lse(x: dict, block_idx: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """lse of the sparse attention over block_idx (Triton kernel); a placeholder if that kernel fails."""
+    try:
+        from openm3.ops.msa.triton_attention import sparse_attention
+
+        with torch.no_grad():
+            return sparse_attention(x["q"], x["k"], x["v"], block_idx, cu, block_size=BLOCK)[1]
+    except Exception:  # noqa: BLE001 - timings of the KL kernels do not depend on lse's values
+        traceback.print_exc()
+        print("  (sparse_attention failed: timing KL with a placeholder lse)")
+        return torch.full(x["q"].shape[:2], 10.0, device=DEVICE)
+
+
+def select_workspace(t: int) -> dict:
+    """Peak memory of select beyond qi, ki and block_idx at T tokens."""
+    from openm3.ops.msa.triton_select import select_blocks
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qi = torch.randn(t, HI, DI, device="cuda", generator=gen).to(torch.bfloat16)
+    ki = torch.randn(t, DI, device="cuda", generator=gen).to(torch.bfloat16)
+    cu = torch.tensor([0, t], device="cuda", dtype=torch.int32)
+    out_bytes = HI * t * TOPK * 4
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = select_blocks(qi, ki, cu, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+    end.record()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - out_bytes
+    del out
+    return dict(T=t, select_ms_single_call=start.elapsed_time(end), workspace_gib=peak / GIB)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compile check (no GPU needed)
+
+_PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+              torch.int64: "*i64"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kw)` records the launch instead of running it."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((self.kernel, args, kw))
+
+
+def compile_check(arch: int = 90) -> list[str]:
+    """Compile every selection / KL kernel variant for `sm_<arch>` with ptxas, through the real host launch paths
+    (M3 shape, bf16 CPU tensors; nothing runs). Needs TRITON_INTERPRET unset; no GPU. Returns one line per kernel.
+
+    Catches what the interpreter accepts but a GPU compile rejects (tile minimums, layouts, loop-carried types);
+    with TRITON_DUMP_PTXAS_LOG=1 ptxas also prints registers and spills per kernel.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from openm3.ops.msa import triton_kl, triton_select
+
+    launches: list = []
+    originals = (triton_select._select_kernel, triton_kl._kl_stats_kernel, triton_kl._kl_main_kernel)
+    triton_select._select_kernel = _Recorder(originals[0], launches)
+    triton_kl._kl_stats_kernel = _Recorder(originals[1], launches)
+    triton_kl._kl_main_kernel = _Recorder(originals[2], launches)
+    try:
+        t, bf16 = 512, torch.bfloat16
+        cu = torch.tensor([0, 300, t], dtype=torch.int32)
+        q, k = torch.randn(t, HQ, D).to(bf16), torch.randn(t, HKV, D).to(bf16)
+        qi, ki = torch.randn(t, HI, DI).to(bf16), torch.randn(t, DI).to(bf16)
+        for tma in (0, 1):
+            launch = triton_select.select_launch(HI, DI, BLOCK, on_gpu=True, tma=tma)
+            triton_select._select(qi, ki, cu, cu, BLOCK, TOPK, LOCAL, launch=launch)
+        pos = torch.arange(t) % 300  # position inside its sequence
+        j = torch.arange(4, dtype=torch.int32).view(1, 1, 4)
+        block_idx = torch.where(j * BLOCK <= pos.view(1, t, 1), j, -1).expand(HI, t, 4).to(torch.int32).contiguous()
+        kl = triton_kl.kl_launch(HQ // HKV, D, BLOCK, on_gpu=True)
+        scales = (D ** -0.5, DI ** -0.5)
+        triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, None, BLOCK, *scales, True, launch=kl)
+        triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, False,
+                              launch=kl)
+    finally:
+        triton_select._select_kernel = originals[0]
+        triton_kl._kl_stats_kernel, triton_kl._kl_main_kernel = originals[1:]
+    lines = []
+    for kernel, args, kw in launches:
+        sig, consts = {}, {}
+        for name, value in zip(kernel.arg_names, args):
+            if isinstance(value, TensorDescriptor):
+                dtype = _PTR_TYPES[value.base.dtype][1:]
+                sig[name] = f"tensordesc<{dtype}[{', '.join(str(b) for b in value.block_shape)}]>"
+            elif isinstance(value, torch.Tensor):
+                sig[name] = _PTR_TYPES[value.dtype]
+            else:
+                sig[name] = "i32" if isinstance(value, int) else "fp32"
+        for name, value in kw.items():
+            if name not in _LAUNCH_OPTIONS:
+                sig[name], consts[name] = "constexpr", value
+        options = {n: kw[n] for n in _LAUNCH_OPTIONS if n in kw}
+        compiled = triton_compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", arch, 32), options=options)
+        flags = {n: v for n, v in consts.items() if n in ("TEACHER", "GRAD", "USE_TMA")}
+        lines.append(f"sm_{arch} {kernel.__name__} {flags} {options} shared={compiled.metadata.shared}")
+        print(lines[-1], flush=True)
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Main
+
+
+def _run(name: str, fn, results: dict):
+    print(f"--- {name}", flush=True)
+    try:
+        out = fn()
+        results[name] = out
+        print("   ", json.dumps(out, default=float), flush=True)
+    except Exception as exc:  # noqa: BLE001 - report and continue with the next case
+        traceback.print_exc()
+        results[name] = dict(error=f"{type(exc).__name__}: {exc}")
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072, 1048576])
+    ap.add_argument("--check-T", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--tail", type=int, default=512)
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--sweep", type=int, nargs="*", default=None, metavar="T",
+                    help="also time launch variants (SELECT_SWEEP, KL_SWEEP) at these T (default 32768)")
+    ap.add_argument("--out", default="benchmarks/results/")
+    ap.add_argument("--compile-check", action="store_true",
+                    help="only compile every kernel for sm_90 (no GPU needed; TRITON_INTERPRET must be unset)")
+    args = ap.parse_args(argv)
+    if args.compile_check:
+        print(f"compiled {len(compile_check())} kernels")
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    import triton
+
+    results: dict = {}
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                shape=dict(Hq=HQ, Hkv=HKV, D=D, Hi=HI, Di=DI, block=BLOCK, topk=TOPK, local=LOCAL), dtype="bf16")
+    print(json.dumps(meta))
+    if not args.skip_check:
+        for t in args.check_T:
+            x = m3_inputs(t)
+            tail = min(args.tail, t)
+            _run(f"check_select_T{t}", lambda: check_select(x, tail), results)
+            _run(f"check_kl_sparse_lse_T{t}", lambda: check_kl(x, tail, True, True), results)
+            if t == min(args.check_T):
+                _run(f"check_kl_sparse_nolse_T{t}", lambda: check_kl(x, tail, True, False), results)
+                _run(f"check_kl_dense_T{t}", lambda: check_kl(x, tail, False, False), results)
+            del x
+    for t in args.T:
+        x = m3_inputs(t, main=t <= 200_000)
+        if t > 200_000:  # the KL is a training op; at 1M time the selection only
+            _run(f"time_select_T{t}", lambda: time_select(x, t), results)
+        else:
+            _run(f"time_T{t}", lambda: time_case(x, t, with_dense=True, no_lse=t <= 32768), results)
+        del x
+        torch.cuda.empty_cache()
+    _run(f"workspace_select_T{max(args.T)}", lambda: select_workspace(max(args.T)), results)
+    sweep_ts = [] if args.sweep is None else (args.sweep or [32768])
+    for t in sweep_ts:
+        x = m3_inputs(t)
+        _run(f"sweep_T{t}", lambda: sweep(x, t), results)
+        del x
+
+    print("\n=== summary (ms) ===")
+    print(f"{'T':>9} {'select':>8} {'TF/s':>8} {'kl_chk':>8} {'kl_idx':>8} {'kl_fwd':>8} {'kl_f+b':>8} "
+          f"{'kl_nolse':>8} {'dense_f':>8} {'dense/sel':>8}")
+    for t in args.T:
+        r = results.get(f"time_T{t}") or results.get(f"time_select_T{t}") or {}
+        cells = [r.get(k) for k in ("select_ms", "select_tflops", "kl_validate_ms", "kl_index_ms", "kl_fwd_ms",
+                                     "kl_fwd_bwd_ms", "kl_fwd_no_lse_ms", "dense_fwd_ms", "dense_over_select")]
+        print(f"{t:>9} " + " ".join(f"{c:>8.2f}" if isinstance(c, float) else f"{'-':>8}" for c in cells))
+    checks = {n: r.get("passed") for n, r in results.items() if n.startswith("check")}
+    print("checks:", checks)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "msa_select_kl.json"
+    path.write_text(json.dumps(dict(meta=meta, results=results), indent=1, default=float))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

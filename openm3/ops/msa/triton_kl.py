@@ -1,0 +1,500 @@
+"""MSA indexer KL in Triton: sparse (over `block_idx`) and dense warm-up, forward and backward into qi, ki.
+
+Public entry: `indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size, scale=None, index_scale=None,
+lse=None, cu_seqlens_k=None) -> loss`, the same contract as `reference.indexer_kl`.
+
+For index head (group) g and query t, over its key set J (keys of the selected blocks that are causal; all causal
+keys when `block_idx` is None): teacher p_j = mean over the G heads h of g of exp(q[t,h].k[j,g] * scale - lse[t,h]),
+student z_j = qi[t,g].ki[j] * index_scale, lse_z = logsumexp_J z and
+
+    loss = 1 / (Hi T) sum_{g,t} sum_J p_j (log p_j - z_j + lse_z),     dL/dz_j = (r_j - p_j) / (Hi T),
+
+with r = exp(z - lse_z) (p sums to 1 over J, as in the reference).
+
+Schedule: everything is key-block-outer, driven by an inverse index of `block_idx` (`_entry_work`): every
+(g, t, slot) with a valid block is an *entry*; entries are sorted by (g, global key block) with one torch sort,
+and each bucket is cut into work items of at most `max_entries` entries (hot blocks such as the first block of a
+sequence are selected by nearly every query, so they are split for load balance). A program owns one work item
+and one key sub-tile of `block_n` keys of that block: it loads the block's k (group g) and ki rows once and
+streams its entries in steps of `block_q` queries, gathering only their q rows (G*D values per entry, 8x less
+traffic than gathering 16 blocks of k per query for M3). Two passes:
+
+1. stats: per (entry, sub-tile) the partial log-sum-exp of z (and, only when `lse` is not given, of every
+   teacher head), written to `[Hi, T, topk * n_sub]` buffers; torch's logsumexp over the last axis combines them.
+2. main: recomputes z and the teacher p (the one pass over the teacher's q.k: it costs as much as half a sparse
+   attention forward), writes each entry's loss term, and, when a gradient is needed, the gradients too: the
+   loss is a scalar, so dL/dqi and dL/dki are computed here once and only scaled by the incoming gradient in
+   backward. dki accumulates in registers over the item's entries and is added once per item (an fp32 atomic
+   add of one [block_n, Di] tile; only split buckets collide). dqi gets one [block_q, Di] atomic add per
+   (entry, sub-tile): Hi*T*topk*Di adds in all, spread over distinct addresses.
+
+The dense warm-up variant builds the all-causal-blocks `block_idx` and runs the same passes (short sequences:
+its index has T * T / block_size entries).
+
+Launch parameters come from `kl_launch` (one place; `OPENM3_KL_LAUNCH="block_n=64,block_q=16,..."` overrides).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import (check_attention_inputs, check_block_idx, check_block_params, check_index_inputs, check_lse,
+                      check_scale, check_seqlens)
+from .triton_common import next_pow2, query_positions
+
+__all__ = ["indexer_kl", "kl_launch", "KLLaunch"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch configuration
+
+
+@dataclass(frozen=True)
+class KLLaunch:
+    """Launch parameters of the KL kernels.
+
+    block_n: keys per program (a block is split into ceil(block_size / block_n) sub-tiles), power of two >= 16.
+    block_q: entries (queries) per step, power of two >= 16 (it is the K dim of the dki dot).
+    heads_per_dot: teacher heads per q.k^T dot (rows = block_q * heads_per_dot); power of two dividing G.
+    max_entries: entries per work item before a hot key block is split over several programs.
+    """
+
+    block_n: int
+    block_q: int
+    heads_per_dot: int
+    max_entries: int
+    num_warps: int
+    num_stages: int
+
+
+_ENV_OVERRIDE = "OPENM3_KL_LAUNCH"
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overrides) -> KLLaunch:
+    """Launch parameters for `group` teacher heads per index head, head dim `head_dim`, blocks of `block_size`.
+
+    `overrides` (or `OPENM3_KL_LAUNCH="key=value,..."`) replace single fields.
+    """
+    block_n = max(16, min(next_pow2(block_size), 64 if on_gpu else 32))
+    # The interpreter's cost is per operation, not per element: big steps on CPU.
+    cfg = dict(block_n=block_n, block_q=16 if on_gpu else 64,
+               heads_per_dot=_largest_pow2_divisor(group, 4 if on_gpu else 16),
+               max_entries=256, num_warps=8 if on_gpu and head_dim >= 128 else 4,
+               num_stages=2 if on_gpu else 1)
+    env = os.environ.get(_ENV_OVERRIDE, "")
+    for item in filter(None, (s.strip() for s in env.split(","))):
+        key, _, value = item.partition("=")
+        cfg[key.strip()] = int(value)
+    cfg.update(overrides)
+    launch = KLLaunch(**cfg)
+    for name in ("block_n", "block_q"):
+        value = getattr(launch, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"kl launch: {name}={value} must be a power of two >= 16")
+    hg = launch.heads_per_dot
+    if hg < 1 or hg & (hg - 1) or group % hg:
+        raise ValueError(f"kl launch: heads_per_dot={hg} must be a power of two dividing the group size {group}")
+    if launch.max_entries < 1:
+        raise ValueError(f"kl launch: max_entries={launch.max_entries} must be >= 1")
+    return launch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _student_logits(QI, ki, e, e_ok, g, di, di_ok, T, stride_qit, stride_qih, index_scale,
+                    TOPK: tl.constexpr, INDEX_PRECISION: tl.constexpr):
+    """z [BLOCK_Q, BLOCK_N] of entries e against the key sub-tile's ki rows [BLOCK_N, BLOCK_DI]; also the qi rows
+    and the tokens."""
+    t = (e // TOPK) % T
+    qi = tl.load(QI + t[:, None].to(tl.int64) * stride_qit + g * stride_qih + di[None, :],
+                 mask=e_ok[:, None] & di_ok[None, :], other=0.0)
+    z = tl.dot(qi, tl.trans(ki), input_precision=INDEX_PRECISION) * index_scale
+    return z, qi, t
+
+
+@triton.jit
+def _teacher_logits(Q, k_t, ENTRIES, start, end, hs, g, d, d_ok, T, stride_qt, stride_qh, scale,
+                    GROUP: tl.constexpr, TOPK: tl.constexpr, BLOCK_Q: tl.constexpr, HG: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Scaled scores [BLOCK_Q * HG, BLOCK_N] of heads g*G + hs*HG + (0..HG-1) of the entries in [start, end)
+    against the key sub-tile's k rows (transposed, k_t [BLOCK_D, BLOCK_N]).
+
+    Row r is entry r // HG, head hs*HG + r % HG; also returns the rows' token and absolute head."""
+    rows = tl.arange(0, BLOCK_Q * HG)
+    idx = start + rows // HG
+    row_ok = idx < end
+    e = tl.load(ENTRIES + idx, mask=row_ok, other=0)
+    t = (e // TOPK) % T
+    head = g * GROUP + hs * HG + rows % HG
+    q = tl.load(Q + t[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale
+    return s, t, head, row_ok
+
+
+@triton.jit
+def _load_key_tiles(K, KI, g, kpos, k_ok, d, d_ok, di, di_ok, stride_kt, stride_kh, stride_kit):
+    """The key sub-tile, loaded once per program: k rows of head g transposed [BLOCK_D, BLOCK_N] and ki rows
+    [BLOCK_N, BLOCK_DI]."""
+    k_t = tl.load(K + kpos[None, :].to(tl.int64) * stride_kt + g * stride_kh + d[:, None],
+                  mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+    ki = tl.load(KI + kpos[:, None].to(tl.int64) * stride_kit + di[None, :],
+                 mask=k_ok[:, None] & di_ok[None, :], other=0.0)
+    return k_t, ki
+
+
+@triton.jit
+def _kl_stats_kernel(
+    Q, K, QI, KI, ENTRIES, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, QPOS, ZL, AL,
+    T, stride_qt, stride_qh, stride_kt, stride_kh, stride_qit, stride_qih, stride_kit, scale, index_scale,
+    GROUP: tl.constexpr, TOPK: tl.constexpr, N_SUB: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_DI: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, HG: tl.constexpr, TEACHER: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+):
+    """Partial log-sum-exp per (entry, key sub-tile): student into ZL[e * N_SUB + sub] and, if TEACHER, each
+    teacher head h of the group into AL[(e * N_SUB + sub) * GROUP + h]."""
+    # The sub-tiles of one item are neighbouring programs, so their q gathers share L2.
+    item = tl.program_id(0) // N_SUB
+    sub = tl.program_id(0) % N_SUB
+    lo = tl.load(ITEM_LO + item)
+    hi = tl.load(ITEM_HI + item)
+    g = tl.load(ITEM_G + item)
+    k0 = tl.load(ITEM_K0 + item)
+    k1 = tl.load(ITEM_K1 + item)
+    kpos = k0 + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = kpos < k1
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    di = tl.arange(0, BLOCK_DI)
+    di_ok = di < INDEX_DIM
+    k_t, ki = _load_key_tiles(K, KI, g, kpos, k_ok, d, d_ok, di, di_ok, stride_kt, stride_kh, stride_kit)
+    # A sub-tile past the block's end has no keys: its entries keep the buffers' -inf.
+    hi = tl.where(sub * BLOCK_N < k1 - k0, hi, lo)
+    for start in range(lo, hi, BLOCK_Q):
+        idx = start + tl.arange(0, BLOCK_Q)
+        e_ok = idx < hi
+        e = tl.load(ENTRIES + idx, mask=e_ok, other=0)
+        z, qi, t = _student_logits(QI, ki, e, e_ok, g, di, di_ok, T, stride_qit, stride_qih, index_scale, TOPK,
+                                   INDEX_PRECISION)
+        qp = tl.load(QPOS + t, mask=e_ok, other=-1)
+        vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
+        z = tl.where(vis, z, float("-inf"))
+        m = tl.max(z, 1)
+        m_safe = tl.where(m > float("-inf"), m, 0.0)
+        l = tl.sum(tl.exp(z - m_safe[:, None]), 1)
+        zl = tl.where(l > 0, m_safe + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(ZL + e.to(tl.int64) * N_SUB + sub, zl, mask=e_ok)
+        if TEACHER:
+            for hs in range(GROUP // HG):
+                s, t_r, head, row_ok = _teacher_logits(Q, k_t, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt,
+                                                       stride_qh, scale, GROUP, TOPK, BLOCK_Q, HG, DOT_PRECISION)
+                qp_r = tl.load(QPOS + t_r, mask=row_ok, other=-1)
+                s = tl.where(k_ok[None, :] & (kpos[None, :] <= qp_r[:, None]), s, float("-inf"))
+                m_a = tl.max(s, 1)
+                m_a = tl.where(m_a > float("-inf"), m_a, 0.0)
+                l_a = tl.sum(tl.exp(s - m_a[:, None]), 1)
+                e_r = tl.load(ENTRIES + start + tl.arange(0, BLOCK_Q * HG) // HG, mask=row_ok, other=0)
+                dst = (e_r.to(tl.int64) * N_SUB + sub) * GROUP + head - g * GROUP
+                al = tl.where(l_a > 0, m_a + tl.log(tl.where(l_a > 0, l_a, 1.0)), float("-inf"))
+                tl.store(AL + dst, al, mask=row_ok)
+
+
+@triton.jit
+def _kl_main_kernel(
+    Q, K, QI, KI, ENTRIES, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, QPOS, LSE, LSE_Z, LOSS, DQI, DKI,
+    T, stride_qt, stride_qh, stride_kt, stride_kh, stride_qit, stride_qih, stride_kit, stride_lt,
+    stride_dqt, stride_dqh, stride_dkt, scale, index_scale, grad_coef,
+    GROUP: tl.constexpr, TOPK: tl.constexpr, N_SUB: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_DI: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, HG: tl.constexpr, GRAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+):
+    """Loss term per (entry, key sub-tile) into LOSS[e * N_SUB + sub]; if GRAD, dL/dqi into DQI [T, Hi, Di] and
+    dL/dki into DKI [Tk, Di] (fp32, atomic adds), both already multiplied by index_scale / (Hi T)."""
+    # The sub-tiles of one item are neighbouring programs, so their q gathers share L2.
+    item = tl.program_id(0) // N_SUB
+    sub = tl.program_id(0) % N_SUB
+    lo = tl.load(ITEM_LO + item)
+    hi = tl.load(ITEM_HI + item)
+    g = tl.load(ITEM_G + item)
+    k0 = tl.load(ITEM_K0 + item)
+    k1 = tl.load(ITEM_K1 + item)
+    kpos = k0 + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = kpos < k1
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    di = tl.arange(0, BLOCK_DI)
+    di_ok = di < INDEX_DIM
+    k_t, ki = _load_key_tiles(K, KI, g, kpos, k_ok, d, d_ok, di, di_ok, stride_kt, stride_kh, stride_kit)
+    hi = tl.where(sub * BLOCK_N < k1 - k0, hi, lo)
+    dki = tl.zeros([BLOCK_N, BLOCK_DI], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_Q):
+        idx = start + tl.arange(0, BLOCK_Q)
+        e_ok = idx < hi
+        e = tl.load(ENTRIES + idx, mask=e_ok, other=0)
+        z, qi, t = _student_logits(QI, ki, e, e_ok, g, di, di_ok, T, stride_qit, stride_qih, index_scale, TOPK,
+                                   INDEX_PRECISION)
+        qp = tl.load(QPOS + t, mask=e_ok, other=-1)
+        vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
+        lse_z = tl.load(LSE_Z + g * T + t, mask=e_ok, other=0.0)
+        # Teacher: mean over the group's heads of exp(s - lse), HG heads per dot.
+        p = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
+        for hs in range(GROUP // HG):
+            s, t_r, head, row_ok = _teacher_logits(Q, k_t, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt,
+                                                   stride_qh, scale, GROUP, TOPK, BLOCK_Q, HG, DOT_PRECISION)
+            lse = tl.load(LSE + t_r.to(tl.int64) * stride_lt + head, mask=row_ok, other=0.0)
+            a = tl.exp(tl.minimum(s - lse[:, None], 0.0))  # p_h <= 1 even if lse is slightly low (bf16 attention)
+            p += tl.sum(tl.reshape(a, [BLOCK_Q, HG, BLOCK_N]), 1)
+        p = tl.where(vis, p * (1.0 / GROUP), 0.0)
+        log_r = z - lse_z[:, None]
+        term = tl.where(p > 0, p * (tl.log(tl.where(p > 0, p, 1.0)) - log_r), 0.0)
+        tl.store(LOSS + e.to(tl.int64) * N_SUB + sub, tl.sum(term, 1), mask=e_ok)
+        if GRAD:
+            r = tl.where(vis, tl.exp(log_r), 0.0)
+            dz = (r - p).to(qi.dtype)  # scaled by grad_coef after the dots, to keep low-precision dz in range
+            dqi = tl.dot(dz, ki, input_precision=INDEX_PRECISION) * grad_coef  # [BLOCK_Q, BLOCK_DI]
+            dq_ptrs = DQI + t[:, None].to(tl.int64) * stride_dqt + g * stride_dqh + di[None, :]
+            tl.atomic_add(dq_ptrs, dqi, mask=e_ok[:, None] & di_ok[None, :])
+            dki += tl.dot(tl.trans(dz), qi, input_precision=INDEX_PRECISION)
+    if GRAD:
+        dk_ptrs = DKI + kpos[:, None].to(tl.int64) * stride_dkt + di[None, :]
+        tl.atomic_add(dk_ptrs, dki * grad_coef, mask=k_ok[:, None] & di_ok[None, :] & (hi > lo))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inverse index
+
+
+@dataclass(frozen=True)
+class EntryWork:
+    """Key-block-outer work list over the entries of `block_idx [Hi, T, topk]`.
+
+    Entry e = (g * T + t) * topk + slot is one valid (head, query, slot). `entries` int32 [E] holds the valid
+    entries sorted by bucket = (g, global key block), then by e (so by query, for locality). Work item i handles
+    `entries[lo[i]:hi[i]]` (empty when lo == hi) of head `g[i]`, whose block covers absolute key rows
+    `[k0[i], k1[i])`. A bucket with more than `max_entries` entries spans several items; no item is empty.
+    """
+
+    entries: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    g: torch.Tensor
+    k0: torch.Tensor
+    k1: torch.Tensor
+
+
+def _entry_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
+                block_size: int, max_entries: int) -> EntryWork:
+    """Build the inverse index of `block_idx` with one sort; sizes come from shapes but for the final
+    compaction of the item list.
+
+    Global key block numbers run over all sequences' blocks in order; `slots = ceil(Tk / block_size) + B`
+    bounds their count.
+    """
+    heads, t, topk = block_idx.shape
+    device = block_idx.device
+    cu_k = cu_seqlens_k.to(torch.int64)
+    num_seqs = cu_k.numel() - 1
+    slots = -(-num_keys // block_size) + num_seqs
+    blocks_per_seq = (cu_k[1:] - cu_k[:-1] + block_size - 1) // block_size
+    seq_block_end = torch.cumsum(blocks_per_seq, 0)
+    seq_block_off = seq_block_end - blocks_per_seq
+
+    head = torch.arange(heads, device=device, dtype=torch.int64).view(heads, 1, 1)
+    gblock = seq_block_off[seq].view(1, t, 1) + block_idx.to(torch.int64)
+    unused = heads * slots  # bucket of the -1 slots: sorted last, covered by no work item
+    bucket = torch.where(block_idx >= 0, head * slots + gblock, unused).flatten()
+    entry = torch.arange(bucket.numel(), device=device, dtype=torch.int64)
+    order = torch.sort(bucket * bucket.numel() + entry).values
+    entries = (order % bucket.numel()).to(torch.int32)
+
+    counts = torch.bincount(bucket, minlength=unused + 1)[:unused]
+    offsets = torch.cumsum(counts, 0) - counts
+    chunks = (counts + max_entries - 1) // max_entries
+    chunk_end = torch.cumsum(chunks, 0)
+    num_items = unused + -(-bucket.numel() // max_entries)  # bounds sum(chunks)
+    item = torch.arange(num_items, device=device, dtype=torch.int64)
+    b = torch.searchsorted(chunk_end, item, right=True)
+    live = b < unused
+    b = b.clamp(max=unused - 1)
+    lo = offsets[b] + (item - (chunk_end[b] - chunks[b])) * max_entries
+    hi = torch.where(live, torch.minimum(lo + max_entries, offsets[b] + counts[b]), lo)
+
+    gb = b % slots
+    sb = torch.searchsorted(seq_block_end, gb, right=True).clamp(max=num_seqs - 1)
+    k0 = cu_k[sb] + (gb - seq_block_off[sb]) * block_size
+    k1 = torch.minimum(k0 + block_size, cu_k[sb + 1])
+    # Drop the empty items (one host sync): their programs would only load and exit.
+    live = hi > lo
+    i32 = lambda x: x[live].to(torch.int32).contiguous()  # noqa: E731
+    return EntryWork(entries=entries, lo=i32(lo), hi=i32(hi), g=i32(b // slots), k0=i32(k0), k1=i32(k1))
+
+
+def _dense_block_idx(qpos_rel: torch.Tensor, heads: int, block_size: int, num_blocks: int) -> torch.Tensor:
+    """All causal blocks of every query: int32 [heads, T, num_blocks] (0..own block, then -1)."""
+    j = torch.arange(num_blocks, device=qpos_rel.device)
+    own = (qpos_rel // block_size)[:, None]
+    idx = torch.where(j[None, :] <= own, j[None, :], -1).to(torch.int32)
+    return idx[None].expand(heads, -1, -1).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size: int, scale: float,
+                index_scale: float, need_grad: bool, launch: KLLaunch | None = None):
+    """Loss (fp32 scalar) and, if need_grad, dL/dqi [T, Hi, Di], dL/dki [Tk, Di] (fp32; zeros otherwise)."""
+    t, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    di = qi.shape[2]
+    group = hq // hkv
+    device = q.device
+    dqi = torch.zeros((t, hkv, di), dtype=torch.float32, device=device)
+    dki = torch.zeros((tk, di), dtype=torch.float32, device=device)
+    if t == 0:
+        return q.new_zeros((), dtype=torch.float32), dqi, dki
+    if launch is None:
+        launch = kl_launch(group, max(d, di), block_size, q.is_cuda)
+    seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
+    if block_idx is None:
+        cu_k = cu_seqlens_k.to(torch.int64)
+        qpos_rel = qpos.to(torch.int64) - cu_k[seq]
+        num_blocks = -(-int((cu_k[1:] - cu_k[:-1]).max()) // block_size)
+        block_idx = _dense_block_idx(qpos_rel, hkv, block_size, max(num_blocks, 1))
+    topk = block_idx.shape[2]
+    n_sub = -(-block_size // launch.block_n)
+    work = _entry_work(block_idx, seq, cu_seqlens_k, tk, block_size, launch.max_entries)
+    q, k, qi, ki = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, qi, ki))
+    common = dict(GROUP=group, TOPK=topk, N_SUB=n_sub, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+                  INDEX_DIM=di, BLOCK_DI=max(16, next_pow2(di)), BLOCK_N=launch.block_n, BLOCK_Q=launch.block_q,
+                  HG=launch.heads_per_dot, DOT_PRECISION=_dot_precision(q.dtype),
+                  INDEX_PRECISION=_dot_precision(qi.dtype), num_warps=launch.num_warps,
+                  num_stages=launch.num_stages)
+    grid = (work.lo.numel() * n_sub,)
+    if grid[0] == 0:  # no query selected any block: every key set is empty and contributes 0
+        return q.new_zeros((), dtype=torch.float32), dqi, dki
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), qi.stride(0), qi.stride(1), ki.stride(0))
+    items = (work.entries, work.lo, work.hi, work.g, work.k0, work.k1, qpos)
+
+    # Pass 1: partial log-sum-exps, combined per (g, t) over slots and sub-tiles.
+    z_part = torch.full((hkv, t, topk * n_sub), -math.inf, dtype=torch.float32, device=device)
+    a_part = None
+    if lse is None:
+        a_part = torch.full((hkv, t, topk * n_sub, group), -math.inf, dtype=torch.float32, device=device)
+    _kl_stats_kernel[grid](q, k, qi, ki, *items, z_part, z_part if a_part is None else a_part,
+                           t, *strides, scale, index_scale, TEACHER=a_part is not None, **common)
+    lse_z = torch.logsumexp(z_part, dim=-1).contiguous()  # [Hi, T]
+    if lse is None:
+        lse = torch.logsumexp(a_part, dim=2).transpose(0, 1).reshape(t, hq)
+        del a_part
+    lse = lse.to(torch.float32).contiguous()
+
+    # Pass 2: loss terms and gradients.
+    loss_part = torch.zeros((hkv, t, topk * n_sub), dtype=torch.float32, device=device)
+    count = t * hkv
+    _kl_main_kernel[grid](q, k, qi, ki, *items, lse, lse_z, loss_part, dqi, dki,
+                          t, *strides, lse.stride(0), dqi.stride(0), dqi.stride(1), dki.stride(0),
+                          scale, index_scale, index_scale / count, GRAD=need_grad, **common)
+    return loss_part.sum() / count, dqi, dki
+
+
+@torch.library.custom_op("openm3::msa_indexer_kl", mutates_args=())
+def _kl_op(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor, block_idx: torch.Tensor | None,
+           cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, lse: torch.Tensor | None, block_size: int,
+           scale: float, index_scale: float, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # cu_seqlens_k None means cu_seqlens (not passed twice: Dynamo rejects one tensor in two Function inputs).
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    return _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_k, lse, block_size, scale, index_scale, need_grad)
+
+
+@_kl_op.register_fake
+def _kl_fake(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size, scale, index_scale, need_grad):
+    return (q.new_empty((), dtype=torch.float32), qi.new_empty(qi.shape, dtype=torch.float32),
+            ki.new_empty(ki.shape, dtype=torch.float32))
+
+
+class _IndexerKL(torch.autograd.Function):
+    """Gradients are computed in the forward (the loss is a scalar); backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, qi, ki, q, k, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size, scale, index_scale):
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        loss, dqi, dki = _kl_op(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size, scale,
+                                index_scale, need_grad)
+        ctx.save_for_backward(dqi, dki)
+        ctx.dtypes = (qi.dtype, ki.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        dqi, dki = ctx.saved_tensors
+        qi_dtype, ki_dtype = ctx.dtypes
+        return ((grad * dqi).to(qi_dtype), (grad * dki).to(ki_dtype), None, None, None, None, None, None, None,
+                None, None)
+
+
+# Value checks of block_idx synchronise with the device and cost a few sorts of [Hi, T, topk]; benchmarks of the
+# kernels alone may switch them off (`triton_kl.VALIDATE_BLOCK_IDX = False`).
+VALIDATE_BLOCK_IDX = True
+
+
+def indexer_kl(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor, block_idx: torch.Tensor | None,
+               cu_seqlens: torch.Tensor, *, block_size: int, scale: float | None = None,
+               index_scale: float | None = None, lse: torch.Tensor | None = None,
+               cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(main attention || index distribution), differentiable in qi and ki only.
+
+    Args:
+        q: [T, Hq, D], k: [Tk, Hkv, D] main-branch queries and keys (constants). qi: [T, Hi, Di], ki: [Tk, Di]
+            index queries and keys (Hi == Hkv). fp16/bf16/fp32, one dtype for q, k and one for qi, ki.
+        block_idx: int32 [Hi, T, topk] selected blocks, or None for the dense warm-up over all causal keys.
+        cu_seqlens / cu_seqlens_k: int32 [B + 1] (bottom-right causal alignment). scale: default 1/sqrt(D);
+            index_scale: default 1/sqrt(Di). lse: optional fp32 [T, Hq] from `sparse_attention` over the same
+            keys (saves the teacher normaliser pass and its [Hi, T, topk * n_sub, G] buffer).
+
+    Returns:
+        fp32 scalar: mean over (g, t) of KL(p || r) over the key set of (g, t); see the module docstring.
+    """
+    hq, hkv, d = check_attention_inputs(q, k, k)
+    _, di = check_index_inputs(qi, ki, num_kv_heads=hkv, num_queries=q.shape[0], num_keys=k.shape[0])
+    if qi.device != q.device:
+        raise ValueError(f"qi, ki must be on q's device {q.device}, got {qi.device}")
+    check_block_params(block_size=block_size)
+    check_scale(scale)
+    check_scale(index_scale, "index_scale")
+    segments = check_seqlens(cu_seqlens, q.shape[0], cu_seqlens_k, k.shape[0], device=q.device)
+    if block_idx is not None:
+        if block_idx.device != q.device:
+            raise ValueError(f"block_idx must be on q's device {q.device}, got {block_idx.device}")
+        check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size,
+                        values=VALIDATE_BLOCK_IDX)
+        block_idx = block_idx.contiguous()
+    check_lse(lse, q.shape[0], hq, q.device)
+    if torch.float64 in (q.dtype, qi.dtype):
+        raise ValueError("q and qi must be fp16, bf16 or fp32 for the Triton backend (use the reference for fp64)")
+    scale = d ** -0.5 if scale is None else float(scale)
+    index_scale = di ** -0.5 if index_scale is None else float(index_scale)
+    return _IndexerKL.apply(qi, ki, q.detach(), k.detach(), block_idx, cu_seqlens, cu_seqlens_k,
+                            None if lse is None else lse.detach(), block_size, scale, index_scale)

@@ -1,0 +1,314 @@
+"""Triton block selection and indexer KL against the reference, plus their torch-side bookkeeping.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 on CPU tensors (fp32); with one, the same tests run the
+compiled kernels on CUDA tensors. Shapes are tiny because the interpreter is slow (its cost is per operation).
+Random fp32 inputs are tie-free, so selections must be identical to the reference's, slot by slot.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of a Triton kernel module
+
+import pytest  # noqa: E402
+
+from openm3.ops import msa  # noqa: E402
+from openm3.ops.msa import reference  # noqa: E402
+from openm3.ops.msa.triton_common import query_positions  # noqa: E402
+from openm3.ops.msa.triton_kl import _entry_work, _kl_forward, indexer_kl, kl_launch  # noqa: E402
+from openm3.ops.msa.triton_select import _select, _tiles, select_blocks, select_launch  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+# Triton 3.6's interpreter converts 1-element arrays to loop bounds (NumPy deprecates it; NumPy >= 2.4 refuses).
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def cu(lens) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=DEVICE)
+
+
+def randn(gen, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(DEVICE)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Selection
+
+# (query lens, key lens or None, Hi, Di, block, topk, local, launch overrides)
+SELECT_CASES = [
+    ([100, 37, 163], None, 4, 16, 16, 4, 1, {}),
+    ([100, 37, 163], None, 1, 32, 32, 3, 1, {}),
+    ([100, 37, 163], None, 16, 16, 16, 4, 2, {}),
+    ([70, 129], None, 4, 16, 32, 4, 1, dict(block_n=16)),  # a block spans 2 key tiles
+    ([70, 129], None, 4, 16, 16, 5, 1, dict(block_n=64)),  # 4 blocks per key tile
+    ([70, 129], None, 4, 16, 8, 6, 2, {}),  # block below tl.dot's minimum width
+    ([70, 129], None, 4, 16, 16, 3, 0, {}),  # no forced block
+    ([70, 129], None, 4, 16, 16, 16, 16, {}),  # only forced blocks, -1 beyond the prefix
+    ([20, 37, 50], [100, 37, 163], 4, 16, 16, 4, 1, {}),  # bottom-right aligned queries
+    ([0, 45], [10, 45], 4, 16, 16, 4, 1, {}),  # an empty sequence
+    ([100, 37, 163], None, 4, 16, 32, 4, 1, dict(tma=1, block_n=16)),  # ki through a TMA descriptor
+    ([20, 37, 50], [100, 37, 163], 4, 16, 8, 5, 1, dict(tma=1)),
+]
+
+
+def select_id(case) -> str:
+    lens, klens, hi, di, bs, topk, local, ov = case
+    s = f"B{len(lens)}-T{sum(lens)}" + (f"-Tk{sum(klens)}" if klens else "")
+    s += f"-Hi{hi}-Di{di}-bs{bs}-top{topk}-loc{local}"
+    return s + "".join(f"-{k}{v}" for k, v in ov.items())
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=select_id)
+def test_select_matches_reference(case):
+    lens, klens, hi, di, bs, topk, local, overrides = case
+    gen = torch.Generator().manual_seed(sum(lens) + bs)
+    cu_q = cu(lens)
+    cu_k = cu(klens) if klens else cu_q
+    qi, ki = randn(gen, sum(lens), hi, di), randn(gen, int(cu_k[-1]), di)
+    kw = dict(block_size=bs, topk=topk, local_blocks=local, cu_seqlens_k=cu_k if klens else None)
+    ref = reference.select_blocks(qi, ki, cu_q, **kw)
+    launch = select_launch(hi, di, bs, ON_GPU, **overrides)
+    out = _select(qi, ki, cu_q, cu_k, bs, topk, local, launch=launch)
+    assert out.dtype == torch.int32 and out.shape == ref.shape
+    assert torch.equal(out, ref)
+
+
+def test_select_public_dispatch_and_fp16():
+    gen = torch.Generator().manual_seed(3)
+    cu_q = cu([90, 61])
+    qi, ki = randn(gen, 151, 4, 16), randn(gen, 151, 16)
+    ref = reference.select_blocks(qi, ki, cu_q, block_size=16, topk=4, local_blocks=1)
+    with msa.use_backend("triton"):
+        out = msa.select_blocks(qi, ki, cu_q, block_size=16, topk=4, local_blocks=1)
+    assert torch.equal(out, ref)
+    # fp16 inputs: products are exact in fp32, so only near-ties could differ; these inputs have none.
+    out16 = select_blocks(qi.half(), ki.half(), cu_q, block_size=16, topk=4, local_blocks=1)
+    ref16 = reference.select_blocks(qi.half().float(), ki.half().float(), cu_q, block_size=16, topk=4)
+    assert (out16 == ref16).all(-1).float().mean().item() > 0.98
+
+
+def test_select_tiles_cover_each_query_once_longest_first():
+    cu_q, cu_k = cu([5, 0, 17, 9]), cu([5, 3, 40, 9])
+    seq, q0 = _tiles(cu_q, cu_k, num_tokens=31, tokens_per_tile=4)
+    assert seq.numel() == -(-31 // 4) + 4
+    covered = []
+    for s, start in zip(seq.tolist(), q0.tolist()):
+        if start < 0:
+            continue
+        q_len = int(cu_q[s + 1] - cu_q[s])
+        covered += [(s, i) for i in range(start, min(start + 4, q_len))]
+    expected = [(s, i) for s in range(4) for i in range(int(cu_q[s + 1] - cu_q[s]))]
+    assert sorted(covered) == expected
+    work = [int(cu_k[s + 1] - cu_k[s] - cu_q[s + 1] + cu_q[s]) + st for s, st in zip(seq.tolist(), q0.tolist())
+            if st >= 0]
+    assert work == sorted(work, reverse=True)
+
+
+def test_select_launch_and_input_checks():
+    with pytest.raises(NotImplementedError, match="block_size"):
+        select_launch(4, 16, 24, ON_GPU)
+    with pytest.raises(ValueError, match="block_m"):
+        select_launch(32, 16, 16, ON_GPU, block_m=16)
+    with pytest.raises(ValueError, match="block_n"):
+        select_launch(4, 16, 48, ON_GPU, block_n=32)
+    qi, ki = torch.zeros(10, 4, 16, device=DEVICE), torch.zeros(10, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="qi"):
+        select_blocks(qi[0], ki, cu([10]), block_size=16, topk=2)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        select_blocks(qi, ki, cu([4, 5]), block_size=16, topk=2)
+    with pytest.raises(ValueError, match="local_blocks"):
+        select_blocks(qi, ki, cu([10]), block_size=16, topk=2, local_blocks=3)
+    with pytest.raises(ValueError, match="qi"):
+        select_blocks(qi.double(), ki.double(), cu([10]), block_size=16, topk=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Indexer KL
+
+# (query lens, key lens or None, Hq, Hkv, D, Di, block, topk, sparse, with lse, launch overrides)
+KL_CASES = [
+    ([100, 37, 163], None, 4, 4, 16, 16, 16, 4, True, True, {}),  # G = 1
+    ([100, 37, 163], None, 16, 4, 16, 32, 16, 4, True, True, {}),  # G = 4
+    ([100, 37, 163], None, 16, 1, 32, 16, 16, 4, True, True, {}),  # G = 16
+    ([100, 37, 163], None, 16, 4, 16, 16, 32, 3, True, False, {}),  # teacher normaliser computed here
+    ([70, 129], None, 8, 2, 16, 16, 32, 3, True, True, dict(block_n=16, block_q=16, max_entries=16,
+                                                             heads_per_dot=2)),  # GPU-like tiling, split buckets
+    ([70, 129], None, 16, 4, 16, 16, 16, 0, False, False, {}),  # dense warm-up
+    ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 4, True, True, {}),  # bottom-right aligned queries
+    ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 0, False, False, {}),
+]
+
+
+def kl_id(case) -> str:
+    lens, klens, hq, hkv, d, di, bs, topk, sparse, with_lse, ov = case
+    s = f"B{len(lens)}-T{sum(lens)}" + (f"-Tk{sum(klens)}" if klens else "")
+    s += f"-Hq{hq}-Hkv{hkv}-D{d}-Di{di}-bs{bs}" + (f"-top{topk}" if sparse else "-dense")
+    s += "-lse" if with_lse else "-nolse"
+    return s + "".join(f"-{k}{v}" for k, v in ov.items())
+
+
+def make_kl_case(lens, klens, hq, hkv, d, di, bs, topk, sparse, with_lse, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cu_q = cu(lens)
+    cu_k = cu(klens) if klens else None
+    t, tk = sum(lens), sum(klens or lens)
+    q, k, v = randn(gen, t, hq, d), randn(gen, tk, hkv, d), randn(gen, tk, hkv, d)
+    qi, ki = randn(gen, t, hkv, di), randn(gen, tk, di)
+    block_idx = None
+    if sparse:
+        block_idx = reference.select_blocks(qi, ki, cu_q, block_size=bs, topk=topk, local_blocks=1,
+                                            cu_seqlens_k=cu_k)
+    lse = None
+    if with_lse:
+        _, lse = reference.sparse_attention(q, k, v, block_idx, cu_q, block_size=bs, cu_seqlens_k=cu_k)
+    return q, k, qi, ki, block_idx, cu_q, cu_k, lse
+
+
+def reference_kl(q, k, qi, ki, block_idx, cu_q, cu_k, lse, bs):
+    qi, ki = qi.clone().requires_grad_(True), ki.clone().requires_grad_(True)
+    loss = reference.indexer_kl(q, k, qi, ki, block_idx, cu_q, block_size=bs, lse=lse, cu_seqlens_k=cu_k)
+    loss.backward()
+    return loss.detach(), qi.grad, ki.grad
+
+
+@pytest.mark.parametrize("case", KL_CASES, ids=kl_id)
+def test_kl_matches_reference(case):
+    *shape, overrides = case
+    q, k, qi, ki, block_idx, cu_q, cu_k, lse = make_kl_case(*shape)
+    bs = shape[6]
+    ref_loss, ref_dqi, ref_dki = reference_kl(q, k, qi, ki, block_idx, cu_q, cu_k, lse, bs)
+    launch = kl_launch(q.shape[1] // k.shape[1], max(q.shape[2], qi.shape[2]), bs, ON_GPU, **overrides)
+    loss, dqi, dki = _kl_forward(q, k, qi, ki, block_idx, cu_q, cu_q if cu_k is None else cu_k, lse, bs,
+                                 q.shape[2] ** -0.5, qi.shape[2] ** -0.5, True, launch=launch)
+    assert ref_loss.item() > 1e-3  # a non-trivial KL
+    assert rel_err(loss, ref_loss) < 1e-4
+    assert rel_err(dqi, ref_dqi) < 1e-4
+    assert rel_err(dki, ref_dki) < 1e-4
+
+
+def test_kl_public_autograd_scales_gradients():
+    q, k, qi, ki, block_idx, cu_q, _, lse = make_kl_case([60, 45], None, 8, 2, 16, 16, 16, 3, True, True, seed=5)
+    ref_loss, ref_dqi, ref_dki = reference_kl(q, k, qi, ki, block_idx, cu_q, None, lse, 16)
+    qi_g, ki_g = qi.clone().requires_grad_(True), ki.clone().requires_grad_(True)
+    with msa.use_backend("triton"):
+        loss = msa.indexer_kl(q, k, qi_g, ki_g, block_idx, cu_q, block_size=16, lse=lse)
+    (3.0 * loss).backward()
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert rel_err(loss.detach(), ref_loss) < 1e-4
+    assert rel_err(qi_g.grad, 3.0 * ref_dqi) < 1e-4
+    assert rel_err(ki_g.grad, 3.0 * ref_dki) < 1e-4
+    # Without a gradient the forward skips the gradient work but returns the same loss.
+    with torch.no_grad():
+        again = indexer_kl(q, k, qi, ki, block_idx, cu_q, block_size=16, lse=lse)
+    assert rel_err(again, ref_loss) < 1e-4
+
+
+def test_entry_work_inverts_the_selection():
+    gen = torch.Generator().manual_seed(2)
+    lens = [50, 0, 77]
+    cu_q = cu(lens)
+    qi, ki = randn(gen, 127, 2, 8), randn(gen, 127, 8)
+    block_idx = reference.select_blocks(qi, ki, cu_q, block_size=16, topk=3, local_blocks=1)
+    seq, _ = query_positions(cu_q, cu_q, 127)
+    work = _entry_work(block_idx, seq, cu_q, 127, 16, max_entries=7)
+    heads, t, topk = block_idx.shape
+    seen = []
+    for lo, hi, g, k0, k1 in zip(*(x.tolist() for x in (work.lo, work.hi, work.g, work.k0, work.k1))):
+        assert 0 < hi - lo <= 7 and k1 - k0 <= 16
+        for e in work.entries[lo:hi].tolist():
+            gg, tt, slot = e // (t * topk), e // topk % t, e % topk
+            start = int(cu_q[seq[tt]]) + int(block_idx[gg, tt, slot]) * 16
+            assert gg == g and start == k0 and k1 == min(start + 16, int(cu_q[seq[tt] + 1]))
+            seen.append(e)
+    valid = (block_idx >= 0).flatten().nonzero().flatten().tolist()
+    assert sorted(seen) == valid
+
+
+def test_kl_input_checks():
+    gen = torch.Generator().manual_seed(0)
+    q, k = randn(gen, 20, 8, 16), randn(gen, 20, 2, 16)
+    qi, ki = randn(gen, 20, 2, 16), randn(gen, 20, 16)
+    cu_q = cu([20])
+    good = torch.tensor([0, -1], dtype=torch.int32, device=DEVICE).expand(2, 20, 2).contiguous()
+    with pytest.raises(ValueError, match="qi"):
+        indexer_kl(q, k, qi[:, :1], ki, good, cu_q, block_size=16)
+    with pytest.raises(ValueError, match="block_idx"):
+        indexer_kl(q, k, qi, ki, good + 5, cu_q, block_size=16)
+    with pytest.raises(ValueError, match="lse"):
+        indexer_kl(q, k, qi, ki, good, cu_q, block_size=16, lse=torch.zeros(20, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="index_scale"):
+        indexer_kl(q, k, qi, ki, good, cu_q, block_size=16, index_scale=-1.0)
+    with pytest.raises(ValueError, match="kl launch"):
+        kl_launch(4, 16, 16, ON_GPU, heads_per_dot=8)
+
+
+def test_custom_ops_pass_opcheck():
+    gen = torch.Generator().manual_seed(1)
+    cu_q = cu([21, 19])
+    q, k = randn(gen, 40, 4, 16), randn(gen, 40, 2, 16)
+    qi, ki = randn(gen, 40, 2, 16), randn(gen, 40, 16)
+    torch.library.opcheck(torch.ops.openm3.msa_select_blocks.default, (qi, ki, cu_q, cu_q, 16, 2, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+    block_idx = select_blocks(qi, ki, cu_q, block_size=16, topk=2)
+    torch.library.opcheck(torch.ops.openm3.msa_indexer_kl.default,
+                          (q, k, qi, ki, block_idx, cu_q, cu_q, None, 16, 0.25, 0.25, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    """Every kernel variant compiles for an H100/H200 (sm_90) through ptxas, no GPU needed: catches what the
+    interpreter accepts but a GPU compile rejects (tl.dot tile minimums, layouts, loop-carried types)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.msa_select_kl", "--compile-check"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "compiled 6 kernels" in proc.stdout, proc.stdout
+
+
+def test_torch_compile_traces_the_ops():
+    """The custom ops and the autograd.Function trace under torch.compile (the kernels stay opaque calls)."""
+    q, k, qi, ki, block_idx, cu_q, _, lse = make_kl_case([40, 30], None, 8, 2, 16, 16, 16, 3, True, True, seed=7)
+    ref_loss, ref_dqi, _ = reference_kl(q, k, qi, ki, block_idx, cu_q, None, lse, 16)
+
+    def step(q, k, qi, ki, lse):
+        sel = torch.ops.openm3.msa_select_blocks(qi.detach(), ki.detach(), cu_q, None, 16, 3, 1)
+        return sel, indexer_kl(q, k, qi, ki, block_idx, cu_q, block_size=16, lse=lse)
+
+    qi_g = qi.clone().requires_grad_(True)
+    sel, loss = torch.compile(step, backend="aot_eager")(q, k, qi_g, ki, lse)
+    loss.backward()
+    assert torch.equal(sel, block_idx)
+    assert rel_err(loss.detach(), ref_loss) < 1e-4
+    assert rel_err(qi_g.grad, ref_dqi) < 1e-4
+
+
+def test_kl_with_no_selected_block_is_zero_like_the_reference():
+    gen = torch.Generator().manual_seed(4)
+    cu_q = cu([20])
+    q, k = randn(gen, 20, 4, 16), randn(gen, 20, 2, 16)
+    qi, ki = randn(gen, 20, 2, 16).requires_grad_(True), randn(gen, 20, 16)
+    empty = torch.full((2, 20, 2), -1, dtype=torch.int32, device=DEVICE)
+    loss = indexer_kl(q, k, qi, ki, empty, cu_q, block_size=16)
+    ref = reference.indexer_kl(q, k, qi, ki, empty, cu_q, block_size=16)
+    loss.backward()
+    assert loss.item() == ref.item() == 0.0
+    assert torch.count_nonzero(qi.grad) == 0
