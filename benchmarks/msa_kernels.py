@@ -14,8 +14,14 @@ top-16 with 1 local block, one sequence of T tokens. Per T it times (medians, ms
                   the block mask stays [NQ, NKV]); flex_fwd_bwd forward + backward
 and, at the largest T, the peak workspace of the MSA forward (select + attention) beyond q, k, v, o, lse, qi, ki
 and block_idx. At the smallest T it first checks the kernels against the fp32 reference on the last queries.
-Every case runs in its own try/except: a failure is reported and the run continues. The index queries drift slowly
-along the sequence (as a trained indexer's do) so neighbouring queries pick overlapping blocks.
+Every case runs in its own try/except: a failure is reported and the run continues.
+
+Two data regimes for the index queries (`m3_inputs(regime=...)`): "drift" (the headline: they drift slowly along
+the sequence, as a trained indexer's do, so neighbouring queries pick overlapping blocks) and "iid" (independent
+random queries: neighbours share little but the local block, the worst case for kernels that load a K/V tile once
+for several tokens). The main table is drift; `iid_*` columns repeat the sparse attention and prefill on iid inputs,
+with the mean union of the blocks of 4 neighbouring tokens for both. `--sweep-T` times the sparse attention under
+the launch configs of `DEFAULT_SWEEP` (or `--sweep`) in both regimes, with the dq / dk-dv kernel times.
 """
 
 from __future__ import annotations
@@ -43,24 +49,47 @@ GIB = 1024 ** 3
 # Inputs and timing
 
 
-def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0) -> dict:
-    """q [T,64,128], k, v [T,4,128], qi [T,4,128], ki [T,128], cu_seqlens [0, T]."""
+REGIMES = ("drift", "iid")
+
+
+def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0, regime: str = "drift") -> dict:
+    """q [T,64,128], k, v [T,4,128], qi [T,4,128], ki [T,128], cu_seqlens [0, T].
+
+    regime "drift": index queries drift slowly along the sequence (linear interpolation between random anchors
+    every 512 tokens, plus noise), as a trained indexer's do, so neighbouring queries pick overlapping blocks;
+    the headline numbers use it. regime "iid": independent random index queries, so neighbouring queries share
+    almost nothing but the local block: the worst case for kernels that share K/V loads between tokens.
+    """
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
 
     q, k, v = randn(t, HQ, D), randn(t, HKV, D), randn(t, HKV, D)
-    # Slowly drifting index queries: linear interpolation between anchors every 512 tokens, plus noise.
-    anchors = torch.randn(t // 512 + 2, HI, DI, device=device, generator=gen)
-    pos = torch.arange(t, device=device, dtype=torch.float32) / 512
-    lo = pos.floor().long()
-    w = (pos - lo).view(t, 1, 1)
-    qi = (anchors[lo] * (1 - w) + anchors[lo + 1] * w + 0.3 * torch.randn(t, HI, DI, device=device, generator=gen))
-    qi = qi.to(dtype)
+    if regime == "drift":
+        anchors = torch.randn(t // 512 + 2, HI, DI, device=device, generator=gen)
+        pos = torch.arange(t, device=device, dtype=torch.float32) / 512
+        lo = pos.floor().long()
+        w = (pos - lo).view(t, 1, 1)
+        qi = (anchors[lo] * (1 - w) + anchors[lo + 1] * w
+              + 0.3 * torch.randn(t, HI, DI, device=device, generator=gen)).to(dtype)
+    else:
+        qi = randn(t, HI, DI)
     ki = randn(t, DI)
     cu = torch.tensor([0, t], device=device, dtype=torch.int32)
     return dict(q=q, k=k, v=v, qi=qi, ki=ki, cu=cu)
+
+
+def union_stats(block_idx: torch.Tensor, tokens=(1, 2, 4, 8)) -> dict:
+    """Mean number of distinct blocks selected by n consecutive tokens (per KV group), over the second half of
+    the sequence: the K/V loads a program of n tokens makes, against 16 n for one-token programs."""
+    from openm3.ops.msa.triton_common import tile_candidates
+
+    t = block_idx.shape[1]
+    half = block_idx[:, t // 2:].contiguous()
+    return {f"union_{n}": round(tile_candidates(half, n)[1].float().mean().item(), 2) for n in tokens}
 
 
 def _sync_time_ms(fn) -> float:
@@ -354,7 +383,7 @@ def run_T(t: int, args, results_all: list) -> None:
         print(f"    MSA setup FAILED (select/sparse_attention missing or broken): {exc}", flush=True)
         traceback.print_exc(limit=5)
         msa_cases = {}
-    if block_idx is not None and t == min(args.T):
+    if block_idx is not None and t == min(args.T) and not args.skip_check:
         try:
             res["check"] = check_against_reference(x, block_idx)
             print("    check vs fp32 reference (last 512 queries):",
@@ -364,9 +393,14 @@ def run_T(t: int, args, results_all: list) -> None:
             print(f"    check FAILED: {exc}", flush=True)
             traceback.print_exc(limit=5)
     slow_reps = 1 if big else 2
-    for name in ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step"):
+    names = ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step")
+    for name in names[:3] if args.prefill_only else names:
         if name in msa_cases:
             _run_case(res, name, msa_cases[name], slow_reps=slow_reps)
+    if block_idx is not None:
+        res["union_drift"] = union_stats(block_idx)
+    if not args.skip_iid:
+        _iid_cases(t, res, slow_reps)
     if big and msa_cases:
         try:
             res.update(_workspace(x, msa_cases))
@@ -409,6 +443,33 @@ def run_T(t: int, args, results_all: list) -> None:
     torch.cuda.empty_cache()
 
 
+def _iid_cases(t: int, res: dict, slow_reps: int) -> None:
+    """Sparse attention (and prefill = select + forward) on i.i.d. random index queries: neighbouring queries
+    share little, so multi-token tiles save no K/V traffic there (worst case for the default launch)."""
+    from openm3.ops import msa
+
+    try:
+        x = m3_inputs(t, regime="iid")
+        with torch.no_grad():
+            block_idx = msa.select_blocks(x["qi"], x["ki"], x["cu"], block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+        res["union_iid"] = union_stats(block_idx)
+        cases = attention_fns(x, block_idx)
+
+        def prefill():
+            with torch.no_grad():
+                bi = msa.select_blocks(x["qi"], x["ki"], x["cu"], block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+                return msa.sparse_attention(x["q"], x["k"], x["v"], bi, x["cu"], block_size=BLOCK)
+
+        for name, fn in (("iid_sparse_fwd", cases["sparse_fwd"]), ("iid_msa_prefill", prefill),
+                         ("iid_sparse_fwd_bwd", cases["sparse_fwd_bwd"])):
+            _run_case(res, name, fn, slow_reps=slow_reps)
+        del x, block_idx, cases
+    except Exception as exc:
+        res.setdefault("errors", {})["iid"] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"    iid cases FAILED: {exc}", flush=True)
+    torch.cuda.empty_cache()
+
+
 def _ratios(res: dict) -> None:
     def ratio(a, b):
         return round(res[a] / res[b], 2) if res.get(a) and res.get(b) else None
@@ -419,26 +480,38 @@ def _ratios(res: dict) -> None:
         "sparse_fwd_speedup_vs_flex": ratio("flex_fwd", "sparse_fwd"),
         "sparse_fwd_bwd_speedup_vs_flex": ratio("flex_fwd_bwd", "sparse_fwd_bwd"),
         "sparse_fwd_speedup_vs_dense": ratio("dense_fwd", "sparse_fwd"),
+        "iid_prefill_speedup_vs_dense": ratio("dense_fwd", "iid_msa_prefill"),
     }
 
 
 def sweep(t: int, configs: list[str], results: list) -> None:
-    """Sparse fwd and fwd+bwd under several launch configs (OPENM3_ATTN_LAUNCH overrides)."""
+    """Sparse fwd and fwd+bwd under several launch configs (OPENM3_ATTN_LAUNCH overrides), in both data regimes
+    (the selection is computed once per regime; configs only change the attention kernels)."""
+    from openm3.ops import msa
+
     print(f"\n== launch sweep at T = {t} ==", flush=True)
-    x = m3_inputs(t)
     saved = os.environ.get("OPENM3_ATTN_LAUNCH")
     try:
-        for cfg in configs:
-            os.environ["OPENM3_ATTN_LAUNCH"] = cfg
-            res = {"T": t, "launch": cfg}
-            try:
-                cases, _ = msa_fns(x, res)
-                for name in ("sparse_fwd", "sparse_fwd_bwd"):
-                    _run_case(res, name, cases[name])
-            except Exception as exc:
-                res["errors"] = {"setup": f"{type(exc).__name__}: {exc}"[:1000]}
-            print(f"    [{cfg}] fwd {res.get('sparse_fwd')} ms, fwd+bwd {res.get('sparse_fwd_bwd')} ms", flush=True)
-            results.append(res)
+        for regime in REGIMES:
+            x = m3_inputs(t, regime=regime)
+            block_idx = msa.select_blocks(x["qi"], x["ki"], x["cu"], block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+            stats = union_stats(block_idx)
+            print(f"  [{regime}] mean union of the blocks of n consecutive tokens: {stats}", flush=True)
+            for cfg in configs:
+                os.environ["OPENM3_ATTN_LAUNCH"] = cfg
+                res = {"T": t, "launch": cfg, "regime": regime, **stats}
+                try:
+                    cases = attention_fns(x, block_idx)
+                    for name in ("sparse_fwd", "sparse_fwd_bwd"):
+                        _run_case(res, name, cases[name])
+                    res["kernels_ms"] = kernel_breakdown(cases["sparse_fwd_bwd"])
+                except Exception as exc:
+                    res["errors"] = {"setup": f"{type(exc).__name__}: {exc}"[:1000]}
+                print(f"    [{regime}] [{cfg or 'default'}] fwd {res.get('sparse_fwd')} ms, "
+                      f"fwd+bwd {res.get('sparse_fwd_bwd')} ms, kernels {res.get('kernels_ms')}", flush=True)
+                results.append(res)
+            del x, block_idx
+            torch.cuda.empty_cache()
     finally:
         if saved is None:
             os.environ.pop("OPENM3_ATTN_LAUNCH", None)
@@ -446,15 +519,76 @@ def sweep(t: int, configs: list[str], results: list) -> None:
             os.environ["OPENM3_ATTN_LAUNCH"] = saved
 
 
-# The default launch (see triton_common.attention_launch) is timed in the main table; these vary one idea each:
-# bigger key tiles, 2/4/8 query tokens per tile (union of their blocks), deeper pipelining and bigger dk/dv steps.
+def attention_fns(x: dict, block_idx: torch.Tensor) -> dict:
+    """sparse_fwd and sparse_fwd_bwd closures on a fixed selection."""
+    from openm3.ops import msa
+
+    q, k, v = (x[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+    do = torch.randn_like(x["q"])
+
+    def sparse_fwd():
+        with torch.no_grad():
+            return msa.sparse_attention(x["q"], x["k"], x["v"], block_idx, x["cu"], block_size=BLOCK)
+
+    def sparse_fwd_bwd():
+        q.grad = k.grad = v.grad = None
+        o, _ = msa.sparse_attention(q, k, v, block_idx, x["cu"], block_size=BLOCK)
+        o.backward(do)
+
+    return dict(sparse_fwd=sparse_fwd, sparse_fwd_bwd=sparse_fwd_bwd)
+
+
+def sweep_table(rows: list[dict]) -> None:
+    """fwd / fwd+bwd per launch config, one column pair per regime."""
+    sweeps = [r for r in rows if "launch" in r]
+    if not sweeps:
+        return
+    configs = list(dict.fromkeys(r["launch"] for r in sweeps))
+    print("\nlaunch sweep, ms (dq, dkdv: those kernels' GPU time inside the fwd+bwd)")
+    print(" " * 41 + "".join(f"{reg + ' fwd':>11}{reg + ' f+b':>11}{'dq':>7}{'dkdv':>7}" for reg in REGIMES))
+    for cfg in configs:
+        line = " " * 41
+        for reg in REGIMES:
+            r = next((r for r in sweeps if r["launch"] == cfg and r.get("regime") == reg), {})
+            line += "".join((f"{r[c]:.2f}" if isinstance(r.get(c), float) else "-").rjust(11)
+                            for c in ("sparse_fwd", "sparse_fwd_bwd"))
+            kern = r.get("kernels_ms") or {}
+            line += "".join((f"{kern[c]:.1f}" if c in kern else "-").rjust(7) for c in ("dq", "dkdv"))
+        print(f"{line}  {cfg or 'default'}")
+
+
+# The default launch (see triton_common.attention_launch) is timed first; the others vary one idea each against
+# it: 4- and 8-token forward tiles over the union of their blocks (one K/V load for all of them, masked rows: wins
+# when neighbouring queries overlap a lot), fewer pipeline stages, dq as a separate query-outer pass instead of
+# fused into dk/dv, pointer loads instead of TMA, and smaller dk/dv work items (load balance over hot blocks).
 DEFAULT_SWEEP = [
-    "block_m=16,block_n=128,num_warps=8,num_stages=2",
-    "block_m=32,block_n=64,num_warps=4,num_stages=2",
-    "block_m=64,block_n=64,num_warps=8,num_stages=2",
-    "block_m=128,block_n=64,num_warps=8,num_stages=2",
-    "block_m=16,block_n=64,num_warps=4,num_stages=3,dkdv_block_m=64,dkdv_num_warps=8",
+    "",
+    "block_m=64",
+    "block_m=128,num_warps=8,num_stages=2",
+    "num_stages=2",
+    "dq_in_dkdv=0",
+    "tma=0",
+    "dkdv_max_tokens=512",
 ]
+
+
+def kernel_breakdown(fn) -> dict:
+    """GPU time (ms) of each attention kernel in one call of `fn`, from the PyTorch profiler; `other` is the rest
+    (torch bookkeeping: candidate lists, inverse index, delta, casts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {"other": 0.0}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        name = next((n for n in ("_attn_fwd_kernel", "_attn_dq_kernel", "_attn_dkdv_kernel") if n in evt.key),
+                    "other")
+        out[name] = out.get(name, 0.0) + us / 1000
+    return {k.strip("_").replace("attn_", "").replace("_kernel", ""): round(v, 3) for k, v in out.items()}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -466,14 +600,25 @@ def print_table(rows: list[dict]) -> None:
             continue
         print(str(r["T"]).rjust(8) + "".join(
             (f"{r[c]:.2f}" if isinstance(r.get(c), float) else "-").rjust(16) for c in cols))
+    print("\nboth regimes (ms; union_4: mean distinct blocks of 4 consecutive tokens, of 64 selections; headline = "
+          "drift, the behaviour of a trained indexer)")
+    print("T".rjust(8) + "".join(c.rjust(14) for c in ("drift fwd", "drift f+b", "drift union4", "iid fwd",
+                                                         "iid prefill", "iid f+b", "iid union4")))
+    for r in rows:
+        if "launch" in r:
+            continue
+        vals = [r.get("sparse_fwd"), r.get("sparse_fwd_bwd"), (r.get("union_drift") or {}).get("union_4"),
+                r.get("iid_sparse_fwd"), r.get("iid_msa_prefill"), r.get("iid_sparse_fwd_bwd"),
+                (r.get("union_iid") or {}).get("union_4")]
+        print(str(r["T"]).rjust(8) + "".join((f"{v:.2f}" if isinstance(v, float) else "-").rjust(14) for v in vals))
     print("\nratios (higher is better; targets: prefill >= 12x at 128K and >= 20x at 1M, train >= 10x at 128K, "
           "sparse vs flex > 1)")
     names = ["prefill_speedup_vs_dense", "train_speedup_vs_dense", "sparse_fwd_speedup_vs_flex",
-             "sparse_fwd_bwd_speedup_vs_flex", "sparse_fwd_speedup_vs_dense"]
-    print("T".rjust(8) + "".join(n.replace("_speedup", "").rjust(22) for n in names))
+             "sparse_fwd_bwd_speedup_vs_flex", "sparse_fwd_speedup_vs_dense", "iid_prefill_speedup_vs_dense"]
+    print("T".rjust(8) + "".join(n.replace("_speedup", "").rjust(26) for n in names))
     for r in rows:
         if "ratios" in r:
-            print(str(r["T"]).rjust(8) + "".join(str(r["ratios"].get(n)).rjust(22) for n in names))
+            print(str(r["T"]).rjust(8) + "".join(str(r["ratios"].get(n)).rjust(26) for n in names))
 
 
 def main(argv=None) -> int:
@@ -482,6 +627,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/")
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--skip-flex", action="store_true")
+    parser.add_argument("--skip-check", action="store_true", help="no fp32 reference check at the smallest T")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="time select, sparse forward and prefill only (no backward, KL or train step: 1M runs)")
+    parser.add_argument("--skip-iid", action="store_true", help="time the sparse attention on drifting index "
+                        "queries only (by default also on i.i.d. ones)")
     parser.add_argument("--sweep-T", type=int, default=32768,
                         help="also time sparse fwd and fwd+bwd under several launch configs at this T (0: off)")
     parser.add_argument("--sweep", nargs="*", default=None, help="launch configs for the sweep (key=v,...)")
@@ -507,6 +657,7 @@ def main(argv=None) -> int:
     if args.sweep_T:
         sweep(args.sweep_T, args.sweep or DEFAULT_SWEEP, rows)
     print_table(rows)
+    sweep_table(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"msa_kernels_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}.json"

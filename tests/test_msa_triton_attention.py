@@ -101,15 +101,35 @@ def test_matches_reference(case):
 @pytest.mark.parametrize("launch, bs", [
     ("block_m=16,block_n=16,dkdv_block_m=16,dkdv_max_tokens=8", 16),
     ("block_m=32,block_n=16,dkdv_block_m=64,dkdv_max_tokens=1000", 32),
+    ("block_m=64,block_n=32,dq_block_m=16,dq_block_n=16,dkdv_block_n=16,dkdv_block_m=32", 32),
+    ("tma=1,block_m=16,block_n=16,dq_in_dkdv=1,dkdv_block_n=16,dkdv_block_m=16,dkdv_max_tokens=8", 32),
+    ("tma=1,block_m=64,block_n=32,dq_block_m=32,dq_block_n=16,dkdv_block_m=32,dkdv_block_n=32", 32),
 ], ids=["B2-T105-Hq16-Hkv1-D16-bs16-k3-one-token-tiles-split-blocks",
-        "B2-T105-Hq16-Hkv1-D16-bs32-k3-two-token-tiles-two-subtiles"])
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-two-token-tiles-two-subtiles",
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-four-token-fwd-one-token-dq-dkdv-subtiles",
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-tma-one-token-dq-fused-into-dkdv-split-blocks",
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-tma-four-token-fwd-two-token-dq"])
 def test_gpu_launch_shapes(launch, bs, monkeypatch):
     """The GPU tilings: one token per tile (no membership test), hot key blocks split over programs (atomics),
-    key blocks walked in several sub-tiles."""
+    key blocks walked in several sub-tiles, K/V through tensor descriptors (TMA), dq fused into dk/dv."""
     monkeypatch.setenv("OPENM3_ATTN_LAUNCH", launch)
     q, k, v, block_idx, cu_q, cu_k = make_case((45, 60), 16, 1, 16, bs, 3, seed=3)
     ours, ref = run_both(q, k, v, block_idx, cu_q, cu_k, bs)
     assert_match(ours, ref)
+
+
+def test_fused_dq_falls_back_to_the_dq_pass_above_its_workspace_limit(monkeypatch):
+    """dq_in_dkdv=1 with an fp32 dq buffer over FUSED_DQ_MAX_BYTES takes the separate dq pass: same result."""
+    monkeypatch.setenv("OPENM3_ATTN_LAUNCH", "dq_in_dkdv=1,block_m=16,block_n=16,dkdv_block_m=16")
+    q, k, v, block_idx, cu_q, cu_k = make_case((45, 60), 16, 1, 16, 16, 3, seed=5)
+    fused, ref = run_both(q, k, v, block_idx, cu_q, cu_k, 16)
+    monkeypatch.setattr(triton_attention, "FUSED_DQ_MAX_BYTES", 0)
+    called, real_dq_pass = [], triton_attention._dq_pass
+    monkeypatch.setattr(triton_attention, "_dq_pass", lambda *a: called.append(1) or real_dq_pass(*a))
+    unfused, _ = run_both(q, k, v, block_idx, cu_q, cu_k, 16)
+    assert called, "the separate dq pass must run above the workspace limit"
+    assert_match(fused, ref)
+    assert_match(unfused, ref)
 
 
 def test_all_blocks_is_dense_causal():
@@ -143,26 +163,34 @@ def test_query_positions_bottom_right():
     assert qpos.tolist() == [2, 3, 4, 7, 8]  # last 3 of keys 0..4, last 2 of keys 5..8
 
 
-def test_tile_candidates_is_sorted_union(monkeypatch):
+@pytest.mark.parametrize("tokens", [3, 64], ids=["T130-topk3-tile3", "T130-topk3-tile64"])
+def test_tile_candidates_is_sorted_union_with_members(tokens, monkeypatch):
+    """Each tile's distinct blocks ascending, and bit j of a block's member set iff token j of the tile chose it
+    (also bit 63, the int64 sign bit, and a block listed twice by one token)."""
     monkeypatch.setattr(triton_common, "_TILES_PER_SORT", 2)  # exercise the chunked sort
     gen = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, 6, (2, 7, 3), generator=gen, dtype=torch.int32) * 16
+    starts = torch.randint(0, 40, (2, 130, 3), generator=gen, dtype=torch.int32) * 16
     starts[0, 2, 2] = -1
-    cand, ncand = tile_candidates(starts, tokens_per_tile=3)
-    assert cand.shape == (2, 3, 9)
+    starts[1, 5, 1] = starts[1, 5, 0]
+    cand, ncand, members = tile_candidates(starts, tokens_per_tile=tokens)
+    n_tiles = -(-130 // tokens)
+    assert cand.shape == members.shape == (2, n_tiles, 3 * tokens)
     for h in range(2):
-        for tile in range(3):
-            toks = starts[h, tile * 3:(tile + 1) * 3].flatten().tolist()
-            want = sorted(set(x for x in toks if x >= 0))
+        for tile in range(n_tiles):
+            toks = starts[h, tile * tokens:(tile + 1) * tokens]
+            want = sorted(set(x for x in toks.flatten().tolist() if x >= 0))
             n = int(ncand[h, tile])
             assert cand[h, tile, :n].tolist() == want
-            assert torch.all(cand[h, tile, n:] == NO_BLOCK)
+            assert torch.all(cand[h, tile, n:] == NO_BLOCK) and torch.all(members[h, tile, n:] == 0)
+            for u, block in enumerate(want):
+                bits = [(int(members[h, tile, u]) >> j) & 1 for j in range(tokens)]
+                assert bits == [int(j < len(toks) and block in toks[j].tolist()) for j in range(tokens)]
 
 
 def test_tile_candidates_one_token_is_the_selection():
     starts = torch.tensor([[[32, 0, -1], [16, -1, -1]]], dtype=torch.int32)
-    cand, ncand = tile_candidates(starts, tokens_per_tile=1)
-    assert ncand.tolist() == [[2, 1]]
+    cand, ncand, members = tile_candidates(starts, tokens_per_tile=1)
+    assert ncand.tolist() == [[2, 1]] and members is None
     assert cand[0, 0, :2].tolist() == [32, 0] and cand[0, 1, :1].tolist() == [16]
 
 
@@ -201,6 +229,14 @@ def test_launch_config_checks():
         attention_launch(32, 16, 16, torch.float32, False, block_m=16)
     with pytest.raises(ValueError, match="unknown"):
         attention_launch(4, 16, 16, torch.float32, False, block_q=16)
+    with pytest.raises(ValueError, match="64 tokens"):
+        attention_launch(1, 16, 16, torch.float32, False, block_m=128)
+    # on CPU the dq kernel follows the forward's tiling unless set
+    assert attention_launch(16, 16, 16, torch.float32, False, block_m=32).dq_block_m == 32
+    assert attention_launch(16, 16, 16, torch.float32, False, block_m=32, dq_block_m=16).dq_block_m == 16
+    # the GPU default for M3: one-token forward tiles, TMA, dq fused into whole-block dk/dv programs
+    gpu = attention_launch(16, 128, 128, torch.bfloat16, True)
+    assert (gpu.block_m, gpu.tma, gpu.dq_in_dkdv, gpu.dkdv_block_n) == (16, 1, 1, 128)
 
 
 def test_bad_inputs_raise_value_error():
@@ -256,10 +292,16 @@ from openm3.ops.msa.triton_common import attention_launch
 
 def signature(fn, consts):
     def kind(name):
+        if name in ("K", "V") and consts.get("USE_TMA"):
+            return "tensordesc<bf16[%d, %d]>" % (consts["BLOCK_N"], consts["BLOCK_D"])
+        if name == "DQ" and "dkdv" in fn.__name__:
+            return "*fp32"
         if name in ("Q", "K", "V", "O", "DO", "DQ"):
             return "*bf16"
         if name in ("LSE", "DELTA", "DK", "DV"):
             return "*fp32"
+        if name == "MEMB":
+            return "*i64"
         if name.isupper() and name != "T":
             return "*i32"
         return "fp32" if name in ("qk_scale", "sm_scale") else "i32"
@@ -271,25 +313,43 @@ def signature(fn, consts):
 
 for group in (16, 4, 1):
     launch = attention_launch(group, 128, 128, torch.bfloat16, on_gpu=True)
-    base = dict(GROUP=group, HEAD_DIM=128, BLOCK_D=128, TOPK=16, BLOCK_TOPK=16, BLOCK_SIZE=128,
-                BLOCK_N=launch.block_n, DOT_PRECISION="tf32", WHILE_LOOPS=False, NUM_HEADS=4 * group)
-    jobs = [(ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, TOKENS=launch.tokens_per_tile(group)), launch.num_warps),
-            (ta._attn_dq_kernel, dict(BLOCK_M=launch.block_m, TOKENS=launch.tokens_per_tile(group)), launch.num_warps),
-            (ta._attn_dkdv_kernel, dict(BLOCK_M=launch.dkdv_block_m, TOKENS=launch.dkdv_tokens(group)),
-             launch.dkdv_num_warps)]
-    for fn, extra, warps in jobs:
+    base = dict(GROUP=group, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=128, DOT_PRECISION="tf32", WHILE_LOOPS=False,
+                NUM_HEADS=4 * group, USE_TMA=bool(launch.tma), FUSE_DQ=bool(launch.dq_in_dkdv))
+    jobs = [(ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+                                       TOKENS=launch.tokens_per_tile(group)), launch.num_warps, launch.num_stages),
+            (ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, USE_TMA=False,
+                                       TOKENS=launch.tokens_per_tile(group)), launch.num_warps, launch.num_stages),
+            (ta._attn_dq_kernel, dict(BLOCK_M=launch.dq_block_m, BLOCK_N=launch.dq_block_n,
+                                      TOKENS=launch.dq_tokens_per_tile(group)), launch.dq_num_warps,
+             launch.num_stages),
+            (ta._attn_dkdv_kernel, dict(BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n,
+                                        TOKENS=launch.dkdv_tokens(group)), launch.dkdv_num_warps,
+             launch.dkdv_num_stages),
+            (ta._attn_dkdv_kernel, dict(BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, FUSE_DQ=False,
+                                        TOKENS=launch.dkdv_tokens(group)), launch.dkdv_num_warps,
+             launch.dkdv_num_stages)]
+    for fn, extra, warps, stages in jobs:
         consts = {k: v for k, v in {**base, **extra}.items() if k in fn.arg_names}
         sig, attrs = signature(fn, consts)
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps, num_stages=launch.num_stages))
+                           options=dict(num_warps=warps, num_stages=stages))
         assert k.asm["cubin"], fn.__name__
         print(fn.__name__, group, "ok")
+
+consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_R=16)
+sig = {"DO": "*bf16", "O": "*bf16", "DELTA": "*fp32", "n_rows": "i32", "num_heads": "i32", "stride_dt": "i32",
+       "stride_dh": "i32", "stride_ot": "i32", "stride_oh": "i32", **{k: "constexpr" for k in consts}}
+k = triton.compile(ASTSource(ta._delta_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=4))
+assert k.asm["cubin"]
+print("_delta_kernel ok")
 '''
 
 
 def test_kernels_compile_for_sm90():
     """The interpreter accepts programs a GPU compiler rejects (e.g. tl.dot below 16 rows): compile every kernel
-    for an H100/H200 (sm_90) with the default GPU launch configs, without a GPU (Triton's bundled ptxas)."""
+    for an H100/H200 (sm_90) with the default GPU launch configs (TMA and pointer loads, dq fused into dk/dv or
+    not), without a GPU (Triton's bundled ptxas)."""
     import subprocess
     import sys
 
@@ -299,7 +359,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" ok") == 9, proc.stdout
+    assert proc.stdout.count(" ok") == 16, proc.stdout
 
 
 def test_strided_views_of_fused_projections():

@@ -60,6 +60,27 @@ def bf16_attention(q, k, v, block_idx, positions):
 
 @pytest.mark.parametrize("t", [4096, 32768, 131072], ids=lambda t: f"B1-T{t}-Hq64-Hkv4-D128-bs128-k16")
 def test_bf16_within_twice_torch_bf16_error(t):
+    check_bf16_bound(t)
+
+
+# Every kernel layout the launch config can pick (triton_common.AttentionLaunch), at one mid-size shape.
+LAUNCH_VARIANTS = [
+    "tma=1,block_m=16,block_n=64,dkdv_block_n=128,dkdv_block_m=32",
+    "tma=1,block_m=64,block_n=64,num_warps=4,num_stages=3,dq_block_m=16,dkdv_block_m=16,dkdv_num_warps=4",
+    "dq_in_dkdv=1,dkdv_block_n=128,dkdv_block_m=16",
+    "dq_in_dkdv=1,dkdv_block_n=64,dkdv_block_m=32,dkdv_max_tokens=64",
+    "tma=0,block_m=128,block_n=64,num_warps=8,dq_block_m=32,dkdv_block_m=64",
+]
+
+
+@pytest.mark.parametrize("launch", LAUNCH_VARIANTS, ids=lambda c: "B1-T8192-Hq64-Hkv4-D128-" + c.replace(",", "-"))
+def test_launch_variants_within_twice_torch_bf16_error(launch, monkeypatch):
+    monkeypatch.setenv("OPENM3_ATTN_LAUNCH", launch)
+    check_bf16_bound(8192)
+
+
+def check_bf16_bound(t: int) -> None:
+    """Kernel vs fp32 reference error <= 2x (bf16 PyTorch vs fp32 reference) for o, lse, dq, dk, dv."""
     from openm3.ops.msa import reference
     from openm3.ops.msa.triton_attention import sparse_attention
 

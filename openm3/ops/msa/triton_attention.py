@@ -1,21 +1,22 @@
-"""MSA sparse attention in Triton: forward, and backward (dq query-outer, dk/dv key-block-outer).
+"""MSA sparse attention in Triton: forward, and backward (dk/dv key-block-outer, dq fused into it or query-outer).
 
 Public entry: `sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size, scale=None, cu_seqlens_k=None)
 -> (o [T, Hq, D], lse fp32 [T, Hq])`, the same contract as `reference.sparse_attention`.
 
-Schedule (details and cost floors in docs/kernels_attention.md):
+Schedule (details, measurements and cost floors in docs/kernels_attention.md):
 - Query tiles. A program owns `tokens_per_tile` consecutive query tokens times the `G = Hq // Hkv` query heads of
-  one KV group: a [block_m, D] tile, rows ordered (token, head). With M3's G = 16 a tile is one token's 16 heads.
-  With smaller groups several tokens share a tile; their selections differ, so the program walks the *union* of
-  their blocks (sorted, deduplicated with torch ops beforehand) and masks each row to the blocks its own token
-  chose (a [block_m, topk] membership test per block, cheap next to the two dots). Blocks are addressed by
-  absolute key row, so a tile may straddle a sequence boundary; causality is `key_row <= qpos[row]`.
+  one KV group: a [block_m, D] tile, rows ordered (token, head). With M3's G = 16 the GPU default is one token's
+  16 heads. With several tokens per tile (smaller groups, or a larger block_m) their selections differ, so the
+  program walks the *union* of their blocks (sorted, deduplicated with torch ops beforehand, with an int64 bit set
+  per block of the tile's tokens that chose it) and masks each row to the blocks its own token chose (one shift
+  per row and key tile). Blocks are addressed by absolute key row, so a tile may straddle a sequence boundary;
+  causality is `key_row <= qpos[row]`. K/V tiles come through TMA tensor descriptors where possible.
 - Forward: online softmax (exp2 domain) over the candidate blocks, fp32 accumulators, writes o and lse.
-- Backward: delta = rowsum(dO * O) in torch; dq with the forward's tiling, recomputing P from lse;
-  dk/dv key-block-outer: one program per (group, key sub-block, chunk of at most `dkdv_max_tokens` queries
-  that selected that block), walking those queries (from an inverse index built with one sort) in steps of
-  whole tokens. Only hot blocks split into several chunks need atomics (fp32 adds of one [block_n, D] tile per
-  chunk); all other tiles are written once.
+- Backward: delta = rowsum(dO * O) (a small kernel); dk/dv key-block-outer: one program per (group, key block
+  tile, chunk of at most `dkdv_max_tokens` queries that selected that block), walking those queries (from an
+  inverse index built with one sort) in steps of whole tokens, with key-major dots. Only hot blocks split into
+  several chunks need atomics for dk/dv. dq either inside that kernel (fp32 atomic adds of dS K into a [T, Hq, D]
+  buffer, the GPU default) or in a query-outer kernel with the forward's tiling, recomputing P from lse.
 
 Launch parameters come from `triton_common.attention_launch` (one place, overridable for tuning).
 """
@@ -27,6 +28,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import (check_attention_inputs, check_block_idx, check_block_params, check_scale,
                       check_seqlens)
@@ -57,41 +59,55 @@ def _load_key_tile(X, kpos, k_ok, g, d, d_ok, stride_t, stride_h):
 
 
 @triton.jit
-def _visible(kpos, k_ok, qpos, sel, start, TOKENS: tl.constexpr):
+def _key_tile(X, kpos, row0, k_ok, g, d, d_ok, stride_t, stride_h, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] keys kpos = row0 + arange(BLOCK_N) of head g: through the tensor-memory accelerator when
+    X is a [Tk, Hkv * D] tensor descriptor (rows past Tk read as 0), else with masked pointer loads."""
+    if USE_TMA:
+        return X.load([row0, g * BLOCK_D])
+    else:
+        return _load_key_tile(X, kpos, k_ok, g, d, d_ok, stride_t, stride_h)
+
+
+@triton.jit
+def _visible(kpos, k_ok, qpos, row_token, members, TOKENS: tl.constexpr):
     """[BLOCK_M, BLOCK_N] mask: causal, inside the key tensor and, for multi-token tiles, a block the row's own
-    token selected (`sel` holds each row's selected block starts)."""
+    token selected (`members`: the block's int64 bit set of the tile's tokens that chose it; `row_token`: each
+    row's token index within the tile)."""
     visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
     if TOKENS > 1:
-        member = tl.sum((sel == start).to(tl.int32), axis=1) > 0
+        member = ((members >> row_token) & 1) != 0
         visible = visible & member[:, None]
     return visible
 
 
 @triton.jit
-def _fwd_step(q, qpos, sel, m_i, l_i, acc, K, V, cand_base, step, g, d, d_ok, Tk,
+def _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, step, g, d, d_ok, Tk,
               stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-              N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """One [BLOCK_N] key tile of the online softmax (exp2 domain)."""
     start = tl.load(cand_base + step // N_SUB)
-    kpos = start + (step % N_SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = start + (step % N_SUB) * BLOCK_N
+    kpos = row0 + tl.arange(0, BLOCK_N)
     k_ok = kpos < Tk
-    k = _load_key_tile(K, kpos, k_ok, g, d, d_ok, stride_kt, stride_kh)
+    k = _key_tile(K, kpos, row0, k_ok, g, d, d_ok, stride_kt, stride_kh, BLOCK_D, USE_TMA)
+    members = tl.load(memb_base + step // N_SUB) if TOKENS > 1 else 0
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(_visible(kpos, k_ok, qpos, sel, start, TOKENS), s, float("-inf"))
+    s = tl.where(_visible(kpos, k_ok, qpos, row_token, members, TOKENS), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     alpha = tl.math.exp2(m_i - m_ref)
     p = tl.math.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _load_key_tile(V, kpos, k_ok, g, d, d_ok, stride_vt, stride_vh)
+    v = _key_tile(V, kpos, row0, k_ok, g, d, d_ok, stride_vt, stride_vh, BLOCK_D, USE_TMA)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _load_tile_rows(Q, QPOS, SEL, tile, g, T, stride_qt, stride_qh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOPK: tl.constexpr,
-                    BLOCK_TOPK: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr):
+def _load_tile_rows(Q, QPOS, tile, g, T, stride_qt, stride_qh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    TOKENS: tl.constexpr):
     """Row bookkeeping of a query tile: rows are (token, head) = (tile * TOKENS + r // GROUP, g * GROUP + r % GROUP)."""
     rows = tl.arange(0, BLOCK_M)
     tok = tile * TOKENS + rows // GROUP
@@ -101,51 +117,46 @@ def _load_tile_rows(Q, QPOS, SEL, tile, g, T, stride_qt, stride_qh,
     d_ok = d < HEAD_DIM
     q = _load_query_tile(Q, tok, head, row_ok, d, d_ok, stride_qt, stride_qh)
     qpos = tl.load(QPOS + tok, mask=row_ok, other=-1)
-    slot = tl.arange(0, BLOCK_TOPK)
-    if TOKENS > 1:
-        sel = tl.load(SEL + (g * T + tok[:, None]).to(tl.int64) * TOPK + slot[None, :],
-                      mask=row_ok[:, None] & (slot[None, :] < TOPK), other=-2)
-    else:  # one token per tile: every candidate block is the row's own, no membership test
-        sel = tl.zeros([BLOCK_M, BLOCK_TOPK], dtype=tl.int32)
-    return tok, head, row_ok, d, d_ok, q, qpos, sel
+    row_token = (rows // GROUP).to(tl.int64)
+    return tok, head, row_ok, d, d_ok, q, qpos, row_token
 
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, QPOS, SEL, CAND, NCAND,
+    Q, K, V, O, LSE, QPOS, MEMB, CAND, NCAND,
     T, Tk, n_tiles, cand_stride,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """o, lse of one query tile (grid: n_tiles x Hkv). LSE is [T, Hq] fp32 contiguous."""
+    """o, lse of one query tile (grid: n_tiles x Hkv). LSE is [T, Hq] fp32 contiguous. With USE_TMA, K and V are
+    [Tk, Hkv * D] tensor descriptors with [BLOCK_N, BLOCK_D] boxes."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    tok, head, row_ok, d, d_ok, q, qpos, sel = _load_tile_rows(
-        Q, QPOS, SEL, tile, g, T, stride_qt, stride_qh,
-        GROUP, HEAD_DIM, BLOCK_D, TOPK, BLOCK_TOPK, BLOCK_M, TOKENS)
+    tok, head, row_ok, d, d_ok, q, qpos, row_token = _load_tile_rows(
+        Q, QPOS, tile, g, T, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, TOKENS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     cand_base = CAND + (g * n_tiles + tile).to(tl.int64) * cand_stride
+    memb_base = MEMB + (g * n_tiles + tile).to(tl.int64) * cand_stride
     N_SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
     n_steps = tl.load(NCAND + g * n_tiles + tile) * N_SUB
     if WHILE_LOOPS:  # the CPU interpreter cannot use a loaded scalar as a range() bound
         step = 0
         while step < n_steps:
-            m_i, l_i, acc = _fwd_step(q, qpos, sel, m_i, l_i, acc, K, V, cand_base, step, g, d, d_ok, Tk,
-                                      stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-                                      N_SUB, BLOCK_N, TOKENS, DOT_PRECISION)
+            m_i, l_i, acc = _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, step, g,
+                                      d, d_ok, Tk, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                                      N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
             step += 1
     else:
         for step in range(0, n_steps):
-            m_i, l_i, acc = _fwd_step(q, qpos, sel, m_i, l_i, acc, K, V, cand_base, step, g, d, d_ok, Tk,
-                                      stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-                                      N_SUB, BLOCK_N, TOKENS, DOT_PRECISION)
+            m_i, l_i, acc = _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, step, g,
+                                      d, d_ok, Tk, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                                      N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -157,17 +168,20 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _dq_step(q, do, lse2, delta, qpos, sel, dq, K, V, cand_base, step, g, d, d_ok, Tk,
+def _dq_step(q, do, lse2, delta, qpos, row_token, dq, K, V, cand_base, memb_base, step, g, d, d_ok, Tk,
              stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-             N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """dq += dS @ K over one [BLOCK_N] key tile, P recomputed from lse (log2 domain)."""
     start = tl.load(cand_base + step // N_SUB)
-    kpos = start + (step % N_SUB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = start + (step % N_SUB) * BLOCK_N
+    kpos = row0 + tl.arange(0, BLOCK_N)
     k_ok = kpos < Tk
-    k = _load_key_tile(K, kpos, k_ok, g, d, d_ok, stride_kt, stride_kh)
-    v = _load_key_tile(V, kpos, k_ok, g, d, d_ok, stride_vt, stride_vh)
+    k = _key_tile(K, kpos, row0, k_ok, g, d, d_ok, stride_kt, stride_kh, BLOCK_D, USE_TMA)
+    v = _key_tile(V, kpos, row0, k_ok, g, d, d_ok, stride_vt, stride_vh, BLOCK_D, USE_TMA)
+    members = tl.load(memb_base + step // N_SUB) if TOKENS > 1 else 0
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    p = tl.where(_visible(kpos, k_ok, qpos, sel, start, TOKENS), tl.math.exp2(s - lse2[:, None]), 0.0)
+    p = tl.where(_visible(kpos, k_ok, qpos, row_token, members, TOKENS), tl.math.exp2(s - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -175,22 +189,21 @@ def _dq_step(q, do, lse2, delta, qpos, sel, dq, K, V, cand_base, step, g, d, d_o
 
 @triton.jit
 def _attn_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, QPOS, SEL, CAND, NCAND,
+    Q, K, V, DO, LSE, DELTA, DQ, QPOS, MEMB, CAND, NCAND,
     T, Tk, n_tiles, cand_stride,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     qk_scale, sm_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """dq of one query tile (grid: n_tiles x Hkv). DO and DQ share q's strides; LSE, DELTA are [T, Hq] fp32."""
+    """dq of one query tile (grid: n_tiles x Hkv). DO and DQ share q's strides; LSE, DELTA are [T, Hq] fp32.
+    K, V as in the forward kernel."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
     num_heads = GROUP * tl.num_programs(1)
-    tok, head, row_ok, d, d_ok, q, qpos, sel = _load_tile_rows(
-        Q, QPOS, SEL, tile, g, T, stride_qt, stride_qh,
-        GROUP, HEAD_DIM, BLOCK_D, TOPK, BLOCK_TOPK, BLOCK_M, TOKENS)
+    tok, head, row_ok, d, d_ok, q, qpos, row_token = _load_tile_rows(
+        Q, QPOS, tile, g, T, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, TOKENS)
     do = _load_query_tile(DO, tok, head, row_ok, d, d_ok, stride_qt, stride_qh)
     lse = tl.load(LSE + tok.to(tl.int64) * num_heads + head, mask=row_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # no keys: P = 0
@@ -198,31 +211,37 @@ def _attn_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     cand_base = CAND + (g * n_tiles + tile).to(tl.int64) * cand_stride
+    memb_base = MEMB + (g * n_tiles + tile).to(tl.int64) * cand_stride
     N_SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
     n_steps = tl.load(NCAND + g * n_tiles + tile) * N_SUB
     if WHILE_LOOPS:
         step = 0
         while step < n_steps:
-            dq = _dq_step(q, do, lse2, delta, qpos, sel, dq, K, V, cand_base, step, g, d, d_ok, Tk,
-                          stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, N_SUB, BLOCK_N, TOKENS,
-                          DOT_PRECISION)
+            dq = _dq_step(q, do, lse2, delta, qpos, row_token, dq, K, V, cand_base, memb_base, step, g, d, d_ok,
+                          Tk, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                          N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
             step += 1
     else:
         for step in range(0, n_steps):
-            dq = _dq_step(q, do, lse2, delta, qpos, sel, dq, K, V, cand_base, step, g, d, d_ok, Tk,
-                          stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, N_SUB, BLOCK_N, TOKENS,
-                          DOT_PRECISION)
+            dq = _dq_step(q, do, lse2, delta, qpos, row_token, dq, K, V, cand_base, memb_base, step, g, d, d_ok,
+                          Tk, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                          N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
 
     dq_ptrs = DQ + tok[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, TOKENS_LIST, j, hi, g,
-               stride_qt, stride_qh, qk_scale, d, d_ok,
-               NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """Accumulate dk, dv of one key tile over the next TOKENS queries `TOKENS_LIST[j : j + TOKENS]`."""
+def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
+               stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
+               NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr):
+    """Accumulate dk, dv of one key tile over the next TOKENS queries `TOKENS_LIST[j : j + TOKENS]`; with FUSE_DQ
+    also add this tile's dq = scale * dS K into the fp32 [T, Hq, D] buffer DQ (atomics: a query's blocks are
+    handled by different programs).
+
+    Key-major: S^T = K Q^T is [BLOCK_N, BLOCK_M], so every dot has the key tile as its M dimension (a wgmma on
+    Hopper) and P^T / dS^T feed dV += P^T dO and dK += dS^T Q straight from registers."""
     rows = tl.arange(0, BLOCK_M)
     head = g * GROUP + rows % GROUP
     idx = j + rows // GROUP
@@ -234,29 +253,34 @@ def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, TOKENS_LIST, j
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + tok.to(tl.int64) * NUM_HEADS + head, mask=row_ok, other=0.0)
     qpos = tl.load(QPOS + tok, mask=row_ok, other=-1)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & row_ok[:, None]
-    p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    ds = p * (dp - delta[:, None])
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+    visible = (kpos[:, None] <= qpos[None, :]) & k_ok[:, None] & row_ok[None, :]
+    p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    if FUSE_DQ:
+        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_M, BLOCK_D]
+        offs = (tok[:, None].to(tl.int64) * NUM_HEADS + head[:, None]) * HEAD_DIM + d[None, :]
+        tl.atomic_add(DQ + offs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _attn_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, DQ,
     TOKENS_LIST, ITEM_BUCKET, ITEM_LO, ITEM_HI, ITEM_SPLIT, BLOCK_START, BLOCK_END,
     num_block_slots,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dt, stride_dh,
     qk_scale, sm_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, FUSE_DQ: tl.constexpr,
 ):
     """dk, dv of one [BLOCK_N] key sub-block of one group over one chunk of the queries that selected it
-    (grid: work items x sub-blocks per selection block). DO shares q's strides; DK/DV are fp32 [Tk, Hkv, D]."""
+    (grid: work items x sub-blocks per selection block). DO shares q's strides; DK/DV are fp32 [Tk, Hkv, D];
+    with FUSE_DQ, dq is accumulated into the fp32 [T, Hq, D] buffer DQ too."""
     item = tl.program_id(0)
     sub = tl.program_id(1)
     lo = tl.load(ITEM_LO + item)
@@ -278,23 +302,39 @@ def _attn_dkdv_kernel(
         if WHILE_LOOPS:
             j = lo
             while j < hi:
-                dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, TOKENS_LIST, j, hi, g,
-                                    stride_qt, stride_qh, qk_scale, d, d_ok,
-                                    NUM_HEADS, GROUP, BLOCK_M, TOKENS, DOT_PRECISION)
+                dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
+                                    stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
+                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ)
                 j += TOKENS
         else:
             for j in range(lo, hi, TOKENS):
-                dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, TOKENS_LIST, j, hi, g,
-                                    stride_qt, stride_qh, qk_scale, d, d_ok,
-                                    NUM_HEADS, GROUP, BLOCK_M, TOKENS, DOT_PRECISION)
+                dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
+                                    stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
+                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ)
         offs = kpos[:, None].to(tl.int64) * stride_dt + g * stride_dh + d[None, :]
         out_ok = k_ok[:, None] & d_ok[None, :]
         if tl.load(ITEM_SPLIT + item) != 0:  # a hot block split over several programs: sum their parts
-            tl.atomic_add(DK + offs, dk * sm_scale, mask=out_ok)
-            tl.atomic_add(DV + offs, dv, mask=out_ok)
+            tl.atomic_add(DK + offs, dk * sm_scale, mask=out_ok, sem="relaxed")
+            tl.atomic_add(DV + offs, dv, mask=out_ok, sem="relaxed")
         else:
             tl.store(DK + offs, dk * sm_scale, mask=out_ok)
             tl.store(DV + offs, dv, mask=out_ok)
+
+
+@triton.jit
+def _delta_kernel(DO, O, DELTA, n_rows, num_heads, stride_dt, stride_dh, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """delta[t, h] = sum_d dO[t, h, d] * O[t, h, d] in fp32 for BLOCK_R rows (t, h) (grid: rows / BLOCK_R), without
+    materialising fp32 copies of dO and O."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < n_rows
+    t = (r // num_heads).to(tl.int64)
+    h = r % num_heads
+    d = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (d < HEAD_DIM)[None, :]
+    do = tl.load(DO + t[:, None] * stride_dt + h[:, None] * stride_dh + d[None, :], mask=mask, other=0.0)
+    o = tl.load(O + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :], mask=mask, other=0.0)
+    tl.store(DELTA + r, tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1), mask=r_ok)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -304,6 +344,22 @@ def _attn_dkdv_kernel(
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs are compared against the fp32 reference: no TF32 rounding.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _key_operands(k, v, want_tma: int, block_n: int):
+    """(K, V, use_tma) for the query-outer kernels: [Tk, Hkv * D] tensor descriptors with [block_n, D] boxes when
+    asked for and the layout allows it (heads of one row adjacent, power-of-two D, 16-byte aligned rows, a GPU
+    with TMA or the interpreter), else the tensors themselves for pointer loads."""
+    tk, hkv, dim = k.shape
+    tma_ok = bool(want_tma) and (interpreting() or (k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9))
+    if not tma_ok or dim != next_pow2(dim) or tk == 0:
+        return k, v, False
+    descs = []
+    for x in (k, v):
+        if x.stride(1) != dim or x.stride(2) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+            return k, v, False
+        descs.append(TensorDescriptor(x, shape=[tk, hkv * dim], strides=[x.stride(0), 1], block_shape=[block_n, dim]))
+    return descs[0], descs[1], True
 
 
 def _launch_common(q, k, block_size):
@@ -317,31 +373,57 @@ def _launch_common(q, k, block_size):
 def _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens):
     seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
     sel = absolute_block_starts(block_idx, seq, cu_seqlens_k, block_size).contiguous()
-    cand, ncand = tile_candidates(sel, tokens)
-    return seq, qpos, sel, cand, ncand
+    cand, ncand, members = tile_candidates(sel, tokens)
+    # one-token tiles never read the membership bits: cand stands in as a placeholder pointer
+    return seq, qpos, cand, ncand, cand if members is None else members
 
 
 def _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):
     t, hq, hkv, group, dim, launch = _launch_common(q, k, block_size)
     tokens = launch.tokens_per_tile(group)
-    _, qpos, sel, cand, ncand = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens)
+    _, qpos, cand, ncand, members = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens)
     o = torch.empty_like(q)
     lse = torch.empty((t, hq), device=q.device, dtype=torch.float32)
-    topk = block_idx.shape[-1]
     n_tiles = cand.shape[1]
     if t == 0:
         return o, lse
-    _attn_fwd_kernel[(n_tiles, hkv)](
-        q, k, v, o, lse, qpos, sel, cand, ncand,
-        t, k.shape[0], n_tiles, cand.shape[2],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        scale * _LOG2E,
-        GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), TOPK=topk, BLOCK_TOPK=next_pow2(topk),
-        BLOCK_SIZE=block_size, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, TOKENS=tokens,
-        DOT_PRECISION=_dot_precision(q.dtype), WHILE_LOOPS=interpreting(),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
+    kd, vd, use_tma = _key_operands(k, v, launch.tma, launch.block_n)
+    args = (q, kd, vd, o, lse, qpos, members, cand, ncand,
+            t, k.shape[0], n_tiles, cand.shape[2],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+            scale * _LOG2E)
+    common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_SIZE=block_size, TOKENS=tokens,
+                  DOT_PRECISION=_dot_precision(q.dtype), WHILE_LOOPS=interpreting(), USE_TMA=use_tma,
+                  num_stages=launch.num_stages)
+    _attn_fwd_kernel[(n_tiles, hkv)](*args, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+                                     num_warps=launch.num_warps, **common)
     return o, lse
+
+
+def _dq_pass(q, k, v, do, lse, delta, dq, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale, launch,
+             precision):
+    """dq with the query-outer kernel (tiling and candidate lists as the forward's). Returns (seq, qpos)."""
+    t, tk, hkv, dim = q.shape[0], k.shape[0], k.shape[1], q.shape[2]
+    group = q.shape[1] // hkv
+    tokens = launch.dq_tokens_per_tile(group)
+    seq, qpos, cand, ncand, members = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens)
+    n_tiles = cand.shape[1]
+    kd, vd, use_tma = _key_operands(k, v, launch.tma, launch.dq_block_n)
+    args = (q, kd, vd, do, lse, delta, dq, qpos, members, cand, ncand,
+            t, tk, n_tiles, cand.shape[2],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            scale * _LOG2E, scale)
+    common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_SIZE=block_size, TOKENS=tokens,
+                  DOT_PRECISION=precision, WHILE_LOOPS=interpreting(), USE_TMA=use_tma,
+                  num_stages=launch.num_stages)
+    _attn_dq_kernel[(n_tiles, hkv)](*args, BLOCK_M=launch.dq_block_m, BLOCK_N=launch.dq_block_n,
+                                    num_warps=launch.dq_num_warps, **common)
+    return seq, qpos
+
+
+# dq fused into the dk/dv kernel accumulates in an fp32 [T, Hq, D] buffer (2x the size of q in bf16); above this
+# size (256K tokens of M3) the backward uses the separate dq pass instead, which needs no workspace.
+FUSED_DQ_MAX_BYTES = 8 << 30
 
 
 def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):
@@ -358,38 +440,38 @@ def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_si
     dv = torch.zeros_like(dk)
     if t == 0:
         return dq, dk.to(k.dtype), dv.to(v.dtype)
-    delta = (do.float() * o.float()).sum(-1).contiguous()
+    delta = torch.empty((t, hq), device=q.device, dtype=torch.float32)
+    rows_per_program = 64 if interpreting() else 16
+    _delta_kernel[(triton.cdiv(t * hq, rows_per_program),)](
+        do, o, delta, t * hq, hq, do.stride(0), do.stride(1), o.stride(0), o.stride(1),
+        HEAD_DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_R=rows_per_program)
     lse = lse.contiguous()
-    topk = block_idx.shape[-1]
     precision = _dot_precision(q.dtype)
 
-    tokens = launch.tokens_per_tile(group)
-    seq, qpos, sel, cand, ncand = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens)
-    n_tiles = cand.shape[1]
-    _attn_dq_kernel[(n_tiles, hkv)](
-        q, k, v, do, lse, delta, dq, qpos, sel, cand, ncand,
-        t, tk, n_tiles, cand.shape[2],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        scale * _LOG2E, scale,
-        GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), TOPK=topk, BLOCK_TOPK=next_pow2(topk),
-        BLOCK_SIZE=block_size, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, TOKENS=tokens,
-        DOT_PRECISION=precision, WHILE_LOOPS=interpreting(),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
+    fuse_dq = bool(launch.dq_in_dkdv) and t * hq * dim * 4 <= FUSED_DQ_MAX_BYTES
+    if fuse_dq:
+        seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
+        dq32 = torch.zeros((t, hq, dim), device=q.device, dtype=torch.float32)
+    else:
+        seq, qpos = _dq_pass(q, k, v, do, lse, delta, dq, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale,
+                             launch, precision)
+        dq32 = dk  # placeholder pointer, never touched without FUSE_DQ
 
     work = key_block_work(block_idx, seq, cu_seqlens_k, tk, block_size, launch.dkdv_max_tokens)
-    n_sub = block_size // launch.block_n
+    n_sub = block_size // launch.dkdv_block_n
     _attn_dkdv_kernel[(work.lo.numel(), n_sub)](
-        q, k, v, do, lse, delta, dk, dv, qpos,
+        q, k, v, do, lse, delta, dk, dv, qpos, dq32,
         work.tokens, work.bucket, work.lo, work.hi, work.split, work.block_start, work.block_end,
         work.num_block_slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dk.stride(0), dk.stride(1),
         scale * _LOG2E, scale,
         NUM_HEADS=hq, GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim),
-        BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.block_n, TOKENS=launch.dkdv_tokens(group),
-        DOT_PRECISION=precision, WHILE_LOOPS=interpreting(),
-        num_warps=launch.dkdv_num_warps, num_stages=launch.num_stages,
+        BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, TOKENS=launch.dkdv_tokens(group),
+        DOT_PRECISION=precision, WHILE_LOOPS=interpreting(), FUSE_DQ=fuse_dq,
+        num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
     )
+    if fuse_dq:
+        dq.copy_(dq32)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 

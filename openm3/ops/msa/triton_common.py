@@ -65,32 +65,47 @@ _TILES_PER_SORT = 1 << 16
 
 
 def tile_candidates(block_starts: torch.Tensor, tokens_per_tile: int):
-    """Union of the selected blocks of each tile of `tokens_per_tile` consecutive queries.
+    """Union of the selected blocks of each tile of `tokens_per_tile` consecutive queries, with membership bits.
 
-    block_starts: int32 [H, T, topk] from `absolute_block_starts`. Returns `(cand, ncand)`: cand int32
-    [H, n_tiles, tokens_per_tile * topk] holds each tile's distinct block starts, padded with `NO_BLOCK`; ncand
-    int32 [H, n_tiles] counts them. For several tokens per tile they are sorted ascending and deduplicated (two
-    sorts, done in chunks of tiles to bound the workspace). For one token per tile the selection is its own
-    candidate list: valid blocks are distinct and left-packed by contract (`-1` only in trailing slots).
-    No host synchronisation.
+    block_starts: int32 [H, T, topk] from `absolute_block_starts`. Returns `(cand, ncand, members)`: cand int32
+    [H, n_tiles, tokens_per_tile * topk] holds each tile's distinct block starts, ascending, padded with
+    `NO_BLOCK`; ncand int32 [H, n_tiles] counts them; members int64 (same shape as cand) has bit j set when token j
+    of the tile selected that block, so a kernel tests membership with one shift per row. One sort per chunk of
+    tiles (bounding the workspace), then a scatter of each run of equal starts to its rank. For one token per
+    tile the selection is its own candidate list (valid blocks are distinct and left-packed by contract) and
+    members is None. No host synchronisation.
     """
     h, t, topk = block_starts.shape
     if tokens_per_tile == 1:
         ncand = (block_starts >= 0).sum(dim=-1, dtype=torch.int32)
-        return block_starts.contiguous(), ncand
+        return block_starts.contiguous(), ncand, None
+    if tokens_per_tile > 64:
+        raise ValueError(f"tokens_per_tile={tokens_per_tile}: membership bits hold at most 64 tokens per tile")
     n_tiles = -(-t // tokens_per_tile)
     pad = n_tiles * tokens_per_tile - t
+    width = tokens_per_tile * topk
     x = torch.where(block_starts >= 0, block_starts, NO_BLOCK)
     if pad:
         x = torch.cat([x, x.new_full((h, pad, topk), NO_BLOCK)], dim=1)
-    x = x.view(h, n_tiles, tokens_per_tile * topk)
+    x = x.view(h, n_tiles, width)
+    # Sort (start, token) pairs: equal starts become runs, and a token listing a block twice is counted once.
+    token = (torch.arange(width, device=x.device) // topk).view(1, 1, width)
+    cand = torch.full_like(x, NO_BLOCK)
+    members = torch.zeros(x.shape, device=x.device, dtype=torch.int64)
     for lo in range(0, n_tiles, _TILES_PER_SORT):
-        part = x[:, lo:lo + _TILES_PER_SORT].sort(dim=-1).values
-        dup = torch.zeros_like(part, dtype=torch.bool)
-        dup[..., 1:] = part[..., 1:] == part[..., :-1]
-        x[:, lo:lo + _TILES_PER_SORT] = torch.where(dup, NO_BLOCK, part).sort(dim=-1).values
-    ncand = (x != NO_BLOCK).sum(dim=-1, dtype=torch.int32)
-    return x, ncand
+        chunk = slice(lo, lo + _TILES_PER_SORT)
+        keys = ((x[:, chunk].to(torch.int64) << 6) | token).sort(dim=-1).values
+        part = (keys >> 6).to(torch.int32)
+        first = torch.ones_like(part, dtype=torch.bool)
+        first[..., 1:] = part[..., 1:] != part[..., :-1]
+        repeat = torch.zeros_like(first)
+        repeat[..., 1:] = keys[..., 1:] == keys[..., :-1]
+        rank = first.cumsum(dim=-1) - 1  # index of each entry's run of equal starts
+        cand[:, chunk].scatter_(-1, rank, part)  # every entry of a run carries the same start
+        bits = torch.where(repeat | (part == NO_BLOCK), 0, torch.ones_like(keys) << (keys & 63))
+        members[:, chunk].scatter_add_(-1, rank, bits)  # distinct bits: the sum is their union
+    ncand = (cand != NO_BLOCK).sum(dim=-1, dtype=torch.int32)
+    return cand, ncand, members
 
 
 @dataclass(frozen=True)
@@ -177,10 +192,18 @@ def key_block_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: tor
 class AttentionLaunch:
     """Launch parameters of the sparse-attention kernels.
 
-    block_m: rows of a query tile = tokens_per_tile * group heads (padded to a power of two, >= 16 for tl.dot).
-    block_n: keys per inner tile; divides the selection block size.
-    dkdv_block_m: rows per step of the key-block-outer dk/dv kernel (whole tokens of group heads).
+    block_m: rows of a forward query tile = tokens_per_tile * group heads (a power of two >= 16 for tl.dot);
+      several tokens per tile walk the union of their blocks with per-row masks (each K/V tile is loaded once for
+      all of them, but masked rows still cost dot work). block_n: keys per inner tile; divides the block size.
+    dq_block_m, dq_block_n, dq_num_warps: the same for the dq kernel (it does 3 dots per key tile, not 2, so its
+      best trade-off between shared loads and masked work can differ); unset, they follow the forward's.
+    dkdv_block_m: query rows per step of the key-block-outer dk/dv kernel (whole tokens of group heads);
+    dkdv_block_n: keys per dk/dv program (divides the block size: a smaller one re-reads q, dO per sub-block).
+    dkdv_num_warps, dkdv_num_stages: the dk/dv kernel's (num_warps, num_stages are the forward's and dq's).
     dkdv_max_tokens: queries handled by one dk/dv work item before a hot block is split across programs.
+    tma: 1 loads the forward's and dq's K/V tiles through tensor descriptors (Hopper's TMA), 0 with pointers.
+    dq_in_dkdv: 1 computes dq inside the dk/dv kernel (one more dot per step, fp32 atomic adds into a [T, Hq, D]
+      buffer) instead of a separate query-outer pass that gathers K and V again.
     """
 
     block_m: int
@@ -188,11 +211,21 @@ class AttentionLaunch:
     num_warps: int
     num_stages: int
     dkdv_block_m: int
+    dkdv_block_n: int
     dkdv_num_warps: int
+    dkdv_num_stages: int
     dkdv_max_tokens: int
+    dq_block_m: int
+    dq_block_n: int
+    dq_num_warps: int
+    tma: int
+    dq_in_dkdv: int
 
     def tokens_per_tile(self, group: int) -> int:
         return max(1, self.block_m // group)
+
+    def dq_tokens_per_tile(self, group: int) -> int:
+        return max(1, self.dq_block_m // group)
 
     def dkdv_tokens(self, group: int) -> int:
         return max(1, self.dkdv_block_m // group)
@@ -217,31 +250,51 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
     """
     min_rows = 16  # tl.dot's minimum M on GPUs
     if on_gpu:
-        block_m = next_pow2(max(min_rows, group))
+        # Measured on an H200 (M3 shape, docs/kernels_attention.md): forward tiles are bound by gathering K/V from
+        # L2/HBM. Tiles of 4 tokens (block_m = 4 * G) over the union of their blocks cut that traffic when
+        # neighbouring queries select overlapping blocks (-22% at 32K) but cost masked dot work otherwise (+32% at
+        # 128K with i.i.d. selections, and only -4% left for overlapping ones there): one token per tile is the
+        # robust default. TMA loads beat pointer loads; whole-block dk/dv programs read q and dO once per block,
+        # and fusing dq into them (atomics) beats a second K/V gather.
+        one_token = next_pow2(max(min_rows, group))
+        block_m = one_token
         block_n = _largest_pow2_divisor(block_size, 128 if head_dim <= 64 else 64)
-        cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2,
-                   dkdv_block_m=max(block_m, 32), dkdv_num_warps=4 if head_dim <= 64 else 8, dkdv_max_tokens=2048)
+        cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3,
+                   dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
+                   dkdv_block_m=max(one_token, 32), dkdv_block_n=_largest_pow2_divisor(block_size, 128),
+                   dkdv_num_warps=8, dkdv_num_stages=2, dkdv_max_tokens=2048, tma=1, dq_in_dkdv=1)
     else:
         # The CPU interpreter pays per operation, not per element: few programs with large tiles run fastest.
         block_m = next_pow2(max(64, group))
-        cfg = dict(block_m=block_m, block_n=_largest_pow2_divisor(block_size, 64), num_warps=4, num_stages=1,
-                   dkdv_block_m=block_m, dkdv_num_warps=4, dkdv_max_tokens=64)
+        block_n = _largest_pow2_divisor(block_size, 64)
+        cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1,
+                   dq_block_m=None, dq_block_n=None, dq_num_warps=None,
+                   dkdv_block_m=block_m, dkdv_block_n=block_n, dkdv_num_warps=4, dkdv_num_stages=1,
+                   dkdv_max_tokens=64, tma=0, dq_in_dkdv=0)
     env = os.environ.get(_ENV_OVERRIDE, "")
     for item in filter(None, (s.strip() for s in env.split(","))):
         key, _, value = item.partition("=")
         cfg[key.strip()] = int(value)
     cfg.update(overrides)
+    for name in ("block_m", "block_n", "num_warps"):  # dq follows the forward's tiling unless set
+        if cfg.get("dq_" + name) is None:
+            cfg["dq_" + name] = cfg[name]
     unknown = set(cfg) - set(AttentionLaunch.__dataclass_fields__)
     if unknown:
         raise ValueError(f"attention launch: unknown fields {sorted(unknown)}; known: "
                          f"{sorted(AttentionLaunch.__dataclass_fields__)}")
     launch = AttentionLaunch(**cfg)
-    if launch.block_m < group or launch.dkdv_block_m < group:
-        raise ValueError(f"attention launch: block_m={launch.block_m} / dkdv_block_m={launch.dkdv_block_m} "
-                         f"must hold a whole group of {group} query heads")
-    if block_size % launch.block_n:
-        raise ValueError(f"attention launch: block_n={launch.block_n} must divide block_size={block_size}")
-    for name in ("block_m", "block_n", "dkdv_block_m"):
+    if min(launch.block_m, launch.dq_block_m, launch.dkdv_block_m) < group:
+        raise ValueError(f"attention launch: block_m={launch.block_m} / dq_block_m={launch.dq_block_m} / "
+                         f"dkdv_block_m={launch.dkdv_block_m} must hold a whole group of {group} query heads")
+    if max(launch.tokens_per_tile(group), launch.dq_tokens_per_tile(group)) > 64:
+        raise ValueError(f"attention launch: block_m={launch.block_m} / dq_block_m={launch.dq_block_m} hold more "
+                         f"than 64 tokens of {group} heads (membership bits are int64)")
+    for name in ("block_n", "dq_block_n", "dkdv_block_n"):
+        if block_size % getattr(launch, name):
+            raise ValueError(f"attention launch: {name}={getattr(launch, name)} must divide "
+                             f"block_size={block_size}")
+    for name in ("block_m", "block_n", "dq_block_m", "dq_block_n", "dkdv_block_m", "dkdv_block_n"):
         value = getattr(launch, name)
         if value & (value - 1):
             raise ValueError(f"attention launch: {name}={value} must be a power of two")
