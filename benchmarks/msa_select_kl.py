@@ -3,6 +3,7 @@
     python -m benchmarks.msa_select_kl --out benchmarks/results/            # checks + timings, ~2-3 min on an H200
     python -m benchmarks.msa_select_kl --T 8192 131072 --skip-check          # timings only
     TRITON_DUMP_PTXAS_LOG=1 python -m benchmarks.msa_select_kl --compile-check   # sm_90 compile, no GPU needed
+    python -m benchmarks.msa_select_kl --compile-check --sweep --dump-ptx /tmp/ptx  # + sweep variants, regs, PTX
 
 Shape: index 4 heads x 128 + 1 key head, main 64 query heads / 4 KV heads x 128, blocks of 128, top-16, 1 local
 block, one sequence of T tokens. The index queries drift slowly along the sequence (as a trained indexer's do), so
@@ -18,7 +19,8 @@ neighbouring queries pick overlapping blocks.
    without lse (adds the teacher-normaliser pass; T <= 32K); the cuDNN dense causal forward in the same run
    (T <= 128K) for ratios. Achieved TFLOP/s against the FLOP counts.
 3. Workspace: peak memory of select beyond its inputs and output at the largest T.
-4. With --sweep [T ...]: select and KL timings for the launch variants in SELECT_SWEEP / KL_SWEEP.
+4. With --sweep [T ...]: select and KL timings for the launch variants in SELECT_SWEEP / KL_SWEEP; with
+   --profile [T ...]: GPU time per kernel of select + KL forward/gradient (torch.profiler).
 
 Each case runs in its own try/except: a failure is printed with its traceback and the run continues.
 Writes JSON (GPU, versions, date, every figure) to --out/msa_select_kl.json.
@@ -143,10 +145,10 @@ def check_select(x: dict, tail: int) -> dict:
     rows_equal = (out == ref).all(-1).float().mean().item()
     sets_equal = (out.sort(-1).values == ref.sort(-1).values).all(-1).float().mean().item()
     res = dict(rows_identical=rows_equal, sets_identical=sets_equal, passed=sets_equal >= 0.99)
-    try:  # the TMA variant of the kernel must agree with the pointer-load one exactly
+    try:  # the TMA variant of the kernel (the default on Hopper) must agree with the pointer-load one exactly
         from openm3.ops.msa.triton_select import _select, select_launch
 
-        launch = select_launch(HI, DI, BLOCK, qi.is_cuda, tma=1)
+        launch = select_launch(HI, DI, BLOCK, qi.is_cuda, tma=1 - select_launch(HI, DI, BLOCK, qi.is_cuda).tma)
         res["tma_identical"] = bool(torch.equal(_select(qi, x["ki"], cu_q, cu_k, BLOCK, TOPK, LOCAL, launch=launch),
                                                 out))
     except Exception as exc:  # noqa: BLE001 - reported, the pointer-load default is what the check covers
@@ -262,10 +264,9 @@ def time_case(x: dict, t: int, with_dense: bool, no_lse: bool) -> dict:
 
 
 # Launch variants tried by --sweep (fields of SelectLaunch / KLLaunch; {} is the default).
-SELECT_SWEEP = [{}, dict(tma=1), dict(block_n=64), dict(block_m=256, block_n=64), dict(block_m=256, block_n=64, tma=1),
-                dict(num_stages=2)]
-KL_SWEEP = [{}, dict(heads_per_dot=8), dict(block_n=128), dict(max_entries=128), dict(num_warps=4),
-            dict(num_stages=1)]
+SELECT_SWEEP = [{}, dict(tma=0), dict(block_n=64), dict(num_stages=3, tma=0)]
+KL_SWEEP = [{}, dict(dqi_buffer=1), dict(prefetch=1), dict(dqi_buffer=1, prefetch=1), dict(dqi_buffer=1, prefetch=2),
+            dict(heads_per_dot=8), dict(block_n=128, heads_per_dot=8, num_stages=1), dict(max_entries=1024)]
 
 
 def sweep(x: dict, t: int) -> dict:
@@ -295,6 +296,45 @@ def sweep(x: dict, t: int) -> dict:
             res[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
         print(f"    {name}: {res[name]}", flush=True)
     return res
+
+
+def profile_case(x: dict, t: int, reps: int = 3) -> dict:
+    """GPU time per call of every kernel that select and the KL forward+gradient launch (torch.profiler), ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from openm3.ops.msa import triton_kl
+    from openm3.ops.msa.triton_kl import indexer_kl
+    from openm3.ops.msa.triton_select import select_blocks
+
+    cu = torch.tensor([0, t], device=DEVICE, dtype=torch.int32)
+    block_idx = select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+    lse = _attention_lse(x, block_idx, cu)
+    qi, ki = x["qi"].detach().requires_grad_(True), x["ki"].detach().requires_grad_(True)
+
+    def step():
+        select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+        qi.grad = ki.grad = None
+        indexer_kl(x["q"], x["k"], qi, ki, block_idx, cu, block_size=BLOCK, lse=lse).backward()
+
+    triton_kl.VALIDATE_BLOCK_IDX = False
+    try:
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                step()
+            torch.cuda.synchronize()
+    finally:
+        triton_kl.VALIDATE_BLOCK_IDX = True
+    rows = []
+    for evt in prof.key_averages():
+        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if total > 0:
+            rows.append((evt.key[:60], total / reps / 1e3, evt.count // reps))
+    rows.sort(key=lambda r: -r[1])
+    for name, ms, n in rows[:14]:
+        print(f"    {ms:9.3f} ms  x{n:<3d} {name}", flush=True)
+    return {name: dict(ms=ms, calls=n) for name, ms, n in rows[:20]}
 
 
 def time_select(x: dict, t: int) -> dict:
@@ -359,12 +399,15 @@ class _Recorder:
         return lambda *args, **kw: self.launches.append((self.kernel, args, kw))
 
 
-def compile_check(arch: int = 90) -> list[str]:
+def compile_check(arch: int = 90, dump: str | None = None, select_variants=None, kl_variants=None) -> list[str]:
     """Compile every selection / KL kernel variant for `sm_<arch>` with ptxas, through the real host launch paths
     (M3 shape, bf16 CPU tensors; nothing runs). Needs TRITON_INTERPRET unset; no GPU. Returns one line per kernel.
 
     Catches what the interpreter accepts but a GPU compile rejects (tile minimums, layouts, loop-carried types);
-    with TRITON_DUMP_PTXAS_LOG=1 ptxas also prints registers and spills per kernel.
+    with TRITON_DUMP_PTXAS_LOG=1 ptxas also prints registers and spills per kernel. `dump`: a folder that receives
+    each kernel's PTX (`<kernel>_<n>.ptx`), to read which instructions (wgmma, cp.async, red) the compiler chose.
+    `select_variants` / `kl_variants`: launch overrides to compile as well (the KL ones on the training path: lse
+    given, gradients on). Each line reports registers per thread and shared memory (cuobjdump), hence occupancy.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
@@ -382,8 +425,8 @@ def compile_check(arch: int = 90) -> list[str]:
         cu = torch.tensor([0, 300, t], dtype=torch.int32)
         q, k = torch.randn(t, HQ, D).to(bf16), torch.randn(t, HKV, D).to(bf16)
         qi, ki = torch.randn(t, HI, DI).to(bf16), torch.randn(t, DI).to(bf16)
-        for tma in (0, 1):
-            launch = triton_select.select_launch(HI, DI, BLOCK, on_gpu=True, tma=tma)
+        for over in [dict(tma=0), dict(tma=1)] + list(select_variants or []):
+            launch = triton_select.select_launch(HI, DI, BLOCK, on_gpu=True, **over)
             triton_select._select(qi, ki, cu, cu, BLOCK, TOPK, LOCAL, launch=launch)
         pos = torch.arange(t) % 300  # position inside its sequence
         j = torch.arange(4, dtype=torch.int32).view(1, 1, 4)
@@ -393,30 +436,71 @@ def compile_check(arch: int = 90) -> list[str]:
         triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, None, BLOCK, *scales, True, launch=kl)
         triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, False,
                               launch=kl)
+        for over in [dict(dqi_buffer=1, prefetch=1)] + list(kl_variants or []):  # the opt-in paths stay compilable
+            kl = triton_kl.kl_launch(HQ // HKV, D, BLOCK, on_gpu=True, **over)
+            triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, True,
+                                  launch=kl)
     finally:
         triton_select._select_kernel = originals[0]
         triton_kl._kl_stats_kernel, triton_kl._kl_main_kernel = originals[1:]
     lines = []
     for kernel, args, kw in launches:
-        sig, consts = {}, {}
-        for name, value in zip(kernel.arg_names, args):
+        # Specialised like a real launch: ints equal to 1 become constants, ints and pointers divisible by 16 carry
+        # tt.divisibility (what lets the compiler vectorise loads).
+        sig, consts, attrs = {}, {}, {}
+        for i, (name, value) in enumerate(zip(kernel.arg_names, args)):
             if isinstance(value, TensorDescriptor):
                 dtype = _PTR_TYPES[value.base.dtype][1:]
                 sig[name] = f"tensordesc<{dtype}[{', '.join(str(b) for b in value.block_shape)}]>"
             elif isinstance(value, torch.Tensor):
                 sig[name] = _PTR_TYPES[value.dtype]
+                if value.data_ptr() % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(value, int) and value == 1:
+                sig[name], consts[name] = "constexpr", 1
+            elif isinstance(value, int):
+                sig[name] = "i32"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
             else:
-                sig[name] = "i32" if isinstance(value, int) else "fp32"
+                sig[name] = "fp32"
         for name, value in kw.items():
             if name not in _LAUNCH_OPTIONS:
                 sig[name], consts[name] = "constexpr", value
         options = {n: kw[n] for n in _LAUNCH_OPTIONS if n in kw}
-        compiled = triton_compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
+        compiled = triton_compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                                   target=GPUTarget("cuda", arch, 32), options=options)
-        flags = {n: v for n, v in consts.items() if n in ("TEACHER", "GRAD", "USE_TMA")}
-        lines.append(f"sm_{arch} {kernel.__name__} {flags} {options} shared={compiled.metadata.shared}")
+        flags = {n: v for n, v in consts.items()
+                 if n in ("TEACHER", "GRAD", "DQI_BUF", "USE_TMA", "BLOCK_M", "BLOCK_N", "BLOCK_Q", "HG")}
+        lines.append(f"sm_{arch} {kernel.__name__} {flags} {options} shared={compiled.metadata.shared} "
+                     f"regs={_registers(compiled.asm['cubin'])}")
+        if dump:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            (Path(dump) / f"{kernel.__name__}_{len(lines)}.ptx").write_text(compiled.asm["ptx"])
         print(lines[-1], flush=True)
     return lines
+
+
+def _registers(cubin: bytes) -> str | None:
+    """Registers per thread (and local-memory stack, where spills go) of a compiled kernel, read with the cuobjdump
+    that ships with Triton (None if absent)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
+    if regs is None:
+        return None
+    return regs.group(1) + (f" stack={stack.group(1)}" if stack and stack.group(1) != "0" else "")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -443,12 +527,18 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--sweep", type=int, nargs="*", default=None, metavar="T",
                     help="also time launch variants (SELECT_SWEEP, KL_SWEEP) at these T (default 32768)")
+    ap.add_argument("--profile", type=int, nargs="*", default=None, metavar="T",
+                    help="also list the GPU time of every kernel of select + KL fwd/grad (torch.profiler) at these T")
     ap.add_argument("--out", default="benchmarks/results/")
     ap.add_argument("--compile-check", action="store_true",
                     help="only compile every kernel for sm_90 (no GPU needed; TRITON_INTERPRET must be unset)")
+    ap.add_argument("--dump-ptx", default=None, metavar="DIR", help="with --compile-check: write each kernel's PTX")
     args = ap.parse_args(argv)
     if args.compile_check:
-        print(f"compiled {len(compile_check())} kernels")
+        sweep_too = args.sweep is not None  # --compile-check --sweep: the sweep's launch variants as well
+        lines = compile_check(dump=args.dump_ptx, select_variants=SELECT_SWEEP if sweep_too else None,
+                              kl_variants=KL_SWEEP if sweep_too else None)
+        print(f"compiled {len(lines)} kernels")
         return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -479,6 +569,10 @@ def main(argv=None) -> int:
         del x
         torch.cuda.empty_cache()
     _run(f"workspace_select_T{max(args.T)}", lambda: select_workspace(max(args.T)), results)
+    for t in args.profile or []:
+        x = m3_inputs(t)
+        _run(f"profile_T{t}", lambda: profile_case(x, t), results)
+        del x
     sweep_ts = [] if args.sweep is None else (args.sweep or [32768])
     for t in sweep_ts:
         x = m3_inputs(t)

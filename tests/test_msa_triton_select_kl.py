@@ -145,6 +145,7 @@ KL_CASES = [
     ([100, 37, 163], None, 16, 4, 16, 16, 32, 3, True, False, {}),  # teacher normaliser computed here
     ([70, 129], None, 8, 2, 16, 16, 32, 3, True, True, dict(block_n=16, block_q=16, max_entries=16,
                                                              heads_per_dot=2)),  # GPU-like tiling, split buckets
+    ([70, 129], None, 16, 4, 16, 16, 32, 3, True, True, dict(block_n=16, dqi_buffer=1)),  # dqi partial buffer
     ([70, 129], None, 16, 4, 16, 16, 16, 0, False, False, {}),  # dense warm-up
     ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 4, True, True, {}),  # bottom-right aligned queries
     ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 0, False, False, {}),
@@ -215,6 +216,22 @@ def test_kl_public_autograd_scales_gradients():
     assert rel_err(again, ref_loss) < 1e-4
 
 
+def test_kl_fp16_partial_buffer_and_atomics_agree():
+    """fp16 inputs: the dL/dqi partials are stored in fp16 (dqi_buffer=1) or added in fp32 (dqi_buffer=0); both
+    stay within fp16 rounding of the fp32 reference computed on the same fp16 values."""
+    q, k, qi, ki, block_idx, cu_q, _, lse = make_kl_case([60, 45], None, 8, 2, 16, 16, 16, 3, True, True, seed=9)
+    q, k, qi, ki = (x.half() for x in (q, k, qi, ki))
+    ref_loss, ref_dqi, ref_dki = reference_kl(q.float(), k.float(), qi.float(), ki.float(), block_idx, cu_q, None,
+                                              lse, 16)
+    for dqi_buffer in (1, 0):
+        launch = kl_launch(4, 16, 16, ON_GPU, dqi_buffer=dqi_buffer)
+        loss, dqi, dki = _kl_forward(q, k, qi, ki, block_idx, cu_q, cu_q, lse, 16, 0.25, 0.25, True, launch=launch)
+        assert dqi.dtype == torch.float32 and dqi.shape == qi.shape
+        assert rel_err(loss, ref_loss) < 1e-3, dqi_buffer
+        assert rel_err(dqi, ref_dqi) < 5e-3, dqi_buffer
+        assert rel_err(dki, ref_dki) < 5e-3, dqi_buffer
+
+
 def test_entry_work_inverts_the_selection():
     gen = torch.Generator().manual_seed(2)
     lens = [50, 0, 77]
@@ -281,7 +298,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.msa_select_kl", "--compile-check"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compiled 6 kernels" in proc.stdout, proc.stdout
+    assert "compiled 8 kernels" in proc.stdout, proc.stdout
 
 
 def test_torch_compile_traces_the_ops():

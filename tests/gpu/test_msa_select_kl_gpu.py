@@ -8,7 +8,8 @@
    dqi, dki errors against the fp32 reference within 2x the error of a plain bf16 PyTorch computation
    (`benchmarks.msa_select_kl.kl_bf16_torch`), the flash-attention test bound.
 2. Small varlen fp32 shapes with group sizes 1, 4, 16 compiled for the GPU (tl.dot tile minimums, register
-   layouts) against the reference, like the CPU tests under the interpreter.
+   layouts) against the reference, like the CPU tests under the interpreter; also the pointer-load selection and
+   the KL's opt-in launch paths (dqi partial buffer, L2 prefetch: inline PTX, which the interpreter cannot run).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _cu(lens):
 @pytest.mark.parametrize("bs", [16, 64], ids=["bs16", "bs64"])
 def test_varlen_fp32_matches_reference(hq, hkv, bs):
     from openm3.ops.msa import reference
-    from openm3.ops.msa.triton_kl import indexer_kl
+    from openm3.ops.msa.triton_kl import _kl_forward, indexer_kl, kl_launch
     from openm3.ops.msa.triton_select import _select, select_blocks, select_launch
 
     gen = torch.Generator(device="cuda").manual_seed(hq + bs)
@@ -74,7 +75,7 @@ def test_varlen_fp32_matches_reference(hq, hkv, bs):
     kw = dict(block_size=bs, topk=5, local_blocks=1)
     block_idx = select_blocks(qi, ki, cu_q, **kw)
     assert torch.equal(block_idx, reference.select_blocks(qi, ki, cu_q, **kw))
-    launch = select_launch(hkv, di, bs, True, tma=1)
+    launch = select_launch(hkv, di, bs, True, tma=0)  # pointer loads; the default uses TMA on Hopper
     assert torch.equal(_select(qi, ki, cu_q, cu_q, bs, 5, 1, launch=launch), block_idx)
     _, lse = reference.sparse_attention(q, k, v, block_idx, cu_q, block_size=bs)
     for sel, lse_in in ((block_idx, lse), (block_idx, None), (None, None)):
@@ -87,3 +88,9 @@ def test_varlen_fp32_matches_reference(hq, hkv, bs):
         for mine, ref in zip(*grads):
             err = ((mine - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-4, (sel is None, lse_in is None, err)
+        # The opt-in launch paths (dL/dqi partial buffer, L2 prefetch of q rows) give the same values.
+        launch = kl_launch(hq // hkv, max(d, di), bs, True, dqi_buffer=1, prefetch=1)
+        opt = _kl_forward(q, k, qi, ki, sel, cu_q, cu_q, lse_in, bs, d ** -0.5, di ** -0.5, True, launch=launch)
+        for mine, ref in zip(opt, grads[1]):
+            err = ((mine - ref).abs().max() / ref.abs().max()).item()
+            assert err < 1e-4, ("dqi_buffer+prefetch", sel is None, lse_in is None, err)

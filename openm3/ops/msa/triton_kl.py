@@ -26,7 +26,8 @@ traffic than gathering 16 blocks of k per query for M3). Two passes:
    loss is a scalar, so dL/dqi and dL/dki are computed here once and only scaled by the incoming gradient in
    backward. dki accumulates in registers over the item's entries and is added once per item (an fp32 atomic
    add of one [block_n, Di] tile; only split buckets collide). dqi gets one [block_q, Di] atomic add per
-   (entry, sub-tile): Hi*T*topk*Di adds in all, spread over distinct addresses.
+   (entry, sub-tile): Hi*T*topk*Di adds in all, spread over distinct addresses (or, with `dqi_buffer=1`, one
+   plain-stored partial row per (entry, sub-tile) that torch sums over the slots).
 
 The dense warm-up variant builds the all-causal-blocks `block_idx` and runs the same passes (short sequences:
 its index has T * T / block_size entries).
@@ -63,6 +64,12 @@ class KLLaunch:
     block_q: entries (queries) per step, power of two >= 16 (it is the K dim of the dki dot).
     heads_per_dot: teacher heads per q.k^T dot (rows = block_q * heads_per_dot); power of two dividing G.
     max_entries: entries per work item before a hot key block is split over several programs.
+    dqi_buffer: 1 writes dL/dqi as one partial row per (entry, key sub-tile) into a `[Hi, T, topk * n_sub, Di]`
+        buffer in qi's dtype that torch sums (plain stores; falls back to atomics when the buffer would exceed
+        `DQI_BUFFER_MAX_BYTES`), 0 adds into dL/dqi with fp32 atomics (no buffer).
+    prefetch: steps ahead (0 = off) at which the main pass asks L2 for the q rows of coming entries
+        (`prefetch.global.L2`; compiled GPUs only, the interpreter has no inline assembly). Triton's pipeliner
+        issues a step's q gather only at the end of the previous step, so without it every step waits on HBM.
     """
 
     block_n: int
@@ -71,9 +78,13 @@ class KLLaunch:
     max_entries: int
     num_warps: int
     num_stages: int
+    dqi_buffer: int = 0
+    prefetch: int = 0
 
 
 _ENV_OVERRIDE = "OPENM3_KL_LAUNCH"
+# Largest dL/dqi partial buffer (dqi_buffer=1): 4.3 GB at 128K tokens for M3 (bf16, 2 sub-tiles per block).
+DQI_BUFFER_MAX_BYTES = 8 << 30
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -91,7 +102,7 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
     block_n = max(16, min(next_pow2(block_size), 64 if on_gpu else 32))
     # The interpreter's cost is per operation, not per element: big steps on CPU.
     cfg = dict(block_n=block_n, block_q=16 if on_gpu else 64,
-               heads_per_dot=_largest_pow2_divisor(group, 4 if on_gpu else 16),
+               heads_per_dot=_largest_pow2_divisor(group, 16),
                max_entries=256, num_warps=8 if on_gpu and head_dim >= 128 else 4,
                num_stages=2 if on_gpu else 1)
     env = os.environ.get(_ENV_OVERRIDE, "")
@@ -109,6 +120,10 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
         raise ValueError(f"kl launch: heads_per_dot={hg} must be a power of two dividing the group size {group}")
     if launch.max_entries < 1:
         raise ValueError(f"kl launch: max_entries={launch.max_entries} must be >= 1")
+    if launch.dqi_buffer not in (0, 1):
+        raise ValueError(f"kl launch: dqi_buffer={launch.dqi_buffer} must be 0 or 1")
+    if launch.prefetch < 0:
+        raise ValueError(f"kl launch: prefetch={launch.prefetch} must be >= 0")
     return launch
 
 
@@ -160,6 +175,24 @@ def _load_key_tiles(K, KI, g, kpos, k_ok, d, d_ok, di, di_ok, stride_kt, stride_
 
 
 @triton.jit
+def _prefetch_q_rows(Q, ENTRIES, start, end, g, T, stride_qt, stride_qh, GROUP: tl.constexpr, TOPK: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, LINES: tl.constexpr, ROW_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """Ask L2 for the q rows (all GROUP heads of group g, ROW_LINES cache lines of 128 B each) of the entries in
+    [start, min(start + BLOCK_Q, end)); no result, no effect on values. LINES = next_pow2(ROW_LINES)."""
+    idx = start + tl.arange(0, BLOCK_Q)
+    ok = idx < end
+    e = tl.load(ENTRIES + idx, mask=ok, other=0)
+    t = (e // TOPK) % T
+    c = tl.arange(0, GROUP * LINES)
+    line = c % LINES
+    ptrs = (Q + t[:, None].to(tl.int64) * stride_qt + (g * GROUP + c // LINES)[None, :] * stride_qh
+            + line[None, :] * LINE_ELEMS)
+    ptrs = tl.where(ok[:, None] & (line < ROW_LINES)[None, :], ptrs, Q)  # others ask for q's first line again
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _kl_stats_kernel(
     Q, K, QI, KI, ENTRIES, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, QPOS, ZL, AL,
     T, stride_qt, stride_qh, stride_kt, stride_kh, stride_qit, stride_qih, stride_kit, scale, index_scale,
@@ -202,7 +235,7 @@ def _kl_stats_kernel(
         zl = tl.where(l > 0, m_safe + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(ZL + e.to(tl.int64) * N_SUB + sub, zl, mask=e_ok)
         if TEACHER:
-            for hs in range(GROUP // HG):
+            for hs in tl.static_range(GROUP // HG):
                 s, t_r, head, row_ok = _teacher_logits(Q, k_t, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt,
                                                        stride_qh, scale, GROUP, TOPK, BLOCK_Q, HG, DOT_PRECISION)
                 qp_r = tl.load(QPOS + t_r, mask=row_ok, other=-1)
@@ -218,16 +251,19 @@ def _kl_stats_kernel(
 
 @triton.jit
 def _kl_main_kernel(
-    Q, K, QI, KI, ENTRIES, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, QPOS, LSE, LSE_Z, LOSS, DQI, DKI,
+    Q, K, QI, KI, ENTRIES, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, QPOS, LSE, LSE_Z, LOSS, DQI, DQB, DKI,
     T, stride_qt, stride_qh, stride_kt, stride_kh, stride_qit, stride_qih, stride_kit, stride_lt,
     stride_dqt, stride_dqh, stride_dkt, scale, index_scale, grad_coef,
     GROUP: tl.constexpr, TOPK: tl.constexpr, N_SUB: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_DI: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, HG: tl.constexpr, GRAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, HG: tl.constexpr, GRAD: tl.constexpr, DQI_BUF: tl.constexpr,
+    PREFETCH: tl.constexpr, LINES: tl.constexpr, ROW_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
 ):
-    """Loss term per (entry, key sub-tile) into LOSS[e * N_SUB + sub]; if GRAD, dL/dqi into DQI [T, Hi, Di] and
-    dL/dki into DKI [Tk, Di] (fp32, atomic adds), both already multiplied by index_scale / (Hi T)."""
+    """Loss term per (entry, key sub-tile) into LOSS[e * N_SUB + sub]. If GRAD: dL/dki into DKI [Tk, Di] (fp32
+    atomic adds, scaled by grad_coef = index_scale / (Hi T)) and dL/dqi either into DQI [T, Hi, Di] (fp32 atomic
+    adds, scaled) or, with DQI_BUF, as unscaled partial rows DQB[e * N_SUB + sub, :] (plain stores; the host sums
+    them over the slots and scales)."""
     # The sub-tiles of one item are neighbouring programs, so their q gathers share L2.
     item = tl.program_id(0) // N_SUB
     sub = tl.program_id(0) % N_SUB
@@ -245,7 +281,14 @@ def _kl_main_kernel(
     k_t, ki = _load_key_tiles(K, KI, g, kpos, k_ok, d, d_ok, di, di_ok, stride_kt, stride_kh, stride_kit)
     hi = tl.where(sub * BLOCK_N < k1 - k0, hi, lo)
     dki = tl.zeros([BLOCK_N, BLOCK_DI], dtype=tl.float32)
+    if PREFETCH > 0:
+        for ahead in tl.static_range(PREFETCH):
+            _prefetch_q_rows(Q, ENTRIES, lo + ahead * BLOCK_Q, hi, g, T, stride_qt, stride_qh, GROUP, TOPK, BLOCK_Q,
+                             LINES, ROW_LINES, LINE_ELEMS)
     for start in range(lo, hi, BLOCK_Q):
+        if PREFETCH > 0:
+            _prefetch_q_rows(Q, ENTRIES, start + PREFETCH * BLOCK_Q, hi, g, T, stride_qt, stride_qh, GROUP, TOPK,
+                             BLOCK_Q, LINES, ROW_LINES, LINE_ELEMS)
         idx = start + tl.arange(0, BLOCK_Q)
         e_ok = idx < hi
         e = tl.load(ENTRIES + idx, mask=e_ok, other=0)
@@ -256,7 +299,7 @@ def _kl_main_kernel(
         lse_z = tl.load(LSE_Z + g * T + t, mask=e_ok, other=0.0)
         # Teacher: mean over the group's heads of exp(s - lse), HG heads per dot.
         p = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
-        for hs in range(GROUP // HG):
+        for hs in tl.static_range(GROUP // HG):
             s, t_r, head, row_ok = _teacher_logits(Q, k_t, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt,
                                                    stride_qh, scale, GROUP, TOPK, BLOCK_Q, HG, DOT_PRECISION)
             lse = tl.load(LSE + t_r.to(tl.int64) * stride_lt + head, mask=row_ok, other=0.0)
@@ -269,13 +312,17 @@ def _kl_main_kernel(
         if GRAD:
             r = tl.where(vis, tl.exp(log_r), 0.0)
             dz = (r - p).to(qi.dtype)  # scaled by grad_coef after the dots, to keep low-precision dz in range
-            dqi = tl.dot(dz, ki, input_precision=INDEX_PRECISION) * grad_coef  # [BLOCK_Q, BLOCK_DI]
-            dq_ptrs = DQI + t[:, None].to(tl.int64) * stride_dqt + g * stride_dqh + di[None, :]
-            tl.atomic_add(dq_ptrs, dqi, mask=e_ok[:, None] & di_ok[None, :])
+            dqi = tl.dot(dz, ki, input_precision=INDEX_PRECISION)  # [BLOCK_Q, BLOCK_DI]
+            if DQI_BUF:  # every (entry, sub-tile) owns its row: no read-modify-write traffic in L2
+                dq_ptrs = DQB + (e.to(tl.int64) * N_SUB + sub)[:, None] * INDEX_DIM + di[None, :]
+                tl.store(dq_ptrs, dqi.to(DQB.dtype.element_ty), mask=e_ok[:, None] & di_ok[None, :])
+            else:
+                dq_ptrs = DQI + t[:, None].to(tl.int64) * stride_dqt + g * stride_dqh + di[None, :]
+                tl.atomic_add(dq_ptrs, dqi * grad_coef, mask=e_ok[:, None] & di_ok[None, :], sem="relaxed")
             dki += tl.dot(tl.trans(dz), qi, input_precision=INDEX_PRECISION)
     if GRAD:
         dk_ptrs = DKI + kpos[:, None].to(tl.int64) * stride_dkt + di[None, :]
-        tl.atomic_add(dk_ptrs, dki * grad_coef, mask=k_ok[:, None] & di_ok[None, :] & (hi > lo))
+        tl.atomic_add(dk_ptrs, dki * grad_coef, mask=k_ok[:, None] & di_ok[None, :] & (hi > lo), sem="relaxed")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -414,9 +461,18 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     # Pass 2: loss terms and gradients.
     loss_part = torch.zeros((hkv, t, topk * n_sub), dtype=torch.float32, device=device)
     count = t * hkv
-    _kl_main_kernel[grid](q, k, qi, ki, *items, lse, lse_z, loss_part, dqi, dki,
-                          t, *strides, lse.stride(0), dqi.stride(0), dqi.stride(1), dki.stride(0),
-                          scale, index_scale, index_scale / count, GRAD=need_grad, **common)
+    row_lines = -(-d * q.element_size() // 128)  # 128-byte cache lines per q row
+    dq_part = None
+    if need_grad and launch.dqi_buffer and hkv * t * topk * n_sub * di * qi.element_size() <= DQI_BUFFER_MAX_BYTES:
+        dq_part = torch.zeros((hkv, t, topk * n_sub, di), dtype=qi.dtype, device=device)
+    _kl_main_kernel[grid](q, k, qi, ki, *items, lse, lse_z, loss_part, dqi, dqi if dq_part is None else dq_part,
+                          dki, t, *strides, lse.stride(0), dqi.stride(0), dqi.stride(1), dki.stride(0),
+                          scale, index_scale, index_scale / count, GRAD=need_grad, DQI_BUF=dq_part is not None,
+                          PREFETCH=0 if os.environ.get("TRITON_INTERPRET") == "1" else launch.prefetch,
+                          LINES=next_pow2(row_lines), ROW_LINES=row_lines, LINE_ELEMS=128 // q.element_size(),
+                          **common)
+    if dq_part is not None:
+        dqi = (dq_part.sum(2, dtype=torch.float32) * (index_scale / count)).transpose(0, 1).contiguous()
     return loss_part.sum() / count, dqi, dki
 
 
