@@ -1,21 +1,26 @@
 """MSA decode and chunked prefill through the engine's paged cache vs dense attention, one H200, M3 shape, bf16 KV.
 
-    python -m benchmarks.msa_decode --out benchmarks/results/        # about 2-3 minutes on an H200
+    python -m benchmarks.msa_decode --out benchmarks/results/        # about 3-4 minutes on an H200
 
 One attention layer of M3: 64 query heads, 4 KV heads, head dim 128, index 4 x 128 + 1 key head, blocks (pages)
 of 128 tokens, top-16 with 1 local block.
 
 decode: one new query per sequence against T cached tokens (T = 128K and 1M), batch 1 and 32, index keys bf16 and
-  fp8 (+ fp32 scale per token). `msa` = index scoring + block max + top-k + split-K sparse attention + combine
-  (`openm3.ops.msa.triton_decode`), `dense` = SDPA decode (cuDNN backend, else flash / efficient; the one used is
-  recorded) over the same cache memory, `dense_triton` = the decode kernel walking every block. Each step is
-  captured in a CUDA graph (20 steps per graph) so kernel launch latency is not measured; times are medians.
-  `select_ms_seg*` / `select_ms_warps8` time the selection alone with other segment sizes (blocks per program)
-  or 8 warps instead of the defaults.
-  Bytes read per step are reported as GB/s against the 4.8 TB/s HBM peak.
-prefill: T tokens of one MSA layer through the engine (`PagedCache`, chunks of --chunk tokens: write the chunk's
-  keys, select blocks with the chunk's index queries against every cached index key, sparse attention), against
-  one cuDNN causal SDPA call over the whole sequence.
+  fp8 (+ fp32 scale per token). `msa` = `triton_decode.decode_msa` with its defaults (index scores, candidate
+  shrinking for long rows, top-k merge inside the attention splits, split-K sparse attention, combine);
+  `4-launch` = `decode_select_blocks` then `decode_attention`; `select`, `score` (the scoring kernel alone) and
+  `attn` (attention + combine on a given selection) place the time; `dense` = SDPA decode (cuDNN backend, else
+  flash / efficient; the one used is recorded) over the same cache memory, `dense_triton` = the decode kernel
+  walking every block. Each step is captured in a CUDA graph (20 steps per graph, so host launch overhead is not
+  measured but the gaps between kernels are); times are medians. `msa_ms_<variant>` times `decode_msa` with the
+  knobs of VARIANTS (segment sizes, merge by max rounds, no shrinking, fused combine, warps, stages, ...);
+  `best variant` names the fastest. `score TB/s` = index-key bytes / scoring time (HBM peak 4.8 TB/s).
+  `python -m benchmarks.msa_decode --T 131072 --batch 1 --index fp8 --variants rounds --prefill-T` runs one case.
+prefill: T tokens of one MSA layer through the engine (`PagedCache`, chunks of --chunk tokens, several sizes
+  allowed: write the chunk's keys, select blocks with the chunk's index queries against every cached index key,
+  sparse attention), against one cuDNN causal SDPA call over the whole sequence (for T above
+  --no-dense-prefill-above, against a time from an earlier run given with --dense-prefill-s T=SECONDS, recorded as
+  such).
 
 Targets (issue "Long-context inference engine"): decode >= 12x dense at 1M with fp8 index keys (byte floor ~15.5x),
 >= 5x at 128K; prefill of 1M tokens >= 20x dense. Every case runs in its own try/except; results go to
@@ -40,6 +45,13 @@ import torch.nn.functional as F
 HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
 BLOCK, TOPK, LOCAL = 128, 16, 1
 HBM_BYTES_PER_S = 4.8e12
+VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`--variants` picks some)
+    "rounds": dict(merge_sort=False), "fuse_merge": dict(fuse_merge=True), "merge_kernel": dict(fuse_merge=False),
+    "fused_combine": dict(fuse_combine=True), "noshrink": dict(merge_direct_max=1 << 30),
+    "shrink256": dict(merge_direct_max=256), "slots2": dict(slots_per_split=2),
+    **{f"seg{n}": dict(segment_blocks=n) for n in (2, 4, 8, 16, 32, 64)},
+    "warps8": dict(num_warps=8), "stages2": dict(stages=2),
+}
 
 
 def graph_time_ms(fn, steps: int = 20, reps: int = 10) -> float:
@@ -129,7 +141,7 @@ def dense_sdpa(q, k, v, backend, **kw):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
 
 
-def decode_case(t: int, batch: int, index: str, record: dict) -> None:
+def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VARIANTS)) -> None:
     """One decode configuration; fills `record` with timings (ms), ratios and bandwidths."""
     from openm3.ops.msa import decode, triton_decode
 
@@ -154,14 +166,21 @@ def decode_case(t: int, batch: int, index: str, record: dict) -> None:
     q = torch.randn(batch, HQ, D, device="cuda", generator=gen).bfloat16()
     qi = torch.randn(batch, HI, DI, device="cuda", generator=gen).bfloat16()
 
-    def msa_step():
-        idx = triton_decode.decode_select_blocks(qi, ki, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
-                                                 local_blocks=LOCAL, ki_scale=ki_scale)
-        return triton_decode.decode_attention(q, k, v, table, lens, idx, q_len=1)[0]
+    def msa_step(**kw):  # 3 launches: scores, attention merging each row's candidates, combine
+        return triton_decode.decode_msa(q, qi, k, v, ki, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
+                                        ki_scale=ki_scale, **kw)[0]
 
-    def select_only():
+    def select_only(**kw):
         return triton_decode.decode_select_blocks(qi, ki, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
-                                                  local_blocks=LOCAL, ki_scale=ki_scale)
+                                                  local_blocks=LOCAL, ki_scale=ki_scale, **kw)
+
+    def unfused_step():  # 4 launches: scores, top-k merge, attention, combine
+        return triton_decode.decode_attention(q, k, v, table, lens, select_only(), q_len=1)[0]
+
+    def score_only(**kw):
+        return triton_decode._score_candidates(qi, ki, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
+                                               local_blocks=LOCAL, ki_scale=ki_scale, stages=3, num_warps=4,
+                                               **{"segment_blocks": None, "fp8_math": "fp16", **kw})[0]
 
     kd = k.view(batch, t, HKV, D).transpose(1, 2)  # [B, Hkv, T, D] view of the pool
     vd = v.view(batch, t, HKV, D).transpose(1, 2)
@@ -175,13 +194,18 @@ def decode_case(t: int, batch: int, index: str, record: dict) -> None:
         return triton_decode.decode_attention(q, k, v, table, lens, None, q_len=1)[0]
 
     record["msa_ms"] = graph_time_ms(msa_step)
+    record["msa_unfused_ms"] = graph_time_ms(unfused_step)
     record["select_ms"] = graph_time_ms(select_only)
-    for seg in (16, 32, 64, 128):  # the segment size the kernel picks is a heuristic: record the alternatives
-        record[f"select_ms_seg{seg}"] = graph_time_ms(lambda: triton_decode.decode_select_blocks(
-            qi, ki, table, lens, q_len=1, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL, ki_scale=ki_scale,
-            segment_blocks=seg))
-    record["select_ms_warps8"] = graph_time_ms(lambda: triton_decode.decode_select_blocks(
-        qi, ki, table, lens, q_len=1, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL, ki_scale=ki_scale, num_warps=8))
+    record["score_ms"] = graph_time_ms(score_only)
+    idx = select_only()
+    record["attention_ms"] = graph_time_ms(lambda: triton_decode.decode_attention(q, k, v, table, lens, idx, q_len=1))
+    # knobs: blocks per scoring program (the default aims at 4 programs per SM), candidate shrinking, bitonic
+    # top-k, combine fused into the attention kernel, warps, pipeline stages, attention splits
+    for name in variants:
+        record[f"msa_ms_{name}"] = graph_time_ms(lambda: msa_step(**VARIANTS[name]))
+    if ki_scale is not None:  # the previous fp8 path: keys widened to bf16 (a slow fp16 -> bf16 step per key)
+        record["score_ms_fp8_as_bf16"] = graph_time_ms(lambda: score_only(fp8_math="query"))
+    record["msa_default_segment_blocks"] = triton_decode._default_segment_blocks(nb, batch, q.device)
     record["msa_eager_ms"] = eager_time_ms(msa_step)
     time_ms(dense_step, record, "dense_ms")
     record["dense_backend"] = backend.name
@@ -192,6 +216,10 @@ def decode_case(t: int, batch: int, index: str, record: dict) -> None:
     dense_bytes = batch * t * HKV * D * 2 * 2
     record["byte_floor_speedup"] = dense_bytes / (index_bytes + kv_bytes_msa)
     record["msa_tb_per_s"] = (index_bytes + kv_bytes_msa) / (record["msa_ms"] * 1e-3) / 1e12
+    record["score_tb_per_s"] = index_bytes / (record["score_ms"] * 1e-3) / 1e12
+    best = min((v, k) for k, v in record.items() if k.startswith("msa_ms"))
+    record["best_variant"], record["best_variant_ms"] = best[1], best[0]
+    record["best_speedup_vs_dense"] = record["dense_ms"] / best[0]
     record["dense_tb_per_s"] = dense_bytes / (record["dense_ms"] * 1e-3) / 1e12
     # the kernel must agree with the spec on these inputs: compare one sequence's selection sets
     want = decode.paged_select_blocks(qi[:1], ki, table[:1], torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
@@ -200,6 +228,9 @@ def decode_case(t: int, batch: int, index: str, record: dict) -> None:
     if want is not None:
         got = select_only()[:, :1]
         record["selection_agrees_with_reference"] = bool(torch.equal(got.sort(-1).values, want.sort(-1).values))
+        fused = triton_decode.decode_msa(q, qi, k, v, ki, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
+                                         ki_scale=ki_scale)[2]
+        record["fused_selection_equals_select"] = bool(torch.equal(fused, select_only()))
     del k, v, ki, kd, vd
 
 
@@ -265,8 +296,12 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, nargs="+", default=[131072, 1048576], help="cached tokens")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--index", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="decode_msa knob settings timed beside the default")
     p.add_argument("--prefill-T", type=int, nargs="*", default=[131072, 1048576])
-    p.add_argument("--chunk", type=int, default=32768, help="prefill chunk (queries per forward)")
+    p.add_argument("--chunk", type=int, nargs="+", default=[32768], help="prefill chunks (queries per forward)")
+    p.add_argument("--dense-prefill-s", nargs="*", default=[], metavar="T=SECONDS",
+                   help="dense prefill times measured in an earlier run, used for T above --no-dense-prefill-above")
     p.add_argument("--no-dense-prefill-above", type=int, default=1 << 21,
                    help="skip the dense prefill baseline above this many tokens")
     p.add_argument("--out", default="benchmarks/results/")
@@ -281,40 +316,50 @@ def main(argv=None) -> int:
             for index in args.index:
                 rec = {"T": t, "batch": batch, "index": index}
                 try:
-                    decode_case(t, batch, index, rec)
+                    decode_case(t, batch, index, rec, args.variants)
                 except Exception as e:  # noqa: BLE001 - report and continue with the next case
                     rec["error"] = f"{type(e).__name__}: {e}"
                     traceback.print_exc()
                 torch.cuda.empty_cache()
                 results["decode"].append(rec)
                 print(json.dumps(rec), flush=True)
+    known = {int(kv.split("=")[0]): float(kv.split("=")[1]) for kv in args.dense_prefill_s}
     for t in args.prefill_T:
-        rec = {"T": t, "chunk": args.chunk, "index": "bf16"}
-        try:
-            prefill_case(t, args.chunk, "bf16", rec, dense=t <= args.no_dense_prefill_above)
-        except Exception as e:  # noqa: BLE001
-            rec["error"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        torch.cuda.empty_cache()
-        results["prefill"].append(rec)
-        print(json.dumps(rec), flush=True)
+        for n, chunk in enumerate(args.chunk):
+            rec = {"T": t, "chunk": chunk, "index": "bf16"}
+            try:
+                prefill_case(t, chunk, "bf16", rec, dense=n == 0 and t <= args.no_dense_prefill_above)
+                dense_s = rec.get("dense_prefill_s") or next((r["dense_prefill_s"] for r in results["prefill"]
+                                                              if r["T"] == t and "dense_prefill_s" in r), None)
+                if dense_s is None and t in known:
+                    dense_s = rec["dense_prefill_s_earlier_run"] = known[t]
+                if dense_s is not None:
+                    rec["speedup_vs_dense"] = dense_s / rec["engine_prefill_s"]
+            except Exception as e:  # noqa: BLE001
+                rec["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+            results["prefill"].append(rec)
+            print(json.dumps(rec), flush=True)
 
-    print(f"\n{'decode':<8}{'T':>9}{'B':>4}{'index':>6}{'msa ms':>10}{'select':>9}{'dense ms':>10}"
-          f"{'x dense':>9}{'floor x':>9}{'MSA TB/s':>9}")
+    print(f"\n{'decode':<7}{'T':>8}{'B':>3}{'index':>6}{'msa ms':>8}{'4-launch':>9}{'select':>8}{'score':>8}"
+          f"{'attn':>7}{'dense':>8}{'x dense':>8}{'floor x':>8}{'score TB/s':>11}  best variant")
     for r in results["decode"]:
         if "error" in r:
-            print(f"{'':<8}{r['T']:>9}{r['batch']:>4}{r['index']:>6}  error: {r['error'][:60]}")
+            print(f"{'':<7}{r['T']:>8}{r['batch']:>3}{r['index']:>6}  error: {r['error'][:60]}")
             continue
-        print(f"{'':<8}{r['T']:>9}{r['batch']:>4}{r['index']:>6}{r['msa_ms']:>10.4f}{r['select_ms']:>9.4f}"
-              f"{r['dense_ms']:>10.4f}{r['speedup_vs_dense']:>9.2f}{r['byte_floor_speedup']:>9.2f}"
-              f"{r['msa_tb_per_s']:>9.2f}")
+        print(f"{'':<7}{r['T']:>8}{r['batch']:>3}{r['index']:>6}{r['msa_ms']:>8.4f}{r['msa_unfused_ms']:>9.4f}"
+              f"{r['select_ms']:>8.4f}{r['score_ms']:>8.4f}{r['attention_ms']:>7.4f}{r['dense_ms']:>8.4f}"
+              f"{r['speedup_vs_dense']:>8.2f}{r['byte_floor_speedup']:>8.2f}{r['score_tb_per_s']:>11.2f}  "
+              f"{r['best_variant']} {r['best_variant_ms']:.4f} ({r['best_speedup_vs_dense']:.2f}x)")
     print(f"\n{'prefill':<8}{'T':>9}{'chunk':>7}{'engine s':>10}{'dense s':>9}{'x dense':>9}")
     for r in results["prefill"]:
         if "error" in r:
             print(f"{'':<8}{r['T']:>9}{r['chunk']:>7}  error: {r['error'][:60]}")
             continue
         print(f"{'':<8}{r['T']:>9}{r['chunk']:>7}{r['engine_prefill_s']:>10.3f}"
-              f"{r.get('dense_prefill_s', float('nan')):>9.3f}{r.get('speedup_vs_dense', float('nan')):>9.2f}")
+              f"{r.get('dense_prefill_s', r.get('dense_prefill_s_earlier_run', float('nan'))):>9.3f}"
+              f"{r.get('speedup_vs_dense', float('nan')):>9.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "msa_decode.json").write_text(json.dumps(results, indent=1))

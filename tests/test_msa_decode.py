@@ -174,6 +174,76 @@ def test_triton_decode_matches_reference(case, fp8):
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
+MSA_CASES = [
+    # seq_lens, q_len, block_size, Hq, Hkv, D, Di, topk, local, segment_blocks, slots_per_split
+    ([50, 130], 1, 16, 4, 2, 16, 16, 3, 1, 2, 1),
+    ([16, 70, 33], 2, 16, 8, 2, 16, 32, 4, 2, 1, 3),
+    ([97], 1, 16, 4, 1, 32, 16, 5, 1, None, 2),
+]
+
+
+MSA_VARIANTS = {"default": {}, "shrink-rounds-merge-kernel": dict(merge_direct_max=4, merge_sort=False,
+                                                                   fuse_merge=False),
+                "shrink-sort-fused-combine": dict(merge_direct_max=4, fuse_combine=True),
+                "rounds-fused-merge": dict(merge_sort=False, fuse_merge=True)}
+
+
+@pytest.mark.parametrize("variant", list(MSA_VARIANTS))
+@pytest.mark.parametrize("index", ["fp32", "fp8-fp32q", "fp8-fp16q"])
+@pytest.mark.parametrize("case", MSA_CASES, ids=[_decode_id(c) + f"-seg{c[9]}-slots{c[10]}" for c in MSA_CASES])
+def test_triton_decode_msa_equals_select_then_attend(case, index, variant):
+    """The fused step (each attention split merges its row's candidates; optionally candidate rows shrunk first,
+    bitonic top-k, combine fused into the last split) equals select + attend, and the spec."""
+    td = _triton()
+    seq_lens, q_len, bs, hq, hkv, d, di, topk, local, seg, slots = case
+    c = make_paged(seq_lens, block_size=bs, hkv=hkv, d=d, di=di, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    rows = q_len * len(seq_lens)
+    q = torch.randn(rows, hq, d, generator=gen)
+    qi = torch.randn(rows, hkv, di, generator=gen)
+    if index == "fp8-fp16q":  # fp16 queries times fp8 keys: the fp16 product path
+        qi = qi.half()
+    table, lens = c["block_table"], torch.tensor(seq_lens, dtype=torch.int32)
+    ki_pages, ki_scale = c["ki_pages"], None
+    if index != "fp32":
+        flat, scale = decode.quantize_index_keys(ki_pages.flatten(0, 1))
+        ki_pages, ki_scale = flat.view(ki_pages.shape), scale.view(ki_pages.shape[:2])
+    knobs = MSA_VARIANTS[variant]
+    o, lse, idx = td.decode_msa(q, qi, c["k_pages"], c["v_pages"], ki_pages, table, lens, q_len=q_len, topk=topk,
+                                local_blocks=local, ki_scale=ki_scale, segment_blocks=seg, slots_per_split=slots,
+                                **knobs)
+    merge = {k: v for k, v in knobs.items() if k not in ("fuse_combine", "fuse_merge")}
+    sel = td.decode_select_blocks(qi, ki_pages, table, lens, q_len=q_len, block_size=bs, topk=topk,
+                                  local_blocks=local, ki_scale=ki_scale, segment_blocks=seg, **merge)
+    assert torch.equal(idx, sel)  # same candidates, same merge: identical lists, order included
+    want_idx = decode.paged_select_blocks(qi, ki_pages, table, cu([q_len] * len(seq_lens)), seq_lens, block_size=bs,
+                                          topk=topk, local_blocks=local, ki_scale=ki_scale)
+    assert torch.equal(sorted_sets(idx), sorted_sets(want_idx))
+    want_o, want_lse = decode.paged_sparse_attention(q, c["k_pages"], c["v_pages"], table, want_idx,
+                                                     cu([q_len] * len(seq_lens)), seq_lens, block_size=bs)
+    torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_decode_msa_bad_inputs():
+    td = _triton()
+    c = make_paged([40], block_size=16, hkv=2, d=16, di=16)
+    lens = torch.tensor([40], dtype=torch.int32)
+    q = torch.randn(1, 4, 16)
+    with pytest.raises(ValueError, match="qi must be"):
+        td.decode_msa(q, torch.randn(1, 1, 16), c["k_pages"], c["v_pages"], c["ki_pages"], c["block_table"], lens,
+                      q_len=1, topk=2)
+    with pytest.raises(ValueError, match="segment_blocks"):
+        td.decode_msa(q, torch.randn(1, 2, 16), c["k_pages"], c["v_pages"], c["ki_pages"], c["block_table"], lens,
+                      q_len=1, topk=2, segment_blocks=3)
+    with pytest.raises(ValueError, match="fp8_math"):
+        td.decode_select_blocks(torch.randn(1, 2, 16), c["ki_pages"], c["block_table"], lens, q_len=1,
+                                block_size=16, topk=2, fp8_math="bf16")
+    with pytest.raises(ValueError, match="k_pages"):
+        td.decode_msa(q, torch.randn(1, 2, 16), c["k_pages"][..., :8], c["v_pages"], c["ki_pages"],
+                      c["block_table"], lens, q_len=1, topk=2)
+
+
 @pytest.mark.parametrize("slots", [1, 3], ids=["split1", "split3"])
 def test_triton_dense_decode_matches_reference(slots):
     td = _triton()
@@ -213,29 +283,39 @@ from triton.compiler import ASTSource
 
 from openm3.ops.msa import triton_decode as td
 
-def compile_(fn, sig, consts):
-    triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4, "num_stages": 3})
+def compile_(fn, sig, consts, warps=4):
+    # pointers and strides 16-divisible, as the JIT specialises them at run time (this is what vectorises loads)
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n.startswith("stride")}
+    triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps, "num_stages": 3})
 
 table = {"table_ptr": "*i32", "lens_ptr": "*i32"}
-for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", "ieee", False)):
-    compile_(td._score_segment_kernel,
-             {"qi_ptr": f"*{dt}", "ki_ptr": "*u8" if fp8 else f"*{dt}", "ks_ptr": "*fp32", **table,
-              "cand_ptr": "*i64", "max_blocks": "i32", "n_seg": "i32", "stride_table": "i32", "stride_page": "i32"},
-             dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=32, K=15, LOCAL=1, FP8=fp8, PRECISION=prec, STAGES=3))
-    for dense in (False, True) if dt == "bf16" and not fp8 else (False,):
+merge = dict(LOCAL=1, TOPK=16, TOPK_P2=16, NC=256, NEG_KEY=td._NEG_INF_KEY)
+for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", "ieee", False), ("fp32", "ieee", True)):
+    for seg in (2, 16, 128):
+        compile_(td._score_segment_kernel,
+                 {"qi_ptr": f"*{dt}", "ki_ptr": "*u8" if fp8 else f"*{dt}", "ks_ptr": "*fp32", **table,
+                  "cand_ptr": "*i64", "max_blocks": "i32", "n_seg": "i32", "stride_table": "i32", "stride_page": "i32"},
+                 dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=min(seg, 15), LOCAL=1, FP8=fp8,
+                      HALF=fp8 and dt == "bf16", PRECISION=prec, STAGES=3))
+    for mode, sort, fuse in ((0, False, False), (1, False, True), (2, False, False), (2, True, True)):
         compile_(td._attention_split_kernel,
-                 {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "idx_ptr": "*i32", **table,
-                  "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "sm_scale": "fp32", "total_rows": "i32",
-                  "n_slots": "i32", "n_splits": "i32", "stride_table": "i32", "stride_page": "i32",
-                  "stride_tok": "i32"},
-                 dict(Q=1, HQ=64, HKV=4, D=128, BS=128, BLOCK_G=16, SLOTS=4 if dense else 1, DENSE=dense,
-                      PRECISION=prec))
+                 {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "idx_ptr": "*i32", "cand_ptr": "*i64",
+                  **table, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}", "lse_ptr": "*fp32",
+                  "count_ptr": "*i32", "sm_scale": "fp32", "total_rows": "i32",
+                  "n_slots": "i32", "n_splits": "i32", "n_cand": "i32", "stride_table": "i32",
+                  "stride_page": "i32", "stride_tok": "i32"},
+                 dict(Q=1, HQ=64, HKV=4, D=128, BS=128, BLOCK_G=16, SLOTS=4 if mode == 0 else 1, MODE=mode,
+                      PRECISION=prec, SORT=sort, FUSE=fuse, BLOCK_S=16, **merge))
     compile_(td._combine_kernel, {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}",
                                   "lse_ptr": "*fp32"}, dict(N_SPLITS=16, D=128, BLOCK_S=16))
-compile_(td._topk_merge_kernel, {"cand_ptr": "*i64", "lens_ptr": "*i32", "out_ptr": "*i32", "n_cand": "i32",
-                                 "total_rows": "i32"},
-         dict(Q=1, HI=4, BS=128, TOPK=16, LOCAL=1, NC=4096, NEG_KEY=td._NEG_INF_KEY))
+for sort in (False, True):
+    compile_(td._topk_merge_kernel, {"cand_ptr": "*i64", "lens_ptr": "*i32", "out_ptr": "*i32", "n_cand": "i32",
+                                     "total_rows": "i32"}, dict(Q=1, HI=4, BS=128, SORT=sort, **merge))
+    compile_(td._topk_partial_kernel, {"cand_ptr": "*i64", "out_ptr": "*i64", "n_cand": "i32", "n_groups": "i32"},
+             dict(GROUP=512, KEEP=15, KEEP_P2=16, SORT=sort))
 print("compiled")
 '''
 

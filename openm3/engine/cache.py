@@ -376,13 +376,14 @@ class PagedCache:
         from ..ops.msa import triton_decode
 
         q_len = st.q_lens[0]
-        idx = None
-        if qi is not None:
-            idx = triton_decode.decode_select_blocks(
-                qi.contiguous(), self.ki[layer], st.block_table, st.seq_lens, q_len=q_len,
-                block_size=self.layout.page_size, topk=topk, local_blocks=local_blocks, ki_scale=self.ki_scale[layer])
-        o, _ = triton_decode.decode_attention(q.contiguous(), self.k[layer], self.v[layer], st.block_table,
-                                              st.seq_lens, idx, q_len=q_len, scale=scale)
+        if qi is None:
+            o, _ = triton_decode.decode_attention(q.contiguous(), self.k[layer], self.v[layer], st.block_table,
+                                                  st.seq_lens, None, q_len=q_len, scale=scale)
+            return o
+        # one step = index scores, attention that merges each row's candidates itself, combine (3 launches)
+        o, _, _ = triton_decode.decode_msa(q.contiguous(), qi.contiguous(), self.k[layer], self.v[layer],
+                                           self.ki[layer], st.block_table, st.seq_lens, q_len=q_len, topk=topk,
+                                           local_blocks=local_blocks, ki_scale=self.ki_scale[layer], scale=scale)
         return o
 
     def _tokens(self, pool: torch.Tensor, seq_id: int, length: int) -> torch.Tensor:

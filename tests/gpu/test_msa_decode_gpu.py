@@ -109,6 +109,18 @@ def test_decode_kernels_match_reference(seq_lens, q_len, index_fp8):
     bound = 2 * bf16_reference_error(x, want_o, seq_lens, q_len, want_idx) + 1e-3
     assert (o.float() - want_o).abs().max().item() <= bound
     torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=0)
+    # the one-call step: its selection is select's, its attention decode_attention's on that selection
+    for knobs in ({}, dict(merge_direct_max=16, fuse_combine=True, segment_blocks=2, fuse_merge=True),
+                  dict(merge_sort=False, fuse_merge=False)):
+        o2, lse2, idx2 = triton_decode.decode_msa(x["q"], x["qi"], x["k"], x["v"], x["ki"], x["table"], x["lens"],
+                                                  q_len=q_len, topk=TOPK, ki_scale=x["ki_scale"], **knobs)
+        merge = {k: v for k, v in knobs.items() if k not in ("fuse_combine", "fuse_merge")}
+        assert torch.equal(idx2, triton_decode.decode_select_blocks(
+            x["qi"], x["ki"], x["table"], x["lens"], q_len=q_len, block_size=BLOCK, topk=TOPK,
+            ki_scale=x["ki_scale"], **merge))
+        o3, lse3 = triton_decode.decode_attention(x["q"], x["k"], x["v"], x["table"], x["lens"], idx2, q_len=q_len)
+        torch.testing.assert_close(o2.float(), o3.float(), atol=4e-3, rtol=0)  # a bf16 rounding of the same sum
+        torch.testing.assert_close(lse2, lse3, atol=1e-4, rtol=0)
 
 
 def test_dense_decode_matches_sdpa():
@@ -128,12 +140,19 @@ def test_dense_decode_matches_sdpa():
         start += n
 
 
-def test_decode_step_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("fused", [False, True], ids=["select-then-attend", "msa-step-fused-combine"])
+def test_decode_step_captures_in_a_cuda_graph(fused):
+    """Replays follow in-place updates; the fused combine's arrival counters are back at zero after every launch
+    (a stale counter would skip the combine and leave old outputs)."""
     from openm3.ops.msa import triton_decode
 
     x = paged_inputs([20000, 3000], 1, index_fp8=True)
 
     def step():
+        if fused:
+            return triton_decode.decode_msa(x["q"], x["qi"], x["k"], x["v"], x["ki"], x["table"], x["lens"], q_len=1,
+                                            topk=TOPK, ki_scale=x["ki_scale"], merge_direct_max=16,
+                                            fuse_combine=True)[0]
         idx = triton_decode.decode_select_blocks(x["qi"], x["ki"], x["table"], x["lens"], q_len=1, block_size=BLOCK,
                                                  topk=TOPK, ki_scale=x["ki_scale"])
         return triton_decode.decode_attention(x["q"], x["k"], x["v"], x["table"], x["lens"], idx, q_len=1)[0]
@@ -158,15 +177,35 @@ def test_decode_step_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+    for _ in range(3):  # replays keep agreeing (counters reset)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+def _quantise_index_keys_like_the_cache(model):
+    """Forward hooks making every indexer return its keys fp8-quantised then dequantised exactly as the fp8 cache
+    stores them (`decode.quantize_index_keys`): a full forward with them is the fp8 engine's exact spec."""
+    from openm3.ops.msa import decode
+
+    def hook(_module, _inputs, out):
+        qi, ki = out
+        return qi, decode.dequantize_index_keys(*decode.quantize_index_keys(ki)).to(ki.dtype)
+
+    return [layer.self_attn.indexer.register_forward_hook(hook) for layer in model.layers
+            if layer.self_attn.indexer is not None]
 
 
 @pytest.mark.parametrize("index_dtype", [None, "fp8"], ids=["idx-model-dtype", "idx-fp8"])
-def test_engine_on_cuda_matches_full_forward(index_dtype):
+def test_engine_on_cuda_matches_full_forward(index_dtype, monkeypatch):
     """m3-tiny in fp32 on the GPU: chunked prefill (Triton MSA prefill ops over the pages) + decode steps (Triton
-    decode kernels) against one full forward; with fp8 index keys most greedy tokens must stay the same."""
+    decode kernels) against one full forward over the whole sequence. With fp8 index keys the full forward's
+    indexer keys are fp8-quantised-then-dequantised the same way, so the engine must select exactly the same
+    blocks in every decode step and MSA layer, and its logits must agree within fp32 rounding, as without fp8."""
     from openm3.engine.cache import CacheLayout, PagedCache, plan_cache
     from openm3.engine.scheduler import decode_step, prefill
     from openm3.models import M3TextConfig, M3TextModel
+    from openm3.ops.msa import triton_decode
 
     torch.manual_seed(0)
     config = M3TextConfig.from_name("m3-tiny", index_topk_blocks=2)
@@ -179,15 +218,33 @@ def test_engine_on_cuda_matches_full_forward(index_dtype):
     cache.admit({0: len(seqs[0]), 1: len(seqs[1])})
     got = [[lg] for lg in prefill(model, cache, [0, 1], [torch.tensor(s[:n]) for s, n in zip(seqs, lens)],
                                   chunk_size=24)]
+    selections = []  # block_idx [Hi, 2, topk] of every MSA layer, decode step by decode step
+    real_msa = triton_decode.decode_msa
+
+    def spy(*args, **kwargs):
+        out = real_msa(*args, **kwargs)
+        selections.append(out[2].clone())
+        return out
+
+    monkeypatch.setattr(triton_decode, "decode_msa", spy)
     for s in range(steps):
         feed = torch.tensor([seqs[b][lens[b] + s] for b in (0, 1)], device="cuda")
         for b, lg in enumerate(decode_step(model, cache, [0, 1], feed)):
             got[b].append(lg)
-    for b in (0, 1):
-        with torch.no_grad():
-            full = model(torch.tensor(seqs[b], device="cuda")).logits[lens[b] - 1:lens[b] + steps]
-        g = torch.stack(got[b])
-        if index_dtype is None:
-            assert (g - full).abs().max().item() < 2e-3
-        else:  # near-ties may pick other blocks; the predictions must stay mostly the same
-            assert (g.argmax(-1) == full.argmax(-1)).float().mean().item() >= 0.8
+    n_msa = sum(t == "minimax_m3_sparse" for t in config.layer_types)
+    assert n_msa > 0 and len(selections) == steps * n_msa
+    hooks = _quantise_index_keys_like_the_cache(model) if index_dtype == "fp8" else []
+    try:
+        for b in (0, 1):
+            with torch.no_grad():
+                full = model(torch.tensor(seqs[b], device="cuda"), return_block_idx=True)
+            g = torch.stack(got[b])
+            assert (g - full.logits[lens[b] - 1:lens[b] + steps]).abs().max().item() < 2e-3
+            msa_idx = [x for x in full.block_idx if x is not None]
+            for s in range(steps):
+                for layer, want in enumerate(msa_idx):
+                    sel = selections[s * n_msa + layer][:, b]  # [Hi, topk] for position lens[b] + s
+                    assert torch.equal(sel.sort(-1).values, want[:, lens[b] + s].sort(-1).values), (b, s, layer)
+    finally:
+        for h in hooks:
+            h.remove()

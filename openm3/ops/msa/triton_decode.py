@@ -1,25 +1,31 @@
 """Triton MSA decode kernels over the paged cache (layout in `decode.py`, which is their spec).
 
 Decode runs a few new queries per sequence (`q_len`: 1 for plain decode, a few for speculative / MTP drafts) of a
-batch of sequences of different lengths in one launch each:
+batch of sequences of different lengths. A decode step (`decode_msa`):
 
 1. `_score_segment_kernel`: program (sequence, segment of SEG blocks) scores the sequence's `Q*Hi` query rows
    (padded to 16 rows for `tl.dot`, so each index-key page is read once per sequence) against the cached index
-   keys (bf16/fp16/fp32, or fp8 e4m3 with one scale per token), takes each block's max, and keeps the best
-   `topk - local_blocks` non-local blocks of its segment per row as int64 sort keys (score bits made monotonic
-   in the high word, complemented block number in the low word, so each top-k round is one max-reduction and
-   ties go to the lower block). The segment size adapts so that about two programs run per SM.
-2. `_topk_merge_kernel`: per (sequence, query, index head), the forced local blocks, then the best candidates of
-   all segments -> `block_idx [Hi, B*Q, topk]`: local blocks first (own block, then the one before, ...), then the
-   others by descending score, `-1` in unused trailing slots.
-3. `_attention_split_kernel`: split-K attention. Program (query row, KV head, split) walks `SLOTS` entries of the
-   query's block list, loads each selected page's K and V once for all query heads of the group, and keeps an
-   online softmax -> partial outputs and log-sum-exps. With `block_idx=None` it walks every block (dense layers).
-4. `_combine_kernel`: merges the splits of each (query row, head) -> `o [B*Q, Hq, D]`, `lse [B*Q, Hq]`.
+   keys and takes each block's max. fp8 e4m3 keys are widened to fp16 (one native conversion per pair of bytes,
+   exact) and multiplied by the 16-bit queries converted to fp16 (widening to bf16 instead costs a slow
+   fp16 -> bf16 conversion per key); the per-token scale multiplies the [rows, 128] score tile before the block
+   max. Each segment keeps its best `min(SEG, topk - local_blocks)` non-local blocks per row as int64 sort keys
+   (score bits made monotonic in the high word, complemented block number in the low word, so one comparison
+   orders (score, lower block first)). Segments are sized so that about four programs run per SM: batch-1
+   decode streams the index keys with the whole GPU.
+2. `_topk_partial_kernel` (long rows only): groups of a row's candidates -> their best `topk - local_blocks`,
+   so the final merge sorts a few hundred keys instead of thousands (1M tokens at batch 1: 8192 -> 240).
+3. The merge -> the row's block list: local blocks first (own block, then the one before, ...), then the others
+   by descending score, `-1` in unused trailing slots. Triton's bitonic top-k, inside every split of the attention
+   kernel (the repeated merges cost less than a launch) or in `_topk_merge_kernel` (`decode_select_blocks`).
+4. `_attention_split_kernel`: split-K attention. Program (query row, KV head, split) walks `SLOTS` entries of the
+   block list, loads each selected page's K and V once for all query heads of the group and keeps an online
+   softmax -> partial outputs and log-sum-exps. With no list it walks every block (dense layers).
+5. `_combine_kernel`: merges the splits of each (query row, head) -> `o [B*Q, Hq, D]`, `lse [B*Q, Hq]`.
 
-Shapes depend only on (B, Q, max_blocks), all lengths and page ids are read on the device, and nothing syncs
-with the host, so a decode step can be captured in a CUDA graph. Set `TRITON_INTERPRET=1` before importing this
-module to run it on CPU tensors (fp32/fp16 only there).
+`decode_select_blocks` (1-3) and `decode_attention` (4-5) expose the two halves separately.
+Shapes depend only on (B, Q, max_blocks), all lengths and page ids are read on the device, and nothing syncs with
+the host, so a decode step can be captured in a CUDA graph. Set `TRITON_INTERPRET=1` before importing this module
+to run it on CPU tensors (fp32/fp16 only there).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import triton.language as tl
 from .decode import FP8_DTYPE
 
 _NEG_INF = tl.constexpr(float("-inf"))  # globals read by kernels must be constexpr
+_MIN_KEY = tl.constexpr(-9223372036854775807)  # below every sort key: an empty / taken candidate
 _NEG_INF_KEY = -2139095041  # high word of `_sort_key` for a -inf score (fp32 bits 0xFF800000, made monotonic)
+_PROGRAMS_PER_SM = 4  # selection programs in flight per SM that keep HBM busy (H200: 132 SMs)
 
 
 @triton.jit
@@ -49,10 +57,10 @@ def _sort_key(score, blk):
 def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr, max_blocks, n_seg,
                           stride_table, stride_page,
                           Q: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, SEG: tl.constexpr, K: tl.constexpr, LOCAL: tl.constexpr,
-                          FP8: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+                          BLOCK_M: tl.constexpr, SEG: tl.constexpr, KP: tl.constexpr, LOCAL: tl.constexpr,
+                          FP8: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """Program (sequence b, segment): scores SEG consecutive blocks for the Q*HI query rows of b and writes the
-    K best non-local blocks of each row as sort keys to cand[(b*Q*HI + row), segment, :]."""
+    KP best non-local blocks of each row, best first, as sort keys to cand[(b*Q*HI + row), segment, :]."""
     b = tl.program_id(0)
     seg = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
@@ -62,6 +70,8 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
     cols = tl.arange(0, BS)
     seg_cols = tl.arange(0, SEG)
     qi = tl.load(qi_ptr + (b * Q * HI + rows)[:, None] * DI + dims[None, :], mask=row_ok[:, None], other=0.0)
+    if HALF:  # fp8 keys: fp16 products are exact and e4m3 -> fp16 is one conversion per pair
+        qi = qi.to(tl.float16)
     q_pos = seq_len - Q + rows // HI  # absolute position of each row's query
     q_block = q_pos // BS
     scores = tl.full([BLOCK_M, SEG], _NEG_INF, tl.float32)
@@ -75,49 +85,117 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
         else:
             ki = tl.load(ki_ptr + k_off, mask=valid, other=0.0).to(qi.dtype)
         s = tl.dot(qi, tl.trans(ki), input_precision=PRECISION)  # [BLOCK_M, BS] fp32
-        if FP8:
+        if FP8:  # the scale is per token, so it must multiply before the block max
             s = s * tl.load(ks_ptr + page * BS + cols, mask=valid, other=0.0)[None, :]
         visible = ((blk * BS + cols)[None, :] <= q_pos[:, None]) & valid
         best = tl.max(tl.where(visible, s, _NEG_INF), axis=1)  # [BLOCK_M] block max
         local = (blk <= q_block) & (blk > q_block - LOCAL)  # forced by the merge, not ranked here
         scores = tl.where(seg_cols[None, :] == jj, tl.where(local, _NEG_INF, best)[:, None], scores)
     keys = _sort_key(scores, seg * SEG + seg_cols[None, :])
-    out = cand_ptr + ((b * Q * HI + rows) * n_seg + seg) * K
-    for slot in tl.static_range(K):
+    out = cand_ptr + ((b * Q * HI + rows) * n_seg + seg) * KP
+    for slot in tl.static_range(KP):
         top = tl.max(keys, axis=1)
         tl.store(out + slot, top, mask=row_ok)
-        keys = tl.where(keys == top[:, None], -9223372036854775807, keys)
+        keys = tl.where(keys == top[:, None], _MIN_KEY, keys)
+
+
+@triton.jit
+def _top_keys(keys, KEEP: tl.constexpr, KEEP_P2: tl.constexpr, SORT: tl.constexpr):
+    """The KEEP largest of the int64 keys [N] (N >= KEEP_P2 = next power of two >= KEEP), best first, in a
+    [KEEP_P2] tensor: KEEP rounds of one max-reduction each (SORT=False) or Triton's bitonic top-k (SORT=True)."""
+    if SORT:
+        top = tl.topk(keys, KEEP_P2)
+    else:
+        idx = tl.arange(0, KEEP_P2)
+        top = tl.full([KEEP_P2], _MIN_KEY, tl.int64)
+        for slot in tl.static_range(KEEP):
+            best = tl.max(keys, axis=0)
+            top = tl.where(idx == slot, best, top)
+            keys = tl.where(keys == best, _MIN_KEY, keys)
+    return top
+
+
+@triton.jit
+def _merge_row(cand_ptr, row, n_cand, q_block, slots, LOCAL: tl.constexpr, TOPK: tl.constexpr,
+               TOPK_P2: tl.constexpr, NC: tl.constexpr, NEG_KEY: tl.constexpr, SORT: tl.constexpr):
+    """Block list of candidate row `row` -> int32 [TOPK_P2] (slots = arange(TOPK_P2)): slot l < LOCAL holds block
+    q_block - l (the forced local blocks), slots LOCAL.. the best candidates by descending score, -1 where there
+    are none (and past TOPK)."""
+    offs = tl.arange(0, NC)
+    keys = tl.load(cand_ptr + row.to(tl.int64) * n_cand + offs, mask=offs < n_cand, other=_MIN_KEY)
+    top = _top_keys(keys, TOPK - LOCAL, TOPK_P2, SORT)  # [TOPK_P2], best first; slot s takes top[s - LOCAL]
+    picked = tl.sum(tl.where(slots[:, None] - LOCAL == slots[None, :], top[None, :], 0), axis=1)
+    ranked = tl.where((picked >> 32) > NEG_KEY, (4294967295 - (picked & 4294967295)).to(tl.int32), -1)
+    local = tl.where(q_block - slots >= 0, q_block - slots, -1)
+    return tl.where(slots < LOCAL, local, tl.where(slots < TOPK, ranked, -1))
+
+
+@triton.jit
+def _topk_partial_kernel(cand_ptr, out_ptr, n_cand, n_groups,
+                         GROUP: tl.constexpr, KEEP: tl.constexpr, KEEP_P2: tl.constexpr, SORT: tl.constexpr):
+    """Program (candidate row, group): the KEEP best keys of cand[row, group*GROUP:(group+1)*GROUP], best first
+    -> out[row, group, :]. Shrinks long candidate rows (batch-1 decode of long contexts) before the final merge."""
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    offs = grp * GROUP + tl.arange(0, GROUP)
+    keys = tl.load(cand_ptr + row * n_cand + offs, mask=offs < n_cand, other=_MIN_KEY)
+    top = _top_keys(keys, KEEP, KEEP_P2, SORT)
+    slots = tl.arange(0, KEEP_P2)
+    tl.store(out_ptr + (row * n_groups + grp) * KEEP + slots, top, mask=slots < KEEP)
 
 
 @triton.jit
 def _topk_merge_kernel(cand_ptr, lens_ptr, out_ptr, n_cand, total_rows,
                        Q: tl.constexpr, HI: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr,
-                       LOCAL: tl.constexpr, NC: tl.constexpr, NEG_KEY: tl.constexpr):
-    """Local blocks first, then the best TOPK - LOCAL candidates of the row -> block_idx[h, b*Q + i, :]."""
+                       TOPK_P2: tl.constexpr, LOCAL: tl.constexpr, NC: tl.constexpr, NEG_KEY: tl.constexpr,
+                       SORT: tl.constexpr):
+    """Candidate row (b, i, h) -> block_idx[h, b*Q + i, :] (see `_merge_row`)."""
     row = tl.program_id(0)
     b = row // (Q * HI)
     i = (row // HI) % Q
     h = row % HI
     q_block = (tl.load(lens_ptr + b) - Q + i) // BS
-    out = out_ptr + h * total_rows * TOPK + (b * Q + i) * TOPK
-    for l in tl.static_range(LOCAL):
-        tl.store(out + l, tl.where(q_block - l >= 0, q_block - l, -1).to(tl.int32))
-    offs = tl.arange(0, NC)
-    keys = tl.load(cand_ptr + row * n_cand + offs, mask=offs < n_cand, other=-9223372036854775807)
-    for slot in tl.static_range(LOCAL, TOPK):
-        best = tl.max(keys, axis=0)
-        blk = (4294967295 - (best & 4294967295)).to(tl.int32)
-        tl.store(out + slot, tl.where((best >> 32) > NEG_KEY, blk, -1))
-        keys = tl.where(keys == best, -9223372036854775807, keys)
+    slots = tl.arange(0, TOPK_P2)
+    blocks = _merge_row(cand_ptr, row, n_cand, q_block, slots, LOCAL, TOPK, TOPK_P2, NC, NEG_KEY, SORT)
+    tl.store(out_ptr + (h * total_rows + b * Q + i) * TOPK + slots, blocks, mask=slots < TOPK)
 
 
 @triton.jit
-def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, table_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
-                            sm_scale, total_rows, n_slots, n_splits, stride_table, stride_page, stride_tok,
+def _combine_group(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, heads, head_ok, n_splits,
+                   D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """o[heads], lse[heads] from the n_splits partial results of each head (rows `heads` of [rows*HQ, ...]);
+    loads bypass L1 (`.cg`): the partials were written by other programs."""
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, D)
+    ok = head_ok[:, None] & (splits < n_splits)[None, :]
+    lse = tl.load(lse_part_ptr + heads[:, None] * n_splits + splits[None, :], mask=ok, other=_NEG_INF,
+                  cache_modifier=".cg")  # [BLOCK_G, BLOCK_S]
+    m = tl.max(lse, axis=1)
+    m_safe = tl.where(m == _NEG_INF, 0.0, m)
+    w = tl.exp(lse - m_safe[:, None])
+    w_sum = tl.sum(w, axis=1)
+    part = tl.load(o_part_ptr + ((heads[:, None] * n_splits + splits[None, :]) * D)[:, :, None] + dims[None, None, :],
+                   mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # [BLOCK_G, BLOCK_S, D]
+    acc = tl.sum(w[:, :, None] * part, axis=1)
+    safe = tl.where(w_sum > 0, w_sum, 1.0)
+    tl.store(o_ptr + heads[:, None] * D + dims[None, :], (acc / safe[:, None]).to(o_ptr.dtype.element_ty),
+             mask=head_ok[:, None])
+    tl.store(lse_ptr + heads, tl.where(w_sum > 0, m + tl.log(safe), _NEG_INF), mask=head_ok)
+
+
+@triton.jit
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cand_ptr, table_ptr, lens_ptr, o_part_ptr, lse_part_ptr,
+                            o_ptr, lse_ptr, count_ptr,
+                            sm_scale, total_rows, n_slots, n_splits, n_cand, stride_table, stride_page, stride_tok,
                             Q: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                            BLOCK_G: tl.constexpr, SLOTS: tl.constexpr, DENSE: tl.constexpr,
-                            PRECISION: tl.constexpr):
-    t = tl.program_id(0)  # query row = b * Q + i
+                            BLOCK_G: tl.constexpr, SLOTS: tl.constexpr, MODE: tl.constexpr, LOCAL: tl.constexpr,
+                            TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NC: tl.constexpr, NEG_KEY: tl.constexpr,
+                            SORT: tl.constexpr, FUSE: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (query row t = b*Q + i, KV head g, split). MODE 0: dense (every block); 1: blocks from
+    idx_ptr = block_idx [HKV, total_rows, n_slots]; 2: merge the candidates of row t*HKV + g first and write the
+    merged list to idx_ptr from split 0. FUSE: the last split of (t, g) to finish (counted in count_ptr, which it
+    resets for the next launch) combines the partial results into o and lse, saving the combine launch."""
+    t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
     b = t // Q
@@ -125,6 +203,11 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, table_ptr, lens_ptr, o
     G: tl.constexpr = HQ // HKV
     seq_len = tl.load(lens_ptr + b)
     q_pos = seq_len - Q + i
+    if MODE == 2:
+        slots = tl.arange(0, TOPK_P2)
+        blocks = _merge_row(cand_ptr, t * HKV + g, n_cand, q_pos // BS, slots, LOCAL, TOPK, TOPK_P2, NC, NEG_KEY,
+                            SORT)
+        tl.store(idx_ptr + (g * total_rows + t) * n_slots + slots, blocks, mask=(slots < n_slots) & (split == 0))
     heads = tl.arange(0, BLOCK_G)
     head_ok = heads < G
     dims = tl.arange(0, D)
@@ -136,10 +219,12 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, table_ptr, lens_ptr, o
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for jj in tl.range(0, SLOTS):
         slot = split * SLOTS + jj
-        if DENSE:
+        if MODE == 0:
             blk = slot
-        else:
+        elif MODE == 1:
             blk = tl.load(idx_ptr + (g * total_rows + t) * n_slots + slot, mask=slot < n_slots, other=-1)
+        else:
+            blk = tl.sum(tl.where(slots == slot, blocks, 0))
         if (slot < n_slots) & (blk >= 0) & (blk * BS <= q_pos):
             page = tl.load(table_ptr + b * stride_table + blk).to(tl.int64)
             kv_off = page * stride_page + cols[:, None] * stride_tok + g * D + dims[None, :]
@@ -158,6 +243,13 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, table_ptr, lens_ptr, o
     part = (t * HQ + g * G + heads) * n_splits + split
     tl.store(lse_part_ptr + part, lse, mask=head_ok)
     tl.store(o_part_ptr + part[:, None] * D + dims[None, :], acc / safe_l[:, None], mask=head_ok[:, None])
+    if FUSE:
+        tl.debug_barrier()  # every thread's partial stores come before the release below
+        done = tl.atomic_add(count_ptr + t * HKV + g, 1, sem="acq_rel", scope="gpu")
+        if done == n_splits - 1:
+            _combine_group(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr, (t * HQ + g * G + heads), head_ok, n_splits,
+                           D, BLOCK_S)
+            tl.atomic_xchg(count_ptr + t * HKV + g, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -211,17 +303,25 @@ def _check_table(block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int) 
     return block_table.shape[0]
 
 
-def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                         *, q_len: int, block_size: int, topk: int, local_blocks: int = 1,
-                         ki_scale: torch.Tensor | None = None, segment_blocks: int | None = None,
-                         stages: int = 3, num_warps: int = 4) -> torch.Tensor:
-    """Top-k cached blocks for the `q_len` newest queries of each sequence.
+def _pow2(name: str, n: int) -> None:
+    if n < 16 or n & (n - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 for the decode kernels, got {n}")
 
-    qi: [B*q_len, Hi, Di] (the queries of sequence b are rows b*q_len..; query i sits at position
-    seq_lens[b] - q_len + i); ki_pages: [P, block_size, Di] (fp8 e4m3 with ki_scale [P, block_size] fp32);
-    block_table int32 [B, max_blocks]; seq_lens int32 [B] (cached tokens, the new ones included; each must be
-    >= q_len). Returns block_idx int32 [Hi, B*q_len, topk]. Matches `decode.paged_select_blocks` on tie-free input.
-    """
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _default_segment_blocks(max_blocks: int, batch: int, device: torch.device) -> int:
+    """Blocks per scoring program: ~`_PROGRAMS_PER_SM` programs per SM at this batch size, 2..128 blocks each."""
+    per_program = max_blocks * batch // (_PROGRAMS_PER_SM * _sm_count(device))
+    return max(2, min(128, 1 << max(0, per_program.bit_length() - 1)))
+
+
+def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size, topk, local_blocks, ki_scale,
+                      segment_blocks, stages, num_warps, fp8_math) -> tuple[torch.Tensor, int]:
+    """Validates the index inputs and runs `_score_segment_kernel` -> (cand int64 [B*q_len*Hi, n_cand] sort keys,
+    n_cand). Each segment's KP keys are sorted best first."""
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("qi", qi, 3, q_len, batch)
     hi, di = qi.shape[1], qi.shape[2]
@@ -237,33 +337,146 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
         raise ValueError("ki_pages (and ki_scale) must be contiguous")
     if not 1 <= local_blocks <= topk:
         raise ValueError(f"local_blocks must be in [1, topk={topk}], got {local_blocks}")
-    for name, n in (("block_size", block_size), ("Di", di)):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 for the decode kernels, got {n}")
+    if fp8_math not in ("fp16", "query"):
+        raise ValueError(f"fp8_math must be 'fp16' or 'query', got {fp8_math!r}")
+    _pow2("block_size", block_size)
+    _pow2("Di", di)
     max_blocks = block_table.shape[1]
     rows = q_len * hi
     k = topk - local_blocks
-    if segment_blocks is None:  # about two programs per SM at this batch size, 16..128 blocks each
-        segment_blocks = max(16, min(128, triton.next_power_of_2(max(1, max_blocks * batch // 264))))
+    if segment_blocks is None:
+        segment_blocks = _default_segment_blocks(max_blocks, batch, qi.device)
+    if segment_blocks < 1 or segment_blocks & (segment_blocks - 1):
+        raise ValueError(f"segment_blocks must be a power of two >= 1, got {segment_blocks}")
     seg = min(segment_blocks, triton.next_power_of_2(max_blocks))
     n_seg = triton.cdiv(max_blocks, seg)
-    cand = torch.empty(batch * rows, n_seg, max(k, 1), dtype=torch.int64, device=qi.device)
+    kp = min(k, seg)
+    cand = torch.empty(batch * rows, n_seg * max(kp, 1), dtype=torch.int64, device=qi.device)
     if k > 0:
+        half = fp8 and fp8_math == "fp16" and qi.dtype in (torch.bfloat16, torch.float16)
         _score_segment_kernel[(batch, n_seg)](
             qi, ki_pages.view(torch.uint8) if fp8 else ki_pages, ki_scale if fp8 else cand, block_table, seq_lens,
             cand, max_blocks, n_seg, block_table.stride(0), ki_pages.stride(0),
-            Q=q_len, HI=hi, DI=di, BS=block_size, BLOCK_M=max(16, triton.next_power_of_2(rows)), SEG=seg, K=k,
-            LOCAL=local_blocks, FP8=fp8, PRECISION=_precision(qi.dtype), STAGES=stages, num_warps=num_warps)
-    block_idx = torch.empty(hi, batch * q_len, topk, dtype=torch.int32, device=qi.device)
-    _topk_merge_kernel[(batch * rows,)](
-        cand, seq_lens, block_idx, n_seg * k, batch * q_len, Q=q_len, HI=hi, BS=block_size, TOPK=topk,
-        LOCAL=local_blocks, NC=triton.next_power_of_2(max(n_seg * k, 1)), NEG_KEY=_NEG_INF_KEY)
+            Q=q_len, HI=hi, DI=di, BS=block_size, BLOCK_M=max(16, triton.next_power_of_2(rows)), SEG=seg, KP=kp,
+            LOCAL=local_blocks, FP8=fp8, HALF=half, PRECISION=_precision(qi.dtype), STAGES=stages,
+            num_warps=num_warps)
+    return cand, n_seg * kp
+
+
+def _shrink_candidates(cand: torch.Tensor, n_cand: int, keep: int, *, direct_max: int,
+                       sort: bool) -> tuple[torch.Tensor, int]:
+    """Candidate rows longer than `direct_max` keys are cut to the best `keep` of each group of keys (about 16
+    groups per row, `_topk_partial_kernel`), so the final merge reduces a few hundred keys instead of thousands."""
+    if keep == 0 or n_cand <= direct_max:
+        return cand, n_cand
+    keep_p2 = triton.next_power_of_2(keep)
+    group = max(2 * keep_p2, triton.next_power_of_2(triton.cdiv(n_cand, 16)))
+    n_groups = triton.cdiv(n_cand, group)
+    out = torch.empty(cand.shape[0], n_groups * keep, dtype=torch.int64, device=cand.device)
+    _topk_partial_kernel[(cand.shape[0], n_groups)](cand, out, n_cand, n_groups, GROUP=group, KEEP=keep,
+                                                    KEEP_P2=keep_p2, SORT=sort)
+    return out, n_groups * keep
+
+
+def _nc(n_cand: int, topk: int) -> int:
+    """Power-of-two width of the merge's key tile: every candidate, and at least the top-k's own width."""
+    return max(triton.next_power_of_2(max(n_cand, 1)), triton.next_power_of_2(topk))
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 [>= n] arrival counters of the fused combine, kept per device: every launch leaves them at zero
+    again, so they are allocated once (outside CUDA-graph capture, at the first eager call) and reused. One
+    decode step at a time per device (steps on concurrent streams would share them)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         *, q_len: int, block_size: int, topk: int, local_blocks: int = 1,
+                         ki_scale: torch.Tensor | None = None, segment_blocks: int | None = None,
+                         stages: int = 3, num_warps: int = 4, merge_warps: int = 4,
+                         fp8_math: str = "fp16", merge_direct_max: int = 512, merge_sort: bool = True) -> torch.Tensor:
+    """Top-k cached blocks for the `q_len` newest queries of each sequence.
+
+    qi: [B*q_len, Hi, Di] (the queries of sequence b are rows b*q_len..; query i sits at position
+    seq_lens[b] - q_len + i); ki_pages: [P, block_size, Di] (fp8 e4m3 with ki_scale [P, block_size] fp32);
+    block_table int32 [B, max_blocks]; seq_lens int32 [B] (cached tokens, the new ones included; each must be
+    >= q_len). Returns block_idx int32 [Hi, B*q_len, topk]: the local blocks first (own block, then the one
+    before, ...), then the others by descending score, -1 in unused trailing slots. Matches
+    `decode.paged_select_blocks` as sets on tie-free input. segment_blocks (blocks per scoring program, a power of
+    two), stages, num_warps, merge_warps, merge_direct_max (longer candidate rows are shrunk by a partial top-k
+    launch first), merge_sort (Triton's bitonic top-k instead of one max-reduction round per slot): tuning knobs.
+    fp8_math: 'fp16' (16-bit queries and fp8 keys multiply in fp16, exact for keys, and for queries whose
+    magnitudes lie in fp16's normal range) or 'query' (keys widened to the query dtype).
+    """
+    cand, n_cand = _score_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
+                                     topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
+                                     segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
+                                     fp8_math=fp8_math)
+    cand, n_cand = _shrink_candidates(cand, n_cand, topk - local_blocks, direct_max=merge_direct_max,
+                                      sort=merge_sort)
+    hi = qi.shape[1]
+    block_idx = torch.empty(hi, qi.shape[0], topk, dtype=torch.int32, device=qi.device)
+    _topk_merge_kernel[(qi.shape[0] * hi,)](
+        cand, seq_lens, block_idx, n_cand, qi.shape[0], Q=q_len, HI=hi, BS=block_size, TOPK=topk,
+        TOPK_P2=triton.next_power_of_2(topk), LOCAL=local_blocks, NC=_nc(n_cand, topk), NEG_KEY=_NEG_INF_KEY,
+        SORT=merge_sort and topk > local_blocks, num_warps=merge_warps)
     return block_idx
+
+
+def _check_kv(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[int, int]:
+    """-> (block_size, Hkv) of the KV pages, checked against q [rows, Hq, D]."""
+    d = q.shape[2]
+    if k_pages.dim() != 4 or v_pages.shape != k_pages.shape or k_pages.shape[3] != d:
+        raise ValueError(f"k_pages and v_pages must both be [P, block_size, Hkv, D={d}], "
+                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
+    if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
+        raise ValueError("k_pages and v_pages must be contiguous")
+    block_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    if q.shape[1] % hkv:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of the cache's KV heads ({hkv})")
+    _pow2("block_size", block_size)
+    _pow2("D", d)
+    return block_size, hkv
+
+
+def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode, n_slots, idx, cand, n_cand,
+                     local_blocks, scale, slots_per_split, num_warps, merge_sort=False, fuse_combine=False):
+    """Launches `_attention_split_kernel` (mode 0 dense / 1 block_idx / 2 merge candidates) and the combine
+    (fused into the split kernel when `fuse_combine` and there are at most 64 splits)."""
+    rows, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    n_splits = triton.cdiv(n_slots, slots_per_split)
+    fuse = fuse_combine and n_splits <= 64
+    o_part = torch.empty(rows, hq, n_splits, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(rows, hq, n_splits, dtype=torch.float32, device=q.device)
+    o = torch.empty_like(q)
+    lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device)
+    counts = _counters(rows * hkv, q.device) if fuse else lse
+    _attention_split_kernel[(rows, hkv, n_splits)](
+        q, k_pages, v_pages, idx, cand, block_table, seq_lens, o_part, lse_part, o, lse, counts,
+        scale if scale is not None else 1.0 / math.sqrt(d), rows, n_slots, n_splits, n_cand,
+        block_table.stride(0), k_pages.stride(0), k_pages.stride(1),
+        Q=q_len, HQ=hq, HKV=hkv, D=d, BS=k_pages.shape[1], BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
+        SLOTS=slots_per_split, MODE=mode, LOCAL=local_blocks, TOPK=n_slots if mode == 2 else 1,
+        TOPK_P2=triton.next_power_of_2(n_slots) if mode == 2 else 1, NC=_nc(n_cand, n_slots if mode == 2 else 1),
+        NEG_KEY=_NEG_INF_KEY, SORT=merge_sort and mode == 2 and n_slots > local_blocks, FUSE=fuse,
+        BLOCK_S=triton.next_power_of_2(n_splits) if fuse else 1, PRECISION=_precision(q.dtype), num_warps=num_warps)
+    if not fuse:
+        _combine_kernel[(rows * hq,)](o_part, lse_part, o, lse, N_SPLITS=n_splits, D=d,
+                                      BLOCK_S=min(64, triton.next_power_of_2(n_splits)))
+    return o, lse
 
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, block_idx: torch.Tensor | None, *, q_len: int, scale: float | None = None,
-                     slots_per_split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     slots_per_split: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K attention of the `q_len` newest queries of each sequence over cached pages.
 
     q: [B*q_len, Hq, D]; k_pages, v_pages: [P, block_size, Hkv, D]; block_table int32 [B, max_blocks];
@@ -273,18 +486,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     """
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("q", q, 3, q_len, batch)
-    rows, hq, d = q.shape
-    if k_pages.dim() != 4 or v_pages.shape != k_pages.shape or k_pages.shape[3] != d:
-        raise ValueError(f"k_pages and v_pages must both be [P, block_size, Hkv, D={d}], "
-                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
-    if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
-        raise ValueError("k_pages and v_pages must be contiguous")
-    block_size, hkv = k_pages.shape[1], k_pages.shape[2]
-    if hq % hkv:
-        raise ValueError(f"q heads ({hq}) must be a multiple of the cache's KV heads ({hkv})")
-    for name, n in (("block_size", block_size), ("D", d)):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 for the decode kernels, got {n}")
+    _, hkv = _check_kv(q, k_pages, v_pages)
+    rows = q.shape[0]
     dense = block_idx is None
     if dense:
         n_slots = block_table.shape[1]
@@ -297,17 +500,52 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         idx = block_idx.contiguous()
     if slots_per_split is None:
         slots_per_split = 1 if not dense else max(1, min(16, n_slots // 128))
-    n_splits = triton.cdiv(n_slots, slots_per_split)
-    o_part = torch.empty(rows, hq, n_splits, d, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(rows, hq, n_splits, dtype=torch.float32, device=q.device)
-    _attention_split_kernel[(rows, hkv, n_splits)](
-        q, k_pages, v_pages, idx, block_table, seq_lens, o_part, lse_part,
-        scale if scale is not None else 1.0 / math.sqrt(d), rows, n_slots, n_splits,
-        block_table.stride(0), k_pages.stride(0), k_pages.stride(1),
-        Q=q_len, HQ=hq, HKV=hkv, D=d, BS=block_size, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
-        SLOTS=slots_per_split, DENSE=dense, PRECISION=_precision(q.dtype))
-    o = torch.empty_like(q)
-    lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device)
-    _combine_kernel[(rows * hq,)](o_part, lse_part, o, lse, N_SPLITS=n_splits, D=d,
-                                  BLOCK_S=min(64, triton.next_power_of_2(n_splits)))
-    return o, lse
+    return _split_attention(q, k_pages, v_pages, block_table, seq_lens, q_len=q_len, mode=0 if dense else 1,
+                            n_slots=n_slots, idx=idx, cand=block_table, n_cand=0, local_blocks=1, scale=scale,
+                            slots_per_split=slots_per_split, num_warps=num_warps)
+
+
+def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+               ki_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *, q_len: int, topk: int,
+               local_blocks: int = 1, ki_scale: torch.Tensor | None = None, scale: float | None = None,
+               segment_blocks: int | None = None, slots_per_split: int = 1, stages: int = 3,
+               num_warps: int = 4, attention_warps: int = 4, fp8_math: str = "fp16", merge_direct_max: int = 512,
+               merge_sort: bool = True, fuse_merge: bool = True,
+               fuse_combine: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One MSA decode step: index scores, (top-k merge,) split-K attention, combine.
+
+    q: [B*q_len, Hq, D]; qi: [B*q_len, Hi, Di] with Hi == Hkv; k_pages, v_pages: [P, block_size, Hkv, D];
+    ki_pages: [P, block_size, Di] (fp8 e4m3 with ki_scale [P, block_size] fp32); block_table int32
+    [B, max_blocks]; seq_lens int32 [B]. Returns (o [B*q_len, Hq, D] in q.dtype, lse [B*q_len, Hq] fp32,
+    block_idx int32 [Hi, B*q_len, topk]), equal to `decode_select_blocks` followed by `decode_attention`.
+    fuse_merge: every attention split merges its row's candidates itself, one launch fewer (the fastest setting
+    measured on an H200 at batch 1 and 32; with False the merge kernel runs once per row instead).
+    fuse_combine: the last split of each (row, KV head) combines the partial results (an atomic arrival counter)
+    instead of the combine launch (measured slower on an H200; kept as a knob). Other knobs as in
+    `decode_select_blocks` / `decode_attention` (num_warps: scoring; attention_warps: attention).
+    """
+    batch = _check_table(block_table, seq_lens, q_len)
+    _check_decode("q", q, 3, q_len, batch)
+    block_size, hkv = _check_kv(q, k_pages, v_pages)
+    if qi.dim() != 3 or qi.shape[1] != hkv:
+        raise ValueError(f"qi must be [B*q_len, Hi=Hkv={hkv}, Di] (index head g selects for KV head g), "
+                         f"got {tuple(qi.shape)}")
+    if slots_per_split < 1:
+        raise ValueError(f"slots_per_split must be >= 1, got {slots_per_split}")
+    cand, n_cand = _score_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
+                                     topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
+                                     segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
+                                     fp8_math=fp8_math)
+    cand, n_cand = _shrink_candidates(cand, n_cand, topk - local_blocks, direct_max=merge_direct_max,
+                                      sort=merge_sort)
+    block_idx = torch.empty(hkv, q.shape[0], topk, dtype=torch.int32, device=q.device)
+    if not fuse_merge:
+        _topk_merge_kernel[(q.shape[0] * hkv,)](
+            cand, seq_lens, block_idx, n_cand, q.shape[0], Q=q_len, HI=hkv, BS=block_size, TOPK=topk,
+            TOPK_P2=triton.next_power_of_2(topk), LOCAL=local_blocks, NC=_nc(n_cand, topk), NEG_KEY=_NEG_INF_KEY,
+            SORT=merge_sort and topk > local_blocks)
+    o, lse = _split_attention(q, k_pages, v_pages, block_table, seq_lens, q_len=q_len, mode=2 if fuse_merge else 1,
+                              n_slots=topk, idx=block_idx, cand=cand, n_cand=n_cand, local_blocks=local_blocks,
+                              scale=scale, slots_per_split=slots_per_split, num_warps=attention_warps,
+                              merge_sort=merge_sort, fuse_combine=fuse_combine)
+    return o, lse, block_idx
