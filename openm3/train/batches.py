@@ -1,0 +1,111 @@
+"""Rows, micro-batches and the data contract between the trainer and a data source.
+
+A *row* is one packed training sequence: several documents (or vision samples) back to back, `labels` already
+aligned with `input_ids` (`labels[i]` is the token to predict at position i, -100 where there is no loss: prompts,
+visual placeholder tokens, the last token of a document). A *micro-batch* is a few rows concatenated in the packed
+varlen layout the models take (`input_ids [T]`, `position_ids [T]` restarting at 0 per document,
+`cu_seqlens int32 [B+1]` over documents).
+
+A data source is any object with `rows(kind, step, count) -> list[Row]` that returns the same rows for the same
+arguments; the trainer's data position is therefore just the step counter, which makes resume exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+IGNORE = -100
+
+
+@dataclass
+class Row:
+    """One packed sequence. `input_ids, labels: [L]` int64; `doc_lens`: lengths of the documents in it (sum L);
+    `vision`: model inputs for its images/videos (e.g. `pixel_values [N, P]`, `image_grid_thw [n, 3]`),
+    concatenated along dim 0 when rows are batched; `corpus`: name of the text corpus or vision task."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    doc_lens: list[int]
+    kind: str = "text"
+    corpus: str = ""
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.input_ids.dim() != 1 or self.labels.shape != self.input_ids.shape:
+            raise ValueError(f"Row.input_ids and Row.labels must be 1-D of equal length, got "
+                             f"{tuple(self.input_ids.shape)} and {tuple(self.labels.shape)}")
+        if sum(self.doc_lens) != self.input_ids.numel() or any(n <= 0 for n in self.doc_lens):
+            raise ValueError(f"Row.doc_lens must be positive and sum to {self.input_ids.numel()}, "
+                             f"got {self.doc_lens}")
+
+
+class RowSource(Protocol):
+    def rows(self, kind: str, step: int, count: int) -> list[Row]:
+        """`count` rows of data kind `kind` ("text" | "image" | "video") for optimizer step `step`;
+        deterministic in its arguments."""
+
+
+@dataclass
+class Batch:
+    """A micro-batch in the packed varlen layout. `input_ids, labels, position_ids: [T]`,
+    `cu_seqlens: int32 [B+1]` (B documents), `vision`: concatenated vision inputs."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    vision: dict[str, torch.Tensor]
+    kinds: list[str]  # data kind of each row
+    row_lens: list[int]  # tokens of each row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device),
+                     self.cu_seqlens.to(device), {k: v.to(device) for k, v in self.vision.items()}, self.kinds,
+                     self.row_lens)
+
+
+def collate(rows: list[Row]) -> Batch:
+    """Concatenate rows into one packed micro-batch."""
+    if not rows:
+        raise ValueError("collate needs at least one row")
+    doc_lens = [n for r in rows for n in r.doc_lens]
+    cu = torch.zeros(len(doc_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(doc_lens), 0)
+    position_ids = torch.cat([torch.arange(n) for n in doc_lens])
+    keys = sorted({k for r in rows for k in r.vision})
+    vision = {k: torch.cat([r.vision[k] for r in rows if k in r.vision]) for k in keys}
+    return Batch(torch.cat([r.input_ids for r in rows]), torch.cat([r.labels for r in rows]), position_ids, cu,
+                 vision, [r.kind for r in rows], [r.input_ids.numel() for r in rows])
+
+
+def step_rows(source: RowSource, counts: dict[str, int], step: int) -> list[Row]:
+    """All rows of an optimizer step in a fixed order (text, image, video)."""
+    out: list[Row] = []
+    for kind in ("text", "image", "video"):
+        if counts.get(kind, 0):
+            got = source.rows(kind, step, counts[kind])
+            if len(got) != counts[kind]:
+                raise ValueError(f"data source returned {len(got)} {kind} rows for step {step}, "
+                                 f"expected {counts[kind]}")
+            out.extend(got)
+    return out
+
+
+def shard_micro_batches(rows: list[Row], rank: int, world_size: int, micro_batch: int) -> list[Batch]:
+    """Rank `rank`'s rows (every world_size-th, so kinds spread evenly) in micro-batches of `micro_batch` rows
+    (the last may be smaller)."""
+    if len(rows) % world_size:
+        raise ValueError(f"{len(rows)} rows do not split evenly over world_size={world_size} ranks")
+    mine = rows[rank::world_size]
+    return [collate(mine[i:i + micro_batch]) for i in range(0, len(mine), micro_batch)]

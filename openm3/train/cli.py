@@ -1,0 +1,95 @@
+"""`openm3 train`: train a preset with a recipe on the bundled data; one process or several through torchrun.
+
+    openm3 train --recipe native --steps 2000 --out runs/native
+    openm3 train --config run.json --resume --export runs/native/model
+    torchrun --nproc_per_node=2 -m openm3.train.cli --recipe native --out runs/native
+
+`--config` is a JSON object of `TrainConfig` fields; flags override it. `extra` may hold `weights` (source ->
+weight, see `openm3.train.data`), `image_size`, `video_size`, and `eval` (`windows`, `qa`: task -> samples).
+Bad settings (unknown recipe, decay before warmup, a global batch the world size does not divide, a missing
+`data` extra) fail before anything is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .config import TrainConfig
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="openm3 train", description=__doc__.split("\n")[0])
+    p.add_argument("--config", type=Path, help="JSON file of TrainConfig fields")
+    for name, kind in (("model", str), ("recipe", str), ("steps", int), ("seq_len", int), ("text_rows", int),
+                       ("micro_batch", int), ("lr", float), ("warmup_steps", int), ("decay_start", int),
+                       ("msa_switch_step", int), ("kl_weight", float), ("seed", int), ("ckpt_every", int),
+                       ("eval_every", int), ("vision_start_step", int), ("cpt_steps", int), ("device", str),
+                       ("param_dtype", str)):
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None)
+    p.add_argument("--out", dest="out_dir", default=None, help="run folder (logs, checkpoints)")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--compile", action="store_true", default=None)
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--export", type=Path, help="write a consolidated checkpoint (published M3 layout) here at the end")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> TrainConfig:
+    base = json.loads(args.config.read_text()) if args.config else {}
+    if not isinstance(base, dict):
+        raise ValueError(f"--config must hold a JSON object of TrainConfig fields, got {type(base).__name__}")
+    skip = {"config", "resume", "export", "threads"}
+    overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
+    return TrainConfig.from_dict({**base, **overrides})
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from . import distributed as D
+    from .data import check_data_extra
+
+    args = parse_args(argv)
+    cfg = build_config(args)  # validates recipe, schedule, mixture
+    cfg.check_world(D.world_size_from_env())
+    check_data_extra()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from ..data import get_tokenizer
+    from .data import MixtureRows
+    from .eval import Evaluator
+    from .factory import model_builder
+    from .trainer import Trainer
+
+    tokenizer = get_tokenizer()
+    extra = cfg.extra
+    sizes = {"image_size": extra.get("image_size", 112), "video_size": extra.get("video_size", 56)}
+    source = MixtureRows(tokenizer, cfg.seq_len, seed=cfg.seed, weights=extra.get("weights"), **sizes)
+    needed = {k for step in (0, cfg.steps - 1) for k, n in cfg.plan().rows(step).items() if n}
+    missing = sorted(needed - set(source.kinds()))
+    if missing:
+        raise ValueError(f"recipe {cfg.recipe!r} needs {missing} rows but extra.weights has no such sources")
+    ev = extra.get("eval", {})
+    evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=ev.get("windows", 2),
+                          qa=ev.get("qa", {"colour_qa": 50, "video_qa": 24}), **sizes)
+    trainer = Trainer(cfg, model_builder(cfg.model, tokenizer), source, evaluator=evaluator)
+    if args.resume and not trainer.resume():
+        print(f"no checkpoint under {trainer.checkpoints.root}; starting from step 0")
+    trainer.fit()
+    if args.export:
+        trainer.export(args.export)
+    if trainer.info.is_main:
+        last = trainer.history[-1] if trainer.history else {}
+        print(f"done: step {trainer.step}/{cfg.steps}, loss {last.get('loss', float('nan')):.4f}; "
+              f"logs in {cfg.out_dir}")
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""`TrainConfig`: every setting of a training run, validated before any compute happens."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .recipes import RecipePlan, make_plan
+
+MSA_STAGES = ("dense", "sparse")
+
+
+@dataclass
+class TrainConfig:
+    """A training run. Batch sizes count packed rows of `seq_len` tokens.
+
+    Each optimizer step takes the recipe's global rows (`text_rows` text rows plus the vision rows of the mixture
+    while vision is on); rank r of `world_size` gets every world_size-th row (the global row count must divide by
+    the world size), and runs them `micro_batch` rows at a time, accumulating gradients. The LM loss is the sum of
+    token losses divided by the global number of loss tokens of the step, so any world size and micro-batch size
+    gives the same update (the indexer KL and MoE load-balancing terms are weighted by each micro-batch's share
+    of the step's tokens; the latter is a batch statistic, so it matches only for the same row grouping).
+
+    MSA protocol: steps `< msa_switch_step` are the dense warm-up (dense main attention, index branch trained by
+    the dense KL); later steps are the sparse stage (MSA attention, sparse KL, indexer input detached).
+    """
+
+    model: str = "m3-tiny"
+    recipe: str = "native"
+    steps: int = 100
+    seq_len: int = 256
+    text_rows: int = 4
+    micro_batch: int = 2
+    mixture: dict[str, float] | None = None
+    vision_start_step: int | None = None
+    cpt_steps: int | None = None
+    cpt_lr_ratio: float = 0.3
+
+    lr: float = 3e-3
+    vision_lr_scale: float = 1.0  # learning rate of the vision tower and projector, relative to `lr`
+    warmup_steps: int = 10
+    decay_start: int | None = None  # None: 80% of steps
+    min_lr_ratio: float = 0.1
+    decay_shape: str = "linear"
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    msa_switch_step: int = 0
+    kl_weight: float = 1.0
+    aux_loss_weight: float = 0.01
+
+    seed: int = 0
+    out_dir: str = "runs/train"
+    ckpt_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # 0: only at the end
+    log_every: int = 1
+    progress: bool = True
+    tensorboard: bool = True
+
+    device: str = "auto"  # auto | cpu | cuda
+    param_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    activation_checkpointing: bool = False
+    compile: bool = False
+    extra: dict = field(default_factory=dict)  # free-form settings for data/model factories
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        if self.decay_start is None:
+            self.decay_start = max(self.warmup_steps, int(0.8 * self.steps))
+        for name in ("seq_len", "micro_batch", "keep_checkpoints"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("ckpt_every", "eval_every", "log_every", "msa_switch_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0 or self.vision_lr_scale <= 0:
+            raise ValueError(f"lr and vision_lr_scale must be > 0, got {self.lr}, {self.vision_lr_scale}")
+        if self.kl_weight < 0 or self.aux_loss_weight < 0:
+            raise ValueError(f"kl_weight and aux_loss_weight must be >= 0, got {self.kl_weight}, "
+                             f"{self.aux_loss_weight}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
+        if self.param_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"param_dtype must be auto|float32|bfloat16, got {self.param_dtype!r}")
+        self.plan()  # validates recipe, schedule (decay before warmup) and mixture
+
+    def plan(self) -> RecipePlan:
+        return make_plan(self.recipe, steps=self.steps, text_rows=self.text_rows, warmup_steps=self.warmup_steps,
+                         decay_start=self.decay_start, min_lr_ratio=self.min_lr_ratio,
+                         decay_shape=self.decay_shape, mixture=self.mixture,
+                         vision_start_step=self.vision_start_step, cpt_steps=self.cpt_steps,
+                         cpt_lr_ratio=self.cpt_lr_ratio)
+
+    def msa_stage(self, step: int) -> str:
+        return "dense" if step < self.msa_switch_step else "sparse"
+
+    def check_world(self, world_size: int) -> None:
+        """Every step's global rows must split evenly over `world_size` ranks (the last micro-batch of a rank
+        may be smaller than `micro_batch`)."""
+        plan = self.plan()
+        for step in sorted({0, self.steps - 1, plan.vision_start_step or 0}):
+            total = sum(plan.rows(step).values())
+            if total % world_size:
+                raise ValueError(f"global batch of {total} rows at step {step} ({plan.rows(step)}) is not divisible "
+                                 f"by world_size={world_size}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "TrainConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,114 @@
+"""Process group set-up and FSDP2 sharding.
+
+One process, or `torchrun --nproc_per_node=N`: the environment variables torchrun sets (RANK, WORLD_SIZE,
+LOCAL_RANK) decide. CUDA uses NCCL, CPU uses gloo (the CI distributed test). Sharding follows torchtitan's order:
+activation checkpointing, then compile, then FSDP2 `fully_shard` on every block and finally on the root module.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Join the torchrun process group if there is one (idempotent)."""
+    dev = pick_device(device)
+    world = world_size_from_env()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.distributed:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a model: every child of a ModuleList named `layers` or `blocks`
+    (text decoder layers and vision tower blocks alike)."""
+    blocks = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.split(".")[-1] in ("layers", "blocks"):
+            blocks.extend(module)
+    return blocks
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute each block's activations in backward (non-reentrant). Returns the number of blocks wrapped."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.ModuleList) and name.split(".")[-1] in ("layers", "blocks"):
+            for i, block in enumerate(module):
+                module[i] = checkpoint_wrapper(block)
+                count += 1
+    return count
+
+
+def apply_compile(model: nn.Module) -> int:
+    """`torch.compile` each block in place (whole-model compile retraces on every packed shape)."""
+    blocks = find_blocks(model)
+    for block in blocks:
+        block.compile(dynamic=True)
+    return len(blocks)
+
+
+def apply_fsdp(model: nn.Module, info: DistInfo, param_dtype: torch.dtype | None) -> nn.Module:
+    """FSDP2: `fully_shard` every block, then the root. With `param_dtype` (bf16 on GPU) parameters are
+    gathered in that dtype for compute while gradients are reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
+    for block in find_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model

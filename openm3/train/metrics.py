@@ -1,0 +1,86 @@
+"""Run logging: a JSONL file of every logged record, TensorBoard scalars when tensorboard is installed, and the
+rank-0 progress bar (loss, tokens/s, ETA).
+
+Records are plain dicts with a `step`; eval records carry keys prefixed `eval/`. After a resume the log is cut
+back to the resumed step so the file holds one uninterrupted history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+
+def _tensorboard_writer(log_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is the optional `train` extra
+        return None
+    return SummaryWriter(str(log_dir))
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    """Writes records on rank 0 only; other ranks' calls are no-ops."""
+
+    def __init__(self, out_dir: str | Path, *, enabled: bool, tensorboard: bool = True):
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.tb = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                self.tb = _tensorboard_writer(Path(out_dir) / "tensorboard")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records of steps >= `step` (written after the checkpoint a resume starts from)."""
+        if not self.enabled or not self.path.exists():
+            return
+        keep = [r for r in read_jsonl(self.path) if r.get("step", -1) < step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.flush()
+            self.tb.close()
+            self.tb = None
+
+
+class Progress:
+    """tqdm bar over optimizer steps on rank 0, showing loss, tokens/s and (tqdm's) ETA."""
+
+    def __init__(self, total: int, initial: int, *, enabled: bool, desc: str = "train"):
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+    def update(self, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,240 @@
+"""The training loop: one process or `torchrun --nproc_per_node=N`.
+
+    torchrun --nproc_per_node=2 -m openm3.train.cli --config run.json
+
+Per optimizer step: fetch the recipe's rows for the step (the data position is the step counter), take this
+rank's share in micro-batches, forward each (MSA dense warm-up or sparse stage), backward the step loss
+`sum(token CE) / global loss tokens + kl_weight * KL + aux_loss_weight * load-balancing loss`, clip, AdamW, WSD LR.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import distributed as D
+from .batches import IGNORE, Batch, RowSource, shard_micro_batches, step_rows
+from .checkpoint import CheckpointManager, export_consolidated, latest_checkpoint
+from .config import TrainConfig
+from .losses import token_losses
+from .metrics import MetricsLogger, Progress
+
+KINDS = ("text", "image", "video")
+
+
+@dataclass
+class ForwardOutputs:
+    """What the trainer needs from a model forward. `logits: [T, V]`; `indexer_kl`, `aux_loss`: scalars or None."""
+
+    logits: torch.Tensor
+    indexer_kl: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def model_forward(model: nn.Module, batch: Batch, *, msa_stage: str, kl: bool = True, aux: bool = True
+                  ) -> ForwardOutputs:
+    """Run an openm3 model (text or vision-language) on a packed micro-batch in training mode.
+
+    The model contract: `model(input_ids=, position_ids=, cu_seqlens=, msa_stage="dense"|"sparse",
+    return_kl=, return_aux=, **vision_inputs)` returning an object with `logits` and optional `indexer_kl` and
+    `aux_loss`. A loss whose weight is zero is not asked for (the indexer KL is a large share of the step cost).
+    """
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
+                msa_stage=msa_stage, return_kl=kl, return_aux=aux, **batch.vision)
+    return ForwardOutputs(out.logits, getattr(out, "indexer_kl", None), getattr(out, "aux_loss", None))
+
+
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+def _param_groups(model: nn.Module, weight_decay: float, lr: float, vision_lr_scale: float) -> list[dict]:
+    """Weight decay on matrices only (not on norms, biases, or 1-D gains); the vision tower and projector at
+    `vision_lr_scale * lr`."""
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            vision = any(prefix in name for prefix in VISION_PREFIXES)
+            groups.setdefault((vision, p.dim() >= 2), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0,
+             "lr": lr * (vision_lr_scale if vision else 1.0)}
+            for (vision, decay), params in sorted(groups.items())]
+
+
+class Trainer:
+    """Builds the (sharded) model, optimizer and schedule; trains, checkpoints, evaluates and logs.
+
+    `build_model()` must return the same freshly initialised model on every call (seeded by the trainer).
+    `evaluator(trainer, step) -> dict` (optional) runs at eval points on every rank; its dict is logged as `eval/*`.
+    """
+
+    def __init__(self, cfg: TrainConfig, build_model: Callable[[], nn.Module], source: RowSource, *,
+                 evaluator: Callable[["Trainer", int], dict] | None = None):
+        cfg.check_world(D.world_size_from_env())  # bad batch split fails before any compute
+        self.cfg = cfg
+        self.plan = cfg.plan()
+        self.info = D.init_distributed(cfg.device)
+        self.source = source
+        self.evaluator = evaluator
+        self.build_model = self._seeded(build_model)
+        self.out_dir = Path(cfg.out_dir)
+
+        dtype = {"auto": torch.bfloat16 if self.info.device.type == "cuda" else None,
+                 "float32": None, "bfloat16": torch.bfloat16}[cfg.param_dtype]
+        self.autocast_dtype = dtype if (dtype is not None and not self.info.distributed) else None
+        model = self.build_model().to(self.info.device)
+        if cfg.activation_checkpointing:
+            D.apply_activation_checkpointing(model)
+        if cfg.compile:
+            D.apply_compile(model)
+        if self.info.distributed:
+            D.apply_fsdp(model, self.info, dtype)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay, cfg.lr, cfg.vision_lr_scale),
+                                           lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.plan.lr_multiplier)
+        self.step = 0
+        self.checkpoints = CheckpointManager(self.out_dir / "checkpoints", self.info, cfg.keep_checkpoints)
+        self.logger = MetricsLogger(self.out_dir, enabled=self.info.is_main, tensorboard=cfg.tensorboard)
+        self.history: list[dict] = []
+
+    def _seeded(self, build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        def wrapped() -> nn.Module:
+            torch.manual_seed(self.cfg.seed)
+            return build()
+        return wrapped
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "config": self.cfg.to_dict(),
+                "data_position": {"step": self.step}}
+
+    def save_checkpoint(self, **kwargs) -> Path:
+        return self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(), **kwargs)
+
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Restore the latest (or the given) checkpoint; returns False when there is none."""
+        path = latest_checkpoint(self.checkpoints.root) if path is None else Path(path)
+        if path is None:
+            return False
+        state = self.checkpoints.load(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["data_position"]["step"]
+        self.logger.truncate_after(self.step)
+        return True
+
+    def export(self, out: str | Path) -> Path | None:
+        return export_consolidated(self.model, self.build_model, out, self.info)
+
+    # ---- one optimizer step ------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return torch.autocast(self.info.device.type, enabled=False)
+        return torch.autocast(self.info.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self) -> dict:
+        cfg, info, step = self.cfg, self.info, self.step
+        t0 = time.perf_counter()
+        rows = step_rows(self.source, self.plan.rows(step), step)
+        micro = shard_micro_batches(rows, info.rank, info.world_size, cfg.micro_batch)
+        counts = torch.tensor([sum(b.num_loss_tokens for b in micro), sum(b.num_tokens for b in micro)],
+                              dtype=torch.float64, device=info.device)
+        n_loss, n_tok = D.all_reduce_sum(counts, info).tolist()
+        if n_loss == 0:
+            raise ValueError(f"step {step} has no loss tokens (every label is ignored)")
+        stage = cfg.msa_stage(step)
+        self.model.train()
+        sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # lm CE sum, token-weighted kl, aux
+        by_kind = torch.zeros(2, len(KINDS), dtype=torch.float64, device=info.device)  # CE sum, loss tokens
+        has_kl = has_aux = False
+        for i, batch in enumerate(micro):
+            batch = batch.to(info.device)
+            if info.distributed:  # reduce-scatter gradients once, after the last micro-batch
+                self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            with self._autocast():
+                out = model_forward(self.model, batch, msa_stage=stage, kl=cfg.kl_weight > 0,
+                                    aux=cfg.aux_loss_weight > 0)
+            per_token = token_losses(out.logits, batch.labels)
+            ce = per_token.sum()
+            with torch.no_grad():
+                for kind, row_ce, row_labels in zip(batch.kinds, per_token.split(batch.row_lens),
+                                                    batch.labels.split(batch.row_lens)):
+                    by_kind[0, KINDS.index(kind)] += row_ce.sum().double()
+                    by_kind[1, KINDS.index(kind)] += (row_labels != IGNORE).sum()
+            share = batch.num_tokens / n_tok
+            loss = ce / n_loss
+            if out.indexer_kl is not None:
+                loss = loss + cfg.kl_weight * share * out.indexer_kl
+                sums[1] += share * out.indexer_kl.detach().double()
+                has_kl = True
+            if out.aux_loss is not None:
+                loss = loss + cfg.aux_loss_weight * share * out.aux_loss
+                sums[2] += share * out.aux_loss.detach().double()
+                has_aux = True
+            # FSDP averages gradients over ranks; scaling by world size turns that into the global sum.
+            (loss * info.world_size).backward()
+            sums[0] += ce.detach().double()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        D.all_reduce_sum(sums, info)
+        D.all_reduce_sum(by_kind, info)
+        self.step += 1
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": sums[0].item() / n_loss, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens": int(n_tok), "tokens_per_s": n_tok / dt, "msa_stage": stage,
+                  "vision": int(self.plan.vision_on(step))}
+        for i, kind in enumerate(KINDS):
+            if by_kind[1, i] > 0:
+                record[f"loss/{kind}"] = (by_kind[0, i] / by_kind[1, i]).item()
+        if has_kl:
+            record["indexer_kl"] = sums[1].item()
+        if has_aux:
+            record["aux_loss"] = sums[2].item()
+        return record
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        if self.evaluator is None:
+            return {}
+        self.model.eval()
+        with torch.no_grad(), self._autocast():
+            result = self.evaluator(self, self.step)
+        record = {"step": self.step - 1, **{f"eval/{k}": v for k, v in result.items()}}
+        self.logger.log(record)
+        return result
+
+    def fit(self, until: int | None = None) -> list[dict]:
+        """Train from the current step to `until` (default: the recipe's last step). Returns the step records."""
+        cfg = self.cfg
+        until = self.plan.steps if until is None else min(until, self.plan.steps)
+        progress = Progress(self.plan.steps, self.step, enabled=self.info.is_main and cfg.progress)
+        try:
+            while self.step < until:
+                record = self.train_step()
+                if not math.isfinite(record["loss"]):
+                    raise FloatingPointError(f"loss is {record['loss']} at step {record['step']}")
+                self.history.append(record)
+                if record["step"] % cfg.log_every == 0 or self.step == until:
+                    self.logger.log(record)
+                progress.update(record["loss"], record["tokens_per_s"])
+                last = self.step == self.plan.steps
+                if cfg.eval_every and (self.step % cfg.eval_every == 0) or last:
+                    self.evaluate()
+                if cfg.ckpt_every and (self.step % cfg.ckpt_every == 0) or last:
+                    self.save_checkpoint()
+        finally:
+            progress.close()
+        return self.history
+
+    def close(self) -> None:
+        self.logger.close()

@@ -1,0 +1,231 @@
+"""Training system: schedule, recipes, config validation, batching, losses, and exact resume."""
+
+import json
+
+import pytest
+import torch
+
+from openm3.train.batches import IGNORE, Row, collate, shard_micro_batches
+from openm3.train.checkpoint import latest_checkpoint
+from openm3.train.config import TrainConfig
+from openm3.train.losses import lm_loss_sum, load_balancing_loss
+from openm3.train.metrics import read_jsonl
+from openm3.train.recipes import make_plan
+from openm3.train.schedule import WSDSchedule
+from openm3.train.trainer import Trainer
+from test_train_toy import ToyLM, ToySource
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny models here run fastest on one thread (and do not oversubscribe a shared CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def toy_cfg(tmp_path, name="run", **kw):
+    base = dict(recipe="text-only", steps=8, seq_len=24, text_rows=4, micro_batch=2, lr=1e-2, warmup_steps=2,
+                msa_switch_step=3, out_dir=str(tmp_path / name), progress=False, tensorboard=False)
+    return TrainConfig(**(base | kw))
+
+
+# ---- schedule and recipes ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", ["linear", "cosine", "sqrt"])
+def test_wsd_schedule_phases(shape):
+    s = WSDSchedule(total_steps=20, warmup_steps=4, decay_start=10, min_lr_ratio=0.1, decay_shape=shape)
+    values = [s(i) for i in range(20)]
+    assert values[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert values[4:10] == [1.0] * 6
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))  # monotone decay
+    assert values[-1] == pytest.approx(0.1)
+    assert values[10] < 1.0
+
+
+def test_decay_before_warmup_fails():
+    with pytest.raises(ValueError, match="decay_start"):
+        WSDSchedule(total_steps=20, warmup_steps=10, decay_start=5)
+    with pytest.raises(ValueError, match="decay_start"):
+        TrainConfig(steps=20, warmup_steps=10, decay_start=5)
+
+
+def test_unknown_recipe_fails():
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        TrainConfig(recipe="vision-first")
+
+
+@pytest.mark.parametrize("recipe", ["text-only", "native", "mid", "cpt"])
+def test_recipes_share_the_text_budget(recipe):
+    plan = make_plan(recipe, steps=50, text_rows=4, warmup_steps=5, decay_start=40)
+    assert all(plan.rows(s)["text"] == 4 for s in range(50))
+    assert plan.text_token_budget(128) == 50 * 4 * 128
+    vision_steps = [s for s in range(50) if plan.rows(s)["image"] > 0]
+    first = vision_steps[0] if vision_steps else None
+    expected_first = {"text-only": None, "native": 0, "mid": 20, "cpt": 40}[recipe]
+    assert first == expected_first
+    if vision_steps:
+        assert vision_steps == list(range(first, 50))
+    if recipe == "mid":
+        assert first < plan.schedule.decay_start
+    if recipe == "cpt":  # the main schedule has fully decayed when vision arrives
+        assert plan.lr_multiplier(39) == pytest.approx(plan.schedule.min_lr_ratio)
+        assert plan.lr_multiplier(45) == pytest.approx(plan.cpt_lr_ratio)
+
+
+def test_mid_recipe_must_start_before_decay():
+    with pytest.raises(ValueError, match="vision_start_step"):
+        make_plan("mid", steps=50, text_rows=4, warmup_steps=5, decay_start=40, vision_start_step=45)
+
+
+def test_batch_not_divisible_by_world_size_fails_before_compute(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # 4 text rows per step
+    built = []
+    with pytest.raises(ValueError, match="not divisible by world_size"):
+        Trainer(toy_cfg(tmp_path), lambda: built.append(1) or ToyLM(), ToySource())
+    assert built == []  # failed before building the model
+
+
+def test_bad_mixture_fails():
+    with pytest.raises(ValueError, match="unknown data kinds"):
+        TrainConfig(mixture={"text": 1.0, "audio": 0.5})
+
+
+# ---- batching and losses -------------------------------------------------------------------------------------
+def test_collate_packs_documents():
+    rows = ToySource(seq_len=24).rows("text", 0, 3)
+    b = collate(rows)
+    assert b.input_ids.shape == (72,)
+    assert b.cu_seqlens.dtype == torch.int32 and b.cu_seqlens[-1] == 72 and len(b.cu_seqlens) == 7
+    starts = b.cu_seqlens[:-1].long()
+    assert (b.position_ids[starts] == 0).all()
+    assert b.num_loss_tokens == 72 - 6  # the last token of every document has no target
+
+
+def test_row_validation():
+    with pytest.raises(ValueError, match="doc_lens"):
+        Row(torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long), [2, 2])
+
+
+def test_sharding_covers_every_row_once():
+    rows = ToySource().rows("text", 0, 8)
+    ids = [r.input_ids for r in rows]
+    got = [b.input_ids for rank in range(2) for b in shard_micro_batches(rows, rank, 2, 2)]
+    assert torch.equal(torch.sort(torch.cat(got)).values, torch.sort(torch.cat(ids)).values)
+    with pytest.raises(ValueError):
+        shard_micro_batches(rows, 0, 3, 1)
+    assert [b.num_tokens for b in shard_micro_batches(rows, 0, 1, 3)] == [72, 72, 48]
+
+
+def test_lm_loss_sum_matches_mean_ce():
+    logits = torch.randn(10, 7)
+    labels = torch.randint(0, 7, (10,))
+    labels[3] = IGNORE
+    ref = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE) * 9
+    assert lm_loss_sum(logits, labels).item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_load_balancing_loss_is_one_when_balanced_and_larger_when_not():
+    uniform = torch.full((8, 4), 0.25)
+    balanced = torch.arange(8).remainder(4)[:, None]
+    assert load_balancing_loss(uniform, balanced).item() == pytest.approx(1.0)
+    skewed_p = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).repeat(8, 1)
+    assert load_balancing_loss(skewed_p, torch.zeros(8, 1, dtype=torch.long)).item() == pytest.approx(2.8)
+
+
+# ---- the loop ------------------------------------------------------------------------------------------------
+def test_training_reduces_loss_and_logs(tmp_path):
+    cfg = toy_cfg(tmp_path, steps=25)
+    t = Trainer(cfg, ToyLM, ToySource())
+    hist = t.fit()
+    first, last = hist[0]["loss"], hist[-1]["loss"]
+    assert last < 0.6 * first, (first, last)
+    assert [r["msa_stage"] for r in hist[:4]] == ["dense", "dense", "dense", "sparse"]
+    log = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in log if "loss" in r] == list(range(25))
+    assert {"lr", "tokens_per_s", "indexer_kl", "aux_loss", "grad_norm"} <= set(log[0])
+
+
+def test_micro_batch_size_does_not_change_the_update(tmp_path):
+    b = Trainer(toy_cfg(tmp_path, "b", steps=3, micro_batch=4, aux_loss_weight=0.0, kl_weight=0.0), ToyLM,
+                ToySource()).fit()
+    c = Trainer(toy_cfg(tmp_path, "c", steps=3, micro_batch=1, aux_loss_weight=0.0, kl_weight=0.0), ToyLM,
+                ToySource()).fit()
+    # LM loss is normalised by the global token count, so accumulation granularity does not matter
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in c], abs=1e-5)
+
+
+def test_resume_is_exact_and_ignores_an_interrupted_checkpoint(tmp_path):
+    steps = 8
+    full = Trainer(toy_cfg(tmp_path, "full", steps=steps), ToyLM, ToySource()).fit()
+
+    cfg = toy_cfg(tmp_path, "cut", steps=steps, ckpt_every=3)
+    first = Trainer(cfg, ToyLM, ToySource())
+    first.fit(until=5)  # checkpoint at step 3; steps 3 and 4 are logged, then the process "dies"
+    assert latest_checkpoint(tmp_path / "cut" / "checkpoints").name == "step_00000003"
+
+    # a checkpoint that dies mid-write (shards written, never completed) must leave step 3 current
+    def crash():
+        raise RuntimeError("killed while writing")
+    with pytest.raises(RuntimeError):
+        first.save_checkpoint(_after_shards=crash)
+    assert (tmp_path / "cut" / "checkpoints" / "step_00000005.tmp").exists()
+    assert latest_checkpoint(tmp_path / "cut" / "checkpoints").name == "step_00000003"
+    del first
+
+    second = Trainer(cfg, ToyLM, ToySource())
+    assert second.resume()
+    assert second.step == 3
+    rest = second.fit()
+    assert [r["step"] for r in rest] == list(range(3, steps))
+    assert [r["loss"] for r in rest] == [r["loss"] for r in full[3:]]  # exactly equal
+    assert [r["grad_norm"] for r in rest] == [r["grad_norm"] for r in full[3:]]
+    log = [r for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl") if "loss" in r]
+    assert [r["loss"] for r in log] == [r["loss"] for r in full]  # the log holds one clean history
+    assert not (tmp_path / "cut" / "checkpoints" / "step_00000005.tmp").exists()  # cleaned by the next save
+
+
+def test_resume_restores_rng_and_scheduler(tmp_path):
+    cfg = toy_cfg(tmp_path, steps=6)
+    t = Trainer(cfg, ToyLM, ToySource())
+    t.fit(until=2)
+    torch.manual_seed(1234)
+    t.save_checkpoint()
+    expected = torch.rand(4)
+    lr = t.optimizer.param_groups[0]["lr"]
+    t2 = Trainer(cfg, ToyLM, ToySource())
+    torch.manual_seed(99)
+    assert t2.resume()
+    assert torch.equal(torch.rand(4), expected)
+    assert t2.optimizer.param_groups[0]["lr"] == lr
+    assert t2.scheduler.last_epoch == 2
+    meta = json.loads((latest_checkpoint(tmp_path / "run" / "checkpoints") / "meta.json").read_text())
+    assert meta["step"] == 2
+
+
+def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
+    from openm3.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=True)
+    logger.log({"step": 0, "loss": 2.0, "msa_stage": "dense"})
+    logger.log({"step": 1, "loss": 1.5, "msa_stage": "sparse"})
+    logger.truncate_after(1)
+    logger.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 0, "loss": 2.0, "msa_stage": "dense"}]
+    try:
+        import tensorboard  # noqa: F401  (the optional `train` extra)
+        assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    except ImportError:
+        assert not (tmp_path / "tensorboard").exists()
+    off = MetricsLogger(tmp_path / "off", enabled=False)
+    off.log({"step": 0, "loss": 1.0})
+    assert not (tmp_path / "off").exists()
+
+
+def test_activation_checkpointing_gives_the_same_updates(tmp_path):
+    plain = Trainer(toy_cfg(tmp_path, "plain", steps=3), ToyLM, ToySource()).fit()
+    ac = Trainer(toy_cfg(tmp_path, "ac", steps=3, activation_checkpointing=True), ToyLM, ToySource())
+    wrapped = [type(m).__name__ for m in ac.model.layers]
+    assert wrapped == ["CheckpointWrapper"] * 2
+    got = ac.fit()
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in plain], abs=1e-6)

@@ -1,0 +1,258 @@
+"""The trainer on the real stack: openm3.data rows, the m3-tiny vision-language model, evaluation and analysis."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from openm3.analysis.attention import block_mask, dense_probs, indexer_recall
+from openm3.train.batches import IGNORE, collate
+from openm3.train.config import TrainConfig
+from openm3.train.data import MixtureRows, check_data_extra, processor_layout
+from openm3.train.eval import Evaluator
+from openm3.train.factory import model_builder
+from openm3.train.tasks import QASample, qa_samples, text_only_baseline
+from openm3.train.trainer import Trainer
+
+WEIGHTS = {"text:stdlib": 1.0, "text:bible_kjv": 1.0, "colour_qa": 1.0, "video_qa": 1.0}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny models here run fastest on one thread (and do not oversubscribe a shared CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from openm3.data import get_tokenizer
+
+    return get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def source(tokenizer):
+    return MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56)
+
+
+# ---- data ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["text", "image", "video"])
+def test_rows_are_deterministic_and_aligned(source, tokenizer, kind):
+    a, b = source.rows(kind, 5, 2), source.rows(kind, 5, 2)
+    other = source.rows(kind, 6, 2)
+    for r, s in zip(a, b):
+        assert torch.equal(r.input_ids, s.input_ids) and torch.equal(r.labels, s.labels)
+        assert r.vision.keys() == s.vision.keys()
+        for key in r.vision:
+            assert torch.equal(r.vision[key], s.vision[key])
+    assert not torch.equal(a[0].input_ids, other[0].input_ids)
+    for r in a:
+        assert r.input_ids.shape == (256,) and sum(r.doc_lens) == 256
+        trained = (r.labels != IGNORE).nonzero()[:, 0]
+        assert len(trained) > 0
+        assert torch.equal(r.labels[trained], r.input_ids[trained + 1])  # labels are the next tokens
+        placeholders = {tokenizer.image_id, tokenizer.video_id}
+        assert not any(int(t) in placeholders for t in r.labels[trained])  # no loss on visual tokens
+    if kind == "image":
+        grid = a[0].vision["image_grid_thw"]
+        assert int((a[0].input_ids == tokenizer.image_id).sum()) == int((grid.prod(1) // 4).sum())
+    if kind == "video":
+        grid = a[0].vision["video_grid_thw"]
+        assert int((a[0].input_ids == tokenizer.video_id).sum()) == int((grid.prod(1) // 4).sum())
+
+
+def test_processor_layout_matches_processor():
+    from openm3.models.processor import M3ImageProcessor
+
+    for h, w in [(56, 56), (84, 112), (100, 60)]:
+        _, grid = M3ImageProcessor()([np.zeros((h, w, 3), np.uint8)])
+        assert processor_layout("image", (h, w, 3)) == [(0, int(grid.prod()) // 4)]
+
+
+def test_missing_data_extra_fails_clearly(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a))
+    with pytest.raises(ValueError, match="pillow"):
+        check_data_extra()
+
+
+def test_unknown_source_fails(tokenizer):
+    with pytest.raises(ValueError, match="unknown sources"):
+        MixtureRows(tokenizer, 128, weights={"text:stdlib": 1.0, "audio_qa": 1.0})
+
+
+def test_recipe_without_sources_of_a_kind_fails(tokenizer):
+    src = MixtureRows(tokenizer, 128, weights={"text:stdlib": 1.0})
+    with pytest.raises(ValueError, match="no 'image' sources"):
+        src.rows("image", 0, 1)
+
+
+# ---- tasks ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", ["colour_qa", "video_qa"])
+def test_qa_samples(task):
+    samples = qa_samples(task, 6, seed=3)
+    again = qa_samples(task, 6, seed=3)
+    for s, t in zip(samples, again):
+        assert s.answer in s.candidates and s.question == t.question and s.answer == t.answer
+    media = samples[0].images or [v.frames for v in samples[0].videos]
+    assert media and media[0].dtype == np.uint8
+
+
+def test_text_only_baseline_is_the_per_question_majority():
+    def s(q, a):
+        return QASample("t", q, a, ("x", "y", "z"))
+
+    train = [s("q1", "x"), s("q1", "x"), s("q1", "y"), s("q2", "z")]
+    test = [s("q1", "x"), s("q1", "y"), s("q2", "z"), s("q3", "x")]
+    # q1 -> x (right, wrong), q2 -> z (right), unseen q3 -> most frequent overall: x (right)
+    assert text_only_baseline(train, test) == 0.75
+
+
+# ---- analysis ------------------------------------------------------------------------------------------------
+def test_indexer_recall_is_one_with_every_block_and_matches_brute_force():
+    torch.manual_seed(0)
+    t, bs = 40, 8
+    q, k = torch.randn(t, 4, 16), torch.randn(t, 2, 16)
+    cu = torch.tensor([0, t], dtype=torch.int32)
+    n_blocks = math.ceil(t / bs)
+    every = torch.full((2, t, n_blocks), -1, dtype=torch.int32)
+    for i in range(t):
+        every[:, i, : i // bs + 1] = torch.arange(i // bs + 1, dtype=torch.int32)
+    s, n = indexer_recall(q, k, every, cu, bs)
+    assert s / n == pytest.approx(1.0, abs=1e-5)
+    own = torch.full((2, t, 2), -1, dtype=torch.int32)
+    own[:, :, 0] = (torch.arange(t) // bs).int()
+    s, n = indexer_recall(q, k, own, cu, bs)
+    p = dense_probs(q, k)
+    expected = sum(float(p[h, i, (i // bs) * bs: i + 1].sum()) for h in range(4) for i in range(t)) / (4 * t)
+    assert s / n == pytest.approx(expected, rel=1e-5)
+    assert block_mask(own, t, bs).shape == (2, t, t)
+
+
+class UniformLM(torch.nn.Module):
+    """Logits all zero: cross-entropy log(V) per token, so bits per byte are known exactly."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, **_):
+        from openm3.models.text import M3TextOutput
+
+        return M3TextOutput(logits=torch.zeros(len(input_ids), self.vocab) * self.w)
+
+
+def test_bits_per_byte_of_a_uniform_model(tokenizer):
+    ev = Evaluator(tokenizer, seq_len=64, corpora=["stdlib", "bible_kjv"], windows=2, recall=False)
+    got = ev.evaluate(UniformLM(tokenizer.vocab_size))
+    for corpus in ("stdlib", "bible_kjv"):
+        ws = [w for w in ev.windows if w.corpus == corpus]
+        bits = sum(len(w.ids) - 1 for w in ws) * math.log2(tokenizer.vocab_size)
+        assert got[f"bpb/{corpus}"] == pytest.approx(bits / sum(w.n_bytes for w in ws), rel=1e-6)
+
+
+# ---- the real model ------------------------------------------------------------------------------------------
+def real_cfg(tmp_path, name, **kw):
+    base = dict(model="m3-tiny", recipe="native", steps=4, seq_len=256, text_rows=1, micro_batch=2,
+                mixture={"text": 1.0, "image": 1.0, "video": 1.0}, warmup_steps=1, msa_switch_step=2,
+                out_dir=str(tmp_path / name), progress=False, tensorboard=False, device="cpu")
+    return TrainConfig(**(base | kw))
+
+
+def test_real_model_trains_resumes_exactly_evaluates_and_exports(tmp_path, tokenizer, source):
+    build = model_builder("m3-tiny", tokenizer)
+    full = Trainer(real_cfg(tmp_path, "full"), build, source).fit()
+    assert [r["msa_stage"] for r in full] == ["dense", "dense", "sparse", "sparse"]
+    assert all(r["indexer_kl"] > 0 and r["aux_loss"] > 0 for r in full)
+
+    cut = Trainer(real_cfg(tmp_path, "cut", ckpt_every=2), build, source)
+    cut.fit(until=3)
+    del cut
+    resumed = Trainer(real_cfg(tmp_path, "cut", ckpt_every=2), build, source)
+    assert resumed.resume() and resumed.step == 2
+    rest = resumed.fit()
+    assert [r["loss"] for r in rest] == [r["loss"] for r in full[2:]]
+
+    ev = Evaluator(tokenizer, seq_len=64, corpora=["stdlib"], windows=1, qa={"colour_qa": 2, "video_qa": 1},
+                   baseline_samples=20)
+    result = ev.evaluate(resumed.model)
+    assert 0 < result["indexer_recall"] <= 1.0 + 1e-6 and result["bpb/stdlib"] > 0
+    assert 0 <= result["colour_qa/accuracy"] <= 1 and "video_qa/text_only_baseline" in result
+
+    from openm3.models.multimodal import load_pretrained
+
+    resumed.export(tmp_path / "export")
+    loaded = load_pretrained(tmp_path / "export")
+    batch = collate(source.rows("image", 0, 1))
+    with torch.no_grad():
+        a = resumed.model.eval()(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, **batch.vision).logits
+        b = loaded.eval()(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, **batch.vision).logits
+    assert torch.equal(a, b)
+
+
+# ---- openm3 train --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,message", [
+    (["--recipe", "vision-first"], "recipe must be one of"),
+    (["--steps", "20", "--warmup-steps", "10", "--decay-start", "5"], "decay_start"),
+    (["--recipe", "mid", "--steps", "20", "--vision-start-step", "19"], "vision_start_step"),
+], ids=["unknown-recipe", "decay-before-warmup", "mid-after-decay"])
+def test_train_cli_bad_config_fails_before_compute(argv, message, monkeypatch):
+    from openm3.train import cli
+
+    called = []
+    monkeypatch.setattr("openm3.data.get_tokenizer", lambda *a, **k: called.append(1))
+    with pytest.raises(ValueError, match=message):
+        cli.main(argv)
+    assert called == []
+
+
+def test_train_cli_world_size_checked_before_compute(monkeypatch):
+    from openm3.train import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    called = []
+    monkeypatch.setattr("openm3.data.get_tokenizer", lambda *a, **k: called.append(1))
+    with pytest.raises(ValueError, match="not divisible by world_size=2"):
+        cli.main(["--recipe", "text-only", "--text-rows", "3"])
+    assert called == []
+
+
+def test_train_cli_runs_and_resumes(tmp_path):
+    import json
+
+    from openm3.train import cli
+    from openm3.train.metrics import read_jsonl
+
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"extra": {"weights": WEIGHTS, "image_size": 56,
+                                            "eval": {"windows": 1, "qa": {"colour_qa": 2}}},
+                                  "mixture": {"text": 1.0, "image": 1.0, "video": 0.0}}))
+    out = tmp_path / "run"
+    base = ["--config", str(config), "--model", "m3-tiny", "--recipe", "native", "--seq-len", "256",
+            "--text-rows", "1", "--warmup-steps", "1", "--out", str(out), "--no-progress", "--device", "cpu"]
+    assert cli.main(base + ["--steps", "2"]) == 0
+    assert cli.main(base + ["--steps", "2", "--resume", "--export", str(tmp_path / "model")]) == 0
+    log = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in log if "loss" in r] == [0, 1]
+    assert any("eval/bpb/stdlib" in r for r in log)
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
+def test_vision_parameters_get_their_own_learning_rate(tmp_path, tokenizer, source):
+    cfg = real_cfg(tmp_path, "lr", lr=1e-3, vision_lr_scale=0.1)
+    trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    for group in trainer.optimizer.param_groups:
+        params = [names[id(p)] for p in group["params"]]
+        vision = {n.startswith(("vision_tower.", "multi_modal_projector.")) for n in params}
+        assert len(vision) == 1
+        assert group["lr"] == pytest.approx((1e-4 if vision.pop() else 1e-3) * trainer.plan.lr_multiplier(0))
+    with pytest.raises(ValueError, match="vision_lr_scale"):
+        real_cfg(tmp_path, "bad", vision_lr_scale=0.0)
