@@ -19,6 +19,9 @@ for s in "${stages[@]}"; do
     selkl)   python3 -m benchmarks.msa_select_kl --out "$OUT" 2>&1 | tee "$OUT/msa_select_kl.log" | tail -40 ;;
     decode)  python3 -m benchmarks.msa_decode --out "$OUT" 2>&1 | tee "$OUT/msa_decode.log" | tail -40 ;;
     train)   python3 -m benchmarks.train_throughput --out "$OUT" 2>&1 | tee "$OUT/train.log" | tail -40 ;;
+    traindist) python3 -m benchmarks.train_distributed --out "$OUT" 2>&1 | tee "$OUT/train_dist.log" | tail -40 ;;
+    generate1m) python3 -m openm3.engine.generate --preset m3-small --random-prompt 1000000 --max-new-tokens 32 \
+                  --chunk-size 8192 --device cuda 2>&1 | tee "$OUT/generate_1m.log" | tail -40 ;;
     *) echo "unknown stage $s" ;;
   esac
 done
