@@ -1,0 +1,314 @@
+"""The OpenAI-compatible HTTP app: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
+
+    app = create_app(ModelBackend(model), tokenizer, model_name="m3-tiny", max_total_tokens=4096)
+
+One generation runs at a time: a lock serialises requests (later ones wait for it), which is what the engine's
+single-batch `generate` needs; concurrent batching is future work. The app never touches the model itself: a
+*backend* is any callable `backend(prompt_ids, *, max_new_tokens, sampling, stop_tokens, seed, on_token) ->
+finish_reason` that calls `on_token(token_id)` for each sampled token, so the same server runs the CPU reference
+or the Triton kernels (whatever `generate` picks for the model's device) or a scripted backend in tests.
+
+Text is produced incrementally by `TextStream`, for streamed and non-streamed responses alike, so the
+concatenated deltas of a stream equal the non-streamed text. Stop strings end generation (raising from
+`on_token` is the only way to end `generate` early) and are cut from the text, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import random
+import threading
+import time
+import uuid
+from typing import Callable, Iterator, Protocol, Sequence
+
+from ..data.chat import parse_tool_calls, render_chat
+from ..data.tokenizer import TOOL_CALL_START
+from ..engine.sampling import SamplingParams
+from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+
+
+class Backend(Protocol):
+    """Generates from token ids, calling `on_token(id)` per sampled token; returns 'stop' | 'length'."""
+
+    def __call__(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 stop_tokens: Sequence[int], seed: int, on_token: Callable[[int], None]) -> str: ...
+
+
+class ModelBackend:
+    """Runs `openm3.engine.generate` on one model (text decoder; its device and dtype pick the kernels)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+
+    def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token) -> str:
+        from ..engine.generate import generate
+
+        results, _ = generate(self.model, [prompt], max_new_tokens=max_new_tokens, sampling=sampling,
+                              stop_tokens=stop_tokens, seed=seed, on_token=lambda _b, tok: on_token(tok),
+                              max_total_tokens=len(prompt) + max_new_tokens)
+        return results[0].finish_reason
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP `status` with OpenAI's error JSON naming `param`."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+class _Stop(Exception):
+    """Raised from on_token to end a generation (a stop string was found, or the client went away)."""
+
+
+class TextStream:
+    """Sampled tokens -> text deltas that never show a stop string or anything after a `hold` marker.
+
+    `push(token)` returns the text safe to emit so far: it holds back an unfinished UTF-8 character (decoded as
+    U+FFFD) and any tail that could begin a stop string or marker. `text` is the whole text, cut before the
+    first stop string; `stopped` says whether one was found. `finish()` returns what is left to emit.
+    `sampled` counts every sampled token, including the end token that is never decoded.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), hold: Sequence[str] = ()):
+        self.tokenizer, self.stop, self.hold = tokenizer, list(stop), list(hold)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+        self.sampled = 0
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            self.text, self.stopped = text[:min(cuts)], True
+            return self._emit(len(self.text))
+        self.text = text
+        end = len(text) - max([_partial_suffix(text, s) for s in self.stop + self.hold] + [0])
+        if text[:end].endswith("\ufffd"):
+            end -= 1
+        return self._emit(end)
+
+    def visible(self) -> str:
+        """The text before the first `hold` marker."""
+        cuts = [i for i in (self.text.find(m) for m in self.hold) if i >= 0]
+        return self.text[:min(cuts)] if cuts else self.text
+
+    def finish(self, final: str | None = None) -> str:
+        """The rest of `final` (default: `visible()`) not yet emitted."""
+        final = self.visible() if final is None else final
+        delta, self.sent = final[self.sent:], max(self.sent, len(final))
+        return delta
+
+    def _emit(self, end: int) -> str:
+        end = min(end, len(self.visible()))
+        delta = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+
+def _partial_suffix(text: str, s: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `s`."""
+    for n in range(min(len(s) - 1, len(text)), 0, -1):
+        if text.endswith(s[:n]):
+            return n
+    return 0
+
+
+def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int):
+    """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    if not isinstance(max_total_tokens, int) or max_total_tokens < 2:
+        raise ValueError(f"max_total_tokens must be an int >= 2, got {max_total_tokens!r}")
+    vocab = getattr(backend, "vocab_size", tokenizer.vocab_size)
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
+    app = FastAPI(title="openm3", description="OpenAI-compatible API over the openm3 engine")
+    lock = threading.Lock()
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _failed(_request: Request, exc: Exception):
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", None, kind="server_error"), status_code=500)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid value')}", param), status_code=400)
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "openm3"}]}
+
+    def check(req: SamplingFields, prompt: list[int], prompt_param: str) -> int:
+        """Validates the model name and the lengths; returns max_new_tokens (default: all the room left)."""
+        if req.model != model_name:
+            raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}", "model",
+                           code="model_not_found")
+        if len(prompt) >= max_total_tokens:
+            raise APIError(f"{prompt_param} has {len(prompt)} tokens; the configured maximum is {max_total_tokens} "
+                           f"tokens including at least one new token", prompt_param)
+        room = max_total_tokens - len(prompt)
+        max_new = req.max_tokens if req.max_tokens is not None else room
+        if max_new > room:
+            raise APIError(f"max_tokens={max_new} with a {len(prompt)}-token {prompt_param} exceeds the configured "
+                           f"maximum of {max_total_tokens} tokens", "max_tokens")
+        return max_new
+
+    def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
+            on_delta: Callable[[str], None], cancelled: threading.Event | None = None) -> str:
+        """Generates under the lock, feeding `stream`; returns the finish reason ('stop' | 'length').
+
+        The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
+        sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
+        seed = req.seed if req.seed is not None else random.getrandbits(31)
+        eos = tokenizer.eos_id
+
+        def on_token(tok: int) -> None:
+            stream.sampled += 1
+            if tok != eos:
+                delta = stream.push(tok)
+                if delta:
+                    on_delta(delta)
+            if stream.stopped or (cancelled is not None and cancelled.is_set()):
+                raise _Stop
+
+        with lock:
+            try:
+                return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=[eos], seed=seed,
+                               on_token=on_token)
+            except _Stop:
+                return "stop"
+
+    def usage(prompt: list[int], stream: TextStream) -> dict:
+        n = stream.sampled
+        return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+
+    def sse(produce: Callable[[Callable[[dict], None], threading.Event], None]) -> StreamingResponse:
+        """Streams the chunks `produce(put, cancelled)` puts (it runs in a worker thread) as SSE events."""
+        chunks: queue.Queue = queue.Queue()
+        cancelled = threading.Event()
+
+        def work() -> None:
+            try:
+                produce(chunks.put, cancelled)
+            except Exception as e:  # the status line is sent already: report in the stream
+                chunks.put(error_body(f"generation failed: {e}", None, kind="server_error"))
+            finally:
+                chunks.put(None)
+
+        def events() -> Iterator[str]:
+            threading.Thread(target=work, daemon=True).start()
+            try:
+                while (chunk := chunks.get()) is not None:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                cancelled.set()  # the client disconnected or the stream ended: stop generating
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    def completions(req: CompletionRequest):
+        if isinstance(req.prompt, str):
+            prompt = tokenizer.encode(req.prompt)
+        else:
+            prompt = list(req.prompt)
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise APIError(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        max_new = check(req, prompt, "prompt")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        stream = TextStream(tokenizer, req.stop)
+
+        def choice(text: str, finish: str | None) -> dict:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+        if not req.stream:
+            finish = run(req, prompt, max_new, stream, lambda _d: None)
+            return {**head, "choices": [choice(stream.text, finish)], "usage": usage(prompt, stream)}
+
+        def produce(put, cancelled) -> None:
+            finish = run(req, prompt, max_new, stream, lambda d: put({**head, "choices": [choice(d, None)]}),
+                         cancelled)
+            put({**head, "choices": [choice(stream.finish(), finish)]})
+            if req.stream_options and req.stream_options.include_usage:
+                put({**head, "choices": [], "usage": usage(prompt, stream)})
+
+        return sse(produce)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions(req: ChatCompletionRequest):
+        if req.max_completion_tokens is not None:
+            if req.max_tokens not in (None, req.max_completion_tokens):
+                raise APIError("give max_tokens or max_completion_tokens, not two different values",
+                               "max_completion_tokens")
+            req.max_tokens = req.max_completion_tokens
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            text = render_chat(messages, tools, add_generation_prompt=True)
+        except ValueError as e:
+            raise APIError(str(e), "messages") from None
+        prompt = tokenizer.encode(text)
+        max_new = check(req, prompt, "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
+        parse_calls = req.tool_choice != "none"
+        stream = TextStream(tokenizer, req.stop, hold=[TOOL_CALL_START] if parse_calls else [])
+
+        def answer(finish: str) -> tuple[str | None, list[dict], str]:
+            """(content, OpenAI tool_calls, finish_reason) of the finished generation."""
+            tail = stream.text[len(stream.visible()):]
+            calls = parse_tool_calls(tail) if parse_calls and not stream.stopped else []
+            if not calls:
+                return stream.text, [], finish
+            tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                           "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
+            return stream.visible() or None, tool_calls, "tool_calls"
+
+        if not req.stream:
+            content, tool_calls, finish = answer(run(req, prompt, max_new, stream, lambda _d: None))
+            message = {"role": "assistant", "content": content}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            return {**head, "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    "usage": usage(prompt, stream)}
+
+        head = {**head, "object": "chat.completion.chunk"}
+
+        def chunk(delta: dict, finish: str | None = None) -> dict:
+            return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+        def produce(put, cancelled) -> None:
+            put(chunk({"role": "assistant", "content": ""}))
+            finish = run(req, prompt, max_new, stream, lambda d: put(chunk({"content": d})), cancelled)
+            content, tool_calls, finish = answer(finish)
+            rest = stream.finish(content or "")
+            if rest:
+                put(chunk({"content": rest}))
+            if tool_calls:
+                put(chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}))
+            put(chunk({}, finish))
+            if req.stream_options and req.stream_options.include_usage:
+                put({**head, "choices": [], "usage": usage(prompt, stream)})
+
+        return sse(produce)
+
+    return app

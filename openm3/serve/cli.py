@@ -1,0 +1,78 @@
+"""`openm3 serve`: an OpenAI-compatible HTTP server over one model (needs the `serve` extra: fastapi, uvicorn).
+
+    python -m openm3.serve.cli --preset m3-tiny --port 8000            # random weights, the locally trained tokenizer
+    python -m openm3.serve.cli --checkpoint ckpt/ --tokenizer tok/ --device cuda --max-total-tokens 131072
+
+    curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \
+        -d '{"model": "m3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}'
+
+Requests are served one at a time (a lock; later ones wait). Errors in the arguments exit with `error: ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Sequence
+
+import torch
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openm3 serve", description="Serve a model behind the OpenAI HTTP API "
+                                "(/v1/models, /v1/completions, /v1/chat/completions).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="local checkpoint directory (config.json + safetensors)")
+    src.add_argument("--preset", help="model preset with random weights: m3 | m3-small | m3-tiny")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json or a directory holding one "
+                   "(default: the locally trained tokenizer of openm3.data, trained on first use)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: preset or directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="prompt + new tokens per request (default: min(32768, the model's max_position_embeddings))")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--seed", type=int, default=0, help="init seed of a --preset model")
+    return p
+
+
+def build_app(args: argparse.Namespace):
+    """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
+    from ..data.tokenizer import M3Tokenizer, get_tokenizer
+    from ..engine.generate import load_model
+    from .app import ModelBackend, create_app
+
+    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
+    tokenizer = M3Tokenizer.from_file(args.tokenizer) if args.tokenizer else get_tokenizer()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_model(args, device, dtype)
+    limit = args.max_total_tokens
+    if limit is None:
+        limit = min(32768, model.config.max_position_embeddings)
+    if not 2 <= limit <= model.config.max_position_embeddings:
+        raise ValueError(f"--max-total-tokens: expected 2 .. {model.config.max_position_embeddings} "
+                         f"(the model's max_position_embeddings), got {limit}")
+    name = args.model_name or args.preset or os.path.basename(os.path.normpath(args.checkpoint))
+    return create_app(ModelBackend(model), tokenizer, model_name=name, max_total_tokens=limit)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`openm3 serve ARGS` (see `build_parser`): builds the app and runs it with uvicorn until interrupted."""
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    try:
+        app = build_app(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    uvicorn.run(app, host=args.host, port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

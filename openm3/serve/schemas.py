@@ -1,0 +1,107 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and the error body.
+
+Only the fields the server honours are declared; unknown fields are ignored, as OpenAI clients send many
+(`logprobs`, `user`, `tool_choice`, ...). Responses are plain dicts built in `app.py`: their shapes are OpenAI's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints share. `top_k` is an extension (0 = off); temperature 0 = greedy."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if any(not s for s in stops) or len(stops) > 4:
+            raise ValueError("stop must be a non-empty string or a list of at most 4 non-empty strings")
+        return stops
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`: prompt is text or token ids (one prompt per request)."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, v: str | list[int]) -> str | list[int]:
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    name: str = Field(min_length=1)
+    arguments: str = "{}"  # a JSON object, as a string (OpenAI's format)
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    role: Role
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`; max_tokens (or its newer name max_completion_tokens) defaults to what the
+    context limit leaves after the prompt. tool_choice: 'auto' (default) lets the model decide; 'none' returns
+    any tool call the model writes as plain content; forcing a call ('required' or a named function) is refused,
+    since nothing constrains the sampler."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def error_body(message: str, param: str | None, code: str | None = None,
+               kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error JSON: `{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

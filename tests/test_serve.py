@@ -1,0 +1,297 @@
+"""`openm3 serve`: the OpenAI-compatible API over a random m3-tiny model and the locally trained tokenizer.
+
+Tool calls: a random model does not write a tool call, so `test_tool_call_round_trip` uses a scripted backend that
+emits the tokens of a known tool call; everything after generation (text, parsing, the response, re-rendering the
+call in the next prompt) is the server's real path.
+"""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient  # the `serve` extra, and httpx2 for the test client
+
+from openm3.data.chat import render_chat
+from openm3.data.tokenizer import EOS, TokenizerSettings, get_tokenizer
+from openm3.engine.generate import generate
+from openm3.models import M3TextConfig, M3TextModel
+from openm3.serve import ModelBackend, TextStream, create_app
+from openm3.serve.cli import build_app, build_parser
+
+SMALL = TokenizerSettings(vocab_size=1024, chars_per_corpus=150_000)
+NAME = "tiny"
+LIMIT = 96
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return get_tokenizer(SMALL, tmp_path_factory.mktemp("tok-cache"))
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    torch.manual_seed(0)
+    config = M3TextConfig.from_name("m3-tiny", vocab_size=tok.vocab_size, num_hidden_layers=2,
+                                    layer_types=["full_attention", "minimax_m3_sparse"],
+                                    mlp_layer_types=["dense", "sparse"], index_topk_blocks=2,
+                                    max_position_embeddings=256)
+    return M3TextModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def client(model, tok):
+    return TestClient(create_app(ModelBackend(model), tok, model_name=NAME, max_total_tokens=LIMIT))
+
+
+def events(response) -> list:
+    """The JSON chunks of an SSE body; checks the framing and the closing [DONE]."""
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    blocks = response.text.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]"
+    assert all(b.startswith("data: ") for b in blocks[:-1])
+    return [json.loads(b[len("data: "):]) for b in blocks[:-2]]
+
+
+def greedy_ids(model, tok, prompt: list[int], n: int) -> list[int]:
+    results, _ = generate(model, [prompt], max_new_tokens=n, stop_tokens=[tok.eos_id])
+    return [t for t in results[0].tokens if t != tok.eos_id]
+
+
+def test_models_list(client):
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == [NAME]
+
+
+@pytest.mark.parametrize("prompt", ["def f(x):\n    return", [5, 300, 17, 42]], ids=["text", "ids-T4"])
+def test_completion_is_the_engines_greedy_text(client, model, tok, prompt):
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+    want = greedy_ids(model, tok, ids, 6)
+    assert body["choices"][0]["text"] == tok.decode(want)
+    assert body["object"] == "text_completion" and body["model"] == NAME
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(ids) and usage["total_tokens"] == len(ids) + usage["completion_tokens"]
+    assert body["choices"][0]["finish_reason"] == ("length" if usage["completion_tokens"] == 6 else "stop")
+
+
+def test_streamed_completion_equals_the_plain_one(client):
+    req = {"model": NAME, "prompt": "In the beginning", "max_tokens": 10, "temperature": 0}
+    plain = client.post("/v1/completions", json=req).json()
+    chunks = events(client.post("/v1/completions", json={**req, "stream": True,
+                                                          "stream_options": {"include_usage": True}}))
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["text"]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[:-1] == [None] * (len(finishes) - 1) and finishes[-1] == plain["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+
+
+def test_chat_completion_renders_the_template_and_streams_the_same_text(client, model, tok):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": [{"type": "text", "text": "Sort a list."}]}]
+    req = {"model": NAME, "messages": messages, "max_completion_tokens": 8, "temperature": 0}
+    body = client.post("/v1/chat/completions", json=req).json()
+    prompt = tok.encode(render_chat(messages, add_generation_prompt=True))
+    want = tok.decode(greedy_ids(model, tok, prompt, 8))
+    assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == len(prompt)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want}
+
+    chunks = events(client.post("/v1/chat/completions", json={**req, "stream": True}))
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
+
+
+def test_stop_string_cuts_the_text_and_ends_generation(client):
+    req = {"model": NAME, "prompt": "The LORD said", "max_tokens": 16, "temperature": 0}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    assert len(full) >= 6, f"the random model's text is too short to pick a stop string from: {full!r}"
+    stop = full[3:5]
+    want = full[:full.find(stop)]
+    body = client.post("/v1/completions", json={**req, "stop": ["\x00never", stop]}).json()
+    assert body["choices"][0]["text"] == want and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < 16
+    chunks = events(client.post("/v1/completions", json={**req, "stop": stop, "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+
+
+def test_text_stream_holds_partial_characters_and_stop_prefixes(tok):
+    text = "naïve café → ok STOP here"
+    ids = tok.encode(text)
+    stream = TextStream(tok, stop=["STOP"])
+    deltas = [stream.push(t) for t in ids]
+    deltas.append(stream.finish())
+    assert "".join(deltas) == "naïve café → ok " and stream.stopped
+    assert not any("\ufffd" in d or "S" in d for d in deltas)
+    assert len(ids) > len("naïve café → ok STOP") // 4  # several tokens, so the holding was exercised
+
+
+class Scripted:
+    """A backend that 'samples' fixed tokens and records the prompts it was given."""
+
+    def __init__(self, tokens: list[int], vocab_size: int):
+        self.tokens, self.vocab_size, self.prompts = tokens, vocab_size, []
+
+    def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token):
+        self.prompts.append(list(prompt))
+        for tok in self.tokens[:max_new_tokens]:
+            on_token(tok)
+            if tok in stop_tokens:
+                return "stop"
+        return "length"
+
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "integer"}}}}}]
+CALL_TEXT = ('Let me look.<minimax:tool_call>\n<invoke name="read_file">\n<parameter name="path">src/a.py'
+             '</parameter>\n<parameter name="lines">20</parameter>\n</invoke>\n</minimax:tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_tool_call_round_trip(tok, stream):
+    backend = Scripted(tok.encode(CALL_TEXT + EOS), tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096))
+    messages = [{"role": "user", "content": "What is in src/a.py?"}]
+    req = {"model": NAME, "messages": messages, "tools": TOOLS, "stream": stream}
+    r = client.post("/v1/chat/completions", json=req)
+    if stream:
+        chunks = events(r)
+        content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert [tc.pop("index") for tc in calls] == [0]
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = r.json()["choices"][0]
+        content, calls, finish = choice["message"]["content"], choice["message"]["tool_calls"], choice["finish_reason"]
+    assert finish == "tool_calls" and content == "Let me look."
+    assert len(calls) == 1 and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "read_file"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"path": "src/a.py", "lines": 20}
+    assert tok.decode(backend.prompts[0]) == render_chat(messages, TOOLS, add_generation_prompt=True)
+
+    # The client sends the call back with the tool's answer: the next prompt holds the call as the model wrote it.
+    follow = messages + [{"role": "assistant", "content": content, "tool_calls": calls},
+                         {"role": "tool", "tool_call_id": calls[0]["id"], "content": "print('hi')"}]
+    r = client.post("/v1/chat/completions", json={**req, "messages": follow, "stream": False})
+    assert r.status_code == 200, r.text
+    prompt = tok.decode(backend.prompts[1])
+    assert CALL_TEXT + EOS + "\n]~b]tool\n<response>print('hi')</response>" in prompt
+    assert prompt.endswith("]~b]ai\n")
+
+
+def test_tool_choice_none_returns_the_call_as_text(tok):
+    backend = Scripted(tok.encode(CALL_TEXT + EOS), tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096))
+    req = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "none"}
+    choice = client.post("/v1/chat/completions", json=req).json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": CALL_TEXT} and choice["finish_reason"] == "stop"
+
+
+def test_a_failing_backend_gives_a_server_error(tok):
+    def broken(prompt, **_):
+        raise RuntimeError("out of memory")
+
+    client = TestClient(create_app(broken, tok, model_name=NAME, max_total_tokens=64), raise_server_exceptions=False)
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": "x"})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "out of memory" in r.json()["error"]["message"]
+    chunks = events(client.post("/v1/completions", json={"model": NAME, "prompt": "x", "stream": True}))
+    assert chunks[-1]["error"]["type"] == "server_error"
+
+
+class Slow:
+    """A backend that samples token 300 every few ms and records its peak concurrency and its token count."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.running, self.peak, self.sampled = vocab_size, 0, 0, 0
+        self.done = threading.Event()
+
+    def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token):
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            for _ in range(max_new_tokens):
+                time.sleep(0.002)
+                self.sampled += 1
+                on_token(300)
+            return "length"
+        finally:
+            self.running -= 1
+            self.done.set()
+
+
+def test_a_client_that_disconnects_stops_its_generation(tok):
+    backend = Slow(tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096))
+    req = {"model": NAME, "prompt": "x", "max_tokens": 2000, "stream": True}
+    with client.stream("POST", "/v1/completions", json=req) as r:
+        first = next(r.iter_lines())
+    assert first.startswith("data: {") and backend.done.wait(10)
+    assert backend.sampled < 100  # 2000 would take ~4 s
+
+
+def test_requests_run_one_at_a_time(tok):
+    backend = Slow(tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096))
+    req = {"model": NAME, "prompt": "x", "max_tokens": 20}
+    codes = []
+    threads = [threading.Thread(target=lambda: codes.append(client.post("/v1/completions", json=req).status_code))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert codes == [200] * 3 and backend.sampled == 60 and backend.peak == 1
+
+
+BAD = [
+    ("empty-prompt", "/v1/completions", {"prompt": ""}, "prompt"),
+    ("empty-ids", "/v1/completions", {"prompt": []}, "prompt"),
+    ("top_p-0", "/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("top_p-1.5", "/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("negative-temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("prompt-T200-over-limit", "/v1/completions", {"prompt": [7] * 200}, "prompt"),
+    ("max_tokens-over-limit", "/v1/completions", {"prompt": [7] * 90, "max_tokens": 10}, "max_tokens"),
+    ("id-outside-vocab", "/v1/completions", {"prompt": [1, 1 << 20]}, "prompt"),
+    ("unknown-model", "/v1/completions", {"prompt": "x", "model": "gpt-4o"}, "model"),
+    ("n-2", "/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("empty-stop", "/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("no-messages", "/v1/chat/completions", {"messages": []}, "messages"),
+    ("forced-tool-call", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                  "tool_choice": "required"}, "tool_choice"),
+    ("two-lengths", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                             "max_completion_tokens": 3}, "max_completion_tokens"),
+    ("bad-role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ("chat-over-limit", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 300}]},
+     "messages"),
+    ("bad-tool-arguments", "/v1/chat/completions", {"messages": [
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}]}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors_naming_the_field(client, path, body, param):
+    r = client.post(path, json={"model": NAME, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_cli_builds_an_app_from_a_preset(tok, tmp_path):
+    path = tok.save(tmp_path / "tok")
+    args = build_parser().parse_args(["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64"])
+    client = TestClient(build_app(args))
+    assert client.get("/v1/models").json()["data"][0]["id"] == "m3-tiny"
+    r = client.post("/v1/completions", json={"model": "m3-tiny", "prompt": "x", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1
+    for bad in ("0", "1000000"):
+        with pytest.raises(ValueError, match="--max-total-tokens"):
+            build_app(build_parser().parse_args(["--preset", "m3-tiny", "--tokenizer", str(path),
+                                                 "--max-total-tokens", bad]))
+    with pytest.raises(ValueError, match="--checkpoint"):
+        build_app(build_parser().parse_args(["--checkpoint", str(tmp_path / "missing"), "--tokenizer", str(path)]))
