@@ -129,6 +129,20 @@ class KeyBlockWork:
     num_block_slots: int
 
 
+def global_block_numbering(cu_seqlens_k: torch.Tensor, num_keys: int,
+                           block_size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Number the key blocks of all sequences in order: (slots, seq_block_off, seq_block_end).
+
+    `seq_block_off[b]` is the global number of sequence b's block 0 and `seq_block_end[b]` one past its last block
+    (int64 [B]); `slots = ceil(Tk / block_size) + B` bounds the number of blocks from shapes alone (no host sync).
+    """
+    cu_k = cu_seqlens_k.to(torch.int64)
+    slots = -(-num_keys // block_size) + cu_k.numel() - 1
+    blocks_per_seq = (cu_k[1:] - cu_k[:-1] + block_size - 1) // block_size
+    seq_block_end = torch.cumsum(blocks_per_seq, 0)
+    return slots, seq_block_end - blocks_per_seq, seq_block_end
+
+
 def key_block_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
                    block_size: int, max_tokens: int) -> KeyBlockWork:
     """Build the inverse index of `block_idx` (int32 [H, T, topk]) with torch sort ops, without host syncs.
@@ -138,13 +152,9 @@ def key_block_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: tor
     """
     h, t, topk = block_idx.shape
     device = block_idx.device
+    slots, seq_block_off, seq_block_end = global_block_numbering(cu_seqlens_k, num_keys, block_size)
     cu_k = cu_seqlens_k.to(torch.int64)
     num_seqs = cu_k.numel() - 1
-    slots = -(-num_keys // block_size) + num_seqs
-    # Global block numbering: offset of each sequence's block 0.
-    blocks_per_seq = (cu_k[1:] - cu_k[:-1] + block_size - 1) // block_size
-    seq_block_end = torch.cumsum(blocks_per_seq, 0)
-    seq_block_off = seq_block_end - blocks_per_seq
 
     valid = block_idx >= 0
     heads = torch.arange(h, device=device, dtype=torch.int64).view(h, 1, 1)

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ._checks import (check_attention_inputs, check_block_idx, check_block_params, check_index_inputs, check_lse,
                       check_scale, check_seqlens)
-from .triton_common import next_pow2, query_positions
+from .triton_common import global_block_numbering, next_pow2, query_positions
 
 __all__ = ["indexer_kl", "kl_launch", "KLLaunch"]
 
@@ -357,12 +357,9 @@ def _entry_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.
     """
     heads, t, topk = block_idx.shape
     device = block_idx.device
+    slots, seq_block_off, seq_block_end = global_block_numbering(cu_seqlens_k, num_keys, block_size)
     cu_k = cu_seqlens_k.to(torch.int64)
     num_seqs = cu_k.numel() - 1
-    slots = -(-num_keys // block_size) + num_seqs
-    blocks_per_seq = (cu_k[1:] - cu_k[:-1] + block_size - 1) // block_size
-    seq_block_end = torch.cumsum(blocks_per_seq, 0)
-    seq_block_off = seq_block_end - blocks_per_seq
 
     head = torch.arange(heads, device=device, dtype=torch.int64).view(heads, 1, 1)
     gblock = seq_block_off[seq].view(1, t, 1) + block_idx.to(torch.int64)
