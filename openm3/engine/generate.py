@@ -196,9 +196,7 @@ def _emit(results, seqs, tokens, stop, max_new_tokens, on_token) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openm3 generate", description="Generate text with an M3 model over the "
                                 "paged MSA cache (chunked prefill, Triton decode kernels on CUDA).")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="local checkpoint directory (config.json + safetensors)")
-    src.add_argument("--preset", help="model preset with random weights: m3 | m3-small | m3-tiny")
+    add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs --tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
@@ -215,10 +213,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=None, help="prompt + new tokens limit")
     p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
                    help="index-key cache dtype (default: the model dtype)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--no-stream", action="store_true", help="print the output only at the end")
     return p
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--checkpoint | --preset, --dtype, --device: the model options shared by `generate` and `serve`."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="local checkpoint directory (config.json + safetensors)")
+    src.add_argument("--preset", help="model preset with random weights: m3 | m3-small | m3-tiny")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+
+
+def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
+    """--device / --dtype with their defaults: CUDA in bf16 when there is a GPU, else CPU in fp32."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return device, dtype
 
 
 def load_model(args, device: torch.device, dtype: torch.dtype):
@@ -259,8 +271,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_file(args.tokenizer)
     if args.prompt is not None and tokenizer is None:
         raise SystemExit("error: --prompt needs --tokenizer PATH/tokenizer.json (or pass --prompt-ids)")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device, dtype = device_and_dtype(args)
     try:
         model = load_model(args, device, dtype)
     except ValueError as e:

@@ -15,17 +15,13 @@ import argparse
 import os
 from typing import Sequence
 
-import torch
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..engine.generate import add_model_arguments
+
     p = argparse.ArgumentParser(prog="openm3 serve", description="Serve a model behind the OpenAI HTTP API "
                                 "(/v1/models, /v1/completions, /v1/chat/completions).")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="local checkpoint directory (config.json + safetensors)")
-    src.add_argument("--preset", help="model preset with random weights: m3 | m3-small | m3-tiny")
+    add_model_arguments(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or a directory holding one "
                    "(default: the locally trained tokenizer of openm3.data, trained on first use)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: preset or directory name)")
@@ -33,8 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="prompt + new tokens per request (default: min(32768, the model's max_position_embeddings))")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0, help="init seed of a --preset model")
     return p
 
@@ -42,14 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
 def build_app(args: argparse.Namespace):
     """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
     from ..data.tokenizer import M3Tokenizer, get_tokenizer
-    from ..engine.generate import load_model
+    from ..engine.generate import device_and_dtype, load_model
     from .app import ModelBackend, create_app
 
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
     tokenizer = M3Tokenizer.from_file(args.tokenizer) if args.tokenizer else get_tokenizer()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device, dtype = device_and_dtype(args)
     model = load_model(args, device, dtype)
     limit = args.max_total_tokens
     if limit is None:
