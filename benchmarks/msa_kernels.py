@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks._timing import event_time_ms
+
 HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
 BLOCK, TOPK, LOCAL = 128, 16, 1
 GIB = 1024 ** 3
@@ -92,26 +94,16 @@ def union_stats(block_idx: torch.Tensor, tokens=(1, 2, 4, 8)) -> dict:
     return {f"union_{n}": round(tile_candidates(half, n)[1].float().mean().item(), 2) for n in tokens}
 
 
-def _sync_time_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
 def bench_ms(fn, *, warmup: bool = True, slow_ms: float = 200.0, slow_reps: int = 2) -> float:
     """Median time of `fn` in ms: triton's do_bench for fast ops, a few timed calls for slow ones."""
     import triton.testing
 
-    first = _sync_time_ms(fn)  # compiles / warms up
+    first = event_time_ms(fn)  # compiles / warms up
     if first < slow_ms:
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     if not warmup:
         return first
-    return statistics.median(_sync_time_ms(fn) for _ in range(slow_reps))
+    return statistics.median(event_time_ms(fn) for _ in range(slow_reps))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks._timing import event_time_ms
+
 HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
 BLOCK, TOPK, LOCAL = 128, 16, 1
 GIB = 1024 ** 3
@@ -72,14 +74,9 @@ def bench_ms(fn, reps: int = 5) -> float:
     """Median of `reps` timed calls after one warm-up call (compiles), CUDA events."""
     times = []
     for i in range(reps + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
+        elapsed = event_time_ms(fn)
         if i:
-            times.append(start.elapsed_time(end))
+            times.append(elapsed)
     return statistics.median(times)
 
 
