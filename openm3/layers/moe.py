@@ -12,8 +12,11 @@ The routed experts have two implementations with the same numbers (`Experts.impl
   ``torch._grouped_mm`` present and 16-byte aligned rows there is no host sync; otherwise each projection runs
   per expert on contiguous sorted slices, which needs the counts on the host (one sync).
 
-``"auto"`` (the default) picks ``grouped`` for bf16 on CUDA (the Hopper grouped GEMM is bf16-only) and
-``reference`` everywhere else. `set_experts_impl(model, impl)` switches every `Experts` inside a model.
+``"auto"`` (the default) picks ``grouped`` for bf16 on CUDA (the Hopper grouped GEMM is bf16-only), including fp32
+inputs under a bf16 CUDA autocast (the trainer's single-GPU mode: fp32 parameters, bf16 compute); ``reference``
+everywhere else. Inside ``torch.compile`` the reference runs eagerly as one opaque call (its host sync and
+per-expert loop would otherwise break the graph at data-dependent points and recompile for every new expert
+load). `set_experts_impl(model, impl)` switches every `Experts` inside a model.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mlp import DenseMLP, swiglu_oai
+from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai  # noqa: F401  (swiglu_oai: re-exported)
 
 IMPLS = ("auto", "reference", "grouped")
 
@@ -80,7 +83,7 @@ class Experts(nn.Module):
         """The implementation `forward(x, ...)` runs: "reference" or "grouped"."""
         if self.impl != "auto":
             return self.impl
-        return "grouped" if x.is_cuda and x.dtype == torch.bfloat16 and _HAS_GROUPED_MM else "reference"
+        return "grouped" if x.is_cuda and _compute_dtype(x) == torch.bfloat16 and _HAS_GROUPED_MM else "reference"
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden], experts: [N, k] ids in [0, E), weights: [N, k] -> weighted sum of expert outputs
@@ -90,6 +93,12 @@ class Experts(nn.Module):
             return torch.zeros_like(x)
         if self.resolved_impl(x) == "grouped":
             return self._grouped(x, experts, weights)
+        if torch.compiler.is_compiling():
+            return self._reference_eager(x, experts, weights)
+        return self._reference(x, experts, weights)
+
+    @torch.compiler.disable
+    def _reference_eager(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self._reference(x, experts, weights)
 
     def _check(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> None:
@@ -106,7 +115,7 @@ class Experts(nn.Module):
             raise ValueError(f"weights must be a float tensor of the shape of experts {tuple(experts.shape)}, got "
                              f"{weights.dtype} {tuple(weights.shape)}")
         in_range = ((experts >= 0) & (experts < num_experts)).all()
-        if experts.is_cuda:
+        if experts.is_cuda or torch.compiler.is_compiling():
             torch._assert_async(in_range, f"experts: ids must lie in [0, {num_experts})")  # no host sync
         elif not bool(in_range):
             raise ValueError(f"experts: ids must lie in [0, {num_experts}), got [{int(experts.min())}, "
@@ -134,15 +143,19 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n, k = experts.shape
         num_experts = self.gate_up_proj.shape[0]
+        # Under autocast the GEMMs run in the autocast dtype, as F.linear would (`_grouped_mm` is not on
+        # autocast's cast lists, and the Hopper kernel takes bf16 only); outside autocast this is a no-op.
+        dtype = _compute_dtype(x)
+        x, gate_up_proj, down_proj = x.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
         sorted_ids, order = torch.sort(experts.reshape(-1), stable=True)  # (token, slot) pairs grouped by expert
         # offs[e] = end of expert e's rows in sorted order, computed on the device (no host sync)
         offs = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype),
                                   right=True, out_int32=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         rows = _PermuteRows.apply(x, order, inverse, k)  # [N*k, hidden]: row i is token order[i] // k
-        h = grouped_linear(rows, self.gate_up_proj, offs)  # [N*k, 2I]
-        h = _activation(h)(h, self.alpha, self.limit)  # [N*k, I]
-        y = grouped_linear(h, self.down_proj, offs)  # [N*k, hidden], expert order
+        h = grouped_linear(rows, gate_up_proj, offs)  # [N*k, 2I]
+        h = fused_swiglu_oai(h, self.alpha, self.limit)  # [N*k, I]
+        y = grouped_linear(h, down_proj, offs)  # [N*k, hidden], expert order
         y = _PermuteRows.apply(y, inverse, order, 1).view(n, k, -1)  # back to (token, slot) order
         # sum_j weights[t, j] * y[t, j]: one batched matmul (fp32 accumulation in bf16 too)
         return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
@@ -192,22 +205,18 @@ USE_GROUPED_MM = _HAS_GROUPED_MM  # tests set this to False to run the sliced fa
 def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # the grouped GEMM needs every row stride (in, out) to be a multiple of 16 bytes
     align = 16 // x.element_size()
-    return (USE_GROUPED_MM and x.dtype in (torch.bfloat16, torch.float32) and x.dtype == weight.dtype
+    # (torch.compile traces it with the CUDA kernel's rules: bf16 only; CPU eager takes fp32 too)
+    dtypes = (torch.bfloat16,) if torch.compiler.is_compiling() else (torch.bfloat16, torch.float32)
+    return (USE_GROUPED_MM and x.dtype in dtypes and x.dtype == weight.dtype
             and weight.shape[1] % align == 0 and weight.shape[2] % align == 0)
 
 
-COMPILE_ACTIVATION = True  # False: run the grouped path's activation eagerly on CUDA too (debugging)
-_FUSED_SWIGLU = None
-
-
-def _activation(h: torch.Tensor):
-    """SwiGLU-OAI for `h`: one fused Triton kernel (forward and backward) via torch.compile on CUDA, eager on CPU."""
-    global _FUSED_SWIGLU
-    if not h.is_cuda or not COMPILE_ACTIVATION:
-        return swiglu_oai
-    if _FUSED_SWIGLU is None:
-        _FUSED_SWIGLU = torch.compile(swiglu_oai, dynamic=True, fullgraph=True)
-    return _FUSED_SWIGLU
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on `x` run in: the autocast dtype when autocast is on for x's device, else x's dtype."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
 
 
 def set_experts_impl(module: nn.Module, impl: str) -> int:
@@ -254,8 +263,10 @@ def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, 
         if logits.dim() != 2 or logits.shape[1] != num_experts:
             raise ValueError(f"router_logits entries must be [N, {num_experts}], got {tuple(logits.shape)}")
         probs = torch.softmax(logits.float(), dim=-1)
-        chosen = torch.topk(probs, top_k, dim=-1).indices
-        counts = counts + torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
+        chosen = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        # counting by index_add of ones (exact: integers below 2**24) instead of bincount, which on CUDA reads
+        # the largest id back to the host once per layer
+        counts = counts.index_add(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
         prob_sum = prob_sum + probs.sum(dim=0)
         rows += logits.shape[0]
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))

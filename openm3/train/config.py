@@ -65,7 +65,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     param_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     activation_checkpointing: bool = False
-    compile: bool = False
+    compile: bool = False  # torch.compile each decoder layer (openm3.train.distributed.apply_compile)
+    compile_backend: str = "inductor"  # any torch.compile backend ("aot_eager": trace without code generation)
     extra: dict = field(default_factory=dict)  # free-form settings for data/model factories
 
     def __post_init__(self):

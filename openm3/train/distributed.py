@@ -91,12 +91,28 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     return count
 
 
-def apply_compile(model: nn.Module) -> int:
-    """`torch.compile` each block in place (whole-model compile retraces on every packed shape)."""
-    blocks = find_blocks(model)
-    for block in blocks:
-        block.compile(dynamic=True)
-    return len(blocks)
+def apply_compile(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = None) -> int:
+    """`torch.compile` every text decoder layer in place; returns how many.
+
+    Per layer, not the whole model: the layers share one code object, so all MSA+MoE layers reuse one compiled
+    graph (and the dense layers another), and what cannot be traced stays local to a layer. Inside a layer,
+    attention runs eagerly (see `DecoderLayer._attention`: the varlen and MSA paths read `cu_seqlens` on the host)
+    and the rest is one graph. `dynamic=None` compiles for the first shapes seen and recompiles once with dynamic
+    sizes when the token count or the number of packed documents changes, so later packings reuse it. A layer
+    wrapped for activation checkpointing is compiled inside the wrapper, so the backward recomputation runs the
+    same compiled code. Vision tower blocks stay eager (their varlen attention has the same host reads).
+    """
+    from ..models.text import DecoderLayer
+
+    count = 0
+    for block in find_blocks(model):
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if isinstance(inner, DecoderLayer):
+            inner.compile(backend=backend, dynamic=dynamic)
+            count += 1
+    if count == 0:
+        raise ValueError(f"compile: {type(model).__name__} has no openm3 decoder layers (DecoderLayer) to compile")
+    return count
 
 
 def apply_fsdp(model: nn.Module, info: DistInfo, param_dtype: torch.dtype | None) -> nn.Module:
