@@ -151,6 +151,22 @@ def test_indexer_kl_trains_only_the_index_branch():
         assert zero.item() == 0
 
 
+def test_dense_warmup_kl_also_reaches_the_backbone():
+    """DESIGN.md: the indexer input is detached in the sparse stage only; in the dense warm-up the KL's gradient
+    reaches the layers below an MSA layer through the indexer's input, but never the teacher's q/k projections
+    of the last layer (its teacher is detached and nothing above it reads the KL)."""
+    torch.manual_seed(0)
+    model = M3TextModel(tiny(index_topk_blocks=2)).train()
+    (ids,) = random_ids([70], 128, seed=4)
+    for stage, reaches in (("dense", True), ("sparse", False)):
+        model.zero_grad(set_to_none=True)
+        model(ids, msa_stage=stage).indexer_kl.backward()
+        below = model.layers[0].self_attn.q_proj.weight.grad
+        assert (below is not None and below.abs().sum() > 0) == reaches, stage
+        assert all(p.grad is None or p.grad.abs().sum() == 0 for n, p in model.named_parameters()
+                   if "layers.3.self_attn." in n and ".indexer." not in n), stage
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     torch.manual_seed(0)
     model = M3TextModel(tiny(index_topk_blocks=2)).train()

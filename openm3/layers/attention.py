@@ -76,9 +76,10 @@ class Attention(nn.Module):
                 cache: Any = None) -> AttentionOutput:
         """x: [T, hidden]; cos, sin: [T, rotary_dim]; cu_seqlens: int32 [B+1].
 
-        compute_kl: also return the indexer KL (MSA layers). The indexer then reads a detached copy of x, so the
-        KL trains only the index branch. dense_warmup: MSA layers attend densely and the KL is the dense
-        warm-up variant (over all causal tokens). cache: see the module docstring.
+        compute_kl: also return the indexer KL (MSA layers). In the sparse stage the indexer then reads a detached
+        copy of x, so the KL trains only the index branch (DESIGN.md); in the dense warm-up its gradient also
+        reaches the backbone through x. dense_warmup: MSA layers attend densely and the KL is the dense warm-up
+        variant (over all causal tokens). cache: see the module docstring.
         """
         t = x.shape[0]
         q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
@@ -86,7 +87,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         qi = ki = None
         if self.is_sparse:
-            qi, ki = self.indexer(x.detach() if compute_kl else x, cos, sin)
+            qi, ki = self.indexer(x.detach() if compute_kl and not dense_warmup else x, cos, sin)
 
         if cache is not None:
             sparse = dict(block_size=self.block_size, topk=self.topk, local_blocks=self.local_blocks) \
