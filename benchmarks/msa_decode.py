@@ -13,9 +13,14 @@ decode: one new query per sequence against T cached tokens (T = 128K and 1M), ba
   flash / efficient; the one used is recorded) over the same cache memory, `dense_triton` = the decode kernel
   walking every block. Each step is captured in a CUDA graph (20 steps per graph, so host launch overhead is not
   measured but the gaps between kernels are); times are medians. `msa_ms_<variant>` times `decode_msa` with the
-  knobs of VARIANTS (segment sizes, merge by max rounds, no shrinking, fused combine, warps, stages, ...);
-  `best variant` names the fastest. `score TB/s` = index-key bytes / scoring time (HBM peak 4.8 TB/s).
+  knobs of VARIANTS (segment sizes, merge by max rounds, no shrinking, fused combine, warps, stages, hoisted /
+  TMA key loads, shrink folded into the scoring kernel, programmatic dependent launch, 2-launch step, ...);
+  `best variant` names the fastest; `variant_selection_mismatch` lists variants whose block lists differ from
+  `decode_select_blocks` (must be empty). `score TB/s` = index-key bytes / scoring time (HBM peak 4.8 TB/s);
+  `score_ms_<name>` / `score_tb_per_s_<name>` time the scoring kernel with the knobs of SCORE_VARIANTS.
   `python -m benchmarks.msa_decode --T 131072 --batch 1 --index fp8 --variants rounds --prefill-T` runs one case.
+  Batch-1 sweep (the variants of B1_SWEEP, about 2-3 minutes on an H200):
+  `python -m benchmarks.msa_decode --T 131072 1048576 --batch 1 --index fp8 --variants b1 --prefill-T`
 prefill: T tokens of one MSA layer through the engine (`PagedCache`, chunks of --chunk tokens, several sizes
   allowed: write the chunk's keys, select blocks with the chunk's index queries against every cached index key,
   sparse attention), against one cuDNN causal SDPA call over the whole sequence (for T above
@@ -45,13 +50,36 @@ import torch.nn.functional as F
 HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
 BLOCK, TOPK, LOCAL = 128, 16, 1
 HBM_BYTES_PER_S = 4.8e12
+# Scoring-kernel knobs (`triton_decode.SCORE_LOADS`): 'hoist' loads a segment's page ids once before the block
+# loop, so the pipeliner keeps stages-1 16 KiB fp8 key tiles in flight per program (the default 'table' path
+# loads the page id per block and ends up with ONE tile buffer whatever `stages` is); 'tma' also fetches each
+# block with one TMA copy. fp8 smem per program: stages 3 -> 38 KiB (5 programs/SM), 4 -> 55 KiB (4/SM).
+SCORE_VARIANTS = {  # name -> _score_candidates keyword arguments, timed as score_ms_<name> (`--score-variants`)
+    "hoist": dict(score_loads="hoist"), "hoist_s4": dict(score_loads="hoist", stages=4),
+    "hoist_seg16_s4": dict(score_loads="hoist", stages=4, segment_blocks=16),
+    "tma": dict(score_loads="tma"), "tma_s4": dict(score_loads="tma", stages=4),
+}
+_FAST = dict(score_loads="hoist", stages=4)
 VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`--variants` picks some)
     "rounds": dict(merge_sort=False), "fuse_merge": dict(fuse_merge=True), "merge_kernel": dict(fuse_merge=False),
     "fused_combine": dict(fuse_combine=True), "noshrink": dict(merge_direct_max=1 << 30),
     "shrink256": dict(merge_direct_max=256), "slots2": dict(slots_per_split=2),
     **{f"seg{n}": dict(segment_blocks=n) for n in (2, 4, 8, 16, 32, 64)},
     "warps8": dict(num_warps=8), "stages2": dict(stages=2),
+    # batch-1 work (bandwidth of the scoring kernel, fewer launches / gaps); 'noshrink' above is no-shrink with
+    # the bitonic merge (the default merge) since merge_sort became the default
+    **SCORE_VARIANTS,
+    "fold": dict(fold_shrink=True),  # shrink inside the scoring kernel (last program of each group): -1 launch
+    "no_pdl": dict(pdl=False),  # without programmatic dependent launch (the default since it measured faster)
+    "noshrink_pdl": dict(merge_direct_max=1 << 30, pdl=True),
+    "fold_pdl": dict(fold_shrink=True, pdl=True),
+    "hoist_fold_pdl": dict(**_FAST, fold_shrink=True, pdl=True),  # 3 launches: score, attention, combine
+    "tma_fold_pdl": dict(score_loads="tma", stages=4, fold_shrink=True, pdl=True),
+    "two_launch": dict(**_FAST, fold_shrink=True, fuse_combine=True),  # score(+shrink), attention(+combine)
+    "two_launch_pdl": dict(**_FAST, fold_shrink=True, fuse_combine=True, pdl=True),
 }
+B1_SWEEP = ["noshrink", "fused_combine", "fold", "no_pdl", "noshrink_pdl", "fold_pdl", *SCORE_VARIANTS,
+            "hoist_fold_pdl", "tma_fold_pdl", "two_launch", "two_launch_pdl"]  # `--variants b1`
 
 
 def graph_time_ms(fn, steps: int = 20, reps: int = 10) -> float:
@@ -141,7 +169,8 @@ def dense_sdpa(q, k, v, backend, **kw):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
 
 
-def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VARIANTS)) -> None:
+def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VARIANTS),
+                score_variants=tuple(SCORE_VARIANTS)) -> None:
     """One decode configuration; fills `record` with timings (ms), ratios and bandwidths."""
     from openm3.ops.msa import decode, triton_decode
 
@@ -179,8 +208,8 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
 
     def score_only(**kw):
         return triton_decode._score_candidates(qi, ki, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
-                                               local_blocks=LOCAL, ki_scale=ki_scale, stages=3, num_warps=4,
-                                               **{"segment_blocks": None, "fp8_math": "fp16", **kw})[0]
+                                               local_blocks=LOCAL, ki_scale=ki_scale, num_warps=4,
+                                               **{"segment_blocks": None, "fp8_math": "fp16", "stages": 3, **kw})[0]
 
     kd = k.view(batch, t, HKV, D).transpose(1, 2)  # [B, Hkv, T, D] view of the pool
     vd = v.view(batch, t, HKV, D).transpose(1, 2)
@@ -203,6 +232,11 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
     # top-k, combine fused into the attention kernel, warps, pipeline stages, attention splits
     for name in variants:
         record[f"msa_ms_{name}"] = graph_time_ms(lambda: msa_step(**VARIANTS[name]))
+    sel = select_only()
+    record["variant_selection_mismatch"] = [
+        name for name in variants if not torch.equal(triton_decode.decode_msa(
+            q, qi, k, v, ki, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL, ki_scale=ki_scale,
+            **VARIANTS[name])[2], sel)]
     if ki_scale is not None:  # the previous fp8 path: keys widened to bf16 (a slow fp16 -> bf16 step per key)
         record["score_ms_fp8_as_bf16"] = graph_time_ms(lambda: score_only(fp8_math="query"))
     record["msa_default_segment_blocks"] = triton_decode._default_segment_blocks(nb, batch, q.device)
@@ -217,6 +251,9 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
     record["byte_floor_speedup"] = dense_bytes / (index_bytes + kv_bytes_msa)
     record["msa_tb_per_s"] = (index_bytes + kv_bytes_msa) / (record["msa_ms"] * 1e-3) / 1e12
     record["score_tb_per_s"] = index_bytes / (record["score_ms"] * 1e-3) / 1e12
+    for name in score_variants:
+        ms = record[f"score_ms_{name}"] = graph_time_ms(lambda: score_only(**SCORE_VARIANTS[name]))
+        record[f"score_tb_per_s_{name}"] = index_bytes / (ms * 1e-3) / 1e12
     best = min((v, k) for k, v in record.items() if k.startswith("msa_ms"))
     record["best_variant"], record["best_variant_ms"] = best[1], best[0]
     record["best_speedup_vs_dense"] = record["dense_ms"] / best[0]
@@ -291,13 +328,21 @@ def environment() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def _print_rows(records: list[dict], key, figures) -> None:
+    """One table row per record: `key(r)` (the case), then `figures(r)`, or the start of the case's error."""
+    for r in records:
+        print(key(r) + (f"  error: {r['error'][:60]}" if "error" in r else figures(r)))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--T", type=int, nargs="+", default=[131072, 1048576], help="cached tokens")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--index", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
-                   help="decode_msa knob settings timed beside the default")
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=[*VARIANTS, "b1"],
+                   help="decode_msa knob settings timed beside the default ('b1': the batch-1 sweep B1_SWEEP)")
+    p.add_argument("--score-variants", nargs="*", default=list(SCORE_VARIANTS), choices=list(SCORE_VARIANTS),
+                   help="scoring-kernel knob settings timed beside the default scoring kernel")
     p.add_argument("--prefill-T", type=int, nargs="*", default=[131072, 1048576])
     p.add_argument("--chunk", type=int, nargs="+", default=[32768], help="prefill chunks (queries per forward)")
     p.add_argument("--dense-prefill-s", nargs="*", default=[], metavar="T=SECONDS",
@@ -306,6 +351,7 @@ def main(argv=None) -> int:
                    help="skip the dense prefill baseline above this many tokens")
     p.add_argument("--out", default="benchmarks/results/")
     args = p.parse_args(argv)
+    args.variants = list(dict.fromkeys(v for name in args.variants for v in (B1_SWEEP if name == "b1" else [name])))
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -316,7 +362,7 @@ def main(argv=None) -> int:
             for index in args.index:
                 rec = {"T": t, "batch": batch, "index": index}
                 try:
-                    decode_case(t, batch, index, rec, args.variants)
+                    decode_case(t, batch, index, rec, args.variants, args.score_variants)
                 except Exception as e:  # noqa: BLE001 - report and continue with the next case
                     rec["error"] = f"{type(e).__name__}: {e}"
                     traceback.print_exc()
@@ -344,22 +390,16 @@ def main(argv=None) -> int:
 
     print(f"\n{'decode':<7}{'T':>8}{'B':>3}{'index':>6}{'msa ms':>8}{'4-launch':>9}{'select':>8}{'score':>8}"
           f"{'attn':>7}{'dense':>8}{'x dense':>8}{'floor x':>8}{'score TB/s':>11}  best variant")
-    for r in results["decode"]:
-        if "error" in r:
-            print(f"{'':<7}{r['T']:>8}{r['batch']:>3}{r['index']:>6}  error: {r['error'][:60]}")
-            continue
-        print(f"{'':<7}{r['T']:>8}{r['batch']:>3}{r['index']:>6}{r['msa_ms']:>8.4f}{r['msa_unfused_ms']:>9.4f}"
-              f"{r['select_ms']:>8.4f}{r['score_ms']:>8.4f}{r['attention_ms']:>7.4f}{r['dense_ms']:>8.4f}"
-              f"{r['speedup_vs_dense']:>8.2f}{r['byte_floor_speedup']:>8.2f}{r['score_tb_per_s']:>11.2f}  "
-              f"{r['best_variant']} {r['best_variant_ms']:.4f} ({r['best_speedup_vs_dense']:.2f}x)")
+    _print_rows(results["decode"], lambda r: f"{'':<7}{r['T']:>8}{r['batch']:>3}{r['index']:>6}",
+                lambda r: (f"{r['msa_ms']:>8.4f}{r['msa_unfused_ms']:>9.4f}{r['select_ms']:>8.4f}"
+                           f"{r['score_ms']:>8.4f}{r['attention_ms']:>7.4f}{r['dense_ms']:>8.4f}"
+                           f"{r['speedup_vs_dense']:>8.2f}{r['byte_floor_speedup']:>8.2f}{r['score_tb_per_s']:>11.2f}  "
+                           f"{r['best_variant']} {r['best_variant_ms']:.4f} ({r['best_speedup_vs_dense']:.2f}x)"))
     print(f"\n{'prefill':<8}{'T':>9}{'chunk':>7}{'engine s':>10}{'dense s':>9}{'x dense':>9}")
-    for r in results["prefill"]:
-        if "error" in r:
-            print(f"{'':<8}{r['T']:>9}{r['chunk']:>7}  error: {r['error'][:60]}")
-            continue
-        print(f"{'':<8}{r['T']:>9}{r['chunk']:>7}{r['engine_prefill_s']:>10.3f}"
-              f"{r.get('dense_prefill_s', r.get('dense_prefill_s_earlier_run', float('nan'))):>9.3f}"
-              f"{r.get('speedup_vs_dense', float('nan')):>9.2f}")
+    _print_rows(results["prefill"], lambda r: f"{'':<8}{r['T']:>9}{r['chunk']:>7}",
+                lambda r: (f"{r['engine_prefill_s']:>10.3f}"
+                           f"{r.get('dense_prefill_s', r.get('dense_prefill_s_earlier_run', float('nan'))):>9.3f}"
+                           f"{r.get('speedup_vs_dense', float('nan')):>9.2f}"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "msa_decode.json").write_text(json.dumps(results, indent=1))

@@ -1,6 +1,7 @@
 """MSA decode over a paged cache: the reference path (`decode.py`) against the unpaged spec, and the Triton decode
 kernels (under TRITON_INTERPRET=1 on CPU, fp32) against the reference path."""
 
+import inspect
 import os
 
 import pytest
@@ -185,7 +186,14 @@ MSA_CASES = [
 MSA_VARIANTS = {"default": {}, "shrink-rounds-merge-kernel": dict(merge_direct_max=4, merge_sort=False,
                                                                    fuse_merge=False),
                 "shrink-sort-fused-combine": dict(merge_direct_max=4, fuse_combine=True),
-                "rounds-fused-merge": dict(merge_sort=False, fuse_merge=True)}
+                "rounds-fused-merge": dict(merge_sort=False, fuse_merge=True),
+                # batch-1 knobs: hoisted page ids / TMA key loads, the shrink folded into the scoring kernel (with
+                # several groups, the last one partial), PDL (a no-op under the interpreter), the 2-launch step
+                "hoist-s4-fold-pdl": dict(score_loads="hoist", stages=4, fold_shrink=True, merge_direct_max=4,
+                                          pdl=True),
+                "tma-fold-merge-kernel": dict(score_loads="tma", fold_shrink=True, merge_direct_max=4,
+                                              fuse_merge=False),
+                "two-launch": dict(score_loads="hoist", fold_shrink=True, merge_direct_max=4, fuse_combine=True)}
 
 
 @pytest.mark.parametrize("variant", list(MSA_VARIANTS))
@@ -225,23 +233,35 @@ def test_triton_decode_msa_equals_select_then_attend(case, index, variant):
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_triton_decode_msa_bad_inputs():
+# One argument broken at a time in an otherwise valid call (one 40-token sequence, blocks of 16, 2 KV heads, head
+# dims 16): (entry point, {argument: bad value, or a function of the valid one}, the ValueError's message).
+BAD_DECODE_CALLS = [
+    ("decode_msa", dict(qi=lambda qi: qi[:, :1]), "qi must be"),
+    ("decode_msa", dict(segment_blocks=3), "segment_blocks"),
+    ("decode_msa", dict(stages=0), "stages"),
+    ("decode_msa", dict(k_pages=lambda k: k[..., :8]), "k_pages"),
+    ("decode_select_blocks", dict(fp8_math="bf16"), "fp8_math"),
+    ("decode_select_blocks", dict(score_loads="cp.async"), "score_loads"),
+    ("decode_select_blocks", dict(q_len=2), "q_len"),
+    ("decode_select_blocks", dict(seq_lens=lambda lens: lens.long()), "seq_lens"),
+    ("decode_select_blocks", dict(local_blocks=3), "local_blocks"),
+    ("decode_attention", dict(block_idx=torch.zeros(2, 1, 2, dtype=torch.int64)), "block_idx"),
+]
+
+
+@pytest.mark.parametrize("fn, bad, match", BAD_DECODE_CALLS,
+                         ids=[f"{fn}-{match.split()[0]}" for fn, _, match in BAD_DECODE_CALLS])
+def test_triton_decode_bad_inputs(fn, bad, match):
     td = _triton()
     c = make_paged([40], block_size=16, hkv=2, d=16, di=16)
-    lens = torch.tensor([40], dtype=torch.int32)
-    q = torch.randn(1, 4, 16)
-    with pytest.raises(ValueError, match="qi must be"):
-        td.decode_msa(q, torch.randn(1, 1, 16), c["k_pages"], c["v_pages"], c["ki_pages"], c["block_table"], lens,
-                      q_len=1, topk=2)
-    with pytest.raises(ValueError, match="segment_blocks"):
-        td.decode_msa(q, torch.randn(1, 2, 16), c["k_pages"], c["v_pages"], c["ki_pages"], c["block_table"], lens,
-                      q_len=1, topk=2, segment_blocks=3)
-    with pytest.raises(ValueError, match="fp8_math"):
-        td.decode_select_blocks(torch.randn(1, 2, 16), c["ki_pages"], c["block_table"], lens, q_len=1,
-                                block_size=16, topk=2, fp8_math="bf16")
-    with pytest.raises(ValueError, match="k_pages"):
-        td.decode_msa(q, torch.randn(1, 2, 16), c["k_pages"][..., :8], c["v_pages"], c["ki_pages"],
-                      c["block_table"], lens, q_len=1, topk=2)
+    valid = dict(q=torch.randn(1, 4, 16), qi=torch.randn(1, 2, 16), k_pages=c["k_pages"], v_pages=c["v_pages"],
+                 ki_pages=c["ki_pages"], block_table=c["block_table"], seq_lens=torch.tensor([40], dtype=torch.int32),
+                 block_idx=None, q_len=1, block_size=16, topk=2)
+    entry = getattr(td, fn)
+    args = {name: valid[name] for name in inspect.signature(entry).parameters if name in valid}
+    args.update({name: change(args[name]) if callable(change) else change for name, change in bad.items()})
+    with pytest.raises(ValueError, match=match):
+        entry(**args)
 
 
 @pytest.mark.parametrize("slots", [1, 3], ids=["split1", "split3"])
@@ -259,48 +279,49 @@ def test_triton_dense_decode_matches_reference(slots):
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_triton_decode_bad_inputs():
-    td = _triton()
-    c = make_paged([20], block_size=16, hkv=1, d=16, di=16)
-    lens = torch.tensor([20], dtype=torch.int32)
-    qi = torch.randn(1, 1, 16)
-    with pytest.raises(ValueError, match="q_len"):
-        td.decode_select_blocks(qi, c["ki_pages"], c["block_table"], lens, q_len=2, block_size=16, topk=2)
-    with pytest.raises(ValueError, match="seq_lens"):
-        td.decode_select_blocks(qi, c["ki_pages"], c["block_table"], lens.long(), q_len=1, block_size=16, topk=2)
-    with pytest.raises(ValueError, match="local_blocks"):
-        td.decode_select_blocks(qi, c["ki_pages"], c["block_table"], lens, q_len=1, block_size=16, topk=2,
-                                local_blocks=3)
-    with pytest.raises(ValueError, match="block_idx"):
-        td.decode_attention(torch.randn(1, 2, 16), c["k_pages"], c["v_pages"], c["block_table"], lens,
-                            torch.zeros(1, 1, 2, dtype=torch.int64), q_len=1)
-
-
 _COMPILE_SCRIPT = r'''
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from openm3.ops.msa import triton_decode as td
 
-def compile_(fn, sig, consts, warps=4):
+def compile_(fn, sig, consts, warps=4, stages=3):
     # pointers and strides 16-divisible, as the JIT specialises them at run time (this is what vectorises loads)
     names = list(fn.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t.startswith("*") or n.startswith("stride")}
-    triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": warps, "num_stages": 3})
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
 
 table = {"table_ptr": "*i32", "lens_ptr": "*i32"}
 merge = dict(LOCAL=1, TOPK=16, TOPK_P2=16, NC=256, NEG_KEY=td._NEG_INF_KEY)
+score = {"ks_ptr": "*fp32", **table, "cand_ptr": "*i64", "fold_ptr": "*i64", "count_ptr": "*i32", "max_blocks": "i32",
+         "n_seg": "i32", "n_groups": "i32", "stride_table": "i32", "stride_page": "i32"}
 for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", "ieee", False), ("fp32", "ieee", True)):
-    for seg in (2, 16, 128):
-        compile_(td._score_segment_kernel,
-                 {"qi_ptr": f"*{dt}", "ki_ptr": "*u8" if fp8 else f"*{dt}", "ks_ptr": "*fp32", **table,
-                  "cand_ptr": "*i64", "max_blocks": "i32", "n_seg": "i32", "stride_table": "i32", "stride_page": "i32"},
-                 dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=min(seg, 15), LOCAL=1, FP8=fp8,
-                      HALF=fp8 and dt == "bf16", PRECISION=prec, STAGES=3))
-    for mode, sort, fuse in ((0, False, False), (1, False, True), (2, False, False), (2, True, True)):
+    key_t = "u8" if fp8 else dt
+    # (page loads, fold, pdl, stages): the default at every segment size; hoisted page ids (4 stages), TMA, and
+    # the shrink folded in + PDL at the bf16 query shapes the H200 runs
+    variants = [("table", 0, False, 3, seg) for seg in (2, 16, 128)]
+    if dt == "bf16":
+        variants += [("hoist", 0, False, 4, 16), ("tma", 0, False, 3, 16), ("hoist", 64, True, 3, 8)]
+    for loads, fold, pdl, stages, seg in variants:
+        ki = f"tensordesc<{key_t}[128, 128]>" if loads == "tma" else f"*{key_t}"
+        kp = min(seg, 15)
+        k = compile_(td._score_segment_kernel, {"qi_ptr": f"*{dt}", "ki_ptr": ki, **score},
+                     dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=kp, LOCAL=1, FP8=fp8,
+                          HALF=fp8 and dt == "bf16", PRECISION=prec, STAGES=stages, HOIST=loads == "hoist",
+                          TMA=loads == "tma", FOLD_SEGS=fold, FOLD_P2=triton.next_power_of_2(fold * kp) if fold else 1,
+                          KEEP=15, KEEP_P2=16, PDL=pdl), stages=stages)
+        if loads == "hoist":  # the point of hoisting the page ids: stages - 1 key tiles buffered, not one
+            buffers = re.findall(r"local_alloc.*memdesc<(\d+)x128x128xi8", k.asm["ttgir"]) if fp8 else None
+            assert buffers is None or buffers == [str(stages - 1)], buffers
+        if pdl:
+            assert "griddepcontrol.wait" in k.asm["ptx"]
+    for mode, sort, fuse, pdl in ((0, False, False, False), (1, False, True, False), (2, False, False, False),
+                                  (2, True, True, False), (2, True, False, dt == "bf16")):
         compile_(td._attention_split_kernel,
                  {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "idx_ptr": "*i32", "cand_ptr": "*i64",
                   **table, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}", "lse_ptr": "*fp32",
@@ -308,14 +329,15 @@ for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", 
                   "n_slots": "i32", "n_splits": "i32", "n_cand": "i32", "stride_table": "i32",
                   "stride_page": "i32", "stride_tok": "i32"},
                  dict(Q=1, HQ=64, HKV=4, D=128, BS=128, BLOCK_G=16, SLOTS=4 if mode == 0 else 1, MODE=mode,
-                      PRECISION=prec, SORT=sort, FUSE=fuse, BLOCK_S=16, **merge))
-    compile_(td._combine_kernel, {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}",
-                                  "lse_ptr": "*fp32"}, dict(N_SPLITS=16, D=128, BLOCK_S=16))
-for sort in (False, True):
+                      PRECISION=prec, SORT=sort, FUSE=fuse, BLOCK_S=16, PDL=pdl, **merge))
+    for pdl in (False, True) if dt == "bf16" else (False,):
+        compile_(td._combine_kernel, {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}",
+                                      "lse_ptr": "*fp32"}, dict(N_SPLITS=16, D=128, BLOCK_S=16, PDL=pdl))
+for sort, pdl in ((False, False), (True, True)):
     compile_(td._topk_merge_kernel, {"cand_ptr": "*i64", "lens_ptr": "*i32", "out_ptr": "*i32", "n_cand": "i32",
-                                     "total_rows": "i32"}, dict(Q=1, HI=4, BS=128, SORT=sort, **merge))
+                                     "total_rows": "i32"}, dict(Q=1, HI=4, BS=128, SORT=sort, PDL=pdl, **merge))
     compile_(td._topk_partial_kernel, {"cand_ptr": "*i64", "out_ptr": "*i64", "n_cand": "i32", "n_groups": "i32"},
-             dict(GROUP=512, KEEP=15, KEEP_P2=16, SORT=sort))
+             dict(GROUP=512, KEEP=15, KEEP_P2=16, SORT=sort, PDL=pdl))
 print("compiled")
 '''
 

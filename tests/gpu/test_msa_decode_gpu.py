@@ -87,6 +87,17 @@ def bf16_reference_error(x, want_o, seq_lens, q_len, block_idx):
 
 
 CASES = [([131072], 1), ([300, 9000, 70000], 1), ([5000, 20000], 2)]
+# the batch-1 knobs (benchmarks/msa_decode.py times them): hoisted page ids / TMA key loads, the shrink folded
+# into the scoring kernel, programmatic dependent launch, the 2-launch step; merge_direct_max=16 makes every row
+# here fold or shrink
+BATCH1_KNOBS = {
+    "hoist-s4": dict(score_loads="hoist", stages=4),
+    "tma-s4-fold-pdl": dict(score_loads="tma", stages=4, fold_shrink=True, merge_direct_max=16, pdl=True),
+    "hoist-fold-pdl-merge-kernel": dict(score_loads="hoist", fold_shrink=True, merge_direct_max=16, pdl=True,
+                                        fuse_merge=False),
+    "two-launch-pdl": dict(score_loads="hoist", stages=4, fold_shrink=True, merge_direct_max=16, fuse_combine=True,
+                           pdl=True),
+}
 
 
 @pytest.mark.parametrize("index_fp8", [False, True], ids=["idx-bf16", "idx-fp8"])
@@ -111,7 +122,7 @@ def test_decode_kernels_match_reference(seq_lens, q_len, index_fp8):
     torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=0)
     # the one-call step: its selection is select's, its attention decode_attention's on that selection
     for knobs in ({}, dict(merge_direct_max=16, fuse_combine=True, segment_blocks=2, fuse_merge=True),
-                  dict(merge_sort=False, fuse_merge=False)):
+                  dict(merge_sort=False, fuse_merge=False), *BATCH1_KNOBS.values()):
         o2, lse2, idx2 = triton_decode.decode_msa(x["q"], x["qi"], x["k"], x["v"], x["ki"], x["table"], x["lens"],
                                                   q_len=q_len, topk=TOPK, ki_scale=x["ki_scale"], **knobs)
         merge = {k: v for k, v in knobs.items() if k not in ("fuse_combine", "fuse_merge")}
@@ -140,19 +151,24 @@ def test_dense_decode_matches_sdpa():
         start += n
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["select-then-attend", "msa-step-fused-combine"])
-def test_decode_step_captures_in_a_cuda_graph(fused):
-    """Replays follow in-place updates; the fused combine's arrival counters are back at zero after every launch
-    (a stale counter would skip the combine and leave old outputs)."""
+GRAPH_STEPS = {"select-then-attend": None, "msa-step-default": {},
+               "msa-step-fused-combine": dict(merge_direct_max=16, fuse_combine=True),
+               **{f"msa-step-{name}": knobs for name, knobs in BATCH1_KNOBS.items()}}
+
+
+@pytest.mark.parametrize("knobs", list(GRAPH_STEPS.values()), ids=list(GRAPH_STEPS))
+def test_decode_step_captures_in_a_cuda_graph(knobs):
+    """Replays follow in-place updates; the arrival counters of the fused combine and of the folded shrink are
+    back at zero after every launch (a stale counter would skip the combine / the group's shrink and leave old
+    outputs); PDL launches keep their order inside the graph."""
     from openm3.ops.msa import triton_decode
 
     x = paged_inputs([20000, 3000], 1, index_fp8=True)
 
     def step():
-        if fused:
+        if knobs is not None:
             return triton_decode.decode_msa(x["q"], x["qi"], x["k"], x["v"], x["ki"], x["table"], x["lens"], q_len=1,
-                                            topk=TOPK, ki_scale=x["ki_scale"], merge_direct_max=16,
-                                            fuse_combine=True)[0]
+                                            topk=TOPK, ki_scale=x["ki_scale"], **knobs)[0]
         idx = triton_decode.decode_select_blocks(x["qi"], x["ki"], x["table"], x["lens"], q_len=1, block_size=BLOCK,
                                                  topk=TOPK, ki_scale=x["ki_scale"])
         return triton_decode.decode_attention(x["q"], x["k"], x["v"], x["table"], x["lens"], idx, q_len=1)[0]

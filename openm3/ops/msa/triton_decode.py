@@ -23,6 +23,15 @@ batch of sequences of different lengths. A decode step (`decode_msa`):
 5. `_combine_kernel`: merges the splits of each (query row, head) -> `o [B*Q, Hq, D]`, `lse [B*Q, Hq]`.
 
 `decode_select_blocks` (1-3) and `decode_attention` (4-5) expose the two halves separately.
+
+Batch-1 knobs (off by default until timed; `benchmarks/msa_decode.py --variants b1` times them): `score_loads`
+'hoist' loads a segment's page ids before the block loop (with the page id loaded per block, the pipeliner
+spends a stage on that indirection and keeps a single key tile buffer, so each program has one 16 KiB tile in
+flight and none while it computes; hoisted, `stages` - 1 tiles stay in flight), 'tma' also fetches each block
+with one TMA copy; `fold_shrink` runs step 2 inside the scoring kernel (the last program of each group of
+segments to finish, counted with an atomic, reduces the group), one launch fewer; `pdl` launches the kernels as
+programmatic dependents (`griddepcontrol`: each kernel starts while the previous one drains and waits for it
+before touching its outputs). With fold_shrink and fuse_combine a step is 2 launches.
 Shapes depend only on (B, Q, max_blocks), all lengths and page ids are read on the device, and nothing syncs with
 the host, so a decode step can be captured in a CUDA graph. Set `TRITON_INTERPRET=1` before importing this module
 to run it on CPU tensors (fp32/fp16 only there).
@@ -35,8 +44,11 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .decode import FP8_DTYPE
+from .triton_common import interpreting
 
 _NEG_INF = tl.constexpr(float("-inf"))  # globals read by kernels must be constexpr
 _MIN_KEY = tl.constexpr(-9223372036854775807)  # below every sort key: an empty / taken candidate
@@ -54,15 +66,29 @@ def _sort_key(score, blk):
 
 
 @triton.jit
-def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr, max_blocks, n_seg,
-                          stride_table, stride_page,
+def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr, fold_ptr, count_ptr, max_blocks,
+                          n_seg, n_groups, stride_table, stride_page,
                           Q: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, BS: tl.constexpr,
                           BLOCK_M: tl.constexpr, SEG: tl.constexpr, KP: tl.constexpr, LOCAL: tl.constexpr,
-                          FP8: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+                          FP8: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+                          HOIST: tl.constexpr, TMA: tl.constexpr, FOLD_SEGS: tl.constexpr, FOLD_P2: tl.constexpr,
+                          KEEP: tl.constexpr, KEEP_P2: tl.constexpr, PDL: tl.constexpr):
     """Program (sequence b, segment): scores SEG consecutive blocks for the Q*HI query rows of b and writes the
-    KP best non-local blocks of each row, best first, as sort keys to cand[(b*Q*HI + row), segment, :]."""
+    KP best non-local blocks of each row, best first, as sort keys to cand[(b*Q*HI + row), segment, :].
+
+    HOIST: the segment's page ids are loaded once before the loop, so the key loads depend on no load inside it
+    and the pipeliner keeps STAGES-1 key tiles in flight (with the page id loaded per block it uses one of the
+    stages for that indirection and keeps a single 16 KiB tile buffer, whatever STAGES is). TMA (implies the
+    hoisted page ids): ki_ptr is a tensor descriptor over ki_pages viewed as [P*BS, DI] and each block is one
+    [BS, DI] TMA copy. FOLD_SEGS > 0: the shrink step folded in: the last program of each group of FOLD_SEGS
+    segments to finish (arrival counter count_ptr[b, group], reset by that program) writes the KEEP best keys
+    of the group's candidates per row to fold_ptr[row, group, :]. PDL: programmatic dependent launch (waits for
+    the previous kernel before touching memory, then lets the next kernel start launching)."""
     b = tl.program_id(0)
     seg = tl.program_id(1)
+    if PDL:  # the previous kernel may be writing qi / ki / the table: nothing is read before it completes
+        gdc_wait()
+        gdc_launch_dependents()
     seq_len = tl.load(lens_ptr + b)
     rows = tl.arange(0, BLOCK_M)  # row r = query i * HI + head h
     row_ok = rows < Q * HI
@@ -75,15 +101,29 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
     q_pos = seq_len - Q + rows // HI  # absolute position of each row's query
     q_block = q_pos // BS
     scores = tl.full([BLOCK_M, SEG], _NEG_INF, tl.float32)
+    if HOIST or TMA:
+        seg_blk = seg * SEG + seg_cols
+        pages = tl.load(table_ptr + b * stride_table + seg_blk,
+                        mask=(seg_blk < max_blocks) & (seg_blk * BS < seq_len), other=0)
     for jj in tl.range(0, SEG, num_stages=STAGES):
         blk = seg * SEG + jj
         valid = (blk < max_blocks) & (blk * BS < seq_len)
-        page = tl.load(table_ptr + b * stride_table + blk, mask=valid, other=0).to(tl.int64)
-        k_off = page * stride_page + cols[:, None] * DI + dims[None, :]
-        if FP8:
-            ki = tl.load(ki_ptr + k_off, mask=valid, other=0).to(tl.float8e4nv, bitcast=True).to(qi.dtype)
+        if HOIST or TMA:
+            page = tl.sum(tl.where(seg_cols == jj, pages, 0)).to(tl.int64)
         else:
-            ki = tl.load(ki_ptr + k_off, mask=valid, other=0.0).to(qi.dtype)
+            page = tl.load(table_ptr + b * stride_table + blk, mask=valid, other=0).to(tl.int64)
+        if TMA:  # an invalid block reads page 0 (its scores are masked below)
+            raw = ki_ptr.load([(page * BS).to(tl.int32), 0])
+            if FP8:
+                ki = raw.to(tl.float8e4nv, bitcast=True).to(qi.dtype)
+            else:
+                ki = raw.to(qi.dtype)
+        else:
+            k_off = page * stride_page + cols[:, None] * DI + dims[None, :]
+            if FP8:
+                ki = tl.load(ki_ptr + k_off, mask=valid, other=0).to(tl.float8e4nv, bitcast=True).to(qi.dtype)
+            else:
+                ki = tl.load(ki_ptr + k_off, mask=valid, other=0.0).to(qi.dtype)
         s = tl.dot(qi, tl.trans(ki), input_precision=PRECISION)  # [BLOCK_M, BS] fp32
         if FP8:  # the scale is per token, so it must multiply before the block max
             s = s * tl.load(ks_ptr + page * BS + cols, mask=valid, other=0.0)[None, :]
@@ -97,6 +137,22 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
         top = tl.max(keys, axis=1)
         tl.store(out + slot, top, mask=row_ok)
         keys = tl.where(keys == top[:, None], _MIN_KEY, keys)
+    if FOLD_SEGS > 0:
+        grp = seg // FOLD_SEGS
+        in_grp = tl.minimum(n_seg - grp * FOLD_SEGS, FOLD_SEGS)
+        tl.debug_barrier()  # every thread's candidate stores come before the release below
+        done = tl.atomic_add(count_ptr + b * n_groups + grp, 1, sem="acq_rel", scope="gpu")
+        if done == in_grp - 1:  # the group's other programs have all written their candidates
+            offs = tl.arange(0, FOLD_P2)
+            slots = tl.arange(0, KEEP_P2)
+            for r in tl.range(0, Q * HI):
+                row = (b * Q * HI + r).to(tl.int64)
+                group_keys = tl.load(cand_ptr + (row * n_seg + grp * FOLD_SEGS) * KP + offs,
+                                     mask=offs < in_grp * KP, other=_MIN_KEY,
+                                     cache_modifier=".cg")  # written by other programs: bypass L1
+                top = _top_keys(group_keys, KEEP, KEEP_P2, True)
+                tl.store(fold_ptr + (row * n_groups + grp) * KEEP + slots, top, mask=slots < KEEP)
+            tl.atomic_xchg(count_ptr + b * n_groups + grp, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -132,11 +188,15 @@ def _merge_row(cand_ptr, row, n_cand, q_block, slots, LOCAL: tl.constexpr, TOPK:
 
 @triton.jit
 def _topk_partial_kernel(cand_ptr, out_ptr, n_cand, n_groups,
-                         GROUP: tl.constexpr, KEEP: tl.constexpr, KEEP_P2: tl.constexpr, SORT: tl.constexpr):
+                         GROUP: tl.constexpr, KEEP: tl.constexpr, KEEP_P2: tl.constexpr, SORT: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (candidate row, group): the KEEP best keys of cand[row, group*GROUP:(group+1)*GROUP], best first
     -> out[row, group, :]. Shrinks long candidate rows (batch-1 decode of long contexts) before the final merge."""
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     offs = grp * GROUP + tl.arange(0, GROUP)
     keys = tl.load(cand_ptr + row * n_cand + offs, mask=offs < n_cand, other=_MIN_KEY)
     top = _top_keys(keys, KEEP, KEEP_P2, SORT)
@@ -148,9 +208,12 @@ def _topk_partial_kernel(cand_ptr, out_ptr, n_cand, n_groups,
 def _topk_merge_kernel(cand_ptr, lens_ptr, out_ptr, n_cand, total_rows,
                        Q: tl.constexpr, HI: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr,
                        TOPK_P2: tl.constexpr, LOCAL: tl.constexpr, NC: tl.constexpr, NEG_KEY: tl.constexpr,
-                       SORT: tl.constexpr):
+                       SORT: tl.constexpr, PDL: tl.constexpr):
     """Candidate row (b, i, h) -> block_idx[h, b*Q + i, :] (see `_merge_row`)."""
     row = tl.program_id(0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     b = row // (Q * HI)
     i = (row // HI) % Q
     h = row % HI
@@ -190,11 +253,14 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cand_ptr, table_ptr, l
                             Q: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                             BLOCK_G: tl.constexpr, SLOTS: tl.constexpr, MODE: tl.constexpr, LOCAL: tl.constexpr,
                             TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NC: tl.constexpr, NEG_KEY: tl.constexpr,
-                            SORT: tl.constexpr, FUSE: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr):
+                            SORT: tl.constexpr, FUSE: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                            PDL: tl.constexpr):
     """Program (query row t = b*Q + i, KV head g, split). MODE 0: dense (every block); 1: blocks from
     idx_ptr = block_idx [HKV, total_rows, n_slots]; 2: merge the candidates of row t*HKV + g first and write the
     merged list to idx_ptr from split 0. FUSE: the last split of (t, g) to finish (counted in count_ptr, which it
-    resets for the next launch) combines the partial results into o and lse, saving the combine launch."""
+    resets for the next launch) combines the partial results into o and lse, saving the combine launch.
+    PDL (only as the second or later kernel of a decode step): lengths and queries, written before the step's
+    first kernel, are loaded while the previous kernel finishes; everything else waits for it."""
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -203,16 +269,21 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cand_ptr, table_ptr, l
     G: tl.constexpr = HQ // HKV
     seq_len = tl.load(lens_ptr + b)
     q_pos = seq_len - Q + i
+    heads = tl.arange(0, BLOCK_G)
+    head_ok = heads < G
+    dims = tl.arange(0, D)
+    cols = tl.arange(0, BS)
+    if PDL:
+        q = tl.load(q_ptr + (t * HQ + g * G + heads)[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0)
+        gdc_wait()
+        gdc_launch_dependents()
     if MODE == 2:
         slots = tl.arange(0, TOPK_P2)
         blocks = _merge_row(cand_ptr, t * HKV + g, n_cand, q_pos // BS, slots, LOCAL, TOPK, TOPK_P2, NC, NEG_KEY,
                             SORT)
         tl.store(idx_ptr + (g * total_rows + t) * n_slots + slots, blocks, mask=(slots < n_slots) & (split == 0))
-    heads = tl.arange(0, BLOCK_G)
-    head_ok = heads < G
-    dims = tl.arange(0, D)
-    cols = tl.arange(0, BS)
-    q = tl.load(q_ptr + (t * HQ + g * G + heads)[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0)
+    if not PDL:
+        q = tl.load(q_ptr + (t * HQ + g * G + heads)[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
     m = tl.full([BLOCK_G], _NEG_INF, tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -254,8 +325,10 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cand_ptr, table_ptr, l
 
 @triton.jit
 def _combine_kernel(o_part_ptr, lse_part_ptr, o_ptr, lse_ptr,
-                    N_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+                    N_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)  # row = query row * HQ + head
+    if PDL:
+        gdc_wait()
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
@@ -318,10 +391,40 @@ def _default_segment_blocks(max_blocks: int, batch: int, device: torch.device) -
     return max(2, min(128, 1 << max(0, per_program.bit_length() - 1)))
 
 
+SCORE_LOADS = ("table", "hoist", "tma")
+
+
+def _pdl_on(pdl: bool, device: torch.device) -> bool:
+    """Programmatic dependent launch where it exists (CUDA, sm_90+); it only changes when kernels start, so
+    elsewhere (the interpreter, older GPUs) the knob is a no-op."""
+    return bool(pdl) and device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _launch(pdl: bool) -> dict:
+    return {"launch_pdl": True} if pdl else {}
+
+
+def _index_key_operand(ki_pages: torch.Tensor, fp8: bool, score_loads: str):
+    """ki as the scoring kernel reads it: the (byte view of the) pages, or for score_loads='tma' a tensor
+    descriptor over them as [P*block_size, Di] with one [block_size, Di] box per block."""
+    keys = ki_pages.view(torch.uint8) if fp8 else ki_pages
+    if score_loads != "tma":
+        return keys
+    if ki_pages.is_cuda and torch.cuda.get_device_capability(ki_pages.device)[0] < 9:
+        raise ValueError("score_loads='tma' needs a GPU with TMA (sm_90+); use 'hoist' or 'table'")
+    _, bs, di = keys.shape
+    if (di * keys.element_size()) % 16 or keys.data_ptr() % 16:
+        raise ValueError("score_loads='tma' needs 16-byte aligned index-key rows")
+    return TensorDescriptor(keys.view(-1, di), shape=[keys.shape[0] * bs, di], strides=[di, 1], block_shape=[bs, di])
+
+
 def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size, topk, local_blocks, ki_scale,
-                      segment_blocks, stages, num_warps, fp8_math) -> tuple[torch.Tensor, int]:
+                      segment_blocks, stages, num_warps, fp8_math, score_loads="table", fold_max=None,
+                      pdl=False) -> tuple[torch.Tensor, int]:
     """Validates the index inputs and runs `_score_segment_kernel` -> (cand int64 [B*q_len*Hi, n_cand] sort keys,
-    n_cand). Each segment's KP keys are sorted best first."""
+    n_cand). Each segment's KP keys are sorted best first. fold_max (an int): candidate rows longer than this
+    are shrunk inside the scoring kernel (groups of segments as `_shrink_candidates` groups keys; the last
+    program of each group reduces it), and the shrunk rows are returned."""
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("qi", qi, 3, q_len, batch)
     hi, di = qi.shape[1], qi.shape[2]
@@ -339,6 +442,10 @@ def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size,
         raise ValueError(f"local_blocks must be in [1, topk={topk}], got {local_blocks}")
     if fp8_math not in ("fp16", "query"):
         raise ValueError(f"fp8_math must be 'fp16' or 'query', got {fp8_math!r}")
+    if score_loads not in SCORE_LOADS:
+        raise ValueError(f"score_loads must be one of {SCORE_LOADS}, got {score_loads!r}")
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
     _pow2("block_size", block_size)
     _pow2("Di", di)
     max_blocks = block_table.shape[1]
@@ -352,30 +459,60 @@ def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size,
     n_seg = triton.cdiv(max_blocks, seg)
     kp = min(k, seg)
     cand = torch.empty(batch * rows, n_seg * max(kp, 1), dtype=torch.int64, device=qi.device)
+    n_cand = n_seg * kp
+    fold_segs, n_groups, out = 0, 1, cand
+    if k > 0 and fold_max is not None and n_cand > fold_max:
+        fold_segs = max(1, _shrink_group(n_cand, k) // kp)
+        n_groups = triton.cdiv(n_seg, fold_segs)
+        out = torch.empty(batch * rows, n_groups * k, dtype=torch.int64, device=qi.device)
     if k > 0:
         half = fp8 and fp8_math == "fp16" and qi.dtype in (torch.bfloat16, torch.float16)
+        pdl = _pdl_on(pdl, qi.device)
         _score_segment_kernel[(batch, n_seg)](
-            qi, ki_pages.view(torch.uint8) if fp8 else ki_pages, ki_scale if fp8 else cand, block_table, seq_lens,
-            cand, max_blocks, n_seg, block_table.stride(0), ki_pages.stride(0),
+            qi, _index_key_operand(ki_pages, fp8, score_loads), ki_scale if fp8 else cand, block_table, seq_lens,
+            cand, out, _counters(batch * n_groups, qi.device, "fold") if fold_segs else cand, max_blocks, n_seg,
+            n_groups, block_table.stride(0), ki_pages.stride(0),
             Q=q_len, HI=hi, DI=di, BS=block_size, BLOCK_M=max(16, triton.next_power_of_2(rows)), SEG=seg, KP=kp,
             LOCAL=local_blocks, FP8=fp8, HALF=half, PRECISION=_precision(qi.dtype), STAGES=stages,
-            num_warps=num_warps)
-    return cand, n_seg * kp
+            HOIST=score_loads == "hoist", TMA=score_loads == "tma", FOLD_SEGS=fold_segs,
+            FOLD_P2=triton.next_power_of_2(fold_segs * kp) if fold_segs else 1, KEEP=k,
+            KEEP_P2=triton.next_power_of_2(k), PDL=pdl, num_warps=num_warps, **_launch(pdl))
+    return (out, n_groups * k) if fold_segs else (cand, n_cand)
+
+
+def _shrink_group(n_cand: int, keep: int) -> int:
+    """Keys per shrink group: about 16 groups per candidate row, each at least twice the kept width."""
+    return max(2 * triton.next_power_of_2(keep), triton.next_power_of_2(triton.cdiv(n_cand, 16)))
 
 
 def _shrink_candidates(cand: torch.Tensor, n_cand: int, keep: int, *, direct_max: int,
-                       sort: bool) -> tuple[torch.Tensor, int]:
+                       sort: bool, pdl: bool = False) -> tuple[torch.Tensor, int]:
     """Candidate rows longer than `direct_max` keys are cut to the best `keep` of each group of keys (about 16
     groups per row, `_topk_partial_kernel`), so the final merge reduces a few hundred keys instead of thousands."""
     if keep == 0 or n_cand <= direct_max:
         return cand, n_cand
     keep_p2 = triton.next_power_of_2(keep)
-    group = max(2 * keep_p2, triton.next_power_of_2(triton.cdiv(n_cand, 16)))
+    group = _shrink_group(n_cand, keep)
     n_groups = triton.cdiv(n_cand, group)
     out = torch.empty(cand.shape[0], n_groups * keep, dtype=torch.int64, device=cand.device)
+    pdl = _pdl_on(pdl, cand.device)
     _topk_partial_kernel[(cand.shape[0], n_groups)](cand, out, n_cand, n_groups, GROUP=group, KEEP=keep,
-                                                    KEEP_P2=keep_p2, SORT=sort)
+                                                    KEEP_P2=keep_p2, SORT=sort, PDL=pdl, **_launch(pdl))
     return out, n_groups * keep
+
+
+def _select_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size, topk, local_blocks, ki_scale,
+                       segment_blocks, stages, num_warps, fp8_math, score_loads, merge_direct_max, merge_sort,
+                       fold_shrink, pdl) -> tuple[torch.Tensor, int]:
+    """Scores, then candidate rows longer than merge_direct_max shrunk (a partial top-k launch, or folded into
+    the scoring kernel with fold_shrink) -> (cand, n_cand) for the final merge."""
+    cand, n_cand = _score_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
+                                     topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
+                                     segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
+                                     fp8_math=fp8_math, score_loads=score_loads,
+                                     fold_max=merge_direct_max if fold_shrink else None, pdl=pdl)
+    return _shrink_candidates(cand, n_cand, topk - local_blocks, direct_max=merge_direct_max, sort=merge_sort,
+                              pdl=pdl)
 
 
 def _nc(n_cand: int, topk: int) -> int:
@@ -386,14 +523,15 @@ def _nc(n_cand: int, topk: int) -> int:
 _COUNTERS: dict = {}
 
 
-def _counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 [>= n] arrival counters of the fused combine, kept per device: every launch leaves them at zero
-    again, so they are allocated once (outside CUDA-graph capture, at the first eager call) and reused. One
-    decode step at a time per device (steps on concurrent streams would share them)."""
-    buf = _COUNTERS.get(device)
+def _counters(n: int, device: torch.device, kind: str = "combine") -> torch.Tensor:
+    """Zeroed int32 [>= n] arrival counters of the fused combine (kind 'combine') or the folded shrink ('fold'),
+    kept per device and kind: every launch leaves them at zero again, so they are allocated once (outside
+    CUDA-graph capture, at the first eager call) and reused. One decode step at a time per device (steps on
+    concurrent streams would share them)."""
+    buf = _COUNTERS.get((device, kind))
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
+        _COUNTERS[(device, kind)] = buf
     return buf
 
 
@@ -401,7 +539,8 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
                          *, q_len: int, block_size: int, topk: int, local_blocks: int = 1,
                          ki_scale: torch.Tensor | None = None, segment_blocks: int | None = None,
                          stages: int = 3, num_warps: int = 4, merge_warps: int = 4,
-                         fp8_math: str = "fp16", merge_direct_max: int = 512, merge_sort: bool = True) -> torch.Tensor:
+                         fp8_math: str = "fp16", merge_direct_max: int = 512, merge_sort: bool = True,
+                         score_loads: str = "table", fold_shrink: bool = False, pdl: bool = False) -> torch.Tensor:
     """Top-k cached blocks for the `q_len` newest queries of each sequence.
 
     qi: [B*q_len, Hi, Di] (the queries of sequence b are rows b*q_len..; query i sits at position
@@ -414,19 +553,25 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
     launch first), merge_sort (Triton's bitonic top-k instead of one max-reduction round per slot): tuning knobs.
     fp8_math: 'fp16' (16-bit queries and fp8 keys multiply in fp16, exact for keys, and for queries whose
     magnitudes lie in fp16's normal range) or 'query' (keys widened to the query dtype).
+    score_loads: how the scoring kernel reaches the key pages: 'table' (the page id loaded per block, the
+    default as measured), 'hoist' (the segment's page ids loaded once before the loop, so `stages` - 1 key tiles
+    stay in flight per program), 'tma' (hoisted, and each block one TMA copy through a tensor descriptor; sm_90+).
+    fold_shrink: the shrink step runs inside the scoring kernel (the last program of each group of segments to
+    finish reduces the group) instead of its own launch. pdl: programmatic dependent launch between the kernels
+    (sm_90+; a no-op elsewhere).
     """
-    cand, n_cand = _score_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
-                                     topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
-                                     segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
-                                     fp8_math=fp8_math)
-    cand, n_cand = _shrink_candidates(cand, n_cand, topk - local_blocks, direct_max=merge_direct_max,
-                                      sort=merge_sort)
+    cand, n_cand = _select_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
+                                      topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
+                                      segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
+                                      fp8_math=fp8_math, score_loads=score_loads, merge_direct_max=merge_direct_max,
+                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl)
     hi = qi.shape[1]
     block_idx = torch.empty(hi, qi.shape[0], topk, dtype=torch.int32, device=qi.device)
+    pdl = _pdl_on(pdl, qi.device)
     _topk_merge_kernel[(qi.shape[0] * hi,)](
         cand, seq_lens, block_idx, n_cand, qi.shape[0], Q=q_len, HI=hi, BS=block_size, TOPK=topk,
         TOPK_P2=triton.next_power_of_2(topk), LOCAL=local_blocks, NC=_nc(n_cand, topk), NEG_KEY=_NEG_INF_KEY,
-        SORT=merge_sort and topk > local_blocks, num_warps=merge_warps)
+        SORT=merge_sort and topk > local_blocks, PDL=pdl, num_warps=merge_warps, **_launch(pdl))
     return block_idx
 
 
@@ -447,9 +592,12 @@ def _check_kv(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> 
 
 
 def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode, n_slots, idx, cand, n_cand,
-                     local_blocks, scale, slots_per_split, num_warps, merge_sort=False, fuse_combine=False):
+                     local_blocks, scale, slots_per_split, num_warps, merge_sort=False, fuse_combine=False,
+                     pdl=False):
     """Launches `_attention_split_kernel` (mode 0 dense / 1 block_idx / 2 merge candidates) and the combine
-    (fused into the split kernel when `fuse_combine` and there are at most 64 splits)."""
+    (fused into the split kernel when `fuse_combine` and there are at most 64 splits). pdl: both launched as
+    programmatic dependents; only when a kernel of the same step ran before the split kernel (it reads q and
+    the lengths before waiting for its predecessor)."""
     rows, hq, d = q.shape
     hkv = k_pages.shape[2]
     n_splits = triton.cdiv(n_slots, slots_per_split)
@@ -459,6 +607,7 @@ def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode,
     o = torch.empty_like(q)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device)
     counts = _counters(rows * hkv, q.device) if fuse else lse
+    pdl = _pdl_on(pdl, q.device)
     _attention_split_kernel[(rows, hkv, n_splits)](
         q, k_pages, v_pages, idx, cand, block_table, seq_lens, o_part, lse_part, o, lse, counts,
         scale if scale is not None else 1.0 / math.sqrt(d), rows, n_slots, n_splits, n_cand,
@@ -467,10 +616,11 @@ def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode,
         SLOTS=slots_per_split, MODE=mode, LOCAL=local_blocks, TOPK=n_slots if mode == 2 else 1,
         TOPK_P2=triton.next_power_of_2(n_slots) if mode == 2 else 1, NC=_nc(n_cand, n_slots if mode == 2 else 1),
         NEG_KEY=_NEG_INF_KEY, SORT=merge_sort and mode == 2 and n_slots > local_blocks, FUSE=fuse,
-        BLOCK_S=triton.next_power_of_2(n_splits) if fuse else 1, PRECISION=_precision(q.dtype), num_warps=num_warps)
+        BLOCK_S=triton.next_power_of_2(n_splits) if fuse else 1, PRECISION=_precision(q.dtype), PDL=pdl,
+        num_warps=num_warps, **_launch(pdl))
     if not fuse:
         _combine_kernel[(rows * hq,)](o_part, lse_part, o, lse, N_SPLITS=n_splits, D=d,
-                                      BLOCK_S=min(64, triton.next_power_of_2(n_splits)))
+                                      BLOCK_S=min(64, triton.next_power_of_2(n_splits)), PDL=pdl, **_launch(pdl))
     return o, lse
 
 
@@ -510,8 +660,9 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                local_blocks: int = 1, ki_scale: torch.Tensor | None = None, scale: float | None = None,
                segment_blocks: int | None = None, slots_per_split: int = 1, stages: int = 3,
                num_warps: int = 4, attention_warps: int = 4, fp8_math: str = "fp16", merge_direct_max: int = 512,
-               merge_sort: bool = True, fuse_merge: bool = True,
-               fuse_combine: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               merge_sort: bool = True, fuse_merge: bool = True, fuse_combine: bool = False,
+               score_loads: str = "table", fold_shrink: bool = False,
+               pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One MSA decode step: index scores, (top-k merge,) split-K attention, combine.
 
     q: [B*q_len, Hq, D]; qi: [B*q_len, Hi, Di] with Hi == Hkv; k_pages, v_pages: [P, block_size, Hkv, D];
@@ -521,7 +672,11 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
     fuse_merge: every attention split merges its row's candidates itself, one launch fewer (the fastest setting
     measured on an H200 at batch 1 and 32; with False the merge kernel runs once per row instead).
     fuse_combine: the last split of each (row, KV head) combines the partial results (an atomic arrival counter)
-    instead of the combine launch (measured slower on an H200; kept as a knob). Other knobs as in
+    instead of the combine launch (measured slower on an H200; kept as a knob). score_loads, fold_shrink, pdl:
+    as in `decode_select_blocks`; with fold_shrink and fuse_combine a step is 2 launches (scores with the shrink
+    folded in, attention merging the candidates and combining), and pdl lets each launch overlap the previous
+    one's tail (the attention kernel loads its queries before waiting; on by default: 128K batch 1 fp8 13.8 vs
+    15.2 us on an H200, neutral at 1M; a no-op off sm_90+). Other knobs as in
     `decode_select_blocks` / `decode_attention` (num_warps: scoring; attention_warps: attention).
     """
     batch = _check_table(block_table, seq_lens, q_len)
@@ -532,20 +687,23 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                          f"got {tuple(qi.shape)}")
     if slots_per_split < 1:
         raise ValueError(f"slots_per_split must be >= 1, got {slots_per_split}")
-    cand, n_cand = _score_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
-                                     topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
-                                     segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
-                                     fp8_math=fp8_math)
-    cand, n_cand = _shrink_candidates(cand, n_cand, topk - local_blocks, direct_max=merge_direct_max,
-                                      sort=merge_sort)
+    cand, n_cand = _select_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
+                                      topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
+                                      segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
+                                      fp8_math=fp8_math, score_loads=score_loads, merge_direct_max=merge_direct_max,
+                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl)
     block_idx = torch.empty(hkv, q.shape[0], topk, dtype=torch.int32, device=q.device)
+    merge_pdl = _pdl_on(pdl, q.device)
     if not fuse_merge:
         _topk_merge_kernel[(q.shape[0] * hkv,)](
             cand, seq_lens, block_idx, n_cand, q.shape[0], Q=q_len, HI=hkv, BS=block_size, TOPK=topk,
             TOPK_P2=triton.next_power_of_2(topk), LOCAL=local_blocks, NC=_nc(n_cand, topk), NEG_KEY=_NEG_INF_KEY,
-            SORT=merge_sort and topk > local_blocks)
+            SORT=merge_sort and topk > local_blocks, PDL=merge_pdl, **_launch(merge_pdl))
+    # the split kernel reads q before its PDL wait: only safe behind a kernel of this step (none when topk ==
+    # local_blocks and the merge is fused: then nothing is scored)
     o, lse = _split_attention(q, k_pages, v_pages, block_table, seq_lens, q_len=q_len, mode=2 if fuse_merge else 1,
                               n_slots=topk, idx=block_idx, cand=cand, n_cand=n_cand, local_blocks=local_blocks,
                               scale=scale, slots_per_split=slots_per_split, num_warps=attention_warps,
-                              merge_sort=merge_sort, fuse_combine=fuse_combine)
+                              merge_sort=merge_sort, fuse_combine=fuse_combine,
+                              pdl=pdl and (topk > local_blocks or not fuse_merge))
     return o, lse, block_idx
