@@ -9,6 +9,7 @@ top-16 with 1 local block, one sequence of T tokens. Per T it times (medians, ms
   sparse_fwd      sparse_attention forward          sparse_fwd_bwd   forward + backward (dq, dk, dv)
   kl_fwd_bwd      indexer_kl forward + backward (sparse, with the attention's lse)
   msa_prefill     select + sparse forward           msa_train_step   select + attention fwd/bwd + KL fwd/bwd
+  train_fused_kl  select + sparse_attention_kl fwd/bwd (the KL inside the attention backward)
   dense_fwd       cuDNN SDPA causal forward         dense_fwd_bwd    forward + backward (skipped at >= 1M)
   flex_fwd        FlexAttention over the union of the selected blocks of each 128-query tile (per KV group, so
                   the block mask stays [NQ, NKV]); flex_fwd_bwd forward + backward
@@ -16,12 +17,13 @@ and, at the largest T, the peak workspace of the MSA forward (select + attention
 and block_idx. At the smallest T it first checks the kernels against the fp32 reference on the last queries.
 Every case runs in its own try/except: a failure is reported and the run continues.
 
-Two data regimes for the index queries (`m3_inputs(regime=...)`): "drift" (the headline: they drift slowly along
-the sequence, as a trained indexer's do, so neighbouring queries pick overlapping blocks) and "iid" (independent
-random queries: neighbours share little but the local block, the worst case for kernels that load a K/V tile once
-for several tokens). The main table is drift; `iid_*` columns repeat the sparse attention and prefill on iid inputs,
-with the mean union of the blocks of 4 neighbouring tokens for both. `--sweep-T` times the sparse attention under
-the launch configs of `DEFAULT_SWEEP` (or `--sweep`) in both regimes, with the dq / dk-dv kernel times.
+Two data regimes for the index queries (`m3_inputs(regime=...)` of benchmarks/_inputs.py): "drift" (the headline:
+they drift slowly along the sequence, as a trained indexer's do, so neighbouring queries pick overlapping blocks)
+and "iid" (independent random queries: neighbours share little but the local block, the worst case for kernels that
+load a K/V tile once for several tokens). The main table is drift; `iid_*` columns repeat the sparse attention and
+prefill on iid inputs, with the mean union of the blocks of 4 neighbouring tokens for both. `--sweep-T` times the
+sparse attention under the launch configs of `DEFAULT_SWEEP` (or `--sweep`) in both regimes, with the dq / dk-dv
+kernel times.
 """
 
 from __future__ import annotations
@@ -40,48 +42,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks._inputs import D, DI, HI, HKV, HQ, REGIMES, m3_inputs
 from benchmarks._timing import event_time_ms
 
-HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
 BLOCK, TOPK, LOCAL = 128, 16, 1
 GIB = 1024 ** 3
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Inputs and timing
-
-
-REGIMES = ("drift", "iid")
-
-
-def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0, regime: str = "drift") -> dict:
-    """q [T,64,128], k, v [T,4,128], qi [T,4,128], ki [T,128], cu_seqlens [0, T].
-
-    regime "drift": index queries drift slowly along the sequence (linear interpolation between random anchors
-    every 512 tokens, plus noise), as a trained indexer's do, so neighbouring queries pick overlapping blocks;
-    the headline numbers use it. regime "iid": independent random index queries, so neighbouring queries share
-    almost nothing but the local block: the worst case for kernels that share K/V loads between tokens.
-    """
-    if regime not in REGIMES:
-        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
-
-    q, k, v = randn(t, HQ, D), randn(t, HKV, D), randn(t, HKV, D)
-    if regime == "drift":
-        anchors = torch.randn(t // 512 + 2, HI, DI, device=device, generator=gen)
-        pos = torch.arange(t, device=device, dtype=torch.float32) / 512
-        lo = pos.floor().long()
-        w = (pos - lo).view(t, 1, 1)
-        qi = (anchors[lo] * (1 - w) + anchors[lo + 1] * w
-              + 0.3 * torch.randn(t, HI, DI, device=device, generator=gen)).to(dtype)
-    else:
-        qi = randn(t, HI, DI)
-    ki = randn(t, DI)
-    cu = torch.tensor([0, t], device=device, dtype=torch.int32)
-    return dict(q=q, k=k, v=v, qi=qi, ki=ki, cu=cu)
 
 
 def union_stats(block_idx: torch.Tensor, tokens=(1, 2, 4, 8)) -> dict:
@@ -181,9 +150,17 @@ def msa_fns(x: dict, res: dict):
         kl = msa.indexer_kl(q.detach(), k.detach(), qi, ki, bi, cu, lse=lse_t.detach(), **kw)
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
 
+    def train_step_fused_kl():  # the KL inside the attention backward (sparse_attention_kl)
+        q.grad = k.grad = v.grad = qi.grad = ki.grad = None
+        with torch.no_grad():
+            bi = select()
+        o, _, kl = msa.sparse_attention_kl(q, k, v, qi, ki, bi, cu, **kw)
+        torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
+
     cases = dict(sparse_fwd=sparse_fwd, sparse_fwd_bwd=sparse_fwd_bwd, kl_fwd_bwd=kl_fwd_bwd)
     if have_select:
-        cases.update(select=select, msa_prefill=prefill, msa_train_step=train_step)
+        cases.update(select=select, msa_prefill=prefill, msa_train_step=train_step,
+                     train_fused_kl=train_step_fused_kl)
     return cases, block_idx
 
 
@@ -385,7 +362,8 @@ def run_T(t: int, args, results_all: list) -> None:
             print(f"    check FAILED: {exc}", flush=True)
             traceback.print_exc(limit=5)
     slow_reps = 1 if big else 2
-    names = ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step")
+    names = ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step",
+             "train_fused_kl")
     for name in names[:3] if args.prefill_only else names:
         if name in msa_cases:
             _run_case(res, name, msa_cases[name], slow_reps=slow_reps)
@@ -422,7 +400,8 @@ def run_T(t: int, args, results_all: list) -> None:
         try:
             flex = flex_fns(x, block_idx)
             _run_case(res, "flex_fwd", flex["flex_fwd"], slow_reps=slow_reps)
-            _run_case(res, "flex_fwd_bwd", flex["flex_fwd_bwd"], slow_reps=slow_reps)
+            if not args.prefill_only:
+                _run_case(res, "flex_fwd_bwd", flex["flex_fwd_bwd"], slow_reps=slow_reps)
             del flex
         except Exception as exc:
             res.setdefault("errors", {})["flex"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -584,8 +563,8 @@ def kernel_breakdown(fn) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step", "dense_fwd",
-            "dense_fwd_bwd", "flex_fwd", "flex_fwd_bwd"]
+    cols = ["select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step",
+            "train_fused_kl", "dense_fwd", "dense_fwd_bwd", "flex_fwd", "flex_fwd_bwd"]
     print("\n" + "T".rjust(8) + "".join(c.rjust(16) for c in cols))
     for r in rows:
         if "launch" in r:

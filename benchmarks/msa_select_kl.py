@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks._inputs import D, DI, HI, HKV, HQ, m3_inputs
 from benchmarks._timing import event_time_ms
 
-HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
 BLOCK, TOPK, LOCAL = 128, 16, 1
 GIB = 1024 ** 3
 DEVICE = "cuda"  # the timing cases' device (a CPU smoke test of this script sets "cpu" under the interpreter)
@@ -50,24 +50,6 @@ DEVICE = "cuda"  # the timing cases' device (a CPU smoke test of this script set
 
 # ---------------------------------------------------------------------------------------------------------------
 # Inputs, timing, errors
-
-
-def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0, main: bool = True) -> dict:
-    """q [T,64,128], k [T,4,128], v [T,4,128] (only if `main`), qi [T,4,128], ki [T,128] (all `dtype`)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, device=device, generator=gen)
-
-    anchors = randn(t // 512 + 2, HI, DI)
-    pos = torch.arange(t, device=device, dtype=torch.float32) / 512
-    lo = pos.floor().long()
-    w = (pos - lo).view(t, 1, 1)
-    qi = anchors[lo] * (1 - w) + anchors[lo + 1] * w + 0.3 * randn(t, HI, DI)
-    x = dict(qi=qi.to(dtype), ki=randn(t, DI).to(dtype))
-    if main:
-        x.update(q=randn(t, HQ, D).to(dtype), k=randn(t, HKV, D).to(dtype), v=randn(t, HKV, D).to(dtype))
-    return x
 
 
 def bench_ms(fn, reps: int = 5) -> float:
@@ -262,8 +244,9 @@ def time_case(x: dict, t: int, with_dense: bool, no_lse: bool) -> dict:
 
 # Launch variants tried by --sweep (fields of SelectLaunch / KLLaunch; {} is the default).
 SELECT_SWEEP = [{}, dict(tma=0), dict(block_n=64), dict(num_stages=3, tma=0)]
-KL_SWEEP = [{}, dict(dqi_buffer=1), dict(prefetch=1), dict(dqi_buffer=1, prefetch=1), dict(dqi_buffer=1, prefetch=2),
-            dict(heads_per_dot=8), dict(block_n=128, heads_per_dot=8, num_stages=1), dict(max_entries=1024)]
+KL_SWEEP = [{}, dict(block_n=64, heads_per_dot=16, num_stages=2),  # the default before session 2
+            dict(prefetch=1), dict(dqi_buffer=1), dict(heads_per_dot=16), dict(block_q=32), dict(num_stages=2),
+            dict(max_entries=1024)]
 
 
 def sweep(x: dict, t: int) -> dict:

@@ -22,6 +22,18 @@ for s in "${stages[@]}"; do
     traindist) python3 -m benchmarks.train_distributed --out "$OUT" 2>&1 | tee "$OUT/train_dist.log" | tail -40 ;;
     generate1m) python3 -m openm3.engine.generate --preset m3-small --random-prompt 1000000 --max-new-tokens 32 \
                   --chunk-size 8192 --device cuda 2>&1 | tee "$OUT/generate_1m.log" | tail -40 ;;
+    kernels128)  # the 128K table (dense, no flex/iid) and the fused-KL step with narrower dk/dv tiles
+      python3 -m benchmarks.msa_kernels --out "$OUT" --T 131072 --skip-flex --skip-iid --skip-check --sweep-T 0 \
+        2>&1 | tee "$OUT/msa_kernels_128k.log" | tail -12
+      OPENM3_ATTN_LAUNCH=dkdv_block_n=64 python3 -m benchmarks.msa_kernels --out "$OUT/bn64" --T 131072 --skip-dense \
+        --skip-flex --skip-iid --skip-check --sweep-T 0 2>&1 | tee "$OUT/msa_kernels_128k_bn64.log" | tail -6 ;;
+    klsweep) python3 -m benchmarks.msa_select_kl --out "$OUT" --skip-check --T 131072 --sweep 131072 2>&1 \
+               | tee "$OUT/msa_select_kl_sweep.log" | tail -16 ;;
+    decodefinal) python3 -m benchmarks.msa_decode --out "$OUT" --T 131072 1048576 --batch 1 32 --index fp8 bf16 \
+                   --variants no_pdl tma --score-variants --prefill-T 1048576 --chunk 131072 2>&1 \
+                   | tee "$OUT/msa_decode_final.log" | tail -24 ;;
+    mfu) python3 -m benchmarks.train_throughput --out "$OUT" --only mfu --steps 3 --warmup 2 2>&1 \
+           | tee "$OUT/train_mfu.log" | tail -4 ;;
     *) echo "unknown stage $s" ;;
   esac
 done

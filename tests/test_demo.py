@@ -3,18 +3,11 @@
 import json
 
 import pytest
-import torch
 
 from openm3.demo import main, parse_args
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny models here run fastest on one thread (and do not oversubscribe a shared CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 REPORT_FILES = ("metrics.json", "metrics.jsonl", "loss_curve.png", "attention_map.png", "indexer_blocks.png",
                 "samples.md", "model/config.json")

@@ -33,6 +33,8 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward(model):
     assert sorted(streamed) == sorted((b, t) for b, r in enumerate(results) for t in r.tokens)
     assert stats.prompt_tokens == 23 and stats.decode_tokens == 6 and stats.ttft_s > 0
     assert "time to first token" in stats.summary() and "tokens/s" in stats.summary()
+    assert 0 < stats.first_step_s <= stats.decode_s and stats.first_step_tokens == 2  # both sequences
+    assert stats.steady_decode_tokens_per_s > 0 and "after it" in stats.summary()
     assert "cache plan: 3 pages x 16 tokens" in stats.summary()  # 24 + 7 reserved tokens -> 2 + 1 pages
 
 

@@ -31,24 +31,23 @@ def make_moe(hidden, inter, experts, top_k, seed=0, dtype=torch.float32) -> MoE:
     return layer.to(dtype)
 
 
-def run(layer: MoE, x: torch.Tensor, grad: torch.Tensor, impl: str):
-    """Output, input gradient and parameter gradients of `layer` run with `impl`."""
+def run(layer: MoE, x: torch.Tensor, grad: torch.Tensor, impl: str) -> dict[str, torch.Tensor]:
+    """Output ("output"), input gradient ("dx") and parameter gradients (by parameter name) of `layer` run with
+    `impl` (tests/gpu/test_moe_gpu.py uses it too)."""
     layer.experts.impl = impl
     layer.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     y, _ = layer(x)
     y.backward(grad)
-    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+    return {"output": y.detach(), "dx": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
 
 
 def assert_same(got, ref, tol):
     """Every tensor of `got` within `tol` times the largest magnitude (at least 1) of its `ref` counterpart."""
-    pairs = [("output", got[0], ref[0]), ("dx", got[1], ref[1])]
-    assert got[2].keys() == ref[2].keys()
-    pairs += [(name, got[2][name], ref[2][name]) for name in ref[2]]
-    for name, a, b in pairs:
+    assert got.keys() == ref.keys()
+    for name, b in ref.items():
         bound = tol * max(1.0, b.abs().max().item())
-        err = (a - b).abs().max().item()
+        err = (got[name] - b).abs().max().item()
         assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
 
 
@@ -66,7 +65,8 @@ def test_grouped_equals_reference_fp32(shape, grouped_mm, monkeypatch):
     ref = run(layer, x, grad, "reference")
     fast = run(layer, x, grad, "grouped")
     # every parameter gets a gradient (the router's is zero only with top-1: its weights are then always 1)
-    assert all(g.abs().sum() > 0 for name, g in ref[2].items() if top_k > 1 or name != "gate.weight")
+    assert all(ref[name].abs().sum() > 0 for name, _ in layer.named_parameters()
+               if top_k > 1 or name != "gate.weight")
     assert_same(fast, ref, 1e-5)
 
 
@@ -90,7 +90,7 @@ def test_unused_experts_and_empty_input():
     x, grad = torch.randn(25, 32, generator=gen), torch.randn(25, 32, generator=gen)
     ref, fast = run(layer, x, grad, "reference"), run(layer, x, grad, "grouped")
     assert_same(fast, ref, 1e-5)
-    assert ref[2]["experts.gate_up_proj"][:5].abs().sum() == 0
+    assert ref["experts.gate_up_proj"][:5].abs().sum() == 0
     for impl in ("reference", "grouped"):
         layer.experts.impl = impl
         y, logits = layer(torch.zeros(0, 32))
@@ -120,13 +120,14 @@ def test_bf16_grouped_error_within_twice_reference_error():
     layer16 = make_moe(64, 32, 8, 2, seed=5, dtype=torch.bfloat16)
     ref16 = run(layer16, x.bfloat16(), grad.bfloat16(), "reference")
     fast16 = run(layer16, x.bfloat16(), grad.bfloat16(), "grouped")
-    for i, what in ((0, "output"), (1, "dx")):
-        err_ref = (ref16[i].float() - exact[i]).abs().max().item()
-        err_fast = (fast16[i].float() - exact[i]).abs().max().item()
-        assert err_fast <= 2 * err_ref + 1e-3 * exact[i].abs().max().item(), (what, err_fast, err_ref)
-    for name, g in exact[2].items():
-        err_ref = (ref16[2][name].float() - g).norm().item()
-        err_fast = (fast16[2][name].float() - g).norm().item()
+    for name in ("output", "dx"):
+        err_ref = (ref16[name].float() - exact[name]).abs().max().item()
+        err_fast = (fast16[name].float() - exact[name]).abs().max().item()
+        assert err_fast <= 2 * err_ref + 1e-3 * exact[name].abs().max().item(), (name, err_fast, err_ref)
+    for name, _ in layer.named_parameters():
+        g = exact[name]
+        err_ref = (ref16[name].float() - g).norm().item()
+        err_fast = (fast16[name].float() - g).norm().item()
         assert err_fast <= 2 * err_ref + 1e-3 * g.norm().item(), (name, err_fast, err_ref)
 
 
@@ -144,10 +145,11 @@ def test_whole_model_paths_agree():
         model.zero_grad(set_to_none=True)
         out = model(ids, cu_seqlens=cu, return_aux=True)
         (out.logits.square().mean() + out.aux_loss).backward()
-        results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (ref_logits, ref_grads), (logits, grads) = results
-    assert grads.keys() == ref_grads.keys() and any(".experts." in n for n in grads)
-    assert_same((logits, logits, grads), (ref_logits, ref_logits, ref_grads), 1e-5)
+        results.append({"logits": out.logits.detach(),
+                        **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}})
+    ref, fast = results
+    assert any(".experts." in n for n in ref)
+    assert_same(fast, ref, 1e-5)  # same keys, then values
 
 
 def test_auto_is_reference_on_cpu():

@@ -16,13 +16,7 @@ from openm3.train.trainer import Trainer
 from test_train_toy import ToyLM, ToySource
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny models here run fastest on one thread (and do not oversubscribe a shared CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def toy_cfg(tmp_path, name="run", **kw):

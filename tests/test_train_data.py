@@ -18,13 +18,7 @@ from openm3.train.trainer import Trainer
 WEIGHTS = {"text:stdlib": 1.0, "text:bible_kjv": 1.0, "colour_qa": 1.0, "video_qa": 1.0}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny models here run fastest on one thread (and do not oversubscribe a shared CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

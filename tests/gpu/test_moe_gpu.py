@@ -19,6 +19,7 @@ import torch
 
 from openm3.layers.moe import MoE
 from openm3.models import M3TextConfig
+from test_moe import run
 
 pytestmark = pytest.mark.gpu
 
@@ -37,15 +38,6 @@ def small_moe(dtype: torch.dtype, seed: int = 0) -> MoE:
             p.copy_(torch.randn(p.shape, generator=gen) * scale)
         layer.gate.e_score_correction_bias.normal_(0.0, 0.1, generator=gen)
     return layer.to(device="cuda", dtype=dtype)
-
-
-def run(layer: MoE, x: torch.Tensor, grad: torch.Tensor, impl: str):
-    layer.experts.impl = impl
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
-    y, _ = layer(x)
-    y.backward(grad)
-    return {"output": y.detach(), "dx": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
 
 
 def test_auto_picks_grouped_for_bf16():

@@ -238,3 +238,27 @@ def check_lse(lse, num_queries: int, num_heads: int, device) -> None:
         raise ValueError(f"lse must be float32 (or float64) of shape {layout}, got {lse.dtype}")
     if lse.device != device:
         raise ValueError(f"lse must be on the inputs' device {device}, got {lse.device}")
+
+
+def check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, *, block_size, scale,
+                            index_scale, block_idx_values: bool = True) -> tuple[int, int, int, int, list[Segment]]:
+    """Validate the arguments of `indexer_kl` (every backend); returns `(Hq, Hkv, D, Di, segments)`.
+
+    `block_idx` may be None (dense warm-up); `block_idx_values=False` skips its value checks (see
+    `check_block_idx`).
+    """
+    hq, hkv, d = check_attention_inputs(q, k, k)
+    _, di = check_index_inputs(qi, ki, num_kv_heads=hkv, num_queries=q.shape[0], num_keys=k.shape[0])
+    if qi.device != q.device:
+        raise ValueError(f"qi, ki must be on q's device {q.device}, got {qi.device}")
+    check_block_params(block_size=block_size)
+    check_scale(scale)
+    check_scale(index_scale, "index_scale")
+    segments = check_seqlens(cu_seqlens, q.shape[0], cu_seqlens_k, k.shape[0], device=q.device)
+    if block_idx is not None:
+        if block_idx.device != q.device:
+            raise ValueError(f"block_idx must be on q's device {q.device}, got {block_idx.device}")
+        check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size,
+                        values=block_idx_values)
+    check_lse(lse, q.shape[0], hq, q.device)
+    return hq, hkv, d, di, segments

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import (Segment, check_attention_inputs, check_block_idx, check_block_params, check_index_inputs,
-                      check_lse, check_scale, check_seqlens)
+                      check_indexer_kl_inputs, check_scale, check_seqlens)
 
 __all__ = ["select_blocks", "sparse_attention", "indexer_kl", "DEFAULT_WORKSPACE"]
 
@@ -313,20 +313,9 @@ def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: f
         p = mean over the heads of group g of softmax(q[t, h] . k[j, g] * scale) and
         r = softmax(qi[t, g] . ki[j] * index_scale). Queries with an empty key set contribute 0.
     """
-    hq, hkv, d = check_attention_inputs(q, k, k)
-    hi, di = check_index_inputs(qi, ki, num_kv_heads=hkv, num_queries=q.shape[0], num_keys=k.shape[0])
-    if qi.device != q.device:
-        raise ValueError(f"qi, ki must be on q's device {q.device}, got {qi.device}")
-    check_block_params(block_size=block_size)
-    check_scale(scale)
-    check_scale(index_scale, "index_scale")
+    _, _, d, di, segments = check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse,
+                                                    block_size=block_size, scale=scale, index_scale=index_scale)
     _check_workspace(workspace)
-    segments = check_seqlens(cu_seqlens, q.shape[0], cu_seqlens_k, k.shape[0], device=q.device)
-    if block_idx is not None:
-        if block_idx.device != q.device:
-            raise ValueError(f"block_idx must be on q's device {q.device}, got {block_idx.device}")
-        check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size)
-    check_lse(lse, q.shape[0], hq, q.device)
     scale = d ** -0.5 if scale is None else float(scale)
     index_scale = di ** -0.5 if index_scale is None else float(index_scale)
     cfg = _KLConfig(segments, block_size, scale, index_scale, workspace)

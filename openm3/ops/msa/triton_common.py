@@ -31,6 +31,24 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def with_overrides(cfg: dict, env_var: str, overrides: dict) -> dict:
+    """Launch fields `cfg` with single fields replaced by the environment variable `env_var` ("key=value,...",
+    integers; for tuning on the GPU), then by `overrides`."""
+    cfg = dict(cfg)
+    for item in filter(None, (s.strip() for s in os.environ.get(env_var, "").split(","))):
+        key, _, value = item.partition("=")
+        cfg[key.strip()] = int(value)
+    return cfg | overrides
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two that divides n and is <= cap (>= 1)."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
 def query_positions(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, num_tokens: int):
     """Sequence and absolute key-space position of every packed query.
 
@@ -245,13 +263,6 @@ class AttentionLaunch:
 _ENV_OVERRIDE = "OPENM3_ATTN_LAUNCH"
 
 
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
 def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dtype, on_gpu: bool,
                      **overrides) -> AttentionLaunch:
     """Pick launch parameters for a (group size, head dim, block size, dtype) problem.
@@ -268,24 +279,20 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         # and fusing dq into them (atomics) beats a second K/V gather.
         one_token = next_pow2(max(min_rows, group))
         block_m = one_token
-        block_n = _largest_pow2_divisor(block_size, 128 if head_dim <= 64 else 64)
+        block_n = largest_pow2_divisor(block_size, 128 if head_dim <= 64 else 64)
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3,
                    dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
-                   dkdv_block_m=max(one_token, 32), dkdv_block_n=_largest_pow2_divisor(block_size, 128),
+                   dkdv_block_m=max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
                    dkdv_num_warps=8, dkdv_num_stages=2, dkdv_max_tokens=2048, tma=1, dq_in_dkdv=1)
     else:
         # The CPU interpreter pays per operation, not per element: few programs with large tiles run fastest.
         block_m = next_pow2(max(64, group))
-        block_n = _largest_pow2_divisor(block_size, 64)
+        block_n = largest_pow2_divisor(block_size, 64)
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1,
                    dq_block_m=None, dq_block_n=None, dq_num_warps=None,
                    dkdv_block_m=block_m, dkdv_block_n=block_n, dkdv_num_warps=4, dkdv_num_stages=1,
                    dkdv_max_tokens=64, tma=0, dq_in_dkdv=0)
-    env = os.environ.get(_ENV_OVERRIDE, "")
-    for item in filter(None, (s.strip() for s in env.split(","))):
-        key, _, value = item.partition("=")
-        cfg[key.strip()] = int(value)
-    cfg.update(overrides)
+    cfg = with_overrides(cfg, _ENV_OVERRIDE, overrides)
     for name in ("block_m", "block_n", "num_warps"):  # dq follows the forward's tiling unless set
         if cfg.get("dq_" + name) is None:
             cfg["dq_" + name] = cfg[name]

@@ -45,9 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import (check_attention_inputs, check_block_idx, check_block_params, check_index_inputs, check_lse,
-                      check_scale, check_seqlens)
-from .triton_common import global_block_numbering, next_pow2, query_positions
+from ._checks import check_indexer_kl_inputs
+from .triton_common import (global_block_numbering, largest_pow2_divisor, next_pow2, query_positions,
+                            with_overrides)
 
 __all__ = ["indexer_kl", "kl_launch", "KLLaunch"]
 
@@ -87,29 +87,21 @@ _ENV_OVERRIDE = "OPENM3_KL_LAUNCH"
 DQI_BUFFER_MAX_BYTES = 8 << 30
 
 
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
 def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overrides) -> KLLaunch:
     """Launch parameters for `group` teacher heads per index head, head dim `head_dim`, blocks of `block_size`.
 
     `overrides` (or `OPENM3_KL_LAUNCH="key=value,..."`) replace single fields.
     """
-    block_n = max(16, min(next_pow2(block_size), 64 if on_gpu else 32))
+    # GPU: whole 128-key blocks per program (each entry's q rows are gathered once, not once per sub-tile), 8
+    # teacher heads per dot, no pipelining: 70.3 ms at 128K for M3 on an H200 against 79.1 ms for 64-key
+    # sub-tiles, 16 heads per dot and 2 stages (docs/perf_notes.md, session 2).
+    block_n = max(16, min(next_pow2(block_size), 128 if on_gpu else 32))
     # The interpreter's cost is per operation, not per element: big steps on CPU.
     cfg = dict(block_n=block_n, block_q=16 if on_gpu else 64,
-               heads_per_dot=_largest_pow2_divisor(group, 16),
+               heads_per_dot=largest_pow2_divisor(group, 8 if on_gpu else 16),
                max_entries=256, num_warps=8 if on_gpu and head_dim >= 128 else 4,
-               num_stages=2 if on_gpu else 1)
-    env = os.environ.get(_ENV_OVERRIDE, "")
-    for item in filter(None, (s.strip() for s in env.split(","))):
-        key, _, value = item.partition("=")
-        cfg[key.strip()] = int(value)
-    cfg.update(overrides)
+               num_stages=1)
+    cfg = with_overrides(cfg, _ENV_OVERRIDE, overrides)
     launch = KLLaunch(**cfg)
     for name in ("block_n", "block_q"):
         value = getattr(launch, name)
@@ -132,15 +124,21 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
 
 
 @triton.jit
-def _student_logits(QI, ki, e, e_ok, g, di, di_ok, T, stride_qit, stride_qih, index_scale,
-                    TOPK: tl.constexpr, INDEX_PRECISION: tl.constexpr):
-    """z [BLOCK_Q, BLOCK_N] of entries e against the key sub-tile's ki rows [BLOCK_N, BLOCK_DI]; also the qi rows
-    and the tokens."""
+def _student_step(QI, ENTRIES, QPOS, ki, start, hi, g, kpos, k_ok, di, di_ok, T, stride_qit, stride_qih,
+                  index_scale, TOPK: tl.constexpr, BLOCK_Q: tl.constexpr, INDEX_PRECISION: tl.constexpr):
+    """One step over the entries [start, min(start + BLOCK_Q, hi)): the entries e and their mask e_ok, their
+    tokens t and qi rows [BLOCK_Q, BLOCK_DI], the student logits z [BLOCK_Q, BLOCK_N] against the key sub-tile's
+    ki rows [BLOCK_N, BLOCK_DI] and the causal visibility vis [BLOCK_Q, BLOCK_N] of its keys."""
+    idx = start + tl.arange(0, BLOCK_Q)
+    e_ok = idx < hi
+    e = tl.load(ENTRIES + idx, mask=e_ok, other=0)
     t = (e // TOPK) % T
     qi = tl.load(QI + t[:, None].to(tl.int64) * stride_qit + g * stride_qih + di[None, :],
                  mask=e_ok[:, None] & di_ok[None, :], other=0.0)
     z = tl.dot(qi, tl.trans(ki), input_precision=INDEX_PRECISION) * index_scale
-    return z, qi, t
+    qp = tl.load(QPOS + t, mask=e_ok, other=-1)
+    vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
+    return e, e_ok, t, qi, z, vis
 
 
 @triton.jit
@@ -164,14 +162,33 @@ def _teacher_logits(Q, k_t, ENTRIES, start, end, hs, g, d, d_ok, T, stride_qt, s
 
 
 @triton.jit
-def _load_key_tiles(K, KI, g, kpos, k_ok, d, d_ok, di, di_ok, stride_kt, stride_kh, stride_kit):
-    """The key sub-tile, loaded once per program: k rows of head g transposed [BLOCK_D, BLOCK_N] and ki rows
-    [BLOCK_N, BLOCK_DI]."""
+def _item_tiles(K, KI, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, stride_kt, stride_kh, stride_kit,
+                N_SUB: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr,
+                BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's work item and key sub-tile, set up once per program: the sub-tile number, the item's entry
+    range [lo, hi) (empty for a sub-tile past the block's end, which has no keys), its head g, the sub-tile's
+    absolute key rows kpos and their mask k_ok, the head-dim ranges d, di and masks, and the key tiles: k rows of
+    head g transposed k_t [BLOCK_D, BLOCK_N] and ki rows [BLOCK_N, BLOCK_DI]."""
+    # The sub-tiles of one item are neighbouring programs, so their q gathers share L2.
+    item = tl.program_id(0) // N_SUB
+    sub = tl.program_id(0) % N_SUB
+    lo = tl.load(ITEM_LO + item)
+    hi = tl.load(ITEM_HI + item)
+    g = tl.load(ITEM_G + item)
+    k0 = tl.load(ITEM_K0 + item)
+    k1 = tl.load(ITEM_K1 + item)
+    kpos = k0 + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = kpos < k1
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    di = tl.arange(0, BLOCK_DI)
+    di_ok = di < INDEX_DIM
     k_t = tl.load(K + kpos[None, :].to(tl.int64) * stride_kt + g * stride_kh + d[:, None],
                   mask=k_ok[None, :] & d_ok[:, None], other=0.0)
     ki = tl.load(KI + kpos[:, None].to(tl.int64) * stride_kit + di[None, :],
                  mask=k_ok[:, None] & di_ok[None, :], other=0.0)
-    return k_t, ki
+    hi = tl.where(sub * BLOCK_N < k1 - k0, hi, lo)
+    return sub, lo, hi, g, kpos, k_ok, d, d_ok, di, di_ok, k_t, ki
 
 
 @triton.jit
@@ -203,31 +220,13 @@ def _kl_stats_kernel(
 ):
     """Partial log-sum-exp per (entry, key sub-tile): student into ZL[e * N_SUB + sub] and, if TEACHER, each
     teacher head h of the group into AL[(e * N_SUB + sub) * GROUP + h]."""
-    # The sub-tiles of one item are neighbouring programs, so their q gathers share L2.
-    item = tl.program_id(0) // N_SUB
-    sub = tl.program_id(0) % N_SUB
-    lo = tl.load(ITEM_LO + item)
-    hi = tl.load(ITEM_HI + item)
-    g = tl.load(ITEM_G + item)
-    k0 = tl.load(ITEM_K0 + item)
-    k1 = tl.load(ITEM_K1 + item)
-    kpos = k0 + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok = kpos < k1
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    di = tl.arange(0, BLOCK_DI)
-    di_ok = di < INDEX_DIM
-    k_t, ki = _load_key_tiles(K, KI, g, kpos, k_ok, d, d_ok, di, di_ok, stride_kt, stride_kh, stride_kit)
-    # A sub-tile past the block's end has no keys: its entries keep the buffers' -inf.
-    hi = tl.where(sub * BLOCK_N < k1 - k0, hi, lo)
+    # A sub-tile past the block's end has no keys (hi = lo): its entries keep the buffers' -inf.
+    sub, lo, hi, g, kpos, k_ok, d, d_ok, di, di_ok, k_t, ki = _item_tiles(
+        K, KI, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, stride_kt, stride_kh, stride_kit,
+        N_SUB, HEAD_DIM, BLOCK_D, INDEX_DIM, BLOCK_DI, BLOCK_N)
     for start in range(lo, hi, BLOCK_Q):
-        idx = start + tl.arange(0, BLOCK_Q)
-        e_ok = idx < hi
-        e = tl.load(ENTRIES + idx, mask=e_ok, other=0)
-        z, qi, t = _student_logits(QI, ki, e, e_ok, g, di, di_ok, T, stride_qit, stride_qih, index_scale, TOPK,
-                                   INDEX_PRECISION)
-        qp = tl.load(QPOS + t, mask=e_ok, other=-1)
-        vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
+        e, e_ok, t, qi, z, vis = _student_step(QI, ENTRIES, QPOS, ki, start, hi, g, kpos, k_ok, di, di_ok, T,
+                                               stride_qit, stride_qih, index_scale, TOPK, BLOCK_Q, INDEX_PRECISION)
         z = tl.where(vis, z, float("-inf"))
         m = tl.max(z, 1)
         m_safe = tl.where(m > float("-inf"), m, 0.0)
@@ -264,22 +263,9 @@ def _kl_main_kernel(
     atomic adds, scaled by grad_coef = index_scale / (Hi T)) and dL/dqi either into DQI [T, Hi, Di] (fp32 atomic
     adds, scaled) or, with DQI_BUF, as unscaled partial rows DQB[e * N_SUB + sub, :] (plain stores; the host sums
     them over the slots and scales)."""
-    # The sub-tiles of one item are neighbouring programs, so their q gathers share L2.
-    item = tl.program_id(0) // N_SUB
-    sub = tl.program_id(0) % N_SUB
-    lo = tl.load(ITEM_LO + item)
-    hi = tl.load(ITEM_HI + item)
-    g = tl.load(ITEM_G + item)
-    k0 = tl.load(ITEM_K0 + item)
-    k1 = tl.load(ITEM_K1 + item)
-    kpos = k0 + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok = kpos < k1
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    di = tl.arange(0, BLOCK_DI)
-    di_ok = di < INDEX_DIM
-    k_t, ki = _load_key_tiles(K, KI, g, kpos, k_ok, d, d_ok, di, di_ok, stride_kt, stride_kh, stride_kit)
-    hi = tl.where(sub * BLOCK_N < k1 - k0, hi, lo)
+    sub, lo, hi, g, kpos, k_ok, d, d_ok, di, di_ok, k_t, ki = _item_tiles(
+        K, KI, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, stride_kt, stride_kh, stride_kit,
+        N_SUB, HEAD_DIM, BLOCK_D, INDEX_DIM, BLOCK_DI, BLOCK_N)
     dki = tl.zeros([BLOCK_N, BLOCK_DI], dtype=tl.float32)
     if PREFETCH > 0:
         for ahead in tl.static_range(PREFETCH):
@@ -289,13 +275,8 @@ def _kl_main_kernel(
         if PREFETCH > 0:
             _prefetch_q_rows(Q, ENTRIES, start + PREFETCH * BLOCK_Q, hi, g, T, stride_qt, stride_qh, GROUP, TOPK,
                              BLOCK_Q, LINES, ROW_LINES, LINE_ELEMS)
-        idx = start + tl.arange(0, BLOCK_Q)
-        e_ok = idx < hi
-        e = tl.load(ENTRIES + idx, mask=e_ok, other=0)
-        z, qi, t = _student_logits(QI, ki, e, e_ok, g, di, di_ok, T, stride_qit, stride_qih, index_scale, TOPK,
-                                   INDEX_PRECISION)
-        qp = tl.load(QPOS + t, mask=e_ok, other=-1)
-        vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
+        e, e_ok, t, qi, z, vis = _student_step(QI, ENTRIES, QPOS, ki, start, hi, g, kpos, k_ok, di, di_ok, T,
+                                               stride_qit, stride_qih, index_scale, TOPK, BLOCK_Q, INDEX_PRECISION)
         lse_z = tl.load(LSE_Z + g * T + t, mask=e_ok, other=0.0)
         # Teacher: mean over the group's heads of exp(s - lse), HG heads per dot.
         p = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
@@ -530,21 +511,11 @@ def indexer_kl(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Ten
     Returns:
         fp32 scalar: mean over (g, t) of KL(p || r) over the key set of (g, t); see the module docstring.
     """
-    hq, hkv, d = check_attention_inputs(q, k, k)
-    _, di = check_index_inputs(qi, ki, num_kv_heads=hkv, num_queries=q.shape[0], num_keys=k.shape[0])
-    if qi.device != q.device:
-        raise ValueError(f"qi, ki must be on q's device {q.device}, got {qi.device}")
-    check_block_params(block_size=block_size)
-    check_scale(scale)
-    check_scale(index_scale, "index_scale")
-    segments = check_seqlens(cu_seqlens, q.shape[0], cu_seqlens_k, k.shape[0], device=q.device)
+    _, _, d, di, _ = check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse,
+                                             block_size=block_size, scale=scale, index_scale=index_scale,
+                                             block_idx_values=VALIDATE_BLOCK_IDX)
     if block_idx is not None:
-        if block_idx.device != q.device:
-            raise ValueError(f"block_idx must be on q's device {q.device}, got {block_idx.device}")
-        check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size,
-                        values=VALIDATE_BLOCK_IDX)
         block_idx = block_idx.contiguous()
-    check_lse(lse, q.shape[0], hq, q.device)
     if torch.float64 in (q.dtype, qi.dtype):
         raise ValueError("q and qi must be fp16, bf16 or fp32 for the Triton backend (use the reference for fp64)")
     scale = d ** -0.5 if scale is None else float(scale)

@@ -28,7 +28,6 @@ overrides single fields for tuning on the GPU).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import check_block_params, check_index_inputs, check_scale, check_seqlens
-from .triton_common import next_pow2
+from .triton_common import largest_pow2_divisor, next_pow2, with_overrides
 
 __all__ = ["select_blocks", "select_launch", "SelectLaunch"]
 
@@ -67,13 +66,6 @@ class SelectLaunch:
 _ENV_OVERRIDE = "OPENM3_SELECT_LAUNCH"
 
 
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
 def select_launch(num_heads: int, head_dim: int, block_size: int, on_gpu: bool, **overrides) -> SelectLaunch:
     """Launch parameters for `num_heads` index heads of dim `head_dim` and blocks of `block_size` keys.
 
@@ -85,7 +77,7 @@ def select_launch(num_heads: int, head_dim: int, block_size: int, on_gpu: bool, 
                                   f"got {block_size}")
     cap_n = 128 if on_gpu else 32
     if block_size % 16 == 0:
-        block_n = _largest_pow2_divisor(block_size, cap_n)
+        block_n = largest_pow2_divisor(block_size, cap_n)
     else:  # power of two below 16: several blocks per key tile
         block_n = 16 if not on_gpu else 64
     block_m = max(next_pow2(num_heads), 128) if on_gpu else max(128, 16 * next_pow2(num_heads))
@@ -95,11 +87,7 @@ def select_launch(num_heads: int, head_dim: int, block_size: int, on_gpu: bool, 
     tma = int(on_gpu and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
     cfg = dict(block_m=block_m, block_n=block_n, num_warps=8 if on_gpu and head_dim >= 128 else 4,
                num_stages=2 if on_gpu else 1, tma=tma)
-    env = os.environ.get(_ENV_OVERRIDE, "")
-    for item in filter(None, (s.strip() for s in env.split(","))):
-        key, _, value = item.partition("=")
-        cfg[key.strip()] = int(value)
-    cfg.update(overrides)
+    cfg = with_overrides(cfg, _ENV_OVERRIDE, overrides)
     launch = SelectLaunch(**cfg)
     _check_launch(launch, num_heads, block_size)
     return launch

@@ -1,0 +1,39 @@
+"""Inputs shared by the MSA benchmark scripts: one layer of M3's attention, one sequence of T tokens."""
+
+from __future__ import annotations
+
+import torch
+
+HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128  # query heads, KV heads, head dim; index heads (1 key head), index dim
+REGIMES = ("drift", "iid")
+
+
+def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0, regime: str = "drift",
+              main: bool = True) -> dict:
+    """qi [T,4,128], ki [T,128] and, if `main`, q [T,64,128], k, v [T,4,128] (all `dtype`); cu_seqlens `cu` [0, T].
+
+    regime "drift": index queries drift slowly along the sequence (linear interpolation between random anchors
+    every 512 tokens, plus noise), as a trained indexer's do, so neighbouring queries pick overlapping blocks;
+    the headline numbers use it. regime "iid": independent random index queries, so neighbouring queries share
+    almost nothing but the local block: the worst case for kernels that share K/V loads between tokens.
+    The index tensors are drawn first, so `main=False` gives the same qi, ki.
+    """
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    if regime == "drift":
+        anchors = randn(t // 512 + 2, HI, DI)
+        pos = torch.arange(t, device=device, dtype=torch.float32) / 512
+        lo = pos.floor().long()
+        w = (pos - lo).view(t, 1, 1)
+        qi = anchors[lo] * (1 - w) + anchors[lo + 1] * w + 0.3 * randn(t, HI, DI)
+    else:
+        qi = randn(t, HI, DI)
+    x = dict(qi=qi.to(dtype), ki=randn(t, DI).to(dtype), cu=torch.tensor([0, t], device=device, dtype=torch.int32))
+    if main:
+        x.update(q=randn(t, HQ, D).to(dtype), k=randn(t, HKV, D).to(dtype), v=randn(t, HKV, D).to(dtype))
+    return x
