@@ -12,8 +12,7 @@ import torch
 from . import reference
 from .backend import BACKENDS, pick_backend, use_backend
 
-__all__ = ["select_blocks", "sparse_attention", "sparse_attention_kl", "indexer_kl", "use_backend", "pick_backend",
-           "BACKENDS"]
+__all__ = ["select_blocks", "sparse_attention", "indexer_kl", "use_backend", "pick_backend", "BACKENDS"]
 
 
 def select_blocks(qi, ki, cu_seqlens, *, block_size: int, topk: int, local_blocks: int = 1, cu_seqlens_k=None):
@@ -35,28 +34,6 @@ def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: 
         impl = reference.sparse_attention
     return impl(q, k, v, block_idx, cu_seqlens, block_size=block_size, scale=scale, cu_seqlens_k=cu_seqlens_k)
 
-
-
-def sparse_attention_kl(q, k, v, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
-                        index_scale: float | None = None,
-                        cu_seqlens_k=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sparse_attention` plus the sparse indexer KL with the attention as teacher: (o, lse, kl).
-
-    o, lse: `sparse_attention(q, k, v, block_idx, ...)` (gradients into q, k, v). kl: `indexer_kl(q.detach(),
-    k.detach(), qi, ki, block_idx, ..., lse=lse.detach())` (gradients into qi, ki only). On the Triton backend the
-    KL is fused into the attention backward and, when qi or ki needs a gradient, **kl's value is written by the
-    backward** (0 until then): read it after `backward()`. See `triton_attention.sparse_attention_kl`.
-    """
-    if pick_backend(q) == "triton":
-        from .triton_attention import sparse_attention_kl as impl
-
-        return impl(q, k, v, qi, ki, block_idx, cu_seqlens, block_size=block_size, scale=scale,
-                    index_scale=index_scale, cu_seqlens_k=cu_seqlens_k)
-    o, lse = reference.sparse_attention(q, k, v, block_idx, cu_seqlens, block_size=block_size, scale=scale,
-                                        cu_seqlens_k=cu_seqlens_k)
-    kl = reference.indexer_kl(q.detach(), k.detach(), qi, ki, block_idx, cu_seqlens, block_size=block_size,
-                              scale=scale, index_scale=index_scale, lse=lse.detach(), cu_seqlens_k=cu_seqlens_k)
-    return o, lse, kl
 
 def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
                index_scale: float | None = None, lse: torch.Tensor | None = None, cu_seqlens_k=None) -> torch.Tensor:
