@@ -70,6 +70,7 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     # the bitonic merge (the default merge) since merge_sort became the default
     **SCORE_VARIANTS,
     "fold": dict(fold_shrink=True),  # shrink inside the scoring kernel (last program of each group): -1 launch
+    "table": dict(score_loads="table"),  # the page id loaded per block (the default before session 2's TMA)
     "no_pdl": dict(pdl=False),  # without programmatic dependent launch (the default since it measured faster)
     "noshrink_pdl": dict(merge_direct_max=1 << 30, pdl=True),
     "fold_pdl": dict(fold_shrink=True, pdl=True),

@@ -9,7 +9,6 @@ top-16 with 1 local block, one sequence of T tokens. Per T it times (medians, ms
   sparse_fwd      sparse_attention forward          sparse_fwd_bwd   forward + backward (dq, dk, dv)
   kl_fwd_bwd      indexer_kl forward + backward (sparse, with the attention's lse)
   msa_prefill     select + sparse forward           msa_train_step   select + attention fwd/bwd + KL fwd/bwd
-  train_fused_kl  select + sparse_attention_kl fwd/bwd (the KL inside the attention backward)
   dense_fwd       cuDNN SDPA causal forward         dense_fwd_bwd    forward + backward (skipped at >= 1M)
   flex_fwd        FlexAttention over the union of the selected blocks of each 128-query tile (per KV group, so
                   the block mask stays [NQ, NKV]); flex_fwd_bwd forward + backward
@@ -150,17 +149,9 @@ def msa_fns(x: dict, res: dict):
         kl = msa.indexer_kl(q.detach(), k.detach(), qi, ki, bi, cu, lse=lse_t.detach(), **kw)
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
 
-    def train_step_fused_kl():  # the KL inside the attention backward (sparse_attention_kl)
-        q.grad = k.grad = v.grad = qi.grad = ki.grad = None
-        with torch.no_grad():
-            bi = select()
-        o, _, kl = msa.sparse_attention_kl(q, k, v, qi, ki, bi, cu, **kw)
-        torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
-
     cases = dict(sparse_fwd=sparse_fwd, sparse_fwd_bwd=sparse_fwd_bwd, kl_fwd_bwd=kl_fwd_bwd)
     if have_select:
-        cases.update(select=select, msa_prefill=prefill, msa_train_step=train_step,
-                     train_fused_kl=train_step_fused_kl)
+        cases.update(select=select, msa_prefill=prefill, msa_train_step=train_step)
     return cases, block_idx
 
 
@@ -362,8 +353,7 @@ def run_T(t: int, args, results_all: list) -> None:
             print(f"    check FAILED: {exc}", flush=True)
             traceback.print_exc(limit=5)
     slow_reps = 1 if big else 2
-    names = ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step",
-             "train_fused_kl")
+    names = ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step")
     for name in names[:3] if args.prefill_only else names:
         if name in msa_cases:
             _run_case(res, name, msa_cases[name], slow_reps=slow_reps)
@@ -564,7 +554,7 @@ def kernel_breakdown(fn) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step",
-            "train_fused_kl", "dense_fwd", "dense_fwd_bwd", "flex_fwd", "flex_fwd_bwd"]
+            "dense_fwd", "dense_fwd_bwd", "flex_fwd", "flex_fwd_bwd"]
     print("\n" + "T".rjust(8) + "".join(c.rjust(16) for c in cols))
     for r in rows:
         if "launch" in r:

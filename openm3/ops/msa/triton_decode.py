@@ -24,7 +24,10 @@ batch of sequences of different lengths. A decode step (`decode_msa`):
 
 `decode_select_blocks` (1-3) and `decode_attention` (4-5) expose the two halves separately.
 
-Batch-1 knobs (off by default until timed; `benchmarks/msa_decode.py --variants b1` times them): `score_loads`
+Measured defaults (H200, session 2, `benchmarks/results/msa_decode_20261130T1121.json`): `pdl` on, and
+`score_loads='tma'` for fp8 index keys on sm_90+ ('table' otherwise): fp8 128K batch 1 15.2 -> 13.3 us, 1M batch
+32 1198 -> 1097 us; with bf16 keys TMA measured no better. Other batch-1 knobs (`benchmarks/msa_decode.py
+--variants b1` times them; fold_shrink and the 2-launch step measured slower at batch 1): `score_loads`
 'hoist' loads a segment's page ids before the block loop (with the page id loaded per block, the pipeliner
 spends a stage on that indirection and keeps a single key tile buffer, so each program has one 16 KiB tile in
 flight and none while it computes; hoisted, `stages` - 1 tiles stay in flight), 'tma' also fetches each block
@@ -394,10 +397,15 @@ def _default_segment_blocks(max_blocks: int, batch: int, device: torch.device) -
 SCORE_LOADS = ("table", "hoist", "tma")
 
 
+def _compiled_sm90(device: torch.device) -> bool:
+    """Compiled kernels on a Hopper-or-newer GPU (not the interpreter)."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _pdl_on(pdl: bool, device: torch.device) -> bool:
     """Programmatic dependent launch where it exists (CUDA, sm_90+); it only changes when kernels start, so
     elsewhere (the interpreter, older GPUs) the knob is a no-op."""
-    return bool(pdl) and device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    return bool(pdl) and _compiled_sm90(device)
 
 
 def _launch(pdl: bool) -> dict:
@@ -661,7 +669,7 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                segment_blocks: int | None = None, slots_per_split: int = 1, stages: int = 3,
                num_warps: int = 4, attention_warps: int = 4, fp8_math: str = "fp16", merge_direct_max: int = 512,
                merge_sort: bool = True, fuse_merge: bool = True, fuse_combine: bool = False,
-               score_loads: str = "table", fold_shrink: bool = False,
+               score_loads: str | None = None, fold_shrink: bool = False,
                pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One MSA decode step: index scores, (top-k merge,) split-K attention, combine.
 
@@ -672,7 +680,8 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
     fuse_merge: every attention split merges its row's candidates itself, one launch fewer (the fastest setting
     measured on an H200 at batch 1 and 32; with False the merge kernel runs once per row instead).
     fuse_combine: the last split of each (row, KV head) combines the partial results (an atomic arrival counter)
-    instead of the combine launch (measured slower on an H200; kept as a knob). score_loads, fold_shrink, pdl:
+    instead of the combine launch (measured slower on an H200; kept as a knob). score_loads (None: 'tma' for fp8
+    index keys on an sm_90+ GPU, else 'table'; see the module docstring), fold_shrink, pdl:
     as in `decode_select_blocks`; with fold_shrink and fuse_combine a step is 2 launches (scores with the shrink
     folded in, attention merging the candidates and combining), and pdl lets each launch overlap the previous
     one's tail (the attention kernel loads its queries before waiting; on by default: 128K batch 1 fp8 13.8 vs
@@ -687,6 +696,8 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                          f"got {tuple(qi.shape)}")
     if slots_per_split < 1:
         raise ValueError(f"slots_per_split must be >= 1, got {slots_per_split}")
+    if score_loads is None:
+        score_loads = "tma" if ki_scale is not None and _compiled_sm90(q.device) else "table"
     cand, n_cand = _select_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
                                       topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
                                       segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
