@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai  # noqa: F401  (swiglu_oai: re-exported)
+from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai
 
 IMPLS = ("auto", "reference", "grouped")
 

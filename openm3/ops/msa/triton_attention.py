@@ -81,11 +81,12 @@ def _visible(kpos, k_ok, qpos, row_token, members, TOKENS: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, step, g, d, d_ok, Tk,
-              stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-              N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-    """One [BLOCK_N] key tile of the online softmax (exp2 domain)."""
+def _tile_scores(q, qpos, row_token, K, cand_base, memb_base, step, g, d, d_ok, Tk, stride_kt, stride_kh, qk_scale,
+                 N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """Key tile `step` of a query tile's candidate blocks (N_SUB tiles of BLOCK_N keys per block): its first key
+    row, key positions and in-range mask, K tile, scores s = q K^T * qk_scale and the [BLOCK_M, BLOCK_N] mask of
+    what each row may see (`_visible`). Shared by the forward and the query-outer dq pass."""
     start = tl.load(cand_base + step // N_SUB)
     row0 = start + (step % N_SUB) * BLOCK_N
     kpos = row0 + tl.arange(0, BLOCK_N)
@@ -93,7 +94,19 @@ def _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, ste
     k = _key_tile(K, kpos, row0, k_ok, g, d, d_ok, stride_kt, stride_kh, BLOCK_D, USE_TMA)
     members = tl.load(memb_base + step // N_SUB) if TOKENS > 1 else 0
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(_visible(kpos, k_ok, qpos, row_token, members, TOKENS), s, float("-inf"))
+    return row0, kpos, k_ok, k, s, _visible(kpos, k_ok, qpos, row_token, members, TOKENS)
+
+
+@triton.jit
+def _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, step, g, d, d_ok, Tk,
+              stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+              N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """One [BLOCK_N] key tile of the online softmax (exp2 domain)."""
+    row0, kpos, k_ok, k, s, visible = _tile_scores(q, qpos, row_token, K, cand_base, memb_base, step, g, d, d_ok,
+                                                   Tk, stride_kt, stride_kh, qk_scale, N_SUB, BLOCK_N, BLOCK_D,
+                                                   TOKENS, DOT_PRECISION, USE_TMA)
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     alpha = tl.math.exp2(m_i - m_ref)
@@ -173,15 +186,11 @@ def _dq_step(q, do, lse2, delta, qpos, row_token, dq, K, V, cand_base, memb_base
              N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
              DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """dq += dS @ K over one [BLOCK_N] key tile, P recomputed from lse (log2 domain)."""
-    start = tl.load(cand_base + step // N_SUB)
-    row0 = start + (step % N_SUB) * BLOCK_N
-    kpos = row0 + tl.arange(0, BLOCK_N)
-    k_ok = kpos < Tk
-    k = _key_tile(K, kpos, row0, k_ok, g, d, d_ok, stride_kt, stride_kh, BLOCK_D, USE_TMA)
+    row0, kpos, k_ok, k, s, visible = _tile_scores(q, qpos, row_token, K, cand_base, memb_base, step, g, d, d_ok,
+                                                   Tk, stride_kt, stride_kh, qk_scale, N_SUB, BLOCK_N, BLOCK_D,
+                                                   TOKENS, DOT_PRECISION, USE_TMA)
     v = _key_tile(V, kpos, row0, k_ok, g, d, d_ok, stride_vt, stride_vh, BLOCK_D, USE_TMA)
-    members = tl.load(memb_base + step // N_SUB) if TOKENS > 1 else 0
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    p = tl.where(_visible(kpos, k_ok, qpos, row_token, members, TOKENS), tl.math.exp2(s - lse2[:, None]), 0.0)
+    p = tl.where(visible, tl.math.exp2(s - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
