@@ -9,8 +9,9 @@ REGIMES = ("drift", "iid")
 
 
 def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0, regime: str = "drift",
-              main: bool = True) -> dict:
-    """qi [T,4,128], ki [T,128] and, if `main`, q [T,64,128], k, v [T,4,128] (all `dtype`); cu_seqlens `cu` [0, T].
+              main: bool = True, hq: int = HQ, seq_len: int | None = None) -> dict:
+    """qi [T,4,128], ki [T,128] and, if `main`, q [T,hq,128] (M3: 64 heads), k, v [T,4,128] (all `dtype`);
+    cu_seqlens `cu`: [0, T], or packed sequences of `seq_len` tokens (T a multiple of it).
 
     regime "drift": index queries drift slowly along the sequence (linear interpolation between random anchors
     every 512 tokens, plus noise), as a trained indexer's do, so neighbouring queries pick overlapping blocks;
@@ -33,7 +34,11 @@ def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0,
         qi = anchors[lo] * (1 - w) + anchors[lo + 1] * w + 0.3 * randn(t, HI, DI)
     else:
         qi = randn(t, HI, DI)
-    x = dict(qi=qi.to(dtype), ki=randn(t, DI).to(dtype), cu=torch.tensor([0, t], device=device, dtype=torch.int32))
+    seq_len = seq_len or t
+    if t % seq_len:
+        raise ValueError(f"t={t} must be a multiple of seq_len={seq_len}")
+    cu = torch.arange(0, t + 1, seq_len, device=device, dtype=torch.int32)
+    x = dict(qi=qi.to(dtype), ki=randn(t, DI).to(dtype), cu=cu)
     if main:
-        x.update(q=randn(t, HQ, D).to(dtype), k=randn(t, HKV, D).to(dtype), v=randn(t, HKV, D).to(dtype))
+        x.update(q=randn(t, hq, D).to(dtype), k=randn(t, HKV, D).to(dtype), v=randn(t, HKV, D).to(dtype))
     return x

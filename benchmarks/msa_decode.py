@@ -58,6 +58,11 @@ SCORE_VARIANTS = {  # name -> _score_candidates keyword arguments, timed as scor
     "hoist": dict(score_loads="hoist"), "hoist_s4": dict(score_loads="hoist", stages=4),
     "hoist_seg16_s4": dict(score_loads="hoist", stages=4, segment_blocks=16),
     "tma": dict(score_loads="tma"), "tma_s4": dict(score_loads="tma", stages=4),
+    # fp8 tensor-core scoring (fp8 keys only; with bf16 keys these equal 'tma'): query split into two fp8 terms
+    **{f"split{sfx}": dict(score_loads="tma", fp8_math="split", **kw) for sfx, kw in (
+        ("", {}), ("_s4", dict(stages=4)), ("_s2", dict(stages=2)), ("_seg4", dict(segment_blocks=4)),
+        ("_seg16", dict(segment_blocks=16)), ("_seg32", dict(segment_blocks=32)),
+        ("_seg32_s4", dict(segment_blocks=32, stages=4)))},
 }
 _FAST = dict(score_loads="hoist", stages=4)
 VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`--variants` picks some)
@@ -79,8 +84,13 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     "two_launch": dict(**_FAST, fold_shrink=True, fuse_combine=True),  # score(+shrink), attention(+combine)
     "two_launch_pdl": dict(**_FAST, fold_shrink=True, fuse_combine=True, pdl=True),
 }
+VARIANTS.update({f"{name}_fold": dict(**kw, fold_shrink=True) for name, kw in SCORE_VARIANTS.items()
+                 if name.startswith("split")})
+VARIANTS["split_shrink256"] = dict(SCORE_VARIANTS["split"], merge_direct_max=256)
+VARIANTS["split_fused_combine"] = dict(SCORE_VARIANTS["split"], fuse_combine=True)
 B1_SWEEP = ["noshrink", "fused_combine", "fold", "no_pdl", "noshrink_pdl", "fold_pdl", *SCORE_VARIANTS,
             "hoist_fold_pdl", "tma_fold_pdl", "two_launch", "two_launch_pdl"]  # `--variants b1`
+SPLIT_SWEEP = [n for n in VARIANTS if n.startswith("split")]  # `--variants split`
 
 
 def graph_time_ms(fn, steps: int = 20, reps: int = 10) -> float:
@@ -340,7 +350,7 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, nargs="+", default=[131072, 1048576], help="cached tokens")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--index", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=[*VARIANTS, "b1"],
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=[*VARIANTS, "b1", "split"],
                    help="decode_msa knob settings timed beside the default ('b1': the batch-1 sweep B1_SWEEP)")
     p.add_argument("--score-variants", nargs="*", default=list(SCORE_VARIANTS), choices=list(SCORE_VARIANTS),
                    help="scoring-kernel knob settings timed beside the default scoring kernel")
@@ -352,7 +362,8 @@ def main(argv=None) -> int:
                    help="skip the dense prefill baseline above this many tokens")
     p.add_argument("--out", default="benchmarks/results/")
     args = p.parse_args(argv)
-    args.variants = list(dict.fromkeys(v for name in args.variants for v in (B1_SWEEP if name == "b1" else [name])))
+    sweeps = {"b1": B1_SWEEP, "split": SPLIT_SWEEP}
+    args.variants = list(dict.fromkeys(v for name in args.variants for v in sweeps.get(name, [name])))
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1

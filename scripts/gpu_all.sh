@@ -32,6 +32,10 @@ for s in "${stages[@]}"; do
     decodefinal) python3 -m benchmarks.msa_decode --out "$OUT" --T 131072 1048576 --batch 1 32 --index fp8 bf16 \
                    --variants no_pdl tma --score-variants --prefill-T 1048576 --chunk 131072 2>&1 \
                    | tee "$OUT/msa_decode_final.log" | tail -24 ;;
+    decodesplit) python3 -m benchmarks.msa_decode --out "$OUT/split" --T 1048576 131072 --batch 1 32 --index fp8 \
+                   --variants split table --score-variants split split_s4 split_seg16 split_seg32 split_seg32_s4 tma \
+                   --prefill-T 2>&1 | tee "$OUT/msa_decode_split.log" | tail -24 ;;
+    groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfu) python3 -m benchmarks.train_throughput --out "$OUT" --only mfu --steps 3 --warmup 2 2>&1 \
            | tee "$OUT/train_mfu.log" | tail -4 ;;
     *) echo "unknown stage $s" ;;

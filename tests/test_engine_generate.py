@@ -140,3 +140,17 @@ def test_cli_local_checkpoint(model, tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()[-1]
     want, _ = generate(model, [[5, 6, 7]], max_new_tokens=3)
     assert [int(t) for t in out.split(",")] == want[0].tokens
+
+
+def test_cli_compile_gives_the_same_greedy_tokens(capsys):
+    """`--compile` (every decoder layer under torch.compile, the cache path eager inside) changes no token."""
+    argv = ["--preset", "m3-tiny", "--prompt-ids", "5,9,2,7,1,3,8", "--max-new-tokens", "4", "--device", "cpu",
+            "--no-stream"]
+    assert main(argv) == 0
+    eager = capsys.readouterr().out.strip().splitlines()[-1]
+    torch._dynamo.reset()
+    try:
+        assert main(argv + ["--compile"]) == 0
+    finally:
+        torch._dynamo.reset()
+    assert capsys.readouterr().out.strip().splitlines()[-1] == eager

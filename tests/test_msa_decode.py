@@ -314,12 +314,23 @@ for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", 
                      dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=kp, LOCAL=1, FP8=fp8,
                           HALF=fp8 and dt == "bf16", PRECISION=prec, STAGES=stages, HOIST=loads == "hoist",
                           TMA=loads == "tma", FOLD_SEGS=fold, FOLD_P2=triton.next_power_of_2(fold * kp) if fold else 1,
-                          KEEP=15, KEEP_P2=16, PDL=pdl), stages=stages)
+                          KEEP=15, KEEP_P2=16, PDL=pdl, SPLIT=False), stages=stages)
         if loads == "hoist":  # the point of hoisting the page ids: stages - 1 key tiles buffered, not one
             buffers = re.findall(r"local_alloc.*memdesc<(\d+)x128x128xi8", k.asm["ttgir"]) if fp8 else None
             assert buffers is None or buffers == [str(stages - 1)], buffers
         if pdl:
             assert "griddepcontrol.wait" in k.asm["ptx"]
+    if fp8 and dt == "bf16":  # fp8 tensor-core scoring: keys straight from the TMA buffer into the MMA
+        for seg, stages in ((8, 3), (32, 4)):
+            k = compile_(td._score_segment_kernel, {"qi_ptr": "*bf16", "ki_ptr": "tensordesc<fp8e4nv[128, 128]>",
+                                                    **score},
+                         dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=min(seg, 15), LOCAL=1, FP8=True,
+                              HALF=False, PRECISION=prec, STAGES=stages, HOIST=False, TMA=True, FOLD_SEGS=0,
+                              FOLD_P2=1, KEEP=15, KEEP_P2=16, PDL=True, SPLIT=True), stages=stages)
+            assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in k.asm["ptx"]
+            # the key tiles feed the MMA from shared memory, the query terms are staged once, before the loop
+            loop = k.asm["ttgir"].split("scf.for")[1]
+            assert "local_alloc %" not in loop and loop.count("warp_group_dot ") == 2
     for mode, sort, fuse, pdl in ((0, False, False, False), (1, False, True, False), (2, False, False, False),
                                   (2, True, True, False), (2, True, False, dt == "bf16")):
         compile_(td._attention_split_kernel,

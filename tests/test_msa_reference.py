@@ -589,3 +589,39 @@ def test_valid_base_inputs_pass():
     _attn(x)
     _sel(x)
     _kl(x)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_validate_block_idx_false_skips_only_the_value_checks(backend):
+    """`validate_block_idx=False` (what the model passes for indices straight from select_blocks) skips the value
+    checks of block_idx in both backends, not its shape/dtype checks or the cu_seqlens checks."""
+    from openm3.ops import msa
+
+    x = _base()
+    dup = _set_block(9, 1, 2)(x)  # a duplicated block: invalid values, harmless to read
+    common = dict(block_size=4)
+    with msa.use_backend(backend):
+        with pytest.raises(ValueError, match="at most once"):
+            msa.sparse_attention(x["q"], x["k"], x["v"], dup, x["cu_seqlens"], **common)
+        with pytest.raises(ValueError, match="at most once"):
+            msa.indexer_kl(x["q"], x["k"], x["qi"], x["ki"], dup, x["cu_seqlens"], **common)
+        o, _ = msa.sparse_attention(x["q"], x["k"], x["v"], dup, x["cu_seqlens"], validate_block_idx=False, **common)
+        assert torch.isfinite(o).all()
+        kl = msa.indexer_kl(x["q"], x["k"], x["qi"], x["ki"], dup, x["cu_seqlens"], validate_block_idx=False,
+                            **common)
+        assert torch.isfinite(kl)
+        with pytest.raises(ValueError, match="block_idx must be an int32"):
+            msa.sparse_attention(x["q"], x["k"], x["v"], dup.long(), x["cu_seqlens"], validate_block_idx=False,
+                                 **common)
+        with pytest.raises(ValueError, match="cu_seqlens must end"):
+            msa.indexer_kl(x["q"], x["k"], x["qi"], x["ki"], dup, torch.tensor([0, 10, 15], dtype=torch.int32),
+                           validate_block_idx=False, **common)
+
+
+def test_host_list_reads_cpu_tensors_directly():
+    from openm3.ops.host import host_list
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert host_list(cu) == [0, 3, 7]
+    cu[1] = 4  # CPU tensors are read every time (no cache to go stale)
+    assert host_list(cu) == [0, 4, 7]

@@ -237,6 +237,9 @@ def test_launch_config_checks():
     # the GPU default for M3: one-token forward tiles, TMA, dq fused into whole-block dk/dv programs
     gpu = attention_launch(16, 128, 128, torch.bfloat16, True)
     assert (gpu.block_m, gpu.tma, gpu.dq_in_dkdv, gpu.dkdv_block_n) == (16, 1, 1, 128)
+    # groups of 4 (m3-small): 64-row wgmma tiles of 16 tokens over the union of their blocks, 2 stages
+    small = attention_launch(4, 128, 128, torch.bfloat16, True)
+    assert (small.block_m, small.tokens_per_tile(4), small.num_stages) == (64, 16, 2)
 
 
 def test_bad_inputs_raise_value_error():

@@ -145,6 +145,7 @@ KL_CASES = [
     ([100, 37, 163], None, 16, 4, 16, 16, 32, 3, True, False, {}),  # teacher normaliser computed here
     ([70, 129], None, 8, 2, 16, 16, 32, 3, True, True, dict(block_n=16, block_q=16, max_entries=16,
                                                              heads_per_dot=2)),  # GPU-like tiling, split buckets
+    ([70, 129], None, 16, 4, 16, 16, 32, 3, True, True, dict(block_n=16, block_q=16, heads_per_dot=1)),  # small G, GPU
     ([70, 129], None, 16, 4, 16, 16, 32, 3, True, True, dict(block_n=16, dqi_buffer=1)),  # dqi partial buffer
     ([70, 129], None, 16, 4, 16, 16, 16, 0, False, False, {}),  # dense warm-up
     ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 4, True, True, {}),  # bottom-right aligned queries

@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
                    help="index-key cache dtype (default: the model dtype)")
     p.add_argument("--no-stream", action="store_true", help="print the output only at the end")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile every decoder layer (fewer, fused kernels per decode step; the first prefill "
+                        "chunk and the first decode step pay for compilation)")
     return p
 
 
@@ -258,6 +261,15 @@ def load_model(args, device: torch.device, dtype: torch.dtype):
     return model.to(dtype).eval()
 
 
+def compile_layers(model) -> int:
+    """`torch.compile` each decoder layer in place (the attention ops and the cache stay eager inside them, see
+    `openm3.models.text.DecoderLayer`); dynamic shapes, as prefill chunks and decode steps differ in length.
+    Returns how many layers."""
+    for layer in model.layers:
+        layer.compile(dynamic=True)
+    return len(model.layers)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`openm3 generate ARGS` (see `build_parser`); bad requests exit with `error: ...`."""
     return run(build_parser().parse_args(argv))
@@ -288,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(args, device, dtype)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    if args.compile:
+        compile_layers(model)
     if args.prompt is not None:
         prompt = tokenizer.encode(args.prompt).ids
     elif args.prompt_ids is not None:

@@ -80,24 +80,46 @@ class Attention(nn.Module):
         copy of x, so the KL trains only the index branch (DESIGN.md); in the dense warm-up its gradient also
         reaches the backbone through x. dense_warmup: MSA layers attend densely and the KL is the dense warm-up
         variant (over all causal tokens). cache: see the module docstring.
+
+        Under `torch.compile` the projections, norms and RoPE (`project`) and `o_proj` are traced; only `attend`,
+        which reads `cu_seqlens` on the host and runs the varlen/MSA ops, is left to run eagerly.
         """
+        q, k, v, qi, ki = self.project(x, cos, sin, detach_index_input=compute_kl and not dense_warmup)
+        o, kl, block_idx = self.attend(q, k, v, qi, ki, cu_seqlens, compute_kl=compute_kl, dense_warmup=dense_warmup,
+                                       return_block_idx=return_block_idx, cache=cache)
+        return AttentionOutput(self.o_proj(o.reshape(x.shape[0], -1)), kl, block_idx)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, detach_index_input: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x: [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D] (q, k normed and rotated) and, for MSA layers,
+        qi [T, Hi, Di], ki [T, Di] (None for dense layers). detach_index_input: the indexer reads `x.detach()`."""
         t = x.shape[0]
         q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         qi = ki = None
         if self.is_sparse:
-            qi, ki = self.indexer(x.detach() if compute_kl and not dense_warmup else x, cos, sin)
+            qi, ki = self.indexer(x.detach() if detach_index_input else x, cos, sin)
+        return q, k, v, qi, ki
 
+    # Dynamo does not trace this: the varlen dense path, the MSA ops' input checks and the cache read `cu_seqlens`
+    # on the host and loop over sequences, which would break the graph at data-dependent points and recompile for
+    # every new packing. The ops are opaque calls with their own backward either way, so nothing fusable is lost.
+    @torch.compiler.disable
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qi: torch.Tensor | None,
+               ki: torch.Tensor | None, cu_seqlens: torch.Tensor, *, compute_kl: bool = False,
+               dense_warmup: bool = False, return_block_idx: bool = False, cache: Any = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The attention itself on `project`'s outputs: (o [T, Hq, D], kl or None, block_idx or None); the
+        arguments mean what they mean in `forward`."""
         if cache is not None:
             sparse = dict(block_size=self.block_size, topk=self.topk, local_blocks=self.local_blocks) \
                 if self.is_sparse else dict(block_size=None, topk=None, local_blocks=None)
-            o = cache.attend(self.layer_idx, q, k, v, qi, ki, cu_seqlens=cu_seqlens, scale=self.scale, **sparse)
-            return AttentionOutput(self.o_proj(o.reshape(t, -1)))
+            return cache.attend(self.layer_idx, q, k, v, qi, ki, cu_seqlens=cu_seqlens, scale=self.scale,
+                                **sparse), None, None
 
         if not self.is_sparse:
-            o = dense_attention(q, k, v, cu_seqlens, scale=self.scale)
-            return AttentionOutput(self.o_proj(o.reshape(t, -1)))
+            return dense_attention(q, k, v, cu_seqlens, scale=self.scale), None, None
 
         block_idx = kl = None
         if not dense_warmup or return_block_idx:
@@ -109,9 +131,11 @@ class Attention(nn.Module):
                 kl = msa.indexer_kl(q.detach(), k.detach(), qi, ki, None, cu_seqlens, block_size=self.block_size,
                                     scale=self.scale)
         else:
+            # block_idx comes from select_blocks just above: its value checks (host syncs) are skipped
             o, lse = msa.sparse_attention(q, k, v, block_idx, cu_seqlens, block_size=self.block_size,
-                                          scale=self.scale)
+                                          scale=self.scale, validate_block_idx=False)
             if compute_kl:
                 kl = msa.indexer_kl(q.detach(), k.detach(), qi, ki, block_idx, cu_seqlens,
-                                    block_size=self.block_size, scale=self.scale, lse=lse.detach())
-        return AttentionOutput(self.o_proj(o.reshape(t, -1)), kl, block_idx if return_block_idx else None)
+                                    block_size=self.block_size, scale=self.scale, lse=lse.detach(),
+                                    validate_block_idx=False)
+        return o, kl, block_idx if return_block_idx else None

@@ -59,27 +59,21 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(config.hidden_size, config.dense_intermediate_size, config.swiglu_alpha,
                                 config.swiglu_limit)
 
+    # Under `torch.compile` of the layer (openm3.train.distributed.apply_compile) all of it is traced except
+    # `Attention.attend`: the q/k/v projections, QK-norm, partial RoPE, the indexer's projections, norms and RoPE,
+    # o_proj, the norms, residuals and the MLP or the MoE are compiled; only the attention ops themselves (dense
+    # varlen, MSA select/attend/KL, or the inference cache), which read `cu_seqlens` on the host, run eagerly.
     def forward(self, x, cos, sin, cu_seqlens, compute_kl, dense_warmup, return_block_idx, cache):
-        out, kl, block_idx = self._attention(self.input_layernorm(x), cos, sin, cu_seqlens, compute_kl,
-                                             dense_warmup, return_block_idx, cache)
-        x = x + out
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, compute_kl=compute_kl,
+                              dense_warmup=dense_warmup, return_block_idx=return_block_idx, cache=cache)
+        x = x + attn.out
         h = self.post_attention_layernorm(x)
         router_logits = None
         if self.is_moe:
             h, router_logits = self.mlp(h)
         else:
             h = self.mlp(h)
-        return x + h, kl, router_logits, block_idx
-
-    # Under `torch.compile` of the layer (openm3.train.distributed.apply_compile) attention runs eagerly: the
-    # varlen dense path and the MSA ops' input checks read `cu_seqlens` on the host and loop over sequences, which
-    # would break the graph at data-dependent points and recompile for every new packing. Everything else in the
-    # layer (norms, residuals, the MLP or the MoE with its router and grouped GEMMs) is one graph around it.
-    @torch.compiler.disable
-    def _attention(self, x, cos, sin, cu_seqlens, compute_kl, dense_warmup, return_block_idx, cache):
-        attn = self.self_attn(x, cos, sin, cu_seqlens, compute_kl=compute_kl, dense_warmup=dense_warmup,
-                              return_block_idx=return_block_idx, cache=cache)
-        return attn.out, attn.kl, attn.block_idx
+        return x + h, attn.kl, router_logits, attn.block_idx
 
 
 class M3TextModel(nn.Module):

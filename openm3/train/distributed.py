@@ -94,13 +94,18 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 def apply_compile(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = None) -> int:
     """`torch.compile` every text decoder layer in place; returns how many.
 
-    Per layer, not the whole model: the layers share one code object, so all MSA+MoE layers reuse one compiled
-    graph (and the dense layers another), and what cannot be traced stays local to a layer. Inside a layer,
-    attention runs eagerly (see `DecoderLayer._attention`: the varlen and MSA paths read `cu_seqlens` on the host)
-    and the rest is one graph. `dynamic=None` compiles for the first shapes seen and recompiles once with dynamic
-    sizes when the token count or the number of packed documents changes, so later packings reuse it. A layer
-    wrapped for activation checkpointing is compiled inside the wrapper, so the backward recomputation runs the
-    same compiled code. Vision tower blocks stay eager (their varlen attention has the same host reads).
+    Per layer, not the whole model: the layers share one code object, so all MSA+MoE layers reuse one set of
+    compiled graphs (and the dense layers another), and what cannot be traced stays local to a layer. Inside a
+    layer only `Attention.attend` runs eagerly (the varlen dense and MSA ops read `cu_seqlens` on the host), and
+    on CPU the MoE's reference experts; the norms, the q/k/v projections, QK-norm, partial RoPE, the indexer's
+    projections, norms and RoPE, o_proj, the residuals and the MLP or MoE are compiled. Dynamo breaks the graph
+    at the call of `self_attn` and again at `attend`, so a layer runs four graphs (input norm | projections, norms
+    and RoPE | o_proj | residual and MLP); with `torch._dynamo.config.nested_graph_breaks = True` it runs two
+    (input norm to RoPE | o_proj to the end). `dynamic=None` compiles for the first shapes seen and recompiles
+    once with dynamic sizes when the token count or the number of packed documents changes, so later packings
+    reuse it. A layer wrapped for activation checkpointing is compiled inside the wrapper, so the backward
+    recomputation runs the same compiled code. Vision tower blocks stay eager (their varlen attention has the
+    same host reads).
     """
     from ..models.text import DecoderLayer
 

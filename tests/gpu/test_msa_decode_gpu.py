@@ -264,3 +264,51 @@ def test_engine_on_cuda_matches_full_forward(index_dtype, monkeypatch):
     finally:
         for h in hooks:
             h.remove()
+
+
+def _candidate_scores(cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort keys of `_score_candidates` -> (score fp32, block int64), both [rows, n]."""
+    high = (cand >> 32).to(torch.int32)  # the monotonic fp32 bits
+    bits = high ^ ((high >> 31) & 0x7FFFFFFF)
+    return bits.view(torch.float32), 4294967295 - (cand & 4294967295)
+
+
+@pytest.mark.parametrize("seq_lens,q_len", [([131072], 1), ([300, 9000, 70000], 1), ([5000, 20000], 2)])
+def test_split_fp8_scoring_matches_fp16_scoring(seq_lens, q_len):
+    """fp8_math='split' (fp8 tensor cores, the query as two fp8 terms) scores every block as the fp16 path does
+    (which is exact up to fp32 accumulation): segments of 8 blocks keep all their non-local blocks, so the
+    candidates hold every block score; the largest difference is printed and must stay within 1e-3 of the row's
+    score scale; then the selected blocks must agree on >= 99.9% of (query, head) rows."""
+    from openm3.ops.msa import triton_decode
+
+    x = paged_inputs(seq_lens, q_len, index_fp8=True)
+    common = dict(q_len=q_len, block_size=BLOCK, topk=TOPK, local_blocks=1, ki_scale=x["ki_scale"],
+                  segment_blocks=8, stages=3, num_warps=4, score_loads="tma")
+    ref, n = triton_decode._score_candidates(x["qi"], x["ki"], x["table"], x["lens"], fp8_math="fp16", **common)
+    got, n2 = triton_decode._score_candidates(x["qi"], x["ki"], x["table"], x["lens"], fp8_math="split", **common)
+    assert n == n2
+    s_ref, b_ref = _candidate_scores(ref[:, :n])
+    s_got, b_got = _candidate_scores(got[:, :n])
+    order_ref, order_got = b_ref.argsort(-1), b_got.argsort(-1)
+    assert torch.equal(b_ref.gather(-1, order_ref), b_got.gather(-1, order_got))  # the same blocks scored
+    s_ref, s_got = s_ref.gather(-1, order_ref), s_got.gather(-1, order_got)
+    real = torch.isfinite(s_ref)
+    assert torch.equal(real, torch.isfinite(s_got))
+    scale = s_ref.where(real, 0).abs().amax(-1, keepdim=True)
+    err = ((s_got - s_ref).where(real, 0).abs() / scale).max().item()
+    print(f"split fp8 scoring: max |score difference| / row scale = {err:.2e}")
+    assert err <= 1e-3, err
+    idx = triton_decode.decode_select_blocks(x["qi"], x["ki"], x["table"], x["lens"], q_len=q_len,
+                                             block_size=BLOCK, topk=TOPK, ki_scale=x["ki_scale"], score_loads="tma")
+    idx_split = triton_decode.decode_select_blocks(x["qi"], x["ki"], x["table"], x["lens"], q_len=q_len,
+                                                   block_size=BLOCK, topk=TOPK, ki_scale=x["ki_scale"],
+                                                   score_loads="tma", fp8_math="split")
+    same = (idx.sort(-1).values == idx_split.sort(-1).values).all(-1).float().mean().item()
+    assert same >= 0.999, same
+    o, lse, idx_msa = triton_decode.decode_msa(x["q"], x["qi"], x["k"], x["v"], x["ki"], x["table"], x["lens"],
+                                               q_len=q_len, topk=TOPK, ki_scale=x["ki_scale"], fp8_math="split",
+                                               score_loads="tma")
+    assert torch.equal(idx_msa, idx_split)
+    o2, lse2 = triton_decode.decode_attention(x["q"], x["k"], x["v"], x["table"], x["lens"], idx_split, q_len=q_len)
+    torch.testing.assert_close(o.float(), o2.float(), atol=4e-3, rtol=0)
+    torch.testing.assert_close(lse, lse2, atol=1e-4, rtol=0)

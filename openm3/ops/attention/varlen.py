@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..host import host_list
+
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
     """Validate `cu_seqlens int32 [B+1]` (starts at 0, non-decreasing, ends at `total`); returns it as a list."""
@@ -20,7 +22,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         raise ValueError(f"{name} must be an int32 tensor [B+1] with B >= 1, got {shape}")
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"{name} must be int32, got {cu_seqlens.dtype}")
-    offsets = cu_seqlens.tolist()
+    offsets = host_list(cu_seqlens)
     if offsets[0] != 0 or offsets[-1] != total or any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"{name} must start at 0, never decrease and end at T={total}, got {offsets}")
     return offsets

@@ -26,22 +26,27 @@ def select_blocks(qi, ki, cu_seqlens, *, block_size: int, topk: int, local_block
 
 
 def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
-                     cu_seqlens_k=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal softmax attention over the selected key blocks. See `reference.sparse_attention`."""
+                     cu_seqlens_k=None, validate_block_idx: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax attention over the selected key blocks. See `reference.sparse_attention`.
+
+    validate_block_idx=False skips the value checks of `block_idx` (host syncs and a few sorts per call) for
+    indices straight from `select_blocks`; shapes, dtypes and `cu_seqlens` are still checked."""
     if pick_backend(q) == "triton":
         from .triton_attention import sparse_attention as impl
     else:
         impl = reference.sparse_attention
-    return impl(q, k, v, block_idx, cu_seqlens, block_size=block_size, scale=scale, cu_seqlens_k=cu_seqlens_k)
+    return impl(q, k, v, block_idx, cu_seqlens, block_size=block_size, scale=scale, cu_seqlens_k=cu_seqlens_k,
+                validate_block_idx=validate_block_idx)
 
 
 def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
-               index_scale: float | None = None, lse: torch.Tensor | None = None, cu_seqlens_k=None) -> torch.Tensor:
+               index_scale: float | None = None, lse: torch.Tensor | None = None, cu_seqlens_k=None,
+               validate_block_idx: bool = True) -> torch.Tensor:
     """KL(main attention || index distribution); `block_idx=None` is the dense warm-up variant.
-    See `reference.indexer_kl`."""
+    See `reference.indexer_kl`; validate_block_idx as in `sparse_attention`."""
     if pick_backend(qi) == "triton":
         from .triton_kl import indexer_kl as impl
     else:
         impl = reference.indexer_kl
     return impl(q, k, qi, ki, block_idx, cu_seqlens, block_size=block_size, scale=scale, index_scale=index_scale,
-                lse=lse, cu_seqlens_k=cu_seqlens_k)
+                lse=lse, cu_seqlens_k=cu_seqlens_k, validate_block_idx=validate_block_idx)

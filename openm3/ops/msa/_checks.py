@@ -1,9 +1,10 @@
 """Input validation shared by every MSA backend.
 
 Each check raises `ValueError` naming the offending argument and what was expected, so a wrong call fails before
-any kernel runs instead of returning silently wrong numbers. Checks that read tensor *values* (`cu_seqlens`,
-`block_idx`) synchronise with the device; `check_block_idx(..., values=False)` skips the value checks for hot
-paths that trust their producer (the selection kernel).
+any kernel runs instead of returning silently wrong numbers. Checks that read tensor *values* synchronise with
+the device: `cu_seqlens` is read once per tensor (`openm3.ops.host.host_list`, shared by every op of a forward),
+and `check_block_idx(..., values=False)` skips the value checks for hot paths that trust their producer (the
+selection kernel).
 
 Shapes follow the packed varlen layout of `reference.py`: `q [T, Hq, D]`, `k, v [Tk, Hkv, D]`, `qi [T, Hi, Di]`,
 `ki [Tk, Di]`, `cu_seqlens int32 [B + 1]`, `cu_seqlens_k int32 [B + 1]`, `block_idx int32 [Hi, T, topk]`.
@@ -15,6 +16,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from ..host import host_list
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -139,7 +142,7 @@ def _check_cu(cu, name: str, total: int) -> list[int]:
         raise ValueError(f"{name} must be an int32 tensor of shape [B + 1], got {cu.dtype}")
     if cu.numel() < 2:
         raise ValueError(f"{name} must have shape [B + 1] with B >= 1, got {_shape(cu)}")
-    values = cu.tolist()
+    values = host_list(cu)
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     if any(b < a for a, b in zip(values, values[1:])):

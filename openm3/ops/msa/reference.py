@@ -177,7 +177,8 @@ def _top_blocks(scores: torch.Tensor, own: torch.Tensor, topk: int, local_blocks
 
 
 def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
-                     cu_seqlens_k=None, workspace: int = DEFAULT_WORKSPACE) -> tuple[torch.Tensor, torch.Tensor]:
+                     cu_seqlens_k=None, workspace: int = DEFAULT_WORKSPACE,
+                     validate_block_idx: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention over the keys of the selected blocks.
 
     Args:
@@ -185,6 +186,8 @@ def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: 
             block once, -1 only in trailing slots, only causally visible blocks).
         cu_seqlens / cu_seqlens_k: int32 [B + 1]. scale: default 1/sqrt(D).
         workspace: elements allowed per chunk intermediate.
+        validate_block_idx: False skips the value checks of block_idx (host syncs) for indices straight from
+            `select_blocks`; its shape and dtype are still checked.
 
     Returns:
         o [T, Hq, D] in q.dtype and lse fp32 [T, Hq] (natural-log sum-exp of the scaled scores). Query t, head h
@@ -201,7 +204,7 @@ def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: 
         raise ValueError("block_idx must be an int32 tensor of shape [Hi, T, topk], got None")
     if block_idx.device != q.device:
         raise ValueError(f"block_idx must be on q's device {q.device}, got {block_idx.device}")
-    check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size)
+    check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size, values=validate_block_idx)
     scale = d ** -0.5 if scale is None else float(scale)
     return _SparseAttention.apply(q, k, v, block_idx, segments, block_size, scale, workspace)
 
@@ -295,7 +298,7 @@ def _attention_chunks(q, k, v, block_idx, segments: list[Segment], block_size: i
 
 def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
                index_scale: float | None = None, lse: torch.Tensor | None = None, cu_seqlens_k=None,
-               workspace: int = DEFAULT_WORKSPACE) -> torch.Tensor:
+               workspace: int = DEFAULT_WORKSPACE, validate_block_idx: bool = True) -> torch.Tensor:
     """KL(main attention || index distribution), the loss that trains the index branch.
 
     Args:
@@ -306,6 +309,7 @@ def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: f
             1/sqrt(Di). lse: optional fp32 [T, Hq] from `sparse_attention` over the same keys; used as the
             teacher's normaliser instead of recomputing it.
         workspace: elements allowed per chunk intermediate.
+        validate_block_idx: as in `sparse_attention`.
 
     Returns:
         Scalar loss (compute dtype): mean over (index head g, query t) of KL(p || r) = sum_j p_j (log p_j - log r_j)
@@ -314,7 +318,8 @@ def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: f
         r = softmax(qi[t, g] . ki[j] * index_scale). Queries with an empty key set contribute 0.
     """
     _, _, d, di, segments = check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse,
-                                                    block_size=block_size, scale=scale, index_scale=index_scale)
+                                                    block_size=block_size, scale=scale, index_scale=index_scale,
+                                                    block_idx_values=validate_block_idx)
     _check_workspace(workspace)
     scale = d ** -0.5 if scale is None else float(scale)
     index_scale = di ** -0.5 if index_scale is None else float(index_scale)

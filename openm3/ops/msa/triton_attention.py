@@ -539,7 +539,7 @@ class _SparseAttention(torch.autograd.Function):
 VALIDATE_BLOCK_IDX = True
 
 
-def _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale) -> None:
+def _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale, values=True) -> None:
     """The reference's validation plus what the kernels additionally need."""
     _, hkv, _ = check_attention_inputs(q, k, v)
     check_block_params(block_size=block_size)
@@ -549,7 +549,8 @@ def _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scal
         raise ValueError("block_idx must be an int32 tensor of shape [Hi, T, topk]")
     if block_idx.device != q.device:
         raise ValueError(f"block_idx must be on q's device {q.device}, got {block_idx.device}")
-    check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size, values=VALIDATE_BLOCK_IDX)
+    check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size,
+                    values=values and VALIDATE_BLOCK_IDX)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q: the Triton kernels take float16, bfloat16 or float32, got {q.dtype}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -560,7 +561,8 @@ def _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scal
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor,
                      cu_seqlens: torch.Tensor, *, block_size: int, scale: float | None = None,
-                     cu_seqlens_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cu_seqlens_k: torch.Tensor | None = None,
+                     validate_block_idx: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention of each query over the keys of its selected blocks (Triton).
 
     q: [T, Hq, D]; k, v: [Tk, Hkv, D]; block_idx: int32 [Hkv, T, topk] block numbers relative to each sequence
@@ -569,7 +571,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     Returns o [T, Hq, D] in q.dtype and lse fp32 [T, Hq] (natural log; -inf for a query with no visible key).
     Differentiable in q, k, v.
     """
-    _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
+    _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale, validate_block_idx)
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens
     if scale is None:

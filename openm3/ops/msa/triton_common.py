@@ -277,10 +277,14 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         # 128K with i.i.d. selections, and only -4% left for overlapping ones there): one token per tile is the
         # robust default. TMA loads beat pointer loads; whole-block dk/dv programs read q and dO once per block,
         # and fusing dq into them (atomics) beats a second K/V gather.
+        # Groups of 4-8 heads (m3-small: 4) fill a wgmma tile of 64 rows with 16 (8) tokens over the union of
+        # their blocks: at G = 4 fwd+bwd 7.3 vs 9.6 ms at 2 x 8K tokens and 29.3 vs 35.8 ms at 64K (drifting
+        # selections; session 3, benchmarks/msa_group_sweep.py; G = 8 not measured).
         one_token = next_pow2(max(min_rows, group))
-        block_m = one_token
+        small_group = 4 <= group < 16
+        block_m = 64 if small_group else one_token
         block_n = largest_pow2_divisor(block_size, 128 if head_dim <= 64 else 64)
-        cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3,
+        cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2 if small_group else 3,
                    dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
                    dkdv_block_m=max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
                    dkdv_num_warps=8, dkdv_num_stages=2, dkdv_max_tokens=2048, tma=1, dq_in_dkdv=1)

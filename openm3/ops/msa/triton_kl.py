@@ -94,11 +94,14 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
     """
     # GPU: whole 128-key blocks per program (each entry's q rows are gathered once, not once per sub-tile), 8
     # teacher heads per dot, no pipelining: 70.3 ms at 128K for M3 on an H200 against 79.1 ms for 64-key
-    # sub-tiles, 16 heads per dot and 2 stages (docs/perf_notes.md, session 2).
+    # sub-tiles, 16 heads per dot and 2 stages (docs/perf_notes.md, session 2). Smaller groups (m3-small: G = 4,
+    # rows of 8K) run one head per dot: 5.7-5.9 ms against 7.5-8.3 ms with 4 per dot at 16K tokens (G = 16
+    # measured the other way: 79.9 ms with 1 per dot, 71.9 ms with 8; session 3, `benchmarks/msa_group_sweep.py`).
     block_n = max(16, min(next_pow2(block_size), 128 if on_gpu else 32))
+    heads_per_dot = largest_pow2_divisor(group, 8) if group >= 16 else 1
     # The interpreter's cost is per operation, not per element: big steps on CPU.
     cfg = dict(block_n=block_n, block_q=16 if on_gpu else 64,
-               heads_per_dot=largest_pow2_divisor(group, 8 if on_gpu else 16),
+               heads_per_dot=heads_per_dot if on_gpu else largest_pow2_divisor(group, 16),
                max_entries=256, num_warps=8 if on_gpu and head_dim >= 128 else 4,
                num_stages=1)
     cfg = with_overrides(cfg, _ENV_OVERRIDE, overrides)
@@ -497,7 +500,7 @@ VALIDATE_BLOCK_IDX = True
 def indexer_kl(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor, block_idx: torch.Tensor | None,
                cu_seqlens: torch.Tensor, *, block_size: int, scale: float | None = None,
                index_scale: float | None = None, lse: torch.Tensor | None = None,
-               cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+               cu_seqlens_k: torch.Tensor | None = None, validate_block_idx: bool = True) -> torch.Tensor:
     """KL(main attention || index distribution), differentiable in qi and ki only.
 
     Args:
@@ -513,7 +516,7 @@ def indexer_kl(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Ten
     """
     _, _, d, di, _ = check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse,
                                              block_size=block_size, scale=scale, index_scale=index_scale,
-                                             block_idx_values=VALIDATE_BLOCK_IDX)
+                                             block_idx_values=validate_block_idx and VALIDATE_BLOCK_IDX)
     if block_idx is not None:
         block_idx = block_idx.contiguous()
     if torch.float64 in (q.dtype, qi.dtype):

@@ -1,0 +1,105 @@
+"""MSA kernels at a smaller attention shape (m3-small's training layer by default) under launch-config sweeps.
+
+    python -m benchmarks.msa_group_sweep --out benchmarks/results/      # about 1-2 minutes on an H200
+
+The M3 launch defaults (`triton_common.attention_launch`, `triton_kl.kl_launch`) were tuned at M3's 16 query heads
+per KV head. m3-small trains with 16 query heads and 4 KV heads (G = 4 per group) on rows of 8K tokens, where a
+forward tile of 16 rows holds 4 tokens and the KL's dots are 4x narrower. This times, at that shape (`--hq`, `--T`
+tokens packed as sequences of `--seq-len`, drifting index queries), `select`, sparse attention forward+backward
+(under each `--attn` override string, as `OPENM3_ATTN_LAUNCH`) and the indexer KL forward+backward (under each
+`--kl` override string, as `OPENM3_KL_LAUNCH`), medians in ms, and writes JSON with the hardware and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks._inputs import m3_inputs
+from benchmarks.msa_kernels import bench_ms
+
+BLOCK, TOPK, LOCAL = 128, 16, 1
+ATTN = ["", "block_n=128", "num_warps=8", "num_stages=2", "dkdv_block_m=16", "dkdv_block_m=64",
+        "dkdv_num_warps=4", "dq_in_dkdv=0", "block_m=32"]
+KL = ["", "block_q=32", "block_q=64", "block_q=32,num_warps=4", "heads_per_dot=2", "heads_per_dot=1",
+      "block_n=64", "max_entries=1024", "prefetch=1", "dqi_buffer=1", "num_warps=4"]
+
+
+def _with_env(var: str, value: str, fn):
+    saved = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        return fn()
+    finally:
+        if saved is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hq", type=int, default=16)
+    p.add_argument("--T", type=int, default=16384)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--attn", nargs="*", default=ATTN, help="OPENM3_ATTN_LAUNCH strings ('' = defaults)")
+    p.add_argument("--kl", nargs="*", default=KL, help="OPENM3_KL_LAUNCH strings ('' = defaults)")
+    p.add_argument("--out", default="benchmarks/results/")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    from openm3.ops import msa
+
+    x = m3_inputs(args.T, hq=args.hq, seq_len=args.seq_len)
+    cu = x["cu"]
+    q, k, v, qi, ki = (x[n].detach().requires_grad_(True) for n in ("q", "k", "v", "qi", "ki"))
+    do = torch.randn_like(x["q"])
+    with torch.no_grad():
+        block_idx = msa.select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+        _, lse = msa.sparse_attention(x["q"], x["k"], x["v"], block_idx, cu, block_size=BLOCK)
+
+    def attn_fwd_bwd():
+        q.grad = k.grad = v.grad = None
+        o, _ = msa.sparse_attention(q, k, v, block_idx, cu, block_size=BLOCK)
+        o.backward(do)
+
+    def kl_fwd_bwd():
+        qi.grad = ki.grad = None
+        msa.indexer_kl(x["q"], x["k"], qi, ki, block_idx, cu, block_size=BLOCK, lse=lse).backward()
+
+    rec = {"shape": dict(hq=args.hq, hkv=4, T=args.T, seq_len=args.seq_len), "attn": {}, "kl": {}}
+    with torch.no_grad():
+        rec["select_ms"] = bench_ms(lambda: msa.select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK,
+                                                              local_blocks=LOCAL))
+    for cfg in args.attn:
+        try:
+            rec["attn"][cfg or "default"] = _with_env("OPENM3_ATTN_LAUNCH", cfg, lambda: bench_ms(attn_fwd_bwd))
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+            rec["attn"][cfg or "default"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(f"attention fwd+bwd [{cfg or 'default'}]: {rec['attn'][cfg or 'default']}", flush=True)
+    for cfg in args.kl:
+        try:
+            rec["kl"][cfg or "default"] = _with_env("OPENM3_KL_LAUNCH", cfg, lambda: bench_ms(kl_fwd_bwd))
+        except Exception as exc:  # noqa: BLE001
+            rec["kl"][cfg or "default"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(f"indexer KL fwd+bwd [{cfg or 'default'}]: {rec['kl'][cfg or 'default']}", flush=True)
+    rec["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                      triton=__import__("triton").__version__,
+                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"msa_group_sweep_hq{args.hq}_T{args.T}.json"
+    path.write_text(json.dumps(rec, indent=1))
+    print(f"select {rec['select_ms']:.3f} ms; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""Host copies of small device tensors that every op of a forward reads (`cu_seqlens`).
+
+Reading a CUDA tensor on the host (`.tolist()`) waits for the device to finish all queued work. The MSA ops and the
+varlen dense attention each validate `cu_seqlens` on the host, and a model calls them once or twice per layer with
+the same tensor, so without a cache a training step stops the launch queue dozens of times and the GPU idles while
+Python launches the next kernels. `host_list` reads each tensor once: the copy is keyed by the tensor object and
+its version counter (any in-place write invalidates it) and dropped when the tensor is freed.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["host_list"]
+
+_CACHE: dict[int, tuple] = {}
+
+
+def host_list(t: torch.Tensor) -> list:
+    """`t.tolist()`, read from the device once per (tensor, version) for CUDA tensors."""
+    if not t.is_cuda:
+        return t.tolist()
+    try:
+        version = t._version  # inference tensors have no version counter: no caching for them
+    except RuntimeError:
+        return t.tolist()
+    key = id(t)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        ref, hit_version, ptr, values = hit
+        if ref() is t and hit_version == version and ptr == t.data_ptr():
+            return list(values)
+    values = t.tolist()
+    _CACHE[key] = (weakref.ref(t, lambda _ref, k=key: _CACHE.pop(k, None)), version, t.data_ptr(), tuple(values))
+    return values
