@@ -252,6 +252,11 @@ def main(argv=None) -> int:
     msa, dense = (result["cases"].get(f"{k}_{args.preset}_{args.long_ctx}", {}) for k in ("msa", "dense"))
     if "tokens_per_s" in msa and "tokens_per_s" in dense:
         result["msa_over_dense_tokens_per_s"] = msa["tokens_per_s"] / dense["tokens_per_s"]
+    if "flops_per_token" in msa and "flops_per_token" in dense:
+        # the ratio tokens/s could reach if both ran at the same FLOP/s (the target's ceiling for this preset)
+        result["msa_over_dense_flop_ratio"] = dense["flops_per_token"] / msa["flops_per_token"]
+        print(f"{args.long_ctx} context: MSA / dense tokens/s {result.get('msa_over_dense_tokens_per_s', 0):.2f}x; "
+              f"model FLOPs per token dense / MSA {result['msa_over_dense_flop_ratio']:.2f}x", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "train_throughput.json"
     path.write_text(json.dumps(result, indent=1))
