@@ -35,6 +35,12 @@ for s in "${stages[@]}"; do
     decodesplit) python3 -m benchmarks.msa_decode --out "$OUT/split" --T 1048576 131072 --batch 1 32 --index fp8 \
                    --variants split table --score-variants split split_s4 split_seg16 split_seg32 split_seg32_s4 tma \
                    --prefill-T 2>&1 | tee "$OUT/msa_decode_split.log" | tail -24 ;;
+    tokendots)  # the token_dots forward (one dot per token that chose the block) against the default, 32K and 128K
+      for t in 32768 131072; do
+        python3 -m benchmarks.msa_kernels --out "$OUT/tokendots_$t" --T 8192 --skip-dense --skip-flex --skip-check \
+          --sweep-T $t --sweep "" token_dots=4 token_dots=4,num_warps=8 token_dots=2 token_dots=4,block_n=32 \
+          block_m=64 2>&1 | tee "$OUT/tokendots_$t.log" | grep -E "fwd|launch sweep" | tail -16
+      done ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfu) python3 -m benchmarks.train_throughput --out "$OUT" --only mfu --steps 3 --warmup 2 2>&1 \
            | tee "$OUT/train_mfu.log" | tail -4 ;;
