@@ -118,6 +118,17 @@ def test_gpu_launch_shapes(launch, bs, monkeypatch):
     assert_match(ours, ref)
 
 
+def test_small_group_gpu_default_tiling(monkeypatch):
+    """The GPU default for groups of 4 (m3-small): 64-row tiles of 16 tokens over their union, TMA, 2 stages, dq in
+    dk/dv (`attention_launch(4, ..., on_gpu=True)`), run here under the interpreter with its key tile width."""
+    gpu = attention_launch(4, 16, 32, torch.float32, True)
+    fields = ("block_m", "num_stages", "tma", "dq_in_dkdv", "dkdv_block_m")
+    monkeypatch.setenv("OPENM3_ATTN_LAUNCH", ",".join(f"{f}={getattr(gpu, f)}" for f in fields) + ",block_n=16")
+    q, k, v, block_idx, cu_q, cu_k = make_case((45, 60), 16, 4, 16, 32, 3, seed=7)
+    ours, ref = run_both(q, k, v, block_idx, cu_q, cu_k, 32)
+    assert_match(ours, ref)
+
+
 @pytest.mark.parametrize("launch, hq, hkv, bs", [
     ("token_dots=2,block_n=16", 16, 1, 16),
     ("token_dots=4,block_n=16", 16, 2, 32),
