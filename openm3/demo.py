@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     report_figures(model, tokenizer, evaluator, history, out)
     samples = write_samples(model, tokenizer, evaluator, out)
-    trainer.export(out / "model")
+    trainer.export(out / "model", tokenizer)
     t_report = time.perf_counter() - t0
 
     n_params = sum(p.numel() for p in model.parameters())

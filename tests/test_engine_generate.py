@@ -142,6 +142,24 @@ def test_cli_local_checkpoint(model, tmp_path, capsys):
     assert [int(t) for t in out.split(",")] == want[0].tokens
 
 
+def test_cli_finds_the_checkpoint_tokenizer(model, tmp_path, capsys):
+    """A checkpoint directory with a tokenizer.json (what `openm3 train --export` writes) takes --prompt text
+    without --tokenizer; --tokenizer also takes a directory; a path that is neither fails with a clear message."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    tok.save(str(ckpt / "tokenizer.json"))
+    base = ["--prompt", "hello world", "--max-new-tokens", "2", "--device", "cpu", "--no-stream"]
+    assert main(["--checkpoint", str(ckpt), *base]) == 0
+    assert main(["--preset", "m3-tiny", "--tokenizer", str(ckpt), *base]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="neither a tokenizer.json file nor a directory"):
+        main(["--preset", "m3-tiny", "--tokenizer", str(tmp_path / "missing"), *base])
+
+
 def test_cli_compile_gives_the_same_greedy_tokens(capsys):
     """`--compile` (every decoder layer under torch.compile, the cache path eager inside) changes no token."""
     argv = ["--preset", "m3-tiny", "--prompt-ids", "5,9,2,7,1,3,8", "--max-new-tokens", "4", "--device", "cpu",

@@ -282,6 +282,15 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, path, body, par
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
 
 
+def test_cli_uses_the_checkpoint_tokenizer(tok, model, tmp_path):
+    """A checkpoint directory holding a tokenizer (as `openm3 train --export` writes it) needs no --tokenizer."""
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save(tmp_path / "ckpt")
+    client = TestClient(build_app(build_parser().parse_args(["--checkpoint", str(tmp_path / "ckpt")])))
+    r = client.post("/v1/completions", json={"model": "ckpt", "prompt": "hello world", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tok.encode("hello world"))
+
+
 def test_cli_builds_an_app_from_a_preset(tok, tmp_path):
     path = tok.save(tmp_path / "tok")
     args = build_parser().parse_args(["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64"])

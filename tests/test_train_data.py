@@ -218,7 +218,7 @@ def test_train_cli_world_size_checked_before_compute(monkeypatch):
     assert called == []
 
 
-def test_train_cli_runs_and_resumes(tmp_path):
+def test_train_cli_runs_and_resumes(tmp_path, tokenizer):
     import json
 
     from openm3.train import cli
@@ -237,6 +237,8 @@ def test_train_cli_runs_and_resumes(tmp_path):
     assert [r["step"] for r in log if "loss" in r] == [0, 1]
     assert any("eval/bpb/stdlib" in r for r in log)
     assert (tmp_path / "model" / "config.json").is_file()
+    from openm3.data.tokenizer import M3Tokenizer  # the export carries its tokenizer for generate / serve
+    assert M3Tokenizer.from_file(tmp_path / "model").vocab_size == tokenizer.vocab_size
 
 
 def test_vision_parameters_get_their_own_learning_rate(tmp_path, tokenizer, source):

@@ -210,10 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "paged MSA cache (chunked prefill, Triton decode kernels on CUDA).")
     add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs --tokenizer)")
+    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer: --tokenizer, or a tokenizer.json in the "
+                        "--checkpoint directory)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     prompt.add_argument("--random-prompt", type=int, metavar="N", help="N random token ids (long-context runs)")
-    p.add_argument("--tokenizer", help="path to a tokenizer.json (for --prompt and to print text)")
+    p.add_argument("--tokenizer", help="a tokenizer.json or a directory holding one, for --prompt and to print "
+                   "text (default: the --checkpoint directory's, if it has one)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -246,6 +248,22 @@ def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return device, dtype
+
+
+def tokenizer_path(tokenizer: str | None, checkpoint: str | None) -> str | None:
+    """The tokenizer.json to use: `tokenizer` (a file, or a directory holding one; SystemExit if neither), else
+    the checkpoint directory's tokenizer.json when there is one (`openm3 train --export` writes it), else None."""
+    import os
+
+    if tokenizer is not None:
+        path = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: --tokenizer: {tokenizer!r} is neither a tokenizer.json file nor a directory "
+                             f"holding one")
+        return path
+    if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
+        return os.path.join(checkpoint, "tokenizer.json")
+    return None
 
 
 def load_model(args, device: torch.device, dtype: torch.dtype):
@@ -287,12 +305,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     tokenizer = None
-    if args.tokenizer is not None:
-        if not os.path.isfile(args.tokenizer):
-            raise SystemExit(f"error: tokenizer file {args.tokenizer!r} does not exist")
+    path = tokenizer_path(args.tokenizer, args.checkpoint)
+    if path is not None:
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(args.tokenizer)
+        tokenizer = Tokenizer.from_file(path)
     if args.prompt is not None and tokenizer is None:
         raise SystemExit("error: --prompt needs --tokenizer PATH/tokenizer.json (or pass --prompt-ids)")
     device, dtype = device_and_dtype(args)

@@ -22,8 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openm3 serve", description="Serve a model behind the OpenAI HTTP API "
                                 "(/v1/models, /v1/completions, /v1/chat/completions).")
     add_model_arguments(p)
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json or a directory holding one "
-                   "(default: the locally trained tokenizer of openm3.data, trained on first use)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json or a directory holding one (default: the "
+                   "--checkpoint directory's tokenizer.json if it has one, else the locally trained tokenizer of "
+                   "openm3.data, trained on first use)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: preset or directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -41,7 +42,9 @@ def build_app(args: argparse.Namespace):
 
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
-    tokenizer = M3Tokenizer.from_file(args.tokenizer) if args.tokenizer else get_tokenizer()
+    own = args.checkpoint is not None and os.path.isfile(os.path.join(args.checkpoint, "tokenizer.json"))
+    source = args.tokenizer or (args.checkpoint if own else None)
+    tokenizer = M3Tokenizer.from_file(source) if source else get_tokenizer()
     device, dtype = device_and_dtype(args)
     model = load_model(args, device, dtype)
     limit = args.max_total_tokens

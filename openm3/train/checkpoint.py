@@ -145,9 +145,10 @@ class CheckpointManager:
 
 
 def export_consolidated(model: nn.Module, build_model: Callable[[], nn.Module], out: str | Path,
-                        info: DistInfo) -> Path | None:
+                        info: DistInfo, tokenizer=None) -> Path | None:
     """Collective: gather the full weights and (rank 0) write them with the model's `save_pretrained`
-    (published M3 layout for openm3 models) under a temporary name, then rename. Returns the path on rank 0."""
+    (published M3 layout for openm3 models) and, if given, the `M3Tokenizer` (`tokenizer.json`, its config and
+    chat template), under a temporary name, then rename. Returns the path on rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -161,6 +162,8 @@ def export_consolidated(model: nn.Module, build_model: Callable[[], nn.Module], 
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         fresh.save_pretrained(tmp)
+        if tokenizer is not None:  # generate / serve (and transformers' AutoTokenizer) find it beside the weights
+            tokenizer.save(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -19,19 +19,43 @@ from pathlib import Path
 from .config import TrainConfig
 
 
+# (TrainConfig field, type, help) of the plain value flags; defaults are TrainConfig's
+_FLAGS = (
+    ("model", str, "preset: m3-tiny (CPU, default), m3-small (one GPU), m3"),
+    ("recipe", str, "text-only | native (vision from step 0, default) | mid (vision from --vision-start-step) | "
+                    "cpt (vision for --cpt-steps after the decay)"),
+    ("steps", int, "optimizer steps (default 100)"),
+    ("seq_len", int, "tokens per packed row (default 256)"),
+    ("text_rows", int, "text rows per optimizer step, all ranks together (default 4); vision rows follow the "
+                       "recipe's mixture"),
+    ("micro_batch", int, "rows per forward on each rank; gradients accumulate over the rest (default 2)"),
+    ("lr", float, "peak learning rate (default 3e-3)"),
+    ("warmup_steps", int, "linear warm-up steps (default 10)"),
+    ("decay_start", int, "step where the LR decay starts (default 80%% of --steps)"),
+    ("msa_switch_step", int, "steps before it are the dense warm-up of the MSA layers (default 0)"),
+    ("kl_weight", float, "weight of the indexer KL loss (default 1.0; 0 turns it off)"),
+    ("seed", int, "seed of the model init, data order and sampling (default 0)"),
+    ("ckpt_every", int, "checkpoint every N steps (default 0: only at the end)"),
+    ("eval_every", int, "evaluate every N steps (default 0: only at the end)"),
+    ("vision_start_step", int, "recipe mid: step where vision rows start"),
+    ("cpt_steps", int, "recipe cpt: vision steps after the decay"),
+    ("device", str, "auto (cuda if available, default) | cpu | cuda"),
+    ("param_dtype", str, "auto (bf16 on CUDA, fp32 on CPU, default) | float32 | bfloat16"),
+)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="openm3 train", description=__doc__.split("\n")[0])
-    p.add_argument("--config", type=Path, help="JSON file of TrainConfig fields")
-    for name, kind in (("model", str), ("recipe", str), ("steps", int), ("seq_len", int), ("text_rows", int),
-                       ("micro_batch", int), ("lr", float), ("warmup_steps", int), ("decay_start", int),
-                       ("msa_switch_step", int), ("kl_weight", float), ("seed", int), ("ckpt_every", int),
-                       ("eval_every", int), ("vision_start_step", int), ("cpt_steps", int), ("device", str),
-                       ("param_dtype", str)):
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None)
-    p.add_argument("--out", dest="out_dir", default=None, help="run folder (logs, checkpoints)")
-    p.add_argument("--activation-checkpointing", action="store_true", default=None)
-    p.add_argument("--compile", action="store_true", default=None)
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.add_argument("--config", type=Path, help="JSON file of TrainConfig fields (flags override it)")
+    for name, kind, text in _FLAGS:
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=text)
+    p.add_argument("--out", dest="out_dir", default=None, help="run folder: logs, TensorBoard, checkpoints "
+                   "(default runs/train)")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="recompute each decoder layer in the backward (long contexts)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile each decoder layer (the attention ops stay eager inside it)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--export", type=Path, help="write a consolidated checkpoint (published M3 layout) here at the end")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -82,7 +106,7 @@ def main(argv=None) -> int:
         print(f"no checkpoint under {trainer.checkpoints.root}; starting from step 0")
     trainer.fit()
     if args.export:
-        trainer.export(args.export)
+        trainer.export(args.export, tokenizer)
     if trainer.info.is_main:
         last = trainer.history[-1] if trainer.history else {}
         print(f"done: step {trainer.step}/{cfg.steps}, loss {last.get('loss', float('nan')):.4f}; "

@@ -131,8 +131,9 @@ class Trainer:
         self.logger.truncate_after(self.step)
         return True
 
-    def export(self, out: str | Path) -> Path | None:
-        return export_consolidated(self.model, self.build_model, out, self.info)
+    def export(self, out: str | Path, tokenizer=None) -> Path | None:
+        """Consolidated checkpoint in the published M3 layout (+ `tokenizer.json` of an `M3Tokenizer`)."""
+        return export_consolidated(self.model, self.build_model, out, self.info, tokenizer)
 
     # ---- one optimizer step ------------------------------------------------------------------------------
     def _autocast(self):
