@@ -368,3 +368,14 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
+
+def test_default_segments_cap_the_candidates_per_row():
+    """Scoring segments: ~4 programs per SM, grown until a row keeps <= 4096 candidates (long batch-1 rows)."""
+    td = _triton()
+    cpu = torch.device("cpu")  # 132 SMs assumed off-GPU, as on an H200
+    sizes = {(1024, 1): 2, (1024, 32): 32, (8192, 1): 32, (8192, 32): 128, (16384, 1): 64, (32, 1): 2}
+    for (blocks, batch), want in sizes.items():
+        seg = td._default_segment_blocks(blocks, batch, cpu)
+        assert seg == want, (blocks, batch, seg)
+        assert -(-blocks // seg) * min(seg, 15) <= td._MAX_ROW_CANDIDATES
