@@ -41,7 +41,7 @@ def random_selection(t: int, seed: int, share: int = 16) -> torch.Tensor:
 def bf16_attention(q, k, v, block_idx, positions):
     """Sparse attention computed with bf16 PyTorch ops (gathered keys). q: [n, Hq, D] bf16 at key positions
     `positions` [n]; k, v: [Tk, Hkv, D]; block_idx: [Hkv, n, topk]. Returns o [n, Hq, D], lse [n, Hq] fp32."""
-    n, g = q.shape[0], HQ // HKV
+    n, g = q.shape[0], q.shape[1] // HKV
     offs = torch.arange(BLOCK, device=q.device)
     keys = (block_idx.clamp_min(0).long().unsqueeze(-1) * BLOCK + offs).flatten(2)  # [Hkv, n, topk * BLOCK]
     ok = (block_idx >= 0).repeat_interleave(BLOCK, dim=-1) & (keys <= positions.view(1, n, 1))
@@ -70,7 +70,13 @@ LAUNCH_VARIANTS = [
     "dq_in_dkdv=1,dkdv_block_n=128,dkdv_block_m=16",
     "dq_in_dkdv=1,dkdv_block_n=64,dkdv_block_m=32,dkdv_max_tokens=64",
     "tma=0,block_m=128,block_n=64,num_warps=8,dq_block_m=32,dkdv_block_m=64",
+    "token_dots=4", "token_dots=2,num_warps=8",
 ]
+
+
+def test_small_group_defaults_within_twice_torch_bf16_error():
+    """m3-small's attention shape (16 query heads, 4 KV heads): its GPU default tiles 16 tokens over their union."""
+    check_bf16_bound(16384, hq=16)
 
 
 @pytest.mark.parametrize("launch", LAUNCH_VARIANTS, ids=lambda c: "B1-T8192-Hq64-Hkv4-D128-" + c.replace(",", "-"))
@@ -79,13 +85,13 @@ def test_launch_variants_within_twice_torch_bf16_error(launch, monkeypatch):
     check_bf16_bound(8192)
 
 
-def check_bf16_bound(t: int) -> None:
+def check_bf16_bound(t: int, hq: int = HQ) -> None:
     """Kernel vs fp32 reference error <= 2x (bf16 PyTorch vs fp32 reference) for o, lse, dq, dk, dv."""
     from openm3.ops.msa import reference
     from openm3.ops.msa.triton_attention import sparse_attention
 
     torch.manual_seed(0)
-    q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(t, hq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     block_idx = random_selection(t, seed=1)
@@ -93,7 +99,7 @@ def check_bf16_bound(t: int) -> None:
     o, lse = sparse_attention(q, k, v, block_idx, cu, block_size=BLOCK)
     tail = slice(t - TAIL, t)
     do = torch.zeros_like(o)
-    do[tail] = torch.randn(TAIL, HQ, D, device="cuda", dtype=torch.bfloat16)
+    do[tail] = torch.randn(TAIL, hq, D, device="cuda", dtype=torch.bfloat16)
     o.backward(do)
 
     cu_q = torch.tensor([0, TAIL], device="cuda", dtype=torch.int32)
