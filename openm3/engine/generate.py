@@ -251,14 +251,15 @@ def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
 
 
 def tokenizer_path(tokenizer: str | None, checkpoint: str | None) -> str | None:
-    """The tokenizer.json to use: `tokenizer` (a file, or a directory holding one; SystemExit if neither), else
-    the checkpoint directory's tokenizer.json when there is one (`openm3 train --export` writes it), else None."""
+    """The tokenizer.json to use (shared by `generate` and `serve`): `tokenizer` (a file, or a directory holding
+    one; ValueError if neither), else the checkpoint directory's tokenizer.json when there is one (`openm3 train
+    --export` writes it), else None."""
     import os
 
     if tokenizer is not None:
         path = os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
         if not os.path.isfile(path):
-            raise SystemExit(f"error: --tokenizer: {tokenizer!r} is neither a tokenizer.json file nor a directory "
+            raise ValueError(f"--tokenizer: {tokenizer!r} is neither a tokenizer.json file nor a directory "
                              f"holding one")
         return path
     if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
@@ -305,7 +306,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     tokenizer = None
-    path = tokenizer_path(args.tokenizer, args.checkpoint)
+    try:
+        path = tokenizer_path(args.tokenizer, args.checkpoint)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     if path is not None:
         from tokenizers import Tokenizer
 

@@ -37,13 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
 def build_app(args: argparse.Namespace):
     """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
     from ..data.tokenizer import M3Tokenizer, get_tokenizer
-    from ..engine.generate import device_and_dtype, load_model
+    from ..engine.generate import device_and_dtype, load_model, tokenizer_path
     from .app import ModelBackend, create_app
 
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
-    own = args.checkpoint is not None and os.path.isfile(os.path.join(args.checkpoint, "tokenizer.json"))
-    source = args.tokenizer or (args.checkpoint if own else None)
+    source = tokenizer_path(args.tokenizer, args.checkpoint)
     tokenizer = M3Tokenizer.from_file(source) if source else get_tokenizer()
     device, dtype = device_and_dtype(args)
     model = load_model(args, device, dtype)

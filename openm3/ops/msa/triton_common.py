@@ -233,8 +233,8 @@ class AttentionLaunch:
     dq_in_dkdv: 1 computes dq inside the dk/dv kernel (one more dot per step, fp32 atomic adds into a [T, Hq, D]
       buffer) instead of a separate query-outer pass that gathers K and V again.
     token_dots: 2 or 4 runs the forward with that many tokens per program over the union of their blocks, each
-      K/V tile loaded once, but one dot per token that selected the block (``_attn_fwd_kernel` with TOKEN_DOTS: no masked
-      dot work; each token's rows are its group's heads, so block_m is not used); 0 (default) is off.
+      K/V tile loaded once, but one dot per token that selected the block (`_attn_fwd_kernel` with TOKEN_DOTS: no
+      masked dot work; each token's rows are its group's heads, so block_m is not used); 0 (default) is off.
     """
 
     block_m: int
