@@ -129,22 +129,6 @@ def test_small_group_gpu_default_tiling(monkeypatch):
     assert_match(ours, ref)
 
 
-@pytest.mark.parametrize("launch, hq, hkv, bs", [
-    ("token_dots=2,block_n=16", 16, 1, 16),
-    ("token_dots=4,block_n=16", 16, 2, 32),
-    ("token_dots=4,block_n=32,tma=1", 16, 1, 32),
-    ("token_dots=4,block_n=16", 8, 2, 16),
-], ids=["B2-T105-Hq16-Hkv1-D16-bs16-k3-token-dots2", "B2-T105-Hq16-Hkv2-D16-bs32-k3-token-dots4-subtiles",
-        "B2-T105-Hq16-Hkv1-D16-bs32-k3-token-dots4-tma", "B2-T105-Hq8-Hkv2-D16-bs16-k3-token-dots4-padded-rows"])
-def test_token_dots_forward(launch, hq, hkv, bs, monkeypatch):
-    """Multi-token programs with one dot per token that selected the block (`_fwd_token_dots`): last tile
-    past the end of the queries, tokens of two sequences in one tile, a group smaller than a tile's 16 rows."""
-    monkeypatch.setenv("OPENM3_ATTN_LAUNCH", launch)
-    q, k, v, block_idx, cu_q, cu_k = make_case((45, 60), hq, hkv, 16, bs, 3, seed=5)
-    ours, ref = run_both(q, k, v, block_idx, cu_q, cu_k, bs)
-    assert_match(ours, ref)
-
-
 def test_fused_dq_falls_back_to_the_dq_pass_above_its_workspace_limit(monkeypatch):
     """dq_in_dkdv=1 with an fp32 dq buffer over FUSED_DQ_MAX_BYTES takes the separate dq pass: same result."""
     monkeypatch.setenv("OPENM3_ATTN_LAUNCH", "dq_in_dkdv=1,block_m=16,block_n=16,dkdv_block_m=16")
@@ -312,7 +296,7 @@ def test_validation_can_be_skipped_for_trusted_selections(monkeypatch):
 
 
 _SM90_COMPILE = r'''
-import os, re, sys
+import os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 import torch, triton
 from triton.backends.compiler import GPUTarget
@@ -344,8 +328,7 @@ def signature(fn, consts):
 for group in (16, 4, 1):
     launch = attention_launch(group, 128, 128, torch.bfloat16, on_gpu=True)
     base = dict(GROUP=group, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=128, DOT_PRECISION="tf32", WHILE_LOOPS=False,
-                NUM_HEADS=4 * group, USE_TMA=bool(launch.tma), FUSE_DQ=bool(launch.dq_in_dkdv), TOKEN_DOTS=False,
-                STAGES=launch.num_stages)
+                NUM_HEADS=4 * group, USE_TMA=bool(launch.tma), FUSE_DQ=bool(launch.dq_in_dkdv))
     jobs = [(ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
                                        TOKENS=launch.tokens_per_tile(group)), launch.num_warps, launch.num_stages),
             (ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, USE_TMA=False,
@@ -359,17 +342,12 @@ for group in (16, 4, 1):
             (ta._attn_dkdv_kernel, dict(BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, FUSE_DQ=False,
                                         TOKENS=launch.dkdv_tokens(group)), launch.dkdv_num_warps,
              launch.dkdv_num_stages)]
-    if group == 16:  # token_dots=4: one dot per token that selected the block, K/V tiles multi-buffered
-        jobs.append((ta._attn_fwd_kernel, dict(BLOCK_M=16, BLOCK_N=launch.block_n, TOKENS=4, TOKEN_DOTS=True,
-                                               STAGES=3), launch.num_warps, 3))
     for fn, extra, warps, stages in jobs:
         consts = {k: v for k, v in {**base, **extra}.items() if k in fn.arg_names}
         sig, attrs = signature(fn, consts)
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=warps, num_stages=stages))
         assert k.asm["cubin"], fn.__name__
-        if extra.get("TOKEN_DOTS"):  # the pipeliner must keep several K/V tiles in flight
-            assert re.search(r"local_alloc : \(\) -> !ttg.memdesc<[23]x64x128xbf16", k.asm["ttgir"]), "K/V not pipelined"
         print(fn.__name__, group, "ok")
 
 consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_R=16)
@@ -385,7 +363,7 @@ print("_delta_kernel ok")
 def test_kernels_compile_for_sm90():
     """The interpreter accepts programs a GPU compiler rejects (e.g. tl.dot below 16 rows): compile every kernel
     for an H100/H200 (sm_90) with the default GPU launch configs (TMA and pointer loads, dq fused into dk/dv or
-    not) and the token_dots forward, without a GPU (Triton's bundled ptxas)."""
+    not), without a GPU (Triton's bundled ptxas)."""
     import subprocess
     import sys
 
@@ -395,7 +373,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" ok") == 17, proc.stdout  # 3 groups x 5 kernels, token_dots, delta
+    assert proc.stdout.count(" ok") == 16, proc.stdout  # 3 groups x 5 kernels, delta
 
 
 def test_strided_views_of_fused_projections():

@@ -70,7 +70,6 @@ LAUNCH_VARIANTS = [
     "dq_in_dkdv=1,dkdv_block_n=128,dkdv_block_m=16",
     "dq_in_dkdv=1,dkdv_block_n=64,dkdv_block_m=32,dkdv_max_tokens=64",
     "tma=0,block_m=128,block_n=64,num_warps=8,dq_block_m=32,dkdv_block_m=64",
-    "token_dots=4", "token_dots=2,num_warps=8",
 ]
 
 

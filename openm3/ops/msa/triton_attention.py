@@ -158,19 +158,12 @@ def _attn_fwd_kernel(
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr, USE_TMA: tl.constexpr, TOKEN_DOTS: tl.constexpr = False, STAGES: tl.constexpr = 3,
+    WHILE_LOOPS: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """o, lse of one query tile (grid: n_tiles x Hkv). LSE is [T, Hq] fp32 contiguous. With USE_TMA, K and V are
-    [Tk, Hkv * D] tensor descriptors with [BLOCK_N, BLOCK_D] boxes. TOKEN_DOTS: see `_fwd_token_dots` (BLOCK_M is
-    then one token's rows; STAGES its loop's pipeline depth)."""
+    [Tk, Hkv * D] tensor descriptors with [BLOCK_N, BLOCK_D] boxes."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    if TOKEN_DOTS:
-        _fwd_token_dots(tile, g, Q, K, V, O, LSE, QPOS, MEMB, CAND, NCAND, T, Tk, n_tiles, cand_stride,
-                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                        qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_M, BLOCK_N, TOKENS, DOT_PRECISION,
-                        WHILE_LOOPS, USE_TMA, STAGES)
-        return
     tok, head, row_ok, d, d_ok, q, qpos, row_token = _load_tile_rows(
         Q, QPOS, tile, g, T, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, TOKENS)
 
@@ -199,118 +192,6 @@ def _attn_fwd_kernel(
     o_ptrs = O + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + tok.to(tl.int64) * (GROUP * tl.num_programs(1)) + head, lse, mask=row_ok)
-
-
-@triton.jit
-def _token_update(selected, q, qpos, m_i, l_i, acc, k, v, kpos, k_ok, qk_scale, DOT_PRECISION: tl.constexpr):
-    """Online-softmax step of one token's [BLOCK_M heads, D] rows over a K/V tile, only if the token `selected`
-    the tile's block (a scalar branch, uniform over the program: no dot work for the others)."""
-    if selected:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        m_i, alpha, p, l_i = _online_softmax(tl.where((kpos[None, :] <= qpos) & k_ok[None, :], s, float("-inf")),
-                                             m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _token_rows(Q, QPOS, tok, T, g, rows, d, d_ok, stride_qt, stride_qh, GROUP: tl.constexpr):
-    """One token's rows (its GROUP heads of group g, padded to BLOCK_M): q [BLOCK_M, BLOCK_D], the row mask and
-    the token's absolute key position (-1 past the end of the queries, where it selected nothing)."""
-    ok = (rows < GROUP) & (tok < T)
-    tok_rows = tl.zeros_like(rows) + tok
-    q = _load_query_tile(Q, tok_rows, g * GROUP + rows, ok, d, d_ok, stride_qt, stride_qh)
-    qpos = tl.load(QPOS + tok, mask=tok < T, other=-1)
-    return q, ok, qpos
-
-
-@triton.jit
-def _token_store(O, LSE, tok, g, rows, ok, d, d_ok, m_i, l_i, acc, stride_ot, stride_oh, num_heads,
-                 GROUP: tl.constexpr):
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    head = g * GROUP + rows
-    o_ptrs = O + tok.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
-    tl.store(LSE + tok.to(tl.int64) * num_heads + head, lse, mask=ok)
-
-
-@triton.jit
-def _tokens_step(step, cand_base, memb_base, K, V, g, d, d_ok, Tk, stride_kt, stride_kh, stride_vt, stride_vh,
-                 qk_scale, q0, p0, m0, l0, a0, q1, p1, m1, l1, a1, q2, p2, m2, l2, a2, q3, p3, m3, l3, a3,
-                 N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-    """Key tile `step` of the tile's union of blocks: K and V loaded once, then one online-softmax update per
-    token of the tile that selected the block (membership bit j)."""
-    start = tl.load(cand_base + step // N_SUB)
-    members = tl.load(memb_base + step // N_SUB)
-    row0 = start + (step % N_SUB) * BLOCK_N
-    kpos = row0 + tl.arange(0, BLOCK_N)
-    k_ok = kpos < Tk
-    k = _key_tile(K, kpos, row0, k_ok, g, d, d_ok, stride_kt, stride_kh, BLOCK_D, USE_TMA)
-    v = _key_tile(V, kpos, row0, k_ok, g, d, d_ok, stride_vt, stride_vh, BLOCK_D, USE_TMA)
-    m0, l0, a0 = _token_update((members & 1) != 0, q0, p0, m0, l0, a0, k, v, kpos, k_ok, qk_scale, DOT_PRECISION)
-    m1, l1, a1 = _token_update((members & 2) != 0, q1, p1, m1, l1, a1, k, v, kpos, k_ok, qk_scale, DOT_PRECISION)
-    if TOKENS > 2:
-        m2, l2, a2 = _token_update((members & 4) != 0, q2, p2, m2, l2, a2, k, v, kpos, k_ok, qk_scale,
-                                   DOT_PRECISION)
-        m3, l3, a3 = _token_update((members & 8) != 0, q3, p3, m3, l3, a3, k, v, kpos, k_ok, qk_scale,
-                                   DOT_PRECISION)
-    return m0, l0, a0, m1, l1, a1, m2, l2, a2, m3, l3, a3
-
-
-@triton.jit
-def _fwd_token_dots(tile, g, Q, K, V, O, LSE, QPOS, MEMB, CAND, NCAND, T, Tk, n_tiles, cand_stride,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, qk_scale,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    WHILE_LOOPS: tl.constexpr, USE_TMA: tl.constexpr, STAGES: tl.constexpr):
-    """`_attn_fwd_kernel` with TOKEN_DOTS: TOKENS (2 or 4) consecutive tokens per program over the union of their
-    blocks, with one dot per token and key tile and only for the tokens that selected the block: each K/V tile is
-    loaded once for the tile (as in the multi-token tiles) but no dot work is masked away. Each token keeps its own
-    [BLOCK_M = its GROUP heads padded, D] softmax state. The loop is a `tl.range` with explicit stages: with a
-    plain `range` the pipeliner left the K/V loads single-buffered (their uses sit inside per-token branches)."""
-    rows = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    tok0 = tile * TOKENS
-    q0, ok0, p0 = _token_rows(Q, QPOS, tok0, T, g, rows, d, d_ok, stride_qt, stride_qh, GROUP)
-    q1, ok1, p1 = _token_rows(Q, QPOS, tok0 + 1, T, g, rows, d, d_ok, stride_qt, stride_qh, GROUP)
-    if TOKENS > 2:
-        q2, ok2, p2 = _token_rows(Q, QPOS, tok0 + 2, T, g, rows, d, d_ok, stride_qt, stride_qh, GROUP)
-        q3, ok3, p3 = _token_rows(Q, QPOS, tok0 + 3, T, g, rows, d, d_ok, stride_qt, stride_qh, GROUP)
-    else:  # placeholders, never updated
-        q2, ok2, p2 = q1, ok1, p1
-        q3, ok3, p3 = q1, ok1, p1
-    m0 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l0 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    a0 = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m1, l1, a1 = m0, l0, a0
-    m2, l2, a2 = m0, l0, a0
-    m3, l3, a3 = m0, l0, a0
-    N_SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
-    cand_base, memb_base, n_steps = _tile_walk(CAND, MEMB, NCAND, tile, g, n_tiles, cand_stride, N_SUB)
-    if WHILE_LOOPS:  # the CPU interpreter cannot use a loaded scalar as a range() bound
-        step = 0
-        while step < n_steps:
-            m0, l0, a0, m1, l1, a1, m2, l2, a2, m3, l3, a3 = _tokens_step(
-                step, cand_base, memb_base, K, V, g, d, d_ok, Tk, stride_kt, stride_kh, stride_vt, stride_vh,
-                qk_scale, q0, p0, m0, l0, a0, q1, p1, m1, l1, a1, q2, p2, m2, l2, a2, q3, p3, m3, l3, a3,
-                N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
-            step += 1
-    else:
-        for step in tl.range(0, n_steps, num_stages=STAGES):
-            m0, l0, a0, m1, l1, a1, m2, l2, a2, m3, l3, a3 = _tokens_step(
-                step, cand_base, memb_base, K, V, g, d, d_ok, Tk, stride_kt, stride_kh, stride_vt, stride_vh,
-                qk_scale, q0, p0, m0, l0, a0, q1, p1, m1, l1, a1, q2, p2, m2, l2, a2, q3, p3, m3, l3, a3,
-                N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
-    num_heads = GROUP * tl.num_programs(1)
-    _token_store(O, LSE, tok0, g, rows, ok0, d, d_ok, m0, l0, a0, stride_ot, stride_oh, num_heads, GROUP)
-    _token_store(O, LSE, tok0 + 1, g, rows, ok1, d, d_ok, m1, l1, a1, stride_ot, stride_oh, num_heads, GROUP)
-    if TOKENS > 2:
-        _token_store(O, LSE, tok0 + 2, g, rows, ok2, d, d_ok, m2, l2, a2, stride_ot, stride_oh, num_heads, GROUP)
-        _token_store(O, LSE, tok0 + 3, g, rows, ok3, d, d_ok, m3, l3, a3, stride_ot, stride_oh, num_heads, GROUP)
 
 
 @triton.jit
@@ -520,8 +401,7 @@ def _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens):
 
 def _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):
     t, hq, hkv, group, dim, launch = _launch_common(q, k, block_size)
-    token_dots = launch.token_dots > 1
-    tokens = launch.token_dots if token_dots else launch.tokens_per_tile(group)
+    tokens = launch.tokens_per_tile(group)
     _, qpos, cand, ncand, members = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens)
     o = torch.empty_like(q)
     lse = torch.empty((t, hq), device=q.device, dtype=torch.float32)
@@ -536,9 +416,8 @@ def _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scal
     common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_SIZE=block_size, TOKENS=tokens,
                   DOT_PRECISION=_dot_precision(q.dtype), WHILE_LOOPS=interpreting(), USE_TMA=use_tma,
                   num_stages=launch.num_stages)
-    block_m = next_pow2(max(16, group)) if token_dots else launch.block_m  # token_dots: one token's heads per dot
-    _attn_fwd_kernel[(n_tiles, hkv)](*args, BLOCK_M=block_m, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
-                                     TOKEN_DOTS=token_dots, STAGES=launch.num_stages, **common)
+    _attn_fwd_kernel[(n_tiles, hkv)](*args, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+                                     num_warps=launch.num_warps, **common)
     return o, lse
 
 

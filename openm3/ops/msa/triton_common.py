@@ -232,9 +232,6 @@ class AttentionLaunch:
     tma: 1 loads the forward's and dq's K/V tiles through tensor descriptors (Hopper's TMA), 0 with pointers.
     dq_in_dkdv: 1 computes dq inside the dk/dv kernel (one more dot per step, fp32 atomic adds into a [T, Hq, D]
       buffer) instead of a separate query-outer pass that gathers K and V again.
-    token_dots: 2 or 4 runs the forward with that many tokens per program over the union of their blocks, each
-      K/V tile loaded once, but one dot per token that selected the block (`_attn_fwd_kernel` with TOKEN_DOTS: no
-      masked dot work; each token's rows are its group's heads, so block_m is not used); 0 (default) is off.
     """
 
     block_m: int
@@ -251,7 +248,6 @@ class AttentionLaunch:
     dq_num_warps: int
     tma: int
     dq_in_dkdv: int
-    token_dots: int = 0
 
     def tokens_per_tile(self, group: int) -> int:
         return max(1, self.block_m // group)
@@ -315,8 +311,6 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
     if max(launch.tokens_per_tile(group), launch.dq_tokens_per_tile(group)) > 64:
         raise ValueError(f"attention launch: block_m={launch.block_m} / dq_block_m={launch.dq_block_m} hold more "
                          f"than 64 tokens of {group} heads (membership bits are int64)")
-    if launch.token_dots not in (0, 1, 2, 4):
-        raise ValueError(f"attention launch: token_dots={launch.token_dots} must be 0 (off), 2 or 4")
     for name in ("block_n", "dq_block_n", "dkdv_block_n"):
         if block_size % getattr(launch, name):
             raise ValueError(f"attention launch: {name}={getattr(launch, name)} must divide "
