@@ -136,3 +136,50 @@ def test_rejected_draft_tokens_are_truncated():
     accepted = full_logits(model, [prompt + drafts[:1] + after])[0]
     assert (torch.stack(cont) - accepted[38:40]).abs().max().item() < 1e-4
     assert cache.length(0) == 40
+
+
+def test_step_buffers_give_the_same_logits_and_are_reused():
+    """`cache.step(..., buffers=)` (what CUDA-graph decode replays read) fills the same device tensors every step
+    and gives the same logits as fresh tensors; `advance=False` leaves the lengths where they were."""
+    from openm3.engine.cache import StepBuffers
+    from openm3.engine.graphs import DecodeGraphs
+
+    model = tiny_model()
+    lens, steps = [21, 40], 3
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, model.config.vocab_size, (n + steps,), generator=gen).tolist() for n in lens]
+    prompts = [s[:n] for s, n in zip(seqs, lens)]
+    want, _ = _run(model, prompts, 16, steps, seqs)
+    layout = CacheLayout.from_config(model.config)
+    cache = PagedCache(plan_cache(layout, 128, kv_dtype=torch.float32))
+    cache.admit({b: len(s) for b, s in enumerate(seqs)})
+    prefill(model, cache, [0, 1], [torch.tensor(p) for p in prompts], chunk_size=16)
+    bufs = StepBuffers(cache, [0, 1], q_len=1)
+    seen = (bufs.slots.data_ptr(), bufs.seq_lens.data_ptr(), bufs.cu_seqlens.data_ptr(), bufs.block_table.data_ptr())
+    cu_version = bufs.cu_seqlens._version
+    for s in range(steps):
+        feed = torch.tensor([seqs[b][lens[b] + s] for b in (0, 1)])
+        pos = torch.tensor([cache.length(b) for b in (0, 1)])
+        with cache.step([0, 1], [1, 1], buffers=bufs, advance=False):  # recorded, not run: lengths stay
+            pass
+        assert [cache.length(b) for b in (0, 1)] == [lens[0] + s, lens[1] + s]
+        with torch.no_grad(), cache.step([0, 1], [1, 1], buffers=bufs):
+            st = cache._step
+            assert (st.slots, st.seq_lens, st.cu_seqlens_q, st.block_table) == (bufs.slots, bufs.seq_lens,
+                                                                               bufs.cu_seqlens, bufs.block_table)
+            assert bufs.seq_lens.tolist() == [lens[0] + s + 1, lens[1] + s + 1]
+            logits = model(inputs_embeds=model.embed_tokens(feed), position_ids=pos, cu_seqlens=bufs.cu_seqlens,
+                           cache=cache).logits
+        for b in (0, 1):
+            assert (logits[b] - want[b][s + 1]).abs().max().item() < 1e-5
+    assert (bufs.slots.data_ptr(), bufs.seq_lens.data_ptr(), bufs.cu_seqlens.data_ptr(),
+            bufs.block_table.data_ptr()) == seen
+    assert bufs.cu_seqlens._version == cu_version  # never rewritten: host reads cached per version stay valid
+    with pytest.raises(ValueError, match="buffers were made for sequences"):
+        with cache.step([1, 0], [1, 1], buffers=bufs):
+            pass
+    with pytest.raises(ValueError, match="buffers were made for sequences"):
+        with cache.step([0, 1], [2, 1], buffers=bufs):
+            pass
+    with pytest.raises(ValueError, match="CUDA graphs need a cache on a CUDA device"):
+        DecodeGraphs(model, cache)

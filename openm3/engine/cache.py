@@ -166,6 +166,48 @@ class _Step:
     written: set
 
 
+class StepBuffers:
+    """Device tensors that `PagedCache.step(..., buffers=)` fills in place for one batch of sequences with a fixed
+    number of new tokens each: slots int64 [T], seq_lens int32 [B], cu_seqlens int32 [B+1], block_table int32 [B, W].
+
+    cu_seqlens and the page table are written once, when the buffers are made (a fixed batch never changes them;
+    a step that would is refused), so host reads of them cached per tensor version (`openm3.ops.host.host_list`)
+    stay valid and no step needs a device sync.
+    """
+
+    def __init__(self, cache: "PagedCache", seq_ids: Sequence[int], q_len: int):
+        dev = cache.device
+        self.seq_ids = tuple(seq_ids)
+        self.q_len = q_len
+        batch = len(self.seq_ids)
+        self.slots = torch.zeros(batch * q_len, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
+        self._table_host = cache.host_table(self.seq_ids)
+        self.block_table = self._table_host.to(dev)
+
+    def fill(self, cache: "PagedCache", seq_ids: Sequence[int], slots: torch.Tensor, seq_lens: torch.Tensor,
+             cu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Writes one step's values -> (slots, block_table, seq_lens, cu_seqlens), the buffers themselves."""
+        if tuple(seq_ids) != self.seq_ids or slots.numel() != self.slots.numel():
+            raise ValueError(f"buffers were made for sequences {list(self.seq_ids)} with {self.q_len} new tokens "
+                             f"each, got sequences {list(seq_ids)} with {slots.numel()} new tokens in all")
+        table = cache.host_table(seq_ids)
+        if not torch.equal(table, self._table_host):  # pages are reserved up front: only if the cache was reset
+            raise ValueError("the batch's page table changed since its buffers were made")
+        if not torch.equal(cu, self.cu_seqlens_host):
+            raise ValueError(f"buffers were made for {self.q_len} new tokens per sequence, got cu_seqlens "
+                             f"{cu.tolist()}")
+        self.slots.copy_(slots, non_blocking=True)
+        self.seq_lens.copy_(seq_lens, non_blocking=True)
+        return self.slots, self.block_table, self.seq_lens, self.cu_seqlens
+
+    @property
+    def cu_seqlens_host(self) -> torch.Tensor:
+        batch = len(self.seq_ids)
+        return torch.arange(0, batch * self.q_len + 1, self.q_len, dtype=torch.int32)
+
+
 class PagedCache:
     """The caches of every layer plus one page table per sequence (see the module docstring)."""
 
@@ -261,10 +303,14 @@ class PagedCache:
     # ------------------------------------------------------------------ one forward pass
 
     @contextlib.contextmanager
-    def step(self, seq_ids: Sequence[int], q_lens: Sequence[int]) -> Iterator["PagedCache"]:
+    def step(self, seq_ids: Sequence[int], q_lens: Sequence[int], *, buffers: "StepBuffers | None" = None,
+             advance: bool = True) -> Iterator["PagedCache"]:
         """Scope of one model forward over `q_lens[b]` new tokens of sequence `seq_ids[b]` (packed in that order).
 
-        The lengths advance when the block exits without an exception.
+        The lengths advance when the block exits without an exception (and `advance`; `advance=False` is for a
+        forward that is recorded, not run: a CUDA-graph capture). buffers: device tensors the step's slots,
+        lengths, cu_seqlens and page table are written into in place instead of new tensors, so a captured graph
+        that read them reads each later step's values (`openm3.engine.graphs`).
         """
         if self._step is not None:
             raise RuntimeError("cache.step() is already open")
@@ -284,24 +330,38 @@ class PagedCache:
             pos = torch.arange(seq.length, seq.length + n)
             slots.append(seq.page_ids[pos // ps].long() * ps + pos % ps)
             lens.append(seq.length + n)
-        dev = self.device
-        key = tuple(seq_ids)
-        if self._table_key != key:  # pages are reserved up front, so a batch's table only changes with the batch
-            width = max(len(self._seqs[s].pages) for s in seq_ids)
-            table = torch.zeros(len(seq_ids), width, dtype=torch.int32)
-            for b, seq_id in enumerate(seq_ids):
-                table[b, :len(self._seqs[seq_id].pages)] = self._seqs[seq_id].page_ids
-            self._table, self._table_key = table.to(dev), key
         cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(q_lens).cumsum(0)
-        self._step = _Step(list(seq_ids), list(q_lens), lens, torch.cat(slots).to(dev), self._table,
-                           torch.tensor(lens, dtype=torch.int32, device=dev), cu.to(dev), set())
+        slots, lens_t = torch.cat(slots), torch.tensor(lens, dtype=torch.int32)
+        if buffers is None:
+            dev = self.device
+            step = _Step(list(seq_ids), list(q_lens), lens, slots.to(dev), self._batch_table(seq_ids), lens_t.to(dev),
+                         cu.to(dev), set())
+        else:
+            step = _Step(list(seq_ids), list(q_lens), lens, *buffers.fill(self, seq_ids, slots, lens_t, cu), set())
+        self._step = step
         try:
             yield self
-            for seq_id, n in zip(seq_ids, lens):
-                self._seqs[seq_id].length = n
+            if advance:
+                for seq_id, n in zip(seq_ids, lens):
+                    self._seqs[seq_id].length = n
         finally:
             self._step = None
+
+    def _batch_table(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        """int32 [B, max reserved pages] page table of a batch on the cache device (kept while the batch is)."""
+        key = tuple(seq_ids)
+        if self._table_key != key:  # pages are reserved up front, so a batch's table only changes with the batch
+            self._table, self._table_key = self.host_table(seq_ids).to(self.device), key
+        return self._table
+
+    def host_table(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        """int32 [B, max reserved pages] page table of a batch on the host (zero-padded)."""
+        width = max(len(self._seqs[s].pages) for s in seq_ids)
+        table = torch.zeros(len(seq_ids), width, dtype=torch.int32)
+        for b, seq_id in enumerate(seq_ids):
+            table[b, :len(self._seqs[seq_id].pages)] = self._seqs[seq_id].page_ids
+        return table
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qi: torch.Tensor | None,
                ki: torch.Tensor | None, *, cu_seqlens: torch.Tensor, scale: float, block_size: int | None = None,

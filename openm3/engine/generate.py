@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
+from .graphs import DecodeGraphs
 from .sampling import SamplingParams, sample
 from .scheduler import decode_step, prefill
 
@@ -46,6 +47,10 @@ class GenerationStats:
     decode_tokens: int = 0  # tokens produced by decode steps (the first token of each sequence is prefill's)
     first_step_s: float = 0.0  # the first decode step alone (in a fresh process it compiles the decode kernels)
     first_step_tokens: int = 0
+    capture_s: float = 0.0  # later steps that recorded a CUDA graph (and then ran it), for each new batch
+    capture_tokens: int = 0
+    graph_captures: int | None = None  # None: decode steps ran eagerly
+    graph_replays: int = 0
     cache_bytes: int = 0
     weight_bytes: int = 0
     workspace_bytes: int = 0  # planned estimate
@@ -66,10 +71,17 @@ class GenerationStats:
 
     @property
     def steady_decode_tokens_per_s(self) -> float:
-        """Decode rate after the first step (which pays one-off kernel compilation in a fresh process)."""
-        rest = self.decode_s - self.first_step_s
-        tokens = self.decode_tokens - self.first_step_tokens
+        """Decode rate after the first step (which pays one-off kernel compilation in a fresh process), without
+        the steps that recorded a CUDA graph."""
+        rest = self.decode_s - self.first_step_s - self.capture_s
+        tokens = self.decode_tokens - self.first_step_tokens - self.capture_tokens
         return tokens / rest if rest > 0 and tokens > 0 else float("nan")
+
+    def _graph_line(self) -> str:
+        if self.graph_captures is None:
+            return "decode steps: eager"
+        return (f"decode steps: CUDA graphs ({self.graph_captures} captured in {self.capture_s:.3f} s, "
+                f"{self.graph_replays} replays)")
 
     def summary(self) -> str:
         gib = 2.0 ** 30
@@ -78,6 +90,7 @@ class GenerationStats:
                  f"decode: {self.decode_tokens} tokens in {self.decode_s:.3f} s = "
                  f"{self.decode_tokens_per_s:.2f} tokens/s (first step {self.first_step_s:.3f} s; after it "
                  f"{self.steady_decode_tokens_per_s:.2f} tokens/s)",
+                 self._graph_line(),
                  self.plan,
                  f"memory plan: weights {self.weight_bytes / gib:.3f} GiB + cache {self.cache_bytes / gib:.3f} GiB + "
                  f"workspace (est.) {self.workspace_bytes / gib:.3f} GiB = {self.planned_bytes / gib:.3f} GiB"]
@@ -126,7 +139,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              sampling: SamplingParams = SamplingParams(), stop_tokens: Sequence[int] = (), chunk_size: int = 8192,
              token_budget: int | None = None, index_dtype=None, max_total_tokens: int | None = None,
              seed: int = 0, on_token: Callable[[int, int], None] | None = None,
-             on_prefill: Callable[[int], None] | None = None) -> tuple[list[GenerationResult], GenerationStats]:
+             on_prefill: Callable[[int], None] | None = None,
+             cuda_graphs: bool | None = None) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates continuations of a batch of token-id prompts.
 
     model: an `M3TextModel` (its dtype and device are the cache's); prompts: B lists of token ids;
@@ -134,7 +148,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     (default: exactly what the batch reserves; a batch beyond it raises CacheFullError before any work);
     index_dtype: index-key cache dtype (None = model dtype, 'bf16', 'fp8'); max_total_tokens: prompt +
     max_new_tokens limit per sequence (default: config.max_position_embeddings); on_token(b, token) streams
-    each sampled token; on_prefill(n) reports prefill progress in tokens.
+    each sampled token; on_prefill(n) reports prefill progress in tokens. cuda_graphs: decode steps replay one
+    CUDA graph per batch (`openm3.engine.graphs`; default: on when the model is on a CUDA device).
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     config = model.config
@@ -169,6 +184,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     running = _emit(results, list(range(len(ids))), tokens.tolist(), stop, max_new_tokens, on_token)
     stats.ttft_s = time.perf_counter() - t0
 
+    graphs = DecodeGraphs(model, cache) if (cuda if cuda_graphs is None else cuda_graphs) else None
     t1 = time.perf_counter()
     live = set(range(len(ids)))
     while running:
@@ -176,16 +192,22 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
             cache.release(b)
         live = set(running)
         feed = torch.tensor([results[b].tokens[-1] for b in running], dtype=torch.int64, device=device)
-        logits = decode_step(model, cache, running, feed)
+        t_step, captures = time.perf_counter(), graphs.captures if graphs else 0
+        logits = graphs.step(running, feed) if graphs else decode_step(model, cache, running, feed)
         tokens = sample(logits, sampling, gen).tolist()  # a host read: the step's time is complete here
         if stats.decode_tokens == 0:
             stats.first_step_s, stats.first_step_tokens = time.perf_counter() - t1, len(running)
+        elif graphs and graphs.captures > captures:
+            stats.capture_s += time.perf_counter() - t_step
+            stats.capture_tokens += len(running)
         stats.decode_tokens += len(running)
         running = _emit(results, running, tokens, stop, max_new_tokens, on_token)
     if cuda:
         torch.cuda.synchronize(device)
         stats.peak_bytes = torch.cuda.max_memory_allocated(device)
     stats.decode_s = time.perf_counter() - t1
+    if graphs is not None:
+        stats.graph_captures, stats.graph_replays = graphs.captures, graphs.replays
     return results, stats
 
 
@@ -231,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every decoder layer (fewer, fused kernels per decode step; the first prefill "
                         "chunk and the first decode step pay for compilation)")
+    p.add_argument("--eager", action="store_true",
+                   help="run every decode step eagerly (default on CUDA: each batch's decode step is captured as a "
+                        "CUDA graph at its second step and replayed)")
     return p
 
 
@@ -342,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
         results, stats = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
                                   stop_tokens=stop, chunk_size=args.chunk_size, token_budget=args.token_budget,
                                   index_dtype=args.index_dtype, max_total_tokens=args.max_total_tokens,
-                                  seed=args.seed, on_token=stream, on_prefill=bar.update if bar else None)
+                                  seed=args.seed, on_token=stream, on_prefill=bar.update if bar else None,
+                                  cuda_graphs=False if args.eager else None)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     finally:
