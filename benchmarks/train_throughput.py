@@ -133,11 +133,19 @@ def profile_step(trainer) -> dict:
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
     kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    host: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             kernels[evt.name][0] += evt.time_range.elapsed_us() / 1e3
             kernels[evt.name][1] += 1
-    return kernel_breakdown({k: (v[0], v[1]) for k, v in kernels.items()}, wall_ms)
+        else:
+            host[evt.name][0] += evt.self_cpu_time_total / 1e3
+            host[evt.name][1] += 1
+    out = kernel_breakdown({k: (v[0], v[1]) for k, v in kernels.items()}, wall_ms)
+    # where the host's time goes (a step whose GPU idles is bound by it): self CPU time per operator / CUDA API call
+    out["host_self_ms"] = [{"op": n[:120], "ms": round(v[0], 2), "calls": v[1]}
+                           for n, v in sorted(host.items(), key=lambda kv: -kv[1][0])[:25]]
+    return out
 
 
 def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = False, ckpt: bool = False,

@@ -35,12 +35,14 @@ for s in "${stages[@]}"; do
     decodesplit) python3 -m benchmarks.msa_decode --out "$OUT/split" --T 1048576 131072 --batch 1 32 --index fp8 \
                    --variants split table --score-variants split split_s4 split_seg16 split_seg32 split_seg32_s4 tma \
                    --prefill-T 2>&1 | tee "$OUT/msa_decode_split.log" | tail -24 ;;
-    tokendots)  # the token_dots forward (one dot per token that chose the block) against the default, 32K and 128K
-      for t in 32768 131072; do
-        python3 -m benchmarks.msa_kernels --out "$OUT/tokendots_$t" --T 8192 --skip-dense --skip-flex --skip-check \
-          --sweep-T $t --sweep "" token_dots=4 token_dots=4,num_warps=8 token_dots=2 token_dots=4,block_n=32 \
-          block_m=64 2>&1 | tee "$OUT/tokendots_$t.log" | grep -E "fwd|launch sweep" | tail -16
+    generate128k)  # decode tokens/s at a 128K prompt: CUDA graphs (default) against --eager, m3-small, fp8 index keys too
+      for mode in "" "--eager" "--index-dtype fp8"; do
+        echo "--- generate 128K $mode"
+        python3 -m openm3.engine.generate --preset m3-small --random-prompt 131072 --max-new-tokens 64 --no-stream \
+          --chunk-size 32768 --device cuda $mode 2>&1 | tee -a "$OUT/generate_128k.log" | tail -8
       done ;;
+    prefillprof) python3 -m benchmarks.prefill_profile --out "$OUT" 2>&1 | tee "$OUT/prefill_profile.log" | tail -45 ;;
+    router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfu) python3 -m benchmarks.train_throughput --out "$OUT" --only mfu --steps 3 --warmup 2 2>&1 \
            | tee "$OUT/train_mfu.log" | tail -4 ;;

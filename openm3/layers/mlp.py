@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -17,21 +20,29 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
     return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
 
 
-COMPILE_ACTIVATION = True  # False: run the activation eagerly on CUDA too (debugging)
-_FUSED_SWIGLU = None
+COMPILE_ACTIVATION = True  # False: run the fused elementwise helpers eagerly on CUDA too (debugging)
 
 
-def fused_swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """`swiglu_oai` as one fused kernel forward and one backward (torch.compile) on CUDA, instead of ~7 eager
-    elementwise kernels each way; the fused kernel keeps its intermediates in fp32, so bf16 results can differ
-    from eager by one rounding. Eager on CPU, and plain inside an enclosing torch.compile (which fuses it anyway).
-    """
-    global _FUSED_SWIGLU
-    if not gate_up.is_cuda or not COMPILE_ACTIVATION or torch.compiler.is_compiling():
-        return swiglu_oai(gate_up, alpha, limit)
-    if _FUSED_SWIGLU is None:
-        _FUSED_SWIGLU = torch.compile(swiglu_oai, dynamic=True, fullgraph=True)
-    return _FUSED_SWIGLU(gate_up, alpha, limit)
+def fused_on_cuda(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn(x, ...)` as one fused kernel forward and one backward (torch.compile, compiled at the first CUDA call)
+    when x is a CUDA tensor, instead of one eager kernel per elementwise op each way. Eager on CPU, and plain
+    inside an enclosing torch.compile (which fuses it anyway)."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(x: torch.Tensor, *args):
+        nonlocal compiled
+        if not x.is_cuda or not COMPILE_ACTIVATION or torch.compiler.is_compiling():
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        return compiled(x, *args)
+
+    return run
+
+
+# The fused kernel keeps its intermediates in fp32, so bf16 results can differ from eager by one rounding.
+fused_swiglu_oai = fused_on_cuda(swiglu_oai)
 
 
 class DenseMLP(nn.Module):

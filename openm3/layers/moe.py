@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai
+from .mlp import DenseMLP, fused_on_cuda, fused_swiglu_oai, swiglu_oai
 
 IMPLS = ("auto", "reference", "grouped")
 
@@ -157,8 +157,23 @@ class Experts(nn.Module):
         h = fused_swiglu_oai(h, self.alpha, self.limit)  # [N*k, I]
         y = grouped_linear(h, down_proj, offs)  # [N*k, hidden], expert order
         y = _PermuteRows.apply(y, inverse, order, 1).view(n, k, -1)  # back to (token, slot) order
-        # sum_j weights[t, j] * y[t, j]: one batched matmul (fp32 accumulation in bf16 too)
-        return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
+        return mix_expert_outputs(y, weights)
+
+
+def _mix(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    # unrolled over the k slots: one pointwise kernel reading y once (a sum over dim 1 compiles to a reduction
+    # kernel that ran at ~0.5 TB/s on an H200)
+    weights = weights.float()
+    out = y[:, 0].float() * weights[:, 0:1]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j].float() * weights[:, j:j + 1]
+    return out.to(y.dtype)
+
+
+# sum_j weights[t, j] * y[t, j] in fp32 for y [N, k, hidden], weights [N, k] -> [N, hidden] in y's dtype: one fused
+# elementwise-and-reduce kernel each way on CUDA. (A batched matmul [N, 1, k] x [N, k, hidden] ran as cuBLAS gemv at
+# ~180 GB/s on an H200: 0.75 ms per m3-small MoE layer for a 32K-token prefill chunk, where reading y takes ~60 us.)
+mix_expert_outputs = fused_on_cuda(_mix)
 
 
 class _PermuteRows(torch.autograd.Function):
