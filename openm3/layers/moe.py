@@ -147,7 +147,8 @@ class Experts(nn.Module):
         # autocast's cast lists, and the Hopper kernel takes bf16 only); outside autocast this is a no-op.
         dtype = _compute_dtype(x)
         x, gate_up_proj, down_proj = x.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
-        sorted_ids, order = torch.sort(experts.reshape(-1), stable=True)  # (token, slot) pairs grouped by expert
+        # (token, slot) pairs grouped by expert; int32 ids sort in half the radix passes of int64
+        sorted_ids, order = torch.sort(experts.reshape(-1).to(torch.int32), stable=True)
         # offs[e] = end of expert e's rows in sorted order, computed on the device (no host sync)
         offs = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype),
                                   right=True, out_int32=True)

@@ -180,8 +180,10 @@ def key_block_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: tor
     dump = h * slots  # bucket of unused slots, sorted last and never referenced by a work item
     bucket = torch.where(valid, heads * slots + gblock, dump).flatten()
     token = torch.arange(t, device=device, dtype=torch.int64).view(1, t, 1).expand(h, t, topk).flatten()
-    order = torch.sort(bucket * t + token).values
-    tokens = (order % t).to(torch.int32)
+    keys = bucket * t + token  # < (dump + 1) * t
+    if (dump + 1) * t <= torch.iinfo(torch.int32).max:  # from shapes: half the radix passes and bytes of int64
+        keys = keys.to(torch.int32)
+    tokens = (torch.sort(keys).values % t).to(torch.int32)
 
     counts = torch.zeros(dump + 1, device=device, dtype=torch.int64)
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))
