@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
-
 import torch
 from torch import nn
+
+from ..ops.fused import fused_on_cuda
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -18,27 +17,6 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
-
-
-COMPILE_ACTIVATION = True  # False: run the fused elementwise helpers eagerly on CUDA too (debugging)
-
-
-def fused_on_cuda(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn(x, ...)` as one fused kernel forward and one backward (torch.compile, compiled at the first CUDA call)
-    when x is a CUDA tensor, instead of one eager kernel per elementwise op each way. Eager on CPU, and plain
-    inside an enclosing torch.compile (which fuses it anyway)."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def run(x: torch.Tensor, *args):
-        nonlocal compiled
-        if not x.is_cuda or not COMPILE_ACTIVATION or torch.compiler.is_compiling():
-            return fn(x, *args)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-        return compiled(x, *args)
-
-    return run
 
 
 # The fused kernel keeps its intermediates in fp32, so bf16 results can differ from eager by one rounding.

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mlp import DenseMLP, fused_on_cuda, fused_swiglu_oai, swiglu_oai
+from ..ops.fused import fused_on_cuda
+from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai
 
 IMPLS = ("auto", "reference", "grouped")
 

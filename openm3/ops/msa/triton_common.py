@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fused import fused_on_cuda
+
 # Sentinel for "no block" after sorting (sorts after every real key row).
 NO_BLOCK = torch.iinfo(torch.int32).max
 
@@ -49,6 +51,7 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
+@fused_on_cuda
 def query_positions(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, num_tokens: int):
     """Sequence and absolute key-space position of every packed query.
 
@@ -66,6 +69,7 @@ def query_positions(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, num_to
     return seq, qpos.to(torch.int32)
 
 
+@fused_on_cuda
 def absolute_block_starts(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor,
                           block_size: int) -> torch.Tensor:
     """First absolute key row of every selected block.
@@ -93,12 +97,18 @@ def tile_candidates(block_starts: torch.Tensor, tokens_per_tile: int):
     tile the selection is its own candidate list (valid blocks are distinct and left-packed by contract) and
     members is None. No host synchronisation.
     """
-    h, t, topk = block_starts.shape
+    if tokens_per_tile > 64:
+        raise ValueError(f"tokens_per_tile={tokens_per_tile}: membership bits hold at most 64 tokens per tile")
     if tokens_per_tile == 1:
         ncand = (block_starts >= 0).sum(dim=-1, dtype=torch.int32)
         return block_starts.contiguous(), ncand, None
-    if tokens_per_tile > 64:
-        raise ValueError(f"tokens_per_tile={tokens_per_tile}: membership bits hold at most 64 tokens per tile")
+    return _tile_union(block_starts, tokens_per_tile)
+
+
+@fused_on_cuda
+def _tile_union(block_starts: torch.Tensor, tokens_per_tile: int):
+    """`tile_candidates` for 2-64 tokens per tile (~20 torch ops: one fused graph on CUDA)."""
+    h, t, topk = block_starts.shape
     n_tiles = -(-t // tokens_per_tile)
     pad = n_tiles * tokens_per_tile - t
     width = tokens_per_tile * topk
@@ -168,6 +178,15 @@ def key_block_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: tor
     Global block numbers run over all sequences' blocks in order; `num_block_slots = ceil(Tk / block_size) + B`
     bounds their count, so every size here is known from shapes alone.
     """
+    slots = -(-num_keys // block_size) + cu_seqlens_k.numel() - 1  # as global_block_numbering's
+    return KeyBlockWork(*_key_block_tensors(block_idx, seq, cu_seqlens_k, num_keys, block_size, max_tokens),
+                        num_block_slots=slots)
+
+
+@fused_on_cuda
+def _key_block_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
+                       block_size: int, max_tokens: int) -> tuple[torch.Tensor, ...]:
+    """The tensors of `key_block_work` (~35 torch ops: one fused graph on CUDA)."""
     h, t, topk = block_idx.shape
     device = block_idx.device
     slots, seq_block_off, seq_block_end = global_block_numbering(cu_seqlens_k, num_keys, block_size)
@@ -209,9 +228,8 @@ def key_block_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: tor
     end = torch.minimum(start + block_size, cu_k[sb + 1])
     start = torch.where(used, start, num_keys)
     end = torch.where(used, end, num_keys)
-    return KeyBlockWork(tokens=tokens, bucket=b.to(torch.int32), lo=lo.to(torch.int32), hi=hi.to(torch.int32),
-                        split=(chunks[b] > 1).to(torch.int32), block_start=start.to(torch.int32),
-                        block_end=end.to(torch.int32), num_block_slots=slots)
+    return (tokens, b.to(torch.int32), lo.to(torch.int32), hi.to(torch.int32), (chunks[b] > 1).to(torch.int32),
+            start.to(torch.int32), end.to(torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------------------------

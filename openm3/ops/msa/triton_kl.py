@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fused import fused_on_cuda
 from ._checks import check_indexer_kl_inputs
 from .triton_common import (global_block_numbering, largest_pow2_divisor, next_pow2, query_positions,
                             with_overrides)
@@ -339,6 +340,16 @@ def _entry_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.
     Global key block numbers run over all sequences' blocks in order; `slots = ceil(Tk / block_size) + B`
     bounds their count.
     """
+    entries, live, lo, hi, g, k0, k1 = _entry_tensors(block_idx, seq, cu_seqlens_k, num_keys, block_size, max_entries)
+    # Drop the empty items (one host sync): their programs would only load and exit.
+    i32 = lambda x: x[live].to(torch.int32).contiguous()  # noqa: E731
+    return EntryWork(entries=entries, lo=i32(lo), hi=i32(hi), g=i32(g), k0=i32(k0), k1=i32(k1))
+
+
+@fused_on_cuda
+def _entry_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
+                   block_size: int, max_entries: int) -> tuple[torch.Tensor, ...]:
+    """`_entry_work` up to the compaction (~35 torch ops: one fused graph on CUDA)."""
     heads, t, topk = block_idx.shape
     device = block_idx.device
     slots, seq_block_off, seq_block_end = global_block_numbering(cu_seqlens_k, num_keys, block_size)
@@ -350,10 +361,14 @@ def _entry_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.
     unused = heads * slots  # bucket of the -1 slots: sorted last, covered by no work item
     bucket = torch.where(block_idx >= 0, head * slots + gblock, unused).flatten()
     entry = torch.arange(bucket.numel(), device=device, dtype=torch.int64)
-    order = torch.sort(bucket * bucket.numel() + entry).values
-    entries = (order % bucket.numel()).to(torch.int32)
+    keys = bucket * bucket.numel() + entry  # < (unused + 1) * numel
+    if (unused + 1) * bucket.numel() <= torch.iinfo(torch.int32).max:  # half the radix passes of int64
+        keys = keys.to(torch.int32)
+    entries = (torch.sort(keys).values % bucket.numel()).to(torch.int32)
 
-    counts = torch.bincount(bucket, minlength=unused + 1)[:unused]
+    # (a scatter, not bincount: bincount reads the largest id on the host)
+    counts = torch.zeros(unused + 1, device=device, dtype=torch.int64).scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:unused]
     offsets = torch.cumsum(counts, 0) - counts
     chunks = (counts + max_entries - 1) // max_entries
     chunk_end = torch.cumsum(chunks, 0)
@@ -369,10 +384,7 @@ def _entry_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.
     sb = torch.searchsorted(seq_block_end, gb, right=True).clamp(max=num_seqs - 1)
     k0 = cu_k[sb] + (gb - seq_block_off[sb]) * block_size
     k1 = torch.minimum(k0 + block_size, cu_k[sb + 1])
-    # Drop the empty items (one host sync): their programs would only load and exit.
-    live = hi > lo
-    i32 = lambda x: x[live].to(torch.int32).contiguous()  # noqa: E731
-    return EntryWork(entries=entries, lo=i32(lo), hi=i32(hi), g=i32(b // slots), k0=i32(k0), k1=i32(k1))
+    return entries, hi > lo, lo, hi, b // slots, k0, k1
 
 
 def _dense_block_idx(qpos_rel: torch.Tensor, heads: int, block_size: int, num_blocks: int) -> torch.Tensor:
