@@ -14,3 +14,38 @@ def event_time_ms(fn) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end)
+
+
+def profiled_times(prof) -> tuple[dict[str, tuple[float, int]], dict[str, tuple[float, int]]]:
+    """From a finished `torch.profiler.profile`: (CUDA kernels, host operators) as name -> (total ms, count); host
+    time is self CPU time (an operator's own, without its children)."""
+    from collections import defaultdict
+
+    kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    host: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[evt.name][0] += evt.time_range.elapsed_us() / 1e3
+            kernels[evt.name][1] += 1
+        else:
+            host[evt.name][0] += evt.self_cpu_time_total / 1e3
+            host[evt.name][1] += 1
+    return ({k: (v[0], v[1]) for k, v in kernels.items()}, {k: (v[0], v[1]) for k, v in host.items()})
+
+
+def top_host_ops(host: dict[str, tuple[float, int]], top: int = 25) -> list[dict]:
+    """The `top` host operators by self CPU time, as JSON-ready rows."""
+    ranked = sorted(host.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"op": name[:120], "ms": round(ms, 2), "calls": calls} for name, (ms, calls) in ranked]
+
+
+def write_result(out_dir, stem: str, result: dict) -> str:
+    """Writes `result` as `<out_dir>/<stem>_<UTC time>.json`; returns the path."""
+    import datetime
+    import json
+    from pathlib import Path
+
+    path = Path(out_dir) / f"{stem}_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return str(path)

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks._timing import event_time_ms
+from benchmarks._timing import event_time_ms, write_result
 
 
 def variants(experts: int, hidden: int):
@@ -117,10 +115,7 @@ def main() -> None:
     for tokens in args.tokens:
         res["tokens"][tokens] = run_shape(tokens, args.hidden, args.experts)
     if args.out:
-        path = Path(args.out) / f"moe_router_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {write_result(args.out, 'moe_router', res)}")
 
 
 if __name__ == "__main__":

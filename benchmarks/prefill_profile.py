@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import time
-from collections import defaultdict
-from pathlib import Path
 
 import torch
 
+from benchmarks._timing import profiled_times, top_host_ops, write_result
 from benchmarks.train_throughput import kernel_breakdown
 
 
@@ -56,23 +54,13 @@ def main() -> None:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall_s = run()
-    kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    host: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[evt.name][0] += evt.time_range.elapsed_us() / 1e3
-            kernels[evt.name][1] += 1
-        else:
-            host[evt.name][0] += evt.self_cpu_time_total / 1e3
-            host[evt.name][1] += 1
+    kernels, host = profiled_times(prof)
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "preset": args.preset, "T": args.T, "chunk": args.chunk, "index_dtype": args.index_dtype,
            "first_prefill_s": warm_s, "prefill_s": plain_s, "profiled_prefill_s": wall_s,
            "tokens_per_s": args.T / plain_s,
-           "breakdown": kernel_breakdown({k: (v[0], v[1]) for k, v in kernels.items()}, wall_s * 1e3, top=30),
-           "host_self_ms": [{"op": n[:120], "ms": round(v[0], 2), "calls": v[1]}
-                            for n, v in sorted(host.items(), key=lambda kv: -kv[1][0])[:25]]}
+           "breakdown": kernel_breakdown(kernels, wall_s * 1e3, top=30), "host_self_ms": top_host_ops(host)}
     b = res["breakdown"]
     print(f"prefill {args.T} tokens in chunks of {args.chunk}: first {warm_s:.3f} s, then {plain_s:.3f} s "
           f"({args.T / plain_s:.0f} tokens/s); profiled {wall_s:.3f} s, GPU kernels {b['kernel_ms']:.1f} ms "
@@ -86,10 +74,7 @@ def main() -> None:
     for h in res["host_self_ms"][:15]:
         print(f"  {h['ms']:9.1f} ms {h['calls']:6d}x  {h['op']}")
     if args.out:
-        path = Path(args.out) / f"prefill_profile_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {write_result(args.out, 'prefill_profile', res)}")
 
 
 if __name__ == "__main__":

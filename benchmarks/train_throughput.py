@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._timing import profiled_times, top_host_ops
+
 PEAK_BF16 = {"H200": 989.5e12, "H100": 989.5e12}
 
 
@@ -132,19 +134,10 @@ def profile_step(trainer) -> dict:
         trainer.train_step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
-    kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    host: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[evt.name][0] += evt.time_range.elapsed_us() / 1e3
-            kernels[evt.name][1] += 1
-        else:
-            host[evt.name][0] += evt.self_cpu_time_total / 1e3
-            host[evt.name][1] += 1
-    out = kernel_breakdown({k: (v[0], v[1]) for k, v in kernels.items()}, wall_ms)
+    kernels, host = profiled_times(prof)
+    out = kernel_breakdown(kernels, wall_ms)
     # where the host's time goes (a step whose GPU idles is bound by it): self CPU time per operator / CUDA API call
-    out["host_self_ms"] = [{"op": n[:120], "ms": round(v[0], 2), "calls": v[1]}
-                           for n, v in sorted(host.items(), key=lambda kv: -kv[1][0])[:25]]
+    out["host_self_ms"] = top_host_ops(host)
     return out
 
 
