@@ -43,6 +43,11 @@ for s in "${stages[@]}"; do
       done ;;
     prefillprof) python3 -m benchmarks.prefill_profile --out "$OUT" 2>&1 | tee "$OUT/prefill_profile.log" | tail -45 ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
+    klcompact)  # the KL without its work-list compaction (no host sync per call): m3-small's shape, then training
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/klcompact" --attn "" --kl "" "compact_items=0" 2>&1 \
+        | tee "$OUT/klcompact_sweep.log" | tail -8
+      OPENM3_KL_LAUNCH=compact_items=0 python3 -m benchmarks.train_throughput --out "$OUT/klcompact" --only mfu \
+        --steps 3 --warmup 2 2>&1 | tee "$OUT/klcompact_mfu.log" | tail -2 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfu) python3 -m benchmarks.train_throughput --out "$OUT" --only mfu --steps 3 --warmup 2 2>&1 \
            | tee "$OUT/train_mfu.log" | tail -4 ;;

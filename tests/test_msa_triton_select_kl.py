@@ -150,6 +150,10 @@ KL_CASES = [
     ([70, 129], None, 16, 4, 16, 16, 16, 0, False, False, {}),  # dense warm-up
     ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 4, True, True, {}),  # bottom-right aligned queries
     ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 0, False, False, {}),
+    # every work item launched, the empty ones too (no host sync): split buckets, then the dense warm-up
+    ([70, 129], None, 8, 2, 16, 16, 32, 3, True, True, dict(block_n=16, block_q=16, max_entries=16,
+                                                             compact_items=0)),
+    ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 0, False, False, dict(compact_items=0)),
 ]
 
 

@@ -71,6 +71,10 @@ class KLLaunch:
     prefetch: steps ahead (0 = off) at which the main pass asks L2 for the q rows of coming entries
         (`prefetch.global.L2`; compiled GPUs only, the interpreter has no inline assembly). Triton's pipeliner
         issues a step's q gather only at the end of the previous step, so without it every step waits on HBM.
+    compact_items: 1 drops the empty work items before the launch (one host sync per call: the item count is read
+        back), 0 launches every item the shapes allow (at most one empty item per (head, key block): their
+        programs load one key tile and exit) and never syncs. Not timed yet (session 4: the training step was
+        host-bound, where a sync stalls the launch queue).
     """
 
     block_n: int
@@ -81,6 +85,7 @@ class KLLaunch:
     num_stages: int
     dqi_buffer: int = 0
     prefetch: int = 0
+    compact_items: int = 1
 
 
 _ENV_OVERRIDE = "OPENM3_KL_LAUNCH"
@@ -120,6 +125,8 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
         raise ValueError(f"kl launch: dqi_buffer={launch.dqi_buffer} must be 0 or 1")
     if launch.prefetch < 0:
         raise ValueError(f"kl launch: prefetch={launch.prefetch} must be >= 0")
+    if launch.compact_items not in (0, 1):
+        raise ValueError(f"kl launch: compact_items={launch.compact_items} must be 0 or 1")
     return launch
 
 
@@ -321,7 +328,8 @@ class EntryWork:
     Entry e = (g * T + t) * topk + slot is one valid (head, query, slot). `entries` int32 [E] holds the valid
     entries sorted by bucket = (g, global key block), then by e (so by query, for locality). Work item i handles
     `entries[lo[i]:hi[i]]` (empty when lo == hi) of head `g[i]`, whose block covers absolute key rows
-    `[k0[i], k1[i])`. A bucket with more than `max_entries` entries spans several items; no item is empty.
+    `[k0[i], k1[i])`. A bucket with more than `max_entries` entries spans several items; no item is empty unless
+    `compact_items=0` kept them (lo == hi: the kernel skips them).
     """
 
     entries: torch.Tensor
@@ -333,16 +341,19 @@ class EntryWork:
 
 
 def _entry_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
-                block_size: int, max_entries: int) -> EntryWork:
+                block_size: int, max_entries: int, compact: bool = True) -> EntryWork:
     """Build the inverse index of `block_idx` with one sort; sizes come from shapes but for the final
-    compaction of the item list.
+    compaction of the item list (`compact`: drop the empty items, one host sync; else keep them, the kernel
+    skips them).
 
     Global key block numbers run over all sequences' blocks in order; `slots = ceil(Tk / block_size) + B`
     bounds their count.
     """
     entries, live, lo, hi, g, k0, k1 = _entry_tensors(block_idx, seq, cu_seqlens_k, num_keys, block_size, max_entries)
-    # Drop the empty items (one host sync): their programs would only load and exit.
-    i32 = lambda x: x[live].to(torch.int32).contiguous()  # noqa: E731
+    if compact:  # their programs would only load and exit
+        i32 = lambda x: x[live].to(torch.int32).contiguous()  # noqa: E731
+    else:
+        i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
     return EntryWork(entries=entries, lo=i32(lo), hi=i32(hi), g=i32(g), k0=i32(k0), k1=i32(k1))
 
 
@@ -425,7 +436,7 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
         block_idx = _dense_block_idx(qpos_rel, hkv, block_size, max(num_blocks, 1))
     topk = block_idx.shape[2]
     n_sub = -(-block_size // launch.block_n)
-    work = _entry_work(block_idx, seq, cu_seqlens_k, tk, block_size, launch.max_entries)
+    work = _entry_work(block_idx, seq, cu_seqlens_k, tk, block_size, launch.max_entries, bool(launch.compact_items))
     q, k, qi, ki = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, qi, ki))
     common = dict(GROUP=group, TOPK=topk, N_SUB=n_sub, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
                   INDEX_DIM=di, BLOCK_DI=max(16, next_pow2(di)), BLOCK_N=launch.block_n, BLOCK_Q=launch.block_q,
