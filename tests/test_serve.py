@@ -235,10 +235,10 @@ def test_a_client_that_disconnects_stops_its_generation(tok):
     assert backend.sampled < 100  # 2000 would take ~4 s
 
 
-def test_requests_run_one_at_a_time(tok):
-    backend = Slow(tok.vocab_size)
+def _post_three_at_once(backend, tok, max_tokens: int) -> list[int]:
+    """Three concurrent completions through the app over `backend`; their HTTP status codes."""
     client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096))
-    req = {"model": NAME, "prompt": "x", "max_tokens": 20}
+    req = {"model": NAME, "prompt": "x", "max_tokens": max_tokens}
     codes = []
     threads = [threading.Thread(target=lambda: codes.append(client.post("/v1/completions", json=req).status_code))
                for _ in range(3)]
@@ -246,7 +246,45 @@ def test_requests_run_one_at_a_time(tok):
         t.start()
     for t in threads:
         t.join(30)
-    assert codes == [200] * 3 and backend.sampled == 60 and backend.peak == 1
+    return codes
+
+
+def test_requests_run_one_at_a_time(tok):
+    backend = Slow(tok.vocab_size)
+    assert _post_three_at_once(backend, tok, 20) == [200] * 3
+    assert backend.sampled == 60 and backend.peak == 1
+
+
+def test_concurrent_backends_are_not_serialised(tok):
+    backend = Slow(tok.vocab_size)
+    backend.concurrent = True
+    assert _post_three_at_once(backend, tok, 200) == [200] * 3
+    assert backend.sampled == 600 and backend.peak > 1
+
+
+def test_batched_server_answers_concurrent_requests_as_the_engine_does_alone(model, tok):
+    """The default `openm3 serve` backend (continuous batching): concurrent greedy completions, one with a stop
+    string, equal the engine's greedy text for each prompt alone."""
+    from openm3.engine.batching import BatchedGenerator
+
+    backend = BatchedGenerator(model, token_budget=4 * LIMIT, max_batch=4, chunk_size=32)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=LIMIT))
+    prompts = ["def f(x):\n    return", "In the beginning", "The quick brown fox"]
+    bodies = [None] * 3
+
+    def ask(i):
+        bodies[i] = client.post("/v1/completions", json={"model": NAME, "prompt": prompts[i], "max_tokens": 8,
+                                                           "temperature": 0}).json()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    backend.close()
+    for prompt, body in zip(prompts, bodies):
+        assert body["choices"][0]["text"] == tok.decode(greedy_ids(model, tok, tok.encode(prompt), 8))
+    assert backend.cache.free_pages == backend.plan.num_pages
 
 
 BAD = [
@@ -302,5 +340,13 @@ def test_cli_builds_an_app_from_a_preset(tok, tmp_path):
         with pytest.raises(ValueError, match="--max-total-tokens"):
             build_app(build_parser().parse_args(["--preset", "m3-tiny", "--tokenizer", str(path),
                                                  "--max-total-tokens", bad]))
+    base = ["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64"]
+    with pytest.raises(ValueError, match="--max-batch"):
+        build_app(build_parser().parse_args(base + ["--max-batch", "0"]))
+    with pytest.raises(ValueError, match="--token-budget"):
+        build_app(build_parser().parse_args(base + ["--token-budget", "32"]))
+    serial = TestClient(build_app(build_parser().parse_args(base + ["--max-batch", "1"])))  # one at a time
+    r = serial.post("/v1/completions", json={"model": "m3-tiny", "prompt": "x", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200
     with pytest.raises(ValueError, match="--checkpoint"):
         build_app(build_parser().parse_args(["--checkpoint", str(tmp_path / "missing"), "--tokenizer", str(path)]))

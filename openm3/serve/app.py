@@ -2,11 +2,12 @@
 
     app = create_app(ModelBackend(model), tokenizer, model_name="m3-tiny", max_total_tokens=4096)
 
-One generation runs at a time: a lock serialises requests (later ones wait for it), which is what the engine's
-single-batch `generate` needs; concurrent batching is future work. The app never touches the model itself: a
-*backend* is any callable `backend(prompt_ids, *, max_new_tokens, sampling, stop_tokens, seed, on_token) ->
-finish_reason` that calls `on_token(token_id)` for each sampled token, so the same server runs the CPU reference
-or the Triton kernels (whatever `generate` picks for the model's device) or a scripted backend in tests.
+The app never touches the model itself: a *backend* is any callable `backend(prompt_ids, *, max_new_tokens,
+sampling, stop_tokens, seed, on_token) -> finish_reason` that calls `on_token(token_id)` for each sampled token,
+so the same server runs the CPU reference or the Triton kernels (whatever the engine picks for the model's device)
+or a scripted backend in tests. A backend with `concurrent = True` (`openm3.engine.batching.BatchedGenerator`,
+continuous batching: what `openm3 serve` uses unless `--max-batch 1`) is called from every request's thread at
+once; any other backend (`ModelBackend`: one `generate` per request) runs one request at a time under a lock.
 
 Text is produced incrementally by `TextStream`, for streamed and non-streamed responses alike, so the
 concatenated deltas of a stream equal the non-streamed text. Stop strings end generation (raising from
@@ -15,6 +16,7 @@ concatenated deltas of a stream equal the non-streamed text. Stop strings end ge
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import random
@@ -173,7 +175,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
             on_delta: Callable[[str], None], cancelled: threading.Event | None = None) -> str:
-        """Generates under the lock, feeding `stream`; returns the finish reason ('stop' | 'length').
+        """Generates (under the lock unless the backend is concurrent), feeding `stream`; returns the finish
+        reason ('stop' | 'length').
 
         The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
@@ -189,7 +192,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             if stream.stopped or (cancelled is not None and cancelled.is_set()):
                 raise _Stop
 
-        with lock:
+        with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
             try:
                 return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=[eos], seed=seed,
                                on_token=on_token)

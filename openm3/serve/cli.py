@@ -6,7 +6,9 @@
     curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \
         -d '{"model": "m3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}'
 
-Requests are served one at a time (a lock; later ones wait). Errors in the arguments exit with `error: ...`.
+Concurrent requests are decoded together (continuous batching, `openm3.engine.batching`: up to `--max-batch`
+requests in a cache planned for `--token-budget` tokens; a request waits while the cache is full); `--max-batch 1`
+serves one request at a time. Errors in the arguments exit with `error: ...`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="prompt + new tokens per request (default: min(32768, the model's max_position_embeddings))")
     p.add_argument("--seed", type=int, default=0, help="init seed of a --preset model")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (continuous batching); 1 "
+                   "serves one request at a time")
+    p.add_argument("--token-budget", type=int, default=None, help="tokens the shared cache is planned for, all "
+                   "running requests' prompt + max_tokens together (default: --max-batch x --max-total-tokens)")
+    p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
+    p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
+                   help="index-key cache dtype (default: the model dtype)")
     return p
 
 
@@ -38,6 +47,7 @@ def build_app(args: argparse.Namespace):
     """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
     from ..data.tokenizer import M3Tokenizer, get_tokenizer
     from ..engine.generate import device_and_dtype, load_model, tokenizer_path
+    from ..engine.batching import BatchedGenerator
     from .app import ModelBackend, create_app
 
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
@@ -53,7 +63,17 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--max-total-tokens: expected 2 .. {model.config.max_position_embeddings} "
                          f"(the model's max_position_embeddings), got {limit}")
     name = args.model_name or args.preset or os.path.basename(os.path.normpath(args.checkpoint))
-    return create_app(ModelBackend(model), tokenizer, model_name=name, max_total_tokens=limit)
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch: expected >= 1, got {args.max_batch}")
+    if args.max_batch == 1:
+        backend = ModelBackend(model)
+    else:
+        budget = args.token_budget if args.token_budget is not None else args.max_batch * limit
+        if budget < limit:
+            raise ValueError(f"--token-budget: {budget} tokens cannot hold one request of --max-total-tokens={limit}")
+        backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
+                                   index_dtype=args.index_dtype)
+    return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

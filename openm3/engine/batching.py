@@ -1,0 +1,214 @@
+"""Continuous batching: generation requests from many threads, decoded together.
+
+`BatchedGenerator(model, token_budget=...)` owns one paged cache and a worker thread. Each call
+
+    finish_reason = gen(prompt_ids, max_new_tokens=..., sampling=..., stop_tokens=..., seed=..., on_token=fn)
+
+blocks its caller until that request ends, while the worker runs all admitted requests together: between decode
+steps it admits waiting requests whose pages fit (first come, first served; a request waits while the cache is
+full and fails at once if it could never fit), prefills them in chunks, then decodes one token for every running
+request per step (one forward for the whole batch; CUDA graphs on a GPU, as in `generate`). A request leaves the
+batch after a stop token or `max_new_tokens`, or when its `on_token` raises (the exception is re-raised in its
+caller: that is how a server ends a request early), and its pages go back to the pool at once.
+
+Each request samples with its own generator seeded by `seed`, so its tokens equal `generate(model, [prompt],
+seed=seed, ...)`'s up to the float rounding of a batched forward. The running batch pauses while new requests
+prefill (no chunk interleaving).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from .cache import CacheLayout, PagedCache, plan_cache
+from .generate import check_prompts
+from .graphs import DecodeGraphs
+from .sampling import SamplingParams, sample
+from .scheduler import decode_step, prefill
+
+__all__ = ["BatchedGenerator"]
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    prompt: torch.Tensor
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_tokens: frozenset
+    on_token: Callable[[int], None]
+    gen: torch.Generator
+    id: int = -1
+    produced: int = 0
+    last: int = -1
+    finish: str | None = None
+    error: BaseException | None = None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class BatchedGenerator:
+    """Continuous batching over one model and one paged cache (see the module docstring).
+
+    token_budget: tokens the cache is planned for (all running requests' prompt + max_new_tokens together);
+    max_batch: most requests decoded together; chunk_size: prefill tokens per forward; index_dtype: as in
+    `generate`; cuda_graphs: decode steps through CUDA graphs (default: on when the model is on a CUDA device).
+    The signature of a call is the `Backend` protocol of `openm3.serve`, and `concurrent = True` tells the server
+    not to serialise calls.
+    """
+
+    concurrent = True
+
+    def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
+                 cuda_graphs: bool | None = None):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.model = model
+        self.config = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.plan = plan_cache(CacheLayout.from_config(self.config), token_budget, kv_dtype=self.dtype,
+                               index_dtype=index_dtype)
+        self.cache = PagedCache(self.plan, self.device)
+        self.max_batch, self.chunk_size = max_batch, chunk_size
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = DecodeGraphs(model, self.cache) if use_graphs else None
+        self.vocab_size = self.config.vocab_size
+        self.steps = 0  # decode steps run
+        self.batch_sizes: collections.Counter = collections.Counter()  # decode steps per batch size
+        self._ids = itertools.count()
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: collections.deque = collections.deque()
+        self._running: list[_Request] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ callers' side
+
+    def __call__(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 stop_tokens: Sequence[int] = (), seed: int = 0, on_token: Callable[[int], None] = lambda _t: None,
+                 ) -> str:
+        """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
+        returns 'stop' or 'length' when it ends. ValueError for a bad request or one that can never fit the cache;
+        an exception raised by `on_token` ends the request and is re-raised here."""
+        (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
+        pages = self.cache.pages_for(ids.numel() + max_new_tokens)
+        if pages > self.plan.num_pages:
+            raise ValueError(f"a prompt of {ids.numel()} tokens + max_new_tokens={max_new_tokens} needs {pages} "
+                             f"pages but the cache holds {self.plan.num_pages} "
+                             f"({self.plan.token_capacity} tokens); raise the token budget")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen)
+        self._start()
+        self._inbox.put(req)
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        return req.finish
+
+    def close(self) -> None:
+        """Stops the worker after the requests it holds have ended."""
+        with self._lock:
+            self._closed = True
+            if self._thread is not None:
+                self._inbox.put(None)
+                self._thread.join()
+                self._thread = None
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this BatchedGenerator was closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="openm3-batching", daemon=True)
+                self._thread.start()
+
+    # ------------------------------------------------------------------ the worker
+
+    def _loop(self) -> None:
+        stopping = False
+        while True:
+            idle = not self._running and not self._waiting
+            if idle and stopping:
+                return
+            try:
+                item = self._inbox.get(block=idle)
+                while True:
+                    if item is None:
+                        stopping = True
+                    else:
+                        self._waiting.append(item)
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            with torch.no_grad():
+                self._admit_and_prefill()
+                if self._running:
+                    self._decode()
+
+    def _admit_and_prefill(self) -> None:
+        new = []
+        while self._waiting and len(self._running) + len(new) < self.max_batch:
+            req = self._waiting[0]
+            if self.cache.pages_for(req.prompt.numel() + req.max_new_tokens) > self.cache.free_pages:
+                break  # first come, first served: it waits for pages
+            self._waiting.popleft()
+            req.id = next(self._ids)
+            self.cache.admit({req.id: req.prompt.numel() + req.max_new_tokens})
+            new.append(req)
+        if not new:
+            return
+        try:
+            logits = prefill(self.model, self.cache, [r.id for r in new], [r.prompt for r in new],
+                             chunk_size=self.chunk_size)
+        except Exception as e:  # noqa: BLE001 - the requests of this forward fail, the worker goes on
+            for req in new:
+                self._end(req, error=e)
+            return
+        self._running.extend(new)
+        self._emit(new, logits)
+
+    def _decode(self) -> None:
+        batch = list(self._running)
+        feed = torch.tensor([r.last for r in batch], dtype=torch.int64, device=self.device)
+        ids = [r.id for r in batch]
+        try:
+            logits = self.graphs.step(ids, feed) if self.graphs else decode_step(self.model, self.cache, ids, feed)
+        except Exception as e:  # noqa: BLE001
+            for req in batch:
+                self._end(req, error=e)
+            return
+        self.steps += 1
+        self.batch_sizes[len(batch)] += 1
+        self._emit(batch, logits)
+
+    def _emit(self, batch: list[_Request], logits: torch.Tensor) -> None:
+        """Samples one token per request of `batch` from its logits row and hands it over."""
+        for req, row in zip(batch, logits):
+            token = int(sample(row[None], req.sampling, req.gen)[0])
+            req.last, req.produced = token, req.produced + 1
+            try:
+                req.on_token(token)
+            except BaseException as e:  # noqa: BLE001 - the caller decides what its exception means
+                self._end(req, error=e)
+                continue
+            if token in req.stop_tokens:
+                self._end(req, finish="stop")
+            elif req.produced >= req.max_new_tokens:
+                self._end(req, finish="length")
+
+    def _end(self, req: _Request, *, finish: str | None = None, error: BaseException | None = None) -> None:
+        if req in self._running:
+            self._running.remove(req)
+        if req.id >= 0:
+            self.cache.release(req.id)
+        req.finish, req.error = finish, error
+        req.done.set()

@@ -1,0 +1,128 @@
+"""Continuous batching (`openm3.engine.batching.BatchedGenerator`) on a tiny random model on CPU: concurrent
+requests give the tokens `generate` gives each alone, are decoded together, wait for pages when the cache is
+full, and end alone when their callback raises."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from openm3.engine import generate
+from openm3.engine.batching import BatchedGenerator
+from openm3.engine.sampling import SamplingParams
+from openm3.models import M3TextConfig, M3TextModel
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = M3TextConfig.from_name("m3-tiny", index_topk_blocks=2)
+    return M3TextModel(config).eval()
+
+
+def _prompts(model, lens, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+
+
+def _run_concurrently(calls):
+    """Runs the zero-argument callables in threads; returns their results (or exceptions) in order."""
+    out = [None] * len(calls)
+
+    def run(i):
+        try:
+            out[i] = calls[i]()
+        except BaseException as e:  # noqa: BLE001
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return out
+
+
+def test_concurrent_requests_equal_generate_alone(model):
+    prompts = _prompts(model, [40, 9, 75])
+    new = [12, 5, 9]
+    sampling = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=20)]
+    want = []
+    for p, n, s, seed in zip(prompts, new, sampling, (0, 1, 2)):
+        res, _ = generate(model, [p], max_new_tokens=n, sampling=s, seed=seed)
+        want.append(res[0].tokens)
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=4, chunk_size=32)
+    got = [[] for _ in prompts]
+    results = _run_concurrently([
+        (lambda i=i: gen(prompts[i], max_new_tokens=new[i], sampling=sampling[i], seed=i, on_token=got[i].append))
+        for i in range(3)])
+    gen.close()
+    assert results == ["length"] * 3
+    assert got == want
+    assert max(gen.batch_sizes) >= 2  # decoded together at least once
+    assert gen.cache.free_pages == gen.plan.num_pages  # every page came back
+
+
+def test_stop_token_and_a_raising_callback_end_only_their_request(model):
+    prompts = _prompts(model, [30, 30, 30], seed=3)
+    ref, _ = generate(model, [prompts[0]], max_new_tokens=8)
+    stop = ref[0].tokens[2]
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=4)
+
+    class Enough(Exception):
+        pass
+
+    def bail(token, seen=[]):  # noqa: B006 - ends its request after two tokens
+        seen.append(token)
+        if len(seen) == 2:
+            raise Enough
+
+    got = []
+    results = _run_concurrently([
+        lambda: gen(prompts[0], max_new_tokens=8, stop_tokens=[stop], on_token=got.append),
+        lambda: gen(prompts[1], max_new_tokens=8, on_token=bail),
+        lambda: gen(prompts[2], max_new_tokens=6)])
+    gen.close()
+    assert results[0] == "stop" and got == ref[0].tokens[:ref[0].tokens.index(stop) + 1]
+    assert isinstance(results[1], Enough)
+    assert results[2] == "length"
+    assert gen.cache.free_pages == gen.plan.num_pages
+
+
+def test_requests_wait_for_pages_and_oversized_ones_fail_at_once(model):
+    prompts = _prompts(model, [50, 60], seed=4)
+    # room for one request at a time: 64 tokens = 4 pages of 16
+    gen = BatchedGenerator(model, token_budget=64, max_batch=4)
+    with pytest.raises(ValueError, match="raise the token budget"):
+        gen(prompts[0], max_new_tokens=40)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        gen(prompts[0], max_new_tokens=0)
+    want = [generate(model, [p], max_new_tokens=4)[0][0].tokens for p in prompts]
+    got = [[], []]
+    results = _run_concurrently([(lambda i=i: gen(prompts[i], max_new_tokens=4, on_token=got[i].append))
+                                 for i in range(2)])
+    gen.close()
+    assert results == ["length", "length"] and got == want
+    assert max(gen.batch_sizes) == 1  # never both in the cache
+    with pytest.raises(RuntimeError, match="closed"):
+        gen(prompts[0], max_new_tokens=2)
+
+
+def test_max_batch_is_respected(model):
+    prompts = _prompts(model, [20] * 5, seed=5)
+    gen = BatchedGenerator(model, token_budget=2048, max_batch=2)
+    results = _run_concurrently([(lambda p=p: gen(p, max_new_tokens=3)) for p in prompts])
+    gen.close()
+    assert results == ["length"] * 5
+    assert max(gen.batch_sizes) <= 2
+
+
+def test_bad_arguments():
+    torch.manual_seed(0)
+    model = M3TextModel(M3TextConfig.from_name("m3-tiny")).eval()
+    with pytest.raises(ValueError, match="max_batch"):
+        BatchedGenerator(model, token_budget=64, max_batch=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        BatchedGenerator(model, token_budget=64, chunk_size=0)
