@@ -192,8 +192,15 @@ class BatchedGenerator:
 
     def _emit(self, batch: list[_Request], logits: torch.Tensor) -> None:
         """Samples one token per request of `batch` from its logits row and hands it over."""
-        for req, row in zip(batch, logits):
-            token = int(sample(row[None], req.sampling, req.gen)[0])
+        tokens: list[int | None] = [None] * len(batch)
+        greedy = [i for i, req in enumerate(batch) if req.sampling.greedy]
+        if greedy:  # one argmax and one host read for all greedy rows
+            rows = torch.tensor(greedy, device=logits.device)
+            for i, token in zip(greedy, logits.index_select(0, rows).argmax(dim=-1).tolist()):
+                tokens[i] = token
+        for req, row, token in zip(batch, logits, tokens):
+            if token is None:  # its own generator: the draws `generate` would make for it alone
+                token = int(sample(row[None], req.sampling, req.gen)[0])
             req.last, req.produced = token, req.produced + 1
             try:
                 req.on_token(token)
