@@ -42,6 +42,7 @@ for s in "${stages[@]}"; do
           --chunk-size 32768 --device cuda $mode 2>&1 | tee -a "$OUT/generate_128k.log" | tail -8
       done ;;
     prefillprof) python3 -m benchmarks.prefill_profile --out "$OUT" 2>&1 | tee "$OUT/prefill_profile.log" | tail -45 ;;
+    batching) python3 -m benchmarks.serve_batching --out "$OUT" 2>&1 | tee "$OUT/serve_batching.log" | tail -6 ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
     klcompact)  # the KL without its work-list compaction (no host sync per call): m3-small's shape, then training
       python3 -m benchmarks.msa_group_sweep --out "$OUT/klcompact" --attn "" --kl "" "compact_items=0" 2>&1 \

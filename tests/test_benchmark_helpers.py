@@ -26,3 +26,15 @@ def test_write_result(tmp_path):
     path = write_result(tmp_path / "out", "bench", {"x": 1.5})
     assert path.endswith(".json") and "bench_" in path
     assert json.loads(open(path).read()) == {"x": 1.5}
+
+
+def test_serve_batching_benchmark_runs_on_cpu(tmp_path, capsys):
+    from benchmarks import serve_batching
+
+    assert serve_batching.main(["--preset", "m3-tiny", "--device", "cpu", "--prompt-len", "32", "--new", "3",
+                                "--batch", "1", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "max batch   1: 3 new tokens" in out and "max batch   2: 6 new tokens" in out
+    (path,) = tmp_path.glob("serve_batching_*.json")
+    rounds = json.loads(path.read_text())["rounds"]
+    assert set(rounds) == {"1", "2"} and all(r["tokens_per_s"] > 0 for r in rounds.values())
