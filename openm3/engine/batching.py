@@ -134,6 +134,8 @@ class BatchedGenerator:
     # ------------------------------------------------------------------ the worker
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":  # a new thread starts on device 0; graphs capture on the current device
+            torch.cuda.set_device(self.device)
         stopping = False
         while True:
             idle = not self._running and not self._waiting
