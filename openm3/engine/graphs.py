@@ -111,7 +111,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # recorded, not run: the cache's lengths stay; the replay below is the step itself
         with self.cache.step(seq_ids, [1] * len(seq_ids), buffers=batch.buffers, advance=False):
-            with torch.cuda.graph(graph):
+            with torch.cuda.device(self.cache.device), torch.cuda.graph(graph):  # on the cache's GPU
                 batch.logits = batch.forward(self.model, self.cache)
         batch.graph = graph
         self.captures += 1
