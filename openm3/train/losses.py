@@ -5,30 +5,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops.fused import fused_on_cuda
 from .batches import IGNORE
 
 
+@fused_on_cuda
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="none")
-
-
-_COMPILED_CE = None
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy per token in fp32 (0 where ignored). `logits: [T, V]`, `labels: [T]` (aligned,
     -100 ignored) -> `[T]`.
 
-    On CUDA the loss is one compiled (fused) kernel forward and backward: eagerly it materialises fp32 copies of
-    the [T, V] logits, their log-softmax and its gradient (several GB per step at 32K vocab and 16K tokens)."""
-    global _COMPILED_CE
+    On CUDA the loss is one compiled (fused) kernel forward and backward (`fused_on_cuda`): eagerly it
+    materialises fp32 copies of the [T, V] logits, their log-softmax and its gradient (several GB per step at 32K
+    vocab and 16K tokens)."""
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(f"logits must be [T, V] and labels [T], got {tuple(logits.shape)} and {tuple(labels.shape)}")
-    if not logits.is_cuda or torch.compiler.is_compiling():
-        return _cross_entropy(logits, labels)
-    if _COMPILED_CE is None:
-        _COMPILED_CE = torch.compile(_cross_entropy, dynamic=True)
-    return _COMPILED_CE(logits, labels)
+    return _cross_entropy(logits, labels)
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
