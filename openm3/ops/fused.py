@@ -23,13 +23,13 @@ F = TypeVar("F", bound=Callable)
 
 
 def _compile_errors() -> tuple[type, ...]:
-    import torch._dynamo.exc
-    import torch._inductor.exc
+    """The exception types a failed torch.compile raises (those this torch version has)."""
+    from torch._dynamo import exc as dynamo_exc
+    from torch._inductor import exc as inductor_exc
 
-    names = (("torch._dynamo.exc", "TorchDynamoException"), ("torch._inductor.exc", "InductorError"),
-             ("torch._dynamo.exc", "BackendCompilerFailed"))
-    mods = {"torch._dynamo.exc": torch._dynamo.exc, "torch._inductor.exc": torch._inductor.exc}
-    return tuple(getattr(mods[m], n) for m, n in names if hasattr(mods[m], n))
+    found = (getattr(dynamo_exc, "TorchDynamoException", None), getattr(dynamo_exc, "BackendCompilerFailed", None),
+             getattr(inductor_exc, "InductorError", None))
+    return tuple(e for e in found if e is not None)
 
 
 def fused_on_cuda(fn: F) -> F:
@@ -44,8 +44,6 @@ def fused_on_cuda(fn: F) -> F:
             return fn(x, *args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-        if compiled is fn:
-            return fn(x, *args, **kwargs)
         try:
             return compiled(x, *args, **kwargs)
         except _compile_errors() as e:
