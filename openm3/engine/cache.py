@@ -186,26 +186,17 @@ class StepBuffers:
         self._table_host = cache.host_table(self.seq_ids)
         self.block_table = self._table_host.to(dev)
 
-    def fill(self, cache: "PagedCache", seq_ids: Sequence[int], slots: torch.Tensor, seq_lens: torch.Tensor,
-             cu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def fill(self, cache: "PagedCache", seq_ids: Sequence[int], q_lens: Sequence[int], slots: torch.Tensor,
+             seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Writes one step's values -> (slots, block_table, seq_lens, cu_seqlens), the buffers themselves."""
-        if tuple(seq_ids) != self.seq_ids or slots.numel() != self.slots.numel():
+        if tuple(seq_ids) != self.seq_ids or any(n != self.q_len for n in q_lens):
             raise ValueError(f"buffers were made for sequences {list(self.seq_ids)} with {self.q_len} new tokens "
-                             f"each, got sequences {list(seq_ids)} with {slots.numel()} new tokens in all")
-        table = cache.host_table(seq_ids)
-        if not torch.equal(table, self._table_host):  # pages are reserved up front: only if the cache was reset
+                             f"each, got sequences {list(seq_ids)} with {list(q_lens)}")
+        if not torch.equal(cache.host_table(seq_ids), self._table_host):  # only if a sequence id was reused
             raise ValueError("the batch's page table changed since its buffers were made")
-        if not torch.equal(cu, self.cu_seqlens_host):
-            raise ValueError(f"buffers were made for {self.q_len} new tokens per sequence, got cu_seqlens "
-                             f"{cu.tolist()}")
         self.slots.copy_(slots, non_blocking=True)
         self.seq_lens.copy_(seq_lens, non_blocking=True)
         return self.slots, self.block_table, self.seq_lens, self.cu_seqlens
-
-    @property
-    def cu_seqlens_host(self) -> torch.Tensor:
-        batch = len(self.seq_ids)
-        return torch.arange(0, batch * self.q_len + 1, self.q_len, dtype=torch.int32)
 
 
 class PagedCache:
@@ -330,15 +321,15 @@ class PagedCache:
             pos = torch.arange(seq.length, seq.length + n)
             slots.append(seq.page_ids[pos // ps].long() * ps + pos % ps)
             lens.append(seq.length + n)
-        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(q_lens).cumsum(0)
         slots, lens_t = torch.cat(slots), torch.tensor(lens, dtype=torch.int32)
         if buffers is None:
             dev = self.device
+            cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+            cu[1:] = torch.tensor(q_lens).cumsum(0)
             step = _Step(list(seq_ids), list(q_lens), lens, slots.to(dev), self._batch_table(seq_ids), lens_t.to(dev),
                          cu.to(dev), set())
         else:
-            step = _Step(list(seq_ids), list(q_lens), lens, *buffers.fill(self, seq_ids, slots, lens_t, cu), set())
+            step = _Step(list(seq_ids), list(q_lens), lens, *buffers.fill(self, seq_ids, q_lens, slots, lens_t), set())
         self._step = step
         try:
             yield self
