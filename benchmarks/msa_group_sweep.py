@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 from benchmarks._inputs import m3_inputs
+from benchmarks._timing import write_result
 from benchmarks.msa_kernels import bench_ms
 
 BLOCK, TOPK, LOCAL = 128, 16, 1
@@ -82,25 +81,19 @@ def main(argv=None) -> int:
     with torch.no_grad():
         rec["select_ms"] = bench_ms(lambda: msa.select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK,
                                                               local_blocks=LOCAL))
-    for cfg in args.attn:
-        try:
-            rec["attn"][cfg or "default"] = _with_env("OPENM3_ATTN_LAUNCH", cfg, lambda: bench_ms(attn_fwd_bwd))
-        except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-            rec["attn"][cfg or "default"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        print(f"attention fwd+bwd [{cfg or 'default'}]: {rec['attn'][cfg or 'default']}", flush=True)
-    for cfg in args.kl:
-        try:
-            rec["kl"][cfg or "default"] = _with_env("OPENM3_KL_LAUNCH", cfg, lambda: bench_ms(kl_fwd_bwd))
-        except Exception as exc:  # noqa: BLE001
-            rec["kl"][cfg or "default"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        print(f"indexer KL fwd+bwd [{cfg or 'default'}]: {rec['kl'][cfg or 'default']}", flush=True)
+    for kind, env, fn, configs in (("attn", "OPENM3_ATTN_LAUNCH", attn_fwd_bwd, args.attn),
+                                   ("kl", "OPENM3_KL_LAUNCH", kl_fwd_bwd, args.kl)):
+        for cfg in configs:
+            name = cfg or "default"
+            try:
+                rec[kind][name] = _with_env(env, cfg, lambda: bench_ms(fn))
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                rec[kind][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"{'attention' if kind == 'attn' else 'indexer KL'} fwd+bwd [{name}]: {rec[kind][name]}", flush=True)
     rec["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                       triton=__import__("triton").__version__,
                       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"msa_group_sweep_hq{args.hq}_T{args.T}.json"
-    path.write_text(json.dumps(rec, indent=1))
+    path = write_result(args.out, f"msa_group_sweep_hq{args.hq}_T{args.T}", rec)
     print(f"select {rec['select_ms']:.3f} ms; wrote {path}")
     return 0
 
