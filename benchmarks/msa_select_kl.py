@@ -246,7 +246,7 @@ def time_case(x: dict, t: int, with_dense: bool, no_lse: bool) -> dict:
 SELECT_SWEEP = [{}, dict(tma=0), dict(block_n=64), dict(num_stages=3, tma=0)]
 KL_SWEEP = [{}, dict(block_n=64, heads_per_dot=16, num_stages=2),  # the default before session 2
             dict(prefetch=1), dict(dqi_buffer=1), dict(heads_per_dot=16), dict(block_q=32), dict(num_stages=2),
-            dict(max_entries=1024), dict(compact_items=0)]
+            dict(max_entries=1024), dict(compact_items=1)]
 
 
 def sweep(x: dict, t: int) -> dict:

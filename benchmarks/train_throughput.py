@@ -17,8 +17,11 @@ times optimizer steps after warm-up (medians; the warm-up steps include compilat
   both at 64K so the dense model fits.
 Targets (issue "Training system"): MFU >= 35% at 8K; MSA >= 4x dense tokens/s at 64K.
 
-The 8K case takes `--rows` rows per optimizer step in micro-batches of `--micro-batch` rows (a one-row step would
-mostly time AdamW over all 1.2B parameters, experts included, for 8K tokens), and one more step runs under
+The 8K case takes `--rows` rows per optimizer step (default 8: 64K tokens) in micro-batches of `--micro-batch`
+rows (default 4: 32K tokens per forward). A one-row step would mostly time AdamW over all 1.2B parameters, experts
+included, for 8K tokens; micro-batches of 2 rows left the step host-bound (the GPU busy 83-95% of it, session 5:
+65.5K tokens/s at 4 rows in 2 micro-batches against 72.7K at 4 rows in 1 and 73.4K at 8 rows in 2 of 4, all in one
+H200 call). One more step runs under
 `torch.profiler`: its CUDA kernel time by category (`breakdown`: attention/MSA kernels, MoE grouped GEMMs, other
 matmuls, optimizer incl. gradient clipping, elementwise and everything else; top kernels by time) explains a missed
 target. The MSA ops' value checks of `block_idx` (a host sync and a few sorts per call) are off unless
@@ -141,6 +144,34 @@ def profile_step(trainer) -> dict:
     return out
 
 
+def sync_sites(trainer, top: int = 25) -> list[dict]:
+    """One optimizer step under `torch.cuda.set_sync_debug_mode("warn")`: each host sync (a `.tolist()`, `.item()`,
+    a blocking copy) and the innermost openm3 / benchmarks frames that caused it, counted per call site. A sync
+    drains the launch queue, so the GPU idles while Python issues the next kernels."""
+    import traceback as tb
+    import warnings
+
+    sites: dict[str, int] = defaultdict(int)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in tb.extract_stack()[:-1] if "/openm3/" in f.filename or "/benchmarks/" in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames[::-1][:4]) or filename
+        sites[f"{where} | {str(message)[:60]}"] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])
+    return [{"site": k, "count": v} for k, v in ranked[:top]] + [{"total": sum(sites.values())}]
+
+
 def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = False, ckpt: bool = False,
                rows: int = 1, micro_batch: int | None = None, compile: bool = True, profile: bool = False) -> dict:
     from openm3.models.config import M3TextConfig
@@ -151,7 +182,7 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     overrides = {"layer_types": ["full_attention"] * M3TextConfig.from_name(preset).num_hidden_layers} if dense else {}
     mcfg = M3TextConfig.from_name(preset, **overrides)
     micro_batch = micro_batch or rows
-    cfg = TrainConfig(model=preset, recipe="text-only", steps=steps + warmup + int(profile), seq_len=ctx,
+    cfg = TrainConfig(model=preset, recipe="text-only", steps=steps + warmup + 2 * int(profile), seq_len=ctx,
                       text_rows=rows, micro_batch=micro_batch, warmup_steps=1, msa_switch_step=0,
                       out_dir="/tmp/openm3_bench_train", progress=False, tensorboard=False,
                       activation_checkpointing=ckpt, compile=compile, param_dtype="bfloat16")
@@ -183,6 +214,10 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
             out["breakdown"] = profile_step(trainer)
         except Exception as e:  # the timing above stands without it
             out["breakdown"] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        try:
+            out["breakdown"]["sync_sites"] = sync_sites(trainer)
+        except Exception as e:
+            out["breakdown"]["sync_sites"] = [{"error": f"{type(e).__name__}: {e}"[:1000]}]
         if peak:  # the step's model FLOPs at peak, to compare with the measured kernel ms
             out["breakdown"]["model_ms_at_peak"] = out["flops_per_token"] * tokens / peak * 1e3
     del trainer
@@ -215,8 +250,8 @@ def main(argv=None) -> int:
     p.add_argument("--long-ctx", type=int, default=65536)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
-    p.add_argument("--rows", type=int, default=4, help="rows of --mfu-ctx tokens per optimizer step (8K case)")
-    p.add_argument("--micro-batch", type=int, default=2, help="rows per forward in the 8K case")
+    p.add_argument("--rows", type=int, default=8, help="rows of --mfu-ctx tokens per optimizer step (8K case)")
+    p.add_argument("--micro-batch", type=int, default=4, help="rows per forward in the 8K case")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile each decoder layer (default on)")
     p.add_argument("--validate-block-idx", action="store_true",

@@ -41,6 +41,9 @@ for s in "${stages[@]}"; do
         python3 -m openm3.engine.generate --preset m3-small --random-prompt 131072 --max-new-tokens 64 --no-stream \
           --chunk-size 32768 --device cuda $mode 2>&1 | tee -a "$OUT/generate_128k.log" | tail -8
       done ;;
+    generatecompile)  # CUDA-graph decode over torch.compile'd layers at a 128K prompt (m3-small)
+      python3 -m openm3.engine.generate --preset m3-small --random-prompt 131072 --max-new-tokens 64 --no-stream \
+        --chunk-size 32768 --device cuda --compile 2>&1 | tee "$OUT/generate_128k_compile.log" | tail -8 ;;
     prefillprof) python3 -m benchmarks.prefill_profile --out "$OUT" 2>&1 | tee "$OUT/prefill_profile.log" | tail -45 ;;
     batching) python3 -m benchmarks.serve_batching --out "$OUT" 2>&1 | tee "$OUT/serve_batching.log" | tail -6 ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
@@ -49,10 +52,21 @@ for s in "${stages[@]}"; do
         | tee "$OUT/klcompact_sweep.log" | tail -8
       OPENM3_KL_LAUNCH=compact_items=0 python3 -m benchmarks.train_throughput --out "$OUT/klcompact" --only mfu \
         --steps 3 --warmup 2 2>&1 | tee "$OUT/klcompact_mfu.log" | tail -2 ;;
+    klcompact128)  # M3's shape (G = 16) at 128K: the KL with and without the work-list compaction
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/klcompact128" --hq 64 --T 131072 --seq-len 131072 --attn \
+        --kl "" "compact_items=1" 2>&1 | tee "$OUT/klcompact128.log" | tail -4 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
+    mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
+      for rm in "4 4" "8 4"; do set -- $rm
+        python3 -m benchmarks.train_throughput --out "$OUT/mfu_r$1_mb$2" --only mfu --steps 3 --warmup 2 --rows $1 \
+          --micro-batch $2 2>&1 | tee "$OUT/train_mfu_r$1_mb$2.log" | tail -2 | cut -c1-600
+      done ;;
     mfu) python3 -m benchmarks.train_throughput --out "$OUT" --only mfu --steps 3 --warmup 2 2>&1 \
            | tee "$OUT/train_mfu.log" | tail -4 ;;
     *) echo "unknown stage $s" ;;
   esac
 done
 echo "=== done ($(date -u +%T)) ==="
+# the device tool returns at most 8 files: every JSON result goes back in one archive
+(cd "$OUT" && find . -name '*.json' > /tmp/json_list && [ -s /tmp/json_list ] \
+  && tar czf /tmp/results_json.tgz -T /tmp/json_list && xargs rm -f < /tmp/json_list && mv /tmp/results_json.tgz .)
