@@ -55,6 +55,17 @@ for s in "${stages[@]}"; do
     klcompact128)  # M3's shape (G = 16) at 128K: the KL with and without the work-list compaction
       python3 -m benchmarks.msa_group_sweep --out "$OUT/klcompact128" --hq 64 --T 131072 --seq-len 131072 --attn \
         --kl "" "compact_items=1" 2>&1 | tee "$OUT/klcompact128.log" | tail -4 ;;
+    ncu)  # Nsight Compute on the dk/dv and KL main kernels at m3-small's shape (warm launches), if ncu is there
+      if command -v ncu >/dev/null; then
+        ncu --version | tail -1
+        timeout 150 ncu -k regex:"_kl_main_kernel|_attn_dkdv_kernel" --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+          --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+          --section ComputeWorkloadAnalysis python3 -m benchmarks.ncu_msa > "$OUT/ncu_msa.txt" 2>&1
+        grep -E "^  _|Duration|Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles|ERR|==PROF==" \
+          "$OUT/ncu_msa.txt" | head -60
+      else
+        echo "no ncu on PATH"; ls /usr/local/cuda*/bin 2>/dev/null | grep -i -E "ncu|nsys" | head
+      fi ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm
