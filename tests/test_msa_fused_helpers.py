@@ -69,3 +69,56 @@ def test_compiled_bookkeeping_equals_eager(compiled, lens):
     for name in ("key_block_tensors", "entry_tensors"):
         plain, fast = compiled[name]
         _equal(fast(idx, seq, cu, t, block, max_tokens), plain(idx, seq, cu, t, block, max_tokens))
+
+
+@pytest.fixture
+def wrapper_on_cpu(monkeypatch):
+    """`fused_on_cuda`'s compiled path taken for CPU tensors, with Dynamo's eager backend (no compiler needed)."""
+    from openm3.ops import fused
+
+    monkeypatch.setattr(fused, "_compiles", lambda x: isinstance(x, torch.Tensor))
+    monkeypatch.setattr(fused, "BACKEND", "eager")
+    torch._dynamo.reset()
+    yield fused
+    torch._dynamo.reset()
+
+
+def test_fused_wrapper_past_the_recompile_limit_runs_eagerly(wrapper_on_cpu):
+    """More specialisations than Dynamo's recompile limit (the whole GPU suite in one process hit it, session 5):
+    calls that fit no compiled graph run eagerly with one warning, exact results, and no error escapes."""
+    import warnings
+
+    def affine(x):
+        return x * 2 + 1
+
+    fused = wrapper_on_cpu.fused_on_cuda(affine, grad=False)
+    x = torch.arange(64)
+    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.float32)
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dtype in dtypes:  # each dtype is a new guard: a recompilation
+            assert torch.equal(fused(x.to(dtype)), affine(x.to(dtype)))
+    assert fused.fallback is None  # not switched off for good: the compiled graphs still serve their calls
+    assert sum("recompile limit" in str(w.message) for w in caught) == 1
+
+
+def test_fused_wrapper_grad_false_shares_one_graph_across_grad_modes(wrapper_on_cpu):
+    """With grad=False a call under autograd and one under no_grad (a forward and a backward pass) use one graph;
+    with grad=True the second needs a recompilation, which a recompile limit of 1 turns into the eager fallback."""
+    import warnings
+
+    def double(x):
+        return x * 2
+
+    limit_warnings = {}
+    for grad in (True, False):
+        fused = wrapper_on_cpu.fused_on_cuda(double, grad=grad)
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x = torch.ones(8)
+            assert torch.equal(fused(x), double(x))
+            with torch.no_grad():
+                assert torch.equal(fused(x), double(x))
+        limit_warnings[grad] = sum("recompile limit" in str(w.message) for w in caught)
+    assert limit_warnings == {True: 1, False: 0}

@@ -4,7 +4,9 @@ Many small torch ops cost one kernel launch each, and in a training step the hos
 the pace (session 4: ~15K launches per m3-small step). Wrapping a pure tensor function compiles it once, at its
 first CUDA call, into the fused kernels inductor generates (shapes dynamic); on CPU, under the Triton interpreter
 and inside an enclosing torch.compile it runs as written. If compiling fails (an older torch, a missing
-compiler), it warns once and runs eagerly from then on.
+compiler), it warns once and runs eagerly from then on. A call that would need more recompilations than Dynamo's
+`recompile_limit` (many shapes, constants or grad modes in one process: the GPU test suite hit it) runs eagerly,
+with one warning; the graphs already compiled keep serving the calls they fit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import torch
 __all__ = ["fused_on_cuda", "COMPILE"]
 
 COMPILE = True  # False: run every fused_on_cuda function eagerly on CUDA too (debugging)
+BACKEND = "inductor"  # the torch.compile backend (CPU tests of the wrapper use "eager")
+
+
+def _compiles(x) -> bool:
+    """Whether a call whose first argument is `x` takes the compiled path (CUDA tensors)."""
+    return isinstance(x, torch.Tensor) and x.is_cuda
 
 F = TypeVar("F", bound=Callable)
 
@@ -32,21 +40,47 @@ def _compile_errors() -> tuple[type, ...]:
     return tuple(e for e in found if e is not None)
 
 
-def fused_on_cuda(fn: F) -> F:
+def _recompile_limit_errors() -> tuple[type, ...]:
+    from torch._dynamo import exc as dynamo_exc
+
+    return tuple(e for e in (getattr(dynamo_exc, "FailOnRecompileLimitHit", None),) if e is not None)
+
+
+def _is_recompile_limit(e: BaseException) -> bool:
+    return isinstance(e, _recompile_limit_errors()) or "recompile limit" in str(e) or "recompile_limit" in str(e)
+
+
+def fused_on_cuda(fn: F | None = None, *, grad: bool = True) -> F:
     """`fn(x, ...)` compiled (dynamic shapes, one graph) for a CUDA tensor `x`. The result's `__wrapped__` is the
-    plain function and `fallback` says why compiling failed (None while it has not)."""
+    plain function and `fallback` says why compiling failed (None while it has not).
+
+    `grad=False` (as `@fused_on_cuda(grad=False)`) is for functions whose outputs never need gradients (index
+    bookkeeping): the compiled call runs under `torch.no_grad()`, so forward and backward passes share one graph
+    instead of compiling one per grad mode."""
+    if fn is None:
+        return functools.partial(fused_on_cuda, grad=grad)  # type: ignore[return-value]
     compiled = None
+    warned_limit = False
 
     @functools.wraps(fn)
     def run(x, *args, **kwargs):
-        nonlocal compiled
-        if not (isinstance(x, torch.Tensor) and x.is_cuda) or not COMPILE or torch.compiler.is_compiling():
+        nonlocal compiled, warned_limit
+        if not _compiles(x) or not COMPILE or torch.compiler.is_compiling():
             return fn(x, *args, **kwargs)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend=BACKEND)
         try:
-            return compiled(x, *args, **kwargs)
-        except _compile_errors() as e:
+            if grad:
+                return compiled(x, *args, **kwargs)
+            with torch.no_grad():
+                return compiled(x, *args, **kwargs)
+        except (*_compile_errors(), *_recompile_limit_errors()) as e:
+            if _is_recompile_limit(e):  # this call's variant only; the compiled graphs stay
+                if not warned_limit:
+                    warned_limit = True
+                    warnings.warn(f"torch.compile of {fn.__qualname__} reached Dynamo's recompile limit; calls "
+                                  f"that fit no compiled graph run eagerly")
+                return fn(x, *args, **kwargs)
             run.fallback = f"{type(e).__name__}: {str(e)[:200]}"
             warnings.warn(f"torch.compile of {fn.__qualname__} failed ({run.fallback}); running it eagerly")
             compiled = fn

@@ -37,3 +37,25 @@ def test_compiled_bookkeeping_equals_eager_on_cuda():
     for fn in (triton_common.query_positions, triton_common.absolute_block_starts, triton_common._tile_union,
                triton_common._key_block_tensors, triton_kl._entry_tensors):
         assert fn.fallback is None, (fn.__name__, fn.fallback)  # really compiled, not the eager fallback
+
+
+
+def test_recompile_limit_runs_eagerly_and_keeps_the_compiled_graphs():
+    """More specialisations than Dynamo's recompile limit (the full GPU suite in one process hit it): the calls that
+    fit no compiled graph run eagerly, with one warning, and results stay exact; no error escapes."""
+    import warnings
+
+    from openm3.ops.fused import fused_on_cuda
+
+    def affine(x):
+        return x * 2 + 1
+
+    fused = fused_on_cuda(affine, grad=False)
+    x = torch.arange(64, device="cuda")
+    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.float32)
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dtype in dtypes:  # each dtype is a new guard: a recompilation
+            assert torch.equal(fused(x.to(dtype)), affine(x.to(dtype)))
+    assert fused.fallback is None
+    assert sum("recompile limit" in str(w.message) for w in caught) == 1

@@ -51,7 +51,7 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-@fused_on_cuda
+@fused_on_cuda(grad=False)
 def query_positions(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, num_tokens: int):
     """Sequence and absolute key-space position of every packed query.
 
@@ -69,7 +69,7 @@ def query_positions(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, num_to
     return seq, qpos.to(torch.int32)
 
 
-@fused_on_cuda
+@fused_on_cuda(grad=False)
 def absolute_block_starts(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor,
                           block_size: int) -> torch.Tensor:
     """First absolute key row of every selected block.
@@ -105,7 +105,7 @@ def tile_candidates(block_starts: torch.Tensor, tokens_per_tile: int):
     return _tile_union(block_starts, tokens_per_tile)
 
 
-@fused_on_cuda
+@fused_on_cuda(grad=False)
 def _tile_union(block_starts: torch.Tensor, tokens_per_tile: int):
     """`tile_candidates` for 2-64 tokens per tile (~20 torch ops: one fused graph on CUDA)."""
     h, t, topk = block_starts.shape
@@ -183,7 +183,7 @@ def key_block_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: tor
                         num_block_slots=slots)
 
 
-@fused_on_cuda
+@fused_on_cuda(grad=False)
 def _key_block_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
                        block_size: int, max_tokens: int) -> tuple[torch.Tensor, ...]:
     """The tensors of `key_block_work` (~35 torch ops: one fused graph on CUDA)."""

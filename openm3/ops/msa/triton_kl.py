@@ -360,7 +360,7 @@ def _entry_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.
     return EntryWork(entries=entries, lo=i32(lo), hi=i32(hi), g=i32(g), k0=i32(k0), k1=i32(k1))
 
 
-@fused_on_cuda
+@fused_on_cuda(grad=False)
 def _entry_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
                    block_size: int, max_entries: int) -> tuple[torch.Tensor, ...]:
     """`_entry_work` up to the compaction (~35 torch ops: one fused graph on CUDA)."""
