@@ -416,7 +416,7 @@ def compile_check(arch: int = 90, dump: str | None = None, select_variants=None,
         triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, None, BLOCK, *scales, True, launch=kl)
         triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, False,
                               launch=kl)
-        for over in [dict(dqi_buffer=1, prefetch=1)] + list(kl_variants or []):  # the opt-in paths stay compilable
+        for over in [dict(dqi_buffer=1, prefetch=1), dict(unroll_heads=0)] + list(kl_variants or []):  # the opt-in paths stay compilable
             kl = triton_kl.kl_launch(HQ // HKV, D, BLOCK, on_gpu=True, **over)
             triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, True,
                                   launch=kl)

@@ -78,6 +78,9 @@ class KLLaunch:
         128K) 71.0 against 71.8 ms, and the m3-small 8K training step went from 83% to 95% GPU-busy (58.7K ->
         65.5K tokens/s; the compaction's read-back stalled the launch queue). The CPU interpreter pays per
         program, so it compacts.
+    unroll_heads: 1 unrolls the main pass's loop over teacher head groups (the compiler may hoist every head's q
+        gather), 0 keeps it a loop: at G = 4 on sm_90, 215 registers instead of 255 with 24 bytes of spills
+        (compile-level, session 5; not timed yet).
     """
 
     block_n: int
@@ -89,6 +92,7 @@ class KLLaunch:
     dqi_buffer: int = 0
     prefetch: int = 0
     compact_items: int = 1
+    unroll_heads: int = 1
 
 
 _ENV_OVERRIDE = "OPENM3_KL_LAUNCH"
@@ -130,6 +134,8 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
         raise ValueError(f"kl launch: prefetch={launch.prefetch} must be >= 0")
     if launch.compact_items not in (0, 1):
         raise ValueError(f"kl launch: compact_items={launch.compact_items} must be 0 or 1")
+    if launch.unroll_heads not in (0, 1):
+        raise ValueError(f"kl launch: unroll_heads={launch.unroll_heads} must be 0 or 1")
     return launch
 
 
@@ -263,6 +269,18 @@ def _kl_stats_kernel(
 
 
 @triton.jit
+def _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh, stride_lt, scale,
+                 GROUP: tl.constexpr, TOPK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HG: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """p [BLOCK_Q, BLOCK_N] plus exp(s - lse) of teacher heads hs*HG .. hs*HG + HG - 1 of the entries' group."""
+    s, t_r, head, row_ok = _teacher_logits(Q, k_t, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
+                                           scale, GROUP, TOPK, BLOCK_Q, HG, DOT_PRECISION)
+    lse = tl.load(LSE + t_r.to(tl.int64) * stride_lt + head, mask=row_ok, other=0.0)
+    a = tl.exp(tl.minimum(s - lse[:, None], 0.0))  # p_h <= 1 even if lse is slightly low (bf16 attention)
+    return p + tl.sum(tl.reshape(a, [BLOCK_Q, HG, BLOCK_N]), 1)
+
+
+@triton.jit
 def _kl_main_kernel(
     Q, K, QI, KI, ENTRIES, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, QPOS, LSE, LSE_Z, LOSS, DQI, DQB, DKI,
     T, stride_qt, stride_qh, stride_kt, stride_kh, stride_qit, stride_qih, stride_kit, stride_lt,
@@ -271,7 +289,7 @@ def _kl_main_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, HG: tl.constexpr, GRAD: tl.constexpr, DQI_BUF: tl.constexpr,
     PREFETCH: tl.constexpr, LINES: tl.constexpr, ROW_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+    UNROLL_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
 ):
     """Loss term per (entry, key sub-tile) into LOSS[e * N_SUB + sub]. If GRAD: dL/dki into DKI [Tk, Di] (fp32
     atomic adds, scaled by grad_coef = index_scale / (Hi T)) and dL/dqi either into DQI [T, Hi, Di] (fp32 atomic
@@ -294,12 +312,14 @@ def _kl_main_kernel(
         lse_z = tl.load(LSE_Z + g * T + t, mask=e_ok, other=0.0)
         # Teacher: mean over the group's heads of exp(s - lse), HG heads per dot.
         p = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
-        for hs in tl.static_range(GROUP // HG):
-            s, t_r, head, row_ok = _teacher_logits(Q, k_t, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt,
-                                                   stride_qh, scale, GROUP, TOPK, BLOCK_Q, HG, DOT_PRECISION)
-            lse = tl.load(LSE + t_r.to(tl.int64) * stride_lt + head, mask=row_ok, other=0.0)
-            a = tl.exp(tl.minimum(s - lse[:, None], 0.0))  # p_h <= 1 even if lse is slightly low (bf16 attention)
-            p += tl.sum(tl.reshape(a, [BLOCK_Q, HG, BLOCK_N]), 1)
+        if UNROLL_HEADS:
+            for hs in tl.static_range(GROUP // HG):
+                p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
+                                 stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
+        else:  # a loop the compiler keeps: fewer registers live (G = 4: 215 instead of 255 + spills)
+            for hs in tl.range(0, GROUP // HG, num_stages=1):
+                p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
+                                 stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
         p = tl.where(vis, p * (1.0 / GROUP), 0.0)
         log_r = z - lse_z[:, None]
         term = tl.where(p > 0, p * (tl.log(tl.where(p > 0, p, 1.0)) - log_r), 0.0)
@@ -477,7 +497,7 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
                           scale, index_scale, index_scale / count, GRAD=need_grad, DQI_BUF=dq_part is not None,
                           PREFETCH=0 if os.environ.get("TRITON_INTERPRET") == "1" else launch.prefetch,
                           LINES=next_pow2(row_lines), ROW_LINES=row_lines, LINE_ELEMS=128 // q.element_size(),
-                          **common)
+                          UNROLL_HEADS=bool(launch.unroll_heads), **common)
     if dq_part is not None:
         dqi = (dq_part.sum(2, dtype=torch.float32) * (index_scale / count)).transpose(0, 1).contiguous()
     return loss_part.sum() / count, dqi, dki
