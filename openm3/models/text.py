@@ -197,9 +197,10 @@ class M3TextModel(nn.Module):
             return inputs_embeds
         if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must be an int tensor [T], got {input_ids.dtype} {tuple(input_ids.shape)}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if input_ids.numel():
+            lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one host read (a device sync on CUDA)
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got [{lo}, {hi}]")
         return self.embed_tokens(input_ids)
 
 

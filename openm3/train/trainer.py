@@ -146,9 +146,10 @@ class Trainer:
         t0 = time.perf_counter()
         rows = step_rows(self.source, self.plan.rows(step), step)
         micro = shard_micro_batches(rows, info.rank, info.world_size, cfg.micro_batch)
-        counts = torch.tensor([sum(b.num_loss_tokens for b in micro), sum(b.num_tokens for b in micro)],
-                              dtype=torch.float64, device=info.device)
-        n_loss, n_tok = D.all_reduce_sum(counts, info).tolist()
+        counts = [sum(b.num_loss_tokens for b in micro), sum(b.num_tokens for b in micro)]
+        if info.distributed:
+            counts = D.all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=info.device), info).tolist()
+        n_loss, n_tok = counts
         if n_loss == 0:
             raise ValueError(f"step {step} has no loss tokens (every label is ignored)")
         stage = cfg.msa_stage(step)
@@ -194,16 +195,20 @@ class Trainer:
         D.all_reduce_sum(by_kind, info)
         self.step += 1
         dt = time.perf_counter() - t0
-        record = {"step": step, "loss": sums[0].item() / n_loss, "lr": lr, "grad_norm": float(grad_norm),
+        # every logged value in one host read (each .item() is a device sync)
+        values = torch.cat([sums, by_kind.reshape(-1), grad_norm.detach().double().reshape(1)]).tolist()
+        (ce_sum, kl, aux), (kind_ce, kind_tok), norm = values[:3], (values[3:3 + len(KINDS)],
+                                                                     values[3 + len(KINDS):-1]), values[-1]
+        record = {"step": step, "loss": ce_sum / n_loss, "lr": lr, "grad_norm": norm,
                   "tokens": int(n_tok), "tokens_per_s": n_tok / dt, "msa_stage": stage,
                   "vision": int(self.plan.vision_on(step))}
         for i, kind in enumerate(KINDS):
-            if by_kind[1, i] > 0:
-                record[f"loss/{kind}"] = (by_kind[0, i] / by_kind[1, i]).item()
+            if kind_tok[i] > 0:
+                record[f"loss/{kind}"] = kind_ce[i] / kind_tok[i]
         if has_kl:
-            record["indexer_kl"] = sums[1].item()
+            record["indexer_kl"] = kl
         if has_aux:
-            record["aux_loss"] = sums[2].item()
+            record["aux_loss"] = aux
         return record
 
     # ---- the loop ----------------------------------------------------------------------------------------

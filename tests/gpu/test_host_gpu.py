@@ -27,3 +27,27 @@ def test_host_list_caches_per_tensor_version():
         inf = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
         assert host.host_list(inf) == [0, 2]  # no version counter: read directly, not cached
     assert id(inf) not in host._CACHE
+
+
+def test_batch_to_cuda_does_not_wait_for_queued_work():
+    """`Batch.to` copies through pinned memory without a host sync (a pageable copy waits for the stream's queued
+    work: the previous micro-batch's backward), and the values arrive intact."""
+    from openm3.train.batches import Batch
+
+    gen = torch.Generator().manual_seed(0)
+    batch = Batch(torch.randint(0, 100, (300,), generator=gen), torch.randint(0, 100, (300,), generator=gen),
+                  torch.arange(300), torch.tensor([0, 120, 300], dtype=torch.int32),
+                  {"pixel_values": torch.randn(16, 8, generator=gen)}, ["text", "text"], [120, 180])
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(20):  # queue work the copies must not wait for
+        busy = busy @ busy / 64
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved = batch.to(torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+        assert torch.equal(getattr(moved, name).cpu(), getattr(batch, name)), name
+    assert torch.equal(moved.vision["pixel_values"].cpu(), batch.vision["pixel_values"])
+    assert moved.kinds == batch.kinds and moved.row_lens == batch.row_lens
