@@ -366,7 +366,7 @@ def select_workspace(t: int) -> dict:
 
 _PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
               torch.int64: "*i64"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 class _Recorder:
@@ -416,7 +416,8 @@ def compile_check(arch: int = 90, dump: str | None = None, select_variants=None,
         triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, None, BLOCK, *scales, True, launch=kl)
         triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, False,
                               launch=kl)
-        for over in [dict(dqi_buffer=1, prefetch=1), dict(unroll_heads=0)] + list(kl_variants or []):  # the opt-in paths stay compilable
+        opt_in = [dict(dqi_buffer=1, prefetch=1), dict(unroll_heads=0), dict(unroll_heads=0, maxnreg=128)]
+        for over in opt_in + list(kl_variants or []):  # the opt-in paths stay compilable
             kl = triton_kl.kl_launch(HQ // HKV, D, BLOCK, on_gpu=True, **over)
             triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, True,
                                   launch=kl)

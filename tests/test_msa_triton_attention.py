@@ -104,11 +104,13 @@ def test_matches_reference(case):
     ("block_m=64,block_n=32,dq_block_m=16,dq_block_n=16,dkdv_block_n=16,dkdv_block_m=32", 32),
     ("tma=1,block_m=16,block_n=16,dq_in_dkdv=1,dkdv_block_n=16,dkdv_block_m=16,dkdv_max_tokens=8", 32),
     ("tma=1,block_m=64,block_n=32,dq_block_m=32,dq_block_n=16,dkdv_block_m=32,dkdv_block_n=32", 32),
+    ("dq_in_dkdv=1,dkdv_block_n=16,dkdv_block_m=16,dkdv_maxnreg=128", 32),
 ], ids=["B2-T105-Hq16-Hkv1-D16-bs16-k3-one-token-tiles-split-blocks",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-two-token-tiles-two-subtiles",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-four-token-fwd-one-token-dq-dkdv-subtiles",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-tma-one-token-dq-fused-into-dkdv-split-blocks",
-        "B2-T105-Hq16-Hkv1-D16-bs32-k3-tma-four-token-fwd-two-token-dq"])
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-tma-four-token-fwd-two-token-dq",
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-dq-fused-register-cap"])
 def test_gpu_launch_shapes(launch, bs, monkeypatch):
     """The GPU tilings: one token per tile (no membership test), hot key blocks split over programs (atomics),
     key blocks walked in several sub-tiles, K/V through tensor descriptors (TMA), dq fused into dk/dv."""
@@ -242,6 +244,8 @@ def test_launch_config_checks():
         attention_launch(4, 16, 16, torch.float32, False, block_q=16)
     with pytest.raises(ValueError, match="64 tokens"):
         attention_launch(1, 16, 16, torch.float32, False, block_m=128)
+    with pytest.raises(ValueError, match="dkdv_maxnreg"):
+        attention_launch(4, 16, 16, torch.float32, False, dkdv_maxnreg=-1)
     # on CPU the dq kernel follows the forward's tiling unless set
     assert attention_launch(16, 16, 16, torch.float32, False, block_m=32).dq_block_m == 32
     assert attention_launch(16, 16, 16, torch.float32, False, block_m=32, dq_block_m=16).dq_block_m == 16
@@ -350,6 +354,17 @@ for group in (16, 4, 1):
         assert k.asm["cubin"], fn.__name__
         print(fn.__name__, group, "ok")
 
+# the opt-in register cap of dk/dv (two 8-warp CTAs per SM), at m3-small's group of 4 with 64-key tiles
+launch = attention_launch(4, 128, 128, torch.bfloat16, on_gpu=True, dkdv_block_n=64, dkdv_maxnreg=128)
+consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32", WHILE_LOOPS=False, NUM_HEADS=16,
+              FUSE_DQ=True, BLOCK_M=launch.dkdv_block_m, BLOCK_N=64, TOKENS=launch.dkdv_tokens(4))
+sig, attrs = signature(ta._attn_dkdv_kernel, consts)
+k = triton.compile(ASTSource(ta._attn_dkdv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
+                                maxnreg=launch.dkdv_maxnreg))
+assert k.asm["cubin"] and k.metadata.num_warps == 8
+print("_attn_dkdv_kernel maxnreg ok")
+
 consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_R=16)
 sig = {"DO": "*bf16", "O": "*bf16", "DELTA": "*fp32", "n_rows": "i32", "num_heads": "i32", "stride_dt": "i32",
        "stride_dh": "i32", "stride_ot": "i32", "stride_oh": "i32", **{k: "constexpr" for k in consts}}
@@ -373,7 +388,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" ok") == 16, proc.stdout  # 3 groups x 5 kernels, delta
+    assert proc.stdout.count(" ok") == 17, proc.stdout  # 3 groups x 5 kernels, dk/dv with a register cap, delta
 
 
 def test_strided_views_of_fused_projections():

@@ -490,6 +490,7 @@ def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_si
         BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, TOKENS=launch.dkdv_tokens(group),
         DOT_PRECISION=precision, WHILE_LOOPS=interpreting(), FUSE_DQ=fuse_dq,
         num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
+        **({"maxnreg": launch.dkdv_maxnreg} if launch.dkdv_maxnreg and not interpreting() else {}),
     )
     if fuse_dq:
         dq.copy_(dq32)

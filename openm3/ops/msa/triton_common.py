@@ -252,6 +252,10 @@ class AttentionLaunch:
     tma: 1 loads the forward's and dq's K/V tiles through tensor descriptors (Hopper's TMA), 0 with pointers.
     dq_in_dkdv: 1 computes dq inside the dk/dv kernel (one more dot per step, fp32 atomic adds into a [T, Hq, D]
       buffer) instead of a separate query-outer pass that gathers K and V again.
+    dkdv_maxnreg: 0 lets the compiler pick the dk/dv kernel's registers per thread; n > 0 caps them (spilling the
+      rest), e.g. 128 so two 8-warp CTAs fit an SM: the kernel is latency-bound at one CTA (ncu, session 5: 222
+      registers, 12.5% occupancy). With dkdv_block_n=64 the cap spills 104 bytes per thread on sm_90 and shared
+      memory allows two CTAs (90.5 KB each). Compiled GPUs only; not timed yet.
     """
 
     block_m: int
@@ -268,6 +272,7 @@ class AttentionLaunch:
     dq_num_warps: int
     tma: int
     dq_in_dkdv: int
+    dkdv_maxnreg: int = 0
 
     def tokens_per_tile(self, group: int) -> int:
         return max(1, self.block_m // group)
@@ -331,6 +336,9 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
     if max(launch.tokens_per_tile(group), launch.dq_tokens_per_tile(group)) > 64:
         raise ValueError(f"attention launch: block_m={launch.block_m} / dq_block_m={launch.dq_block_m} hold more "
                          f"than 64 tokens of {group} heads (membership bits are int64)")
+    if launch.dkdv_maxnreg < 0 or launch.dkdv_maxnreg > 255:
+        raise ValueError(f"attention launch: dkdv_maxnreg={launch.dkdv_maxnreg} must be 0 (compiler's choice) or "
+                         f"a register count in [1, 255]")
     for name in ("block_n", "dq_block_n", "dkdv_block_n"):
         if block_size % getattr(launch, name):
             raise ValueError(f"attention launch: {name}={getattr(launch, name)} must divide "

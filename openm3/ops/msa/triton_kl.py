@@ -38,7 +38,6 @@ Launch parameters come from `kl_launch` (one place; `OPENM3_KL_LAUNCH="block_n=6
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +46,7 @@ import triton.language as tl
 
 from ..fused import fused_on_cuda
 from ._checks import check_indexer_kl_inputs
-from .triton_common import (global_block_numbering, largest_pow2_divisor, next_pow2, query_positions,
+from .triton_common import (global_block_numbering, interpreting, largest_pow2_divisor, next_pow2, query_positions,
                             with_overrides)
 
 __all__ = ["indexer_kl", "kl_launch", "KLLaunch"]
@@ -81,6 +80,9 @@ class KLLaunch:
     unroll_heads: 1 unrolls the main pass's loop over teacher head groups (the compiler may hoist every head's q
         gather), 0 keeps it a loop: at G = 4 on sm_90, 215 registers instead of 255 with 24 bytes of spills
         (compile-level, session 5; not timed yet).
+    maxnreg: 0 lets the compiler pick the main pass's registers per thread; n > 0 caps them (spilling the rest),
+        e.g. 128 so two 8-warp CTAs fit an SM (one CTA at 255 registers: 12.5% occupancy, latency-bound; ncu,
+        session 5). Compiled GPUs only; not timed yet.
     """
 
     block_n: int
@@ -93,6 +95,7 @@ class KLLaunch:
     prefetch: int = 0
     compact_items: int = 1
     unroll_heads: int = 1
+    maxnreg: int = 0
 
 
 _ENV_OVERRIDE = "OPENM3_KL_LAUNCH"
@@ -136,6 +139,9 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
         raise ValueError(f"kl launch: compact_items={launch.compact_items} must be 0 or 1")
     if launch.unroll_heads not in (0, 1):
         raise ValueError(f"kl launch: unroll_heads={launch.unroll_heads} must be 0 or 1")
+    if launch.maxnreg < 0 or launch.maxnreg > 255:
+        raise ValueError(f"kl launch: maxnreg={launch.maxnreg} must be 0 (compiler's choice) or a register count "
+                         f"in [1, 255]")
     return launch
 
 
@@ -495,9 +501,10 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     _kl_main_kernel[grid](q, k, qi, ki, *items, lse, lse_z, loss_part, dqi, dqi if dq_part is None else dq_part,
                           dki, t, *strides, lse.stride(0), dqi.stride(0), dqi.stride(1), dki.stride(0),
                           scale, index_scale, index_scale / count, GRAD=need_grad, DQI_BUF=dq_part is not None,
-                          PREFETCH=0 if os.environ.get("TRITON_INTERPRET") == "1" else launch.prefetch,
+                          PREFETCH=0 if interpreting() else launch.prefetch,
                           LINES=next_pow2(row_lines), ROW_LINES=row_lines, LINE_ELEMS=128 // q.element_size(),
-                          UNROLL_HEADS=bool(launch.unroll_heads), **common)
+                          UNROLL_HEADS=bool(launch.unroll_heads), **common,
+                          **({"maxnreg": launch.maxnreg} if launch.maxnreg and not interpreting() else {}))
     if dq_part is not None:
         dqi = (dq_part.sum(2, dtype=torch.float32) * (index_scale / count)).transpose(0, 1).contiguous()
     return loss_part.sum() / count, dqi, dki
