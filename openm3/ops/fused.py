@@ -27,6 +27,7 @@ def _compiles(x) -> bool:
     """Whether a call whose first argument is `x` takes the compiled path (CUDA tensors)."""
     return isinstance(x, torch.Tensor) and x.is_cuda
 
+
 F = TypeVar("F", bound=Callable)
 
 
@@ -41,6 +42,8 @@ def _compile_errors() -> tuple[type, ...]:
 
 
 def _recompile_limit_errors() -> tuple[type, ...]:
+    """What Dynamo raises when a `fullgraph=True` function needs more recompilations than `recompile_limit` (not a
+    TorchDynamoException)."""
     from torch._dynamo import exc as dynamo_exc
 
     return tuple(e for e in (getattr(dynamo_exc, "FailOnRecompileLimitHit", None),) if e is not None)
