@@ -47,10 +47,10 @@ for s in "${stages[@]}"; do
     prefillprof) python3 -m benchmarks.prefill_profile --out "$OUT" 2>&1 | tee "$OUT/prefill_profile.log" | tail -45 ;;
     batching) python3 -m benchmarks.serve_batching --out "$OUT" 2>&1 | tee "$OUT/serve_batching.log" | tail -6 ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
-    klcompact)  # the KL without its work-list compaction (no host sync per call): m3-small's shape, then training
-      python3 -m benchmarks.msa_group_sweep --out "$OUT/klcompact" --attn "" --kl "" "compact_items=0" 2>&1 \
+    klcompact)  # the KL with its old work-list compaction (a host sync per call; off by default since session 5)
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/klcompact" --attn "" --kl "" "compact_items=1" 2>&1 \
         | tee "$OUT/klcompact_sweep.log" | tail -8
-      OPENM3_KL_LAUNCH=compact_items=0 python3 -m benchmarks.train_throughput --out "$OUT/klcompact" --only mfu \
+      OPENM3_KL_LAUNCH=compact_items=1 python3 -m benchmarks.train_throughput --out "$OUT/klcompact" --only mfu \
         --steps 3 --warmup 2 2>&1 | tee "$OUT/klcompact_mfu.log" | tail -2 ;;
     klcompact128)  # M3's shape (G = 16) at 128K: the KL with and without the work-list compaction
       python3 -m benchmarks.msa_group_sweep --out "$OUT/klcompact128" --hq 64 --T 131072 --seq-len 131072 --attn \

@@ -181,5 +181,16 @@ def test_step_buffers_give_the_same_logits_and_are_reused():
     with pytest.raises(ValueError, match="buffers were made for sequences"):
         with cache.step([0, 1], [2, 1], buffers=bufs):
             pass
+    # a release elsewhere leaves the batch's table as it was; a reused sequence id with other pages is refused
+    cache.admit({7: 8})
+    cache.release(7)
+    with cache.step([0, 1], [1, 1], buffers=bufs, advance=False):
+        pass
+    cache.release(1)
+    cache.admit({5: 8})  # takes the lowest free pages, which were sequence 1's
+    cache.admit({1: len(seqs[1])})
+    with pytest.raises(ValueError, match="page table changed"):
+        with cache.step([0, 1], [1, 1], buffers=bufs, advance=False):
+            pass
     with pytest.raises(ValueError, match="CUDA graphs need a cache on a CUDA device"):
         DecodeGraphs(model, cache)

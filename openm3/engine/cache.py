@@ -184,6 +184,7 @@ class StepBuffers:
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
         self._table_host = cache.host_table(self.seq_ids)
+        self._releases = cache.releases  # the table can only change after a release (a reused sequence id)
         self.block_table = self._table_host.to(dev)
 
     def fill(self, cache: "PagedCache", seq_ids: Sequence[int], q_lens: Sequence[int], slots: torch.Tensor,
@@ -192,8 +193,10 @@ class StepBuffers:
         if tuple(seq_ids) != self.seq_ids or any(n != self.q_len for n in q_lens):
             raise ValueError(f"buffers were made for sequences {list(self.seq_ids)} with {self.q_len} new tokens "
                              f"each, got sequences {list(seq_ids)} with {list(q_lens)}")
-        if not torch.equal(cache.host_table(seq_ids), self._table_host):  # only if a sequence id was reused
-            raise ValueError("the batch's page table changed since its buffers were made")
+        if cache.releases != self._releases:  # a sequence id may have been released and reused: compare once
+            if not torch.equal(cache.host_table(seq_ids), self._table_host):
+                raise ValueError("the batch's page table changed since its buffers were made")
+            self._releases = cache.releases
         self.slots.copy_(slots, non_blocking=True)
         self.seq_lens.copy_(seq_lens, non_blocking=True)
         return self.slots, self.block_table, self.seq_lens, self.cu_seqlens
@@ -219,6 +222,7 @@ class PagedCache:
         self._step: _Step | None = None
         self._table_key: tuple | None = None  # batch whose page table is on the device
         self._table: torch.Tensor | None = None
+        self.releases = 0  # sequences released so far: a page table built before a release may be stale
 
     # ------------------------------------------------------------------ sequences and pages
 
@@ -270,6 +274,7 @@ class PagedCache:
         if seq is None:
             raise ValueError(f"sequence {seq_id} is not in the cache")
         self._table_key = None
+        self.releases += 1
         self._free = sorted(self._free + seq.pages)
 
     def length(self, seq_id: int) -> int:

@@ -49,10 +49,6 @@ def _recompile_limit_errors() -> tuple[type, ...]:
     return tuple(e for e in (getattr(dynamo_exc, "FailOnRecompileLimitHit", None),) if e is not None)
 
 
-def _is_recompile_limit(e: BaseException) -> bool:
-    return isinstance(e, _recompile_limit_errors()) or "recompile limit" in str(e) or "recompile_limit" in str(e)
-
-
 def fused_on_cuda(fn: F | None = None, *, grad: bool = True) -> F:
     """`fn(x, ...)` compiled (dynamic shapes, one graph) for a CUDA tensor `x`. The result's `__wrapped__` is the
     plain function and `fallback` says why compiling failed (None while it has not).
@@ -78,7 +74,7 @@ def fused_on_cuda(fn: F | None = None, *, grad: bool = True) -> F:
             with torch.no_grad():
                 return compiled(x, *args, **kwargs)
         except (*_compile_errors(), *_recompile_limit_errors()) as e:
-            if _is_recompile_limit(e):  # this call's variant only; the compiled graphs stay
+            if isinstance(e, _recompile_limit_errors()):  # this call's variant only; the compiled graphs stay
                 if not warned_limit:
                     warned_limit = True
                     warnings.warn(f"torch.compile of {fn.__qualname__} reached Dynamo's recompile limit; calls "

@@ -197,8 +197,8 @@ class Trainer:
         dt = time.perf_counter() - t0
         # every logged value in one host read (each .item() is a device sync)
         values = torch.cat([sums, by_kind.reshape(-1), grad_norm.detach().double().reshape(1)]).tolist()
-        (ce_sum, kl, aux), (kind_ce, kind_tok), norm = values[:3], (values[3:3 + len(KINDS)],
-                                                                     values[3 + len(KINDS):-1]), values[-1]
+        ce_sum, kl, aux = values[:3]
+        kind_ce, kind_tok, norm = values[3:3 + len(KINDS)], values[3 + len(KINDS):-1], values[-1]
         record = {"step": step, "loss": ce_sum / n_loss, "lr": lr, "grad_norm": norm,
                   "tokens": int(n_tok), "tokens_per_s": n_tok / dt, "msa_stage": stage,
                   "vision": int(self.plan.vision_on(step))}
