@@ -66,6 +66,10 @@ for s in "${stages[@]}"; do
       else
         echo "no ncu on PATH"; ls /usr/local/cuda*/bin 2>/dev/null | grep -i -E "ncu|nsys" | head
       fi ;;
+    groupsweep128)  # M3's shape (G = 16) at 128K: the dk/dv and KL occupancy knobs
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/groupsweep128" --hq 64 --T 131072 --seq-len 131072 --attn "" \
+        "dkdv_block_n=64" "dkdv_maxnreg=128" "dkdv_block_n=64,dkdv_maxnreg=128" "dkdv_num_stages=1" "dkdv_num_stages=3" \
+        --kl "" "unroll_heads=0" "unroll_heads=0,maxnreg=128" 2>&1 | tee "$OUT/groupsweep128.log" | tail -14 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm
