@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import sys
 
 import torch
@@ -51,6 +52,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--attn", nargs="*", default=ATTN, help="OPENM3_ATTN_LAUNCH strings ('' = defaults)")
     p.add_argument("--kl", nargs="*", default=KL, help="OPENM3_KL_LAUNCH strings ('' = defaults)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every configuration this many times, interleaved (reports the median over rounds; "
+                        "single timings of one configuration moved by up to ~10%% between runs)")
     p.add_argument("--out", default="benchmarks/results/")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -83,15 +87,26 @@ def main(argv=None) -> int:
     with torch.no_grad():
         rec["select_ms"] = bench_ms(lambda: msa.select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK,
                                                               local_blocks=LOCAL))
-    for kind, env, fn, configs in (("attn", "OPENM3_ATTN_LAUNCH", attn_fwd_bwd, args.attn),
-                                   ("kl", "OPENM3_KL_LAUNCH", kl_fwd_bwd, args.kl)):
-        for cfg in configs:
-            name = cfg or "default"
-            try:
-                rec[kind][name] = _with_env(env, cfg, lambda: bench_ms(fn))
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-                rec[kind][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            print(f"{'attention' if kind == 'attn' else 'indexer KL'} fwd+bwd [{name}]: {rec[kind][name]}", flush=True)
+    times: dict[tuple[str, str], list] = {}
+    for _ in range(max(1, args.rounds)):
+        for kind, env, fn, configs in (("attn", "OPENM3_ATTN_LAUNCH", attn_fwd_bwd, args.attn),
+                                       ("kl", "OPENM3_KL_LAUNCH", kl_fwd_bwd, args.kl)):
+            for cfg in configs:
+                name = cfg or "default"
+                try:
+                    ms = _with_env(env, cfg, lambda: bench_ms(fn))
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                    ms = f"{type(exc).__name__}: {str(exc)[:200]}"
+                times.setdefault((kind, name), []).append(ms)
+                print(f"{'attention' if kind == 'attn' else 'indexer KL'} fwd+bwd [{name}]: {ms}", flush=True)
+    for (kind, name), runs in times.items():
+        ok = [r for r in runs if isinstance(r, float)]
+        rec[kind][name] = statistics.median(ok) if len(ok) == len(runs) else runs[-1]
+        if args.rounds > 1:
+            rec.setdefault("rounds", {}).setdefault(kind, {})[name] = runs
+    if args.rounds > 1:
+        for (kind, name), _ in times.items():
+            print(f"median of {args.rounds} rounds, {kind} [{name}]: {rec[kind][name]}")
     rec["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                       triton=__import__("triton").__version__,
                       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))

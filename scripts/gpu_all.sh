@@ -70,6 +70,18 @@ for s in "${stages[@]}"; do
       python3 -m benchmarks.msa_group_sweep --out "$OUT/groupsweep128" --hq 64 --T 131072 --seq-len 131072 --attn "" \
         "dkdv_block_n=64" "dkdv_maxnreg=128" "dkdv_block_n=64,dkdv_maxnreg=128" "dkdv_num_stages=1" "dkdv_num_stages=3" \
         --kl "" "unroll_heads=0" "unroll_heads=0,maxnreg=128" 2>&1 | tee "$OUT/groupsweep128.log" | tail -14 ;;
+    knobconfirm)  # the session-6 sweep's winners against the defaults, 3 interleaved rounds, G = 4 and M3's G = 16
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/knobconfirm" --rounds 3 --attn "" "dkdv_num_stages=3" \
+        --kl "" "unroll_heads=0,maxnreg=128" "unroll_heads=0" "maxnreg=128" 2>&1 | tee "$OUT/knobconfirm.log" | tail -6
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/knobconfirm128" --rounds 3 --hq 64 --T 131072 \
+        --seq-len 131072 --attn "" "dkdv_num_stages=3" --kl "" "unroll_heads=0" 2>&1 \
+        | tee "$OUT/knobconfirm128.log" | tail -4 ;;
+    mfuab)  # the 8K MFU case with the defaults, then with OPENM3_KL_LAUNCH=$KL_AB (default: the G = 4 candidate)
+      python3 -m benchmarks.train_throughput --out "$OUT/mfu_default" --only mfu --steps 3 --warmup 2 2>&1 \
+        | tee "$OUT/train_mfu_default.log" | tail -2 | cut -c1-400
+      OPENM3_KL_LAUNCH="${KL_AB:-unroll_heads=0,maxnreg=128}" python3 -m benchmarks.train_throughput \
+        --out "$OUT/mfu_kl_ab" --only mfu --steps 3 --warmup 2 2>&1 | tee "$OUT/train_mfu_kl_ab.log" | tail -2 \
+        | cut -c1-400 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm
