@@ -257,6 +257,26 @@ def test_forward_rejects_bad_inputs(kwargs, match):
         model(**kwargs)
 
 
+def test_input_ids_checked_by_caller_skips_the_range_read_inside_and_restores(monkeypatch):
+    """Inside the block the model does not read the ids' range back (on a GPU: a device sync per forward; the
+    trainer checks its ids on the host instead); outside, out-of-vocabulary ids fail with the usual message."""
+    from openm3.models.text import input_ids_checked_by_caller
+
+    model = M3TextModel(tiny()).eval()
+    ids = torch.tensor([1, 5, 9])
+    with torch.no_grad():
+        want = model(ids).logits
+        real_aminmax = torch.aminmax
+        monkeypatch.setattr(torch, "aminmax", lambda *a, **k: pytest.fail("the range was read"))
+        with input_ids_checked_by_caller(model) as vocab:
+            assert vocab == 128 and model.input_ids_prechecked
+            torch.testing.assert_close(model(ids).logits, want, atol=0, rtol=0)
+        assert not model.input_ids_prechecked
+        monkeypatch.setattr(torch, "aminmax", real_aminmax)
+        with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=128\), got \[1, 128\]"):
+            model(torch.tensor([1, 128]))
+
+
 # ------------------------------------------------------------------------------------------------ config
 def test_presets():
     m3 = M3TextConfig.from_name("m3")

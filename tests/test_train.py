@@ -140,6 +140,19 @@ def test_training_reduces_loss_and_logs(tmp_path):
     assert {"lr", "tokens_per_s", "indexer_kl", "aux_loss", "grad_norm"} <= set(log[0])
 
 
+def test_out_of_vocabulary_ids_fail_on_the_host_before_the_forward(tmp_path):
+    """The trainer checks each micro-batch's ids on the host (the model then skips its own read-back, a device
+    sync on a GPU): ids past an openm3 model's vocabulary fail with a message naming input_ids, and the model's
+    own check is back on afterwards."""
+    from openm3.models import M3TextConfig, M3TextModel
+
+    small_vocab = lambda: M3TextModel(M3TextConfig.from_name("m3-tiny", vocab_size=32))  # noqa: E731
+    t = Trainer(toy_cfg(tmp_path), small_vocab, ToySource())  # the toy data uses ids up to 63
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=32\)"):
+        t.train_step()
+    assert not t.model.input_ids_prechecked
+
+
 def test_micro_batch_size_does_not_change_the_update(tmp_path):
     b = Trainer(toy_cfg(tmp_path, "b", steps=3, micro_batch=4, aux_loss_weight=0.0, kl_weight=0.0), ToyLM,
                 ToySource()).fit()

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import checkpoint as text_checkpoint
 from .config import M3TextConfig
-from .text import M3TextModel, M3TextOutput
+from .text import M3TextModel, M3TextOutput, check_input_ids
 from .vision import M3VisionConfig, M3VisionModel
 from ..layers.vision import VisionProjector, axial_rope_inv_freq
 
@@ -146,12 +146,8 @@ class M3ForConditionalGeneration(nn.Module):
         """``input_ids: [T]`` -> ``[T, hidden]`` with image then video placeholders replaced by visual tokens.
 
         Raises ``ValueError`` when the number of placeholders differs from the number of visual tokens."""
-        vocab = self.config.text_config.vocab_size
-        if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids: expected an int tensor [T], got {input_ids.dtype} {tuple(input_ids.shape)}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"input_ids: expected ids in [0, vocab_size={vocab}), got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        check_input_ids(input_ids, self.config.text_config.vocab_size,
+                        read_range=not self.language_model.input_ids_prechecked)
         embeds = self.language_model.embed_tokens(input_ids)
         for kind, pixels, grid, token in (("image", pixel_values, image_grid_thw, self.config.image_token_index),
                                           ("video", pixel_values_videos, video_grid_thw,

@@ -8,8 +8,9 @@ and `lm_head` give logits.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -76,9 +77,40 @@ class DecoderLayer(nn.Module):
         return x + h, attn.kl, router_logits, attn.block_idx
 
 
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int, *, read_range: bool = True) -> None:
+    """`input_ids` must be an int tensor [T] with ids in [0, vocab_size). The range check reads the ids' minimum
+    and maximum back (one device sync for a GPU tensor; free on the host); `read_range=False` skips it."""
+    if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an int tensor [T], got {input_ids.dtype} {tuple(input_ids.shape)}")
+    if read_range and input_ids.numel():
+        lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got [{lo}, {hi}]")
+
+
+@contextmanager
+def input_ids_checked_by_caller(model: nn.Module) -> Iterator[int | None]:
+    """Within this block the openm3 models inside `model` skip their range check of `input_ids` (a device sync
+    per forward on a GPU): the caller checks its ids on the host before copying them (`check_input_ids` with the
+    vocabulary size this yields; None when `model` holds no openm3 model)."""
+    flagged = [m for m in model.modules() if hasattr(m, "input_ids_prechecked")]
+    vocab = next((m.config.vocab_size for m in model.modules() if isinstance(m, M3TextModel)), None)
+    saved = [m.input_ids_prechecked for m in flagged]
+    for m in flagged:
+        m.input_ids_prechecked = True
+    try:
+        yield vocab
+    finally:
+        for m, value in zip(flagged, saved):
+            m.input_ids_prechecked = value
+
+
 class M3TextModel(nn.Module):
     """The M3 decoder: `embed_tokens`, `layers`, `norm`, `lm_head` (parameter names as in transformers, without
     its `model.` prefix, so transformers' checkpoints map by prefix)."""
+
+    # True while a caller that checked the ids on the host runs the model (`input_ids_checked_by_caller`)
+    input_ids_prechecked = False
 
     def __init__(self, config: M3TextConfig):
         super().__init__()
@@ -195,12 +227,7 @@ class M3TextModel(nn.Module):
                 raise ValueError(f"inputs_embeds must be [T, hidden={self.config.hidden_size}], got "
                                  f"{tuple(inputs_embeds.shape)}")
             return inputs_embeds
-        if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be an int tensor [T], got {input_ids.dtype} {tuple(input_ids.shape)}")
-        if input_ids.numel():
-            lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one host read (a device sync on CUDA)
-            if lo < 0 or hi >= self.config.vocab_size:
-                raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got [{lo}, {hi}]")
+        check_input_ids(input_ids, self.config.vocab_size, read_range=not self.input_ids_prechecked)
         return self.embed_tokens(input_ids)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import distributed as D
+from ..models.text import check_input_ids, input_ids_checked_by_caller
 from .batches import IGNORE, Batch, RowSource, shard_micro_batches, step_rows
 from .checkpoint import CheckpointManager, export_consolidated, latest_checkpoint
 from .config import TrainConfig
@@ -154,36 +155,7 @@ class Trainer:
             raise ValueError(f"step {step} has no loss tokens (every label is ignored)")
         stage = cfg.msa_stage(step)
         self.model.train()
-        sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # lm CE sum, token-weighted kl, aux
-        by_kind = torch.zeros(2, len(KINDS), dtype=torch.float64, device=info.device)  # CE sum, loss tokens
-        has_kl = has_aux = False
-        for i, batch in enumerate(micro):
-            batch = batch.to(info.device)
-            if info.distributed:  # reduce-scatter gradients once, after the last micro-batch
-                self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            with self._autocast():
-                out = model_forward(self.model, batch, msa_stage=stage, kl=cfg.kl_weight > 0,
-                                    aux=cfg.aux_loss_weight > 0)
-            per_token = token_losses(out.logits, batch.labels)
-            ce = per_token.sum()
-            with torch.no_grad():
-                for kind, row_ce, row_labels in zip(batch.kinds, per_token.split(batch.row_lens),
-                                                    batch.labels.split(batch.row_lens)):
-                    by_kind[0, KINDS.index(kind)] += row_ce.sum().double()
-                    by_kind[1, KINDS.index(kind)] += (row_labels != IGNORE).sum()
-            share = batch.num_tokens / n_tok
-            loss = ce / n_loss
-            if out.indexer_kl is not None:
-                loss = loss + cfg.kl_weight * share * out.indexer_kl
-                sums[1] += share * out.indexer_kl.detach().double()
-                has_kl = True
-            if out.aux_loss is not None:
-                loss = loss + cfg.aux_loss_weight * share * out.aux_loss
-                sums[2] += share * out.aux_loss.detach().double()
-                has_aux = True
-            # FSDP averages gradients over ranks; scaling by world size turns that into the global sum.
-            (loss * info.world_size).backward()
-            sums[0] += ce.detach().double()
+        sums, by_kind, has_kl, has_aux = self._forward_backward(micro, stage, n_tok, n_loss)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -210,6 +182,52 @@ class Trainer:
         if has_aux:
             record["aux_loss"] = aux
         return record
+
+    def _forward_backward(self, micro: list[Batch], stage: str, n_tok: float, n_loss: float):
+        """Forward and backward of every micro-batch (gradients accumulate). Returns the device sums (lm CE,
+        token-weighted KL, aux), per-kind (CE sum, loss tokens), and whether a KL and an aux loss were seen.
+        The ids are checked on the host, so the model does not read them back from the GPU (a sync per forward)."""
+        info = self.info
+        sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # lm CE sum, token-weighted kl, aux
+        by_kind = torch.zeros(2, len(KINDS), dtype=torch.float64, device=info.device)  # CE sum, loss tokens
+        has_kl = has_aux = False
+        with input_ids_checked_by_caller(self.model) as vocab:
+            for i, batch in enumerate(micro):
+                if vocab is not None:
+                    check_input_ids(batch.input_ids, vocab)  # host tensors: no device sync
+                if info.distributed:  # reduce-scatter gradients once, after the last micro-batch
+                    self.model.set_requires_gradient_sync(i == len(micro) - 1)
+                kl, aux = self._micro_step(batch.to(info.device), stage, batch.num_tokens / n_tok, n_loss, sums,
+                                           by_kind)
+                has_kl, has_aux = has_kl or kl, has_aux or aux
+        return sums, by_kind, has_kl, has_aux
+
+    def _micro_step(self, batch: Batch, stage: str, share: float, n_loss: float, sums: torch.Tensor,
+                    by_kind: torch.Tensor) -> tuple[bool, bool]:
+        """Forward and backward of one micro-batch holding `share` of the step's tokens; adds into `sums` and
+        `by_kind`. Returns whether it produced a KL and an aux loss."""
+        cfg, info = self.cfg, self.info
+        with self._autocast():
+            out = model_forward(self.model, batch, msa_stage=stage, kl=cfg.kl_weight > 0,
+                                aux=cfg.aux_loss_weight > 0)
+        per_token = token_losses(out.logits, batch.labels)
+        ce = per_token.sum()
+        with torch.no_grad():
+            for kind, row_ce, row_labels in zip(batch.kinds, per_token.split(batch.row_lens),
+                                                batch.labels.split(batch.row_lens)):
+                by_kind[0, KINDS.index(kind)] += row_ce.sum().double()
+                by_kind[1, KINDS.index(kind)] += (row_labels != IGNORE).sum()
+        loss = ce / n_loss
+        if out.indexer_kl is not None:
+            loss = loss + cfg.kl_weight * share * out.indexer_kl
+            sums[1] += share * out.indexer_kl.detach().double()
+        if out.aux_loss is not None:
+            loss = loss + cfg.aux_loss_weight * share * out.aux_loss
+            sums[2] += share * out.aux_loss.detach().double()
+        # FSDP averages gradients over ranks; scaling by world size turns that into the global sum.
+        (loss * info.world_size).backward()
+        sums[0] += ce.detach().double()
+        return out.indexer_kl is not None, out.aux_loss is not None
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def evaluate(self) -> dict:
