@@ -86,7 +86,7 @@ def absolute_block_starts(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens
 _TILES_PER_SORT = 1 << 16
 
 
-def tile_candidates(block_starts: torch.Tensor, tokens_per_tile: int, num_keys: int | None = None):
+def tile_candidates(block_starts: torch.Tensor, tokens_per_tile: int):
     """Union of the selected blocks of each tile of `tokens_per_tile` consecutive queries, with membership bits.
 
     block_starts: int32 [H, T, topk] from `absolute_block_starts`. Returns `(cand, ncand, members)`: cand int32
@@ -95,52 +95,42 @@ def tile_candidates(block_starts: torch.Tensor, tokens_per_tile: int, num_keys: 
     of the tile selected that block, so a kernel tests membership with one shift per row. One sort per chunk of
     tiles (bounding the workspace), then a scatter of each run of equal starts to its rank. For one token per
     tile the selection is its own candidate list (valid blocks are distinct and left-packed by contract) and
-    members is None. No host synchronisation. With `num_keys` (the packed key count, a bound on every start)
-    below 2^25 the sort runs on int32 keys (half the bytes of the int64 ones).
+    members is None. No host synchronisation.
     """
     if tokens_per_tile > 64:
         raise ValueError(f"tokens_per_tile={tokens_per_tile}: membership bits hold at most 64 tokens per tile")
     if tokens_per_tile == 1:
         ncand = (block_starts >= 0).sum(dim=-1, dtype=torch.int32)
         return block_starts.contiguous(), ncand, None
-    narrow = num_keys is not None and num_keys < _NARROW_NO_BLOCK
-    return _tile_union(block_starts, tokens_per_tile, narrow)
-
-
-# The "no block" sentinel of `_tile_union`'s int32 sort keys: (start << 6 | token) fits int32 below it.
-_NARROW_NO_BLOCK = (1 << 25) - 1
+    return _tile_union(block_starts, tokens_per_tile)
 
 
 @fused_on_cuda(grad=False)
-def _tile_union(block_starts: torch.Tensor, tokens_per_tile: int, narrow: bool = False):
-    """`tile_candidates` for 2-64 tokens per tile (~20 torch ops: one fused graph on CUDA); `narrow`: every
-    start is below `_NARROW_NO_BLOCK`, so the sort keys are int32."""
+def _tile_union(block_starts: torch.Tensor, tokens_per_tile: int):
+    """`tile_candidates` for 2-64 tokens per tile (~20 torch ops: one fused graph on CUDA)."""
     h, t, topk = block_starts.shape
     n_tiles = -(-t // tokens_per_tile)
     pad = n_tiles * tokens_per_tile - t
     width = tokens_per_tile * topk
-    none = _NARROW_NO_BLOCK if narrow else NO_BLOCK
-    key_dtype = torch.int32 if narrow else torch.int64
-    x = torch.where(block_starts >= 0, block_starts, none)
+    x = torch.where(block_starts >= 0, block_starts, NO_BLOCK)
     if pad:
-        x = torch.cat([x, x.new_full((h, pad, topk), none)], dim=1)
+        x = torch.cat([x, x.new_full((h, pad, topk), NO_BLOCK)], dim=1)
     x = x.view(h, n_tiles, width)
     # Sort (start, token) pairs: equal starts become runs, and a token listing a block twice is counted once.
-    token = (torch.arange(width, device=x.device, dtype=key_dtype) // topk).view(1, 1, width)
+    token = (torch.arange(width, device=x.device) // topk).view(1, 1, width)
     cand = torch.full_like(x, NO_BLOCK)
     members = torch.zeros(x.shape, device=x.device, dtype=torch.int64)
     for lo in range(0, n_tiles, _TILES_PER_SORT):
         chunk = slice(lo, lo + _TILES_PER_SORT)
-        keys = ((x[:, chunk].to(key_dtype) << 6) | token).sort(dim=-1).values
+        keys = ((x[:, chunk].to(torch.int64) << 6) | token).sort(dim=-1).values
         part = (keys >> 6).to(torch.int32)
-        part = torch.where(part == none, NO_BLOCK, part)
         first = torch.ones_like(part, dtype=torch.bool)
         first[..., 1:] = part[..., 1:] != part[..., :-1]
         repeat = torch.zeros_like(first)
         repeat[..., 1:] = keys[..., 1:] == keys[..., :-1]
         rank = first.cumsum(dim=-1) - 1  # index of each entry's run of equal starts
         cand[:, chunk].scatter_(-1, rank, part)  # every entry of a run carries the same start
-        bits = torch.where(repeat | (part == NO_BLOCK), 0, torch.ones_like(members[:, chunk]) << (keys & 63))
+        bits = torch.where(repeat | (part == NO_BLOCK), 0, torch.ones_like(keys) << (keys & 63))
         members[:, chunk].scatter_add_(-1, rank, bits)  # distinct bits: the sum is their union
     ncand = (cand != NO_BLOCK).sum(dim=-1, dtype=torch.int32)
     return cand, ncand, members

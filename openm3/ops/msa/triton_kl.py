@@ -79,10 +79,13 @@ class KLLaunch:
         program, so it compacts.
     unroll_heads: 1 unrolls the main pass's loop over teacher head groups (the compiler may hoist every head's q
         gather), 0 keeps it a loop: at G = 4 on sm_90, 215 registers instead of 255 with 24 bytes of spills
-        (compile-level, session 5; not timed yet).
+        (compile-level, session 5). GPU default 0 (session 6, median of 3 interleaved rounds on an H200: M3's
+        G = 16 at 128K 67.3 vs 70.8 ms; at G = 4 only with the register cap below).
     maxnreg: 0 lets the compiler pick the main pass's registers per thread; n > 0 caps them (spilling the rest),
         e.g. 128 so two 8-warp CTAs fit an SM (one CTA at 255 registers: 12.5% occupancy, latency-bound; ncu,
-        session 5). Compiled GPUs only; not timed yet.
+        session 5). Compiled GPUs only. GPU default 128 for groups below 16 (session 6: m3-small's G = 4 at
+        2 x 8K tokens 3.90 ms with the loop kept and the cap, 4.92 without either, 4.82 loop only, 5.49 cap only;
+        the 8K training step 75.3K -> 77.4K tokens/s); at G = 16 the cap spills 760 bytes (97 vs 71 ms).
     """
 
     block_n: int
@@ -119,7 +122,8 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
     cfg = dict(block_n=block_n, block_q=16 if on_gpu else 64,
                heads_per_dot=heads_per_dot if on_gpu else largest_pow2_divisor(group, 16),
                max_entries=256, num_warps=8 if on_gpu and head_dim >= 128 else 4,
-               num_stages=1, compact_items=0 if on_gpu else 1)
+               num_stages=1, compact_items=0 if on_gpu else 1, unroll_heads=0 if on_gpu else 1,
+               maxnreg=128 if on_gpu and group < 16 else 0)
     cfg = with_overrides(cfg, _ENV_OVERRIDE, overrides)
     launch = KLLaunch(**cfg)
     for name in ("block_n", "block_q"):
