@@ -4,7 +4,9 @@ Reading a CUDA tensor on the host (`.tolist()`) waits for the device to finish a
 varlen dense attention each validate `cu_seqlens` on the host, and a model calls them once or twice per layer with
 the same tensor, so without a cache a training step stops the launch queue dozens of times and the GPU idles while
 Python launches the next kernels. `host_list` reads each tensor once: the copy is keyed by the tensor object and
-its version counter (any in-place write invalidates it) and dropped when the tensor is freed.
+its version counter (any in-place write invalidates it) and dropped when the tensor is freed. A caller that made
+the device tensor from host values (the trainer's batch copy) hands them over with `remember_host_list`, and then
+no read is needed at all.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import weakref
 
 import torch
 
-__all__ = ["host_list"]
+__all__ = ["host_list", "remember_host_list"]
 
 _CACHE: dict[int, tuple] = {}
 
@@ -33,5 +35,24 @@ def host_list(t: torch.Tensor) -> list:
         if ref() is t and hit_version == version and ptr == t.data_ptr():
             return list(values)
     values = t.tolist()
-    _CACHE[key] = (weakref.ref(t, lambda _ref, k=key: _CACHE.pop(k, None)), version, t.data_ptr(), tuple(values))
+    _remember(t, version, values)
     return values
+
+
+def remember_host_list(t: torch.Tensor, values: list) -> None:
+    """Record `values` as the host copy of CUDA tensor `t` (its current contents, e.g. what was just copied into
+    it), so `host_list(t)` needs no device read. Ignored for other tensors."""
+    if not t.is_cuda:
+        return
+    try:
+        version = t._version
+    except RuntimeError:
+        return
+    if len(values) != t.numel():
+        raise ValueError(f"values: expected {t.numel()} host values for the tensor, got {len(values)}")
+    _remember(t, version, values)
+
+
+def _remember(t: torch.Tensor, version: int, values: list) -> None:
+    key = id(t)
+    _CACHE[key] = (weakref.ref(t, lambda _ref, k=key: _CACHE.pop(k, None)), version, t.data_ptr(), tuple(values))

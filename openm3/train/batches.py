@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from ..ops.host import remember_host_list
+
 IGNORE = -100
 
 
@@ -72,7 +74,8 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         """The batch on `device`. Host tensors go to a GPU through pinned memory without blocking: a copy from
         pageable memory waits for the stream's queued work first (the previous micro-batch's backward), so the
-        GPU would idle while Python issues the next forward."""
+        GPU would idle while Python issues the next forward. The host values of `cu_seqlens` go with the copy
+        (`remember_host_list`), so the model's host-side checks of it do not read it back (a sync per forward)."""
         device = torch.device(device)
 
         def move(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +83,10 @@ class Batch:
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
-        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
+        cu_seqlens = move(self.cu_seqlens)
+        if not self.cu_seqlens.is_cuda:  # the model reads cu_seqlens on the host: hand it the values we have
+            remember_host_list(cu_seqlens, self.cu_seqlens.tolist())
+        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), cu_seqlens,
                      {k: move(v) for k, v in self.vision.items()}, self.kinds, self.row_lens)
 
 

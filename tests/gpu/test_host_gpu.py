@@ -31,7 +31,9 @@ def test_host_list_caches_per_tensor_version():
 
 def test_batch_to_cuda_does_not_wait_for_queued_work():
     """`Batch.to` copies through pinned memory without a host sync (a pageable copy waits for the stream's queued
-    work: the previous micro-batch's backward), and the values arrive intact."""
+    work: the previous micro-batch's backward), the values arrive intact, and the model's host read of
+    cu_seqlens is served from the values the copy handed over."""
+    from openm3.ops.host import host_list
     from openm3.train.batches import Batch
 
     gen = torch.Generator().manual_seed(0)
@@ -45,9 +47,26 @@ def test_batch_to_cuda_does_not_wait_for_queued_work():
     torch.cuda.set_sync_debug_mode("error")
     try:
         moved = batch.to(torch.device("cuda"))
+        assert host_list(moved.cu_seqlens) == [0, 120, 300]  # handed over by the copy: no device read
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
         assert torch.equal(getattr(moved, name).cpu(), getattr(batch, name)), name
     assert torch.equal(moved.vision["pixel_values"].cpu(), batch.vision["pixel_values"])
     assert moved.kinds == batch.kinds and moved.row_lens == batch.row_lens
+
+
+def test_remember_host_list_serves_the_values_until_a_write():
+    from openm3.ops import host
+
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32, device="cuda")
+    host.remember_host_list(cu, [0, 5, 9])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert host.host_list(cu) == [0, 5, 9]  # no device read
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cu[1] = 6  # a write invalidates the handed-over copy
+    assert host.host_list(cu) == [0, 6, 9]
+    with pytest.raises(ValueError, match="values: expected 3"):
+        host.remember_host_list(cu, [0, 6])
