@@ -12,7 +12,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 for s in "${stages[@]}"; do
   echo "=== stage $s ($(date -u +%T)) ==="
   case "$s" in
-    tests)   python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    tests)   timeout "${TESTS_TIMEOUT:-3000}" python3 -m pytest -v -m gpu tests/gpu -p no:cacheprovider 2>&1 \
+               | tee "$OUT/gpu_tests.log" | grep -v PASSED | tail -40 ;;
     tests:*) python3 -m pytest -q -m gpu ${s#tests:} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_sel.log" | tail -40 ;;
     kernels) python3 -m benchmarks.msa_kernels --out "$OUT" 2>&1 | tee "$OUT/msa_kernels.log" | tail -60 ;;
     kernels:*) python3 -m benchmarks.msa_kernels --out "$OUT" --T ${s#kernels:} 2>&1 | tee "$OUT/msa_kernels.log" | tail -60 ;;
