@@ -75,7 +75,8 @@ def main(argv=None) -> int:
               "two_ranks": [{k: r[k] for k in ("step", *keys)} for r in two]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "train_distributed.json").write_text(json.dumps(result, indent=1))
-    print(f"max |difference| {diff:.3g} over {STEPS} steps ({result['backend']}); wrote {args.out}/train_distributed.json")
+    print(f"max |difference| {diff:.3g} over {STEPS} steps ({result['backend']}); "
+          f"wrote {args.out}/train_distributed.json")
     return 0
 
 

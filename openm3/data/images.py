@@ -152,7 +152,8 @@ def num_digits() -> int:
 
 
 def digit_image(index: int, size: int = 56) -> tuple[np.ndarray, int]:
-    """Digit ``index`` of scikit-learn's set as dark ink on white, ``[size, size, 3]`` (nearest upscaling), and its label."""
+    """Digit ``index`` of scikit-learn's set as dark ink on white, ``[size, size, 3]`` (nearest upscaling), and its
+    label."""
     images, labels = _digits()
     if not 0 <= index < len(labels):
         raise ValueError(f"index: expected 0 <= index < {len(labels)}, got {index}")

@@ -143,7 +143,8 @@ def test_timing_m3_small_layer(capsys):
         for impl, r in results.items():
             print(f"  {impl:9s}: layer fwd+bwd {r['fwd_bwd_ms']:.3f} ms, {r['layer_tflops']:.0f} TFLOP/s "
                   f"({100 * r['mfu']:.1f}% of {H200_BF16_PEAK / 1e12:.0f}); routed experts alone "
-                  f"{r['routed_fwd_bwd_ms']:.3f} ms, {r['routed_tflops']:.0f} TFLOP/s; peak {r['peak_mem_gib']:.2f} GiB")
+                  f"{r['routed_fwd_bwd_ms']:.3f} ms, {r['routed_tflops']:.0f} TFLOP/s; "
+                  f"peak {r['peak_mem_gib']:.2f} GiB")
     out = os.environ.get("OUT")
     if out:
         record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": tokens,

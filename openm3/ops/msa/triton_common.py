@@ -190,10 +190,11 @@ def bucket_runs(bucket: torch.Tensor, payload: torch.Tensor, payload_range: int,
     bucket, payload: int64 [N]; buckets 0..num_buckets-1 are real, `num_buckets` marks unused positions (sorted
     last, covered by no item); payload values lie in [0, payload_range) and are distinct within a bucket.
     Returns `(payload_sorted, bucket_sorted, b, lo, hi, live, chunks_b)`: payload_sorted int32 [N] (ascending
-    within each bucket) and bucket_sorted [N] the bucket of each of its positions; item i covers `payload_sorted[lo[i]:hi[i]]` of bucket `b[i]` (int64, `live` False and lo == hi for
-    the padding items of the shape-derived item count), and `chunks_b[i]` is the number of items of its bucket
-    (> 1: a hot bucket split across items). Run starts come from a binary search over the sorted buckets, not a
-    scatter of counts (atomics on a few hot buckets were 13 ms of m3-small's 8K step). No host sync.
+    within each bucket) and bucket_sorted [N] the bucket of each of its positions; item i covers
+    `payload_sorted[lo[i]:hi[i]]` of bucket `b[i]` (int64; `live` False and lo == hi for the padding items of the
+    shape-derived item count), and `chunks_b[i]` is the number of items of its bucket (> 1: a hot bucket split
+    across items). Run starts come from a binary search over the sorted buckets, not a scatter of counts (atomics
+    on a few hot buckets were 13 ms of m3-small's 8K step). No host sync.
     """
     n = bucket.numel()
     keys = bucket * payload_range + payload  # < (num_buckets + 1) * payload_range
