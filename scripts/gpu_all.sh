@@ -83,6 +83,15 @@ for s in "${stages[@]}"; do
       OPENM3_KL_LAUNCH="${KL_AB:-unroll_heads=0,maxnreg=128}" python3 -m benchmarks.train_throughput \
         --out "$OUT/mfu_kl_ab" --only mfu --steps 3 --warmup 2 2>&1 | tee "$OUT/train_mfu_kl_ab.log" | tail -2 \
         | cut -c1-400 ;;
+    train64)  # the 64K MSA vs dense cases of train_throughput only
+      python3 -m benchmarks.train_throughput --out "$OUT/train64" --only msa,dense 2>&1 | tee "$OUT/train64.log" \
+        | grep -E "context|tokens_per_s" | cut -c1-300 ;;
+    mfumb8)  # the 8K MFU case with all 8 rows in one micro-batch
+      python3 -m benchmarks.train_throughput --out "$OUT/mfu_mb8" --only mfu --steps 3 --warmup 2 --rows 8 \
+        --micro-batch 8 2>&1 | tee "$OUT/train_mfu_mb8.log" | tail -2 | cut -c1-600 ;;
+    table128)  # the 128K M3 table alone (dense in the same run, no flex / iid / checks)
+      python3 -m benchmarks.msa_kernels --out "$OUT" --T 131072 --skip-flex --skip-iid --skip-check --sweep-T 0 \
+        2>&1 | tee "$OUT/msa_kernels_128k.log" | tail -12 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm
