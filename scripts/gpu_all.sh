@@ -92,6 +92,10 @@ for s in "${stages[@]}"; do
     table128)  # the 128K M3 table alone (dense in the same run, no flex / iid / checks)
       python3 -m benchmarks.msa_kernels --out "$OUT" --T 131072 --skip-flex --skip-iid --skip-check --sweep-T 0 \
         2>&1 | tee "$OUT/msa_kernels_128k.log" | tail -12 ;;
+    klsweep4)  # KL knobs on top of the session-6 defaults at m3-small's shape (G = 4), 2 interleaved rounds
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/klsweep4" --rounds 2 --attn --kl "" "block_q=32" \
+        "num_warps=4,maxnreg=0" "num_warps=4" "max_entries=128" "max_entries=512" "prefetch=1" "dqi_buffer=1" \
+        "heads_per_dot=2" 2>&1 | tee "$OUT/klsweep4.log" | grep median ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm
