@@ -18,10 +18,11 @@ times optimizer steps after warm-up (medians; the warm-up steps include compilat
 Targets (issue "Training system"): MFU >= 35% at 8K; MSA >= 4x dense tokens/s at 64K.
 
 The 8K case takes `--rows` rows per optimizer step (default 8: 64K tokens) in micro-batches of `--micro-batch`
-rows (default 4: 32K tokens per forward). A one-row step would mostly time AdamW over all 1.2B parameters, experts
-included, for 8K tokens; micro-batches of 2 rows left the step host-bound (the GPU busy 83-95% of it, session 5:
-65.5K tokens/s at 4 rows in 2 micro-batches against 72.7K at 4 rows in 1 and 73.4K at 8 rows in 2 of 4, all in one
-H200 call). One more step runs under
+rows (default 8: the whole step in one forward, 92 GiB peak on an H200). A one-row step would mostly time AdamW over
+all 1.2B parameters, experts included, for 8K tokens; micro-batches of 2 rows left the step host-bound (the GPU busy
+83-95% of it, session 5: 65.5K tokens/s at 4 rows in 2 micro-batches against 72.7K at 4 rows in 1 and 73.4K at 8
+rows in 2 of 4, all in one H200 call; session 6: 76.8K at 8 rows in 2 of 4, 78.6K in 1 of 8, consecutive calls).
+One more step runs under
 `torch.profiler`: its CUDA kernel time by category (`breakdown`: attention/MSA kernels, MoE grouped GEMMs, other
 matmuls, optimizer incl. gradient clipping, elementwise and everything else; top kernels by time) explains a missed
 target. The MSA ops' value checks of `block_idx` (a host sync and a few sorts per call) are off unless
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     p.add_argument("--rows", type=int, default=8, help="rows of --mfu-ctx tokens per optimizer step (8K case)")
-    p.add_argument("--micro-batch", type=int, default=4, help="rows per forward in the 8K case")
+    p.add_argument("--micro-batch", type=int, default=8, help="rows per forward in the 8K case")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile each decoder layer (default on)")
     p.add_argument("--validate-block-idx", action="store_true",
