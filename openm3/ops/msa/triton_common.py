@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -230,24 +231,45 @@ def block_rows(gb: torch.Tensor, cu_k: torch.Tensor, seq_block_off: torch.Tensor
     return start, torch.minimum(start + block_size, cu_k[sb + 1]), used
 
 
+class SelectionBuckets(NamedTuple):
+    """Every (head, token, slot) of a selection numbered by its (head, global key block) bucket.
+
+    `bucket` int64 [H * T * topk] (flattened block_idx order) is `head * slots + global block`, or `unused` (=
+    H * slots, sorted after every real bucket) for a -1 slot; the rest is `global_block_numbering`'s."""
+
+    bucket: torch.Tensor
+    unused: int
+    slots: int
+    seq_block_off: torch.Tensor
+    seq_block_end: torch.Tensor
+    cu_k: torch.Tensor
+
+
+def selection_buckets(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
+                      block_size: int) -> SelectionBuckets:
+    """Bucket every selected block of `block_idx` (int32 [H, T, topk]; `seq` from `query_positions`)."""
+    h, t, _ = block_idx.shape
+    slots, seq_block_off, seq_block_end = global_block_numbering(cu_seqlens_k, num_keys, block_size)
+    heads = torch.arange(h, device=block_idx.device, dtype=torch.int64).view(h, 1, 1)
+    gblock = seq_block_off[seq].view(1, t, 1) + block_idx.to(torch.int64)
+    unused = h * slots
+    bucket = torch.where(block_idx >= 0, heads * slots + gblock, unused).flatten()
+    return SelectionBuckets(bucket, unused, slots, seq_block_off, seq_block_end, cu_seqlens_k.to(torch.int64))
+
+
 @fused_on_cuda(grad=False)
 def _key_block_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
                        block_size: int, max_tokens: int) -> tuple[torch.Tensor, ...]:
     """The tensors of `key_block_work` (~35 torch ops: one fused graph on CUDA)."""
     h, t, topk = block_idx.shape
     device = block_idx.device
-    slots, seq_block_off, seq_block_end = global_block_numbering(cu_seqlens_k, num_keys, block_size)
-    cu_k = cu_seqlens_k.to(torch.int64)
-
-    heads = torch.arange(h, device=device, dtype=torch.int64).view(h, 1, 1)
-    gblock = seq_block_off[seq].view(1, t, 1) + block_idx.to(torch.int64)
-    dump = h * slots  # bucket of unused slots, sorted last and never referenced by a work item
-    bucket = torch.where(block_idx >= 0, heads * slots + gblock, dump).flatten()
+    sel = selection_buckets(block_idx, seq, cu_seqlens_k, num_keys, block_size)
+    slots, dump = sel.slots, sel.unused  # the dump bucket is never referenced by a work item
     token = torch.arange(t, device=device, dtype=torch.int64).view(1, t, 1).expand(h, t, topk).flatten()
-    tokens, _, b, lo, hi, _, chunks = bucket_runs(bucket, token, t, dump, max_tokens)
+    tokens, _, b, lo, hi, _, chunks = bucket_runs(sel.bucket, token, t, dump, max_tokens)
 
-    start, end, used = block_rows(torch.arange(slots, device=device, dtype=torch.int64), cu_k, seq_block_off,
-                                  seq_block_end, block_size)
+    start, end, used = block_rows(torch.arange(slots, device=device, dtype=torch.int64), sel.cu_k, sel.seq_block_off,
+                                  sel.seq_block_end, block_size)
     start = torch.where(used, start, num_keys)
     end = torch.where(used, end, num_keys)
     return (tokens, b.to(torch.int32), lo.to(torch.int32), hi.to(torch.int32), (chunks > 1).to(torch.int32),

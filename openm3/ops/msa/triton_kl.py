@@ -46,8 +46,8 @@ import triton.language as tl
 
 from ..fused import fused_on_cuda
 from ._checks import check_indexer_kl_inputs
-from .triton_common import (block_rows, bucket_runs, global_block_numbering, interpreting, largest_pow2_divisor,
-                            next_pow2, query_positions, with_overrides)
+from .triton_common import (block_rows, bucket_runs, interpreting, largest_pow2_divisor, next_pow2, query_positions,
+                            selection_buckets, with_overrides)
 
 __all__ = ["indexer_kl", "kl_launch", "KLLaunch"]
 
@@ -396,21 +396,16 @@ def _entry_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: tor
     """`_entry_work` up to the compaction (~35 torch ops: one fused graph on CUDA)."""
     heads, t, topk = block_idx.shape
     device = block_idx.device
-    slots, seq_block_off, seq_block_end = global_block_numbering(cu_seqlens_k, num_keys, block_size)
-    cu_k = cu_seqlens_k.to(torch.int64)
-
-    head = torch.arange(heads, device=device, dtype=torch.int64).view(heads, 1, 1)
-    gblock = seq_block_off[seq].view(1, t, 1) + block_idx.to(torch.int64)
-    unused = heads * slots  # bucket of the -1 slots: sorted last, covered by no work item
-    bucket = torch.where(block_idx >= 0, head * slots + gblock, unused).flatten()
+    sel = selection_buckets(block_idx, seq, cu_seqlens_k, num_keys, block_size)
+    slots, unused = sel.slots, sel.unused  # the bucket of the -1 slots is covered by no work item
     # Sort by (bucket, entry within its head): a bucket holds one head, so the head's offset is added back after
     # the sort, and the keys stay int32 where the flat entry number would not (m3-small at 4 x 8K tokens).
     per_head = t * topk
     within = torch.arange(per_head, device=device, dtype=torch.int64).repeat(heads)
-    within, sorted_bucket, b, lo, hi, _, _ = bucket_runs(bucket, within, per_head, unused, max_entries)
+    within, sorted_bucket, b, lo, hi, _, _ = bucket_runs(sel.bucket, within, per_head, unused, max_entries)
     head_of = torch.where(sorted_bucket < unused, sorted_bucket // slots, 0).to(torch.int32)
     entries = within + head_of * per_head
-    k0, k1, _ = block_rows(b % slots, cu_k, seq_block_off, seq_block_end, block_size)
+    k0, k1, _ = block_rows(b % slots, sel.cu_k, sel.seq_block_off, sel.seq_block_end, block_size)
     return entries, hi > lo, lo, hi, b // slots, k0, k1
 
 
