@@ -207,6 +207,34 @@ def test_tile_candidates_one_token_is_the_selection():
     assert cand[0, 0, :2].tolist() == [32, 0] and cand[0, 1, :1].tolist() == [16]
 
 
+@pytest.mark.parametrize("payload_range", [40, 1 << 28], ids=["int32-keys", "int64-keys"])
+def test_bucket_runs_groups_and_splits(payload_range):
+    """Every payload lands in exactly one item of its bucket, ascending, at most max_per_item per item; a bucket
+    with more is split (chunks > 1); unused positions (bucket == num_buckets) are in no item; int32 and int64 sort
+    keys (chosen from the shapes) give the same items."""
+    from openm3.ops.msa.triton_common import bucket_runs
+
+    gen = torch.Generator().manual_seed(3)
+    n, num_buckets, cap = 40, 5, 3
+    bucket = torch.randint(0, num_buckets + 1, (n,), generator=gen)
+    bucket[:9] = 2  # a hot bucket
+    payload = torch.randperm(40, generator=gen)  # distinct, < 40 <= payload_range
+    sorted_payload, sorted_bucket, b, lo, hi, live, chunks = bucket_runs(bucket, payload, payload_range,
+                                                                        num_buckets, cap)
+    got = {}
+    for i in range(b.numel()):
+        if not live[i]:
+            assert lo[i] == hi[i]
+            continue
+        part = sorted_payload[lo[i]:hi[i]].tolist()
+        assert 0 < len(part) <= cap and part == sorted(part)
+        assert torch.all(sorted_bucket[lo[i]:hi[i]] == b[i])
+        assert bool(chunks[i] > 1) == (int((bucket == b[i]).sum()) > cap)
+        got.setdefault(int(b[i]), []).extend(part)
+    want = {k: sorted(payload[bucket == k].tolist()) for k in range(num_buckets) if (bucket == k).any()}
+    assert got == want
+
+
 def test_key_block_work_inverts_the_selection():
     """Every (head, block, query) of block_idx appears in exactly one work item; hot blocks split."""
     lens = (50, 30)
