@@ -27,7 +27,8 @@ from benchmarks.msa_kernels import bench_ms
 BLOCK, TOPK, LOCAL = 128, 16, 1
 ATTN = ["", "block_n=128", "num_warps=8", "num_stages=2", "dkdv_block_m=16", "dkdv_block_m=64",
         "dkdv_num_warps=4", "dq_in_dkdv=0", "block_m=32", "dkdv_num_stages=3", "dkdv_num_stages=1", "dkdv_block_n=64",
-        "dkdv_maxnreg=128", "dkdv_block_n=64,dkdv_maxnreg=128"]
+        "dkdv_maxnreg=128", "dkdv_block_n=64,dkdv_maxnreg=128", "dkdv_split=1", "dkdv_split=1,dkdv_block_n=64",
+        "dkdv_split=1,dkdv_block_n=64,dkdv_maxnreg=128"]
 KL = ["", "block_q=32", "block_q=64", "block_q=32,num_warps=4", "heads_per_dot=2", "heads_per_dot=1",
       "block_n=64", "max_entries=1024", "prefetch=1", "dqi_buffer=1", "num_warps=4", "unroll_heads=0",
       "maxnreg=128", "unroll_heads=0,maxnreg=128"]

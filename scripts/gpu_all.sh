@@ -96,6 +96,12 @@ for s in "${stages[@]}"; do
       python3 -m benchmarks.msa_group_sweep --out "$OUT/klsweep4" --rounds 2 --attn --kl "" "block_q=32" \
         "num_warps=4,maxnreg=0" "num_warps=4" "max_entries=128" "max_entries=512" "prefetch=1" "dqi_buffer=1" \
         "heads_per_dot=2" 2>&1 | tee "$OUT/klsweep4.log" | grep median ;;
+    splitsweep)  # the split dk/dv passes (dv, then dk + dq) at G = 4 and M3's G = 16 (128K), 2 interleaved rounds
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/splitsweep" --rounds 2 --attn "" "dkdv_split=1" \
+        "dkdv_split=1,dkdv_block_n=64" --kl 2>&1 | tee "$OUT/splitsweep.log" | grep median
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/splitsweep128" --rounds 2 --hq 64 --T 131072 \
+        --seq-len 131072 --attn "" "dkdv_split=1" "dkdv_split=1,dkdv_block_n=64" \
+        "dkdv_split=1,dkdv_block_n=64,dkdv_maxnreg=128" --kl 2>&1 | tee "$OUT/splitsweep128.log" | grep median ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm

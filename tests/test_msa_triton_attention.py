@@ -105,15 +105,20 @@ def test_matches_reference(case):
     ("tma=1,block_m=16,block_n=16,dq_in_dkdv=1,dkdv_block_n=16,dkdv_block_m=16,dkdv_max_tokens=8", 32),
     ("tma=1,block_m=64,block_n=32,dq_block_m=32,dq_block_n=16,dkdv_block_m=32,dkdv_block_n=32", 32),
     ("dq_in_dkdv=1,dkdv_block_n=16,dkdv_block_m=16,dkdv_maxnreg=128", 32),
+    ("dq_in_dkdv=1,dkdv_split=1,dkdv_block_n=16,dkdv_block_m=16,dkdv_max_tokens=8", 32),
+    ("dq_in_dkdv=0,dkdv_split=1,dkdv_block_m=32", 32),
 ], ids=["B2-T105-Hq16-Hkv1-D16-bs16-k3-one-token-tiles-split-blocks",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-two-token-tiles-two-subtiles",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-four-token-fwd-one-token-dq-dkdv-subtiles",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-tma-one-token-dq-fused-into-dkdv-split-blocks",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-tma-four-token-fwd-two-token-dq",
-        "B2-T105-Hq16-Hkv1-D16-bs32-k3-dq-fused-register-cap"])
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-dq-fused-register-cap",
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-dkdv-split-passes-dq-fused-split-blocks",
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-dkdv-split-passes-dq-apart"])
 def test_gpu_launch_shapes(launch, bs, monkeypatch):
     """The GPU tilings: one token per tile (no membership test), hot key blocks split over programs (atomics),
-    key blocks walked in several sub-tiles, K/V through tensor descriptors (TMA), dq fused into dk/dv."""
+    key blocks walked in several sub-tiles, K/V through tensor descriptors (TMA), dq fused into dk/dv, dk and dv
+    in two passes."""
     monkeypatch.setenv("OPENM3_ATTN_LAUNCH", launch)
     q, k, v, block_idx, cu_q, cu_k = make_case((45, 60), 16, 1, 16, bs, 3, seed=3)
     ours, ref = run_both(q, k, v, block_idx, cu_q, cu_k, bs)
@@ -360,7 +365,7 @@ def signature(fn, consts):
 for group in (16, 4, 1):
     launch = attention_launch(group, 128, 128, torch.bfloat16, on_gpu=True)
     base = dict(GROUP=group, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=128, DOT_PRECISION="tf32", WHILE_LOOPS=False,
-                NUM_HEADS=4 * group, USE_TMA=bool(launch.tma), FUSE_DQ=bool(launch.dq_in_dkdv))
+                NUM_HEADS=4 * group, USE_TMA=bool(launch.tma), FUSE_DQ=bool(launch.dq_in_dkdv), PASS=0)
     jobs = [(ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
                                        TOKENS=launch.tokens_per_tile(group)), launch.num_warps, launch.num_stages),
             (ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, USE_TMA=False,
@@ -385,13 +390,25 @@ for group in (16, 4, 1):
 # the opt-in register cap of dk/dv (two 8-warp CTAs per SM), at m3-small's group of 4 with 64-key tiles
 launch = attention_launch(4, 128, 128, torch.bfloat16, on_gpu=True, dkdv_block_n=64, dkdv_maxnreg=128)
 consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32", WHILE_LOOPS=False, NUM_HEADS=16,
-              FUSE_DQ=True, BLOCK_M=launch.dkdv_block_m, BLOCK_N=64, TOKENS=launch.dkdv_tokens(4))
+              FUSE_DQ=True, BLOCK_M=launch.dkdv_block_m, BLOCK_N=64, TOKENS=launch.dkdv_tokens(4), PASS=0)
 sig, attrs = signature(ta._attn_dkdv_kernel, consts)
 k = triton.compile(ASTSource(ta._attn_dkdv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
                                 maxnreg=launch.dkdv_maxnreg))
 assert k.asm["cubin"] and k.metadata.num_warps == 8
 print("_attn_dkdv_kernel maxnreg ok")
+
+# the opt-in split dk/dv passes (dv, then dk + dq), at m3-small's group of 4 with 64-key tiles
+launch = attention_launch(4, 128, 128, torch.bfloat16, on_gpu=True, dkdv_block_n=64, dkdv_split=1)
+for dkdv_pass in (1, 2):
+    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32", WHILE_LOOPS=False, NUM_HEADS=16,
+                  FUSE_DQ=True, BLOCK_M=launch.dkdv_block_m, BLOCK_N=64, TOKENS=launch.dkdv_tokens(4),
+                  PASS=dkdv_pass)
+    sig, attrs = signature(ta._attn_dkdv_kernel, consts)
+    k = triton.compile(ASTSource(ta._attn_dkdv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages))
+    assert k.asm["cubin"]
+    print("_attn_dkdv_kernel pass", dkdv_pass, "ok")
 
 consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_R=16)
 sig = {"DO": "*bf16", "O": "*bf16", "DELTA": "*fp32", "n_rows": "i32", "num_heads": "i32", "stride_dt": "i32",
@@ -416,7 +433,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" ok") == 17, proc.stdout  # 3 groups x 5 kernels, dk/dv with a register cap, delta
+    assert proc.stdout.count(" ok") == 19, proc.stdout  # 3 groups x 5 kernels, dk/dv capped and split, delta
 
 
 def test_strided_views_of_fused_projections():

@@ -256,10 +256,11 @@ def _attn_dq_kernel(
 def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
                stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
                NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr):
+               TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr):
     """Accumulate dk, dv of one key tile over the next TOKENS queries `TOKENS_LIST[j : j + TOKENS]`; with FUSE_DQ
     also add this tile's dq = scale * dS K into the fp32 [T, Hq, D] buffer DQ (atomics: a query's blocks are
-    handled by different programs).
+    handled by different programs). PASS 0 does all of it, 1 only dv, 2 only dk (and dq): a split pass keeps one
+    fp32 accumulator live instead of two, for fewer registers per thread.
 
     Key-major: S^T = K Q^T is [BLOCK_N, BLOCK_M], so every dot has the key tile as its M dimension (a wgmma on
     Hopper) and P^T / dS^T feed dV += P^T dO and dK += dS^T Q straight from registers."""
@@ -272,19 +273,21 @@ def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIS
     do = _load_query_tile(DO, tok, head, row_ok, d, d_ok, stride_qt, stride_qh)
     lse = tl.load(LSE + tok.to(tl.int64) * NUM_HEADS + head, mask=row_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + tok.to(tl.int64) * NUM_HEADS + head, mask=row_ok, other=0.0)
     qpos = tl.load(QPOS + tok, mask=row_ok, other=-1)
     s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
     visible = (kpos[:, None] <= qpos[None, :]) & k_ok[:, None] & row_ok[None, :]
     p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)
-    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
-    if FUSE_DQ:
-        dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_M, BLOCK_D]
-        offs = (tok[:, None].to(tl.int64) * NUM_HEADS + head[:, None]) * HEAD_DIM + d[None, :]
-        tl.atomic_add(DQ + offs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+    if PASS != 2:
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    if PASS != 1:
+        delta = tl.load(DELTA + tok.to(tl.int64) * NUM_HEADS + head, mask=row_ok, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        if FUSE_DQ:
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_M, D]
+            offs = (tok[:, None].to(tl.int64) * NUM_HEADS + head[:, None]) * HEAD_DIM + d[None, :]
+            tl.atomic_add(DQ + offs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -297,11 +300,12 @@ def _attn_dkdv_kernel(
     qk_scale, sm_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr, FUSE_DQ: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr,
 ):
     """dk, dv of one [BLOCK_N] key sub-block of one group over one chunk of the queries that selected it
     (grid: work items x sub-blocks per selection block). DO shares q's strides; DK/DV are fp32 [Tk, Hkv, D];
-    with FUSE_DQ, dq is accumulated into the fp32 [T, Hq, D] buffer DQ too."""
+    with FUSE_DQ, dq is accumulated into the fp32 [T, Hq, D] buffer DQ too (by the pass that computes dk).
+    PASS 0 computes dk and dv, 1 only dv, 2 only dk (see `_dkdv_step`)."""
     item = tl.program_id(0)
     sub = tl.program_id(1)
     lo = tl.load(ITEM_LO + item)
@@ -317,7 +321,9 @@ def _attn_dkdv_kernel(
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         k = _load_key_tile(K, kpos, k_ok, g, d, d_ok, stride_kt, stride_kh)
-        v = _load_key_tile(V, kpos, k_ok, g, d, d_ok, stride_vt, stride_vh)
+        v = k  # the dv pass never reads v
+        if PASS != 1:
+            v = _load_key_tile(V, kpos, k_ok, g, d, d_ok, stride_vt, stride_vh)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         if WHILE_LOOPS:
@@ -325,21 +331,25 @@ def _attn_dkdv_kernel(
             while j < hi:
                 dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
                                     stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
-                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ)
+                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ, PASS)
                 j += TOKENS
         else:
             for j in range(lo, hi, TOKENS):
                 dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
                                     stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
-                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ)
+                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ, PASS)
         offs = kpos[:, None].to(tl.int64) * stride_dt + g * stride_dh + d[None, :]
         out_ok = k_ok[:, None] & d_ok[None, :]
         if tl.load(ITEM_SPLIT + item) != 0:  # a hot block split over several programs: sum their parts
-            tl.atomic_add(DK + offs, dk * sm_scale, mask=out_ok, sem="relaxed")
-            tl.atomic_add(DV + offs, dv, mask=out_ok, sem="relaxed")
+            if PASS != 1:
+                tl.atomic_add(DK + offs, dk * sm_scale, mask=out_ok, sem="relaxed")
+            if PASS != 2:
+                tl.atomic_add(DV + offs, dv, mask=out_ok, sem="relaxed")
         else:
-            tl.store(DK + offs, dk * sm_scale, mask=out_ok)
-            tl.store(DV + offs, dv, mask=out_ok)
+            if PASS != 1:
+                tl.store(DK + offs, dk * sm_scale, mask=out_ok)
+            if PASS != 2:
+                tl.store(DV + offs, dv, mask=out_ok)
 
 
 @triton.jit
@@ -480,18 +490,19 @@ def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_si
 
     work = key_block_work(block_idx, seq, cu_seqlens_k, tk, block_size, launch.dkdv_max_tokens)
     n_sub = block_size // launch.dkdv_block_n
-    _attn_dkdv_kernel[(work.lo.numel(), n_sub)](
-        q, k, v, do, lse, delta, dk, dv, qpos, dq32,
-        work.tokens, work.bucket, work.lo, work.hi, work.split, work.block_start, work.block_end,
-        work.num_block_slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dk.stride(0), dk.stride(1),
-        scale * _LOG2E, scale,
-        NUM_HEADS=hq, GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim),
-        BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, TOKENS=launch.dkdv_tokens(group),
-        DOT_PRECISION=precision, WHILE_LOOPS=interpreting(), FUSE_DQ=fuse_dq,
-        num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
-        **({"maxnreg": launch.dkdv_maxnreg} if launch.dkdv_maxnreg and not interpreting() else {}),
-    )
+    for dkdv_pass in ((1, 2) if launch.dkdv_split else (0,)):  # split: dv, then dk (+ dq), one accumulator each
+        _attn_dkdv_kernel[(work.lo.numel(), n_sub)](
+            q, k, v, do, lse, delta, dk, dv, qpos, dq32,
+            work.tokens, work.bucket, work.lo, work.hi, work.split, work.block_start, work.block_end,
+            work.num_block_slots,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dk.stride(0), dk.stride(1),
+            scale * _LOG2E, scale,
+            NUM_HEADS=hq, GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim),
+            BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, TOKENS=launch.dkdv_tokens(group),
+            DOT_PRECISION=precision, WHILE_LOOPS=interpreting(), FUSE_DQ=fuse_dq, PASS=dkdv_pass,
+            num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
+            **({"maxnreg": launch.dkdv_maxnreg} if launch.dkdv_maxnreg and not interpreting() else {}),
+        )
     if fuse_dq:
         dq.copy_(dq32)
     return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -299,7 +299,11 @@ class AttentionLaunch:
     dkdv_maxnreg: 0 lets the compiler pick the dk/dv kernel's registers per thread; n > 0 caps them (spilling the
       rest), e.g. 128 so two 8-warp CTAs fit an SM: the kernel is latency-bound at one CTA (ncu, session 5: 222
       registers, 12.5% occupancy). With dkdv_block_n=64 the cap spills 104 bytes per thread on sm_90 and shared
-      memory allows two CTAs (90.5 KB each). Compiled GPUs only; not timed yet.
+      memory allows two CTAs (90.5 KB each). Compiled GPUs only. Timed in session 6: slower (11.5 vs 7.15 ms at
+      G = 4, 276 vs 166 ms at M3's 128K; the spills cost more than the second CTA gains).
+    dkdv_split: 1 runs dk/dv as two passes, dv then dk (+ dq), each holding one fp32 [BLOCK_N, D] accumulator
+      instead of two (fewer registers per thread, so more warps per SM) at the price of recomputing P and
+      gathering q and dO twice; 0 one pass. Opt-in, not timed yet.
     """
 
     block_m: int
@@ -317,6 +321,7 @@ class AttentionLaunch:
     tma: int
     dq_in_dkdv: int
     dkdv_maxnreg: int = 0
+    dkdv_split: int = 0
 
     def tokens_per_tile(self, group: int) -> int:
         return max(1, self.block_m // group)
@@ -380,6 +385,8 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
     if max(launch.tokens_per_tile(group), launch.dq_tokens_per_tile(group)) > 64:
         raise ValueError(f"attention launch: block_m={launch.block_m} / dq_block_m={launch.dq_block_m} hold more "
                          f"than 64 tokens of {group} heads (membership bits are int64)")
+    if launch.dkdv_split not in (0, 1):
+        raise ValueError(f"attention launch: dkdv_split={launch.dkdv_split} must be 0 or 1")
     if launch.dkdv_maxnreg < 0 or launch.dkdv_maxnreg > 255:
         raise ValueError(f"attention launch: dkdv_maxnreg={launch.dkdv_maxnreg} must be 0 (compiler's choice) or "
                          f"a register count in [1, 255]")
