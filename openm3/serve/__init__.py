@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over the engine (`openm3 serve`; entry: `openm3.serve.cli.main`).
+"""HTTP server over the engine with OpenAI's and Anthropic's APIs (`openm3 serve`; entry: `openm3.serve.cli.main`).
 
 Needs the `serve` extra (fastapi, uvicorn; httpx for tests); importing this package does not import them.
 """

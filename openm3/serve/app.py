@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
+"""The HTTP app: OpenAI's `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, and Anthropic's
+`POST /v1/messages` (+ `/count_tokens`; `anthropic.py`), over one engine.
 
     app = create_app(ModelBackend(model), tokenizer, model_name="m3-tiny", max_total_tokens=4096)
 
@@ -28,6 +29,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 from ..data.chat import parse_tool_calls, render_chat
 from ..data.tokenizer import TOOL_CALL_START
 from ..engine.sampling import SamplingParams
+from . import anthropic
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 
 
@@ -81,14 +83,16 @@ class TextStream:
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.stop_found: str | None = None  # the stop string that ended the text
         self.sampled = 0
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if cuts:
-            self.text, self.stopped = text[:min(cuts)], True
+        found = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        if found:
+            cut, self.stop_found = min(found)
+            self.text, self.stopped = text[:cut], True
             return self._emit(len(self.text))
         self.text = text
         end = len(text) - max([_partial_suffix(text, s) for s in self.stop + self.hold] + [0])
@@ -124,7 +128,7 @@ def _partial_suffix(text: str, s: str) -> int:
 
 def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -133,28 +137,45 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     vocab = getattr(backend, "vocab_size", tokenizer.vocab_size)
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
-    app = FastAPI(title="openm3", description="OpenAI-compatible API over the openm3 engine")
+    app = FastAPI(title="openm3", description="OpenAI- and Anthropic-compatible APIs over the openm3 engine")
     lock = threading.Lock()
     created = int(time.time())
 
+    def _anthropic(request: Request) -> bool:
+        return request.url.path.startswith(anthropic.MESSAGES_PATH)
+
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError):
+    async def _api_error(request: Request, exc: APIError):
+        if _anthropic(request):
+            kind = "not_found_error" if exc.code == "model_not_found" else "invalid_request_error"
+            return JSONResponse(anthropic.error_body(exc.message, kind),
+                                status_code=404 if exc.code == "model_not_found" else exc.status)
         return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=exc.status)
 
     @app.exception_handler(Exception)
-    async def _failed(_request: Request, exc: Exception):
-        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", None, kind="server_error"), status_code=500)
+    async def _failed(request: Request, exc: Exception):
+        message = f"{type(exc).__name__}: {exc}"
+        if _anthropic(request):
+            return JSONResponse(anthropic.error_body(message, "api_error"), status_code=500)
+        return JSONResponse(error_body(message, None, kind="server_error"), status_code=500)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        return JSONResponse(error_body(f"{where}: {first.get('msg', 'invalid value')}", param), status_code=400)
+        message = f"{where}: {first.get('msg', 'invalid value')}"
+        if _anthropic(request):
+            return JSONResponse(anthropic.error_body(message), status_code=400)
+        return JSONResponse(error_body(message, param), status_code=400)
 
     @app.get("/v1/models")
-    def models():
+    def models(anthropic_version: str | None = Header(default=None)):
+        if anthropic_version is not None:  # Anthropic's SDKs send the header with every request
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+            return {"data": [{"type": "model", "id": model_name, "display_name": model_name, "created_at": stamp}],
+                    "has_more": False, "first_id": model_name, "last_id": model_name}
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "openm3"}]}
 
@@ -203,8 +224,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         n = stream.sampled
         return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
 
-    def sse(produce: Callable[[Callable[[dict], None], threading.Event], None]) -> StreamingResponse:
-        """Streams the chunks `produce(put, cancelled)` puts (it runs in a worker thread) as SSE events."""
+    def sse(produce: Callable[[Callable[[dict], None], threading.Event], None],
+            named_events: bool = False) -> StreamingResponse:
+        """Streams the chunks `produce(put, cancelled)` puts (it runs in a worker thread) as SSE events: OpenAI's
+        `data:` lines closed by `[DONE]`, or Anthropic's events named by each chunk's `type`."""
         chunks: queue.Queue = queue.Queue()
         cancelled = threading.Event()
 
@@ -212,7 +235,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             try:
                 produce(chunks.put, cancelled)
             except Exception as e:  # the status line is sent already: report in the stream
-                chunks.put(error_body(f"generation failed: {e}", None, kind="server_error"))
+                message = f"generation failed: {e}"
+                chunks.put(anthropic.error_body(message, "api_error") if named_events
+                           else error_body(message, None, kind="server_error"))
             finally:
                 chunks.put(None)
 
@@ -220,8 +245,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             threading.Thread(target=work, daemon=True).start()
             try:
                 while (chunk := chunks.get()) is not None:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                yield "data: [DONE]\n\n"
+                    if named_events:
+                        yield f"event: {chunk['type']}\ndata: {json.dumps(chunk)}\n\n"
+                    else:
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                if not named_events:
+                    yield "data: [DONE]\n\n"
             finally:
                 cancelled.set()  # the client disconnected or the stream ended: stop generating
 
@@ -314,4 +343,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         return sse(produce)
 
+    anthropic.add_messages_routes(app, tokenizer=tokenizer, model_name=model_name, check=check, run=run, sse=sse,
+                                  text_stream=lambda stop, hold: TextStream(tokenizer, stop, hold=hold),
+                                  api_error=APIError)
     return app

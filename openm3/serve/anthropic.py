@@ -1,0 +1,240 @@
+"""Anthropic's Messages API over the same engine: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+Coding agents built on Anthropic's SDK (Claude Code among them: `ANTHROPIC_BASE_URL=http://host:8000`) speak this
+API rather than OpenAI's. A request is translated into the chat format `render_chat` writes for the OpenAI
+endpoint (system prompt, user text, `tool_use` blocks as tool calls, `tool_result` blocks as tool messages), so a
+conversation renders to the same prompt whichever API carried it; the answer comes back as Anthropic content
+blocks (`text`, then one `tool_use` per call the model wrote) with Anthropic's stop reasons, usage and, when
+streamed, its named server-sent events. Errors use Anthropic's body, `{"type": "error", "error": {"type",
+"message"}}`, with the field named in the message. What the text model cannot do is refused with a 400 naming the
+block: image and document blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains the
+sampler). Thinking blocks a client sends back are dropped (the model here writes none).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from ..data.chat import parse_tool_calls, render_chat
+from ..data.tokenizer import TOOL_CALL_START
+
+MESSAGES_PATH = "/v1/messages"
+
+
+class AnthropicTool(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class AnthropicMessage(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class CountTokensRequest(BaseModel):
+    """`POST /v1/messages/count_tokens`: a Messages request without generation settings."""
+
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """`POST /v1/messages`. max_tokens is required, as in Anthropic's API; temperature lies in [0, 1] (0 =
+    greedy); `seed` is an extension. Unknown fields (metadata, thinking, ...) are ignored."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(default=None, validate_default=True)
+    stream: bool = False
+    temperature: float = Field(default=1.0, ge=0, le=1)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, v: list[str] | None) -> list[str]:
+        if any(not s for s in v or []):
+            raise ValueError("stop_sequences must be non-empty strings")
+        return list(v or [])
+
+
+def error_body(message: str, kind: str = "invalid_request_error") -> dict:
+    """Anthropic's error JSON."""
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _text_of(blocks: Any, where: str) -> str:
+    """The text of a string or a list of text blocks (system prompts, tool results)."""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for j, block in enumerate(blocks or []):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise ValueError(f"{where}[{j}]: expected a text block {{'type': 'text', 'text': str}}, got {block!r}")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def chat_messages(req: CountTokensRequest) -> list[dict]:
+    """The request's conversation in the OpenAI-style form `render_chat` takes. Raises ValueError naming the
+    offending block."""
+    out: list[dict] = []
+    if req.system:
+        out.append({"role": "system", "content": _text_of(req.system, "system")})
+    for i, message in enumerate(req.messages):
+        where = f"messages[{i}].content"
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        text: list[str] = []
+        calls: list[dict] = []
+        for j, block in enumerate(message.content):
+            kind = block.get("type")
+            if kind == "text" and isinstance(block.get("text"), str):
+                text.append(block["text"])
+            elif kind in ("thinking", "redacted_thinking"):
+                continue
+            elif kind == "tool_use" and message.role == "assistant":
+                if not isinstance(block.get("name"), str) or not block["name"]:
+                    raise ValueError(f"{where}[{j}]: a tool_use block needs a non-empty name")
+                if not isinstance(block.get("input", {}), dict):
+                    raise ValueError(f"{where}[{j}].input: expected an object")
+                calls.append({"id": block.get("id"), "type": "function",
+                              "function": {"name": block["name"], "arguments": block.get("input", {})}})
+            elif kind == "tool_result" and message.role == "user":
+                if text:  # keep the order: text written before the result goes first
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                result = _text_of(block.get("content") or "", f"{where}[{j}].content")
+                if block.get("is_error"):
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
+            elif kind in ("image", "document"):
+                raise ValueError(f"{where}[{j}]: {kind} blocks are not supported by this server (text model)")
+            else:
+                raise ValueError(f"{where}[{j}]: unsupported block {kind!r} in a {message.role} message")
+        if message.role == "assistant":
+            entry: dict = {"role": "assistant", "content": "".join(text)}
+            if calls:
+                entry["tool_calls"] = calls
+            out.append(entry)
+        elif text:
+            out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _tools(req: CountTokensRequest) -> list[dict] | None:
+    if not req.tools:
+        return None
+    return [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
+                                              **({"description": t.description} if t.description else {})}}
+            for t in req.tools]
+
+
+def _parse_calls(req: CountTokensRequest) -> bool:
+    """Whether tool calls in the answer become tool_use blocks (False: they stay text). Refuses forced calls."""
+    kind = (req.tool_choice or {}).get("type", "auto")
+    if kind in ("any", "tool"):
+        raise ValueError("tool_choice: forcing a tool call ('any' or 'tool') is not supported; use 'auto' or 'none'")
+    if kind not in ("auto", "none"):
+        raise ValueError(f"tool_choice.type: expected 'auto', 'none', 'any' or 'tool', got {kind!r}")
+    return kind == "auto"
+
+
+def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
+                        text_stream: Callable, api_error: Callable) -> None:
+    """Registers the Messages endpoints on `app`, sharing `create_app`'s validation (`check`), generation
+    (`run`), streaming (`sse`), `TextStream` factory and error type."""
+
+    def prompt_of(req: CountTokensRequest) -> list[int]:
+        try:
+            text = render_chat(chat_messages(req), _tools(req), add_generation_prompt=True)
+        except ValueError as e:
+            raise api_error(str(e), "messages") from None
+        return tokenizer.encode(text)
+
+    @app.post(MESSAGES_PATH + "/count_tokens")
+    def count_tokens(req: CountTokensRequest):
+        if req.model != model_name:
+            raise api_error(f"model {req.model!r} does not exist; this server serves {model_name!r}", "model",
+                            status=404, code="model_not_found")
+        return {"input_tokens": len(prompt_of(req))}
+
+    @app.post(MESSAGES_PATH)
+    def messages(req: MessagesRequest):
+        try:
+            parse_calls = _parse_calls(req)
+        except ValueError as e:
+            raise api_error(str(e), "tool_choice") from None
+        prompt = prompt_of(req)
+        max_new = check(req, prompt, "messages")
+        stream = text_stream(req.stop_sequences, [TOOL_CALL_START] if parse_calls else [])
+        mid = f"msg_{uuid.uuid4().hex[:24]}"
+
+        def answer(finish: str) -> tuple[str, list[dict], str, str | None]:
+            """(text, tool_use blocks, stop_reason, stop_sequence) of the finished generation."""
+            calls = []
+            if parse_calls and not stream.stopped:
+                calls = parse_tool_calls(stream.text[len(stream.visible()):])
+            if calls:
+                blocks = [{"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": c["name"],
+                           "input": c["arguments"]} for c in calls]
+                return stream.visible(), blocks, "tool_use", None
+            if stream.stopped:
+                return stream.text, [], "stop_sequence", stream.stop_found
+            return stream.text, [], "max_tokens" if finish == "length" else "end_turn", None
+
+        def usage(output: int) -> dict:
+            return {"input_tokens": len(prompt), "output_tokens": output}
+
+        if not req.stream:
+            text, tool_uses, reason, stop_seq = answer(run(req, prompt, max_new, stream, lambda _d: None))
+            content = ([{"type": "text", "text": text}] if text or not tool_uses else []) + tool_uses
+            return {"id": mid, "type": "message", "role": "assistant", "model": model_name, "content": content,
+                    "stop_reason": reason, "stop_sequence": stop_seq, "usage": usage(stream.sampled)}
+
+        def produce(put, cancelled) -> None:
+            put({"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": usage(0)}})
+            opened = []  # the text block is opened by its first delta
+
+            def open_text() -> None:
+                if not opened:
+                    put({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+                    opened.append(True)
+
+            def text_delta(delta: str) -> None:
+                open_text()
+                put({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta}})
+
+            finish = run(req, prompt, max_new, stream, text_delta, cancelled)
+            text, tool_uses, reason, stop_seq = answer(finish)
+            rest = stream.finish(text)
+            if rest:
+                text_delta(rest)
+            elif not tool_uses:
+                open_text()  # an answer without text or calls still has its (empty) text block
+            index = 0
+            if opened:
+                put({"type": "content_block_stop", "index": 0})
+                index = 1
+            for block in tool_uses:
+                put({"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}})
+                put({"type": "content_block_delta", "index": index,
+                     "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+                put({"type": "content_block_stop", "index": index})
+                index += 1
+            put({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_seq},
+                 "usage": {"output_tokens": stream.sampled}})
+            put({"type": "message_stop"})
+
+        return sse(produce, named_events=True)
