@@ -54,6 +54,22 @@ def events(response) -> list:
     return [json.loads(b[len("data: "):]) for b in blocks[:-2]]
 
 
+def named_events(response) -> list[dict]:
+    """The JSON events of an SSE body whose events are named (Anthropic's Messages, OpenAI's Responses): checks the
+    framing and that each `event:` name is its data's `type`."""
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    blocks = response.text.split("\n\n")
+    assert blocks[-1] == ""
+    out = []
+    for block in blocks[:-1]:
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        chunk = json.loads(data[len("data: "):])
+        assert chunk["type"] == name[len("event: "):]
+        out.append(chunk)
+    return out
+
+
 def greedy_ids(model, tok, prompt: list[int], n: int) -> list[int]:
     results, _ = generate(model, [prompt], max_new_tokens=n, stop_tokens=[tok.eos_id])
     return [t for t in results[0].tokens if t != tok.eos_id]

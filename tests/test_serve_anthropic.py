@@ -13,34 +13,14 @@ from fastapi.testclient import TestClient
 
 from openm3.data.chat import render_chat
 from openm3.data.tokenizer import EOS
-from openm3.serve import ModelBackend, create_app
+from openm3.serve import create_app
 import test_serve
-from test_serve import CALL_TEXT, LIMIT, NAME, TOOLS, Scripted
+from test_serve import CALL_TEXT, NAME, TOOLS, Scripted, named_events
 
-tok, model = test_serve.tok, test_serve.model  # the module-scoped fixtures, shared
+tok, model, client = test_serve.tok, test_serve.model, test_serve.client  # module-scoped fixtures, shared
 
 ANTHROPIC_TOOLS = [{"name": "read_file", "description": "Read a file.", "input_schema": TOOLS[0]["function"][
     "parameters"]}]
-
-
-@pytest.fixture(scope="module")
-def client(model, tok):
-    return TestClient(create_app(ModelBackend(model), tok, model_name=NAME, max_total_tokens=LIMIT))
-
-
-def named_events(response) -> list[dict]:
-    """The events of an Anthropic SSE body; checks that each `event:` name is its data's `type`."""
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-    blocks = response.text.split("\n\n")
-    assert blocks[-1] == ""
-    out = []
-    for block in blocks[:-1]:
-        name, data = block.split("\n")
-        assert name.startswith("event: ") and data.startswith("data: "), block
-        chunk = json.loads(data[len("data: "):])
-        assert chunk["type"] == name[len("event: "):]
-        out.append(chunk)
-    return out
 
 
 def streamed(chunks: list[dict]) -> tuple[str, list[dict], str, str | None, int]:

@@ -237,4 +237,4 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
                  "usage": {"output_tokens": stream.sampled}})
             put({"type": "message_stop"})
 
-        return sse(produce, named_events=True)
+        return sse(produce, named_events=True, error_chunk=lambda m: error_body(m, "api_error"))

@@ -1,5 +1,6 @@
-"""The HTTP app: OpenAI's `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, and Anthropic's
-`POST /v1/messages` (+ `/count_tokens`; `anthropic.py`), over one engine.
+"""The HTTP app: OpenAI's `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` and
+`POST /v1/responses` (`responses.py`), and Anthropic's `POST /v1/messages` (+ `/count_tokens`; `anthropic.py`), over
+one engine.
 
     app = create_app(ModelBackend(model), tokenizer, model_name="m3-tiny", max_total_tokens=4096)
 
@@ -29,7 +30,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 from ..data.chat import parse_tool_calls, render_chat
 from ..data.tokenizer import TOOL_CALL_START
 from ..engine.sampling import SamplingParams
-from . import anthropic
+from . import anthropic, responses
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 
 
@@ -224,10 +225,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         n = stream.sampled
         return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
 
-    def sse(produce: Callable[[Callable[[dict], None], threading.Event], None],
-            named_events: bool = False) -> StreamingResponse:
-        """Streams the chunks `produce(put, cancelled)` puts (it runs in a worker thread) as SSE events: OpenAI's
-        `data:` lines closed by `[DONE]`, or Anthropic's events named by each chunk's `type`."""
+    def sse(produce: Callable[[Callable[[dict], None], threading.Event], None], named_events: bool = False,
+            error_chunk: Callable[[str], dict] | None = None) -> StreamingResponse:
+        """Streams the chunks `produce(put, cancelled)` puts (it runs in a worker thread) as SSE events: Chat
+        Completions' `data:` lines closed by `[DONE]`, or events named by each chunk's `type` (Anthropic's
+        Messages, OpenAI's Responses). A failure after the status line is sent is reported in the stream as
+        `error_chunk(message)` (default: OpenAI's error body)."""
         chunks: queue.Queue = queue.Queue()
         cancelled = threading.Event()
 
@@ -236,8 +239,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 produce(chunks.put, cancelled)
             except Exception as e:  # the status line is sent already: report in the stream
                 message = f"generation failed: {e}"
-                chunks.put(anthropic.error_body(message, "api_error") if named_events
-                           else error_body(message, None, kind="server_error"))
+                chunks.put(error_chunk(message) if error_chunk else error_body(message, None, kind="server_error"))
             finally:
                 chunks.put(None)
 
@@ -343,7 +345,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         return sse(produce)
 
-    anthropic.add_messages_routes(app, tokenizer=tokenizer, model_name=model_name, check=check, run=run, sse=sse,
-                                  text_stream=lambda stop, hold: TextStream(tokenizer, stop, hold=hold),
-                                  api_error=APIError)
+    shared = dict(tokenizer=tokenizer, model_name=model_name, check=check, run=run, sse=sse, api_error=APIError,
+                  text_stream=lambda stop, hold: TextStream(tokenizer, stop, hold=hold))
+    anthropic.add_messages_routes(app, **shared)
+    responses.add_responses_routes(app, **shared)
     return app

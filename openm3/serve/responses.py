@@ -1,0 +1,220 @@
+"""OpenAI's Responses API over the same engine: `POST /v1/responses` (what OpenAI's newer agents, Codex CLI among
+them, speak instead of Chat Completions).
+
+The request's `instructions` and `input` items (messages, `function_call` and `function_call_output` items) are
+translated into the chat format `render_chat` writes for `/v1/chat/completions`, so a conversation renders to the
+same prompt through either endpoint; the answer comes back as `output` items (a `message` with `output_text`, then
+one `function_call` per call the model wrote), streamed as the API's `response.*` events when asked. The server
+keeps no state: `previous_response_id` is refused (send the whole conversation, as `store: false` clients do), and
+so are what the text model cannot honour: image inputs and forced tool calls. Reasoning items a client sends back
+are dropped (the model here writes none). Errors are OpenAI's error bodies, as on the other endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, Field
+
+from ..data.chat import parse_tool_calls, render_chat
+from ..data.tokenizer import TOOL_CALL_START
+
+RESPONSES_PATH = "/v1/responses"
+
+
+class FunctionTool(BaseModel):
+    type: Literal["function"] = "function"
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """`POST /v1/responses`. max_output_tokens defaults to what the context limit leaves after the prompt;
+    `top_k` and `seed` are extensions; unknown fields (store, reasoning, text, parallel_tool_calls, ...) are
+    ignored."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    previous_response_id: str | None = None
+
+    @property
+    def max_tokens(self) -> int | None:  # the name `check` reads
+        return self.max_output_tokens
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: expected a string or a list of content parts")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind in ("input_image", "input_file"):
+            raise ValueError(f"{where}[{j}]: {kind} parts are not supported by this server (text model)")
+        elif kind != "refusal":
+            raise ValueError(f"{where}[{j}]: expected an input_text or output_text part, got {part!r}")
+    return "".join(parts)
+
+
+def chat_messages(req: ResponsesRequest) -> list[dict]:
+    """The request as the OpenAI-style messages `render_chat` takes. Raises ValueError naming the bad item."""
+    out: list[dict] = []
+    if req.instructions:
+        out.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return out + [{"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ValueError(f"{where}.role: expected user, system, developer or assistant, got {role!r}")
+            out.append({"role": role, "content": _content_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not item["name"]:
+                raise ValueError(f"{where}.name: a function_call item needs a non-empty name")
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            if out and out[-1]["role"] == "assistant":  # calls after (or beside) the assistant's text
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _content_text(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise ValueError(f"{where}.type: expected message, function_call or function_call_output, got {kind!r}")
+    return out
+
+
+def _parse_calls(req: ResponsesRequest) -> bool:
+    choice = req.tool_choice if req.tool_choice is not None else "auto"
+    if choice not in ("auto", "none"):
+        raise ValueError("tool_choice: forcing a tool call ('required' or a named function) is not supported; "
+                         "use 'auto' or 'none'")
+    return choice == "auto"
+
+
+def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
+                         text_stream: Callable, api_error: Callable) -> None:
+    """Registers `POST /v1/responses` on `app`, sharing `create_app`'s validation, generation and streaming."""
+
+    @app.post(RESPONSES_PATH)
+    def responses(req: ResponsesRequest):
+        if req.previous_response_id is not None:
+            raise api_error("previous_response_id: this server keeps no responses; send the whole conversation "
+                            "in input", "previous_response_id")
+        try:
+            parse_calls = _parse_calls(req)
+            messages = chat_messages(req)
+            tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                     for t in req.tools] if req.tools else None
+            text = render_chat(messages, tools, add_generation_prompt=True)
+        except ValueError as e:
+            raise api_error(str(e), "tool_choice" if str(e).startswith("tool_choice") else "input") from None
+        prompt = tokenizer.encode(text)
+        max_new = check(req, prompt, "input")
+        stream = text_stream([], [TOOL_CALL_START] if parse_calls else [])
+        rid, mid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+
+        def response(status: str, output: list[dict], finish: str | None = None) -> dict:
+            n = stream.sampled
+            return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model_name,
+                    "output": output, "error": None,
+                    "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+                    "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+                    "usage": {"input_tokens": len(prompt), "output_tokens": n, "total_tokens": len(prompt) + n}}
+
+        def message(text_: str, status: str = "completed") -> dict:
+            return {"type": "message", "id": mid, "status": status, "role": "assistant",
+                    "content": [{"type": "output_text", "text": text_, "annotations": []}]}
+
+        def answer(finish: str) -> tuple[str, list[dict]]:
+            """(text, function_call items) of the finished generation."""
+            calls = parse_tool_calls(stream.text[len(stream.visible()):]) if parse_calls else []
+            items = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
+                      "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": c["name"],
+                      "arguments": json.dumps(c["arguments"]), "status": "completed"} for c in calls]
+            return (stream.visible() if items else stream.text), items
+
+        def status_of(finish: str) -> str:
+            return "incomplete" if finish == "length" else "completed"
+
+        if not req.stream:
+            finish = run(req, prompt, max_new, stream, lambda _d: None)
+            text_, calls = answer(finish)
+            output = ([message(text_)] if text_ or not calls else []) + calls
+            return response(status_of(finish), output, finish)
+
+        def produce(put, cancelled) -> None:
+            seq = iter(range(1 << 62))
+
+            def emit(kind: str, **fields) -> None:
+                put({"type": kind, "sequence_number": next(seq), **fields})
+
+            emit("response.created", response=response("in_progress", []))
+            emit("response.in_progress", response=response("in_progress", []))
+            opened: list[bool] = []  # the message item is opened by its first text
+
+            def open_message() -> None:
+                if not opened:
+                    emit("response.output_item.added", output_index=0, item={**message("", "in_progress"),
+                                                                             "content": []})
+                    emit("response.content_part.added", item_id=mid, output_index=0, content_index=0,
+                         part={"type": "output_text", "text": "", "annotations": []})
+                    opened.append(True)
+
+            def delta(d: str) -> None:
+                open_message()
+                emit("response.output_text.delta", item_id=mid, output_index=0, content_index=0, delta=d)
+
+            finish = run(req, prompt, max_new, stream, delta, cancelled)
+            text_, calls = answer(finish)
+            rest = stream.finish(text_)
+            if rest:
+                delta(rest)
+            elif not calls:
+                open_message()  # an answer without text or calls still has its (empty) message
+            output = []
+            if opened:
+                part = {"type": "output_text", "text": text_, "annotations": []}
+                emit("response.output_text.done", item_id=mid, output_index=0, content_index=0, text=text_)
+                emit("response.content_part.done", item_id=mid, output_index=0, content_index=0, part=part)
+                emit("response.output_item.done", output_index=0, item=message(text_))
+                output.append(message(text_))
+            for item in calls:
+                index = len(output)
+                emit("response.output_item.added", output_index=index,
+                     item={**item, "arguments": "", "status": "in_progress"})
+                emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                     delta=item["arguments"])
+                emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                     arguments=item["arguments"])
+                emit("response.output_item.done", output_index=index, item=item)
+                output.append(item)
+            final = response(status_of(finish), output, finish)
+            emit("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
+
+        return sse(produce, named_events=True,
+                   error_chunk=lambda m: {"type": "error", "code": "server_error", "message": m, "param": None})

@@ -1,0 +1,123 @@
+"""`openm3 serve`'s OpenAI Responses API (`POST /v1/responses`).
+
+The same conversation sent through `/v1/chat/completions` and through this endpoint renders the same prompt, so
+answers are checked against the chat endpoint's; function calls use the scripted backend of `test_serve.py`.
+"""
+
+import json
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+import test_serve
+from openm3.data.tokenizer import EOS
+from openm3.serve import create_app
+from test_serve import CALL_TEXT, NAME, TOOLS, Scripted, named_events
+
+tok, model, client = test_serve.tok, test_serve.model, test_serve.client  # module-scoped fixtures, shared
+RESPONSE_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+
+
+def sequenced(response) -> list[dict]:
+    """`named_events`, checking the Responses API's sequence numbers 0, 1, ... (an error event carries none)."""
+    out = named_events(response)
+    if out[-1]["type"] != "error":
+        assert [c["sequence_number"] for c in out] == list(range(len(out)))
+    return out
+
+
+def streamed(chunks: list[dict]) -> tuple[str, dict]:
+    """(text from the deltas, the final response), checking the event order."""
+    assert [c["type"] for c in chunks[:2]] == ["response.created", "response.in_progress"]
+    assert chunks[-1]["type"] in ("response.completed", "response.incomplete")
+    text = "".join(c["delta"] for c in chunks if c["type"] == "response.output_text.delta")
+    done = [c["text"] for c in chunks if c["type"] == "response.output_text.done"]
+    assert done in ([text], [])
+    final = chunks[-1]["response"]
+    assert [c["item"] for c in chunks if c["type"] == "response.output_item.done"] == final["output"]
+    return text, final
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("form", ["string", "items"])
+def test_responses_answer_equals_the_chat_endpoint(client, stream, form):
+    chat = client.post("/v1/chat/completions", json={
+        "model": NAME, "max_tokens": 6, "temperature": 0,
+        "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Say something"}]}).json()
+    want = chat["choices"][0]["message"]["content"]
+    user = "Say something" if form == "string" else [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say something"}]}]
+    req = {"model": NAME, "instructions": "Be terse.", "input": user, "max_output_tokens": 6, "temperature": 0,
+           "stream": stream}
+    r = client.post("/v1/responses", json=req)
+    if stream:
+        text, body = streamed(sequenced(r))
+        assert text == want
+    else:
+        body = r.json()
+    assert body["object"] == "response" and body["id"].startswith("resp_") and body["model"] == NAME
+    assert [item["type"] for item in body["output"]] == ["message"]
+    assert body["output"][0]["content"][0] == {"type": "output_text", "text": want, "annotations": []}
+    finish = chat["choices"][0]["finish_reason"]
+    assert body["status"] == ("incomplete" if finish == "length" else "completed")
+    assert body["incomplete_details"] == ({"reason": "max_output_tokens"} if finish == "length" else None)
+    assert body["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert body["usage"]["output_tokens"] == chat["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_function_call_round_trip_renders_like_the_chat_endpoint(tok, stream):
+    backend = Scripted(tok.encode(CALL_TEXT + EOS), tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096))
+    question = {"role": "user", "content": "What is in src/a.py?"}
+    req = {"model": NAME, "input": [question], "tools": RESPONSE_TOOLS, "stream": stream}
+    r = client.post("/v1/responses", json=req)
+    body = streamed(sequenced(r))[1] if stream else r.json()
+    kinds = [item["type"] for item in body["output"]]
+    assert kinds == ["message", "function_call"] and body["status"] == "completed"
+    assert body["output"][0]["content"][0]["text"] == "Let me look."
+    call = body["output"][1]
+    assert call["name"] == "read_file" and call["call_id"].startswith("call_")
+    assert json.loads(call["arguments"]) == {"path": "src/a.py", "lines": 20}
+
+    # Codex-style follow-up: the whole conversation again, with the call and its output as items.
+    follow = [question, body["output"][0], call,
+              {"type": "function_call_output", "call_id": call["call_id"], "output": "print('hi')"}]
+    assert client.post("/v1/responses", json={**req, "input": follow, "stream": False}).status_code == 200
+    chat_follow = [question, {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": call["call_id"], "type": "function",
+         "function": {"name": "read_file", "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["call_id"], "content": "print('hi')"}]
+    r = client.post("/v1/chat/completions", json={"model": NAME, "messages": chat_follow, "tools": TOOLS})
+    assert r.status_code == 200 and backend.prompts[1] == backend.prompts[2]
+
+
+@pytest.mark.parametrize("body, param, match", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
+     r"input\[0\]\.content\[0\]: input_image parts are not supported"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice", "forcing a tool call"),
+    ({"input": [{"type": "web_search_call"}]}, "input", r"input\[0\]\.type"),
+    ({}, "input", "Field required"),
+    ({"input": "hi", "temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"input": "word " * 200}, "input", "configured maximum"),
+], ids=["previous-response", "image", "forced-tool", "unknown-item", "no-input", "temperature", "too-long"])
+def test_bad_requests_name_the_field(client, body, param, match):
+    r = client.post("/v1/responses", json={"model": NAME, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert re.search(match, err["message"]), err
+
+
+def test_a_failing_backend_reports_in_the_stream(tok):
+    def broken(prompt, **_):
+        raise RuntimeError("out of memory")
+
+    client = TestClient(create_app(broken, tok, model_name=NAME, max_total_tokens=64), raise_server_exceptions=False)
+    req = {"model": NAME, "input": "x"}
+    r = client.post("/v1/responses", json=req)
+    assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]
+    chunks = sequenced(client.post("/v1/responses", json={**req, "stream": True}))
+    assert chunks[-1]["type"] == "error" and "out of memory" in chunks[-1]["message"]
