@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ..engine.generate import add_model_arguments
 
     p = argparse.ArgumentParser(prog="openm3 serve", description="Serve a model behind the OpenAI HTTP API "
-                                "(/v1/models, /v1/completions, /v1/chat/completions, /v1/responses) and Anthropic's Messages API "
-                                "(/v1/messages, /v1/messages/count_tokens).")
+                                "(/v1/models, /v1/completions, /v1/chat/completions, /v1/responses) and "
+                                "Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens).")
     add_model_arguments(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or a directory holding one (default: the "
                    "--checkpoint directory's tokenizer.json if it has one, else the locally trained tokenizer of "
