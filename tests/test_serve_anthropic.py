@@ -180,3 +180,14 @@ def test_models_list_in_anthropic_form_when_asked(client):
     body = client.get("/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
     assert body["data"][0]["type"] == "model" and body["data"][0]["id"] == NAME and body["has_more"] is False
     assert client.get("/v1/models").json()["data"][0]["object"] == "model"  # OpenAI's form otherwise
+
+
+def test_a_final_assistant_message_is_continued(tok):
+    """Anthropic's prefill: the prompt ends with the assistant's text (no end of turn), the answer is the rest."""
+    backend = Scripted(tok.encode(" 42." + EOS), tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096))
+    question = {"role": "user", "content": "What is six times seven?"}
+    body = client.post("/v1/messages", json={"model": NAME, "max_tokens": 20, "messages": [
+        question, {"role": "assistant", "content": "The answer is"}]}).json()
+    assert body["content"] == [{"type": "text", "text": " 42."}] and body["stop_reason"] == "end_turn"
+    assert tok.decode(backend.prompts[0]) == render_chat([question], add_generation_prompt=True) + "The answer is"

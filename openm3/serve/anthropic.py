@@ -8,7 +8,8 @@ blocks (`text`, then one `tool_use` per call the model wrote) with Anthropic's s
 streamed, its named server-sent events. Errors use Anthropic's body, `{"type": "error", "error": {"type",
 "message"}}`, with the field named in the message. What the text model cannot do is refused with a 400 naming the
 block: image and document blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains the
-sampler). Thinking blocks a client sends back are dropped (the model here writes none).
+sampler). Thinking blocks a client sends back are dropped (the model here writes none). A final assistant message
+of text is continued (Anthropic's prefill).
 """
 
 from __future__ import annotations
@@ -155,8 +156,14 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
     (`run`), streaming (`sse`), `TextStream` factory and error type."""
 
     def prompt_of(req: CountTokensRequest) -> list[int]:
+        """The prompt's token ids. A conversation ending with an assistant message of plain text is a prefill:
+        the answer continues that text (and holds only the continuation), as in Anthropic's API."""
         try:
-            text = render_chat(chat_messages(req), _tools(req), add_generation_prompt=True)
+            messages = chat_messages(req)
+            prefill = ""
+            if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+                prefill = messages.pop()["content"]
+            text = render_chat(messages, _tools(req), add_generation_prompt=True) + prefill
         except ValueError as e:
             raise api_error(str(e), "messages") from None
         return tokenizer.encode(text)
