@@ -93,8 +93,8 @@ def input_ids_checked_by_caller(model: nn.Module) -> Iterator[int | None]:
     """Within this block the openm3 models inside `model` skip their range check of `input_ids` (a device sync
     per forward on a GPU): the caller checks its ids on the host before copying them (`check_input_ids` with the
     vocabulary size this yields; None when `model` holds no openm3 model)."""
-    flagged = [m for m in model.modules() if hasattr(m, "input_ids_prechecked")]
-    vocab = next((m.config.vocab_size for m in model.modules() if isinstance(m, M3TextModel)), None)
+    flagged = [m for m in model.modules() if isinstance(m, M3TextModel)]  # the VL model reads its text model's flag
+    vocab = flagged[0].config.vocab_size if flagged else None
     saved = [m.input_ids_prechecked for m in flagged]
     for m in flagged:
         m.input_ids_prechecked = True

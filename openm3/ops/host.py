@@ -22,14 +22,10 @@ _CACHE: dict[int, tuple] = {}
 
 def host_list(t: torch.Tensor) -> list:
     """`t.tolist()`, read from the device once per (tensor, version) for CUDA tensors."""
-    if not t.is_cuda:
+    version = _cacheable_version(t)
+    if version is None:
         return t.tolist()
-    try:
-        version = t._version  # inference tensors have no version counter: no caching for them
-    except RuntimeError:
-        return t.tolist()
-    key = id(t)
-    hit = _CACHE.get(key)
+    hit = _CACHE.get(id(t))
     if hit is not None:
         ref, hit_version, ptr, values = hit
         if ref() is t and hit_version == version and ptr == t.data_ptr():
@@ -42,15 +38,23 @@ def host_list(t: torch.Tensor) -> list:
 def remember_host_list(t: torch.Tensor, values: list) -> None:
     """Record `values` as the host copy of CUDA tensor `t` (its current contents, e.g. what was just copied into
     it), so `host_list(t)` needs no device read. Ignored for other tensors."""
-    if not t.is_cuda:
-        return
-    try:
-        version = t._version
-    except RuntimeError:
+    version = _cacheable_version(t)
+    if version is None:
         return
     if len(values) != t.numel():
         raise ValueError(f"values: expected {t.numel()} host values for the tensor, got {len(values)}")
     _remember(t, version, values)
+
+
+def _cacheable_version(t: torch.Tensor) -> int | None:
+    """The version counter of a CUDA tensor whose host copy may be cached; None for host tensors and for
+    inference tensors (they have no version counter, so a write could not be detected)."""
+    if not t.is_cuda:
+        return None
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _remember(t: torch.Tensor, version: int, values: list) -> None:
