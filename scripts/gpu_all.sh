@@ -102,6 +102,14 @@ for s in "${stages[@]}"; do
       python3 -m benchmarks.msa_group_sweep --out "$OUT/splitsweep128" --rounds 2 --hq 64 --T 131072 \
         --seq-len 131072 --attn "" "dkdv_split=1" "dkdv_split=1,dkdv_block_n=64" \
         "dkdv_split=1,dkdv_block_n=64,dkdv_maxnreg=128" --kl 2>&1 | tee "$OUT/splitsweep128.log" | grep median ;;
+    dqsweep)  # dq in its own query-outer pass (no fp32 atomics in dk/dv) against dq fused, G = 4 and M3's G = 16 (128K)
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/dqsweep" --rounds 2 --attn "" "dq_in_dkdv=0" \
+        "dq_in_dkdv=0,dq_block_m=32" "dq_in_dkdv=0,dq_block_m=64" "dq_in_dkdv=0,dq_block_m=64,dq_num_warps=8" \
+        "dq_in_dkdv=0,dq_block_m=64,dkdv_block_m=64" "dq_in_dkdv=0,dq_block_m=64,dkdv_num_stages=3" --kl 2>&1 \
+        | tee "$OUT/dqsweep.log" | grep median
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/dqsweep128" --rounds 2 --hq 64 --T 131072 \
+        --seq-len 131072 --attn "" "dq_in_dkdv=0" "dq_in_dkdv=0,dq_block_m=32" "dq_in_dkdv=0,dkdv_num_stages=3" \
+        --kl 2>&1 | tee "$OUT/dqsweep128.log" | grep median ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm
