@@ -110,6 +110,15 @@ for s in "${stages[@]}"; do
       python3 -m benchmarks.msa_group_sweep --out "$OUT/dqsweep128" --rounds 2 --hq 64 --T 131072 \
         --seq-len 131072 --attn "" "dq_in_dkdv=0" "dq_in_dkdv=0,dq_block_m=32" "dq_in_dkdv=0,dkdv_num_stages=3" \
         --kl 2>&1 | tee "$OUT/dqsweep128.log" | grep median ;;
+    statssweep)  # the KL's first pass (student log-sum-exps) with its own step height / warps / stages
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/statssweep" --rounds 2 --attn --kl "" "stats_block_q=64" \
+        "stats_block_q=64,stats_num_warps=4" "stats_block_q=128,stats_num_warps=4" "stats_num_stages=3" \
+        "stats_block_q=64,stats_num_stages=3" "stats_block_q=32,stats_num_warps=4,stats_num_stages=3" 2>&1 \
+        | tee "$OUT/statssweep.log" | grep median
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/statssweep128" --rounds 2 --hq 64 --T 131072 \
+        --seq-len 131072 --attn --kl "" "stats_block_q=64" "stats_block_q=64,stats_num_warps=4" \
+        "stats_num_stages=3" "stats_block_q=64,stats_num_stages=3" 2>&1 | tee "$OUT/statssweep128.log" \
+        | grep median ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm

@@ -45,7 +45,8 @@ def _equal(a, b):
 def compiled():
     torch._dynamo.reset()
     fns = {"query_positions": query_positions, "absolute_block_starts": absolute_block_starts,
-           "tile_union": triton_common._tile_union, "key_block_tensors": triton_common._key_block_tensors,
+           "union_keys": triton_common._union_keys,
+           "union_runs": triton_common._union_runs, "key_block_tensors": triton_common._key_block_tensors,
            "entry_tensors": triton_kl._entry_tensors}
     return {name: (f.__wrapped__, torch.compile(f.__wrapped__, dynamic=True, fullgraph=True))
             for name, f in fns.items()}
@@ -63,9 +64,13 @@ def test_compiled_bookkeeping_equals_eager(compiled, lens):
     plain, fast = compiled["absolute_block_starts"]
     starts = plain(idx, seq, cu, block)
     _equal(fast(idx, seq, cu, block), starts)
-    plain, fast = compiled["tile_union"]
-    for tokens in (4, 16):
-        _equal(fast(starts, tokens), plain(starts, tokens))
+    plain, fast = compiled["union_keys"]
+    run_plain, run_fast = compiled["union_runs"]
+    for tokens, narrow in ((4, True), (16, False)):
+        keys = plain(starts, tokens, narrow)
+        _equal(fast(starts, tokens, narrow), keys)
+        keys = keys.sort(dim=-1).values
+        _equal(run_fast(keys), run_plain(keys))
     for name in ("key_block_tensors", "entry_tensors"):
         plain, fast = compiled[name]
         _equal(fast(idx, seq, cu, t, block, max_tokens), plain(idx, seq, cu, t, block, max_tokens))

@@ -181,16 +181,21 @@ def test_query_positions_bottom_right():
     assert qpos.tolist() == [2, 3, 4, 7, 8]  # last 3 of keys 0..4, last 2 of keys 5..8
 
 
+@pytest.mark.parametrize("num_keys", [None, 640, 1 << 25], ids=["int64-keys", "int32-keys", "too-many-for-int32"])
 @pytest.mark.parametrize("tokens", [3, 64], ids=["T130-topk3-tile3", "T130-topk3-tile64"])
-def test_tile_candidates_is_sorted_union_with_members(tokens, monkeypatch):
+def test_tile_candidates_is_sorted_union_with_members(tokens, num_keys, monkeypatch):
     """Each tile's distinct blocks ascending, and bit j of a block's member set iff token j of the tile chose it
-    (also bit 63, the int64 sign bit, and a block listed twice by one token)."""
+    (also bit 63, the int64 sign bit, and a block listed twice by one token), with int32 or int64 sort keys."""
     monkeypatch.setattr(triton_common, "_TILES_PER_SORT", 2)  # exercise the chunked sort
     gen = torch.Generator().manual_seed(0)
     starts = torch.randint(0, 40, (2, 130, 3), generator=gen, dtype=torch.int32) * 16
     starts[0, 2, 2] = -1
     starts[1, 5, 1] = starts[1, 5, 0]
-    cand, ncand, members = tile_candidates(starts, tokens_per_tile=tokens)
+    if num_keys == 1 << 25:
+        starts[0, 7, 0] = num_keys - 16  # a key row that int32 keys could not hold
+    keys = triton_common._union_keys(starts, tokens, num_keys is not None and num_keys < 1 << 25)
+    assert keys.dtype == (torch.int32 if num_keys == 640 else torch.int64)
+    cand, ncand, members = tile_candidates(starts, tokens_per_tile=tokens, num_keys=num_keys)
     n_tiles = -(-130 // tokens)
     assert cand.shape == members.shape == (2, n_tiles, 3 * tokens)
     for h in range(2):

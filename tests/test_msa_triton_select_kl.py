@@ -157,6 +157,10 @@ KL_CASES = [
     # the teacher heads as a kept loop: one head per dot (m3-small's GPU default), then two per dot
     ([70, 129], None, 16, 4, 16, 16, 32, 3, True, True, dict(block_n=16, heads_per_dot=1, unroll_heads=0)),
     ([100, 37, 163], None, 16, 2, 16, 16, 16, 4, True, False, dict(heads_per_dot=2, unroll_heads=0, maxnreg=128)),
+    # the first pass taller than the main pass (student logits only with lse given; teachers too without it)
+    ([70, 129], None, 16, 4, 16, 16, 32, 3, True, True, dict(block_n=16, block_q=16, stats_block_q=64,
+                                                             stats_num_warps=2)),
+    ([70, 129], None, 16, 4, 16, 16, 32, 3, True, False, dict(block_n=16, block_q=16, stats_block_q=32)),
 ]
 
 
@@ -281,6 +285,10 @@ def test_kl_input_checks():
         kl_launch(4, 16, 16, ON_GPU, maxnreg=300)
     with pytest.raises(ValueError, match="unroll_heads"):
         kl_launch(4, 16, 16, ON_GPU, unroll_heads=2)
+    with pytest.raises(ValueError, match="stats_block_q"):
+        kl_launch(4, 16, 16, ON_GPU, stats_block_q=48)
+    with pytest.raises(ValueError, match="stats_num_warps"):
+        kl_launch(4, 16, 16, ON_GPU, stats_num_warps=3)
 
 
 def test_custom_ops_pass_opcheck():

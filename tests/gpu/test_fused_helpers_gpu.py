@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_compiled_bookkeeping_equals_eager_on_cuda():
-    from openm3.ops import msa
+    from openm3.ops import fused, msa
     from openm3.ops.msa import triton_common, triton_kl
 
     torch.manual_seed(0)
@@ -26,16 +26,20 @@ def test_compiled_bookkeeping_equals_eager_on_cuda():
     assert torch.equal(seq, seq0) and torch.equal(qpos, qpos0)
     starts = triton_common.absolute_block_starts(idx, seq, cu, block)
     assert torch.equal(starts, triton_common.absolute_block_starts.__wrapped__(idx, seq, cu, block))
-    for tokens in (4, 16):
-        got = triton_common._tile_union(starts, tokens)
-        want = triton_common._tile_union.__wrapped__(starts, tokens)
+    for tokens, num_keys in ((4, t), (16, t), (16, None)):  # int32 and int64 sort keys
+        got = triton_common._tile_union(starts, tokens, num_keys)
+        fused.COMPILE = False
+        try:
+            want = triton_common._tile_union(starts, tokens, num_keys)
+        finally:
+            fused.COMPILE = True
         assert all(torch.equal(a, b) for a, b in zip(got, want)), tokens
     for fn, cap in ((triton_common._key_block_tensors, 256), (triton_kl._entry_tensors, 512)):
         got = fn(idx, seq, cu, t, block, cap)
         want = fn.__wrapped__(idx, seq, cu, t, block, cap)
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want)), fn.__name__
-    for fn in (triton_common.query_positions, triton_common.absolute_block_starts, triton_common._tile_union,
-               triton_common._key_block_tensors, triton_kl._entry_tensors):
+    for fn in (triton_common.query_positions, triton_common.absolute_block_starts, triton_common._union_keys,
+               triton_common._union_runs, triton_common._key_block_tensors, triton_kl._entry_tensors):
         assert fn.fallback is None, (fn.__name__, fn.fallback)  # really compiled, not the eager fallback
 
 

@@ -401,10 +401,10 @@ def _launch_common(q, k, block_size):
     return t, hq, hkv, group, dim, launch
 
 
-def _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens):
+def _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, num_keys, block_size, tokens):
     seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
     sel = absolute_block_starts(block_idx, seq, cu_seqlens_k, block_size).contiguous()
-    cand, ncand, members = tile_candidates(sel, tokens)
+    cand, ncand, members = tile_candidates(sel, tokens, num_keys)
     # one-token tiles never read the membership bits: cand stands in as a placeholder pointer
     return seq, qpos, cand, ncand, cand if members is None else members
 
@@ -412,7 +412,8 @@ def _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens):
 def _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):
     t, hq, hkv, group, dim, launch = _launch_common(q, k, block_size)
     tokens = launch.tokens_per_tile(group)
-    _, qpos, cand, ncand, members = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens)
+    _, qpos, cand, ncand, members = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, k.shape[0], block_size,
+                                                    tokens)
     o = torch.empty_like(q)
     lse = torch.empty((t, hq), device=q.device, dtype=torch.float32)
     n_tiles = cand.shape[1]
@@ -437,7 +438,7 @@ def _dq_pass(q, k, v, do, lse, delta, dq, block_idx, cu_seqlens, cu_seqlens_k, b
     t, tk, hkv, dim = q.shape[0], k.shape[0], k.shape[1], q.shape[2]
     group = q.shape[1] // hkv
     tokens = launch.dq_tokens_per_tile(group)
-    seq, qpos, cand, ncand, members = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, block_size, tokens)
+    seq, qpos, cand, ncand, members = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, tk, block_size, tokens)
     n_tiles = cand.shape[1]
     kd, vd, use_tma = _key_operands(k, v, launch.tma, launch.dq_block_n)
     args = (q, kd, vd, do, lse, delta, dq, qpos, members, cand, ncand,

@@ -86,6 +86,10 @@ class KLLaunch:
         session 5). Compiled GPUs only. GPU default 128 for groups below 16 (session 6: m3-small's G = 4 at
         2 x 8K tokens 3.90 ms with the loop kept and the cap, 4.92 without either, 4.82 loop only, 5.49 cap only;
         the 8K training step 75.3K -> 77.4K tokens/s); at G = 16 the cap spills 760 bytes (97 vs 71 ms).
+    stats_block_q, stats_num_warps, stats_num_stages: entries per step, warps and software-pipeline stages of the
+        first pass (partial log-sum-exps), 0 = the main pass's block_q / num_warps / num_stages. With the
+        attention's lse given it only computes student logits (one [stats_block_q, Di] x [Di, block_n] dot per
+        step after gathering the entries' qi rows), so it may want taller or pipelined steps.
     """
 
     block_n: int
@@ -99,6 +103,9 @@ class KLLaunch:
     compact_items: int = 1
     unroll_heads: int = 1
     maxnreg: int = 0
+    stats_block_q: int = 0
+    stats_num_warps: int = 0
+    stats_num_stages: int = 0
 
 
 _ENV_OVERRIDE = "OPENM3_KL_LAUNCH"
@@ -126,10 +133,16 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
                maxnreg=128 if on_gpu and group < 16 else 0)
     cfg = with_overrides(cfg, _ENV_OVERRIDE, overrides)
     launch = KLLaunch(**cfg)
-    for name in ("block_n", "block_q"):
+    for name in ("block_n", "block_q", "stats_block_q"):
         value = getattr(launch, name)
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"kl launch: {name}={value} must be a power of two >= 16")
+        if (value < 16 or value & (value - 1)) and not (name == "stats_block_q" and value == 0):
+            raise ValueError(f"kl launch: {name}={value} must be a power of two >= 16"
+                             + (" (or 0: block_q's)" if name == "stats_block_q" else ""))
+    if launch.stats_num_stages < 0:
+        raise ValueError(f"kl launch: stats_num_stages={launch.stats_num_stages} must be >= 0")
+    if launch.stats_num_warps not in (0, 1, 2, 4, 8, 16):
+        raise ValueError(f"kl launch: stats_num_warps={launch.stats_num_warps} must be 0 (num_warps') or a power "
+                         f"of two <= 16")
     hg = launch.heads_per_dot
     if hg < 1 or hg & (hg - 1) or group % hg:
         raise ValueError(f"kl launch: heads_per_dot={hg} must be a power of two dividing the group size {group}")
@@ -465,8 +478,11 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     a_part = None
     if lse is None:
         a_part = torch.full((hkv, t, topk * n_sub, group), -math.inf, dtype=torch.float32, device=device)
+    stats = dict(common, BLOCK_Q=launch.stats_block_q or launch.block_q,
+                 num_warps=launch.stats_num_warps or launch.num_warps,
+                 num_stages=launch.stats_num_stages or launch.num_stages)
     _kl_stats_kernel[grid](q, k, qi, ki, *items, z_part, z_part if a_part is None else a_part,
-                           t, *strides, scale, index_scale, TEACHER=a_part is not None, **common)
+                           t, *strides, scale, index_scale, TEACHER=a_part is not None, **stats)
     lse_z = torch.logsumexp(z_part, dim=-1).contiguous()  # [Hi, T]
     if lse is None:
         lse = torch.logsumexp(a_part, dim=2).transpose(0, 1).reshape(t, hq)
