@@ -119,6 +119,9 @@ for s in "${stages[@]}"; do
         --seq-len 131072 --attn --kl "" "stats_block_q=64" "stats_block_q=64,stats_num_warps=4" \
         "stats_num_stages=3" "stats_block_q=64,stats_num_stages=3" 2>&1 | tee "$OUT/statssweep128.log" \
         | grep median ;;
+    hotsweep)  # the dk/dv hot-block split threshold (queries per work item) at m3-small's shape
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/hotsweep" --rounds 2 --attn "" "dkdv_max_tokens=512" \
+        "dkdv_max_tokens=1024" "dkdv_max_tokens=8192" --kl 2>&1 | tee "$OUT/hotsweep.log" | grep median ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm
