@@ -122,6 +122,12 @@ for s in "${stages[@]}"; do
     hotsweep)  # the dk/dv hot-block split threshold (queries per work item) at m3-small's shape
       python3 -m benchmarks.msa_group_sweep --out "$OUT/hotsweep" --rounds 2 --attn "" "dkdv_max_tokens=512" \
         "dkdv_max_tokens=1024" "dkdv_max_tokens=8192" --kl 2>&1 | tee "$OUT/hotsweep.log" | grep median ;;
+    hot128)  # the dk/dv hot-block split threshold at M3's shape, 128K
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/hot128" --rounds 2 --hq 64 --T 131072 --seq-len 131072 \
+        --attn "" "dkdv_max_tokens=512" "dkdv_max_tokens=1024" --kl 2>&1 | tee "$OUT/hot128.log" | grep median ;;
+    mfuhot)  # the 8K MFU case with OPENM3_ATTN_LAUNCH=$ATTN_AB (default: dk/dv work items of at most 512 queries)
+      OPENM3_ATTN_LAUNCH="${ATTN_AB:-dkdv_max_tokens=512}" python3 -m benchmarks.train_throughput --out "$OUT/mfuhot" \
+        --only mfu --steps 3 --warmup 2 2>&1 | tee "$OUT/train_mfuhot.log" | tail -2 | cut -c1-700 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm
