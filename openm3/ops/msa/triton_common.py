@@ -375,6 +375,9 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         # 128K with i.i.d. selections, and only -4% left for overlapping ones there): one token per tile is the
         # robust default. TMA loads beat pointer loads; whole-block dk/dv programs read q and dO once per block,
         # and fusing dq into them (atomics) beats a second K/V gather.
+        # dk/dv work items of at most 512 queries: a hot block (the first, the own blocks of a dense stretch) is
+        # split over more programs, which add their parts with fp32 atomics. At G = 4, 2 x 8K tokens: fwd+bwd
+        # 5.52 ms against 5.91 with 2048 (6.81 with 8192); M3 at 128K: 163.9 against 163.5 (session 7).
         # Groups of 4-8 heads (m3-small: 4) fill a wgmma tile of 64 rows with 16 (8) tokens over the union of
         # their blocks: at G = 4 fwd+bwd 7.3 vs 9.6 ms at 2 x 8K tokens and 29.3 vs 35.8 ms at 64K (drifting
         # selections; session 3, benchmarks/msa_group_sweep.py; G = 8 not measured).
@@ -385,7 +388,7 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2 if small_group else 3,
                    dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
                    dkdv_block_m=max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
-                   dkdv_num_warps=8, dkdv_num_stages=2, dkdv_max_tokens=2048, tma=1, dq_in_dkdv=1)
+                   dkdv_num_warps=8, dkdv_num_stages=2, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1)
     else:
         # The CPU interpreter pays per operation, not per element: few programs with large tiles run fastest.
         block_m = next_pow2(max(64, group))
