@@ -325,6 +325,8 @@ BAD = [
      "messages"),
     ("bad-tool-arguments", "/v1/chat/completions", {"messages": [
         {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "not json"}}]}]}, "messages"),
+    ("image-part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages"),
 ]
 
 
@@ -334,6 +336,14 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, path, body, par
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_image_part_error_names_the_part(client):
+    body = {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    assert "content[1]: 'image_url' parts are not supported" in r.json()["error"]["message"]
 
 
 def test_cli_uses_the_checkpoint_tokenizer(tok, model, tmp_path):

@@ -77,6 +77,18 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        # Checked before the union is tried, so the error names the part instead of "should be a valid string".
+        if isinstance(v, list):
+            for j, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"content[{j}]: {kind!r} parts are not supported (text parts only: the "
+                                     f"served engine has no image or video input)")
+        return v
+
 
 class FunctionDef(BaseModel):
     name: str = Field(min_length=1)
