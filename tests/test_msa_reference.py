@@ -619,9 +619,12 @@ def test_validate_block_idx_false_skips_only_the_value_checks(backend):
 
 
 def test_host_list_reads_cpu_tensors_directly():
-    from openm3.ops.host import host_list
+    from openm3.ops.host import host_list, to_device
 
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     assert host_list(cu) == [0, 3, 7]
     cu[1] = 4  # CPU tensors are read every time (no cache to go stale)
     assert host_list(cu) == [0, 4, 7]
+    grid = torch.tensor([[1, 4, 6], [2, 2, 2]])
+    assert host_list(grid) == [[1, 4, 6], [2, 2, 2]]
+    assert to_device(grid, "cpu", remember=True) is grid  # nothing to copy, nothing to remember

@@ -382,6 +382,29 @@ def test_vl_placeholder_mismatch_is_a_clear_error(vl_case):
         model(vl_case["ids"], pixel_values=vl_case["inputs"]["pixel_values"])
 
 
+def test_vl_placeholders_checked_on_the_host(vl_case):
+    """`check_visual_placeholders` (what the trainer runs on host tensors) raises what `embed` raises; inside
+    `input_ids_checked_by_caller` the model skips its own count reads and gives the same logits."""
+    from openm3.models.multimodal import M3ForConditionalGeneration
+    from openm3.models.text import input_ids_checked_by_caller
+    model = M3ForConditionalGeneration.from_pretrained(vl_case["dirs"]["published"])
+    grids = dict(image_grid_thw=vl_case["inputs"]["image_grid_thw"], video_grid_thw=vl_case["inputs"]["video_grid_thw"])
+    model.check_visual_placeholders(vl_case["ids"], **grids)  # the real prompt passes
+    ids = vl_case["ids"].clone()
+    ids[ids == IMAGE_ID] = 5
+    ids[3] = IMAGE_ID
+    with pytest.raises(ValueError, match="1 image placeholder tokens but the images give 6"):
+        model.check_visual_placeholders(ids, **grids)
+    with pytest.raises(ValueError, match="video placeholder tokens but no pixel_values_videos"):
+        model.check_visual_placeholders(vl_case["ids"], image_grid_thw=grids["image_grid_thw"])
+    model.check_visual_placeholders(torch.tensor([5, 6, 7]))  # text only
+    with torch.no_grad():
+        want = model(vl_case["ids"], **vl_case["inputs"]).logits
+        with input_ids_checked_by_caller(model):
+            got = model(vl_case["ids"], **vl_case["inputs"]).logits
+    assert torch.equal(got, want)
+
+
 def test_vl_config_reads_transformers_config(vl_case):
     from transformers import MiniMaxM3VLConfig
     from openm3.models.multimodal import M3VLConfig

@@ -29,7 +29,7 @@ from torch import nn
 from . import checkpoint as text_checkpoint
 from .config import M3TextConfig
 from .text import M3TextModel, M3TextOutput, check_input_ids
-from .vision import M3VisionConfig, M3VisionModel
+from .vision import M3VisionConfig, M3VisionModel, _check_grid
 from ..layers.vision import VisionProjector, axial_rope_inv_freq
 
 
@@ -102,6 +102,13 @@ class M3VLConfig:
                 "tie_word_embeddings": self.tie_word_embeddings}
 
 
+def _placeholder_error(kind: str, count: int, tokens: int | None):
+    if tokens is None:
+        raise ValueError(f"input_ids: {count} {kind} placeholder tokens but no "
+                         f"{'pixel_values' if kind == 'image' else 'pixel_values_videos'}")
+    raise ValueError(f"input_ids: {count} {kind} placeholder tokens but the {kind}s give {tokens} visual tokens")
+
+
 class M3ForConditionalGeneration(nn.Module):
     """Text decoder (``language_model``, with its ``lm_head``), ``vision_tower`` and ``multi_modal_projector``."""
 
@@ -145,27 +152,41 @@ class M3ForConditionalGeneration(nn.Module):
               video_grid_thw: torch.Tensor | None = None, frames_per_clip: int | None = None) -> torch.Tensor:
         """``input_ids: [T]`` -> ``[T, hidden]`` with image then video placeholders replaced by visual tokens.
 
-        Raises ``ValueError`` when the number of placeholders differs from the number of visual tokens."""
-        check_input_ids(input_ids, self.config.text_config.vocab_size,
-                        read_range=not self.language_model.input_ids_prechecked)
+        Raises ``ValueError`` when the number of placeholders differs from the number of visual tokens. Inside
+        ``input_ids_checked_by_caller`` the counts are not read back from the device (a sync each): the caller
+        checked them on the host with ``check_visual_placeholders``."""
+        checked = self.language_model.input_ids_prechecked
+        check_input_ids(input_ids, self.config.text_config.vocab_size, read_range=not checked)
         embeds = self.language_model.embed_tokens(input_ids)
         for kind, pixels, grid, token in (("image", pixel_values, image_grid_thw, self.config.image_token_index),
                                           ("video", pixel_values_videos, video_grid_thw,
                                            self.config.video_token_index)):
             slots = input_ids == token
             if pixels is None:
-                if bool(slots.any()):
-                    raise ValueError(f"input_ids: {int(slots.sum())} {kind} placeholder tokens but no "
-                                     f"{'pixel_values' if kind == 'image' else 'pixel_values_videos'}")
+                if not checked and bool(slots.any()):
+                    _placeholder_error(kind, int(slots.sum()), None)
                 continue
             if grid is None:
                 raise ValueError(f"{kind}_grid_thw: required with the {kind} pixels")
             tokens = self.visual_tokens(pixels, grid, frames_per_clip if kind == "video" else None)
-            if int(slots.sum()) != tokens.shape[0]:
-                raise ValueError(f"input_ids: {int(slots.sum())} {kind} placeholder tokens but the {kind}s give "
-                                 f"{tokens.shape[0]} visual tokens")
+            if not checked and int(slots.sum()) != tokens.shape[0]:
+                _placeholder_error(kind, int(slots.sum()), tokens.shape[0])
             embeds = embeds.masked_scatter(slots[:, None], tokens.to(embeds.dtype))
         return embeds
+
+    def check_visual_placeholders(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None = None,
+                                  video_grid_thw: torch.Tensor | None = None) -> None:
+        """What ``embed`` checks, from host tensors (no device read): each kind's placeholder count in
+        ``input_ids`` equals the visual tokens its grid gives (``t * h * w / merge**2`` per row; splitting videos
+        into clips does not change it). Raises ``ValueError`` as ``embed`` does."""
+        merge = self.config.vision_config.spatial_merge_size
+        for kind, grid, token in (("image", image_grid_thw, self.config.image_token_index),
+                                  ("video", video_grid_thw, self.config.video_token_index)):
+            count = int((input_ids == token).sum())
+            patches = None if grid is None else sum(t * h * w for t, h, w in _check_grid(grid, merge))
+            expected = None if patches is None else patches // merge ** 2
+            if count != (expected or 0):
+                _placeholder_error(kind, count, expected)
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,

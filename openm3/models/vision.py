@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from openm3.layers.vision import VisionBlock, VisionPatchEmbed, axial_rope_cos_sin, axial_rope_inv_freq
+from openm3.ops.host import host_list, to_device
 
 DEFAULT_FRAMES_PER_CLIP = 4  # HF MiniMaxM3VLVideoProcessor.vision_segment_max_frames (temporal patches)
 
@@ -106,7 +107,7 @@ def _check_grid(grid_thw: torch.Tensor, merge: int) -> list[list[int]]:
     if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.dtype.is_floating_point:
         raise ValueError(f"grid_thw: expected an integer tensor [G, 3] (t, h, w), got "
                          f"{grid_thw.dtype} {tuple(grid_thw.shape)}")
-    rows = grid_thw.tolist()
+    rows = host_list(grid_thw)  # a CUDA grid the trainer copied comes with its host values: no device read
     for t, h, w in rows:
         if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
             raise ValueError(f"grid_thw: expected positive t, h, w with h and w divisible by {merge}, "
@@ -135,13 +136,15 @@ def split_clips(grid_thw: torch.Tensor, frames_per_clip: int | None) -> tuple[to
 
 
 def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
-    """One attention segment per grid row: ``int32 [G+1]`` cumulative ``t * h * w``."""
-    sizes = grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2]
-    return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).to(torch.int32)
+    """One attention segment per grid row: ``int32 [G+1]`` cumulative ``t * h * w``, on the host."""
+    bounds = [0]
+    for t, h, w in _check_grid(grid_thw, 1):
+        bounds.append(bounds[-1] + t * h * w)
+    return torch.tensor(bounds, dtype=torch.int32)
 
 
 def vision_position_ids(grid_thw: torch.Tensor, spatial_merge_size: int) -> torch.Tensor:
-    """(t, h, w) position of every patch, ``long [N, 3]``, in the processor's patch order.
+    """(t, h, w) position of every patch, ``long [N, 3]`` on the host, in the processor's patch order.
 
     Within a frame, patches are ordered block by block over ``merge x merge`` blocks (row-major blocks,
     row-major inside a block), so each group of ``merge**2`` consecutive patches is one merged token.
@@ -154,7 +157,7 @@ def vision_position_ids(grid_thw: torch.Tensor, spatial_merge_size: int) -> torc
         hh, ww = hh.permute(0, 2, 1, 3).flatten(), ww.permute(0, 2, 1, 3).flatten()
         tt = torch.arange(t).repeat_interleave(h * w)
         out.append(torch.stack([tt, hh.repeat(t), ww.repeat(t)], dim=-1))
-    return torch.cat(out).to(grid_thw.device)
+    return torch.cat(out)
 
 
 @dataclass(frozen=True)
@@ -235,11 +238,13 @@ class M3VisionModel(nn.Module):
                 frames_per_clip: int | None = None) -> torch.Tensor:
         if frames_per_clip is not None:
             grid_thw, _ = split_clips(grid_thw, frames_per_clip)
-        positions = vision_position_ids(grid_thw, self.config.spatial_merge_size).to(pixel_values.device)
+        # Built on the host from the grid's host values and copied without waiting for the device's queued work;
+        # the attention reads cu_seqlens' remembered host values.
+        positions = to_device(vision_position_ids(grid_thw, self.config.spatial_merge_size), pixel_values.device)
         if positions.shape[0] != pixel_values.shape[0]:
             raise ValueError(f"pixel_values: grid_thw describes {positions.shape[0]} patches, "
                              f"got {pixel_values.shape[0]} rows")
-        cu_seqlens = vision_cu_seqlens(grid_thw).to(pixel_values.device)
+        cu_seqlens = to_device(vision_cu_seqlens(grid_thw), pixel_values.device, remember=True)
         x = self.embeddings(pixel_values).to(self.pre_layrnorm.weight.dtype)
         cos, sin = axial_rope_cos_sin(positions, self.inv_freq)
         x = self.pre_layrnorm(x)

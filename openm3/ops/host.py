@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-__all__ = ["host_list", "remember_host_list"]
+__all__ = ["host_list", "remember_host_list", "to_device"]
 
 _CACHE: dict[int, tuple] = {}
 
@@ -36,14 +36,34 @@ def host_list(t: torch.Tensor) -> list:
 
 
 def remember_host_list(t: torch.Tensor, values: list) -> None:
-    """Record `values` as the host copy of CUDA tensor `t` (its current contents, e.g. what was just copied into
-    it), so `host_list(t)` needs no device read. Ignored for other tensors."""
+    """Record `values` (what `t.tolist()` would return: nested for a tensor of several dimensions) as the host copy
+    of CUDA tensor `t` (its current contents, e.g. what was just copied into it), so `host_list(t)` needs no device
+    read. Ignored for other tensors."""
     version = _cacheable_version(t)
     if version is None:
         return
-    if len(values) != t.numel():
-        raise ValueError(f"values: expected {t.numel()} host values for the tensor, got {len(values)}")
+    count = _leaves(values)
+    if count != t.numel() or (t.dim() > 1 and len(values) != t.shape[0]):
+        raise ValueError(f"values: expected the {t.numel()} host values of a {tuple(t.shape)} tensor (as tolist() "
+                         f"nests them), got {count} in {len(values)} rows")
     _remember(t, version, values)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str, *, remember: bool = False) -> torch.Tensor:
+    """`t` on `device`. A host tensor goes to a GPU through pinned memory without blocking (a copy from pageable
+    memory first waits for the stream's queued work, so the GPU idles while Python issues what comes next);
+    `remember=True` also hands its values to `host_list` (small index tensors the model reads on the host)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        out = t.pin_memory().to(device, non_blocking=True)
+        if remember:
+            remember_host_list(out, t.tolist())
+        return out
+    return t.to(device)
+
+
+def _leaves(values) -> int:
+    return sum(_leaves(v) for v in values) if isinstance(values, (list, tuple)) else 1
 
 
 def _cacheable_version(t: torch.Tensor) -> int | None:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from ..ops.host import remember_host_list
+from ..ops.host import to_device
 
 IGNORE = -100
 
@@ -74,20 +74,14 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         """The batch on `device`. Host tensors go to a GPU through pinned memory without blocking: a copy from
         pageable memory waits for the stream's queued work first (the previous micro-batch's backward), so the
-        GPU would idle while Python issues the next forward. The host values of `cu_seqlens` go with the copy
-        (`remember_host_list`), so the model's host-side checks of it do not read it back (a sync per forward)."""
-        device = torch.device(device)
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if device.type == "cuda" and t.device.type == "cpu":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
-
-        cu_seqlens = move(self.cu_seqlens)
-        if not self.cu_seqlens.is_cuda:  # the model reads cu_seqlens on the host: hand it the values we have
-            remember_host_list(cu_seqlens, self.cu_seqlens.tolist())
-        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), cu_seqlens,
-                     {k: move(v) for k, v in self.vision.items()}, self.kinds, self.row_lens)
+        GPU would idle while Python issues the next forward. The host values of `cu_seqlens` and of the vision grids
+        go with the copy (`remember_host_list`), so the model's host-side reads of them do not wait for the device
+        (a sync each)."""
+        # the model reads cu_seqlens and the vision grids on the host: hand it the values we have
+        vision = {k: to_device(v, device, remember=k.endswith("grid_thw")) for k, v in self.vision.items()}
+        return Batch(to_device(self.input_ids, device), to_device(self.labels, device),
+                     to_device(self.position_ids, device), to_device(self.cu_seqlens, device, remember=True),
+                     vision, self.kinds, self.row_lens)
 
 
 def collate(rows: list[Row]) -> Batch:

@@ -186,15 +186,20 @@ class Trainer:
     def _forward_backward(self, micro: list[Batch], stage: str, n_tok: float, n_loss: float):
         """Forward and backward of every micro-batch (gradients accumulate). Returns the device sums (lm CE,
         token-weighted KL, aux), per-kind (CE sum, loss tokens), and whether a KL and an aux loss were seen.
-        The ids are checked on the host, so the model does not read them back from the GPU (a sync per forward)."""
+        The ids (and a VL model's placeholder counts) are checked on the host, so the model does not read them back
+        from the GPU (a sync each per forward)."""
         info = self.info
         sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # lm CE sum, token-weighted kl, aux
         by_kind = torch.zeros(2, len(KINDS), dtype=torch.float64, device=info.device)  # CE sum, loss tokens
         has_kl = has_aux = False
+        check_visual = getattr(self.model, "check_visual_placeholders", None)
         with input_ids_checked_by_caller(self.model) as vocab:
             for i, batch in enumerate(micro):
                 if vocab is not None:
                     check_input_ids(batch.input_ids, vocab)  # host tensors: no device sync
+                    if check_visual is not None:  # the VL model's placeholder counts, on the host too
+                        check_visual(batch.input_ids, batch.vision.get("image_grid_thw"),
+                                     batch.vision.get("video_grid_thw"))
                 if info.distributed:  # reduce-scatter gradients once, after the last micro-batch
                     self.model.set_requires_gradient_sync(i == len(micro) - 1)
                 kl, aux = self._micro_step(batch.to(info.device), stage, batch.num_tokens / n_tok, n_loss, sums,

@@ -68,5 +68,45 @@ def test_remember_host_list_serves_the_values_until_a_write():
         torch.cuda.set_sync_debug_mode("default")
     cu[1] = 6  # a write invalidates the handed-over copy
     assert host.host_list(cu) == [0, 6, 9]
-    with pytest.raises(ValueError, match="values: expected 3"):
+    with pytest.raises(ValueError, match="values: expected the 3"):
         host.remember_host_list(cu, [0, 6])
+    grid = torch.tensor([[1, 4, 6], [2, 2, 2]], device="cuda")
+    host.remember_host_list(grid, [[1, 4, 6], [2, 2, 2]])  # nested, as tolist() gives it
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert host.host_list(grid) == [[1, 4, 6], [2, 2, 2]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="values: expected the 6"):
+        host.remember_host_list(grid, [1, 4, 6, 2, 2, 2])  # flat: not what tolist() gives
+
+
+def test_vl_embed_reads_nothing_back_when_the_caller_checked():
+    """The VL model's embedding of a batch `Batch.to` copied (grids' host values handed over) inside
+    `input_ids_checked_by_caller`: no device sync (grid reads, placeholder counts, position and cu_seqlens
+    copies), same result as without."""
+    from openm3.models.multimodal import M3ForConditionalGeneration, M3VLConfig
+    from openm3.models.text import input_ids_checked_by_caller
+    from openm3.train.batches import Batch
+
+    torch.manual_seed(0)
+    config = M3VLConfig.from_name("m3-tiny", image_token_index=7, video_token_index=8)
+    model = M3ForConditionalGeneration(config).cuda()
+    grid = torch.tensor([[1, 4, 6]])
+    n_img = 1 * 4 * 6 // 4
+    ids = torch.cat([torch.full((3,), 5), torch.full((n_img,), config.image_token_index), torch.full((5,), 6)])
+    pixels = torch.randn(24, 3 * 2 * 14 * 14)
+    batch = Batch(ids, ids, torch.arange(ids.numel()), torch.tensor([0, ids.numel()], dtype=torch.int32),
+                  {"pixel_values": pixels, "image_grid_thw": grid}, ["image"], [ids.numel()])
+    with torch.no_grad():
+        want = model.embed(ids.cuda(), pixels.cuda(), grid.cuda())
+        moved = batch.to(torch.device("cuda"))
+        torch.cuda.synchronize()
+        with input_ids_checked_by_caller(model):
+            model.check_visual_placeholders(batch.input_ids, image_grid_thw=grid)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = model.embed(moved.input_ids, moved.vision["pixel_values"], moved.vision["image_grid_thw"])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
