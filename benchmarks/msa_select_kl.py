@@ -408,6 +408,9 @@ def compile_check(arch: int = 90, dump: str | None = None, select_variants=None,
         for over in [dict(tma=0), dict(tma=1)] + list(select_variants or []):
             launch = triton_select.select_launch(HI, DI, BLOCK, on_gpu=True, **over)
             triton_select._select(qi, ki, cu, cu, BLOCK, TOPK, LOCAL, launch=launch)
+        # the opt-in student normaliser on the way (launch field index_lse=1)
+        triton_select._select(qi, ki, cu, cu, BLOCK, TOPK, LOCAL, index_scale=DI ** -0.5,
+                              launch=triton_select.select_launch(HI, DI, BLOCK, on_gpu=True, tma=1))
         pos = torch.arange(t) % 300  # position inside its sequence
         j = torch.arange(4, dtype=torch.int32).view(1, 1, 4)
         block_idx = torch.where(j * BLOCK <= pos.view(1, t, 1), j, -1).expand(HI, t, 4).to(torch.int32).contiguous()
@@ -452,7 +455,7 @@ def compile_check(arch: int = 90, dump: str | None = None, select_variants=None,
         compiled = triton_compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                                   target=GPUTarget("cuda", arch, 32), options=options)
         flags = {n: v for n, v in consts.items()
-                 if n in ("TEACHER", "GRAD", "DQI_BUF", "USE_TMA", "BLOCK_M", "BLOCK_N", "BLOCK_Q", "HG")}
+                 if n in ("TEACHER", "GRAD", "DQI_BUF", "USE_TMA", "BLOCK_M", "BLOCK_N", "BLOCK_Q", "HG", "WITH_LSE")}
         lines.append(f"sm_{arch} {kernel.__name__} {flags} {options} shared={compiled.metadata.shared} "
                      f"regs={_registers(compiled.asm['cubin'])}")
         if dump:

@@ -128,6 +128,12 @@ for s in "${stages[@]}"; do
     mfuhot)  # the 8K MFU case with OPENM3_ATTN_LAUNCH=$ATTN_AB (default: dk/dv work items of at most 512 queries)
       OPENM3_ATTN_LAUNCH="${ATTN_AB:-dkdv_max_tokens=512}" python3 -m benchmarks.train_throughput --out "$OUT/mfuhot" \
         --only mfu --steps 3 --warmup 2 2>&1 | tee "$OUT/train_mfuhot.log" | tail -2 | cut -c1-700 ;;
+    mfulse)  # the 8K MFU case with the KL's student normaliser from the selection kernel (untimed in session 7)
+      OPENM3_SELECT_LAUNCH=index_lse=1 python3 -m benchmarks.train_throughput --out "$OUT/mfulse" --only mfu \
+        --steps 3 --warmup 2 2>&1 | tee "$OUT/train_mfulse.log" | tail -2 | cut -c1-700 ;;
+    train64lse)  # the 64K MSA case with the same (does the selection's extra exponentials cost more there?)
+      OPENM3_SELECT_LAUNCH=index_lse=1 python3 -m benchmarks.train_throughput --out "$OUT/train64lse" --only msa \
+        2>&1 | tee "$OUT/train64lse.log" | grep -E "tokens_per_s" | cut -c1-300 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm

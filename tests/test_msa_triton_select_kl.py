@@ -85,6 +85,81 @@ def test_select_matches_reference(case):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("case", SELECT_CASES, ids=select_id)
+def test_select_index_lse_matches_reference(case):
+    """With an index scale the kernel also returns the KL's student normaliser over the selected causal keys (from
+    the scores it has on chip): equal to `reference.index_lse`, and the selection is unchanged."""
+    lens, klens, hi, di, bs, topk, local, overrides = case
+    gen = torch.Generator().manual_seed(sum(lens) + bs)
+    cu_q = cu(lens)
+    cu_k = cu(klens) if klens else cu_q
+    qi, ki = randn(gen, sum(lens), hi, di), randn(gen, int(cu_k[-1]), di)
+    launch = select_launch(hi, di, bs, ON_GPU, **overrides)
+    plain = _select(qi, ki, cu_q, cu_k, bs, topk, local, launch=launch)
+    out, lse = _select(qi, ki, cu_q, cu_k, bs, topk, local, launch=launch, index_scale=0.3)
+    assert torch.equal(out, plain)
+    want = reference.index_lse(qi, ki, plain, cu_q, block_size=bs, index_scale=0.3,
+                               cu_seqlens_k=cu_k if klens else None)
+    assert lse.dtype == torch.float32 and lse.shape == (hi, sum(lens))
+    assert torch.equal(torch.isinf(lse), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert (lse[finite] - want[finite]).abs().max().item() <= 1e-4 * max(1.0, want[finite].abs().max().item())
+
+
+def test_reference_index_lse_is_the_students_normaliser():
+    """`reference.index_lse` by brute force: log-sum-exp of index_scale * qi . ki over each row's selected causal
+    keys (here with a forced empty row: -inf)."""
+    gen = torch.Generator().manual_seed(5)
+    cu_q = cu([23, 18])
+    qi, ki = randn(gen, 41, 2, 8), randn(gen, 41, 8)
+    block_idx = reference.select_blocks(qi, ki, cu_q, block_size=4, topk=3, local_blocks=1)
+    block_idx[1, 30] = -1  # a row that selected nothing
+    got = reference.index_lse(qi, ki, block_idx, cu_q, block_size=4, index_scale=0.5)
+    starts = [0, 23]
+    for g in range(2):
+        for t in range(41):
+            b = 0 if t < 23 else 1
+            pos = t - starts[b]
+            keys = [starts[b] + j for blk in block_idx[g, t].tolist() if blk >= 0
+                    for j in range(blk * 4, blk * 4 + 4) if j <= pos]
+            if not keys:
+                assert got[g, t] == float("-inf")
+                continue
+            z = (ki[keys].double() @ qi[t, g].double()) * 0.5
+            assert abs(got[g, t].item() - torch.logsumexp(z, 0).item()) < 1e-5
+
+
+def test_kl_takes_the_index_lse_from_the_selection(monkeypatch):
+    """`select_blocks(..., return_index_lse=True)` returns the normaliser only when the launch config computes it
+    (`index_lse=1`, else None), and the KL given it (first pass skipped) equals the KL without it."""
+    gen = torch.Generator().manual_seed(6)
+    cu_q = cu([70, 129])
+    q, k = randn(gen, 199, 16, 16), randn(gen, 199, 4, 16)
+    qi, ki = randn(gen, 199, 4, 16), randn(gen, 199, 16)
+    kw = dict(block_size=16, topk=3, local_blocks=1)
+    with msa.use_backend("triton"):
+        block_idx, none = msa.select_blocks(qi, ki, cu_q, return_index_lse=True, **kw)
+        assert none is None
+        monkeypatch.setenv("OPENM3_SELECT_LAUNCH", "index_lse=1")
+        same, index_lse = msa.select_blocks(qi, ki, cu_q, return_index_lse=True, **kw)
+        assert torch.equal(same, block_idx) and index_lse.shape == (4, 199)
+        o, lse = msa.sparse_attention(q, k, k, block_idx, cu_q, block_size=16)
+        losses, grads = [], []
+        for given in (None, index_lse):
+            qi_g, ki_g = qi.clone().requires_grad_(True), ki.clone().requires_grad_(True)
+            loss = msa.indexer_kl(q, k, qi_g, ki_g, block_idx, cu_q, block_size=16, lse=lse, index_lse=given)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append((qi_g.grad, ki_g.grad))
+    assert rel_err(losses[1], losses[0]) < 1e-5
+    assert rel_err(grads[1][0], grads[0][0]) < 1e-4 and rel_err(grads[1][1], grads[0][1]) < 1e-4
+    with msa.use_backend("reference"):  # the reference checks it and recomputes
+        block_ref, none = msa.select_blocks(qi, ki, cu_q, return_index_lse=True, **kw)
+        assert none is None and torch.equal(block_ref, block_idx)
+        ref = msa.indexer_kl(q, k, qi, ki, block_idx, cu_q, block_size=16, lse=lse, index_lse=index_lse)
+    assert rel_err(ref, losses[0]) < 1e-4
+
+
 def test_select_public_dispatch_and_fp16():
     gen = torch.Generator().manual_seed(3)
     cu_q = cu([90, 61])
@@ -285,6 +360,13 @@ def test_kl_input_checks():
         kl_launch(4, 16, 16, ON_GPU, maxnreg=300)
     with pytest.raises(ValueError, match="unroll_heads"):
         kl_launch(4, 16, 16, ON_GPU, unroll_heads=2)
+    for bad in (torch.zeros(3, 20, device=DEVICE), torch.zeros(2, 20, dtype=torch.float64, device=DEVICE)):
+        with pytest.raises(ValueError, match=r"index_lse must be float32 of shape \[Hi, T\] = \[2, 20\]"):
+            indexer_kl(q, k, qi, ki, good, cu_q, block_size=16, index_lse=bad)
+    with pytest.raises(ValueError, match="index_lse: only for the sparse KL"):
+        indexer_kl(q, k, qi, ki, None, cu_q, block_size=16, index_lse=torch.zeros(2, 20, device=DEVICE))
+    with pytest.raises(ValueError, match="index_lse"):
+        select_launch(4, 16, 16, ON_GPU, index_lse=2)
     with pytest.raises(ValueError, match="stats_block_q"):
         kl_launch(4, 16, 16, ON_GPU, stats_block_q=48)
     with pytest.raises(ValueError, match="stats_num_warps"):
@@ -302,6 +384,13 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.openm3.msa_indexer_kl.default,
                           (q, k, qi, ki, block_idx, cu_q, cu_q, None, 16, 0.25, 0.25, True),
                           test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.openm3.msa_select_blocks_lse.default, (qi, ki, cu_q, cu_q, 16, 2, 1, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+    index_lse = reference.index_lse(qi, ki, block_idx, cu_q, block_size=16, index_scale=0.25)
+    lse = reference.sparse_attention(q, k, k, block_idx, cu_q, block_size=16)[1]
+    torch.library.opcheck(torch.ops.openm3.msa_indexer_kl.default,
+                          (q, k, qi, ki, block_idx, cu_q, cu_q, lse, 16, 0.25, 0.25, True, index_lse),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.slow
@@ -318,7 +407,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.msa_select_kl", "--compile-check"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compiled 12 kernels" in proc.stdout, proc.stdout
+    assert "compiled 13 kernels" in proc.stdout, proc.stdout
 
 
 def test_torch_compile_traces_the_ops():

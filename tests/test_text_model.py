@@ -151,6 +151,36 @@ def test_indexer_kl_trains_only_the_index_branch():
         assert zero.item() == 0
 
 
+def test_index_lse_from_the_selection_gives_the_same_kl(monkeypatch):
+    """With the Triton backend (interpreter on CPU) and `OPENM3_SELECT_LAUNCH=index_lse=1` the model hands the
+    selection's student normaliser to the KL: same KL and index-branch gradients as without."""
+    torch.manual_seed(0)
+    model = M3TextModel(tiny(index_topk_blocks=2)).train()
+    (ids,) = random_ids([70], 128, seed=4)
+    given = []
+    original = msa.indexer_kl
+
+    def recording_kl(*args, **kwargs):
+        given.append(kwargs.get("index_lse") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(msa, "indexer_kl", recording_kl)
+    results = []
+    for setting in ("", "index_lse=1"):
+        monkeypatch.setenv("OPENM3_SELECT_LAUNCH", setting)
+        model.zero_grad(set_to_none=True)
+        with msa.use_backend("triton"):
+            kl = model(ids).indexer_kl
+        kl.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if ".indexer." in n}
+        results.append((kl.detach(), grads))
+    n_msa = len(given) // 2
+    assert n_msa > 0 and given == [False] * n_msa + [True] * n_msa  # the second run really handed it over
+    assert abs(results[1][0].item() - results[0][0].item()) <= 1e-5 * results[0][0].item()
+    for name, g in results[0][1].items():
+        assert torch.allclose(results[1][1][name], g, rtol=1e-4, atol=1e-7), name
+
+
 def test_dense_warmup_kl_also_reaches_the_backbone():
     """DESIGN.md: the indexer input is detached in the sparse stage only; in the dense warm-up the KL's gradient
     reaches the layers below an MSA layer through the indexer's input, but never the teacher's q/k projections

@@ -121,10 +121,14 @@ class Attention(nn.Module):
         if not self.is_sparse:
             return dense_attention(q, k, v, cu_seqlens, scale=self.scale), None, None
 
-        block_idx = kl = None
+        block_idx = kl = index_lse = None
         if not dense_warmup or return_block_idx:
-            block_idx = msa.select_blocks(qi.detach(), ki.detach(), cu_seqlens, block_size=self.block_size,
-                                          topk=self.topk, local_blocks=self.local_blocks)
+            # The sparse KL's student normaliser comes with the selection when the backend computes it on the way
+            # (else None and the KL computes it).
+            want_lse = compute_kl and not dense_warmup
+            selected = msa.select_blocks(qi.detach(), ki.detach(), cu_seqlens, block_size=self.block_size,
+                                         topk=self.topk, local_blocks=self.local_blocks, return_index_lse=want_lse)
+            block_idx, index_lse = selected if want_lse else (selected, None)
         if dense_warmup:
             o = dense_attention(q, k, v, cu_seqlens, scale=self.scale)
             if compute_kl:
@@ -137,5 +141,5 @@ class Attention(nn.Module):
             if compute_kl:
                 kl = msa.indexer_kl(q.detach(), k.detach(), qi, ki, block_idx, cu_seqlens,
                                     block_size=self.block_size, scale=self.scale, lse=lse.detach(),
-                                    validate_block_idx=False)
+                                    validate_block_idx=False, index_lse=index_lse)
         return o, kl, block_idx if return_block_idx else None

@@ -94,3 +94,41 @@ def test_varlen_fp32_matches_reference(hq, hkv, bs):
         for mine, ref in zip(opt, grads[1]):
             err = ((mine - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-4, ("dqi_buffer+prefetch", sel is None, lse_in is None, err)
+
+
+def test_index_lse_from_the_selection_bf16(monkeypatch):
+    """The opt-in student normaliser of the selection kernel (`OPENM3_SELECT_LAUNCH=index_lse=1`, register-capped)
+    at m3-small's training shape in bf16: the same selection as without it, the normaliser within fp32 rounding of
+    `reference.index_lse` on the same bf16 values, and the KL given it equal to the KL's own first pass."""
+    from openm3.ops import msa
+    from openm3.ops.msa import reference
+
+    torch.manual_seed(0)
+    t, hi, di, bs = 16384, 4, 128, 128
+    cu = _cu([8192, 8192])
+    qi = torch.randn(t, hi, di, device="cuda", dtype=torch.bfloat16)
+    ki = torch.randn(t, di, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(t, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, hi, 128, device="cuda", dtype=torch.bfloat16)
+    kw = dict(block_size=bs, topk=16, local_blocks=1)
+    plain = msa.select_blocks(qi, ki, cu, **kw)
+    monkeypatch.setenv("OPENM3_SELECT_LAUNCH", "index_lse=1")
+    block_idx, index_lse = msa.select_blocks(qi, ki, cu, return_index_lse=True, **kw)
+    assert torch.equal(block_idx, plain)
+    # the last 256 queries of each sequence: a bottom-right aligned sub-problem, cheap for the reference
+    rows = torch.cat([torch.arange(8192 - 256, 8192), torch.arange(16384 - 256, 16384)]).cuda()
+    sub_cu = torch.tensor([0, 256, 512], dtype=torch.int32, device="cuda")
+    sub_k = torch.tensor([0, 8192, 16384], dtype=torch.int32, device="cuda")
+    want = reference.index_lse(qi[rows].float(), ki.float(), block_idx[:, rows], sub_cu, block_size=bs,
+                               cu_seqlens_k=sub_k)
+    assert (index_lse[:, rows] - want).abs().max().item() < 1e-3
+    _, lse = msa.sparse_attention(q, k, k, block_idx, cu, block_size=bs, validate_block_idx=False)
+    losses = []
+    for given in (None, index_lse):
+        qi_g = qi.clone().requires_grad_(True)
+        loss = msa.indexer_kl(q, k, qi_g, ki, block_idx, cu, block_size=bs, lse=lse, index_lse=given,
+                              validate_block_idx=False)
+        loss.backward()
+        losses.append((loss.item(), qi_g.grad.float()))
+    assert abs(losses[1][0] - losses[0][0]) <= 1e-4 * abs(losses[0][0])
+    assert (losses[1][1] - losses[0][1]).abs().max().item() <= 1e-2 * losses[0][1].abs().max().item()

@@ -15,14 +15,20 @@ from .backend import BACKENDS, pick_backend, use_backend
 __all__ = ["select_blocks", "sparse_attention", "indexer_kl", "use_backend", "pick_backend", "BACKENDS"]
 
 
-def select_blocks(qi, ki, cu_seqlens, *, block_size: int, topk: int, local_blocks: int = 1, cu_seqlens_k=None):
-    """Top-k key blocks per (index head, query). See `reference.select_blocks`."""
+def select_blocks(qi, ki, cu_seqlens, *, block_size: int, topk: int, local_blocks: int = 1, cu_seqlens_k=None,
+                  return_index_lse: bool = False):
+    """Top-k key blocks per (index head, query). See `reference.select_blocks`.
+
+    return_index_lse: return `(block_idx, index_lse)`, where index_lse is the indexer KL's student normaliser
+    (`reference.index_lse`, for `indexer_kl(..., index_lse=)`) when this backend computes it on the way (the Triton
+    kernel with the launch field `index_lse=1`), else None (the KL then computes it itself)."""
     if pick_backend(qi) == "triton":
         from .triton_select import select_blocks as impl
-    else:
-        impl = reference.select_blocks
-    return impl(qi, ki, cu_seqlens, block_size=block_size, topk=topk, local_blocks=local_blocks,
-                cu_seqlens_k=cu_seqlens_k)
+        return impl(qi, ki, cu_seqlens, block_size=block_size, topk=topk, local_blocks=local_blocks,
+                    cu_seqlens_k=cu_seqlens_k, return_index_lse=return_index_lse)
+    block_idx = reference.select_blocks(qi, ki, cu_seqlens, block_size=block_size, topk=topk,
+                                        local_blocks=local_blocks, cu_seqlens_k=cu_seqlens_k)
+    return (block_idx, None) if return_index_lse else block_idx
 
 
 def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
@@ -41,12 +47,13 @@ def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: 
 
 def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
                index_scale: float | None = None, lse: torch.Tensor | None = None, cu_seqlens_k=None,
-               validate_block_idx: bool = True) -> torch.Tensor:
+               validate_block_idx: bool = True, index_lse: torch.Tensor | None = None) -> torch.Tensor:
     """KL(main attention || index distribution); `block_idx=None` is the dense warm-up variant.
-    See `reference.indexer_kl`; validate_block_idx as in `sparse_attention`."""
+    See `reference.indexer_kl`; validate_block_idx as in `sparse_attention`; index_lse from
+    `select_blocks(..., return_index_lse=True)` (or None)."""
     if pick_backend(qi) == "triton":
         from .triton_kl import indexer_kl as impl
     else:
         impl = reference.indexer_kl
     return impl(q, k, qi, ki, block_idx, cu_seqlens, block_size=block_size, scale=scale, index_scale=index_scale,
-                lse=lse, cu_seqlens_k=cu_seqlens_k, validate_block_idx=validate_block_idx)
+                lse=lse, cu_seqlens_k=cu_seqlens_k, validate_block_idx=validate_block_idx, index_lse=index_lse)

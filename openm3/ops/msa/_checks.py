@@ -244,11 +244,12 @@ def check_lse(lse, num_queries: int, num_heads: int, device) -> None:
 
 
 def check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, *, block_size, scale,
-                            index_scale, block_idx_values: bool = True) -> tuple[int, int, int, int, list[Segment]]:
+                            index_scale, block_idx_values: bool = True, index_lse=None
+                            ) -> tuple[int, int, int, int, list[Segment]]:
     """Validate the arguments of `indexer_kl` (every backend); returns `(Hq, Hkv, D, Di, segments)`.
 
     `block_idx` may be None (dense warm-up); `block_idx_values=False` skips its value checks (see
-    `check_block_idx`).
+    `check_block_idx`). `index_lse` is None or fp32 [Hi, T], and only with a block_idx.
     """
     hq, hkv, d = check_attention_inputs(q, k, k)
     _, di = check_index_inputs(qi, ki, num_kv_heads=hkv, num_queries=q.shape[0], num_keys=k.shape[0])
@@ -264,4 +265,13 @@ def check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, l
         check_block_idx(block_idx, num_heads=hkv, segments=segments, block_size=block_size,
                         values=block_idx_values)
     check_lse(lse, q.shape[0], hq, q.device)
+    if index_lse is not None:
+        layout = f"[Hi, T] = [{hkv}, {q.shape[0]}]"
+        if block_idx is None:
+            raise ValueError("index_lse: only for the sparse KL (a block_idx); the dense warm-up computes its own")
+        _check_tensor(index_lse, "index_lse", 2, layout)
+        if tuple(index_lse.shape) != (hkv, q.shape[0]) or index_lse.dtype != torch.float32:
+            raise ValueError(f"index_lse must be float32 of shape {layout}, got {index_lse.dtype} {_shape(index_lse)}")
+        if index_lse.device != q.device:
+            raise ValueError(f"index_lse must be on q's device {q.device}, got {index_lse.device}")
     return hq, hkv, d, di, segments

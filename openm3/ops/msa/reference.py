@@ -25,7 +25,7 @@ import torch
 from ._checks import (Segment, check_attention_inputs, check_block_idx, check_block_params, check_index_inputs,
                       check_indexer_kl_inputs, check_scale, check_seqlens)
 
-__all__ = ["select_blocks", "sparse_attention", "indexer_kl", "DEFAULT_WORKSPACE"]
+__all__ = ["select_blocks", "index_lse", "sparse_attention", "indexer_kl", "DEFAULT_WORKSPACE"]
 
 DEFAULT_WORKSPACE = 1 << 22  # elements (16 MiB in fp32) per chunk intermediate
 
@@ -173,6 +173,37 @@ def _top_blocks(scores: torch.Tensor, own: torch.Tensor, topk: int, local_blocks
     return cand.to(torch.int32)
 
 
+@torch.no_grad()
+def index_lse(qi, ki, block_idx, cu_seqlens, *, block_size: int, index_scale: float | None = None,
+              cu_seqlens_k=None, workspace: int = DEFAULT_WORKSPACE) -> torch.Tensor:
+    """The indexer KL's student normaliser: fp32 [Hi, T], at (g, t) the log-sum-exp over the selected causal keys j
+    of (g, t) (block_idx as `select_blocks` returns it) of qi[t, g] . ki[j] * index_scale; -inf for an empty key
+    set. `indexer_kl(..., index_lse=)` takes it instead of computing it (the selection kernel can produce it on
+    the way, from scores it has on chip)."""
+    hi, di = check_index_inputs(qi, ki)
+    check_block_params(block_size=block_size)
+    check_scale(index_scale, "index_scale")
+    _check_workspace(workspace)
+    segments = check_seqlens(cu_seqlens, qi.shape[0], cu_seqlens_k, ki.shape[0], device=qi.device)
+    check_block_idx(block_idx, num_heads=hi, segments=segments, block_size=block_size)
+    cdt = _compute_dtype(qi)
+    index_scale = di ** -0.5 if index_scale is None else float(index_scale)
+    out = torch.full((hi, qi.shape[0]), -math.inf, dtype=torch.float32, device=qi.device)
+    for seg in segments:
+        if seg.q_len == 0:
+            continue
+        k_t = ki[seg.k_start:seg.k_start + seg.k_len].to(cdt)[None]
+        rows = _rows_per_chunk(workspace, hi * block_idx.shape[-1] * block_size * di)
+        for c0 in range(0, seg.q_len, rows):
+            c1 = min(c0 + rows, seg.q_len)
+            sl = slice(seg.q_start + c0, seg.q_start + c1)
+            qpos = torch.arange(seg.offset + c0, seg.offset + c1, device=qi.device)
+            pos, valid = _sparse_tile(block_idx[:, sl], qpos, block_size)
+            z = (qi[sl].to(cdt).transpose(0, 1)[:, :, None, :] @ _gather(k_t, pos).transpose(-1, -2)).squeeze(-2)
+            out[:, sl] = _masked_lse(z * index_scale, valid).float()
+    return out
+
+
 # --- sparse attention ---------------------------------------------------------------------------------------
 
 
@@ -298,7 +329,8 @@ def _attention_chunks(q, k, v, block_idx, segments: list[Segment], block_size: i
 
 def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: float | None = None,
                index_scale: float | None = None, lse: torch.Tensor | None = None, cu_seqlens_k=None,
-               workspace: int = DEFAULT_WORKSPACE, validate_block_idx: bool = True) -> torch.Tensor:
+               workspace: int = DEFAULT_WORKSPACE, validate_block_idx: bool = True,
+               index_lse: torch.Tensor | None = None) -> torch.Tensor:
     """KL(main attention || index distribution), the loss that trains the index branch.
 
     Args:
@@ -310,6 +342,9 @@ def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: f
             teacher's normaliser instead of recomputing it.
         workspace: elements allowed per chunk intermediate.
         validate_block_idx: as in `sparse_attention`.
+        index_lse: optional fp32 [Hi, T], `index_lse(qi, ki, block_idx, ...)` of the same inputs (the student's
+            normaliser, which a fast backend may take from the selection instead of a pass of its own); checked
+            here, and recomputed.
 
     Returns:
         Scalar loss (compute dtype): mean over (index head g, query t) of KL(p || r) = sum_j p_j (log p_j - log r_j)
@@ -319,7 +354,7 @@ def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: f
     """
     _, _, d, di, segments = check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse,
                                                     block_size=block_size, scale=scale, index_scale=index_scale,
-                                                    block_idx_values=validate_block_idx)
+                                                    block_idx_values=validate_block_idx, index_lse=index_lse)
     _check_workspace(workspace)
     scale = d ** -0.5 if scale is None else float(scale)
     index_scale = di ** -0.5 if index_scale is None else float(index_scale)

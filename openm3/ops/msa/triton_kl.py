@@ -439,8 +439,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size: int, scale: float,
-                index_scale: float, need_grad: bool, launch: KLLaunch | None = None):
-    """Loss (fp32 scalar) and, if need_grad, dL/dqi [T, Hi, Di], dL/dki [Tk, Di] (fp32; zeros otherwise)."""
+                index_scale: float, need_grad: bool, launch: KLLaunch | None = None, index_lse=None):
+    """Loss (fp32 scalar) and, if need_grad, dL/dqi [T, Hi, Di], dL/dki [Tk, Di] (fp32; zeros otherwise). With
+    both `lse` and `index_lse` given the first pass is skipped (it only computes normalisers)."""
     t, hq, d = q.shape
     tk, hkv, _ = k.shape
     di = qi.shape[2]
@@ -473,20 +474,22 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), qi.stride(0), qi.stride(1), ki.stride(0))
     items = (work.entries, work.lo, work.hi, work.g, work.k0, work.k1, qpos)
 
-    # Pass 1: partial log-sum-exps, combined per (g, t) over slots and sub-tiles.
-    z_part = torch.full((hkv, t, topk * n_sub), -math.inf, dtype=torch.float32, device=device)
-    a_part = None
-    if lse is None:
-        a_part = torch.full((hkv, t, topk * n_sub, group), -math.inf, dtype=torch.float32, device=device)
-    stats = dict(common, BLOCK_Q=launch.stats_block_q or launch.block_q,
-                 num_warps=launch.stats_num_warps or launch.num_warps,
-                 num_stages=launch.stats_num_stages or launch.num_stages)
-    _kl_stats_kernel[grid](q, k, qi, ki, *items, z_part, z_part if a_part is None else a_part,
-                           t, *strides, scale, index_scale, TEACHER=a_part is not None, **stats)
-    lse_z = torch.logsumexp(z_part, dim=-1).contiguous()  # [Hi, T]
-    if lse is None:
-        lse = torch.logsumexp(a_part, dim=2).transpose(0, 1).reshape(t, hq)
-        del a_part
+    if lse is not None and index_lse is not None:  # both normalisers known: no first pass
+        lse_z = index_lse.contiguous()
+    else:  # Pass 1: partial log-sum-exps, combined per (g, t) over slots and sub-tiles.
+        z_part = torch.full((hkv, t, topk * n_sub), -math.inf, dtype=torch.float32, device=device)
+        a_part = None
+        if lse is None:
+            a_part = torch.full((hkv, t, topk * n_sub, group), -math.inf, dtype=torch.float32, device=device)
+        stats = dict(common, BLOCK_Q=launch.stats_block_q or launch.block_q,
+                     num_warps=launch.stats_num_warps or launch.num_warps,
+                     num_stages=launch.stats_num_stages or launch.num_stages)
+        _kl_stats_kernel[grid](q, k, qi, ki, *items, z_part, z_part if a_part is None else a_part,
+                               t, *strides, scale, index_scale, TEACHER=a_part is not None, **stats)
+        lse_z = torch.logsumexp(z_part, dim=-1).contiguous()  # [Hi, T]
+        if lse is None:
+            lse = torch.logsumexp(a_part, dim=2).transpose(0, 1).reshape(t, hq)
+            del a_part
     lse = lse.to(torch.float32).contiguous()
 
     # Pass 2: loss terms and gradients.
@@ -511,14 +514,17 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
 @torch.library.custom_op("openm3::msa_indexer_kl", mutates_args=())
 def _kl_op(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor, block_idx: torch.Tensor | None,
            cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, lse: torch.Tensor | None, block_size: int,
-           scale: float, index_scale: float, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           scale: float, index_scale: float, need_grad: bool, index_lse: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # cu_seqlens_k None means cu_seqlens (not passed twice: Dynamo rejects one tensor in two Function inputs).
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    return _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_k, lse, block_size, scale, index_scale, need_grad)
+    return _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_k, lse, block_size, scale, index_scale, need_grad,
+                       index_lse=index_lse)
 
 
 @_kl_op.register_fake
-def _kl_fake(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size, scale, index_scale, need_grad):
+def _kl_fake(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size, scale, index_scale, need_grad,
+             index_lse=None):
     return (q.new_empty((), dtype=torch.float32), qi.new_empty(qi.shape, dtype=torch.float32),
             ki.new_empty(ki.shape, dtype=torch.float32))
 
@@ -527,10 +533,11 @@ class _IndexerKL(torch.autograd.Function):
     """Gradients are computed in the forward (the loss is a scalar); backward only scales them."""
 
     @staticmethod
-    def forward(ctx, qi, ki, q, k, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size, scale, index_scale):
+    def forward(ctx, qi, ki, q, k, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size, scale, index_scale,
+                index_lse):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         loss, dqi, dki = _kl_op(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size, scale,
-                                index_scale, need_grad)
+                                index_scale, need_grad, index_lse)
         ctx.save_for_backward(dqi, dki)
         ctx.dtypes = (qi.dtype, ki.dtype)
         return loss
@@ -540,7 +547,7 @@ class _IndexerKL(torch.autograd.Function):
         dqi, dki = ctx.saved_tensors
         qi_dtype, ki_dtype = ctx.dtypes
         return ((grad * dqi).to(qi_dtype), (grad * dki).to(ki_dtype), None, None, None, None, None, None, None,
-                None, None)
+                None, None, None)
 
 
 # Value checks of block_idx synchronise with the device and cost a few sorts of [Hi, T, topk]; benchmarks of the
@@ -551,7 +558,8 @@ VALIDATE_BLOCK_IDX = True
 def indexer_kl(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor, block_idx: torch.Tensor | None,
                cu_seqlens: torch.Tensor, *, block_size: int, scale: float | None = None,
                index_scale: float | None = None, lse: torch.Tensor | None = None,
-               cu_seqlens_k: torch.Tensor | None = None, validate_block_idx: bool = True) -> torch.Tensor:
+               cu_seqlens_k: torch.Tensor | None = None, validate_block_idx: bool = True,
+               index_lse: torch.Tensor | None = None) -> torch.Tensor:
     """KL(main attention || index distribution), differentiable in qi and ki only.
 
     Args:
@@ -560,14 +568,17 @@ def indexer_kl(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Ten
         block_idx: int32 [Hi, T, topk] selected blocks, or None for the dense warm-up over all causal keys.
         cu_seqlens / cu_seqlens_k: int32 [B + 1] (bottom-right causal alignment). scale: default 1/sqrt(D);
             index_scale: default 1/sqrt(Di). lse: optional fp32 [T, Hq] from `sparse_attention` over the same
-            keys (saves the teacher normaliser pass and its [Hi, T, topk * n_sub, G] buffer).
+            keys (saves the teacher normaliser pass and its [Hi, T, topk * n_sub, G] buffer). index_lse: optional
+            fp32 [Hi, T] from `select_blocks(..., return_index_lse=True)` (the student normaliser); with lse given
+            too, the first pass is skipped.
 
     Returns:
         fp32 scalar: mean over (g, t) of KL(p || r) over the key set of (g, t); see the module docstring.
     """
     _, _, d, di, _ = check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse,
                                              block_size=block_size, scale=scale, index_scale=index_scale,
-                                             block_idx_values=validate_block_idx and VALIDATE_BLOCK_IDX)
+                                             block_idx_values=validate_block_idx and VALIDATE_BLOCK_IDX,
+                                             index_lse=index_lse)
     if block_idx is not None:
         block_idx = block_idx.contiguous()
     if torch.float64 in (q.dtype, qi.dtype):
@@ -575,4 +586,5 @@ def indexer_kl(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Ten
     scale = d ** -0.5 if scale is None else float(scale)
     index_scale = di ** -0.5 if index_scale is None else float(index_scale)
     return _IndexerKL.apply(qi, ki, q.detach(), k.detach(), block_idx, cu_seqlens, cu_seqlens_k,
-                            None if lse is None else lse.detach(), block_size, scale, index_scale)
+                            None if lse is None else lse.detach(), block_size, scale, index_scale,
+                            None if index_lse is None else index_lse.detach())

@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import check_block_params, check_index_inputs, check_scale, check_seqlens
-from .triton_common import largest_pow2_divisor, next_pow2, with_overrides
+from .triton_common import interpreting, largest_pow2_divisor, next_pow2, with_overrides
 
 __all__ = ["select_blocks", "select_launch", "SelectLaunch"]
 
@@ -54,6 +54,13 @@ class SelectLaunch:
         when smaller, block_size must be a power of two (several blocks per key tile).
     tma: 1 loads the ki tiles through a TMA tensor descriptor (the default on Hopper+; falls back to pointer loads
         when ki's row stride is not 16-byte aligned), 0 through masked pointer loads.
+    index_lse: 1 makes `select_blocks(..., return_index_lse=True)` also return the indexer KL's student normaliser
+        (`reference.index_lse`), from the scores the kernel has on chip: one exponential per score more here, and
+        the KL skips its first pass (~19 ms per m3-small 8K training step; session 7 estimate, untimed). 0 (the
+        default) returns None for it and leaves it to the KL. At long contexts the exponentials over every causal
+        score cost more than the KL's pass over the selected keys (~9 ms more selection at 128K for M3).
+    lse_maxnreg: register cap of the kernel when it computes that normaliser (compiled GPUs; 0 = none): without it
+        sm_90 takes 137 registers at M3's shape and two 8-warp programs no longer share an SM.
     """
 
     block_m: int
@@ -61,6 +68,8 @@ class SelectLaunch:
     num_warps: int
     num_stages: int
     tma: int = 0
+    index_lse: int = 0
+    lse_maxnreg: int = 128
 
 
 _ENV_OVERRIDE = "OPENM3_SELECT_LAUNCH"
@@ -100,6 +109,11 @@ def _check_launch(launch: SelectLaunch, num_heads: int, block_size: int) -> None
             raise ValueError(f"select launch: {name}={value} must be a power of two >= 16")
     if launch.tma not in (0, 1):
         raise ValueError(f"select launch: tma={launch.tma} must be 0 or 1")
+    if launch.index_lse not in (0, 1):
+        raise ValueError(f"select launch: index_lse={launch.index_lse} must be 0 or 1")
+    if not 0 <= launch.lse_maxnreg <= 255:
+        raise ValueError(f"select launch: lse_maxnreg={launch.lse_maxnreg} must be 0 (none) or a register count "
+                         f"in [1, 255]")
     if launch.block_m < num_heads:
         raise ValueError(f"select launch: block_m={launch.block_m} must hold all {num_heads} index heads")
     if block_size >= launch.block_n and block_size % launch.block_n:
@@ -136,33 +150,57 @@ def _tile_scores(qi, KI, KI_DESC, k_start, kpos, qpos, n_keys, d, d_ok, stride_k
 
 
 @triton.jit
-def _scan(vals, ids, qi, KI, KI_DESC, k_start, stride_kt, qpos, own, row_ok, d, d_ok, step_lo, step_hi, n_keys,
-          LOCAL: tl.constexpr, KPAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          NB: tl.constexpr, SUB: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
-          DOT_PRECISION: tl.constexpr):
+def _logaddexp(a, b):
+    m = tl.maximum(a, b)
+    ref = tl.where(m > float("-inf"), m, 0.0)
+    total = tl.exp(a - ref) + tl.exp(b - ref)
+    return tl.where(total > 0, ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+
+
+@triton.jit
+def _scan(vals, ids, lses, loc, qi, KI, KI_DESC, k_start, stride_kt, qpos, own, row_ok, d, d_ok, step_lo, step_hi,
+          n_keys, index_scale, LOCAL: tl.constexpr, KPAD: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, WITH_LSE: tl.constexpr):
     """Offer the blocks of key steps [step_lo, step_hi) to the running top-k `vals, ids [BLOCK_M, KPAD]`.
 
     A step covers BLOCK_N * SUB keys: NB whole blocks (block_size < BLOCK_N) or one block of SUB key tiles.
     Scores are left unscaled (a positive scale never changes the ranking). CAUSAL masks keys after each row's
-    position and past `n_keys`; steps entirely before every row's position skip it.
+    position and past `n_keys`; steps entirely before every row's position skip it. WITH_LSE also keeps each
+    block's log-sum-exp of the scaled scores: in `lses` beside its slot of the top-k, and summed into `loc [BLOCK_M]`
+    for the forced local blocks.
     """
     n = tl.arange(0, BLOCK_N)
     slot = tl.arange(0, KPAD)
     KEYS_PER_STEP: tl.constexpr = BLOCK_N * SUB
+    c = index_scale * 1.4426950408889634  # exp(index_scale * x) = exp2(c * x)
     for step in range(step_lo, step_hi):
-        if NB == 1:  # one block per step, the running max over its SUB key tiles
+        if NB == 1:  # one block per step, the running max over its SUB key tiles (and its sum of exponentials)
             best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_b = tl.zeros([BLOCK_M], tl.float32)
             for sub in tl.static_range(SUB):
                 kpos = step * KEYS_PER_STEP + sub * BLOCK_N + n
                 s = _tile_scores(qi, KI, KI_DESC, k_start, kpos, qpos, n_keys, d, d_ok, stride_kt, CAUSAL, USE_TMA,
                                  DOT_PRECISION)
-                best = tl.maximum(best, tl.max(s, 1))
+                new_best = tl.maximum(best, tl.max(s, 1))
+                if WITH_LSE:
+                    ref = tl.where(new_best > float("-inf"), new_best, 0.0)
+                    l_b = l_b * tl.math.exp2((best - ref) * c) + tl.sum(tl.math.exp2((s - ref[:, None]) * c), 1)
+                best = new_best
+            if WITH_LSE:
+                blse = tl.where(l_b > 0, best * index_scale + tl.log(tl.where(l_b > 0, l_b, 1.0)), float("-inf"))
         else:  # NB whole blocks per key tile
             kpos = step * BLOCK_N + n
             s = _tile_scores(qi, KI, KI_DESC, k_start, kpos, qpos, n_keys, d, d_ok, stride_kt, CAUSAL, USE_TMA,
                              DOT_PRECISION)
-            block_max = tl.max(tl.reshape(s, [BLOCK_M, NB, BLOCK_N // NB]), 2)  # [BLOCK_M, NB]
+            s3 = tl.reshape(s, [BLOCK_M, NB, BLOCK_N // NB])
+            block_max = tl.max(s3, 2)  # [BLOCK_M, NB]
             col = tl.arange(0, NB)
+            if WITH_LSE:
+                ref = tl.where(block_max > float("-inf"), block_max, 0.0)
+                l_all = tl.sum(tl.math.exp2((s3 - ref[:, :, None]) * c), 2)
+                lse_all = tl.where(l_all > 0, block_max * index_scale + tl.log(tl.where(l_all > 0, l_all, 1.0)),
+                                   float("-inf"))
         # Each block replaces the row's current minimum (the first one) when larger. Forced local blocks are
         # written separately and do not compete.
         for j in tl.static_range(NB):
@@ -171,25 +209,32 @@ def _scan(vals, ids, qi, KI, KI_DESC, k_start, stride_kt, qpos, own, row_ok, d, 
                 score = best
             else:
                 score = tl.max(tl.where(col[None, :] == j, block_max, float("-inf")), 1)
+                if WITH_LSE:
+                    blse = tl.max(tl.where(col[None, :] == j, lse_all, float("-inf")), 1)
             forced = (blk <= own) & (blk > own - LOCAL)
+            if WITH_LSE:
+                loc = tl.where(forced, _logaddexp(loc, blse), loc)
             score = tl.where(forced | (row_ok == 0), float("-inf"), score)
             low = tl.min(vals, 1)
             first = tl.min(tl.where(vals == low[:, None], slot[None, :], KPAD), 1)
             hit = (score > low)[:, None] & (slot[None, :] == first[:, None])
             vals = tl.where(hit, score[:, None], vals)
             ids = tl.where(hit, blk, ids)
-    return vals, ids
+            if WITH_LSE:
+                lses = tl.where(hit, blse[:, None], lses)
+    return vals, ids, lses, loc
 
 
 @triton.jit
 def _select_kernel(
-    QI, KI, KI_DESC, OUT, TILE_SEQ, TILE_Q0, CU_Q, CU_K,
-    T, stride_qt, stride_qh, stride_kt,
+    QI, KI, KI_DESC, OUT, LSE_OUT, TILE_SEQ, TILE_Q0, CU_Q, CU_K,
+    T, stride_qt, stride_qh, stride_kt, index_scale,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TOPK: tl.constexpr, KEEP: tl.constexpr, KPAD: tl.constexpr, LOCAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WITH_LSE: tl.constexpr = False,
 ):
+    # WITH_LSE: also LSE_OUT[head, t] = log-sum-exp of index_scale * score over the row's selected causal keys.
     # NB key blocks per key tile (block_size < BLOCK_N) or SUB key tiles per block (block_size >= BLOCK_N).
     pid = tl.program_id(0)
     b = tl.load(TILE_SEQ + pid)
@@ -216,14 +261,26 @@ def _select_kernel(
     slot = tl.arange(0, KPAD)
     vals = tl.where(slot[None, :] < KEEP, float("-inf"), float("inf")) + tl.zeros([BLOCK_M, KPAD], tl.float32)
     ids = tl.full([BLOCK_M, KPAD], -1, tl.int32)
+    lses = tl.full([BLOCK_M, KPAD], float("-inf"), tl.float32)
+    loc = tl.full([BLOCK_M], float("-inf"), tl.float32)
     # Steps whose keys all precede the tile's first query need no mask; the last ones (the diagonal) do.
     KEYS_PER_STEP: tl.constexpr = BLOCK_N * SUB
     n_steps = tl.cdiv(n_keys, KEYS_PER_STEP)
     n_full = tl.minimum((k_len - q_len + q0 + 1) // KEYS_PER_STEP, n_steps) * (q0 >= 0).to(tl.int32)
-    vals, ids = _scan(vals, ids, qi, KI, KI_DESC, k_start, stride_kt, qpos, own, row_ok, d, d_ok, 0, n_full,
-                      n_keys, LOCAL, KPAD, BLOCK_M, BLOCK_N, NB, SUB, False, USE_TMA, DOT_PRECISION)
-    vals, ids = _scan(vals, ids, qi, KI, KI_DESC, k_start, stride_kt, qpos, own, row_ok, d, d_ok, n_full, n_steps,
-                      n_keys, LOCAL, KPAD, BLOCK_M, BLOCK_N, NB, SUB, True, USE_TMA, DOT_PRECISION)
+    vals, ids, lses, loc = _scan(vals, ids, lses, loc, qi, KI, KI_DESC, k_start, stride_kt, qpos, own, row_ok, d,
+                                 d_ok, 0, n_full, n_keys, index_scale, LOCAL, KPAD, BLOCK_M, BLOCK_N, NB, SUB, False,
+                                 USE_TMA, DOT_PRECISION, WITH_LSE)
+    vals, ids, lses, loc = _scan(vals, ids, lses, loc, qi, KI, KI_DESC, k_start, stride_kt, qpos, own, row_ok, d,
+                                 d_ok, n_full, n_steps, n_keys, index_scale, LOCAL, KPAD, BLOCK_M, BLOCK_N, NB, SUB,
+                                 True, USE_TMA, DOT_PRECISION, WITH_LSE)
+    if WITH_LSE:  # the kept blocks (the first TOPK - LOCAL slots that hold one) and the local ones
+        kept = (slot[None, :] < TOPK - LOCAL) & (vals > float("-inf")) & (vals < float("inf"))
+        ls = tl.where(kept, lses, float("-inf"))
+        m = tl.maximum(tl.max(ls, 1), loc)
+        ref = tl.where(m > float("-inf"), m, 0.0)
+        total = tl.sum(tl.exp(ls - ref[:, None]), 1) + tl.exp(loc - ref)
+        lse = tl.where(total > 0, ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(LSE_OUT + head.to(tl.int64) * T + q_start + tok, lse, mask=row_ok)
 
     # Slots: forced local blocks first (own, own - 1, ... those >= 0), then the kept blocks by descending score.
     # A row with fewer than LOCAL local blocks (own < LOCAL - 1) has no other causal block at all, so past its
@@ -281,11 +338,14 @@ def _tiles(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, num_tokens: int
 
 
 def _select(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor,
-            block_size: int, topk: int, local_blocks: int, launch: SelectLaunch | None = None) -> torch.Tensor:
+            block_size: int, topk: int, local_blocks: int, launch: SelectLaunch | None = None,
+            index_scale: float | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """block_idx; with `index_scale` given also the student normaliser fp32 [Hi, T] (`reference.index_lse`)."""
     t, heads, head_dim = qi.shape
     out = torch.empty((heads, t, topk), dtype=torch.int32, device=qi.device)
+    lse = None if index_scale is None else torch.empty((heads, t), dtype=torch.float32, device=qi.device)
     if t == 0:
-        return out
+        return out if lse is None else (out, lse)
     if launch is None:
         launch = select_launch(heads, head_dim, block_size, qi.is_cuda)
     qi = qi.contiguous() if qi.stride(-1) != 1 else qi
@@ -301,14 +361,16 @@ def _select(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, cu_seq
     use_tma = bool(launch.tma) and (ki.stride(0) * ki.element_size()) % 16 == 0 and ki.data_ptr() % 16 == 0
     ki_desc = TensorDescriptor.from_tensor(ki, [launch.block_n, block_d]) if use_tma else ki
     _select_kernel[(tile_seq.numel(),)](
-        qi, ki, ki_desc, out, tile_seq, tile_q0, cu_seqlens, cu_seqlens_k,
-        t, qi.stride(0), qi.stride(1), ki.stride(0),
+        qi, ki, ki_desc, out, out if lse is None else lse, tile_seq, tile_q0, cu_seqlens, cu_seqlens_k,
+        t, qi.stride(0), qi.stride(1), ki.stride(0), 1.0 if index_scale is None else float(index_scale),
         HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TOPK=topk, KEEP=keep, KPAD=next_pow2(keep), LOCAL=local_blocks,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, NB=nb, SUB=sub, USE_TMA=use_tma,
-        DOT_PRECISION=_dot_precision(qi.dtype), num_warps=launch.num_warps, num_stages=launch.num_stages,
+        DOT_PRECISION=_dot_precision(qi.dtype), WITH_LSE=lse is not None, num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **({"maxnreg": launch.lse_maxnreg} if lse is not None and launch.lse_maxnreg and not interpreting() else {}),
     )
-    return out
+    return out if lse is None else (out, lse)
 
 
 @torch.library.custom_op("openm3::msa_select_blocks", mutates_args=())
@@ -323,9 +385,24 @@ def _select_fake(qi, ki, cu_seqlens, cu_seqlens_k, block_size, topk, local_block
     return qi.new_empty((qi.shape[1], qi.shape[0], topk), dtype=torch.int32)
 
 
+@torch.library.custom_op("openm3::msa_select_blocks_lse", mutates_args=())
+def _select_lse_op(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None,
+                   block_size: int, topk: int, local_blocks: int, index_scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    return _select(qi, ki, cu_seqlens, cu_k, block_size, topk, local_blocks, index_scale=index_scale)
+
+
+@_select_lse_op.register_fake
+def _select_lse_fake(qi, ki, cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks, index_scale):
+    t, heads = qi.shape[0], qi.shape[1]
+    return (qi.new_empty((heads, t, topk), dtype=torch.int32), qi.new_empty((heads, t), dtype=torch.float32))
+
+
 def select_blocks(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, *, block_size: int, topk: int,
                   local_blocks: int = 1, cu_seqlens_k: torch.Tensor | None = None,
-                  index_scale: float | None = None) -> torch.Tensor:
+                  index_scale: float | None = None, return_index_lse: bool = False
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Top-k key blocks per (index head, query), streamed on chip.
 
     Args:
@@ -334,12 +411,15 @@ def select_blocks(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, 
             Queries are the last q_len_b tokens of their sequence (bottom-right causal alignment).
         block_size: keys per block (a multiple of 16 or a power of two). topk: slots per query.
         local_blocks: forced blocks (own block and the ones before it), 0 <= local_blocks <= topk.
-        index_scale: score scale (default 1/sqrt(Di)); checked, but a positive scale never changes the selection,
-            so the kernel ranks unscaled scores.
+        index_scale: score scale (default 1/sqrt(Di)); a positive scale never changes the selection, so the kernel
+            ranks unscaled scores (the scale only enters the log-sum-exp below).
+        return_index_lse: also return the indexer KL's student normaliser (`reference.index_lse`, fp32 [Hi, T])
+            when the launch config computes it on the way (`index_lse=1`), else None (the KL computes it).
 
     Returns:
         block_idx int32 [Hi, T, topk]: block numbers from each sequence's start; local blocks first (own, own - 1,
-        ...), then the other causal blocks by descending max score, -1 in unused trailing slots.
+        ...), then the other causal blocks by descending max score, -1 in unused trailing slots. With
+        return_index_lse, `(block_idx, index_lse or None)`.
     """
     check_index_inputs(qi, ki)
     check_block_params(block_size=block_size, topk=topk, local_blocks=local_blocks)
@@ -347,4 +427,9 @@ def select_blocks(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, 
     check_seqlens(cu_seqlens, qi.shape[0], cu_seqlens_k, ki.shape[0], device=qi.device)
     if qi.dtype == torch.float64:
         raise ValueError("qi must be fp16, bf16 or fp32 for the Triton backend (use the reference for fp64)")
-    return _select_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks)
+    if not return_index_lse:
+        return _select_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks)
+    if not select_launch(qi.shape[1], qi.shape[2], block_size, qi.is_cuda).index_lse:
+        return _select_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks), None
+    scale = qi.shape[2] ** -0.5 if index_scale is None else float(index_scale)
+    return _select_lse_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks, scale)
