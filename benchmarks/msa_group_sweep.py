@@ -7,7 +7,8 @@ per KV head. m3-small trains with 16 query heads and 4 KV heads (G = 4 per group
 forward tile of 16 rows holds 4 tokens and the KL's dots are 4x narrower. This times, at that shape (`--hq`, `--T`
 tokens packed as sequences of `--seq-len`, drifting index queries), `select`, sparse attention forward+backward
 (under each `--attn` override string, as `OPENM3_ATTN_LAUNCH`) and the indexer KL forward+backward (under each
-`--kl` override string, as `OPENM3_KL_LAUNCH`), medians in ms, and writes JSON with the hardware and versions.
+`--kl` override string, as `OPENM3_KL_LAUNCH`; and with `--selkl`, selection + KL together under each
+`OPENM3_SELECT_LAUNCH` string), medians in ms, and writes JSON with the hardware and versions.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--attn", nargs="*", default=ATTN, help="OPENM3_ATTN_LAUNCH strings ('' = defaults)")
     p.add_argument("--kl", nargs="*", default=KL, help="OPENM3_KL_LAUNCH strings ('' = defaults)")
+    p.add_argument("--selkl", nargs="*", default=[],
+                   help="OPENM3_SELECT_LAUNCH strings under which to time selection + KL fwd+bwd together, the "
+                        "selection's student normaliser handed to the KL when computed ('' = defaults; "
+                        "'index_lse=1' computes it in the selection kernel)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every configuration this many times, interleaved (reports the median over rounds; "
                         "single timings of one configuration moved by up to ~10%% between runs)")
@@ -80,7 +85,15 @@ def main(argv=None) -> int:
         qi.grad = ki.grad = None
         msa.indexer_kl(x["q"], x["k"], qi, ki, block_idx, cu, block_size=BLOCK, lse=lse).backward()
 
-    rec = {"shape": dict(hq=args.hq, hkv=4, T=args.T, seq_len=args.seq_len), "attn": {}, "kl": {}}
+    def select_kl():
+        qi.grad = ki.grad = None
+        with torch.no_grad():
+            sel, index_lse = msa.select_blocks(x["qi"], x["ki"], cu, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL,
+                                               return_index_lse=True)
+        msa.indexer_kl(x["q"], x["k"], qi, ki, sel, cu, block_size=BLOCK, lse=lse, index_lse=index_lse,
+                       validate_block_idx=False).backward()
+
+    rec = {"shape": dict(hq=args.hq, hkv=4, T=args.T, seq_len=args.seq_len), "attn": {}, "kl": {}, "selkl": {}}
     # one untimed round first: the first configuration timed on a fresh process measured 20-40% slow (clocks,
     # allocator, lazy initialisation), which once made the default look worse than it was
     bench_ms(attn_fwd_bwd)
@@ -91,7 +104,8 @@ def main(argv=None) -> int:
     times: dict[tuple[str, str], list] = {}
     for _ in range(max(1, args.rounds)):
         for kind, env, fn, configs in (("attn", "OPENM3_ATTN_LAUNCH", attn_fwd_bwd, args.attn),
-                                       ("kl", "OPENM3_KL_LAUNCH", kl_fwd_bwd, args.kl)):
+                                       ("kl", "OPENM3_KL_LAUNCH", kl_fwd_bwd, args.kl),
+                                       ("selkl", "OPENM3_SELECT_LAUNCH", select_kl, args.selkl)):
             for cfg in configs:
                 name = cfg or "default"
                 try:
@@ -99,7 +113,8 @@ def main(argv=None) -> int:
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
                     ms = f"{type(exc).__name__}: {str(exc)[:200]}"
                 times.setdefault((kind, name), []).append(ms)
-                print(f"{'attention' if kind == 'attn' else 'indexer KL'} fwd+bwd [{name}]: {ms}", flush=True)
+                label = {"attn": "attention", "kl": "indexer KL", "selkl": "select + indexer KL"}[kind]
+                print(f"{label} fwd+bwd [{name}]: {ms}", flush=True)
     for (kind, name), runs in times.items():
         ok = [r for r in runs if isinstance(r, float)]
         rec[kind][name] = statistics.median(ok) if len(ok) == len(runs) else runs[-1]

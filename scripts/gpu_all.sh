@@ -128,6 +128,11 @@ for s in "${stages[@]}"; do
     mfuhot)  # the 8K MFU case with OPENM3_ATTN_LAUNCH=$ATTN_AB (default: dk/dv work items of at most 512 queries)
       OPENM3_ATTN_LAUNCH="${ATTN_AB:-dkdv_max_tokens=512}" python3 -m benchmarks.train_throughput --out "$OUT/mfuhot" \
         --only mfu --steps 3 --warmup 2 2>&1 | tee "$OUT/train_mfuhot.log" | tail -2 | cut -c1-700 ;;
+    lsesweep)  # selection + KL with the student normaliser from the selection kernel, G = 4 (2 x 8K) and M3 128K
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/lsesweep" --rounds 3 --attn --kl --selkl "" "index_lse=1" \
+        2>&1 | tee "$OUT/lsesweep.log" | grep median
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/lsesweep128" --rounds 2 --hq 64 --T 131072 --seq-len 131072 \
+        --attn --kl --selkl "" "index_lse=1" 2>&1 | tee "$OUT/lsesweep128.log" | grep median ;;
     mfulse)  # the 8K MFU case with the KL's student normaliser from the selection kernel (untimed in session 7)
       OPENM3_SELECT_LAUNCH=index_lse=1 python3 -m benchmarks.train_throughput --out "$OUT/mfulse" --only mfu \
         --steps 3 --warmup 2 2>&1 | tee "$OUT/train_mfulse.log" | tail -2 | cut -c1-700 ;;
