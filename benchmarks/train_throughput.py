@@ -12,6 +12,8 @@ times optimizer steps after warm-up (medians; the warm-up steps include compilat
   per layer for QK^T and PV, forward + backward, where keys per query is ctx/2 for dense layers (causal) and
   topk x block_size for MSA layers (what MSA computes); MSA layers add the block-selection scores over every causal
   key (2 x Hi x Di x ctx/2, forward only) and the indexer KL over the selected keys.
+- `vl_<preset>_<ctx>` (only with `--only vl`): the vision-language model trained natively at 8K, half the rows text
+  and half with 8 random 448 x 448 images each; tokens/s and the profiled step (with its host-sync census), no MFU.
 - `msa_vs_dense_<ctx>`: the same model at 64K context with MSA layers, then with every layer dense
   (`layer_types` all `full_attention`, no index branch); ratio of tokens/s. Activation checkpointing is on for
   both at 64K so the dense model fits.
@@ -173,8 +175,48 @@ def sync_sites(trainer, top: int = 25) -> list[dict]:
     return [{"site": k, "count": v} for k, v in ranked[:top]] + [{"total": sum(sites.values())}]
 
 
+class RandomImageRows(RandomRows):
+    """`RandomRows` whose image rows hold `images` random 448 x 448 images (32 x 32 patches, 256 visual tokens each
+    after the 2 x 2 merge) as placeholder runs between random text tokens; loss on the text tokens only."""
+
+    GRID = (1, 32, 32)
+    PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x 14 x 14
+
+    def __init__(self, vocab: int, seq_len: int, image_id: int, images: int):
+        super().__init__(vocab - 2, seq_len)  # the two top ids are the placeholders, never drawn
+        self.image_id, self.images = image_id, images
+
+    def rows(self, kind, step, count):
+        from openm3.train.batches import Row
+
+        if kind != "image":
+            return super().rows(kind, step, count)
+        t, h, w = self.GRID
+        per_image = t * h * w // 4
+        if self.images * per_image >= self.seq_len:
+            raise ValueError(f"images: {self.images} images of {per_image} tokens do not fit rows of {self.seq_len}")
+        g = torch.Generator().manual_seed(step * 7 + 3)
+        out = []
+        for _ in range(count):
+            ids = torch.randint(0, self.vocab, (self.seq_len + 1,), generator=g)
+            gap = (self.seq_len - self.images * per_image) // (self.images + 1)
+            for i in range(self.images):  # placeholder runs spread over the row
+                start = gap * (i + 1) + per_image * i
+                ids[start:start + per_image] = self.image_id
+            labels = ids[1:].clone()
+            labels[labels == self.image_id] = -100
+            vision = {"pixel_values": torch.randn(self.images * t * h * w, self.PATCH, generator=g),
+                      "image_grid_thw": torch.tensor([list(self.GRID)] * self.images)}
+            out.append(Row(ids[:-1].clone(), labels, [self.seq_len], kind="image", vision=vision))
+        return out
+
+
 def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = False, ckpt: bool = False,
-               rows: int = 1, micro_batch: int | None = None, compile: bool = True, profile: bool = False) -> dict:
+               rows: int = 1, micro_batch: int | None = None, compile: bool = True, profile: bool = False,
+               images: int = 0) -> dict:
+    """`images` > 0: the vision-language model, trained natively (recipe `native`) on text rows and as many rows
+    with that many random images each (m3-small's vision tower); tokens/s counts both kinds, and no MFU is given
+    (the FLOP count covers the text model only)."""
     from openm3.models.config import M3TextConfig
     from openm3.models.text import M3TextModel
     from openm3.train.config import TrainConfig
@@ -183,12 +225,21 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     overrides = {"layer_types": ["full_attention"] * M3TextConfig.from_name(preset).num_hidden_layers} if dense else {}
     mcfg = M3TextConfig.from_name(preset, **overrides)
     micro_batch = micro_batch or rows
-    cfg = TrainConfig(model=preset, recipe="text-only", steps=steps + warmup + 2 * int(profile), seq_len=ctx,
-                      text_rows=rows, micro_batch=micro_batch, warmup_steps=1, msa_switch_step=0,
-                      out_dir="/tmp/openm3_bench_train", progress=False, tensorboard=False,
-                      activation_checkpointing=ckpt, compile=compile, param_dtype="bfloat16")
+    vl = dict(recipe="native", mixture={"text": 1.0, "image": 1.0}) if images else dict(recipe="text-only")
+    cfg = TrainConfig(model=preset, steps=steps + warmup + 2 * int(profile), seq_len=ctx,
+                      text_rows=rows // 2 if images else rows, micro_batch=micro_batch, warmup_steps=1,
+                      msa_switch_step=0, out_dir="/tmp/openm3_bench_train", progress=False, tensorboard=False,
+                      activation_checkpointing=ckpt, compile=compile, param_dtype="bfloat16", **vl)
     torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(cfg, lambda: M3TextModel(mcfg), RandomRows(mcfg.vocab_size, ctx))
+    if images:
+        from openm3.models.multimodal import M3ForConditionalGeneration, M3VLConfig
+
+        vcfg = M3VLConfig.from_name(preset, image_token_index=mcfg.vocab_size - 2,
+                                    video_token_index=mcfg.vocab_size - 1, **overrides)
+        source = RandomImageRows(mcfg.vocab_size, ctx, vcfg.image_token_index, images)
+        trainer = Trainer(cfg, lambda: M3ForConditionalGeneration(vcfg), source)
+    else:
+        trainer = Trainer(cfg, lambda: M3TextModel(mcfg), RandomRows(mcfg.vocab_size, ctx))
     times, t_start, warmup_s = [], time.perf_counter(), 0.0
     for i in range(steps + warmup):
         torch.cuda.synchronize()
@@ -202,12 +253,13 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     step_s = statistics.median(times)
     tokens = ctx * rows
     out = {"preset": preset, "ctx": ctx, "rows": rows, "micro_batch": micro_batch, "compile": compile,
-           "dense_attention": dense, "activation_checkpointing": ckpt, "warmup_s": warmup_s,
+           "images_per_image_row": images, "dense_attention": dense, "activation_checkpointing": ckpt,
+           "warmup_s": warmup_s,
            "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens / step_s, "loss_last": record["loss"],
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
            "flops_per_token": flops_per_token(mcfg, ctx)}
     name = torch.cuda.get_device_name()
-    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    peak = None if images else next((v for k, v in PEAK_BF16.items() if k in name), None)
     if peak:
         out["mfu"] = out["flops_per_token"] * out["tokens_per_s"] / peak
     if profile:
@@ -257,7 +309,8 @@ def main(argv=None) -> int:
                    help="torch.compile each decoder layer (default on)")
     p.add_argument("--validate-block-idx", action="store_true",
                    help="keep the MSA ops' block_idx value checks (a host sync per call)")
-    p.add_argument("--only", default=None, help="comma-separated case prefixes to run (mfu, msa, dense)")
+    p.add_argument("--only", default="mfu,msa,dense",
+                   help="comma-separated case prefixes to run (mfu, msa, dense, vl: the vision-language model)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.train_throughput needs a CUDA GPU")
@@ -277,6 +330,9 @@ def main(argv=None) -> int:
                                                   profile=True),
         f"msa_{args.preset}_{args.long_ctx}": dict(ctx=args.long_ctx, ckpt=True),
         f"dense_{args.preset}_{args.long_ctx}": dict(ctx=args.long_ctx, ckpt=True, dense=True),
+        # native multimodal: half the rows text, half with 8 images each (2048 of 8192 tokens visual)
+        f"vl_{args.preset}_{args.mfu_ctx}": dict(ctx=args.mfu_ctx, rows=args.rows, micro_batch=args.micro_batch,
+                                                 profile=True, images=8),
     }
     if args.only:
         keep = tuple(args.only.split(","))

@@ -133,6 +133,9 @@ for s in "${stages[@]}"; do
         2>&1 | tee "$OUT/lsesweep.log" | grep median
       python3 -m benchmarks.msa_group_sweep --out "$OUT/lsesweep128" --rounds 2 --hq 64 --T 131072 --seq-len 131072 \
         --attn --kl --selkl "" "index_lse=1" 2>&1 | tee "$OUT/lsesweep128.log" | grep median ;;
+    vl)  # native multimodal training throughput of m3-small's VL model at 8K (half the rows with 8 images each)
+      python3 -m benchmarks.train_throughput --out "$OUT/vl" --only vl --steps 3 --warmup 2 --micro-batch 4 2>&1 \
+        | tee "$OUT/train_vl.log" | tail -2 | cut -c1-900 ;;
     mfulse)  # the 8K MFU case with the KL's student normaliser from the selection kernel (untimed in session 7)
       OPENM3_SELECT_LAUNCH=index_lse=1 python3 -m benchmarks.train_throughput --out "$OUT/mfulse" --only mfu \
         --steps 3 --warmup 2 2>&1 | tee "$OUT/train_mfulse.log" | tail -2 | cut -c1-700 ;;
