@@ -38,3 +38,29 @@ def test_serve_batching_benchmark_runs_on_cpu(tmp_path, capsys):
     (path,) = tmp_path.glob("serve_batching_*.json")
     rounds = json.loads(path.read_text())["rounds"]
     assert set(rounds) == {"1", "2"} and all(r["tokens_per_s"] > 0 for r in rounds.values())
+
+
+def test_train_throughput_image_rows_train_the_vl_model_on_cpu(tmp_path):
+    """The native multimodal case's rows (`RandomImageRows`): placeholder runs matching the images' visual tokens,
+    no loss on them, deterministic per step; one trainer step of m3-tiny's VL model runs on them."""
+    from benchmarks.train_throughput import RandomImageRows
+    from openm3.models.config import M3TextConfig
+    from openm3.models.multimodal import M3ForConditionalGeneration, M3VLConfig
+    from openm3.train.config import TrainConfig
+    from openm3.train.trainer import Trainer
+
+    text = M3TextConfig.from_name("m3-tiny")
+    vl = M3VLConfig.from_name("m3-tiny", image_token_index=text.vocab_size - 2, video_token_index=text.vocab_size - 1)
+    source = RandomImageRows(text.vocab_size, 1024, vl.image_token_index, 2)
+    (row,) = source.rows("image", 3, 1)
+    assert int((row.input_ids == vl.image_token_index).sum()) == 2 * 256
+    assert bool((row.labels[:-1][row.input_ids[1:] == vl.image_token_index] == -100).all())
+    assert row.vision["pixel_values"].shape == (2 * 1024, 3 * 2 * 14 * 14)
+    assert row.vision["image_grid_thw"].tolist() == [[1, 32, 32]] * 2
+    assert torch.equal(source.rows("image", 3, 1)[0].input_ids, row.input_ids)
+    assert int((source.rows("text", 3, 1)[0].input_ids >= text.vocab_size - 2).sum()) == 0  # no stray placeholder
+    cfg = TrainConfig(model="m3-tiny", steps=1, seq_len=1024, text_rows=1, micro_batch=2, warmup_steps=1,
+                      msa_switch_step=0, out_dir=str(tmp_path), progress=False, tensorboard=False, recipe="native",
+                      mixture={"text": 1.0, "image": 1.0})
+    record = Trainer(cfg, lambda: M3ForConditionalGeneration(vl), source).train_step()
+    assert record["loss"] > 0
