@@ -354,23 +354,20 @@ def test_kl_input_checks():
         indexer_kl(q, k, qi, ki, good, cu_q, block_size=16, lse=torch.zeros(20, 3, device=DEVICE))
     with pytest.raises(ValueError, match="index_scale"):
         indexer_kl(q, k, qi, ki, good, cu_q, block_size=16, index_scale=-1.0)
-    with pytest.raises(ValueError, match="kl launch"):
-        kl_launch(4, 16, 16, ON_GPU, heads_per_dot=8)
-    with pytest.raises(ValueError, match="maxnreg"):
-        kl_launch(4, 16, 16, ON_GPU, maxnreg=300)
-    with pytest.raises(ValueError, match="unroll_heads"):
-        kl_launch(4, 16, 16, ON_GPU, unroll_heads=2)
-    for bad in (torch.zeros(3, 20, device=DEVICE), torch.zeros(2, 20, dtype=torch.float64, device=DEVICE)):
-        with pytest.raises(ValueError, match=r"index_lse must be float32 of shape \[Hi, T\] = \[2, 20\]"):
+    for field, value, match in (("heads_per_dot", 8, "kl launch"), ("maxnreg", 300, "maxnreg"),
+                                ("unroll_heads", 2, "unroll_heads"), ("stats_block_q", 48, "stats_block_q"),
+                                ("stats_num_warps", 3, "stats_num_warps")):
+        with pytest.raises(ValueError, match=match):
+            kl_launch(4, 16, 16, ON_GPU, **{field: value})
+    for bad, match in ((torch.zeros(3, 20, device=DEVICE), r"index_lse must have shape \[Hi, T\] = \[2, 20\]"),
+                       (torch.zeros(2, 20, dtype=torch.float64, device=DEVICE),
+                        r"index_lse must be float32 of shape \[Hi, T\] = \[2, 20\]")):
+        with pytest.raises(ValueError, match=match):
             indexer_kl(q, k, qi, ki, good, cu_q, block_size=16, index_lse=bad)
     with pytest.raises(ValueError, match="index_lse: only for the sparse KL"):
         indexer_kl(q, k, qi, ki, None, cu_q, block_size=16, index_lse=torch.zeros(2, 20, device=DEVICE))
     with pytest.raises(ValueError, match="index_lse"):
         select_launch(4, 16, 16, ON_GPU, index_lse=2)
-    with pytest.raises(ValueError, match="stats_block_q"):
-        kl_launch(4, 16, 16, ON_GPU, stats_block_q=48)
-    with pytest.raises(ValueError, match="stats_num_warps"):
-        kl_launch(4, 16, 16, ON_GPU, stats_num_warps=3)
 
 
 def test_custom_ops_pass_opcheck():

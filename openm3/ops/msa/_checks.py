@@ -229,18 +229,23 @@ def check_block_idx(block_idx, *, num_heads: int, segments: list[Segment], block
         raise ValueError("block_idx must list each valid block at most once per (head, query)")
 
 
+def _check_normaliser(t, name: str, dims: str, shape: tuple[int, int], dtypes: tuple, device) -> None:
+    """`t` (a log-sum-exp table) is a tensor of `shape` (named `dims`), one of `dtypes`, on `device`."""
+    layout = f"[{dims}] = [{shape[0]}, {shape[1]}]"
+    kinds = "float32" + (" (or float64)" if torch.float64 in dtypes else "")
+    _check_tensor(t, name, 2, layout)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {layout}, got {_shape(t)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {kinds} of shape {layout}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the inputs' device {device}, got {t.device}")
+
+
 def check_lse(lse, num_queries: int, num_heads: int, device) -> None:
     """`lse` is None or fp32 `[T, Hq]`."""
-    if lse is None:
-        return
-    layout = f"[T, Hq] = [{num_queries}, {num_heads}]"
-    _check_tensor(lse, "lse", 2, layout)
-    if tuple(lse.shape) != (num_queries, num_heads):
-        raise ValueError(f"lse must have shape {layout}, got {_shape(lse)}")
-    if lse.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"lse must be float32 (or float64) of shape {layout}, got {lse.dtype}")
-    if lse.device != device:
-        raise ValueError(f"lse must be on the inputs' device {device}, got {lse.device}")
+    if lse is not None:
+        _check_normaliser(lse, "lse", "T, Hq", (num_queries, num_heads), (torch.float32, torch.float64), device)
 
 
 def check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, *, block_size, scale,
@@ -266,12 +271,7 @@ def check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, l
                         values=block_idx_values)
     check_lse(lse, q.shape[0], hq, q.device)
     if index_lse is not None:
-        layout = f"[Hi, T] = [{hkv}, {q.shape[0]}]"
         if block_idx is None:
             raise ValueError("index_lse: only for the sparse KL (a block_idx); the dense warm-up computes its own")
-        _check_tensor(index_lse, "index_lse", 2, layout)
-        if tuple(index_lse.shape) != (hkv, q.shape[0]) or index_lse.dtype != torch.float32:
-            raise ValueError(f"index_lse must be float32 of shape {layout}, got {index_lse.dtype} {_shape(index_lse)}")
-        if index_lse.device != q.device:
-            raise ValueError(f"index_lse must be on q's device {q.device}, got {index_lse.device}")
+        _check_normaliser(index_lse, "index_lse", "Hi, T", (hkv, q.shape[0]), (torch.float32,), q.device)
     return hq, hkv, d, di, segments
