@@ -9,9 +9,12 @@ times optimizer steps after warm-up (medians; the warm-up steps include compilat
 - `mfu_<preset>_<ctx>`: `m3-small` at 8K context; MFU = model FLOPs per token x tokens/s / peak bf16 FLOP/s.
   Model FLOPs per token = 6 x active matmul parameters (attention projections, index branch, dense MLP or the
   shared + top-k experts + router, lm_head; embeddings excluded) + attention: 6 x 2 x Hq x D x (keys per query)
-  per layer for QK^T and PV, forward + backward, where keys per query is ctx/2 for dense layers (causal) and
-  topk x block_size for MSA layers (what MSA computes); MSA layers add the block-selection scores over every causal
-  key (2 x Hi x Di x ctx/2, forward only) and the indexer KL over the selected keys.
+  per layer for QK^T and PV, forward + backward, where keys per query is the mean over positions of the causal
+  keys (ctx/2 + 1/2) for dense layers and of the selected causal keys for MSA layers (`mean_keys_per_query`:
+  every causal key while fewer than topk blocks exist, then topk - 1 full blocks plus the query's own block up to
+  it; at 8K 1,744 keys, not topk x block_size = 2,048 as sessions 1-7 counted, which overstated their MFU by ~3%
+  of itself); MSA layers add the block-selection scores over every causal key (2 x Hi x Di x causal keys, forward
+  only) and the indexer KL over the selected keys.
 - `vl_<preset>_<ctx>` (only with `--only vl`): the vision-language model trained natively at 8K, half the rows text
   and half with 8 random 448 x 448 images each; tokens/s and the profiled step (with its host-sync census), no MFU.
 - `msa_vs_dense_<ctx>`: the same model at 64K context with MSA layers, then with every layer dense
@@ -70,6 +73,18 @@ class RandomRows:
         return out
 
 
+def mean_keys_per_query(ctx: int, block_size: int | None = None, topk: int | None = None) -> float:
+    """Keys one query of a `ctx`-token sequence attends to, averaged over its positions t = 0 .. ctx - 1: t + 1
+    (causal) for dense attention; for MSA with `topk` blocks of `block_size`, every causal key while the query's
+    block is among the first `topk`, else `topk - 1` full earlier blocks plus the keys of its own block up to t."""
+    t = torch.arange(ctx, dtype=torch.float64)
+    if block_size is None:
+        return float((t + 1).mean())
+    own = torch.remainder(t, block_size) + 1
+    sparse = torch.where(t < topk * block_size, t + 1, (topk - 1) * block_size + own)
+    return float(sparse.mean())
+
+
 def flops_per_token(cfg, ctx: int) -> float:
     """Training FLOPs per token (see the module docstring)."""
     h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -79,12 +94,12 @@ def flops_per_token(cfg, ctx: int) -> float:
         params += h * d * (2 * hq + 2 * hkv)
         if cfg.layer_types[i] == "minimax_m3_sparse":
             params += h * cfg.index_head_dim * (cfg.index_n_heads + 1)
-            keys = min(ctx / 2, cfg.index_topk_blocks * cfg.index_block_size)
+            keys = mean_keys_per_query(ctx, cfg.index_block_size, cfg.index_topk_blocks)
             # block selection scores every causal key once (forward only; the KL then uses the selected keys)
-            attn += 2 * cfg.index_n_heads * cfg.index_head_dim * ctx / 2
+            attn += 2 * cfg.index_n_heads * cfg.index_head_dim * mean_keys_per_query(ctx)
             attn += 6 * 2 * cfg.index_n_heads * cfg.index_head_dim * keys  # indexer KL over the selected keys
         else:
-            keys = ctx / 2
+            keys = mean_keys_per_query(ctx)
         attn += 6 * 2 * hq * d * keys
         if cfg.mlp_layer_types[i] == "sparse":
             params += 3 * h * (cfg.intermediate_size * cfg.num_experts_per_tok + cfg.shared_intermediate_size)

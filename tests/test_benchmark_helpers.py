@@ -64,3 +64,20 @@ def test_train_throughput_image_rows_train_the_vl_model_on_cpu(tmp_path):
                       mixture={"text": 1.0, "image": 1.0})
     record = Trainer(cfg, lambda: M3ForConditionalGeneration(vl), source).train_step()
     assert record["loss"] > 0
+
+
+def test_mean_keys_per_query_counts_what_the_selection_lets_each_query_see():
+    """The MFU's attention FLOPs: the mean number of keys a query attends to, against the causal keys inside the
+    blocks the reference selection actually picks (lengths not multiples of the block, fewer blocks than topk)."""
+    from benchmarks.train_throughput import mean_keys_per_query
+    from openm3.ops.msa import reference
+
+    block, topk = 8, 3
+    for ctx in (5, 24, 37, 100):
+        g = torch.Generator().manual_seed(ctx)
+        qi, ki = torch.randn(ctx, 1, 4, generator=g), torch.randn(ctx, 4, generator=g)
+        cu = torch.tensor([0, ctx], dtype=torch.int32)
+        sel = reference.select_blocks(qi, ki, cu, block_size=block, topk=topk)[0]  # [T, topk]
+        seen = [sum(min(block, t + 1 - b * block) for b in sel[t].tolist() if b >= 0) for t in range(ctx)]
+        assert mean_keys_per_query(ctx, block, topk) == sum(seen) / ctx
+        assert mean_keys_per_query(ctx) == (ctx + 1) / 2
