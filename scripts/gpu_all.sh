@@ -142,6 +142,15 @@ for s in "${stages[@]}"; do
     train64lse)  # the 64K MSA case with the same (does the selection's extra exponentials cost more there?)
       OPENM3_SELECT_LAUNCH=index_lse=1 python3 -m benchmarks.train_throughput --out "$OUT/train64lse" --only msa \
         2>&1 | tee "$OUT/train64lse.log" | grep -E "tokens_per_s" | cut -c1-300 ;;
+    teachersweep)  # the KL with its teacher probabilities from a query-outer pass, G = 4 (2 x 8K) and M3 128K
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/teachersweep" --rounds 3 --attn --kl "" "teacher_pass=1" \
+        2>&1 | tee "$OUT/teachersweep.log" | grep median
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/teachersweep128" --rounds 2 --hq 64 --T 131072 \
+        --seq-len 131072 --attn --kl "" "teacher_pass=1" 2>&1 | tee "$OUT/teachersweep128.log" | grep median ;;
+    mfuteacher)  # the 8K MFU case with the teacher pass ($KL_AB: default teacher_pass=1; $SELECT_AB: selection)
+      OPENM3_KL_LAUNCH="${KL_AB:-teacher_pass=1}" OPENM3_SELECT_LAUNCH="${SELECT_AB:-}" python3 -m \
+        benchmarks.train_throughput --out "$OUT/mfuteacher" --only mfu --steps 3 --warmup 2 2>&1 \
+        | tee "$OUT/train_mfuteacher.log" | tail -2 | cut -c1-700 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm

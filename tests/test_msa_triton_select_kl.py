@@ -232,6 +232,17 @@ KL_CASES = [
     # the teacher heads as a kept loop: one head per dot (m3-small's GPU default), then two per dot
     ([70, 129], None, 16, 4, 16, 16, 32, 3, True, True, dict(block_n=16, heads_per_dot=1, unroll_heads=0)),
     ([100, 37, 163], None, 16, 2, 16, 16, 16, 4, True, False, dict(heads_per_dot=2, unroll_heads=0, maxnreg=128)),
+    # teacher probabilities from their own query-outer pass (union tiles of several tokens on CPU), read by the
+    # main pass: G = 1, 4, 16, without the attention's lse, bottom-right aligned queries, sub-tiles, split buckets
+    ([100, 37, 163], None, 4, 4, 16, 16, 16, 4, True, True, dict(teacher_pass=1)),
+    ([100, 37, 163], None, 16, 4, 16, 32, 16, 4, True, True, dict(teacher_pass=1)),
+    ([100, 37, 163], None, 16, 1, 32, 16, 16, 4, True, True, dict(teacher_pass=1)),
+    ([100, 37, 163], None, 16, 4, 16, 16, 32, 3, True, False, dict(teacher_pass=1)),
+    ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 4, True, True, dict(teacher_pass=1)),
+    ([70, 129], None, 8, 2, 16, 16, 32, 3, True, True, dict(teacher_pass=1, block_n=16, block_q=16, max_entries=16)),
+    # ... and where it does not apply (a group of 3 heads, the dense warm-up): the main pass recomputes
+    ([70, 129], None, 6, 2, 16, 16, 32, 3, True, True, dict(teacher_pass=1)),
+    ([70, 129], None, 16, 4, 16, 16, 16, 0, False, False, dict(teacher_pass=1)),
     # the first pass taller than the main pass (student logits only with lse given; teachers too without it)
     ([70, 129], None, 16, 4, 16, 16, 32, 3, True, True, dict(block_n=16, block_q=16, stats_block_q=64,
                                                              stats_num_warps=2)),
@@ -284,6 +295,48 @@ def test_kl_matches_reference(case):
     assert rel_err(loss, ref_loss) < 1e-4
     assert rel_err(dqi, ref_dqi) < 1e-4
     assert rel_err(dki, ref_dki) < 1e-4
+
+
+@pytest.mark.parametrize("lens,klens,hq,hkv", [([100, 37, 163], None, 16, 4), ([20, 37, 50], [100, 37, 163], 16, 1)])
+def test_teacher_pass_writes_each_entrys_probabilities(lens, klens, hq, hkv):
+    """`_teacher_pass` (query-outer, several tokens per tile on CPU) against the explicit mean over the group's
+    heads of exp(q.k * scale - lse) on the keys of each selected block, 0 beyond causality and the sequence."""
+    from openm3.ops.msa.triton_kl import _teacher_pass
+
+    bs, topk = 16, 4
+    q, k, _, _, block_idx, cu_q, cu_k, lse = make_kl_case(lens, klens, hq, hkv, 16, 16, bs, topk, True, True, 3)
+    cu_k = cu_q if cu_k is None else cu_k
+    teacher = _teacher_pass(q, k, lse, block_idx, cu_q, cu_k, bs, 0.25)
+    seq, qpos = query_positions(cu_q, cu_k, q.shape[0])
+    group, checked = hq // hkv, 0
+    for g in range(hkv):
+        for t in range(q.shape[0]):
+            k0, k1 = int(cu_k[seq[t]]), int(cu_k[seq[t] + 1])
+            for slot, b in enumerate(block_idx[g, t].tolist()):
+                if b < 0:
+                    continue
+                rows = torch.arange(k0 + b * bs, k0 + b * bs + bs)
+                ok = (rows < k1) & (rows <= qpos[t])
+                s = q[t, g * group:(g + 1) * group] @ k[rows.clamp_max(k.shape[0] - 1), g].T * 0.25
+                want = torch.where(ok, (s - lse[t, g * group:(g + 1) * group, None]).exp(), 0.0).mean(0)
+                torch.testing.assert_close(teacher[g, t, slot], want, rtol=1e-5, atol=1e-6)
+                checked += 1
+    assert checked == int((block_idx >= 0).sum()) > 0
+
+
+def test_kl_teacher_pass_runs_where_it_applies(monkeypatch):
+    """teacher_pass=1 takes the teacher pass for a sparse KL with a power-of-two group, and not for a group of 3
+    heads or the dense warm-up (whose results the KL cases above check either way)."""
+    from openm3.ops.msa import triton_kl
+
+    calls = []
+    real = triton_kl._teacher_pass
+    monkeypatch.setattr(triton_kl, "_teacher_pass", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    for hq, sparse in ((8, True), (6, True), (8, False)):
+        q, k, qi, ki, block_idx, cu_q, _, lse = make_kl_case([40, 30], None, hq, 2, 16, 16, 16, 3, sparse, sparse)
+        launch = kl_launch(hq // 2, 16, 16, ON_GPU, teacher_pass=1)
+        _kl_forward(q, k, qi, ki, block_idx, cu_q, cu_q, lse, 16, 0.25, 0.25, True, launch=launch)
+    assert calls == [8]
 
 
 def test_kl_public_autograd_scales_gradients():
@@ -356,7 +409,7 @@ def test_kl_input_checks():
         indexer_kl(q, k, qi, ki, good, cu_q, block_size=16, index_scale=-1.0)
     for field, value, match in (("heads_per_dot", 8, "kl launch"), ("maxnreg", 300, "maxnreg"),
                                 ("unroll_heads", 2, "unroll_heads"), ("stats_block_q", 48, "stats_block_q"),
-                                ("stats_num_warps", 3, "stats_num_warps")):
+                                ("stats_num_warps", 3, "stats_num_warps"), ("teacher_pass", 2, "teacher_pass")):
         with pytest.raises(ValueError, match=match):
             kl_launch(4, 16, 16, ON_GPU, **{field: value})
     for bad, match in ((torch.zeros(3, 20, device=DEVICE), r"index_lse must have shape \[Hi, T\] = \[2, 20\]"),

@@ -9,7 +9,8 @@
    (`benchmarks.msa_select_kl.kl_bf16_torch`), the flash-attention test bound.
 2. Small varlen fp32 shapes with group sizes 1, 4, 16 compiled for the GPU (tl.dot tile minimums, register
    layouts) against the reference, like the CPU tests under the interpreter; also the pointer-load selection and
-   the KL's opt-in launch paths (dqi partial buffer, L2 prefetch: inline PTX, which the interpreter cannot run).
+   the KL's opt-in launch paths (dqi partial buffer, L2 prefetch: inline PTX, which the interpreter cannot run;
+   the teacher pass, also in bf16 at M3's and m3-small's groups).
 """
 
 from __future__ import annotations
@@ -50,6 +51,21 @@ def test_m3_bf16_kl_without_lse_and_dense(bench):
         assert res["passed"], (sparse, res)
 
 
+@pytest.mark.parametrize("t, hq", [(4096, 64), (131072, 64), (16384, 16)],
+                         ids=["T4096-G16", "T131072-G16", "T16384-G4"])
+def test_bf16_kl_with_the_teacher_pass(bench, monkeypatch, t, hq):
+    """The opt-in teacher pass (`OPENM3_KL_LAUNCH=teacher_pass=1`: fp16 teacher probabilities from a query-outer
+    pass, read by the main pass) within 2x the bf16 PyTorch error, at M3's group of 16 and m3-small's 4."""
+    from openm3.ops.msa import triton_kl
+
+    calls = []
+    real = triton_kl._teacher_pass
+    monkeypatch.setattr(triton_kl, "_teacher_pass", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("OPENM3_KL_LAUNCH", "teacher_pass=1")
+    kl = bench.check_kl(bench.m3_inputs(t, hq=hq), TAIL, sparse=True, with_lse=True)
+    assert calls and kl["passed"], kl
+
+
 def _cu(lens):
     out = [0]
     for n in lens:
@@ -88,12 +104,14 @@ def test_varlen_fp32_matches_reference(hq, hkv, bs):
         for mine, ref in zip(*grads):
             err = ((mine - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-4, (sel is None, lse_in is None, err)
-        # The opt-in launch paths (dL/dqi partial buffer, L2 prefetch of q rows) give the same values.
-        launch = kl_launch(hq // hkv, max(d, di), bs, True, dqi_buffer=1, prefetch=1)
-        opt = _kl_forward(q, k, qi, ki, sel, cu_q, cu_q, lse_in, bs, d ** -0.5, di ** -0.5, True, launch=launch)
-        for mine, ref in zip(opt, grads[1]):
-            err = ((mine - ref).abs().max() / ref.abs().max()).item()
-            assert err < 1e-4, ("dqi_buffer+prefetch", sel is None, lse_in is None, err)
+        # The opt-in launch paths (dL/dqi partial buffer, L2 prefetch of q rows; the teacher pass) give the same
+        # values.
+        for over in (dict(dqi_buffer=1, prefetch=1), dict(teacher_pass=1)):
+            launch = kl_launch(hq // hkv, max(d, di), bs, True, **over)
+            opt = _kl_forward(q, k, qi, ki, sel, cu_q, cu_q, lse_in, bs, d ** -0.5, di ** -0.5, True, launch=launch)
+            for mine, ref in zip(opt, grads[1]):
+                err = ((mine - ref).abs().max() / ref.abs().max()).item()
+                assert err < 1e-4, (over, sel is None, lse_in is None, err)
 
 
 def test_index_lse_from_the_selection_bf16(monkeypatch):

@@ -46,8 +46,10 @@ import triton.language as tl
 
 from ..fused import fused_on_cuda
 from ._checks import check_indexer_kl_inputs
-from .triton_common import (block_rows, bucket_runs, interpreting, largest_pow2_divisor, next_pow2, query_positions,
-                            selection_buckets, with_overrides)
+from .triton_attention import _key_operands, _load_tile_rows, _tile_scores, _tile_walk
+from .triton_common import (absolute_block_starts, attention_launch, block_rows, bucket_runs, interpreting,
+                            largest_pow2_divisor, next_pow2, query_positions, selection_buckets, tile_candidates,
+                            with_overrides)
 
 __all__ = ["indexer_kl", "kl_launch", "KLLaunch"]
 
@@ -90,6 +92,12 @@ class KLLaunch:
         first pass (partial log-sum-exps), 0 = the main pass's block_q / num_warps / num_stages. With the
         attention's lse given it only computes student logits (one [stats_block_q, Di] x [Di, block_n] dot per
         step after gathering the entries' qi rows), so it may want taller or pipelined steps.
+    teacher_pass: 1 computes the teacher probabilities before the main pass, query-outer with the attention
+        forward's tiling (`_teacher_kernel`: K loaded once per tile of queries, all G heads of a token in one
+        dot), into a `[Hi, T, topk, block_size]` buffer (fp16; fp32 for fp32 inputs) that the main pass reads per
+        entry instead of gathering G q rows per entry and recomputing the scores; 0 recomputes them in the main
+        pass. Sparse KL with a power-of-two group only (else, or when the buffer would exceed
+        `TEACHER_MAX_BYTES`, the main pass recomputes).
     """
 
     block_n: int
@@ -106,11 +114,14 @@ class KLLaunch:
     stats_block_q: int = 0
     stats_num_warps: int = 0
     stats_num_stages: int = 0
+    teacher_pass: int = 0
 
 
 _ENV_OVERRIDE = "OPENM3_KL_LAUNCH"
 # Largest dL/dqi partial buffer (dqi_buffer=1): 4.3 GB at 128K tokens for M3 (bf16, 2 sub-tiles per block).
 DQI_BUFFER_MAX_BYTES = 8 << 30
+# Largest teacher buffer (teacher_pass=1): 2.1 GB at 128K tokens for M3 (fp16), 1.1 GB for m3-small's 8K step.
+TEACHER_MAX_BYTES = 8 << 30
 
 
 def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overrides) -> KLLaunch:
@@ -154,6 +165,8 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
         raise ValueError(f"kl launch: prefetch={launch.prefetch} must be >= 0")
     if launch.compact_items not in (0, 1):
         raise ValueError(f"kl launch: compact_items={launch.compact_items} must be 0 or 1")
+    if launch.teacher_pass not in (0, 1):
+        raise ValueError(f"kl launch: teacher_pass={launch.teacher_pass} must be 0 or 1")
     if launch.unroll_heads not in (0, 1):
         raise ValueError(f"kl launch: unroll_heads={launch.unroll_heads} must be 0 or 1")
     if launch.maxnreg < 0 or launch.maxnreg > 255:
@@ -304,8 +317,73 @@ def _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_q
 
 
 @triton.jit
+def _teacher_kernel(
+    Q, K, LSE, QPOS, MEMB, CAND, NCAND, SEL, TEACH,
+    T, Tk, n_tiles, cand_stride, stride_qt, stride_qh, stride_kt, stride_kh, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, DOT_PRECISION: tl.constexpr, WHILE_LOOPS: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Teacher probabilities of one query tile of the attention forward's tiling (grid: n_tiles x Hkv): for each
+    of the tile's candidate key tiles, p = exp(s - lse) of all BLOCK_M rows (token, head) in one dot, the mean over
+    each token's GROUP heads, stored for the tokens that selected the block at TEACH[g, t, slot, key in block].
+    SEL [Hkv, T, TOPK] holds the absolute first key row of each slot's block (-1 unused), so a token finds the
+    slot of a candidate block by comparing; LSE is [T, Hq] fp32 (natural log)."""
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    num_heads = GROUP * tl.num_programs(1)
+    tok, head, row_ok, d, d_ok, q, qpos, row_token = _load_tile_rows(
+        Q, QPOS, tile, g, T, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, TOKENS)
+    lse = tl.load(LSE + tok.to(tl.int64) * num_heads + head, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # no keys: p = 0
+    # the tile's tokens (BLOCK_M // GROUP rows, TOKENS of them real) and their slots' block starts
+    TM: tl.constexpr = BLOCK_M // GROUP
+    r = tl.arange(0, TM)
+    t_tok = tile * TOKENS + r
+    t_ok = (r < TOKENS) & (t_tok < T)
+    slots = tl.arange(0, BLOCK_TOPK)
+    sel_rows = (g * T + t_tok).to(tl.int64) * TOPK
+    sel = tl.load(SEL + sel_rows[:, None] + slots[None, :], mask=t_ok[:, None] & (slots < TOPK)[None, :], other=-2)
+    col = tl.arange(0, BLOCK_N)
+    N_SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    cand_base, memb_base, n_steps = _tile_walk(CAND, MEMB, NCAND, tile, g, n_tiles, cand_stride, N_SUB)
+    if WHILE_LOOPS:  # the CPU interpreter cannot use a loaded scalar as a range() bound
+        step = 0
+        while step < n_steps:
+            _teacher_step(q, qpos, row_token, lse2, sel, sel_rows, t_ok, slots, col, K, TEACH, cand_base, memb_base,
+                          step, g, d, d_ok, Tk, stride_kt, stride_kh, qk_scale, GROUP, BLOCK_SIZE, BLOCK_M, N_SUB,
+                          BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
+            step += 1
+    else:
+        for step in range(0, n_steps):
+            _teacher_step(q, qpos, row_token, lse2, sel, sel_rows, t_ok, slots, col, K, TEACH, cand_base, memb_base,
+                          step, g, d, d_ok, Tk, stride_kt, stride_kh, qk_scale, GROUP, BLOCK_SIZE, BLOCK_M, N_SUB,
+                          BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
+
+
+@triton.jit
+def _teacher_step(q, qpos, row_token, lse2, sel, sel_rows, t_ok, slots, col, K, TEACH, cand_base, memb_base, step,
+                  g, d, d_ok, Tk, stride_kt, stride_kh, qk_scale, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """One candidate key tile of `_teacher_kernel`."""
+    row0, kpos, k_ok, k, s, visible = _tile_scores(q, qpos, row_token, K, cand_base, memb_base, step, g, d, d_ok,
+                                                   Tk, stride_kt, stride_kh, qk_scale, N_SUB, BLOCK_N, BLOCK_D,
+                                                   TOKENS, DOT_PRECISION, USE_TMA)
+    p = tl.where(visible, tl.math.exp2(tl.minimum(s - lse2[:, None], 0.0)), 0.0)  # p <= 1 (lse from bf16 runs)
+    p = tl.sum(tl.reshape(p, [BLOCK_M // GROUP, GROUP, BLOCK_N]), 1) * (1.0 / GROUP)
+    start = tl.load(cand_base + step // N_SUB)
+    hit = sel == start
+    slot = tl.sum(tl.where(hit, slots[None, :], 0), 1)
+    chosen = t_ok & (tl.max(hit.to(tl.int32), 1) > 0)
+    key = (step % N_SUB) * BLOCK_N + col
+    ptrs = TEACH + (sel_rows + slot)[:, None] * BLOCK_SIZE + key[None, :]
+    tl.store(ptrs, p.to(TEACH.dtype.element_ty), mask=chosen[:, None] & (key < BLOCK_SIZE)[None, :])
+
+
+@triton.jit
 def _kl_main_kernel(
-    Q, K, QI, KI, ENTRIES, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, QPOS, LSE, LSE_Z, LOSS, DQI, DQB, DKI,
+    Q, K, QI, KI, ENTRIES, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, QPOS, LSE, LSE_Z, LOSS, DQI, DQB, DKI, TEACH,
     T, stride_qt, stride_qh, stride_kt, stride_kh, stride_qit, stride_qih, stride_kit, stride_lt,
     stride_dqt, stride_dqh, stride_dkt, scale, index_scale, grad_coef,
     GROUP: tl.constexpr, TOPK: tl.constexpr, N_SUB: tl.constexpr,
@@ -313,11 +391,13 @@ def _kl_main_kernel(
     BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, HG: tl.constexpr, GRAD: tl.constexpr, DQI_BUF: tl.constexpr,
     PREFETCH: tl.constexpr, LINES: tl.constexpr, ROW_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     UNROLL_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
+    HAS_TEACHER: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """Loss term per (entry, key sub-tile) into LOSS[e * N_SUB + sub]. If GRAD: dL/dki into DKI [Tk, Di] (fp32
     atomic adds, scaled by grad_coef = index_scale / (Hi T)) and dL/dqi either into DQI [T, Hi, Di] (fp32 atomic
     adds, scaled) or, with DQI_BUF, as unscaled partial rows DQB[e * N_SUB + sub, :] (plain stores; the host sums
-    them over the slots and scales)."""
+    them over the slots and scales). With HAS_TEACHER the teacher probabilities are read from TEACH [E, BLOCK_SIZE]
+    (`_teacher_kernel`; row e is entry e's block) instead of recomputed from Q, K and LSE."""
     sub, lo, hi, g, kpos, k_ok, d, d_ok, di, di_ok, k_t, ki = _item_tiles(
         K, KI, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, stride_kt, stride_kh, stride_kit,
         N_SUB, HEAD_DIM, BLOCK_D, INDEX_DIM, BLOCK_DI, BLOCK_N)
@@ -333,17 +413,23 @@ def _kl_main_kernel(
         e, e_ok, t, qi, z, vis = _student_step(QI, ENTRIES, QPOS, ki, start, hi, g, kpos, k_ok, di, di_ok, T,
                                                stride_qit, stride_qih, index_scale, TOPK, BLOCK_Q, INDEX_PRECISION)
         lse_z = tl.load(LSE_Z + g * T + t, mask=e_ok, other=0.0)
-        # Teacher: mean over the group's heads of exp(s - lse), HG heads per dot.
-        p = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
-        if UNROLL_HEADS:
-            for hs in tl.static_range(GROUP // HG):
-                p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
-                                 stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
-        else:  # a loop the compiler keeps: fewer registers live (G = 4: 215 instead of 255 + spills)
-            for hs in tl.range(0, GROUP // HG, num_stages=1):
-                p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
-                                 stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
-        p = tl.where(vis, p * (1.0 / GROUP), 0.0)
+        if HAS_TEACHER:
+            key = sub * BLOCK_N + tl.arange(0, BLOCK_N)
+            p = tl.load(TEACH + e[:, None].to(tl.int64) * BLOCK_SIZE + key[None, :],
+                        mask=e_ok[:, None] & (key < BLOCK_SIZE)[None, :], other=0.0).to(tl.float32)
+            p = tl.where(vis, p, 0.0)
+        else:
+            # Teacher: mean over the group's heads of exp(s - lse), HG heads per dot.
+            p = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
+            if UNROLL_HEADS:
+                for hs in tl.static_range(GROUP // HG):
+                    p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
+                                     stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
+            else:  # a loop the compiler keeps: fewer registers live (G = 4: 215 instead of 255 + spills)
+                for hs in tl.range(0, GROUP // HG, num_stages=1):
+                    p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
+                                     stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
+            p = tl.where(vis, p * (1.0 / GROUP), 0.0)
         log_r = z - lse_z[:, None]
         term = tl.where(p > 0, p * (tl.log(tl.where(p > 0, p, 1.0)) - log_r), 0.0)
         tl.store(LOSS + e.to(tl.int64) * N_SUB + sub, tl.sum(term, 1), mask=e_ok)
@@ -454,6 +540,7 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     if launch is None:
         launch = kl_launch(group, max(d, di), block_size, q.is_cuda)
     seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
+    dense = block_idx
     if block_idx is None:
         cu_k = cu_seqlens_k.to(torch.int64)
         qpos_rel = qpos.to(torch.int64) - cu_k[seq]
@@ -492,6 +579,11 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
             del a_part
     lse = lse.to(torch.float32).contiguous()
 
+    teacher = None
+    if (launch.teacher_pass and dense is None and group & (group - 1) == 0
+            and hkv * t * topk * block_size * (4 if q.dtype == torch.float32 else 2) <= TEACHER_MAX_BYTES):
+        teacher = _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
+
     # Pass 2: loss terms and gradients.
     loss_part = torch.zeros((hkv, t, topk * n_sub), dtype=torch.float32, device=device)
     count = t * hkv
@@ -500,15 +592,45 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     if need_grad and launch.dqi_buffer and hkv * t * topk * n_sub * di * qi.element_size() <= DQI_BUFFER_MAX_BYTES:
         dq_part = torch.zeros((hkv, t, topk * n_sub, di), dtype=qi.dtype, device=device)
     _kl_main_kernel[grid](q, k, qi, ki, *items, lse, lse_z, loss_part, dqi, dqi if dq_part is None else dq_part,
-                          dki, t, *strides, lse.stride(0), dqi.stride(0), dqi.stride(1), dki.stride(0),
+                          dki, dki if teacher is None else teacher,
+                          t, *strides, lse.stride(0), dqi.stride(0), dqi.stride(1), dki.stride(0),
                           scale, index_scale, index_scale / count, GRAD=need_grad, DQI_BUF=dq_part is not None,
                           PREFETCH=0 if interpreting() else launch.prefetch,
                           LINES=next_pow2(row_lines), ROW_LINES=row_lines, LINE_ELEMS=128 // q.element_size(),
-                          UNROLL_HEADS=bool(launch.unroll_heads), **common,
+                          UNROLL_HEADS=bool(launch.unroll_heads), HAS_TEACHER=teacher is not None,
+                          BLOCK_SIZE=block_size, **common,
                           **({"maxnreg": launch.maxnreg} if launch.maxnreg and not interpreting() else {}))
     if dq_part is not None:
         dqi = (dq_part.sum(2, dtype=torch.float32) * (index_scale / count)).transpose(0, 1).contiguous()
     return loss_part.sum() / count, dqi, dki
+
+
+def _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float) -> torch.Tensor:
+    """Teacher probabilities [Hkv, T, topk, block_size] (`_teacher_kernel`; fp16, fp32 for fp32 inputs): entry
+    (g, t, slot)'s row holds the mean over g's heads of exp(q.k * scale - lse) over the keys of its block, 0 for
+    keys it cannot see. Rows of unused slots are left unwritten (the main pass reads valid entries only)."""
+    t, hq, dim = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    topk = block_idx.shape[2]
+    launch = attention_launch(group, dim, block_size, q.dtype, q.is_cuda)
+    tokens = launch.tokens_per_tile(group)
+    seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
+    sel = absolute_block_starts(block_idx, seq, cu_seqlens_k, block_size).contiguous()
+    cand, ncand, members = tile_candidates(sel, tokens, k.shape[0])
+    members = cand if members is None else members  # one-token tiles never read it
+    teacher = torch.empty((hkv, t, topk, block_size), device=q.device,
+                          dtype=torch.float32 if q.dtype == torch.float32 else torch.float16)
+    kd, _, use_tma = _key_operands(k, k, launch.tma, launch.block_n)
+    _teacher_kernel[(cand.shape[1], hkv)](
+        q, kd, lse, qpos, members, cand, ncand, sel, teacher,
+        t, k.shape[0], cand.shape[1], cand.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        scale * 1.4426950408889634,
+        GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_SIZE=block_size, BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n, TOKENS=tokens, TOPK=topk, BLOCK_TOPK=next_pow2(topk),
+        DOT_PRECISION=_dot_precision(q.dtype), WHILE_LOOPS=interpreting(), USE_TMA=use_tma,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return teacher
 
 
 @torch.library.custom_op("openm3::msa_indexer_kl", mutates_args=())
