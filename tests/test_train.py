@@ -192,6 +192,37 @@ def test_resume_is_exact_and_ignores_an_interrupted_checkpoint(tmp_path):
     assert not (tmp_path / "cut" / "checkpoints" / "step_00000005.tmp").exists()  # cleaned by the next save
 
 
+def test_prefetched_rows_change_nothing(tmp_path):
+    """prefetch=on builds each next step's rows in a background thread while the step runs: the same losses as
+    without, exactly, from the same rows; the source's error reaches the training loop at its step."""
+    import threading
+
+    class Recording(ToySource):
+        def __init__(self, fail_at=None):
+            super().__init__(seq_len=24)
+            self.threads, self.fail_at = {}, fail_at
+
+        def rows(self, kind, step, count):
+            self.threads[step] = threading.current_thread().name
+            if step == self.fail_at:
+                raise OSError(f"corrupt shard at step {step}")
+            return super().rows(kind, step, count)
+
+    plain = Trainer(toy_cfg(tmp_path, "plain", steps=5, prefetch="off"), ToyLM, ToySource()).fit()
+    source = Recording()
+    ahead = Trainer(toy_cfg(tmp_path, "ahead", steps=5, prefetch="on"), ToyLM, source)
+    assert [r["loss"] for r in ahead.fit()] == [r["loss"] for r in plain]
+    ahead.close()
+    assert sorted(source.threads) == [0, 1, 2, 3, 4]  # each step built once, none past the last
+    assert source.threads[0] == "MainThread" and all(source.threads[s].startswith("openm3-rows") for s in (1, 4))
+    failing = Trainer(toy_cfg(tmp_path, "fail", steps=5, prefetch="on"), ToyLM, Recording(fail_at=3))
+    with pytest.raises(OSError, match="corrupt shard at step 3"):
+        failing.fit()
+    assert failing.step == 3
+    with pytest.raises(ValueError, match="prefetch must be auto|on|off"):
+        toy_cfg(tmp_path, prefetch="yes")
+
+
 def test_resume_restores_rng_and_scheduler(tmp_path):
     cfg = toy_cfg(tmp_path, steps=6)
     t = Trainer(cfg, ToyLM, ToySource())

@@ -171,7 +171,10 @@ class M3ForConditionalGeneration(nn.Module):
             tokens = self.visual_tokens(pixels, grid, frames_per_clip if kind == "video" else None)
             if not checked and int(slots.sum()) != tokens.shape[0]:
                 _placeholder_error(kind, int(slots.sum()), tokens.shape[0])
-            embeds = embeds.masked_scatter(slots[:, None], tokens.to(embeds.dtype))
+            # The placeholder positions with their count known (from the grid): no device sync, and the backward
+            # gathers (masked_scatter's backward is a masked_select, which reads its output size back).
+            where = torch.nonzero_static(slots, size=tokens.shape[0]).squeeze(1)
+            embeds = embeds.index_copy(0, where, tokens.to(embeds.dtype))
         return embeds
 
     def check_visual_placeholders(self, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None = None,

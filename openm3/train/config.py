@@ -67,6 +67,9 @@ class TrainConfig:
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer (openm3.train.distributed.apply_compile)
     compile_backend: str = "inductor"  # any torch.compile backend ("aot_eager": trace without code generation)
+    # auto | on | off: build the next step's rows (data reading, tokenising, image preprocessing) in a background
+    # thread while this step runs; auto = on when training on a GPU (on a CPU it would take cores from compute)
+    prefetch: str = "auto"
     extra: dict = field(default_factory=dict)  # free-form settings for data/model factories
 
     def __post_init__(self):
@@ -86,6 +89,8 @@ class TrainConfig:
                              f"{self.aux_loss_weight}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
+        if self.prefetch not in ("auto", "on", "off"):
+            raise ValueError(f"prefetch must be auto|on|off, got {self.prefetch!r}")
         if self.param_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"param_dtype must be auto|float32|bfloat16, got {self.param_dtype!r}")
         self.plan()  # validates recipe, schedule (decay before warmup) and mixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -106,6 +107,10 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints", self.info, cfg.keep_checkpoints)
         self.logger = MetricsLogger(self.out_dir, enabled=self.info.is_main, tensorboard=cfg.tensorboard)
         self.history: list[dict] = []
+        on_gpu = self.info.device.type == "cuda"
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="openm3-rows") \
+            if cfg.prefetch == "on" or (cfg.prefetch == "auto" and on_gpu) else None
+        self._ahead: tuple[int, Future] | None = None  # (step, its rows being built)
 
     def _seeded(self, build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
         def wrapped() -> nn.Module:
@@ -145,7 +150,7 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, info, step = self.cfg, self.info, self.step
         t0 = time.perf_counter()
-        rows = step_rows(self.source, self.plan.rows(step), step)
+        rows = self._rows(step)
         micro = shard_micro_batches(rows, info.rank, info.world_size, cfg.micro_batch)
         counts = [sum(b.num_loss_tokens for b in micro), sum(b.num_tokens for b in micro)]
         if info.distributed:
@@ -182,6 +187,22 @@ class Trainer:
         if has_aux:
             record["aux_loss"] = aux
         return record
+
+    def _rows(self, step: int) -> list:
+        """The rows of `step` (from the background thread when it built them ahead), and the next step's rows
+        started in the background. Rows depend on the step alone (`RowSource` contract), so building them early
+        changes nothing, resumes included."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            rows = ahead[1].result()  # re-raises the background thread's error here
+        else:
+            if ahead is not None:
+                ahead[1].cancel()
+            rows = step_rows(self.source, self.plan.rows(step), step)
+        if self._prefetcher is not None and step + 1 < self.plan.steps:
+            self._ahead = (step + 1, self._prefetcher.submit(step_rows, self.source, self.plan.rows(step + 1),
+                                                             step + 1))
+        return rows
 
     def _forward_backward(self, micro: list[Batch], stage: str, n_tok: float, n_loss: float):
         """Forward and backward of every micro-batch (gradients accumulate). Returns the device sums (lm CE,
@@ -269,4 +290,6 @@ class Trainer:
         return self.history
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
         self.logger.close()

@@ -84,7 +84,7 @@ def test_remember_host_list_serves_the_values_until_a_write():
 def test_vl_embed_reads_nothing_back_when_the_caller_checked():
     """The VL model's embedding of a batch `Batch.to` copied (grids' host values handed over) inside
     `input_ids_checked_by_caller`: no device sync (grid reads, placeholder counts, position and cu_seqlens
-    copies), same result as without."""
+    copies), same result as without; nor in its backward (the features' gradient is a gather)."""
     from openm3.models.multimodal import M3ForConditionalGeneration, M3VLConfig
     from openm3.models.text import input_ids_checked_by_caller
     from openm3.train.batches import Batch
@@ -110,3 +110,14 @@ def test_vl_embed_reads_nothing_back_when_the_caller_checked():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want)
+    # ... and its backward into the vision tower reads nothing back either
+    model.zero_grad()
+    with input_ids_checked_by_caller(model):
+        out = model.embed(moved.input_ids, moved.vision["pixel_values"], moved.vision["image_grid_thw"])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out.square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert model.multi_modal_projector.linear_1.weight.grad.abs().sum() > 0
