@@ -2,7 +2,8 @@
 
 `BatchedGenerator(model, token_budget=...)` owns one paged cache and a worker thread. Each call
 
-    finish_reason = gen(prompt_ids, max_new_tokens=..., sampling=..., stop_tokens=..., seed=..., on_token=fn)
+    finish_reason = gen(prompt_ids, max_new_tokens=..., sampling=..., stop_tokens=..., seed=..., on_token=fn,
+                        images=None)
 
 blocks its caller until that request ends, while the worker runs all admitted requests together: between decode
 steps it admits waiting requests whose pages fit (first come, first served; a request waits while the cache is
@@ -13,7 +14,9 @@ caller: that is how a server ends a request early), and its pages go back to the
 
 Each request samples with its own generator seeded by `seed`, so its tokens equal `generate(model, [prompt],
 seed=seed, ...)`'s up to the float rounding of a batched forward. The running batch pauses while new requests
-prefill (no chunk interleaving).
+prefill (no chunk interleaving). Over a VL model (`M3ForConditionalGeneration`) a request may carry its images
+(`images=(pixel_values, grid_thw)`); its prompt is embedded once when it is admitted, and it decodes beside text
+requests as one of them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .cache import CacheLayout, PagedCache, plan_cache
 from .generate import check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, sample
-from .scheduler import decode_step, prefill
+from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill, text_model
 
 __all__ = ["BatchedGenerator"]
 
@@ -44,6 +47,7 @@ class _Request:
     stop_tokens: frozenset
     on_token: Callable[[int], None]
     gen: torch.Generator
+    images: PromptImages | None = None
     id: int = -1
     produced: int = 0
     last: int = -1
@@ -58,6 +62,7 @@ class BatchedGenerator:
     token_budget: tokens the cache is planned for (all running requests' prompt + max_new_tokens together);
     max_batch: most requests decoded together; chunk_size: prefill tokens per forward; index_dtype: as in
     `generate`; cuda_graphs: decode steps through CUDA graphs (default: on when the model is on a CUDA device).
+    model: an `M3TextModel` or an `M3ForConditionalGeneration` (`vl_config` is then its config, else None).
     The signature of a call is the `Backend` protocol of `openm3.serve`, and `concurrent = True` tells the server
     not to serialise calls.
     """
@@ -71,15 +76,17 @@ class BatchedGenerator:
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.model = model
-        self.config = model.config
-        param = next(model.parameters())
+        self.text = text_model(model)
+        self.config = self.text.config
+        self.vl_config = model.config if is_vision_language(model) else None
+        param = next(self.text.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.plan = plan_cache(CacheLayout.from_config(self.config), token_budget, kv_dtype=self.dtype,
                                index_dtype=index_dtype)
         self.cache = PagedCache(self.plan, self.device)
         self.max_batch, self.chunk_size = max_batch, chunk_size
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.graphs = DecodeGraphs(model, self.cache) if use_graphs else None
+        self.graphs = DecodeGraphs(self.text, self.cache) if use_graphs else None
         self.vocab_size = self.config.vocab_size
         self.steps = 0  # decode steps run
         self.batch_sizes: collections.Counter = collections.Counter()  # decode steps per batch size
@@ -95,18 +102,20 @@ class BatchedGenerator:
 
     def __call__(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  stop_tokens: Sequence[int] = (), seed: int = 0, on_token: Callable[[int], None] = lambda _t: None,
-                 ) -> str:
+                 images: PromptImages | tuple | None = None) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
-        returns 'stop' or 'length' when it ends. ValueError for a bad request or one that can never fit the cache;
+        returns 'stop' or 'length' when it ends. images: `(pixel_values, grid_thw)` of the prompt's image
+        placeholders (VL models only). ValueError for a bad request or one that can never fit the cache;
         an exception raised by `on_token` ends the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
+        (vision,) = check_images(self.model, [ids], None if images is None else [images])
         pages = self.cache.pages_for(ids.numel() + max_new_tokens)
         if pages > self.plan.num_pages:
             raise ValueError(f"a prompt of {ids.numel()} tokens + max_new_tokens={max_new_tokens} needs {pages} "
                              f"pages but the cache holds {self.plan.num_pages} "
                              f"({self.plan.token_capacity} tokens); raise the token budget")
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen)
+        req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen, vision)
         self._start()
         self._inbox.put(req)
         req.done.wait()
@@ -170,11 +179,13 @@ class BatchedGenerator:
             return
         try:
             logits = prefill(self.model, self.cache, [r.id for r in new], [r.prompt for r in new],
-                             chunk_size=self.chunk_size)
+                             chunk_size=self.chunk_size, images=[r.images for r in new])
         except Exception as e:  # noqa: BLE001 - the requests of this forward fail, the worker goes on
             for req in new:
                 self._end(req, error=e)
             return
+        for req in new:
+            req.images = None  # embedded: the pixels are not needed any more
         self._running.extend(new)
         self._emit(new, logits)
 
@@ -183,7 +194,7 @@ class BatchedGenerator:
         feed = torch.tensor([r.last for r in batch], dtype=torch.int64, device=self.device)
         ids = [r.id for r in batch]
         try:
-            logits = self.graphs.step(ids, feed) if self.graphs else decode_step(self.model, self.cache, ids, feed)
+            logits = self.graphs.step(ids, feed) if self.graphs else decode_step(self.text, self.cache, ids, feed)
         except Exception as e:  # noqa: BLE001
             for req in batch:
                 self._end(req, error=e)

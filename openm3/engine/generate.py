@@ -5,9 +5,10 @@
     python -m openm3.engine.generate --preset m3-small --random-prompt 1048576 --max-new-tokens 32   # on a GPU
 
 `generate(model, prompts, ...)` admits the whole batch to a cache planned from its token budget (refused before
-any work if it does not fit), prefills the prompts in chunks, then decodes one token per running sequence per
-step until each hits a stop token or `max_new_tokens`. It reports time to first token, prefill and decode
-throughput, and on CUDA the peak memory against the plan (weights + cache + an estimate of the chunk's workspace).
+any work if it does not fit), prefills the prompts in chunks (a VL model's prompts with their images: the vision
+tower runs once per prompt), then decodes one token per running sequence per step until each hits a stop token or
+`max_new_tokens`. It reports time to first token, prefill and decode throughput, and on CUDA the peak memory
+against the plan (weights + cache + an estimate of the chunk's workspace).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, sample
-from .scheduler import decode_step, prefill
+from .scheduler import check_images, decode_step, prefill, text_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -139,11 +140,14 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              sampling: SamplingParams = SamplingParams(), stop_tokens: Sequence[int] = (), chunk_size: int = 8192,
              token_budget: int | None = None, index_dtype=None, max_total_tokens: int | None = None,
              seed: int = 0, on_token: Callable[[int, int], None] | None = None,
-             on_prefill: Callable[[int], None] | None = None,
-             cuda_graphs: bool | None = None) -> tuple[list[GenerationResult], GenerationStats]:
+             on_prefill: Callable[[int], None] | None = None, cuda_graphs: bool | None = None,
+             images: Sequence | None = None) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates continuations of a batch of token-id prompts.
 
-    model: an `M3TextModel` (its dtype and device are the cache's); prompts: B lists of token ids;
+    model: an `M3TextModel`, or an `M3ForConditionalGeneration` (its text decoder's dtype and device are the
+    cache's); prompts: B lists of token ids; images: None, or one entry per prompt, None or `(pixel_values
+    [N, 1176], grid_thw [I, 3])` as `M3ImageProcessor` returns them (VL models only: the prompt's image
+    placeholders take the visual tokens, see `openm3.engine.scheduler.check_images`);
     stop_tokens: generation of a sequence ends after any of them; token_budget: tokens the cache is planned for
     (default: exactly what the batch reserves; a batch beyond it raises CacheFullError before any work);
     index_dtype: index-key cache dtype (None = model dtype, 'bf16', 'fp8'); max_total_tokens: prompt +
@@ -152,10 +156,12 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     CUDA graph per batch (`openm3.engine.graphs`; default: on when the model is on a CUDA device).
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
-    config = model.config
+    lm = text_model(model)
+    config = lm.config
     limit = max_total_tokens or config.max_position_embeddings
     ids = check_prompts(prompts, config.vocab_size, max_new_tokens, limit)
-    param = next(model.parameters())
+    vision = check_images(model, ids, images)
+    param = next(lm.parameters())
     device, dtype = param.device, param.dtype
     layout = CacheLayout.from_config(config)
     reserve = {b: p.numel() + max_new_tokens for b, p in enumerate(ids)}
@@ -179,12 +185,13 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     results = [GenerationResult(prompt_len=p.numel()) for p in ids]
 
     t0 = time.perf_counter()
-    logits = prefill(model, cache, list(range(len(ids))), ids, chunk_size=chunk_size, on_chunk=on_prefill)
+    logits = prefill(model, cache, list(range(len(ids))), ids, chunk_size=chunk_size, on_chunk=on_prefill,
+                     images=vision)
     tokens = sample(logits, sampling, gen)
     running = _emit(results, list(range(len(ids))), tokens.tolist(), stop, max_new_tokens, on_token)
     stats.ttft_s = time.perf_counter() - t0
 
-    graphs = DecodeGraphs(model, cache) if (cuda if cuda_graphs is None else cuda_graphs) else None
+    graphs = DecodeGraphs(lm, cache) if (cuda if cuda_graphs is None else cuda_graphs) else None
     t1 = time.perf_counter()
     live = set(range(len(ids)))
     while running:
@@ -193,7 +200,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         live = set(running)
         feed = torch.tensor([results[b].tokens[-1] for b in running], dtype=torch.int64, device=device)
         t_step, captures = time.perf_counter(), graphs.captures if graphs else 0
-        logits = graphs.step(running, feed) if graphs else decode_step(model, cache, running, feed)
+        logits = graphs.step(running, feed) if graphs else decode_step(lm, cache, running, feed)
         tokens = sample(logits, sampling, gen).tolist()  # a host read: the step's time is complete here
         if stats.decode_tokens == 0:
             stats.first_step_s, stats.first_step_tokens = time.perf_counter() - t1, len(running)
@@ -292,12 +299,14 @@ def tokenizer_path(tokenizer: str | None, checkpoint: str | None) -> str | None:
     return None
 
 
-def load_model(args, device: torch.device, dtype: torch.dtype):
-    """The model named by --checkpoint or --preset (random weights, seeded)."""
-    from ..models import M3TextConfig, M3TextModel, load_text_model
+def load_model(args, device: torch.device, dtype: torch.dtype, *, vision: bool = False):
+    """The model named by --checkpoint or --preset (random weights, seeded). vision: a VL checkpoint loads as
+    `M3ForConditionalGeneration` (vision tower too); otherwise the text decoder alone."""
+    from ..models import M3TextConfig, M3TextModel, load_pretrained, load_text_model
 
     if args.checkpoint is not None:
-        return load_text_model(args.checkpoint, dtype=dtype, device=device).eval()
+        load = load_pretrained if vision else load_text_model
+        return load(args.checkpoint, dtype=dtype, device=device).eval()
     config = M3TextConfig.from_name(args.preset)  # ValueError naming the presets for an unknown one
     torch.manual_seed(args.seed)
     with torch.device(device):

@@ -4,48 +4,140 @@ Prefill packs at most `chunk_size` prompt tokens per forward (a long prompt take
 share one), so activation memory is bounded by the chunk and a 1M-token prompt runs in chunks; every chunk attends
 to everything cached before it through the cache (MSA selection for MSA layers), which makes chunked prefill equal
 to one forward over the whole prompt. Decode feeds one new token per running sequence per forward.
+
+Vision-language models (`M3ForConditionalGeneration`): the cache serves the text decoder (`language_model`). A
+prompt with images is embedded once before its first chunk (`prompt_embeddings`: the vision tower runs once per
+request, and its visual tokens overwrite the image placeholders), and each chunk then feeds its slice of those
+embeddings instead of token ids; positions stay 1-D, so nothing else changes, and decode feeds token ids as for a
+text model.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from .cache import PagedCache
 
 
+class PromptImages(NamedTuple):
+    """The images of one prompt as `openm3.models.processor.M3ImageProcessor` returns them (its tuple converts):
+    `pixel_values` float [N, C*2*14*14] packed patches and `grid_thw` int [I, 3], one row per image in the order
+    of the prompt's placeholder runs."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+
+
+def is_vision_language(model) -> bool:
+    """Whether `model` is a vision-language model (a text decoder `language_model` + an `embed` for images)."""
+    return hasattr(model, "language_model") and hasattr(model, "embed")
+
+
+def text_model(model):
+    """The text decoder the cache serves: `model` itself, or a VL model's `language_model`."""
+    return model.language_model if is_vision_language(model) else model
+
+
+def check_images(model, prompts: Sequence[torch.Tensor], images) -> list[PromptImages | None]:
+    """Validates the per-prompt `images` (None, or one entry per prompt: None or `(pixel_values, grid_thw)`)
+    against the host prompts (int64 [L_b]); returns them as `PromptImages` (grids on the host). Images need a
+    VL model, and each prompt's image placeholders must match its images' visual tokens (a VL model's prompt
+    without images may hold none). Reads nothing from the device."""
+    if images is None:
+        images = [None] * len(prompts)
+    elif not isinstance(images, (list, tuple)) or len(images) != len(prompts):
+        got = f"{len(images)} entries" if isinstance(images, (list, tuple)) else type(images).__name__
+        raise ValueError(f"images: expected a list with one entry per prompt ({len(prompts)}; None for a prompt "
+                         f"without images), got {got}")
+    vl = is_vision_language(model)
+    if not vl and any(im is not None for im in images):
+        raise ValueError(f"images: the model is a text-only {type(model).__name__}; images need a vision-language "
+                         f"model (M3ForConditionalGeneration, from a checkpoint with a vision_config)")
+    if not vl:
+        return [None] * len(prompts)
+    vision = model.config.vision_config
+    width = vision.num_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    out: list[PromptImages | None] = []
+    for b, (prompt, im) in enumerate(zip(prompts, images)):
+        where = f"images[{b}]"
+        if im is not None:
+            if not isinstance(im, (tuple, list)) or len(im) != 2:
+                raise ValueError(f"{where}: expected (pixel_values [N, {width}], grid_thw [I, 3]) or None, got "
+                                 f"{type(im).__name__}")
+            im = PromptImages(im[0], torch.as_tensor(im[1]).cpu())
+        try:
+            model.check_visual_placeholders(prompt, None if im is None else im.grid_thw)
+        except ValueError as e:
+            raise ValueError(f"prompt {b}: {e}") from None
+        if im is not None:
+            pixels, patches = im.pixel_values, int(im.grid_thw.prod(dim=-1).sum())
+            if not isinstance(pixels, torch.Tensor) or not pixels.dtype.is_floating_point \
+                    or tuple(pixels.shape) != (patches, width):
+                raise ValueError(f"{where}.pixel_values: expected a float tensor [{patches}, {width}] (the patches "
+                                 f"grid_thw describes), got {getattr(pixels, 'dtype', type(pixels).__name__)} "
+                                 f"{tuple(getattr(pixels, 'shape', ()))}")
+        out.append(im)
+    return out
+
+
+@torch.no_grad()
+def prompt_embeddings(model, prompt: torch.Tensor, images: PromptImages) -> torch.Tensor:
+    """Input embeddings [L, hidden] of one prompt (int64 [L], host) with images, on the model's device: the VL
+    model's `embed` (text embeddings, visual tokens scattered over the image placeholders), run once. The
+    placeholder counts are `check_images`'s (host) business, so `embed` reads nothing back from the device."""
+    from ..models.text import input_ids_checked_by_caller
+
+    tower = next(model.vision_tower.parameters())
+    pixels = images.pixel_values.to(device=tower.device, dtype=tower.dtype)
+    with input_ids_checked_by_caller(model):
+        return model.embed(prompt.to(tower.device), pixels, images.grid_thw)
+
+
 def _forward(model, cache: PagedCache, seq_ids: list[int], pieces: list[torch.Tensor], starts: list[int],
-             logit_rows: list[int]) -> torch.Tensor:
+             logit_rows: list[int], embeds: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """One forward over `pieces[b]` (new token ids of sequence seq_ids[b], first at position starts[b]);
-    returns logits for the packed rows `logit_rows` -> [len(logit_rows), V]."""
+    returns logits for the packed rows `logit_rows` -> [len(logit_rows), V]. `embeds[b]` ([len(pieces[b]),
+    hidden], or None) replaces the embedding of piece b's ids."""
     device = cache.device
     lens = [p.numel() for p in pieces]
-    ids = torch.cat(pieces).to(device)
     pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(device)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lens).cumsum(0)
     rows = torch.tensor(logit_rows, dtype=torch.int64, device=device)
+    if embeds is None or all(e is None for e in embeds):
+        inputs = {"input_ids": torch.cat(pieces).to(device)}
+    else:  # text pieces are looked up here (an exact gather, as the model would); their ids were checked on the host
+        inputs = {"inputs_embeds": torch.cat([model.embed_tokens(p.to(device)) if e is None else e
+                                              for p, e in zip(pieces, embeds)])}
     with cache.step(seq_ids, lens):
-        return model(ids, position_ids=pos, cu_seqlens=cu.to(device), logits_index=rows, cache=cache).logits
+        return model(**inputs, position_ids=pos, cu_seqlens=cu.to(device), logits_index=rows, cache=cache).logits
 
 
 @torch.no_grad()
 def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[torch.Tensor], *,
-            chunk_size: int = 8192, on_chunk: Callable[[int], None] | None = None) -> torch.Tensor:
+            chunk_size: int = 8192, on_chunk: Callable[[int], None] | None = None,
+            images: Sequence[PromptImages | None] | None = None) -> torch.Tensor:
     """Runs the prompts through the model in chunks; returns the last prompt token's logits [B, V] (fp32).
 
-    seq_ids: admitted cache sequences (empty so far); prompts: int64 [L_b] each; on_chunk(n) is called after
-    each forward with the number of prompt tokens it consumed (for progress bars).
+    model: an `M3TextModel` or a VL `M3ForConditionalGeneration`; seq_ids: admitted cache sequences (empty so
+    far); prompts: int64 [L_b] each; images: None, or per prompt None or `PromptImages` (VL models only; see
+    `check_images`): such a prompt is embedded once (`prompt_embeddings`) and its chunks feed slices of that.
+    on_chunk(n) is called after each forward with the number of prompt tokens it consumed (for progress bars).
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if len(seq_ids) != len(prompts):
         raise ValueError(f"seq_ids ({len(seq_ids)}) and prompts ({len(prompts)}) must match")
+    host = [p.cpu() for p in prompts]
+    embeds = [None if im is None else prompt_embeddings(model, p, im)
+              for p, im in zip(host, check_images(model, host, images))]
+    lm = text_model(model)
     done = [0] * len(prompts)
     last: list[torch.Tensor | None] = [None] * len(prompts)
     while any(d < p.numel() for d, p in zip(done, prompts)):
-        batch, pieces, starts, rows, owners = [], [], [], [], []
+        batch, pieces, starts, rows, owners, slices = [], [], [], [], [], []
         budget, row = chunk_size, 0
         for b, prompt in enumerate(prompts):
             n = min(prompt.numel() - done[b], budget)
@@ -53,6 +145,7 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
                 continue
             batch.append(seq_ids[b])
             pieces.append(prompt[done[b]:done[b] + n])
+            slices.append(None if embeds[b] is None else embeds[b][done[b]:done[b] + n])
             starts.append(done[b])
             row += n
             if done[b] + n == prompt.numel():
@@ -62,7 +155,7 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
             budget -= n
             if budget == 0:
                 break
-        logits = _forward(model, cache, batch, pieces, starts, rows)
+        logits = _forward(lm, cache, batch, pieces, starts, rows, slices)
         for b, lg in zip(owners, logits):
             last[b] = lg.float()
         if on_chunk is not None:
@@ -73,10 +166,10 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
 @torch.no_grad()
 def decode_step(model, cache: PagedCache, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
     """Feeds one token per sequence (tokens int64 [B], at position = the sequence's cached length);
-    returns next-token logits [B, V] (fp32)."""
+    returns next-token logits [B, V] (fp32). model: a text model or a VL model (its text decoder runs)."""
     seq_ids = list(seq_ids)
     if tokens.shape != (len(seq_ids),):
         raise ValueError(f"tokens must be [B={len(seq_ids)}], got {tuple(tokens.shape)}")
     starts = [cache.length(s) for s in seq_ids]
     pieces = list(tokens.reshape(-1, 1).cpu())
-    return _forward(model, cache, seq_ids, pieces, starts, list(range(len(seq_ids)))).float()
+    return _forward(text_model(model), cache, seq_ids, pieces, starts, list(range(len(seq_ids)))).float()

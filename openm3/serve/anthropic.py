@@ -6,9 +6,10 @@ endpoint (system prompt, user text, `tool_use` blocks as tool calls, `tool_resul
 conversation renders to the same prompt whichever API carried it; the answer comes back as Anthropic content
 blocks (`text`, then one `tool_use` per call the model wrote) with Anthropic's stop reasons, usage and, when
 streamed, its named server-sent events. Errors use Anthropic's body, `{"type": "error", "error": {"type",
-"message"}}`, with the field named in the message. What the text model cannot do is refused with a 400 naming the
-block: image and document blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains the
-sampler). Thinking blocks a client sends back are dropped (the model here writes none). A final assistant message
+"message"}}`, with the field named in the message. Image blocks with a base64 source go to a vision-language model
+(`images.py`); what the server cannot do is refused with a 400 naming the block: image blocks for a text-only
+model, images by URL, document blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains
+the sampler). Thinking blocks a client sends back are dropped (the model here writes none). A final assistant message
 of text is continued (Anthropic's prefill).
 """
 
@@ -20,8 +21,9 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from ..data.chat import parse_tool_calls, render_chat
+from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
+from .images import base64_part, content_of
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -84,9 +86,9 @@ def _text_of(blocks: Any, where: str) -> str:
     return "".join(parts)
 
 
-def chat_messages(req: CountTokensRequest) -> list[dict]:
-    """The request's conversation in the OpenAI-style form `render_chat` takes. Raises ValueError naming the
-    offending block."""
+def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
+    """The request's conversation in the OpenAI-style form `render_chat` takes; image blocks become image parts
+    when `images` (the model takes them). Raises ValueError naming the offending block."""
     out: list[dict] = []
     if req.system:
         out.append({"role": "system", "content": _text_of(req.system, "system")})
@@ -95,12 +97,12 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        text: list[str] = []
+        parts: list[dict] = []
         calls: list[dict] = []
         for j, block in enumerate(message.content):
             kind = block.get("type")
             if kind == "text" and isinstance(block.get("text"), str):
-                text.append(block["text"])
+                parts.append({"type": "text", "text": block["text"]})
             elif kind in ("thinking", "redacted_thinking"):
                 continue
             elif kind == "tool_use" and message.role == "assistant":
@@ -111,24 +113,28 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
                 calls.append({"id": block.get("id"), "type": "function",
                               "function": {"name": block["name"], "arguments": block.get("input", {})}})
             elif kind == "tool_result" and message.role == "user":
-                if text:  # keep the order: text written before the result goes first
-                    out.append({"role": "user", "content": "".join(text)})
-                    text = []
+                if parts:  # keep the order: text written before the result goes first
+                    out.append({"role": "user", "content": content_of(parts)})
+                    parts = []
                 result = _text_of(block.get("content") or "", f"{where}[{j}].content")
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
-            elif kind in ("image", "document"):
-                raise ValueError(f"{where}[{j}]: {kind} blocks are not supported by this server (text model)")
+            elif kind == "image" and images:
+                parts.append(base64_part(block.get("source"), f"{where}[{j}].source"))
+            elif kind == "image":
+                raise ValueError(f"{where}[{j}]: image blocks are not supported by this server (text-only model)")
+            elif kind == "document":
+                raise ValueError(f"{where}[{j}]: document blocks are not supported by this server")
             else:
                 raise ValueError(f"{where}[{j}]: unsupported block {kind!r} in a {message.role} message")
         if message.role == "assistant":
-            entry: dict = {"role": "assistant", "content": "".join(text)}
+            entry: dict = {"role": "assistant", "content": content_of(parts)}
             if calls:
                 entry["tool_calls"] = calls
             out.append(entry)
-        elif text:
-            out.append({"role": "user", "content": "".join(text)})
+        elif parts:
+            out.append({"role": "user", "content": content_of(parts)})
     return out
 
 
@@ -151,29 +157,30 @@ def _parse_calls(req: CountTokensRequest) -> bool:
 
 
 def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
-                        text_stream: Callable, api_error: Callable) -> None:
+                        text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool) -> None:
     """Registers the Messages endpoints on `app`, sharing `create_app`'s validation (`check`), generation
-    (`run`), streaming (`sse`), `TextStream` factory and error type."""
+    (`run`), streaming (`sse`), `TextStream` factory, error type and prompt building (`prompt_of`; image blocks
+    are accepted when `takes_images`)."""
 
-    def prompt_of(req: CountTokensRequest) -> list[int]:
-        """The prompt's token ids. A conversation ending with an assistant message of plain text is a prefill:
-        the answer continues that text (and holds only the continuation), as in Anthropic's API."""
+    def prompt_and_images(req: CountTokensRequest):
+        """The prompt's token ids and images. A conversation ending with an assistant message of plain text is a
+        prefill: the answer continues that text (and holds only the continuation), as in Anthropic's API."""
         try:
-            messages = chat_messages(req)
-            prefill = ""
-            if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
-                prefill = messages.pop()["content"]
-            text = render_chat(messages, _tools(req), add_generation_prompt=True) + prefill
+            messages = chat_messages(req, takes_images)
         except ValueError as e:
             raise api_error(str(e), "messages") from None
-        return tokenizer.encode(text)
+        prefill = ""
+        last = messages[-1] if messages else {}
+        if last.get("role") == "assistant" and not last.get("tool_calls") and isinstance(last["content"], str):
+            prefill = messages.pop()["content"]
+        return prompt_of(messages, _tools(req), "messages", prefill)
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     def count_tokens(req: CountTokensRequest):
         if req.model != model_name:
             raise api_error(f"model {req.model!r} does not exist; this server serves {model_name!r}", "model",
                             status=404, code="model_not_found")
-        return {"input_tokens": len(prompt_of(req))}
+        return {"input_tokens": len(prompt_and_images(req)[0])}
 
     @app.post(MESSAGES_PATH)
     def messages(req: MessagesRequest):
@@ -181,7 +188,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
             parse_calls = _parse_calls(req)
         except ValueError as e:
             raise api_error(str(e), "tool_choice") from None
-        prompt = prompt_of(req)
+        prompt, images = prompt_and_images(req)
         max_new = check(req, prompt, "messages")
         stream = text_stream(req.stop_sequences, [TOOL_CALL_START] if parse_calls else [])
         mid = f"msg_{uuid.uuid4().hex[:24]}"
@@ -203,7 +210,8 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
             return {"input_tokens": len(prompt), "output_tokens": output}
 
         if not req.stream:
-            text, tool_uses, reason, stop_seq = answer(run(req, prompt, max_new, stream, lambda _d: None))
+            text, tool_uses, reason, stop_seq = answer(run(req, prompt, max_new, stream, lambda _d: None,
+                                                           images=images))
             content = ([{"type": "text", "text": text}] if text or not tool_uses else []) + tool_uses
             return {"id": mid, "type": "message", "role": "assistant", "model": model_name, "content": content,
                     "stop_reason": reason, "stop_sequence": stop_seq, "usage": usage(stream.sampled)}
@@ -223,7 +231,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
                 open_text()
                 put({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta}})
 
-            finish = run(req, prompt, max_new, stream, text_delta, cancelled)
+            finish = run(req, prompt, max_new, stream, text_delta, cancelled, images=images)
             text, tool_uses, reason, stop_seq = answer(finish)
             rest = stream.finish(text)
             if rest:

@@ -11,6 +11,11 @@ or a scripted backend in tests. A backend with `concurrent = True` (`openm3.engi
 continuous batching: what `openm3 serve` uses unless `--max-batch 1`) is called from every request's thread at
 once; any other backend (`ModelBackend`: one `generate` per request) runs one request at a time under a lock.
 
+A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`)
+takes images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded
+into placeholder runs as in training) and call it with `images=PromptImages(pixel_values, grid_thw)`; for any
+other backend an image part is a 400 naming the part.
+
 Text is produced incrementally by `TextStream`, for streamed and non-streamed responses alike, so the
 concatenated deltas of a stream equal the non-streamed text. Stop strings end generation (raising from
 `on_token` is the only way to end `generate` early) and are cut from the text, as OpenAI does.
@@ -27,33 +32,42 @@ import time
 import uuid
 from typing import Callable, Iterator, Protocol, Sequence
 
-from ..data.chat import parse_tool_calls, render_chat
+from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from ..engine.sampling import SamplingParams
+from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses
+from .images import chat_prompt, data_url_part
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 
 
 class Backend(Protocol):
-    """Generates from token ids, calling `on_token(id)` per sampled token; returns 'stop' | 'length'."""
+    """Generates from token ids, calling `on_token(id)` per sampled token; returns 'stop' | 'length'.
+
+    Optional: `vl_config` (an `M3VLConfig`) when it takes images, passed as `images=` (only to requests that
+    have some)."""
 
     def __call__(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
                  stop_tokens: Sequence[int], seed: int, on_token: Callable[[int], None]) -> str: ...
 
 
 class ModelBackend:
-    """Runs `openm3.engine.generate` on one model (text decoder; its device and dtype pick the kernels)."""
+    """Runs `openm3.engine.generate` on one model (its device and dtype pick the kernels): a text model, or a VL
+    model (`vl_config` set) that also takes images."""
 
     def __init__(self, model):
         self.model = model
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = text_model(model).config.vocab_size
+        self.vl_config = model.config if is_vision_language(model) else None
 
-    def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token) -> str:
+    def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token,
+                 images: PromptImages | None = None) -> str:
         from ..engine.generate import generate
 
         results, _ = generate(self.model, [prompt], max_new_tokens=max_new_tokens, sampling=sampling,
                               stop_tokens=stop_tokens, seed=seed, on_token=lambda _b, tok: on_token(tok),
-                              max_total_tokens=len(prompt) + max_new_tokens)
+                              max_total_tokens=len(prompt) + max_new_tokens,
+                              images=None if images is None else [images])
         return results[0].finish_reason
 
 
@@ -138,6 +152,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     vocab = getattr(backend, "vocab_size", tokenizer.vocab_size)
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
+    vl_config = getattr(backend, "vl_config", None)
+    if vl_config is not None and vl_config.image_token_index != tokenizer.image_id:
+        raise ValueError(f"tokenizer: its image placeholder ]<]image[>[ is token {tokenizer.image_id} but the "
+                         f"model's image_token_index is {vl_config.image_token_index}")
     app = FastAPI(title="openm3", description="OpenAI- and Anthropic-compatible APIs over the openm3 engine")
     lock = threading.Lock()
     created = int(time.time())
@@ -195,10 +213,19 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                            f"maximum of {max_total_tokens} tokens", "max_tokens")
         return max_new
 
+    def prompt_of(messages: list[dict], tools: list[dict] | None, param: str,
+                  prefill: str = "") -> tuple[list[int], PromptImages | None]:
+        """The conversation's prompt ids and images (`images.chat_prompt`); a 400 naming `param` if it is bad."""
+        try:
+            return chat_prompt(tokenizer, messages, tools, prefill=prefill, vl_config=vl_config)
+        except ValueError as e:
+            raise APIError(str(e), param) from None
+
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
-            on_delta: Callable[[str], None], cancelled: threading.Event | None = None) -> str:
+            on_delta: Callable[[str], None], cancelled: threading.Event | None = None, *,
+            images: PromptImages | None = None) -> str:
         """Generates (under the lock unless the backend is concurrent), feeding `stream`; returns the finish
-        reason ('stop' | 'length').
+        reason ('stop' | 'length'). `images` go to the backend only when there are some.
 
         The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
@@ -214,10 +241,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             if stream.stopped or (cancelled is not None and cancelled.is_set()):
                 raise _Stop
 
+        extra = {} if images is None else {"images": images}
         with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
             try:
                 return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=[eos], seed=seed,
-                               on_token=on_token)
+                               on_token=on_token, **extra)
             except _Stop:
                 return "stop"
 
@@ -297,10 +325,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = render_chat(messages, tools, add_generation_prompt=True)
+            _image_url_parts(messages, vl_config is not None)
         except ValueError as e:
             raise APIError(str(e), "messages") from None
-        prompt = tokenizer.encode(text)
+        prompt, images = prompt_of(messages, tools, "messages")
         max_new = check(req, prompt, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
@@ -318,7 +346,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             return stream.visible() or None, tool_calls, "tool_calls"
 
         if not req.stream:
-            content, tool_calls, finish = answer(run(req, prompt, max_new, stream, lambda _d: None))
+            content, tool_calls, finish = answer(run(req, prompt, max_new, stream, lambda _d: None, images=images))
             message = {"role": "assistant", "content": content}
             if tool_calls:
                 message["tool_calls"] = tool_calls
@@ -332,7 +360,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         def produce(put, cancelled) -> None:
             put(chunk({"role": "assistant", "content": ""}))
-            finish = run(req, prompt, max_new, stream, lambda d: put(chunk({"content": d})), cancelled)
+            finish = run(req, prompt, max_new, stream, lambda d: put(chunk({"content": d})), cancelled, images=images)
             content, tool_calls, finish = answer(finish)
             rest = stream.finish(content or "")
             if rest:
@@ -346,7 +374,22 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         return sse(produce)
 
     shared = dict(tokenizer=tokenizer, model_name=model_name, check=check, run=run, sse=sse, api_error=APIError,
-                  text_stream=lambda stop, hold: TextStream(tokenizer, stop, hold=hold))
+                  text_stream=lambda stop, hold: TextStream(tokenizer, stop, hold=hold), prompt_of=prompt_of,
+                  takes_images=vl_config is not None)
     anthropic.add_messages_routes(app, **shared)
     responses.add_responses_routes(app, **shared)
     return app
+
+
+def _image_url_parts(messages: list[dict], takes_images: bool) -> None:
+    """Turns Chat Completions' `image_url` parts into the chat template's image parts, in place; refuses them by
+    name when the model takes no images."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if part["type"] != "image_url":
+                continue
+            where = f"messages[{i}].content[{j}]"
+            if not takes_images:
+                raise ValueError(f"{where}: 'image_url' parts are not supported by this server (text-only model)")
+            content[j] = data_url_part(part["image_url"]["url"], where, "image_url.url")

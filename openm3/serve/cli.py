@@ -3,13 +3,16 @@ fastapi, uvicorn).
 
     python -m openm3.serve.cli --preset m3-tiny --port 8000            # random weights, the locally trained tokenizer
     python -m openm3.serve.cli --checkpoint ckpt/ --tokenizer tok/ --device cuda --max-total-tokens 131072
+    python -m openm3.serve.cli --preset m3-tiny --vision --port 8000   # random VL model: takes images too
 
     curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \
         -d '{"model": "m3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}'
 
 Concurrent requests are decoded together (continuous batching, `openm3.engine.batching`: up to `--max-batch`
 requests in a cache planned for `--token-budget` tokens; a request waits while the cache is full); `--max-batch 1`
-serves one request at a time. Errors in the arguments exit with `error: ...`.
+serves one request at a time. A checkpoint with a `vision_config` is served as a vision-language model, which
+takes images (base64 data in the requests, see `openm3.serve.images`). Errors in the arguments exit with
+`error: ...`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="prompt + new tokens per request (default: min(32768, the model's max_position_embeddings))")
     p.add_argument("--seed", type=int, default=0, help="init seed of a --preset model")
+    p.add_argument("--vision", action="store_true", help="with --preset: a random vision-language model (the "
+                   "preset's vision tower; placeholder ids from the tokenizer) that takes images. A --checkpoint is "
+                   "served as one when its config.json has a vision_config")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (continuous batching); 1 "
                    "serves one request at a time")
     p.add_argument("--token-budget", type=int, default=None, help="tokens the shared cache is planned for, all "
@@ -50,6 +56,7 @@ def build_app(args: argparse.Namespace):
     from ..data.tokenizer import M3Tokenizer, get_tokenizer
     from ..engine.generate import device_and_dtype, load_model, tokenizer_path
     from ..engine.batching import BatchedGenerator
+    from ..engine.scheduler import text_model
     from .app import ModelBackend, create_app
 
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
@@ -57,13 +64,20 @@ def build_app(args: argparse.Namespace):
     source = tokenizer_path(args.tokenizer, args.checkpoint)
     tokenizer = M3Tokenizer.from_file(source) if source else get_tokenizer()
     device, dtype = device_and_dtype(args)
-    model = load_model(args, device, dtype)
+    if args.vision and args.preset is None:
+        raise ValueError("--vision: only with --preset (a --checkpoint is a vision-language model when its "
+                         "config.json has a vision_config)")
+    if args.vision:
+        model = _vision_preset(args, tokenizer, device, dtype)
+    else:
+        model = load_model(args, device, dtype, vision=True)  # a VL checkpoint loads as a VL model
+    positions = text_model(model).config.max_position_embeddings
     limit = args.max_total_tokens
     if limit is None:
-        limit = min(32768, model.config.max_position_embeddings)
-    if not 2 <= limit <= model.config.max_position_embeddings:
-        raise ValueError(f"--max-total-tokens: expected 2 .. {model.config.max_position_embeddings} "
-                         f"(the model's max_position_embeddings), got {limit}")
+        limit = min(32768, positions)
+    if not 2 <= limit <= positions:
+        raise ValueError(f"--max-total-tokens: expected 2 .. {positions} (the model's max_position_embeddings), "
+                         f"got {limit}")
     name = args.model_name or args.preset or os.path.basename(os.path.normpath(args.checkpoint))
     if args.max_batch < 1:
         raise ValueError(f"--max-batch: expected >= 1, got {args.max_batch}")
@@ -76,6 +90,20 @@ def build_app(args: argparse.Namespace):
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
                                    index_dtype=args.index_dtype)
     return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit)
+
+
+def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):
+    """A random `M3ForConditionalGeneration` of the preset (seeded), its placeholder ids the tokenizer's."""
+    import torch
+
+    from ..models import M3ForConditionalGeneration, M3VLConfig
+
+    config = M3VLConfig.from_name(args.preset, image_token_index=tokenizer.image_id,
+                                  video_token_index=tokenizer.video_id)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = M3ForConditionalGeneration(config)
+    return model.to(dtype).eval()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

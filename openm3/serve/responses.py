@@ -6,8 +6,9 @@ translated into the chat format `render_chat` writes for `/v1/chat/completions`,
 same prompt through either endpoint; the answer comes back as `output` items (a `message` with `output_text`, then
 one `function_call` per call the model wrote), streamed as the API's `response.*` events when asked. The server
 keeps no state: `previous_response_id` is refused (send the whole conversation, as `store: false` clients do), and
-so are what the text model cannot honour: image inputs and forced tool calls. Reasoning items a client sends back
-are dropped (the model here writes none). Errors are OpenAI's error bodies, as on the other endpoints.
+so are forced tool calls, files, images by URL or file id, and any image when the model is text-only;
+`input_image` parts with a base64 data URL go to a vision-language model (`images.py`). Reasoning items a client
+sends back are dropped (the model here writes none). Errors are OpenAI's error bodies, as on the other endpoints.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
-from ..data.chat import parse_tool_calls, render_chat
+from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
+from .images import content_of, data_url_part
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -55,7 +57,9 @@ class ResponsesRequest(BaseModel):
         return self.max_output_tokens
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content(content: Any, where: str, images: bool) -> str | list[dict]:
+    """A message's content for `render_chat`: its text, or text and image parts when it holds images (`images`:
+    the model takes them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -64,16 +68,24 @@ def _content_text(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            parts.append(part["text"])
-        elif kind in ("input_image", "input_file"):
-            raise ValueError(f"{where}[{j}]: {kind} parts are not supported by this server (text model)")
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and images:
+            if part.get("image_url") is None and part.get("file_id") is not None:
+                raise ValueError(f"{where}[{j}].file_id: this server keeps no files; send image_url as a base64 "
+                                 f"data URL")
+            parts.append(data_url_part(part.get("image_url"), f"{where}[{j}]", "image_url"))
+        elif kind == "input_image":
+            raise ValueError(f"{where}[{j}]: input_image parts are not supported by this server (text-only model)")
+        elif kind == "input_file":
+            raise ValueError(f"{where}[{j}]: input_file parts are not supported by this server")
         elif kind != "refusal":
-            raise ValueError(f"{where}[{j}]: expected an input_text or output_text part, got {part!r}")
-    return "".join(parts)
+            raise ValueError(f"{where}[{j}]: expected an input_text, input_image or output_text part, got {part!r}")
+    return content_of(parts)
 
 
-def chat_messages(req: ResponsesRequest) -> list[dict]:
-    """The request as the OpenAI-style messages `render_chat` takes. Raises ValueError naming the bad item."""
+def chat_messages(req: ResponsesRequest, images: bool = False) -> list[dict]:
+    """The request as the OpenAI-style messages `render_chat` takes (`images`: input_image parts become image
+    parts; the model takes them). Raises ValueError naming the bad item."""
     out: list[dict] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
@@ -86,7 +98,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ValueError(f"{where}.role: expected user, system, developer or assistant, got {role!r}")
-            out.append({"role": role, "content": _content_text(item.get("content"), f"{where}.content")})
+            out.append({"role": role, "content": _content(item.get("content"), f"{where}.content", images)})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not item["name"]:
                 raise ValueError(f"{where}.name: a function_call item needs a non-empty name")
@@ -98,8 +110,8 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else _content_text(output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+            content = output if isinstance(output, str) else _content(output, f"{where}.output", images)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
         elif kind == "reasoning":
             continue
         else:
@@ -116,8 +128,9 @@ def _parse_calls(req: ResponsesRequest) -> bool:
 
 
 def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
-                         text_stream: Callable, api_error: Callable) -> None:
-    """Registers `POST /v1/responses` on `app`, sharing `create_app`'s validation, generation and streaming."""
+                         text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool) -> None:
+    """Registers `POST /v1/responses` on `app`, sharing `create_app`'s validation, prompt building (input_image
+    parts are accepted when `takes_images`), generation and streaming."""
 
     @app.post(RESPONSES_PATH)
     def responses(req: ResponsesRequest):
@@ -126,13 +139,12 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                             "in input", "previous_response_id")
         try:
             parse_calls = _parse_calls(req)
-            messages = chat_messages(req)
-            tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                     for t in req.tools] if req.tools else None
-            text = render_chat(messages, tools, add_generation_prompt=True)
+            messages = chat_messages(req, takes_images)
         except ValueError as e:
             raise api_error(str(e), "tool_choice" if str(e).startswith("tool_choice") else "input") from None
-        prompt = tokenizer.encode(text)
+        tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                 for t in req.tools] if req.tools else None
+        prompt, images = prompt_of(messages, tools, "input")
         max_new = check(req, prompt, "input")
         stream = text_stream([], [TOOL_CALL_START] if parse_calls else [])
         rid, mid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex[:24]}"
@@ -162,7 +174,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
             return "incomplete" if finish == "length" else "completed"
 
         if not req.stream:
-            finish = run(req, prompt, max_new, stream, lambda _d: None)
+            finish = run(req, prompt, max_new, stream, lambda _d: None, images=images)
             text_, calls = answer(finish)
             output = ([message(text_)] if text_ or not calls else []) + calls
             return response(status_of(finish), output, finish)
@@ -189,7 +201,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                 open_message()
                 emit("response.output_text.delta", item_id=mid, output_index=0, content_index=0, delta=d)
 
-            finish = run(req, prompt, max_new, stream, delta, cancelled)
+            finish = run(req, prompt, max_new, stream, delta, cancelled, images=images)
             text_, calls = answer(finish)
             rest = stream.finish(text_)
             if rest:

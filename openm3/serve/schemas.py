@@ -6,7 +6,7 @@ Only the fields the server honours are declared; unknown fields are ignored, as 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -59,6 +59,19 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str  # a base64 data URL (`openm3.serve.images`: the server fetches nothing)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted and ignored: the processor decides the size
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     name: str = Field(min_length=1)
     arguments: str = "{}"  # a JSON object, as a string (OpenAI's format)
@@ -72,21 +85,22 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, v: Any) -> Any:
+    def _known_parts_only(cls, v: Any) -> Any:
         # Checked before the union is tried, so the error names the part instead of "should be a valid string".
+        # Whether the served model takes the image parts is the endpoint's question (a 400 naming the part).
         if isinstance(v, list):
             for j, part in enumerate(v):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind != "text":
-                    raise ValueError(f"content[{j}]: {kind!r} parts are not supported (text parts only: the "
-                                     f"served engine has no image or video input)")
+                if kind not in ("text", "image_url"):
+                    raise ValueError(f"content[{j}]: {kind!r} parts are not supported (text and image_url parts "
+                                     f"only: the served engine has no audio, video or file input)")
         return v
 
 

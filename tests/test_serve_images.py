@@ -1,0 +1,234 @@
+"""`openm3 serve` with images: a tiny random vision-language model answers image requests in the three chat formats
+(OpenAI Chat Completions, OpenAI Responses, Anthropic Messages), with the prompt training would write for the same
+conversation and the images' patches reaching the engine; bad image parts, URLs and text-only models get 400s
+naming the part."""
+
+import base64
+import io
+import sys
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+
+import test_serve
+from openm3.data.chat import render_segments
+from openm3.data.packing import Example, tokenize_example
+from openm3.engine import BatchedGenerator, generate
+from openm3.models import M3ForConditionalGeneration, M3VLConfig
+from openm3.models.processor import M3ImageProcessor
+from openm3.serve import ModelBackend, create_app
+from openm3.serve.cli import build_app, build_parser
+from openm3.train.data import processor_layout
+from test_serve import NAME, named_events
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+tok, model = test_serve.tok, test_serve.model  # module-scoped fixtures: the test tokenizer, a text-only model
+LIMIT = 128
+QUESTION = "What is in this picture?"
+
+
+def png_base64(h: int = 40, w: int = 60, seed: int = 0) -> tuple[np.ndarray, str]:
+    """A random RGB image and its PNG as base64; 40 x 60 is resized to 56 x 84: grid (1, 4, 6), 6 visual tokens."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return pixels, base64.b64encode(buf.getvalue()).decode()
+
+
+PIXELS, B64 = png_base64()
+DATA_URL = f"data:image/png;base64,{B64}"
+
+
+def chat_body(url: str = DATA_URL, text: str = QUESTION) -> dict:
+    return {"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]}
+
+
+def responses_body(url: str = DATA_URL) -> dict:
+    return {"max_output_tokens": 4, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": QUESTION}, {"type": "input_image", "image_url": url}]}]}
+
+
+def anthropic_body(source: dict | None = None) -> dict:
+    source = source or {"type": "base64", "media_type": "image/png", "data": B64}
+    return {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION},
+                                                                       {"type": "image", "source": source}]}]}
+
+
+ENDPOINTS = {"chat": ("/v1/chat/completions", chat_body), "responses": ("/v1/responses", responses_body),
+             "anthropic": ("/v1/messages", anthropic_body)}
+
+
+def answer_text(kind: str, body: dict) -> str:
+    if kind == "chat":
+        return body["choices"][0]["message"]["content"]
+    if kind == "responses":
+        return body["output"][0]["content"][0]["text"]
+    return body["content"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def vl(tok):
+    """A tiny random VL model over the test tokenizer (placeholder ids its own): MSA + MoE text, m3-tiny tower."""
+    torch.manual_seed(0)
+    config = M3VLConfig.from_name("m3-tiny", image_token_index=tok.image_id, video_token_index=tok.video_id,
+                                  vocab_size=tok.vocab_size, num_hidden_layers=2,
+                                  layer_types=["full_attention", "minimax_m3_sparse"],
+                                  mlp_layer_types=["dense", "sparse"], index_topk_blocks=2,
+                                  max_position_embeddings=256)
+    return M3ForConditionalGeneration(config).eval()
+
+
+class Recording(ModelBackend):
+    """`ModelBackend` that keeps the prompts and images it was given."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls = []
+
+    def __call__(self, prompt, **kwargs):
+        self.calls.append((list(prompt), kwargs.get("images")))
+        return super().__call__(prompt, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def backend(vl):
+    return Recording(vl)
+
+
+@pytest.fixture(scope="module")
+def text_client(model, tok):
+    return TestClient(create_app(ModelBackend(model), tok, model_name=NAME, max_total_tokens=LIMIT))
+
+
+@pytest.fixture(scope="module")
+def client(backend, tok):
+    return TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=LIMIT))
+
+
+def training_prompt(tok) -> list[int]:
+    """The same conversation as the training data pipeline tokenizes it (template, processor's placeholders)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"}]}]
+    example = Example(render_segments(messages, add_generation_prompt=True), [PIXELS])
+    return tokenize_example(example, tok, processor_layout).input_ids.tolist()
+
+
+@pytest.mark.parametrize("kind", list(ENDPOINTS))
+def test_an_image_request_reaches_the_engine_with_its_placeholders(client, backend, vl, tok, kind):
+    path, body = ENDPOINTS[kind]
+    before = len(backend.calls)
+    r = client.post(path, json={"model": NAME, "temperature": 0, **body()})
+    assert r.status_code == 200, r.text
+    (prompt, images), = backend.calls[before:]
+    assert prompt == training_prompt(tok)
+    assert prompt.count(tok.image_id) == 6 and images.grid_thw.tolist() == [[1, 4, 6]]
+    pixels, grid = M3ImageProcessor()([PIXELS])
+    assert torch.equal(images.pixel_values, pixels) and torch.equal(images.grid_thw, grid)
+    results, _ = generate(vl, [prompt], max_new_tokens=4, stop_tokens=[tok.eos_id], images=[(pixels, grid)])
+    want = tok.decode([t for t in results[0].tokens if t != tok.eos_id])
+    assert answer_text(kind, r.json()) == want
+
+
+def test_anthropic_count_tokens_counts_the_placeholders(client, tok):
+    r = client.post("/v1/messages/count_tokens", json={"model": NAME, **anthropic_body()})
+    assert r.status_code == 200 and r.json()["input_tokens"] == len(training_prompt(tok))
+
+
+def test_batching_backend_answers_images_streamed_or_not_and_text_beside_them(vl, tok):
+    batcher = BatchedGenerator(vl, token_budget=512, max_batch=4, chunk_size=16)
+    client = TestClient(create_app(batcher, tok, model_name=NAME, max_total_tokens=LIMIT))
+    plain = client.post("/v1/messages", json={"model": NAME, "temperature": 0, **anthropic_body()}).json()
+    results, _ = generate(vl, [training_prompt(tok)], max_new_tokens=4, stop_tokens=[tok.eos_id],
+                          images=[M3ImageProcessor()([PIXELS])])
+    assert plain["content"][0]["text"] == tok.decode([t for t in results[0].tokens if t != tok.eos_id])
+    chunks = named_events(client.post("/v1/messages", json={"model": NAME, "temperature": 0, "stream": True,
+                                                            **anthropic_body()}))
+    text = "".join(c["delta"]["text"] for c in chunks if c["type"] == "content_block_delta")
+    assert text == plain["content"][0]["text"]
+    r = client.post("/v1/chat/completions", json={"model": NAME, "max_tokens": 3, "messages": [
+        {"role": "user", "content": "no picture"}]})
+    assert r.status_code == 200, r.text
+    batcher.close()
+
+
+def test_cli_serves_vision_presets_and_vl_checkpoints(vl, tok, tmp_path):
+    path = str(tok.save(tmp_path / "tok"))
+    preset = build_app(build_parser().parse_args(["--preset", "m3-tiny", "--vision", "--tokenizer", path,
+                                                  "--max-total-tokens", "128", "--max-batch", "1"]))
+    vl.save_pretrained(tmp_path / "ckpt")
+    tok.save(tmp_path / "ckpt")
+    checkpoint = build_app(build_parser().parse_args(["--checkpoint", str(tmp_path / "ckpt"),
+                                                      "--max-total-tokens", "128"]))
+    for app, name in ((preset, "m3-tiny"), (checkpoint, "ckpt")):
+        r = TestClient(app).post("/v1/chat/completions", json={**chat_body(), "model": name})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(training_prompt(tok))
+    with pytest.raises(ValueError, match="--vision: only with --preset"):
+        build_app(build_parser().parse_args(["--checkpoint", str(tmp_path / "ckpt"), "--vision"]))
+
+
+def _error(r) -> str:
+    body = r.json()
+    return body["error"]["message"]
+
+
+BAD = [  # (id, endpoint, body, message)
+    ("bad-base64", "chat", chat_body("data:image/png;base64,not base64!"),
+     "messages[0].content[1]: the image data is not valid base64"),
+    ("not-an-image", "chat", chat_body("data:image/png;base64," + base64.b64encode(b"hello").decode()),
+     "messages[0].content[1]: the data is not an image Pillow can read"),
+    ("http-url", "chat", chat_body("https://example.com/cat.png"),
+     "messages[0].content[1].image_url.url: only data URLs (data:image/png;base64,...) are accepted"),
+    ("not-base64-url", "chat", chat_body("data:image/png," + B64),
+     "messages[0].content[1].image_url.url: expected base64 data in the data URL"),
+    ("text-media-type", "chat", chat_body("data:text/plain;base64," + B64),
+     "messages[0].content[1].image_url.url: expected an image media type"),
+    ("marker-in-text", "chat", chat_body(text="look: ]<]image[>["), "content: the text may not contain the marker"),
+    ("too-many-tokens", "chat", {"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(336, 336)[1]}"}}]}]},
+     "configured maximum"),
+    ("responses-http-url", "responses", responses_body("http://example.com/cat.png"),
+     "input[0].content[1].image_url: only data URLs"),
+    ("responses-bad-base64", "responses", responses_body("data:image/png;base64,%%%"),
+     "input[0].content[1]: the image data is not valid base64"),
+    ("anthropic-url-source", "anthropic", anthropic_body({"type": "url", "url": "https://example.com/cat.png"}),
+     "messages[0].content[1].source.type: only base64 sources are accepted"),
+    ("anthropic-bad-base64", "anthropic", anthropic_body({"type": "base64", "media_type": "image/png", "data": "@"}),
+     "messages[0].content[1].source: the image data is not valid base64"),
+]
+
+
+@pytest.mark.parametrize("kind,body,message", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_image_parts_get_a_400_naming_the_part(client, kind, body, message):
+    r = client.post(ENDPOINTS[kind][0], json={"model": NAME, **body})
+    assert r.status_code == 400, r.text
+    got = _error(r)
+    assert message in got, got
+    if kind != "anthropic":
+        assert r.json()["error"]["param"] == ("input" if kind == "responses" else "messages")
+
+
+@pytest.mark.parametrize("kind", list(ENDPOINTS))
+def test_a_text_only_model_refuses_images_by_part(text_client, kind):
+    path, body = ENDPOINTS[kind]
+    r = text_client.post(path, json={"model": NAME, **body()})
+    assert r.status_code == 400, r.text
+    where = "input[0].content[1]" if kind == "responses" else "messages[0].content[1]"
+    assert f"{where}: " in _error(r) and "not supported by this server (text-only model)" in _error(r)
+
+
+def test_missing_pillow_is_a_clear_400(client, monkeypatch):
+    monkeypatch.setitem(sys.modules, "PIL", None)  # `from PIL import Image` raises ImportError
+    r = client.post("/v1/chat/completions", json={"model": NAME, **chat_body()})
+    assert r.status_code == 400 and "Pillow is not installed" in _error(r)
+
+
+def test_the_tokenizer_must_share_the_image_placeholder(tok):
+    torch.manual_seed(0)
+    config = M3VLConfig.from_name("m3-tiny", image_token_index=tok.image_id + 1, video_token_index=tok.video_id + 1,
+                                  num_hidden_layers=1, layer_types=["full_attention"], mlp_layer_types=["dense"])
+    with pytest.raises(ValueError, match="image_token_index"):
+        create_app(ModelBackend(M3ForConditionalGeneration(config)), tok, model_name=NAME, max_total_tokens=64)
