@@ -1,14 +1,14 @@
 """Inference engine: paged KV + index-key caches planned from a token budget, chunked prefill, batched decode
 (Triton MSA decode kernels on CUDA, replayed as CUDA graphs), continuous batching, sampling, and `generate` (CLI
-entry: `openm3.engine.generate.main`)."""
+entry: `openm3.engine.generate.main`); prompts with images for vision-language models (`PromptImages`)."""
 
 from .batching import BatchedGenerator
 from .cache import CacheFullError, CacheLayout, CachePlan, PagedCache, plan_cache
 from .generate import GenerationResult, GenerationStats, generate
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, sample
-from .scheduler import decode_step, prefill
+from .scheduler import PromptImages, decode_step, prefill
 
 __all__ = ["BatchedGenerator", "CacheFullError", "CacheLayout", "CachePlan", "PagedCache", "plan_cache",
            "GenerationResult", "GenerationStats", "generate", "DecodeGraphs", "SamplingParams", "sample", "decode_step",
-           "prefill"]
+           "prefill", "PromptImages"]
