@@ -149,7 +149,7 @@ for s in "${stages[@]}"; do
         --seq-len 131072 --attn --kl "" "teacher_pass=1" 2>&1 | tee "$OUT/teachersweep128.log" | grep median ;;
     mfuteacher)  # the 8K MFU case with the teacher pass ($KL_AB: default teacher_pass=1; $SELECT_AB: selection)
       OPENM3_KL_LAUNCH="${KL_AB:-teacher_pass=1}" OPENM3_SELECT_LAUNCH="${SELECT_AB:-}" python3 -m \
-        benchmarks.train_throughput --out "$OUT/mfuteacher" --only mfu --steps 3 --warmup 2 2>&1 \
+        benchmarks.train_throughput --out "$OUT/mfuteacher" --only mfu --steps "${STEPS:-3}" --warmup 2 2>&1 \
         | tee "$OUT/train_mfuteacher.log" | tail -2 | cut -c1-700 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step

@@ -329,14 +329,14 @@ def test_kl_teacher_pass_runs_where_it_applies(monkeypatch):
     heads or the dense warm-up (whose results the KL cases above check either way)."""
     from openm3.ops.msa import triton_kl
 
-    calls = []
     real = triton_kl._teacher_pass
-    monkeypatch.setattr(triton_kl, "_teacher_pass", lambda *a: calls.append(a[0].shape[1]) or real(*a))
-    for hq, sparse in ((8, True), (6, True), (8, False)):
+    for hq, sparse, runs in ((8, True, True), (6, True, False), (8, False, False)):
+        calls = []
+        monkeypatch.setattr(triton_kl, "_teacher_pass", lambda *a: calls.append(1) or real(*a))
         q, k, qi, ki, block_idx, cu_q, _, lse = make_kl_case([40, 30], None, hq, 2, 16, 16, 16, 3, sparse, sparse)
         launch = kl_launch(hq // 2, 16, 16, ON_GPU, teacher_pass=1)
         _kl_forward(q, k, qi, ki, block_idx, cu_q, cu_q, lse, 16, 0.25, 0.25, True, launch=launch)
-    assert calls == [8]
+        assert calls == ([1] if runs else []), (hq, sparse)
 
 
 def test_kl_public_autograd_scales_gradients():

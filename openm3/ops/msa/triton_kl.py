@@ -540,7 +540,7 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     if launch is None:
         launch = kl_launch(group, max(d, di), block_size, q.is_cuda)
     seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
-    dense = block_idx
+    sparse = block_idx is not None
     if block_idx is None:
         cu_k = cu_seqlens_k.to(torch.int64)
         qpos_rel = qpos.to(torch.int64) - cu_k[seq]
@@ -580,7 +580,7 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     lse = lse.to(torch.float32).contiguous()
 
     teacher = None
-    if (launch.teacher_pass and dense is None and group & (group - 1) == 0
+    if (launch.teacher_pass and sparse and group & (group - 1) == 0
             and hkv * t * topk * block_size * (4 if q.dtype == torch.float32 else 2) <= TEACHER_MAX_BYTES):
         teacher = _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
 
