@@ -126,10 +126,17 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        lengths = check_cu_seqlens(cu_seqlens, n)
         q = apply_axial_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_axial_rope(self.k_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
+        return self.out_proj(self.attend(q, k, v, cu_seqlens).reshape(n, -1))
+
+    # Dynamo does not trace this (the segments come from `cu_seqlens`' host values, a loop over runs of equal
+    # lengths): under a compiled block the projections, RoPE, norms, MLP and residuals compile around it.
+    @torch.compiler.disable
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of ``q, k, v: [N, H, D]`` inside each segment -> ``[N, H, D]``."""
+        lengths = check_cu_seqlens(cu_seqlens, q.shape[0])
         out = torch.empty_like(q)
         start = 0
         for length, count in _runs(lengths):
@@ -140,7 +147,7 @@ class VisionAttention(nn.Module):
             o = F.scaled_dot_product_attention(qs, ks, vs)
             out[start:stop] = o.transpose(1, 2).reshape(stop - start, self.num_heads, self.head_dim)
             start = stop
-        return self.out_proj(out.reshape(n, -1))
+        return out
 
 
 def _runs(lengths: list[int]) -> list[tuple[int, int]]:

@@ -92,7 +92,7 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", dynamic: bool | None = None) -> int:
-    """`torch.compile` every text decoder layer in place; returns how many.
+    """`torch.compile` every text decoder layer and vision tower block in place; returns how many.
 
     Per layer, not the whole model: the layers share one code object, so all MSA+MoE layers reuse one set of
     compiled graphs (and the dense layers another), and what cannot be traced stays local to a layer. Inside a
@@ -104,15 +104,17 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", dynamic: bool 
     (input norm to RoPE | o_proj to the end). `dynamic=None` compiles for the first shapes seen and recompiles
     once with dynamic sizes when the token count or the number of packed documents changes, so later packings
     reuse it. A layer wrapped for activation checkpointing is compiled inside the wrapper, so the backward
-    recomputation runs the same compiled code. Vision tower blocks stay eager (their varlen attention has the
-    same host reads).
+    recomputation runs the same compiled code. Vision tower blocks compile the same way around their segment
+    attention (`VisionAttention.attend`, eager: it reads `cu_seqlens` on the host): layer norms, projections, axial
+    RoPE, the MLP and the residuals.
     """
+    from ..layers.vision import VisionBlock
     from ..models.text import DecoderLayer
 
     count = 0
     for block in find_blocks(model):
         inner = getattr(block, "_checkpoint_wrapped_module", block)
-        if isinstance(inner, DecoderLayer):
+        if isinstance(inner, (DecoderLayer, VisionBlock)):
             inner.compile(backend=backend, dynamic=dynamic)
             count += 1
     if count == 0:
