@@ -115,7 +115,7 @@ CATEGORIES = [
     ("optimizer", r"adam|multi_tensor_apply|foreach"),
     ("msa_select", r"_select_kernel"),
     ("msa_attention", r"_attn_fwd_kernel|_attn_dq_kernel|_attn_dkdv_kernel|_delta_kernel"),
-    ("msa_indexer_kl", r"_kl_stats_kernel|_kl_main_kernel"),
+    ("msa_indexer_kl", r"_kl_stats_kernel|_kl_main_kernel|_teacher_kernel"),
     ("dense_attention", r"flash|fmha|cudnn|sdpa|attention|mha_"),
     ("moe_grouped_gemm", r"groupproblemshape|grouped|group_gemm"),
     ("matmul", r"gemm|nvjet|xmma|cutlass|cublas|gemv|splitk|triton_tem_fused_mm|_mm_"),
