@@ -339,6 +339,37 @@ def test_kl_teacher_pass_runs_where_it_applies(monkeypatch):
         assert calls == ([1] if runs else []), (hq, sparse)
 
 
+def test_teacher_pass_reuses_the_forwards_tiling(monkeypatch):
+    """The attention forward and then the KL's teacher pass over the same selection build the tiles' candidate
+    blocks once; a selection changed in place, another selection object, or inference-mode tensors (no version
+    counter) build them again, and the KL's values never change."""
+    from openm3.ops.msa import triton_attention, triton_common
+
+    q, k, qi, ki, block_idx, cu_q, _, _ = make_kl_case([70, 129], None, 8, 2, 16, 16, 16, 3, True, False, seed=4)
+    builds = []
+    real = triton_common.tile_candidates
+    monkeypatch.setattr(triton_common, "tile_candidates", lambda *a: builds.append(1) or real(*a))
+    monkeypatch.setattr(triton_common, "_last_tiling", None)
+    launch = kl_launch(4, 16, 16, ON_GPU, teacher_pass=1)
+
+    def forward_then_kl(sel):
+        _, lse = triton_attention.sparse_attention(q, k, k, sel, cu_q, block_size=16)
+        return _kl_forward(q, k, qi, ki, sel, cu_q, cu_q, lse, 16, 0.25, 0.25, True, launch=launch)
+
+    first = forward_then_kl(block_idx)
+    assert len(builds) == 1
+    again = forward_then_kl(block_idx.clone())  # another object: built again
+    assert len(builds) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
+    changed = block_idx.clone()
+    _, lse = triton_attention.sparse_attention(q, k, k, changed, cu_q, block_size=16)
+    changed += 0  # written in place (same values, new version): built again
+    swapped = _kl_forward(q, k, qi, ki, changed, cu_q, cu_q, lse, 16, 0.25, 0.25, True, launch=launch)
+    assert len(builds) == 4 and all(torch.equal(a, b) for a, b in zip(first, swapped))
+    with torch.inference_mode():
+        infer = _kl_forward(q, k, qi, ki, block_idx, cu_q, cu_q, lse, 16, 0.25, 0.25, False, launch=launch)
+    assert len(builds) == 5 and torch.equal(infer[0], first[0])
+
+
 def test_kl_public_autograd_scales_gradients():
     q, k, qi, ki, block_idx, cu_q, _, lse = make_kl_case([60, 45], None, 8, 2, 16, 16, 16, 3, True, True, seed=5)
     ref_loss, ref_dqi, ref_dki = reference_kl(q, k, qi, ki, block_idx, cu_q, None, lse, 16)

@@ -32,8 +32,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import (check_attention_inputs, check_block_idx, check_block_params, check_scale,
                       check_seqlens)
-from .triton_common import (absolute_block_starts, attention_launch, interpreting, key_block_work, next_pow2,
-                            query_positions, tile_candidates)
+from .triton_common import (attention_launch, interpreting, key_block_work, next_pow2, query_positions,
+                            query_tiling)
 
 __all__ = ["sparse_attention"]
 
@@ -402,11 +402,8 @@ def _launch_common(q, k, block_size):
 
 
 def _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, num_keys, block_size, tokens):
-    seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
-    sel = absolute_block_starts(block_idx, seq, cu_seqlens_k, block_size).contiguous()
-    cand, ncand, members = tile_candidates(sel, tokens, num_keys)
-    # one-token tiles never read the membership bits: cand stands in as a placeholder pointer
-    return seq, qpos, cand, ncand, cand if members is None else members
+    tiling = query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, num_keys, block_size, tokens)
+    return tiling.seq, tiling.qpos, tiling.cand, tiling.ncand, tiling.members
 
 
 def _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):

@@ -13,6 +13,7 @@ Conventions (packed varlen, see `reference.py`):
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -81,6 +82,47 @@ def absolute_block_starts(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens
     """
     base = cu_seqlens_k.to(torch.int32)[seq].view(1, -1, 1)
     return torch.where(block_idx >= 0, block_idx * block_size + base, -1).to(torch.int32)
+
+
+class QueryTiling(NamedTuple):
+    """The query-outer kernels' bookkeeping for one `block_idx`: each query's sequence `seq` and key position
+    `qpos` ([T], from `query_positions`), its selected blocks' absolute first key rows `sel` (int32 [H, T, topk],
+    `absolute_block_starts`) and the tiles' candidate blocks `cand`, `ncand`, `members` (`tile_candidates`;
+    `members` is `cand` itself for one-token tiles, which never read it: a placeholder pointer)."""
+
+    seq: torch.Tensor
+    qpos: torch.Tensor
+    sel: torch.Tensor
+    cand: torch.Tensor
+    ncand: torch.Tensor
+    members: torch.Tensor
+
+
+# The last `query_tiling` result and what it was computed from (weak references: the cache never keeps a
+# selection alive, and a tensor changed in place has a new version).
+_last_tiling: tuple | None = None
+
+
+def query_tiling(block_idx: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor, num_tokens: int,
+                 num_keys: int, block_size: int, tokens_per_tile: int) -> QueryTiling:
+    """`QueryTiling` of a selection for tiles of `tokens_per_tile` queries. The attention forward and the indexer
+    KL's teacher pass tile the same selection the same way, one after the other: the second call reuses the first
+    one's tensors (the same `block_idx` and `cu_seqlens` objects, unchanged since, and the same sizes)."""
+    global _last_tiling
+    inputs = (block_idx, cu_seqlens, cu_seqlens_k)
+    # inference-mode tensors have no version counter: never cached
+    key = None if any(x.is_inference() for x in inputs) else (
+        num_tokens, num_keys, block_size, tokens_per_tile, *(x._version for x in inputs))
+    if key is not None and _last_tiling is not None:
+        refs, last_key, tiling = _last_tiling
+        if last_key == key and all(r() is x for r, x in zip(refs, inputs)):
+            return tiling
+    seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, num_tokens)
+    sel = absolute_block_starts(block_idx, seq, cu_seqlens_k, block_size).contiguous()
+    cand, ncand, members = tile_candidates(sel, tokens_per_tile, num_keys)
+    tiling = QueryTiling(seq, qpos, sel, cand, ncand, cand if members is None else members)
+    _last_tiling = None if key is None else (tuple(weakref.ref(x) for x in inputs), key, tiling)
+    return tiling
 
 
 # Tiles per sort in `tile_candidates`: bounds the sort's transient int64 indices to ~tiles * width * 8 bytes.

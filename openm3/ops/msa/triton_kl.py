@@ -47,9 +47,8 @@ import triton.language as tl
 from ..fused import fused_on_cuda
 from ._checks import check_indexer_kl_inputs
 from .triton_attention import _key_operands, _load_tile_rows, _tile_scores, _tile_walk
-from .triton_common import (absolute_block_starts, attention_launch, block_rows, bucket_runs, interpreting,
-                            largest_pow2_divisor, next_pow2, query_positions, selection_buckets, tile_candidates,
-                            with_overrides)
+from .triton_common import (attention_launch, block_rows, bucket_runs, interpreting, largest_pow2_divisor,
+                            next_pow2, query_positions, query_tiling, selection_buckets, with_overrides)
 
 __all__ = ["indexer_kl", "kl_launch", "KLLaunch"]
 
@@ -619,10 +618,9 @@ def _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: in
     topk = block_idx.shape[2]
     launch = attention_launch(group, dim, block_size, q.dtype, q.is_cuda)
     tokens = launch.tokens_per_tile(group)
-    seq, qpos = query_positions(cu_seqlens, cu_seqlens_k, t)
-    sel = absolute_block_starts(block_idx, seq, cu_seqlens_k, block_size).contiguous()
-    cand, ncand, members = tile_candidates(sel, tokens, k.shape[0])
-    members = cand if members is None else members  # one-token tiles never read it
+    # the attention forward's tiling of the same selection, usually still cached from it
+    _, qpos, sel, cand, ncand, members = query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, k.shape[0], block_size,
+                                                      tokens)
     teacher = torch.empty((hkv, t, topk, block_size), device=q.device,
                           dtype=torch.float32 if q.dtype == torch.float32 else torch.float16)
     kd, _, use_tma = _key_operands(k, k, launch.tma, launch.block_n)
