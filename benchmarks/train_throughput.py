@@ -326,15 +326,24 @@ def main(argv=None) -> int:
                    help="keep the MSA ops' block_idx value checks (a host sync per call)")
     p.add_argument("--only", default="mfu,msa,dense",
                    help="comma-separated case prefixes to run (mfu, msa, dense, vl: the vision-language model)")
+    p.add_argument("--nested-graph-breaks", action="store_true",
+                   help="torch._dynamo.config.nested_graph_breaks: 2 compiled graphs per decoder layer instead of 4 "
+                        "(the residual stream's adds and casts fuse across the attention call)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.train_throughput needs a CUDA GPU")
+    if args.nested_graph_breaks:
+        if not hasattr(torch._dynamo.config, "nested_graph_breaks"):
+            raise SystemExit(f"--nested-graph-breaks: torch {torch.__version__} has no "
+                             f"torch._dynamo.config.nested_graph_breaks")
+        torch._dynamo.config.nested_graph_breaks = True
     from openm3.ops.msa import triton_attention, triton_kl
 
     triton_attention.VALIDATE_BLOCK_IDX = triton_kl.VALIDATE_BLOCK_IDX = args.validate_block_idx
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version(), "compile": args.compile,
-              "validate_block_idx": args.validate_block_idx, "cases": {}}
+              "validate_block_idx": args.validate_block_idx, "nested_graph_breaks": args.nested_graph_breaks,
+              "cases": {}}
     try:
         import triton
         result["triton"] = triton.__version__

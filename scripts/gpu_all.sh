@@ -151,6 +151,9 @@ for s in "${stages[@]}"; do
       OPENM3_KL_LAUNCH="${KL_AB:-teacher_pass=1}" OPENM3_SELECT_LAUNCH="${SELECT_AB:-}" python3 -m \
         benchmarks.train_throughput --out "$OUT/mfuteacher" --only mfu --steps "${STEPS:-3}" --warmup 2 2>&1 \
         | tee "$OUT/train_mfuteacher.log" | tail -2 | cut -c1-700 ;;
+    mfunested)  # the 8K MFU case with Dynamo's nested graph breaks (2 graphs per decoder layer instead of 4)
+      python3 -m benchmarks.train_throughput --out "$OUT/mfunested" --only mfu --steps "${STEPS:-3}" --warmup 2 \
+        --nested-graph-breaks 2>&1 | tee "$OUT/train_mfunested.log" | tail -2 | cut -c1-700 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm
