@@ -5,11 +5,10 @@ share one), so activation memory is bounded by the chunk and a 1M-token prompt r
 to everything cached before it through the cache (MSA selection for MSA layers), which makes chunked prefill equal
 to one forward over the whole prompt. Decode feeds one new token per running sequence per forward.
 
-Vision-language models (`M3ForConditionalGeneration`): the cache serves the text decoder (`language_model`). A
-prompt with images is embedded once before its first chunk (`prompt_embeddings`: the vision tower runs once per
-request, and its visual tokens overwrite the image placeholders), and each chunk then feeds its slice of those
-embeddings instead of token ids; positions stay 1-D, so nothing else changes, and decode feeds token ids as for a
-text model.
+Vision-language models (`M3ForConditionalGeneration`): the cache serves the text decoder (`language_model`). For
+a prompt with images the vision tower runs once, before its first chunk (`prompt_visual`: the visual tokens and
+the placeholder positions they replace), and each chunk embeds its ids and puts in the visual tokens that fall
+inside it; positions stay 1-D, so nothing else changes, and decode feeds token ids as for a text model.
 """
 
 from __future__ import annotations
@@ -82,35 +81,57 @@ def check_images(model, prompts: Sequence[torch.Tensor], images) -> list[PromptI
     return out
 
 
-@torch.no_grad()
-def prompt_embeddings(model, prompt: torch.Tensor, images: PromptImages) -> torch.Tensor:
-    """Input embeddings [L, hidden] of one prompt (int64 [L], host) with images, on the model's device: the VL
-    model's `embed` (text embeddings, visual tokens scattered over the image placeholders), run once. The
-    placeholder counts are `check_images`'s (host) business, so `embed` reads nothing back from the device."""
-    from ..models.text import input_ids_checked_by_caller
+class PromptVisual(NamedTuple):
+    """What a prompt's images put into its embeddings: the image placeholders' positions in the prompt (int64
+    [n], ascending, host) and the visual tokens that replace their embeddings ([n, hidden], on the model's device,
+    in the text embeddings' dtype)."""
 
+    positions: torch.Tensor
+    tokens: torch.Tensor
+
+    def chunk(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The placeholders inside prompt positions [start, stop): (positions relative to start, host; their
+        visual tokens, device). No device read (the positions are on the host)."""
+        lo, hi = (int(torch.searchsorted(self.positions, x)) for x in (start, stop))
+        return self.positions[lo:hi] - start, self.tokens[lo:hi]
+
+
+@torch.no_grad()
+def prompt_visual(model, prompt: torch.Tensor, images: PromptImages) -> PromptVisual:
+    """The visual tokens of one prompt's images (the vision tower and projector, run once per request) and the
+    positions of the placeholders they replace (`prompt`: int64 [L] on the host). Only these stay in memory during
+    the prompt's prefill, not the whole prompt's embeddings: each chunk embeds its ids and scatters its share
+    (`_forward`), as `M3ForConditionalGeneration.embed` does for the whole prompt. The counts are `check_images`'s
+    (host) business."""
     tower = next(model.vision_tower.parameters())
     pixels = images.pixel_values.to(device=tower.device, dtype=tower.dtype)
-    with input_ids_checked_by_caller(model):
-        return model.embed(prompt.to(tower.device), pixels, images.grid_thw)
+    tokens = model.visual_tokens(pixels, images.grid_thw)  # a host grid: its values are read without a sync
+    positions = (prompt == model.config.image_token_index).nonzero().flatten()
+    dtype = model.language_model.embed_tokens.weight.dtype
+    return PromptVisual(positions, tokens.to(dtype))
 
 
 def _forward(model, cache: PagedCache, seq_ids: list[int], pieces: list[torch.Tensor], starts: list[int],
-             logit_rows: list[int], embeds: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+             logit_rows: list[int], visual: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+             ) -> torch.Tensor:
     """One forward over `pieces[b]` (new token ids of sequence seq_ids[b], first at position starts[b]);
-    returns logits for the packed rows `logit_rows` -> [len(logit_rows), V]. `embeds[b]` ([len(pieces[b]),
-    hidden], or None) replaces the embedding of piece b's ids."""
+    returns logits for the packed rows `logit_rows` -> [len(logit_rows), V]. `visual[b]` (`PromptVisual.chunk`'s
+    piece-relative positions and visual tokens, or None) replaces those rows of piece b's embeddings."""
     device = cache.device
     lens = [p.numel() for p in pieces]
     pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(device)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lens).cumsum(0)
     rows = torch.tensor(logit_rows, dtype=torch.int64, device=device)
-    if embeds is None or all(e is None for e in embeds):
+    if visual is None or all(v is None for v in visual):
         inputs = {"input_ids": torch.cat(pieces).to(device)}
-    else:  # text pieces are looked up here (an exact gather, as the model would); their ids were checked on the host
-        inputs = {"inputs_embeds": torch.cat([model.embed_tokens(p.to(device)) if e is None else e
-                                              for p, e in zip(pieces, embeds)])}
+    else:  # embedded here (an exact gather, as the model would; the ids were checked on the host), visual rows put in
+        x = model.embed_tokens(torch.cat(pieces).to(device))
+        offsets = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        for off, v in zip(offsets, visual):
+            if v is not None and v[0].numel():
+                x.index_copy_(0, (v[0] + off).to(device), v[1])
+        inputs = {"inputs_embeds": x}
     with cache.step(seq_ids, lens):
         return model(**inputs, position_ids=pos, cu_seqlens=cu.to(device), logits_index=rows, cache=cache).logits
 
@@ -123,7 +144,8 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
 
     model: an `M3TextModel` or a VL `M3ForConditionalGeneration`; seq_ids: admitted cache sequences (empty so
     far); prompts: int64 [L_b] each; images: None, or per prompt None or `PromptImages` (VL models only; see
-    `check_images`): such a prompt is embedded once (`prompt_embeddings`) and its chunks feed slices of that.
+    `check_images`): such a prompt's visual tokens are computed once (`prompt_visual`) and each chunk scatters
+    its share of them over its ids' embeddings.
     on_chunk(n) is called after each forward with the number of prompt tokens it consumed (for progress bars).
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -131,7 +153,7 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
     if len(seq_ids) != len(prompts):
         raise ValueError(f"seq_ids ({len(seq_ids)}) and prompts ({len(prompts)}) must match")
     host = [p.cpu() for p in prompts]
-    embeds = [None if im is None else prompt_embeddings(model, p, im)
+    visual = [None if im is None else prompt_visual(model, p, im)
               for p, im in zip(host, check_images(model, host, images))]
     lm = text_model(model)
     done = [0] * len(prompts)
@@ -145,7 +167,7 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
                 continue
             batch.append(seq_ids[b])
             pieces.append(prompt[done[b]:done[b] + n])
-            slices.append(None if embeds[b] is None else embeds[b][done[b]:done[b] + n])
+            slices.append(None if visual[b] is None else visual[b].chunk(done[b], done[b] + n))
             starts.append(done[b])
             row += n
             if done[b] + n == prompt.numel():
