@@ -394,12 +394,15 @@ def compile_check(arch: int = 90, dump: str | None = None, select_variants=None,
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from openm3.ops.msa import triton_kl, triton_select
+    from openm3.ops.msa.triton_common import attention_launch
 
     launches: list = []
-    originals = (triton_select._select_kernel, triton_kl._kl_stats_kernel, triton_kl._kl_main_kernel)
+    originals = (triton_select._select_kernel, triton_kl._kl_stats_kernel, triton_kl._kl_main_kernel,
+                 triton_kl._teacher_kernel)
     triton_select._select_kernel = _Recorder(originals[0], launches)
     triton_kl._kl_stats_kernel = _Recorder(originals[1], launches)
     triton_kl._kl_main_kernel = _Recorder(originals[2], launches)
+    triton_kl._teacher_kernel = _Recorder(originals[3], launches)
     try:
         t, bf16 = 512, torch.bfloat16
         cu = torch.tensor([0, 300, t], dtype=torch.int32)
@@ -419,14 +422,29 @@ def compile_check(arch: int = 90, dump: str | None = None, select_variants=None,
         triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, None, BLOCK, *scales, True, launch=kl)
         triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, False,
                               launch=kl)
-        opt_in = [dict(dqi_buffer=1, prefetch=1), dict(unroll_heads=0), dict(unroll_heads=0, maxnreg=128)]
+        # (teacher_pass=0: the main pass recomputing the teacher, as for the dense warm-up)
+        opt_in = [dict(dqi_buffer=1, prefetch=1), dict(unroll_heads=0), dict(unroll_heads=0, maxnreg=128),
+                  dict(teacher_pass=0)]
         for over in opt_in + list(kl_variants or []):  # the opt-in paths stay compilable
             kl = triton_kl.kl_launch(HQ // HKV, D, BLOCK, on_gpu=True, **over)
             triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, True,
                                   launch=kl)
+        # the teacher pass with the GPU's forward tiling (the calls above use the CPU tensors' one), K through TMA
+        # descriptors as on a Hopper GPU: M3's group of 16 (one token per tile) and m3-small's 4 (16 tokens)
+        key_operands = triton_kl._key_operands
+        triton_kl._key_operands = lambda k, v, want, block_n: (
+            TensorDescriptor(k, shape=[k.shape[0], k.shape[1] * k.shape[2]], strides=[k.stride(0), 1],
+                             block_shape=[block_n, k.shape[2]]), None, True)
+        try:
+            for hq in (HQ, 4 * HKV):
+                attn = attention_launch(hq // HKV, D, BLOCK, bf16, on_gpu=True)
+                triton_kl._teacher_pass(torch.randn(t, hq, D).to(bf16), k, torch.zeros(t, hq), block_idx, cu, cu,
+                                        BLOCK, scales[0], launch=attn)
+        finally:
+            triton_kl._key_operands = key_operands
     finally:
         triton_select._select_kernel = originals[0]
-        triton_kl._kl_stats_kernel, triton_kl._kl_main_kernel = originals[1:]
+        triton_kl._kl_stats_kernel, triton_kl._kl_main_kernel, triton_kl._teacher_kernel = originals[1:]
     lines = []
     for kernel, args, kw in launches:
         # Specialised like a real launch: ints equal to 1 become constants, ints and pointers divisible by 16 carry
@@ -455,7 +473,8 @@ def compile_check(arch: int = 90, dump: str | None = None, select_variants=None,
         compiled = triton_compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                                   target=GPUTarget("cuda", arch, 32), options=options)
         flags = {n: v for n, v in consts.items()
-                 if n in ("TEACHER", "GRAD", "DQI_BUF", "USE_TMA", "BLOCK_M", "BLOCK_N", "BLOCK_Q", "HG", "WITH_LSE")}
+                 if n in ("TEACHER", "GRAD", "DQI_BUF", "USE_TMA", "BLOCK_M", "BLOCK_N", "BLOCK_Q", "HG", "WITH_LSE",
+                          "HAS_TEACHER", "TOKENS")}
         lines.append(f"sm_{arch} {kernel.__name__} {flags} {options} shared={compiled.metadata.shared} "
                      f"regs={_registers(compiled.asm['cubin'])}")
         if dump:

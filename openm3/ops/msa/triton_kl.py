@@ -608,15 +608,18 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     return loss_part.sum() / count, dqi, dki
 
 
-def _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float) -> torch.Tensor:
+def _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float,
+                  launch=None) -> torch.Tensor:
     """Teacher probabilities [Hkv, T, topk, block_size] (`_teacher_kernel`; fp16, fp32 for fp32 inputs): entry
     (g, t, slot)'s row holds the mean over g's heads of exp(q.k * scale - lse) over the keys of its block, 0 for
-    keys it cannot see. Rows of unused slots are left unwritten (the main pass reads valid entries only)."""
+    keys it cannot see. Rows of unused slots are left unwritten (the main pass reads valid entries only).
+    `launch`: the attention forward's `AttentionLaunch` (default: the one the forward uses for these tensors)."""
     t, hq, dim = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     topk = block_idx.shape[2]
-    launch = attention_launch(group, dim, block_size, q.dtype, q.is_cuda)
+    if launch is None:
+        launch = attention_launch(group, dim, block_size, q.dtype, q.is_cuda)
     tokens = launch.tokens_per_tile(group)
     # the attention forward's tiling of the same selection, usually still cached from it
     _, qpos, sel, cand, ncand, members = query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, k.shape[0], block_size,
