@@ -145,14 +145,17 @@ def test_kl_takes_the_index_lse_from_the_selection(monkeypatch):
         assert torch.equal(same, block_idx) and index_lse.shape == (4, 199)
         o, lse = msa.sparse_attention(q, k, k, block_idx, cu_q, block_size=16)
         losses, grads = [], []
-        for given in (None, index_lse):
-            qi_g, ki_g = qi.clone().requires_grad_(True), ki.clone().requires_grad_(True)
-            loss = msa.indexer_kl(q, k, qi_g, ki_g, block_idx, cu_q, block_size=16, lse=lse, index_lse=given)
-            loss.backward()
-            losses.append(loss.detach())
-            grads.append((qi_g.grad, ki_g.grad))
-    assert rel_err(losses[1], losses[0]) < 1e-5
-    assert rel_err(grads[1][0], grads[0][0]) < 1e-4 and rel_err(grads[1][1], grads[0][1]) < 1e-4
+        for kl_launch_env in ("", "teacher_pass=1"):  # with the teacher pass too (no first pass, no head loop)
+            monkeypatch.setenv("OPENM3_KL_LAUNCH", kl_launch_env)
+            for given in (None, index_lse):
+                qi_g, ki_g = qi.clone().requires_grad_(True), ki.clone().requires_grad_(True)
+                loss = msa.indexer_kl(q, k, qi_g, ki_g, block_idx, cu_q, block_size=16, lse=lse, index_lse=given)
+                loss.backward()
+                losses.append(loss.detach())
+                grads.append((qi_g.grad, ki_g.grad))
+    for i in range(1, 4):
+        assert rel_err(losses[i], losses[0]) < 1e-5, i
+        assert rel_err(grads[i][0], grads[0][0]) < 1e-4 and rel_err(grads[i][1], grads[0][1]) < 1e-4, i
     with msa.use_backend("reference"):  # the reference checks it and recomputes
         block_ref, none = msa.select_blocks(qi, ki, cu_q, return_index_lse=True, **kw)
         assert none is None and torch.equal(block_ref, block_idx)
