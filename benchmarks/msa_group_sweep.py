@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from benchmarks._inputs import m3_inputs
+from benchmarks._inputs import REGIMES, m3_inputs
 from benchmarks._timing import write_result
 from benchmarks.msa_kernels import bench_ms
 
@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="time every configuration this many times, interleaved (reports the median over rounds; "
                         "single timings of one configuration moved by up to ~10%% between runs)")
+    p.add_argument("--regime", default="drift", choices=REGIMES,
+                   help="index queries: drift (a trained indexer's, the default) or iid (a random indexer's: what "
+                        "m3-small at random init selects, e.g. in benchmarks.train_throughput)")
     p.add_argument("--out", default="benchmarks/results/")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -68,7 +71,7 @@ def main(argv=None) -> int:
         return 1
     from openm3.ops import msa
 
-    x = m3_inputs(args.T, hq=args.hq, seq_len=args.seq_len)
+    x = m3_inputs(args.T, hq=args.hq, seq_len=args.seq_len, regime=args.regime)
     cu = x["cu"]
     q, k, v, qi, ki = (x[n].detach().requires_grad_(True) for n in ("q", "k", "v", "qi", "ki"))
     do = torch.randn_like(x["q"])
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
         msa.indexer_kl(x["q"], x["k"], qi, ki, sel, cu, block_size=BLOCK, lse=lse, index_lse=index_lse,
                        validate_block_idx=False).backward()
 
-    rec = {"shape": dict(hq=args.hq, hkv=4, T=args.T, seq_len=args.seq_len), "attn": {}, "kl": {}, "selkl": {}}
+    rec = {"shape": dict(hq=args.hq, hkv=4, T=args.T, seq_len=args.seq_len), "regime": args.regime, "attn": {},
+           "kl": {}, "selkl": {}}
     # one untimed round first: the first configuration timed on a fresh process measured 20-40% slow (clocks,
     # allocator, lazy initialisation), which once made the default look worse than it was
     bench_ms(attn_fwd_bwd)

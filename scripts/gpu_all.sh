@@ -147,6 +147,11 @@ for s in "${stages[@]}"; do
         2>&1 | tee "$OUT/teachersweep.log" | grep median
       python3 -m benchmarks.msa_group_sweep --out "$OUT/teachersweep128" --rounds 2 --hq 64 --T 131072 \
         --seq-len 131072 --attn --kl "" "teacher_pass=1" 2>&1 | tee "$OUT/teachersweep128.log" | grep median ;;
+    teachersweepiid)  # G = 4 as in the 8K training step: 8 x 8K tokens, a random indexer's (iid) and drifting selections
+      for regime in iid drift; do
+        python3 -m benchmarks.msa_group_sweep --out "$OUT/teachersweep_$regime" --rounds 3 --T 65536 --regime $regime \
+          --attn --kl "teacher_pass=0" "teacher_pass=1" 2>&1 | tee "$OUT/teachersweep_$regime.log" | grep median
+      done ;;
     mfuteacher)  # the 8K MFU case with the teacher pass ($KL_AB: default teacher_pass=1; $SELECT_AB: selection)
       OPENM3_KL_LAUNCH="${KL_AB:-teacher_pass=1}" OPENM3_SELECT_LAUNCH="${SELECT_AB:-}" python3 -m \
         benchmarks.train_throughput --out "$OUT/mfuteacher" --only mfu --steps "${STEPS:-3}" --warmup 2 2>&1 \
