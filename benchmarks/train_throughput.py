@@ -32,6 +32,11 @@ One more step runs under
 matmuls, optimizer incl. gradient clipping, elementwise and everything else; top kernels by time) explains a missed
 target. The MSA ops' value checks of `block_idx` (a host sync and a few sorts per call) are off unless
 `--validate-block-idx`: the indices come from the tested selection kernel.
+`--ab 'VAR=VALUE[;VAR=VALUE]'` times an interleaved A/B in one process: the timed steps alternate between the
+current environment and these variables (the MSA launch configs, `OPENM3_*_LAUNCH`, are read at every call), so
+both sides share the compiled graphs, the warm allocator and the machine's state; each case then reports `ab`
+(both sides' step times and medians). Separate runs moved by 1-3% between calls (session 8), more than some of
+the effects being compared.
 Each case runs in its own try/except (a compiled case that fails is retried eagerly, both recorded); results go to
 `<out>/train_throughput.json` with hardware, versions, date.
 """
@@ -39,8 +44,10 @@ Each case runs in its own try/except (a compiled case that fails is retried eage
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import platform
 import re
 import statistics
@@ -226,9 +233,30 @@ class RandomImageRows(RandomRows):
         return out
 
 
+def ab_variant_step(i: int, warmup: int) -> bool:
+    """Whether step i of an A/B run (the first `warmup` steps untimed) runs the variant: the last warm-up step (its
+    kernels compile there), then every other timed step, starting with A."""
+    return i == warmup - 1 or (i >= warmup and (i - warmup) % 2 == 1)
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """Set environment variables inside the block (the MSA launch configs read theirs at every call)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = False, ckpt: bool = False,
                rows: int = 1, micro_batch: int | None = None, compile: bool = True, profile: bool = False,
-               images: int = 0) -> dict:
+               images: int = 0, ab_env: dict[str, str] | None = None) -> dict:
     """`images` > 0: the vision-language model, trained natively (recipe `native`) on text rows and as many rows
     with that many random images each (m3-small's vision tower); tokens/s counts both kinds, and no MFU is given
     (the FLOP count covers the text model only)."""
@@ -256,13 +284,18 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     else:
         trainer = Trainer(cfg, lambda: M3TextModel(mcfg), RandomRows(mcfg.vocab_size, ctx))
     times, t_start, warmup_s = [], time.perf_counter(), 0.0
+    b_times: list[float] = []
+    if ab_env:  # one more warm-up step under the variant's launch configs (its kernels compile there)
+        warmup += 1
     for i in range(steps + warmup):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        record = trainer.train_step()
-        torch.cuda.synchronize()
+        variant = bool(ab_env) and ab_variant_step(i, warmup)
+        with environment(ab_env if variant else {}):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            record = trainer.train_step()
+            torch.cuda.synchronize()
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            (b_times if variant else times).append(time.perf_counter() - t0)
         else:
             warmup_s = time.perf_counter() - t_start
     step_s = statistics.median(times)
@@ -273,6 +306,10 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
            "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens / step_s, "loss_last": record["loss"],
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
            "flops_per_token": flops_per_token(mcfg, ctx)}
+    if ab_env:
+        b_step = statistics.median(b_times)
+        out["ab"] = {"env": ab_env, "a_step_s_all": times, "b_step_s_all": b_times, "a_step_s": step_s,
+                     "b_step_s": b_step, "b_tokens_per_s": tokens / b_step, "b_over_a_tokens_per_s": step_s / b_step}
     name = torch.cuda.get_device_name()
     peak = None if images else next((v for k, v in PEAK_BF16.items() if k in name), None)
     if peak:
@@ -293,11 +330,23 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     return out
 
 
+def parse_ab(spec: str) -> dict[str, str]:
+    """`--ab`'s 'VAR=VALUE;VAR=VALUE' -> {VAR: VALUE} (the values may hold '=' and ',')."""
+    env = {}
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip() or not name.strip().isidentifier():
+            raise SystemExit(f"--ab: expected VAR=VALUE[;VAR=VALUE], got {item!r}")
+        env[name.strip()] = value
+    return env
+
+
 def run_case(args, name: str, kw: dict) -> dict:
     """One case; a compiled run that fails is retried eagerly (the compile error is kept); errors never escape."""
     def attempt(compile: bool) -> dict:
         try:
-            return time_steps(args.preset, steps=args.steps, warmup=args.warmup, compile=compile, **kw)
+            return time_steps(args.preset, steps=args.steps, warmup=args.warmup, compile=compile,
+                              ab_env=args.ab_env, **kw)
         except Exception as e:  # report and go on
             torch.cuda.empty_cache()
             return {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-3000:]}
@@ -326,10 +375,15 @@ def main(argv=None) -> int:
                    help="keep the MSA ops' block_idx value checks (a host sync per call)")
     p.add_argument("--only", default="mfu,msa,dense",
                    help="comma-separated case prefixes to run (mfu, msa, dense, vl: the vision-language model)")
+    p.add_argument("--ab", default="", metavar="VAR=VALUE[;VAR=VALUE]",
+                   help="interleaved A/B in one process: timed steps alternate between the current environment (A) "
+                        "and these environment variables (B), e.g. 'OPENM3_KL_LAUNCH=teacher_pass=0' (the MSA launch "
+                        "configs read theirs at every call); the case reports both medians (`ab`)")
     p.add_argument("--nested-graph-breaks", action="store_true",
                    help="torch._dynamo.config.nested_graph_breaks: 2 compiled graphs per decoder layer instead of 4 "
                         "(the residual stream's adds and casts fuse across the attention call)")
     args = p.parse_args(argv)
+    args.ab_env = parse_ab(args.ab)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.train_throughput needs a CUDA GPU")
     if args.nested_graph_breaks:

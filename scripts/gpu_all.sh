@@ -159,6 +159,9 @@ for s in "${stages[@]}"; do
     mfunested)  # the 8K MFU case with Dynamo's nested graph breaks (2 graphs per decoder layer instead of 4)
       python3 -m benchmarks.train_throughput --out "$OUT/mfunested" --only mfu --steps "${STEPS:-3}" --warmup 2 \
         --nested-graph-breaks 2>&1 | tee "$OUT/train_mfunested.log" | tail -2 | cut -c1-700 ;;
+    abstep)  # interleaved A/B in one process, the 8K MFU case: timed steps alternate defaults / $AB (8 steps)
+      python3 -m benchmarks.train_throughput --out "$OUT/abstep" --only mfu --steps "${STEPS:-8}" --warmup 2 \
+        --ab "${AB:-OPENM3_KL_LAUNCH=teacher_pass=0}" 2>&1 | tee "$OUT/train_abstep.log" | tail -2 | cut -c1-900 ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm

@@ -81,3 +81,24 @@ def test_mean_keys_per_query_counts_what_the_selection_lets_each_query_see():
         seen = [sum(min(block, t + 1 - b * block) for b in sel[t].tolist() if b >= 0) for t in range(ctx)]
         assert mean_keys_per_query(ctx, block, topk) == sum(seen) / ctx
         assert mean_keys_per_query(ctx) == (ctx + 1) / 2
+
+
+def test_train_throughput_ab_schedule_and_spec():
+    """`--ab`: the variant's kernels warm up on the last untimed step, then timed steps alternate A, B, A, B; the
+    spec keeps '=' and ',' inside values; the environment is restored after each step."""
+    import os
+
+    import pytest
+
+    from benchmarks.train_throughput import ab_variant_step, environment, parse_ab
+
+    assert [ab_variant_step(i, 3) for i in range(9)] == [False, False, True, False, True, False, True, False, True]
+    assert parse_ab("OPENM3_KL_LAUNCH=teacher_pass=0;OPENM3_SELECT_LAUNCH=index_lse=1,lse_maxnreg=128") == {
+        "OPENM3_KL_LAUNCH": "teacher_pass=0", "OPENM3_SELECT_LAUNCH": "index_lse=1,lse_maxnreg=128"}
+    assert parse_ab("") == {}
+    with pytest.raises(SystemExit, match="--ab"):
+        parse_ab("teacher_pass")
+    os.environ.pop("OPENM3_AB_PROBE", None)
+    with environment({"OPENM3_AB_PROBE": "1"}):
+        assert os.environ["OPENM3_AB_PROBE"] == "1"
+    assert "OPENM3_AB_PROBE" not in os.environ
