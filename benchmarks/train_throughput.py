@@ -265,6 +265,8 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     from openm3.train.config import TrainConfig
     from openm3.train.trainer import Trainer
 
+    if ab_env:  # one more warm-up step, under the variant's launch configs (its kernels compile there)
+        warmup += 1
     overrides = {"layer_types": ["full_attention"] * M3TextConfig.from_name(preset).num_hidden_layers} if dense else {}
     mcfg = M3TextConfig.from_name(preset, **overrides)
     micro_batch = micro_batch or rows
@@ -285,8 +287,6 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
         trainer = Trainer(cfg, lambda: M3TextModel(mcfg), RandomRows(mcfg.vocab_size, ctx))
     times, t_start, warmup_s = [], time.perf_counter(), 0.0
     b_times: list[float] = []
-    if ab_env:  # one more warm-up step under the variant's launch configs (its kernels compile there)
-        warmup += 1
     for i in range(steps + warmup):
         variant = bool(ab_env) and ab_variant_step(i, warmup)
         with environment(ab_env if variant else {}):
