@@ -384,6 +384,8 @@ def main(argv=None) -> int:
                         "(the residual stream's adds and casts fuse across the attention call)")
     args = p.parse_args(argv)
     args.ab_env = parse_ab(args.ab)
+    if args.ab_env and args.steps < 2:
+        raise SystemExit(f"--ab: needs --steps >= 2 (the timed steps alternate A and B), got {args.steps}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.train_throughput needs a CUDA GPU")
     if args.nested_graph_breaks:
