@@ -150,3 +150,30 @@ def test_index_lse_from_the_selection_bf16(monkeypatch):
         losses.append((loss.item(), qi_g.grad.float()))
     assert abs(losses[1][0] - losses[0][0]) <= 1e-4 * abs(losses[0][0])
     assert (losses[1][1] - losses[0][1]).abs().max().item() <= 1e-2 * losses[0][1].abs().max().item()
+
+
+def test_teacher_pass_reuses_the_forwards_tiling_on_cuda(monkeypatch):
+    """On CUDA tensors through the public ops (autograd Functions, torch.library custom ops), as the model calls
+    them: the attention forward and the KL's teacher pass build the tiles' candidate blocks once, and the KL equals
+    the one without the teacher pass."""
+    from openm3.ops import msa
+    from openm3.ops.msa import triton_common
+
+    torch.manual_seed(0)
+    t, cu = 16384, _cu([8192, 8192])
+    q, k = (torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16) for h in (16, 4))
+    qi, ki = torch.randn(t, 4, 128, device="cuda", dtype=torch.bfloat16), torch.randn(t, 128, device="cuda",
+                                                                                      dtype=torch.bfloat16)
+    kw = dict(block_size=128)
+    block_idx = msa.select_blocks(qi, ki, cu, topk=16, **kw)
+    builds = []
+    real = triton_common.tile_candidates
+    monkeypatch.setattr(triton_common, "tile_candidates", lambda *a: builds.append(1) or real(*a))
+    monkeypatch.setattr(triton_common, "_last_tiling", None)
+    monkeypatch.setenv("OPENM3_KL_LAUNCH", "teacher_pass=1")
+    _, lse = msa.sparse_attention(q, k, k, block_idx, cu, validate_block_idx=False, **kw)
+    with_pass = msa.indexer_kl(q, k, qi, ki, block_idx, cu, lse=lse, validate_block_idx=False, **kw)
+    assert len(builds) == 1
+    monkeypatch.setenv("OPENM3_KL_LAUNCH", "teacher_pass=0")
+    without = msa.indexer_kl(q, k, qi, ki, block_idx, cu, lse=lse, validate_block_idx=False, **kw)
+    assert abs(with_pass.item() - without.item()) <= 1e-3 * abs(without.item())
