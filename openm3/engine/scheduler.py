@@ -127,8 +127,7 @@ def _forward(model, cache: PagedCache, seq_ids: list[int], pieces: list[torch.Te
         inputs = {"input_ids": torch.cat(pieces).to(device)}
     else:  # embedded here (an exact gather, as the model would; the ids were checked on the host), visual rows put in
         x = model.embed_tokens(torch.cat(pieces).to(device))
-        offsets = [0, *torch.tensor(lens).cumsum(0).tolist()]
-        for off, v in zip(offsets, visual):
+        for off, v in zip(cu.tolist(), visual):  # piece b starts at packed row cu[b]
             if v is not None and v[0].numel():
                 x.index_copy_(0, (v[0] + off).to(device), v[1])
         inputs = {"inputs_embeds": x}

@@ -401,15 +401,10 @@ def _launch_common(q, k, block_size):
     return t, hq, hkv, group, dim, launch
 
 
-def _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, num_keys, block_size, tokens):
-    tiling = query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, num_keys, block_size, tokens)
-    return tiling.seq, tiling.qpos, tiling.cand, tiling.ncand, tiling.members
-
-
 def _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):
     t, hq, hkv, group, dim, launch = _launch_common(q, k, block_size)
     tokens = launch.tokens_per_tile(group)
-    _, qpos, cand, ncand, members = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, k.shape[0], block_size,
+    _, qpos, _, cand, ncand, members = query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, k.shape[0], block_size,
                                                     tokens)
     o = torch.empty_like(q)
     lse = torch.empty((t, hq), device=q.device, dtype=torch.float32)
@@ -435,7 +430,7 @@ def _dq_pass(q, k, v, do, lse, delta, dq, block_idx, cu_seqlens, cu_seqlens_k, b
     t, tk, hkv, dim = q.shape[0], k.shape[0], k.shape[1], q.shape[2]
     group = q.shape[1] // hkv
     tokens = launch.dq_tokens_per_tile(group)
-    seq, qpos, cand, ncand, members = _query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, tk, block_size, tokens)
+    seq, qpos, _, cand, ncand, members = query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, tk, block_size, tokens)
     n_tiles = cand.shape[1]
     kd, vd, use_tma = _key_operands(k, v, launch.tma, launch.dq_block_n)
     args = (q, kd, vd, do, lse, delta, dq, qpos, members, cand, ncand,

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..fused import fused_on_cuda
 from ._checks import check_indexer_kl_inputs
-from .triton_attention import _key_operands, _load_tile_rows, _tile_scores, _tile_walk
+from .triton_attention import _LOG2E, _key_operands, _load_tile_rows, _tile_scores, _tile_walk
 from .triton_common import (attention_launch, block_rows, bucket_runs, interpreting, largest_pow2_divisor,
                             next_pow2, query_positions, query_tiling, selection_buckets, with_overrides)
 
@@ -584,7 +584,7 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
 
     teacher = None
     if (launch.teacher_pass and sparse and group & (group - 1) == 0
-            and hkv * t * topk * block_size * (4 if q.dtype == torch.float32 else 2) <= TEACHER_MAX_BYTES):
+            and hkv * t * topk * block_size * _teacher_dtype(q.dtype).itemsize <= TEACHER_MAX_BYTES):
         teacher = _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
 
     # Pass 2: loss terms and gradients.
@@ -608,6 +608,11 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     return loss_part.sum() / count, dqi, dki
 
 
+def _teacher_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The teacher buffer's dtype: fp16 (probabilities in [0, 1]) for low-precision inputs, fp32 for fp32 ones."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
 def _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float,
                   launch=None) -> torch.Tensor:
     """Teacher probabilities [Hkv, T, topk, block_size] (`_teacher_kernel`; fp16, fp32 for fp32 inputs): entry
@@ -624,13 +629,12 @@ def _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: in
     # the attention forward's tiling of the same selection, usually still cached from it
     _, qpos, sel, cand, ncand, members = query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, k.shape[0], block_size,
                                                       tokens)
-    teacher = torch.empty((hkv, t, topk, block_size), device=q.device,
-                          dtype=torch.float32 if q.dtype == torch.float32 else torch.float16)
+    teacher = torch.empty((hkv, t, topk, block_size), device=q.device, dtype=_teacher_dtype(q.dtype))
     kd, _, use_tma = _key_operands(k, k, launch.tma, launch.block_n)
     _teacher_kernel[(cand.shape[1], hkv)](
         q, kd, lse, qpos, members, cand, ncand, sel, teacher,
         t, k.shape[0], cand.shape[1], cand.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        scale * 1.4426950408889634,
+        scale * _LOG2E,
         GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_SIZE=block_size, BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n, TOKENS=tokens, TOPK=topk, BLOCK_TOPK=next_pow2(topk),
         DOT_PRECISION=_dot_precision(q.dtype), WHILE_LOOPS=interpreting(), USE_TMA=use_tma,
