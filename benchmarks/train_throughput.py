@@ -137,7 +137,7 @@ def kernel_category(name: str) -> str:
     return "elementwise_other"
 
 
-def kernel_breakdown(kernels: dict[str, tuple[float, int]], wall_ms: float, top: int = 40) -> dict:
+def kernel_breakdown(kernels: dict[str, tuple[float, int]], wall_ms: float, top: int = 150) -> dict:
     """`kernels`: name -> (total ms, launches) over one step. Returns ms per category, the share of the step's
     wall time the GPU ran kernels, and the top kernels."""
     by_cat: dict[str, float] = defaultdict(float)
