@@ -162,6 +162,13 @@ for s in "${stages[@]}"; do
     abstep)  # interleaved A/B in one process, the 8K MFU case: timed steps alternate defaults / $AB (8 steps)
       python3 -m benchmarks.train_throughput --out "$OUT/abstep" --only mfu --steps "${STEPS:-8}" --warmup 2 \
         --ab "${AB:-OPENM3_KL_LAUNCH=teacher_pass=0}" 2>&1 | tee "$OUT/train_abstep.log" | tail -2 | cut -c1-900 ;;
+    dqtsweep)  # dq computed transposed in dk/dv (dq^T = K^T dS^T: wgmma instead of mma.sync), G = 4 and M3's 128K
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/dqt4" --rounds 3 --attn "" "dq_transposed=1" --kl 2>&1 \
+        | tee "$OUT/dqt4.log" | grep median
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/dqt4iid" --rounds 3 --T 65536 --regime iid \
+        --attn "" "dq_transposed=1" --kl 2>&1 | tee "$OUT/dqt4iid.log" | grep median
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/dqt128" --rounds 2 --hq 64 --T 131072 --seq-len 131072 \
+        --attn "" "dq_transposed=1" --kl 2>&1 | tee "$OUT/dqt128.log" | grep median ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm

@@ -107,6 +107,8 @@ def test_matches_reference(case):
     ("dq_in_dkdv=1,dkdv_block_n=16,dkdv_block_m=16,dkdv_maxnreg=128", 32),
     ("dq_in_dkdv=1,dkdv_split=1,dkdv_block_n=16,dkdv_block_m=16,dkdv_max_tokens=8", 32),
     ("dq_in_dkdv=0,dkdv_split=1,dkdv_block_m=32", 32),
+    ("dq_in_dkdv=1,dq_transposed=1,dkdv_block_n=16,dkdv_block_m=16,dkdv_max_tokens=8", 32),
+    ("dq_in_dkdv=1,dq_transposed=1,dkdv_block_n=32,dkdv_block_m=32", 32),
 ], ids=["B2-T105-Hq16-Hkv1-D16-bs16-k3-one-token-tiles-split-blocks",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-two-token-tiles-two-subtiles",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-four-token-fwd-one-token-dq-dkdv-subtiles",
@@ -114,11 +116,13 @@ def test_matches_reference(case):
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-tma-four-token-fwd-two-token-dq",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-dq-fused-register-cap",
         "B2-T105-Hq16-Hkv1-D16-bs32-k3-dkdv-split-passes-dq-fused-split-blocks",
-        "B2-T105-Hq16-Hkv1-D16-bs32-k3-dkdv-split-passes-dq-apart"])
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-dkdv-split-passes-dq-apart",
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-dq-transposed-split-blocks",
+        "B2-T105-Hq16-Hkv1-D16-bs32-k3-dq-transposed-whole-blocks"])
 def test_gpu_launch_shapes(launch, bs, monkeypatch):
     """The GPU tilings: one token per tile (no membership test), hot key blocks split over programs (atomics),
-    key blocks walked in several sub-tiles, K/V through tensor descriptors (TMA), dq fused into dk/dv, dk and dv
-    in two passes."""
+    key blocks walked in several sub-tiles, K/V through tensor descriptors (TMA), dq fused into dk/dv (also as
+    dq^T = K^T dS^T), dk and dv in two passes."""
     monkeypatch.setenv("OPENM3_ATTN_LAUNCH", launch)
     q, k, v, block_idx, cu_q, cu_k = make_case((45, 60), 16, 1, 16, bs, 3, seed=3)
     ours, ref = run_both(q, k, v, block_idx, cu_q, cu_k, bs)
@@ -370,7 +374,8 @@ def signature(fn, consts):
 for group in (16, 4, 1):
     launch = attention_launch(group, 128, 128, torch.bfloat16, on_gpu=True)
     base = dict(GROUP=group, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=128, DOT_PRECISION="tf32", WHILE_LOOPS=False,
-                NUM_HEADS=4 * group, USE_TMA=bool(launch.tma), FUSE_DQ=bool(launch.dq_in_dkdv), PASS=0)
+                NUM_HEADS=4 * group, USE_TMA=bool(launch.tma), FUSE_DQ=bool(launch.dq_in_dkdv), PASS=0,
+                DQ_T=bool(launch.dq_transposed))
     jobs = [(ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
                                        TOKENS=launch.tokens_per_tile(group)), launch.num_warps, launch.num_stages),
             (ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, USE_TMA=False,
@@ -383,7 +388,10 @@ for group in (16, 4, 1):
              launch.dkdv_num_stages),
             (ta._attn_dkdv_kernel, dict(BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, FUSE_DQ=False,
                                         TOKENS=launch.dkdv_tokens(group)), launch.dkdv_num_warps,
-             launch.dkdv_num_stages)]
+             launch.dkdv_num_stages),
+            (ta._attn_dkdv_kernel, dict(BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, FUSE_DQ=True,
+                                        DQ_T=not launch.dq_transposed, TOKENS=launch.dkdv_tokens(group)),
+             launch.dkdv_num_warps, launch.dkdv_num_stages)]
     for fn, extra, warps, stages in jobs:
         consts = {k: v for k, v in {**base, **extra}.items() if k in fn.arg_names}
         sig, attrs = signature(fn, consts)
@@ -395,7 +403,8 @@ for group in (16, 4, 1):
 # the opt-in register cap of dk/dv (two 8-warp CTAs per SM), at m3-small's group of 4 with 64-key tiles
 launch = attention_launch(4, 128, 128, torch.bfloat16, on_gpu=True, dkdv_block_n=64, dkdv_maxnreg=128)
 consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32", WHILE_LOOPS=False, NUM_HEADS=16,
-              FUSE_DQ=True, BLOCK_M=launch.dkdv_block_m, BLOCK_N=64, TOKENS=launch.dkdv_tokens(4), PASS=0)
+              FUSE_DQ=True, BLOCK_M=launch.dkdv_block_m, BLOCK_N=64, TOKENS=launch.dkdv_tokens(4), PASS=0,
+              DQ_T=False)
 sig, attrs = signature(ta._attn_dkdv_kernel, consts)
 k = triton.compile(ASTSource(ta._attn_dkdv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
@@ -408,7 +417,7 @@ launch = attention_launch(4, 128, 128, torch.bfloat16, on_gpu=True, dkdv_block_n
 for dkdv_pass in (1, 2):
     consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32", WHILE_LOOPS=False, NUM_HEADS=16,
                   FUSE_DQ=True, BLOCK_M=launch.dkdv_block_m, BLOCK_N=64, TOKENS=launch.dkdv_tokens(4),
-                  PASS=dkdv_pass)
+                  PASS=dkdv_pass, DQ_T=False)
     sig, attrs = signature(ta._attn_dkdv_kernel, consts)
     k = triton.compile(ASTSource(ta._attn_dkdv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages))
@@ -438,7 +447,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" ok") == 19, proc.stdout  # 3 groups x 5 kernels, dk/dv capped and split, delta
+    assert proc.stdout.count(" ok") == 22, proc.stdout  # 3 groups x 6 kernels, dk/dv capped and split, delta
 
 
 def test_strided_views_of_fused_projections():

@@ -256,7 +256,8 @@ def _attn_dq_kernel(
 def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
                stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
                NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr):
+               TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr,
+               DQ_T: tl.constexpr):
     """Accumulate dk, dv of one key tile over the next TOKENS queries `TOKENS_LIST[j : j + TOKENS]`; with FUSE_DQ
     also add this tile's dq = scale * dS K into the fp32 [T, Hq, D] buffer DQ (atomics: a query's blocks are
     handled by different programs). PASS 0 does all of it, 1 only dv, 2 only dk (and dq): a split pass keeps one
@@ -285,9 +286,14 @@ def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIS
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
         if FUSE_DQ:
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_M, D]
-            offs = (tok[:, None].to(tl.int64) * NUM_HEADS + head[:, None]) * HEAD_DIM + d[None, :]
-            tl.atomic_add(DQ + offs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
+            if DQ_T:
+                dq_t = tl.dot(tl.trans(k), ds_t.to(k.dtype), input_precision=DOT_PRECISION) * sm_scale  # [D, M]
+                offs = (tok[None, :].to(tl.int64) * NUM_HEADS + head[None, :]) * HEAD_DIM + d[:, None]
+                tl.atomic_add(DQ + offs, dq_t, mask=row_ok[None, :] & d_ok[:, None], sem="relaxed")
+            else:
+                dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_M, D]
+                offs = (tok[:, None].to(tl.int64) * NUM_HEADS + head[:, None]) * HEAD_DIM + d[None, :]
+                tl.atomic_add(DQ + offs, dq, mask=row_ok[:, None] & d_ok[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -300,7 +306,7 @@ def _attn_dkdv_kernel(
     qk_scale, sm_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr, DQ_T: tl.constexpr,
 ):
     """dk, dv of one [BLOCK_N] key sub-block of one group over one chunk of the queries that selected it
     (grid: work items x sub-blocks per selection block). DO shares q's strides; DK/DV are fp32 [Tk, Hkv, D];
@@ -331,13 +337,13 @@ def _attn_dkdv_kernel(
             while j < hi:
                 dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
                                     stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
-                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ, PASS)
+                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ, PASS, DQ_T)
                 j += TOKENS
         else:
             for j in range(lo, hi, TOKENS):
                 dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
                                     stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
-                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ, PASS)
+                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ, PASS, DQ_T)
         offs = kpos[:, None].to(tl.int64) * stride_dt + g * stride_dh + d[None, :]
         out_ok = k_ok[:, None] & d_ok[None, :]
         if tl.load(ITEM_SPLIT + item) != 0:  # a hot block split over several programs: sum their parts
@@ -493,7 +499,7 @@ def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_si
             NUM_HEADS=hq, GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim),
             BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, TOKENS=launch.dkdv_tokens(group),
             DOT_PRECISION=precision, WHILE_LOOPS=interpreting(), FUSE_DQ=fuse_dq, PASS=dkdv_pass,
-            num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
+            DQ_T=bool(launch.dq_transposed), num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
             **({"maxnreg": launch.dkdv_maxnreg} if launch.dkdv_maxnreg and not interpreting() else {}),
         )
     if fuse_dq:

@@ -370,6 +370,9 @@ class AttentionLaunch:
     dkdv_split: 1 runs dk/dv as two passes, dv then dk (+ dq), each holding one fp32 [BLOCK_N, D] accumulator
       instead of two (fewer registers per thread, so more warps per SM) at the price of recomputing P and
       gathering q and dO twice; 0 one pass. Opt-in, not timed yet.
+    dq_transposed: with dq_in_dkdv, 1 computes each step's dq transposed, dq^T = K^T dS^T ([D, rows]: the key
+      tile's head dim as the dot's M, a wgmma on Hopper) instead of dq = dS K ([rows, D], whose M of 32 rows is
+      below a warpgroup's 64 and compiles to mma.sync on sm_90); the atomic adds stay 16-byte vectors.
     """
 
     block_m: int
@@ -388,6 +391,7 @@ class AttentionLaunch:
     dq_in_dkdv: int
     dkdv_maxnreg: int = 0
     dkdv_split: int = 0
+    dq_transposed: int = 0
 
     def tokens_per_tile(self, group: int) -> int:
         return max(1, self.block_m // group)
@@ -454,8 +458,9 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
     if max(launch.tokens_per_tile(group), launch.dq_tokens_per_tile(group)) > 64:
         raise ValueError(f"attention launch: block_m={launch.block_m} / dq_block_m={launch.dq_block_m} hold more "
                          f"than 64 tokens of {group} heads (membership bits are int64)")
-    if launch.dkdv_split not in (0, 1):
-        raise ValueError(f"attention launch: dkdv_split={launch.dkdv_split} must be 0 or 1")
+    for name in ("dkdv_split", "dq_transposed"):
+        if getattr(launch, name) not in (0, 1):
+            raise ValueError(f"attention launch: {name}={getattr(launch, name)} must be 0 or 1")
     if launch.dkdv_maxnreg < 0 or launch.dkdv_maxnreg > 255:
         raise ValueError(f"attention launch: dkdv_maxnreg={launch.dkdv_maxnreg} must be 0 (compiler's choice) or "
                          f"a register count in [1, 255]")
