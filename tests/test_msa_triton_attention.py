@@ -133,7 +133,7 @@ def test_small_group_gpu_default_tiling(monkeypatch):
     """The GPU default for groups of 4 (m3-small): 64-row tiles of 16 tokens over their union, TMA, 2 stages, dq in
     dk/dv (`attention_launch(4, ..., on_gpu=True)`), run here under the interpreter with its key tile width."""
     gpu = attention_launch(4, 16, 32, torch.float32, True)
-    fields = ("block_m", "num_stages", "tma", "dq_in_dkdv", "dkdv_block_m")
+    fields = ("block_m", "num_stages", "tma", "dq_in_dkdv", "dkdv_block_m", "dq_transposed")
     monkeypatch.setenv("OPENM3_ATTN_LAUNCH", ",".join(f"{f}={getattr(gpu, f)}" for f in fields) + ",block_n=16")
     q, k, v, block_idx, cu_q, cu_k = make_case((45, 60), 16, 4, 16, 32, 3, seed=7)
     ours, ref = run_both(q, k, v, block_idx, cu_q, cu_k, 32)
@@ -293,7 +293,7 @@ def test_launch_config_checks():
     assert attention_launch(16, 16, 16, torch.float32, False, block_m=32, dq_block_m=16).dq_block_m == 16
     # the GPU default for M3: one-token forward tiles, TMA, dq fused into whole-block dk/dv programs
     gpu = attention_launch(16, 128, 128, torch.bfloat16, True)
-    assert (gpu.block_m, gpu.tma, gpu.dq_in_dkdv, gpu.dkdv_block_n) == (16, 1, 1, 128)
+    assert (gpu.block_m, gpu.tma, gpu.dq_in_dkdv, gpu.dkdv_block_n, gpu.dq_transposed) == (16, 1, 1, 128, 1)
     # groups of 4 (m3-small): 64-row wgmma tiles of 16 tokens over the union of their blocks, 2 stages
     small = attention_launch(4, 128, 128, torch.bfloat16, True)
     assert (small.block_m, small.tokens_per_tile(4), small.num_stages) == (64, 16, 2)

@@ -372,7 +372,8 @@ class AttentionLaunch:
       gathering q and dO twice; 0 one pass. Opt-in, not timed yet.
     dq_transposed: with dq_in_dkdv, 1 computes each step's dq transposed, dq^T = K^T dS^T ([D, rows]: the key
       tile's head dim as the dot's M, a wgmma on Hopper) instead of dq = dS K ([rows, D], whose M of 32 rows is
-      below a warpgroup's 64 and compiles to mma.sync on sm_90); the atomic adds stay 16-byte vectors.
+      below a warpgroup's 64 and compiles to mma.sync on sm_90); the atomic adds stay 16-byte vectors. The GPU
+      default since session 9 (3-4% faster fwd+bwd at G = 4 and 16).
     """
 
     block_m: int
@@ -427,6 +428,8 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         # Groups of 4-8 heads (m3-small: 4) fill a wgmma tile of 64 rows with 16 (8) tokens over the union of
         # their blocks: at G = 4 fwd+bwd 7.3 vs 9.6 ms at 2 x 8K tokens and 29.3 vs 35.8 ms at 64K (drifting
         # selections; session 3, benchmarks/msa_group_sweep.py; G = 8 not measured).
+        # dq inside dk/dv as dq^T = K^T dS^T (a wgmma; dS K with 32 rows compiles to mma.sync): fwd+bwd -3.0% at
+        # G = 4 (2 x 8K drift), -3.6% (8 x 8K iid), -3.2% at M3's 128K (162.2 -> 157.1 ms; session 9).
         one_token = next_pow2(max(min_rows, group))
         small_group = 4 <= group < 16
         block_m = 64 if small_group else one_token
@@ -434,7 +437,7 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2 if small_group else 3,
                    dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
                    dkdv_block_m=max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
-                   dkdv_num_warps=8, dkdv_num_stages=2, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1)
+                   dkdv_num_warps=8, dkdv_num_stages=2, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1, dq_transposed=1)
     else:
         # The CPU interpreter pays per operation, not per element: few programs with large tiles run fastest.
         block_m = next_pow2(max(64, group))
