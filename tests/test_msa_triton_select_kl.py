@@ -163,6 +163,40 @@ def test_kl_takes_the_index_lse_from_the_selection(monkeypatch):
     assert rel_err(ref, losses[0]) < 1e-4
 
 
+def test_index_lse_by_sequence_length(monkeypatch):
+    """index_lse=-1 (the GPU default) computes the normaliser in the selection for sequences of at most
+    INDEX_LSE_MAX_KEYS keys on average (weighted by queries), else leaves it to the KL."""
+    from openm3.ops.msa import triton_select as ts
+
+    auto = ts.select_launch(4, 128, 128, on_gpu=True)
+    assert auto.index_lse == -1 and ts.select_launch(4, 128, 128, on_gpu=False).index_lse == 0
+    limit = ts.INDEX_LSE_MAX_KEYS
+    assert ts.index_lse_on_the_way(auto, cu([limit] * 8), None)  # m3-small's 8K training rows
+    assert not ts.index_lse_on_the_way(auto, cu([16 * limit]), None)  # M3 at 128K
+    # weighted by queries: one long sequence among short ones tips it
+    assert ts.index_lse_on_the_way(auto, cu([limit, limit // 2]), None)
+    assert not ts.index_lse_on_the_way(auto, cu([100, 4 * limit]), None)
+    # chunked prefill: few queries against many cached keys count their keys
+    assert not ts.index_lse_on_the_way(auto, cu([64]), cu([2 * limit]))
+    for fixed in (0, 1):
+        launch = ts.select_launch(4, 128, 128, on_gpu=True, index_lse=fixed)
+        assert ts.index_lse_on_the_way(launch, cu([16 * limit]), None) == bool(fixed)
+    with pytest.raises(ValueError, match="index_lse=2 must be -1"):
+        ts.select_launch(4, 128, 128, on_gpu=True, index_lse=2)
+
+    gen = torch.Generator().manual_seed(6)
+    cu_q = cu([70, 129])
+    qi, ki = randn(gen, 199, 4, 16), randn(gen, 199, 16)
+    kw = dict(block_size=16, topk=3, local_blocks=1)
+    with msa.use_backend("triton"):
+        monkeypatch.setenv("OPENM3_SELECT_LAUNCH", "index_lse=-1")
+        _, index_lse = msa.select_blocks(qi, ki, cu_q, return_index_lse=True, **kw)
+        assert index_lse is not None and index_lse.shape == (4, 199)
+        monkeypatch.setattr(ts, "INDEX_LSE_MAX_KEYS", 100)
+        _, none = msa.select_blocks(qi, ki, cu_q, return_index_lse=True, **kw)
+        assert none is None
+
+
 def test_select_public_dispatch_and_fp16():
     gen = torch.Generator().manual_seed(3)
     cu_q = cu([90, 61])

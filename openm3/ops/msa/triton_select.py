@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..host import host_list
 from ._checks import check_block_params, check_index_inputs, check_scale, check_seqlens
 from .triton_common import interpreting, largest_pow2_divisor, next_pow2, with_overrides
 
@@ -56,9 +57,11 @@ class SelectLaunch:
         when ki's row stride is not 16-byte aligned), 0 through masked pointer loads.
     index_lse: 1 makes `select_blocks(..., return_index_lse=True)` also return the indexer KL's student normaliser
         (`reference.index_lse`), from the scores the kernel has on chip: one exponential per score more here, and
-        the KL skips its first pass (~19 ms per m3-small 8K training step; session 7 estimate, untimed). 0 (the
-        default) returns None for it and leaves it to the KL. At long contexts the exponentials over every causal
-        score cost more than the KL's pass over the selected keys (~9 ms more selection at 128K for M3).
+        the KL skips its first pass. 0 returns None for it and leaves it to the KL. -1 (the GPU default) decides
+        per call: 1 when the queries' sequences hold at most `INDEX_LSE_MAX_KEYS` keys on average (weighted by
+        queries), else 0. The exponentials cost the selection O(T^2) and save the KL O(T * topk * block): measured
+        on the H200, m3-small's 8K training step is 0.9% faster with it (interleaved A/B, session 9) and M3's
+        selection + KL at 128K 7% slower (78.1 -> 83.5 ms, session 8).
     lse_maxnreg: register cap of the kernel when it computes that normaliser (compiled GPUs; 0 = none): without it
         sm_90 takes 137 registers at M3's shape and two 8-warp programs no longer share an SM.
     """
@@ -73,6 +76,10 @@ class SelectLaunch:
 
 
 _ENV_OVERRIDE = "OPENM3_SELECT_LAUNCH"
+
+# index_lse=-1 computes the normaliser in the selection for sequences of at most this many keys (the longest
+# measured win: 8K-token rows; the loss at 128K suggests the break-even lies between them).
+INDEX_LSE_MAX_KEYS = 8192
 
 
 def select_launch(num_heads: int, head_dim: int, block_size: int, on_gpu: bool, **overrides) -> SelectLaunch:
@@ -95,7 +102,7 @@ def select_launch(num_heads: int, head_dim: int, block_size: int, on_gpu: bool, 
     # registers. Measured on the H200 at 128K (M3 shape): 14.5 ms against 19.5 ms with three stages and pointers.
     tma = int(on_gpu and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
     cfg = dict(block_m=block_m, block_n=block_n, num_warps=8 if on_gpu and head_dim >= 128 else 4,
-               num_stages=2 if on_gpu else 1, tma=tma)
+               num_stages=2 if on_gpu else 1, tma=tma, index_lse=-1 if on_gpu else 0)
     cfg = with_overrides(cfg, _ENV_OVERRIDE, overrides)
     launch = SelectLaunch(**cfg)
     _check_launch(launch, num_heads, block_size)
@@ -109,8 +116,8 @@ def _check_launch(launch: SelectLaunch, num_heads: int, block_size: int) -> None
             raise ValueError(f"select launch: {name}={value} must be a power of two >= 16")
     if launch.tma not in (0, 1):
         raise ValueError(f"select launch: tma={launch.tma} must be 0 or 1")
-    if launch.index_lse not in (0, 1):
-        raise ValueError(f"select launch: index_lse={launch.index_lse} must be 0 or 1")
+    if launch.index_lse not in (-1, 0, 1):
+        raise ValueError(f"select launch: index_lse={launch.index_lse} must be -1 (by sequence length), 0 or 1")
     if not 0 <= launch.lse_maxnreg <= 255:
         raise ValueError(f"select launch: lse_maxnreg={launch.lse_maxnreg} must be 0 (none) or a register count "
                          f"in [1, 255]")
@@ -399,6 +406,21 @@ def _select_lse_fake(qi, ki, cu_seqlens, cu_seqlens_k, block_size, topk, local_b
     return (qi.new_empty((heads, t, topk), dtype=torch.int32), qi.new_empty((heads, t), dtype=torch.float32))
 
 
+def index_lse_on_the_way(launch: SelectLaunch, cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None
+                         ) -> bool:
+    """Whether the selection computes the KL's student normaliser: `launch.index_lse`, where -1 means when the
+    queries' sequences hold at most `INDEX_LSE_MAX_KEYS` keys on average, weighted by queries (host values of
+    cu_seqlens: `host_list`, no device read when the caller remembered them)."""
+    if launch.index_lse >= 0:
+        return bool(launch.index_lse)
+    cu_q = host_list(cu_seqlens)
+    cu_k = cu_q if cu_seqlens_k is None else host_list(cu_seqlens_k)
+    q_len = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    k_len = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    queries = sum(q_len)
+    return queries > 0 and sum(q * k for q, k in zip(q_len, k_len)) <= INDEX_LSE_MAX_KEYS * queries
+
+
 def select_blocks(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, *, block_size: int, topk: int,
                   local_blocks: int = 1, cu_seqlens_k: torch.Tensor | None = None,
                   index_scale: float | None = None, return_index_lse: bool = False
@@ -429,7 +451,8 @@ def select_blocks(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, 
         raise ValueError("qi must be fp16, bf16 or fp32 for the Triton backend (use the reference for fp64)")
     if not return_index_lse:
         return _select_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks)
-    if not select_launch(qi.shape[1], qi.shape[2], block_size, qi.is_cuda).index_lse:
+    if not index_lse_on_the_way(select_launch(qi.shape[1], qi.shape[2], block_size, qi.is_cuda), cu_seqlens,
+                                cu_seqlens_k):
         return _select_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks), None
     scale = qi.shape[2] ** -0.5 if index_scale is None else float(index_scale)
     return _select_lse_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks, scale)
