@@ -232,3 +232,55 @@ def test_the_tokenizer_must_share_the_image_placeholder(tok):
                                   num_hidden_layers=1, layer_types=["full_attention"], mlp_layer_types=["dense"])
     with pytest.raises(ValueError, match="image_token_index"):
         create_app(ModelBackend(M3ForConditionalGeneration(config)), tok, model_name=NAME, max_total_tokens=64)
+
+
+def tool_result_body(result: list | str, is_error: bool = False) -> dict:
+    """A tool round trip whose result is a screenshot: the assistant called `screenshot`, the user returns it."""
+    return {"max_tokens": 4, "messages": [
+        {"role": "user", "content": "Take a screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result,
+                                      **({"is_error": True} if is_error else {})}]}]}
+
+
+def test_anthropic_tool_result_images_reach_the_engine(client, backend, tok):
+    """A tool_result may carry image blocks (a screenshot an agent's tool took): the tool message holds the text
+    and the image in order, prompt and patches as the training pipeline writes the same conversation."""
+    source = {"type": "base64", "media_type": "image/png", "data": B64}
+    result = [{"type": "text", "text": "Here it is:"}, {"type": "image", "source": source}]
+    for is_error, prefix in ((False, ""), (True, "Error: ")):
+        before = len(backend.calls)
+        r = client.post("/v1/messages", json={"model": NAME, "temperature": 0, **tool_result_body(result, is_error)})
+        assert r.status_code == 200, r.text
+        (prompt, images), = backend.calls[before:]
+        messages = [{"role": "user", "content": "Take a screenshot."},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "toolu_1", "type": "function", "function": {"name": "screenshot", "arguments": {}}}]},
+                    {"role": "tool", "tool_call_id": "toolu_1",
+                     "content": [{"type": "text", "text": prefix + "Here it is:"}, {"type": "image"}]}]
+        example = Example(render_segments(messages, add_generation_prompt=True), [PIXELS])
+        assert prompt == tokenize_example(example, tok, processor_layout).input_ids.tolist()
+        assert images.grid_thw.tolist() == [[1, 4, 6]]
+        assert torch.equal(images.pixel_values, M3ImageProcessor()([PIXELS])[0])
+    # a text-only result renders as before: the string form and the one-text-block form give one prompt
+    for content in ("done", [{"type": "text", "text": "done"}]):
+        before = len(backend.calls)
+        assert client.post("/v1/messages", json={"model": NAME, **tool_result_body(content)}).status_code == 200
+        (prompt, images), = backend.calls[before:]
+        assert images is None
+        if content == "done":
+            text_prompt = prompt
+    assert prompt == text_prompt
+
+
+def test_anthropic_tool_result_bad_blocks_get_a_400_naming_them(client, text_client):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}
+    where = "messages[2].content[0].content[1]"
+    r = text_client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "text", "text": "x"},
+                                                                                  image])})
+    assert r.status_code == 400 and f"{where}: image blocks are not supported by this server" in _error(r), r.text
+    bad = {"type": "image", "source": {"type": "url", "url": "https://example.com/shot.png"}}
+    r = client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "text", "text": "x"}, bad])})
+    assert r.status_code == 400 and f"{where}.source.type: only base64 sources" in _error(r), r.text
+    r = client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "document"}])})
+    assert r.status_code == 400 and "messages[2].content[0].content[0]: expected a text block" in _error(r), r.text

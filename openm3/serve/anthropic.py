@@ -7,7 +7,7 @@ conversation renders to the same prompt whichever API carried it; the answer com
 blocks (`text`, then one `tool_use` per call the model wrote) with Anthropic's stop reasons, usage and, when
 streamed, its named server-sent events. Errors use Anthropic's body, `{"type": "error", "error": {"type",
 "message"}}`, with the field named in the message. Image blocks with a base64 source go to a vision-language model
-(`images.py`); what the server cannot do is refused with a 400 naming the block: image blocks for a text-only
+(`images.py`), in user messages and inside `tool_result` content (a screenshot a tool returned); what the server cannot do is refused with a 400 naming the block: image blocks for a text-only
 model, images by URL, document blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains
 the sampler). Thinking blocks a client sends back are dropped (the model here writes none). A final assistant message
 of text is continued (Anthropic's prefill).
@@ -86,6 +86,31 @@ def _text_of(blocks: Any, where: str) -> str:
     return "".join(parts)
 
 
+def _image_part(block: dict, where: str, images: bool) -> dict:
+    """The template's image part of an image block at `where` (`images`: the model takes them)."""
+    if not images:
+        raise ValueError(f"{where}: image blocks are not supported by this server (text-only model)")
+    return base64_part(block.get("source"), f"{where}.source")
+
+
+def _result_parts(content: Any, where: str, images: bool) -> list[dict]:
+    """A tool_result's content (a string, or text and image blocks: a screenshot a tool took) as template
+    parts."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    parts = []
+    for k, block in enumerate(content if isinstance(content, list) else [content]):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append(_image_part(block, f"{where}[{k}]", images))
+        else:
+            raise ValueError(f"{where}[{k}]: expected a text block {{'type': 'text', 'text': str}} or an image "
+                             f"block, got {block!r}")
+    return parts
+
+
 def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
     """The request's conversation in the OpenAI-style form `render_chat` takes; image blocks become image parts
     when `images` (the model takes them). Raises ValueError naming the offending block."""
@@ -116,14 +141,12 @@ def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
                 if parts:  # keep the order: text written before the result goes first
                     out.append({"role": "user", "content": content_of(parts)})
                     parts = []
-                result = _text_of(block.get("content") or "", f"{where}[{j}].content")
+                result = _result_parts(block.get("content") or "", f"{where}[{j}].content", images)
                 if block.get("is_error"):
-                    result = f"Error: {result}"
-                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
-            elif kind == "image" and images:
-                parts.append(base64_part(block.get("source"), f"{where}[{j}].source"))
+                    result.insert(0, {"type": "text", "text": "Error: "})
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content_of(result)})
             elif kind == "image":
-                raise ValueError(f"{where}[{j}]: image blocks are not supported by this server (text-only model)")
+                parts.append(_image_part(block, f"{where}[{j}]", images))
             elif kind == "document":
                 raise ValueError(f"{where}[{j}]: document blocks are not supported by this server")
             else:
