@@ -7,10 +7,11 @@ conversation renders to the same prompt whichever API carried it; the answer com
 blocks (`text`, then one `tool_use` per call the model wrote) with Anthropic's stop reasons, usage and, when
 streamed, its named server-sent events. Errors use Anthropic's body, `{"type": "error", "error": {"type",
 "message"}}`, with the field named in the message. Image blocks with a base64 source go to a vision-language model
-(`images.py`), in user messages and inside `tool_result` content (a screenshot a tool returned); what the server cannot do is refused with a 400 naming the block: image blocks for a text-only
-model, images by URL, document blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains
-the sampler). Thinking blocks a client sends back are dropped (the model here writes none). A final assistant message
-of text is continued (Anthropic's prefill).
+(`images.py`), in user messages and inside `tool_result` content (a screenshot a tool returned); what the server
+cannot do is refused with a 400 naming the block: image blocks for a text-only model, images by URL, document
+blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains the sampler). Thinking blocks a
+client sends back are dropped (the model here writes none). A final assistant message of text is continued
+(Anthropic's prefill).
 """
 
 from __future__ import annotations
