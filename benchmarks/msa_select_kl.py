@@ -424,7 +424,7 @@ def compile_check(arch: int = 90, dump: str | None = None, select_variants=None,
                               launch=kl)
         # (teacher_pass=0: the main pass recomputing the teacher, as for the dense warm-up)
         opt_in = [dict(dqi_buffer=1, prefetch=1), dict(unroll_heads=0), dict(unroll_heads=0, maxnreg=128),
-                  dict(teacher_pass=0)]
+                  dict(teacher_pass=0), dict(key_major=1)]
         for over in opt_in + list(kl_variants or []):  # the opt-in paths stay compilable
             kl = triton_kl.kl_launch(HQ // HKV, D, BLOCK, on_gpu=True, **over)
             triton_kl._kl_forward(q, k, qi, ki, block_idx, cu, cu, torch.zeros(t, HQ), BLOCK, *scales, True,

@@ -172,6 +172,11 @@ for s in "${stages[@]}"; do
     stages4)  # dk/dv pipeline stages with dq transposed (115 KB of shared memory instead of 140), G = 4 8 x 8K iid
       python3 -m benchmarks.msa_group_sweep --out "$OUT/stages4" --rounds 3 --T 65536 --regime iid \
         --attn "" "dkdv_num_stages=3" "dkdv_num_stages=1" --kl 2>&1 | tee "$OUT/stages4.log" | grep median ;;
+    kmsweep)  # the KL main pass key-major after the teacher pass (all wgmma), with and without the G < 16 register cap
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/km4" --rounds 3 --T 65536 --regime iid --attn --kl "" \
+        "key_major=1" "key_major=1,maxnreg=0" "maxnreg=0" 2>&1 | tee "$OUT/km4.log" | grep median
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/km128" --rounds 2 --hq 64 --T 131072 --seq-len 131072 \
+        --attn --kl "" "key_major=1" 2>&1 | tee "$OUT/km128.log" | grep median ;;
     groupsweep) python3 -m benchmarks.msa_group_sweep --out "$OUT" 2>&1 | tee "$OUT/msa_group_sweep.log" | tail -24 ;;
     mfubatch)  # the 8K MFU case with larger micro-batches (fewer host launches per token) and more rows per step
       for rm in "4 4" "8 4"; do set -- $rm

@@ -277,6 +277,13 @@ KL_CASES = [
     ([100, 37, 163], None, 16, 4, 16, 16, 32, 3, True, False, dict(teacher_pass=1)),
     ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 4, True, True, dict(teacher_pass=1)),
     ([70, 129], None, 8, 2, 16, 16, 32, 3, True, True, dict(teacher_pass=1, block_n=16, block_q=16, max_entries=16)),
+    # ... with the main pass key-major (opt-in): G = 4 and 16, without lse, bottom-right aligned, split buckets,
+    # and with dqi_buffer asked for (key-major adds dL/dqi by atomics)
+    ([100, 37, 163], None, 16, 4, 16, 32, 16, 4, True, True, dict(teacher_pass=1, key_major=1)),
+    ([100, 37, 163], None, 16, 1, 32, 16, 16, 4, True, False, dict(teacher_pass=1, key_major=1)),
+    ([20, 37, 50], [100, 37, 163], 16, 4, 16, 16, 16, 4, True, True, dict(teacher_pass=1, key_major=1)),
+    ([70, 129], None, 8, 2, 16, 16, 32, 3, True, True, dict(teacher_pass=1, key_major=1, block_n=16, block_q=16,
+                                                             max_entries=16, dqi_buffer=1)),
     # ... and where it does not apply (a group of 3 heads, the dense warm-up): the main pass recomputes
     ([70, 129], None, 6, 2, 16, 16, 32, 3, True, True, dict(teacher_pass=1)),
     ([70, 129], None, 16, 4, 16, 16, 16, 0, False, False, dict(teacher_pass=1)),
@@ -532,7 +539,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.msa_select_kl", "--compile-check"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "compiled 22 kernels" in proc.stdout, proc.stdout
+    assert "compiled 25 kernels" in proc.stdout, proc.stdout
 
 
 def test_torch_compile_traces_the_ops():

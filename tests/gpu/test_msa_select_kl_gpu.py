@@ -51,17 +51,19 @@ def test_m3_bf16_kl_without_lse_and_dense(bench):
         assert res["passed"], (sparse, res)
 
 
-@pytest.mark.parametrize("t, hq", [(4096, 64), (131072, 64), (16384, 16)],
-                         ids=["T4096-G16", "T131072-G16", "T16384-G4"])
-def test_bf16_kl_with_the_teacher_pass(bench, monkeypatch, t, hq):
-    """The opt-in teacher pass (`OPENM3_KL_LAUNCH=teacher_pass=1`: fp16 teacher probabilities from a query-outer
-    pass, read by the main pass) within 2x the bf16 PyTorch error, at M3's group of 16 and m3-small's 4."""
+@pytest.mark.parametrize("t, hq, launch", [(4096, 64, ""), (131072, 64, ""), (16384, 16, ""),
+                                           (4096, 64, "key_major=1"), (16384, 16, "key_major=1")],
+                         ids=["T4096-G16", "T131072-G16", "T16384-G4", "T4096-G16-key-major", "T16384-G4-key-major"])
+def test_bf16_kl_with_the_teacher_pass(bench, monkeypatch, t, hq, launch):
+    """The teacher pass (`teacher_pass=1`, the GPU default: fp16 teacher probabilities from a query-outer pass, read
+    by the main pass; also with the main pass key-major) within 2x the bf16 PyTorch error, at M3's group of 16 and
+    m3-small's 4."""
     from openm3.ops.msa import triton_kl
 
     calls = []
     real = triton_kl._teacher_pass
     monkeypatch.setattr(triton_kl, "_teacher_pass", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("OPENM3_KL_LAUNCH", "teacher_pass=1")
+    monkeypatch.setenv("OPENM3_KL_LAUNCH", ",".join(["teacher_pass=1"] + ([launch] if launch else [])))
     kl = bench.check_kl(bench.m3_inputs(t, hq=hq), TAIL, sparse=True, with_lse=True)
     assert calls and kl["passed"], kl
 
@@ -104,9 +106,9 @@ def test_varlen_fp32_matches_reference(hq, hkv, bs):
         for mine, ref in zip(*grads):
             err = ((mine - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-4, (sel is None, lse_in is None, err)
-        # The opt-in launch paths (dL/dqi partial buffer, L2 prefetch of q rows; the teacher pass) give the same
-        # values.
-        for over in (dict(dqi_buffer=1, prefetch=1), dict(teacher_pass=1)):
+        # The opt-in launch paths (dL/dqi partial buffer, L2 prefetch of q rows; the teacher pass, with the main
+        # pass key-major) give the same values.
+        for over in (dict(dqi_buffer=1, prefetch=1), dict(teacher_pass=1), dict(teacher_pass=1, key_major=1)):
             launch = kl_launch(hq // hkv, max(d, di), bs, True, **over)
             opt = _kl_forward(q, k, qi, ki, sel, cu_q, cu_q, lse_in, bs, d ** -0.5, di ** -0.5, True, launch=launch)
             for mine, ref in zip(opt, grads[1]):

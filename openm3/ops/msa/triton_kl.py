@@ -101,6 +101,11 @@ class KLLaunch:
         -> 57.2, teacher pass 33.2), kernel time 808-814 -> 792 ms, 80.2-80.8K -> 81.1K tokens/s; but the isolated
         G = 4 case at 2 x 8K drifting selections measured 4.15 -> 4.93 ms (rounds 4.0-4.7 vs 4.7-5.8). The
         interpreter keeps 0 (the CPU tests run both).
+    key_major: 1 runs the main pass's steps key-major when the teacher pass ran (`_student_step_key_major`: every
+        dot with the key tile's 128 rows as M, wgmma on sm_90, where the entry-major step's two 16-row dots compile
+        to mma.sync; dL/dqi by atomics, never the dqi_buffer). Session 5's key-major main pass (which recomputed
+        the teacher, one head per dot) measured 5-17% slower and was removed; this one only does the student's
+        three dots. Opt-in: untimed (session 9).
     """
 
     block_n: int
@@ -118,6 +123,7 @@ class KLLaunch:
     stats_num_warps: int = 0
     stats_num_stages: int = 0
     teacher_pass: int = 0
+    key_major: int = 0
 
 
 _ENV_OVERRIDE = "OPENM3_KL_LAUNCH"
@@ -162,16 +168,11 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
         raise ValueError(f"kl launch: heads_per_dot={hg} must be a power of two dividing the group size {group}")
     if launch.max_entries < 1:
         raise ValueError(f"kl launch: max_entries={launch.max_entries} must be >= 1")
-    if launch.dqi_buffer not in (0, 1):
-        raise ValueError(f"kl launch: dqi_buffer={launch.dqi_buffer} must be 0 or 1")
+    for name in ("dqi_buffer", "compact_items", "teacher_pass", "unroll_heads", "key_major"):
+        if getattr(launch, name) not in (0, 1):
+            raise ValueError(f"kl launch: {name}={getattr(launch, name)} must be 0 or 1")
     if launch.prefetch < 0:
         raise ValueError(f"kl launch: prefetch={launch.prefetch} must be >= 0")
-    if launch.compact_items not in (0, 1):
-        raise ValueError(f"kl launch: compact_items={launch.compact_items} must be 0 or 1")
-    if launch.teacher_pass not in (0, 1):
-        raise ValueError(f"kl launch: teacher_pass={launch.teacher_pass} must be 0 or 1")
-    if launch.unroll_heads not in (0, 1):
-        raise ValueError(f"kl launch: unroll_heads={launch.unroll_heads} must be 0 or 1")
     if launch.maxnreg < 0 or launch.maxnreg > 255:
         raise ValueError(f"kl launch: maxnreg={launch.maxnreg} must be 0 (compiler's choice) or a register count "
                          f"in [1, 255]")
@@ -183,17 +184,26 @@ def kl_launch(group: int, head_dim: int, block_size: int, on_gpu: bool, **overri
 
 
 @triton.jit
-def _student_step(QI, ENTRIES, QPOS, ki, start, hi, g, kpos, k_ok, di, di_ok, T, stride_qit, stride_qih,
-                  index_scale, TOPK: tl.constexpr, BLOCK_Q: tl.constexpr, INDEX_PRECISION: tl.constexpr):
-    """One step over the entries [start, min(start + BLOCK_Q, hi)): the entries e and their mask e_ok, their
-    tokens t and qi rows [BLOCK_Q, BLOCK_DI], the student logits z [BLOCK_Q, BLOCK_N] against the key sub-tile's
-    ki rows [BLOCK_N, BLOCK_DI] and the causal visibility vis [BLOCK_Q, BLOCK_N] of its keys."""
+def _entry_rows(QI, ENTRIES, start, hi, g, di, di_ok, T, stride_qit, stride_qih, TOPK: tl.constexpr,
+                BLOCK_Q: tl.constexpr):
+    """The entries [start, min(start + BLOCK_Q, hi)): entry numbers e, their mask e_ok, their tokens t and their
+    qi rows [BLOCK_Q, BLOCK_DI] of index head g."""
     idx = start + tl.arange(0, BLOCK_Q)
     e_ok = idx < hi
     e = tl.load(ENTRIES + idx, mask=e_ok, other=0)
     t = (e // TOPK) % T
     qi = tl.load(QI + t[:, None].to(tl.int64) * stride_qit + g * stride_qih + di[None, :],
                  mask=e_ok[:, None] & di_ok[None, :], other=0.0)
+    return e, e_ok, t, qi
+
+
+@triton.jit
+def _student_step(QI, ENTRIES, QPOS, ki, start, hi, g, kpos, k_ok, di, di_ok, T, stride_qit, stride_qih,
+                  index_scale, TOPK: tl.constexpr, BLOCK_Q: tl.constexpr, INDEX_PRECISION: tl.constexpr):
+    """One step over the entries [start, min(start + BLOCK_Q, hi)): the entries e and their mask e_ok, their
+    tokens t and qi rows [BLOCK_Q, BLOCK_DI], the student logits z [BLOCK_Q, BLOCK_N] against the key sub-tile's
+    ki rows [BLOCK_N, BLOCK_DI] and the causal visibility vis [BLOCK_Q, BLOCK_N] of its keys."""
+    e, e_ok, t, qi = _entry_rows(QI, ENTRIES, start, hi, g, di, di_ok, T, stride_qit, stride_qih, TOPK, BLOCK_Q)
     z = tl.dot(qi, tl.trans(ki), input_precision=INDEX_PRECISION) * index_scale
     qp = tl.load(QPOS + t, mask=e_ok, other=-1)
     vis = k_ok[None, :] & (kpos[None, :] <= qp[:, None])
@@ -385,6 +395,36 @@ def _teacher_step(q, qpos, row_token, lse2, sel, sel_rows, t_ok, slots, col, K, 
 
 
 @triton.jit
+def _student_step_key_major(dki, QI, ENTRIES, QPOS, LSE_Z, TEACH, LOSS, DQI, ki, kpos, k_ok, di, di_ok, start, hi, g,
+                            sub, T, stride_qit, stride_qih, stride_dqt, stride_dqh, index_scale, grad_coef,
+                            TOPK: tl.constexpr, N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, INDEX_PRECISION: tl.constexpr, GRAD: tl.constexpr):
+    """One step of the main pass with the teacher read from TEACH, key-major: every tile is [BLOCK_N keys,
+    BLOCK_Q entries], so each dot has 128 rows as its M (a wgmma on sm_90) where the entry-major step's student
+    logits z = qi ki^T and dL/dqi = dz ki have BLOCK_Q = 16 (mma.sync): z^T = ki qi^T, dL/dqi^T = ki^T dz^T,
+    dL/dki += dz^T qi. Returns dki [BLOCK_N, BLOCK_DI] (fp32, unscaled). dL/dqi goes by fp32 atomics."""
+    e, e_ok, t, qi = _entry_rows(QI, ENTRIES, start, hi, g, di, di_ok, T, stride_qit, stride_qih, TOPK, BLOCK_Q)
+    z_t = tl.dot(ki, tl.trans(qi), input_precision=INDEX_PRECISION) * index_scale  # [BLOCK_N, BLOCK_Q]
+    qp = tl.load(QPOS + t, mask=e_ok, other=-1)
+    vis_t = k_ok[:, None] & (kpos[:, None] <= qp[None, :])
+    lse_z = tl.load(LSE_Z + g * T + t, mask=e_ok, other=0.0)
+    key = sub * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_t = tl.load(TEACH + e[None, :].to(tl.int64) * BLOCK_SIZE + key[:, None],
+                  mask=e_ok[None, :] & (key < BLOCK_SIZE)[:, None], other=0.0).to(tl.float32)
+    p_t = tl.where(vis_t, p_t, 0.0)
+    log_r = z_t - lse_z[None, :]
+    term = tl.where(p_t > 0, p_t * (tl.log(tl.where(p_t > 0, p_t, 1.0)) - log_r), 0.0)
+    tl.store(LOSS + e.to(tl.int64) * N_SUB + sub, tl.sum(term, 0), mask=e_ok)
+    if GRAD:
+        dz_t = (tl.where(vis_t, tl.exp(log_r), 0.0) - p_t).to(qi.dtype)  # scaled by grad_coef after the dots
+        dqi_t = tl.dot(tl.trans(ki), dz_t, input_precision=INDEX_PRECISION)  # [BLOCK_DI, BLOCK_Q]
+        dq_ptrs = DQI + t[None, :].to(tl.int64) * stride_dqt + g * stride_dqh + di[:, None]
+        tl.atomic_add(dq_ptrs, dqi_t * grad_coef, mask=e_ok[None, :] & di_ok[:, None], sem="relaxed")
+        dki += tl.dot(dz_t, qi, input_precision=INDEX_PRECISION)
+    return dki
+
+
+@triton.jit
 def _kl_main_kernel(
     Q, K, QI, KI, ENTRIES, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, QPOS, LSE, LSE_Z, LOSS, DQI, DQB, DKI, TEACH,
     T, stride_qt, stride_qh, stride_kt, stride_kh, stride_qit, stride_qih, stride_kit, stride_lt,
@@ -394,13 +434,14 @@ def _kl_main_kernel(
     BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, HG: tl.constexpr, GRAD: tl.constexpr, DQI_BUF: tl.constexpr,
     PREFETCH: tl.constexpr, LINES: tl.constexpr, ROW_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     UNROLL_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr, INDEX_PRECISION: tl.constexpr,
-    HAS_TEACHER: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HAS_TEACHER: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
     """Loss term per (entry, key sub-tile) into LOSS[e * N_SUB + sub]. If GRAD: dL/dki into DKI [Tk, Di] (fp32
     atomic adds, scaled by grad_coef = index_scale / (Hi T)) and dL/dqi either into DQI [T, Hi, Di] (fp32 atomic
     adds, scaled) or, with DQI_BUF, as unscaled partial rows DQB[e * N_SUB + sub, :] (plain stores; the host sums
     them over the slots and scales). With HAS_TEACHER the teacher probabilities are read from TEACH [E, BLOCK_SIZE]
-    (`_teacher_kernel`; row e is entry e's block) instead of recomputed from Q, K and LSE."""
+    (`_teacher_kernel`; row e is entry e's block) instead of recomputed from Q, K and LSE; with KEY_MAJOR too, each
+    step runs key-major (`_student_step_key_major`)."""
     sub, lo, hi, g, kpos, k_ok, d, d_ok, di, di_ok, k_t, ki = _item_tiles(
         K, KI, ITEM_LO, ITEM_HI, ITEM_G, ITEM_K0, ITEM_K1, stride_kt, stride_kh, stride_kit,
         N_SUB, HEAD_DIM, BLOCK_D, INDEX_DIM, BLOCK_DI, BLOCK_N)
@@ -409,44 +450,51 @@ def _kl_main_kernel(
         for ahead in tl.static_range(PREFETCH):
             _prefetch_q_rows(Q, ENTRIES, lo + ahead * BLOCK_Q, hi, g, T, stride_qt, stride_qh, GROUP, TOPK, BLOCK_Q,
                              LINES, ROW_LINES, LINE_ELEMS)
-    for start in range(lo, hi, BLOCK_Q):
-        if PREFETCH > 0:
-            _prefetch_q_rows(Q, ENTRIES, start + PREFETCH * BLOCK_Q, hi, g, T, stride_qt, stride_qh, GROUP, TOPK,
-                             BLOCK_Q, LINES, ROW_LINES, LINE_ELEMS)
-        e, e_ok, t, qi, z, vis = _student_step(QI, ENTRIES, QPOS, ki, start, hi, g, kpos, k_ok, di, di_ok, T,
-                                               stride_qit, stride_qih, index_scale, TOPK, BLOCK_Q, INDEX_PRECISION)
-        lse_z = tl.load(LSE_Z + g * T + t, mask=e_ok, other=0.0)
-        if HAS_TEACHER:
-            key = sub * BLOCK_N + tl.arange(0, BLOCK_N)
-            p = tl.load(TEACH + e[:, None].to(tl.int64) * BLOCK_SIZE + key[None, :],
-                        mask=e_ok[:, None] & (key < BLOCK_SIZE)[None, :], other=0.0).to(tl.float32)
-            p = tl.where(vis, p, 0.0)
-        else:
-            # Teacher: mean over the group's heads of exp(s - lse), HG heads per dot.
-            p = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
-            if UNROLL_HEADS:
-                for hs in tl.static_range(GROUP // HG):
-                    p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
-                                     stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
-            else:  # a loop the compiler keeps: fewer registers live (G = 4: 215 instead of 255 + spills)
-                for hs in tl.range(0, GROUP // HG, num_stages=1):
-                    p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
-                                     stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
-            p = tl.where(vis, p * (1.0 / GROUP), 0.0)
-        log_r = z - lse_z[:, None]
-        term = tl.where(p > 0, p * (tl.log(tl.where(p > 0, p, 1.0)) - log_r), 0.0)
-        tl.store(LOSS + e.to(tl.int64) * N_SUB + sub, tl.sum(term, 1), mask=e_ok)
-        if GRAD:
-            r = tl.where(vis, tl.exp(log_r), 0.0)
-            dz = (r - p).to(qi.dtype)  # scaled by grad_coef after the dots, to keep low-precision dz in range
-            dqi = tl.dot(dz, ki, input_precision=INDEX_PRECISION)  # [BLOCK_Q, BLOCK_DI]
-            if DQI_BUF:  # every (entry, sub-tile) owns its row: no read-modify-write traffic in L2
-                dq_ptrs = DQB + (e.to(tl.int64) * N_SUB + sub)[:, None] * INDEX_DIM + di[None, :]
-                tl.store(dq_ptrs, dqi.to(DQB.dtype.element_ty), mask=e_ok[:, None] & di_ok[None, :])
+    if HAS_TEACHER and KEY_MAJOR:
+        for start in range(lo, hi, BLOCK_Q):
+            dki = _student_step_key_major(dki, QI, ENTRIES, QPOS, LSE_Z, TEACH, LOSS, DQI, ki, kpos, k_ok, di, di_ok,
+                                          start, hi, g, sub, T, stride_qit, stride_qih, stride_dqt, stride_dqh,
+                                          index_scale, grad_coef, TOPK, N_SUB, BLOCK_N, BLOCK_Q, BLOCK_SIZE,
+                                          INDEX_PRECISION, GRAD)
+    else:
+        for start in range(lo, hi, BLOCK_Q):
+            if PREFETCH > 0:
+                _prefetch_q_rows(Q, ENTRIES, start + PREFETCH * BLOCK_Q, hi, g, T, stride_qt, stride_qh, GROUP, TOPK,
+                                 BLOCK_Q, LINES, ROW_LINES, LINE_ELEMS)
+            e, e_ok, t, qi, z, vis = _student_step(QI, ENTRIES, QPOS, ki, start, hi, g, kpos, k_ok, di, di_ok, T,
+                                                   stride_qit, stride_qih, index_scale, TOPK, BLOCK_Q, INDEX_PRECISION)
+            lse_z = tl.load(LSE_Z + g * T + t, mask=e_ok, other=0.0)
+            if HAS_TEACHER:
+                key = sub * BLOCK_N + tl.arange(0, BLOCK_N)
+                p = tl.load(TEACH + e[:, None].to(tl.int64) * BLOCK_SIZE + key[None, :],
+                            mask=e_ok[:, None] & (key < BLOCK_SIZE)[None, :], other=0.0).to(tl.float32)
+                p = tl.where(vis, p, 0.0)
             else:
-                dq_ptrs = DQI + t[:, None].to(tl.int64) * stride_dqt + g * stride_dqh + di[None, :]
-                tl.atomic_add(dq_ptrs, dqi * grad_coef, mask=e_ok[:, None] & di_ok[None, :], sem="relaxed")
-            dki += tl.dot(tl.trans(dz), qi, input_precision=INDEX_PRECISION)
+                # Teacher: mean over the group's heads of exp(s - lse), HG heads per dot.
+                p = tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32)
+                if UNROLL_HEADS:
+                    for hs in tl.static_range(GROUP // HG):
+                        p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
+                                         stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
+                else:  # a loop the compiler keeps: fewer registers live (G = 4: 215 instead of 255 + spills)
+                    for hs in tl.range(0, GROUP // HG, num_stages=1):
+                        p = _teacher_add(p, Q, k_t, LSE, ENTRIES, start, hi, hs, g, d, d_ok, T, stride_qt, stride_qh,
+                                         stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
+                p = tl.where(vis, p * (1.0 / GROUP), 0.0)
+            log_r = z - lse_z[:, None]
+            term = tl.where(p > 0, p * (tl.log(tl.where(p > 0, p, 1.0)) - log_r), 0.0)
+            tl.store(LOSS + e.to(tl.int64) * N_SUB + sub, tl.sum(term, 1), mask=e_ok)
+            if GRAD:
+                r = tl.where(vis, tl.exp(log_r), 0.0)
+                dz = (r - p).to(qi.dtype)  # scaled by grad_coef after the dots, to keep low-precision dz in range
+                dqi = tl.dot(dz, ki, input_precision=INDEX_PRECISION)  # [BLOCK_Q, BLOCK_DI]
+                if DQI_BUF:  # every (entry, sub-tile) owns its row: no read-modify-write traffic in L2
+                    dq_ptrs = DQB + (e.to(tl.int64) * N_SUB + sub)[:, None] * INDEX_DIM + di[None, :]
+                    tl.store(dq_ptrs, dqi.to(DQB.dtype.element_ty), mask=e_ok[:, None] & di_ok[None, :])
+                else:
+                    dq_ptrs = DQI + t[:, None].to(tl.int64) * stride_dqt + g * stride_dqh + di[None, :]
+                    tl.atomic_add(dq_ptrs, dqi * grad_coef, mask=e_ok[:, None] & di_ok[None, :], sem="relaxed")
+                dki += tl.dot(tl.trans(dz), qi, input_precision=INDEX_PRECISION)
     if GRAD:
         dk_ptrs = DKI + kpos[:, None].to(tl.int64) * stride_dkt + di[None, :]
         tl.atomic_add(dk_ptrs, dki * grad_coef, mask=k_ok[:, None] & di_ok[None, :] & (hi > lo), sem="relaxed")
@@ -592,7 +640,9 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     count = t * hkv
     row_lines = -(-d * q.element_size() // 128)  # 128-byte cache lines per q row
     dq_part = None
-    if need_grad and launch.dqi_buffer and hkv * t * topk * n_sub * di * qi.element_size() <= DQI_BUFFER_MAX_BYTES:
+    key_major = bool(launch.key_major) and teacher is not None  # (its dL/dqi goes by atomics)
+    if need_grad and launch.dqi_buffer and not key_major and \
+            hkv * t * topk * n_sub * di * qi.element_size() <= DQI_BUFFER_MAX_BYTES:
         dq_part = torch.zeros((hkv, t, topk * n_sub, di), dtype=qi.dtype, device=device)
     _kl_main_kernel[grid](q, k, qi, ki, *items, lse, lse_z, loss_part, dqi, dqi if dq_part is None else dq_part,
                           dki, dki if teacher is None else teacher,
@@ -601,7 +651,7 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
                           PREFETCH=0 if interpreting() else launch.prefetch,
                           LINES=next_pow2(row_lines), ROW_LINES=row_lines, LINE_ELEMS=128 // q.element_size(),
                           UNROLL_HEADS=bool(launch.unroll_heads), HAS_TEACHER=teacher is not None,
-                          BLOCK_SIZE=block_size, **common,
+                          BLOCK_SIZE=block_size, KEY_MAJOR=key_major, **common,
                           **({"maxnreg": launch.maxnreg} if launch.maxnreg and not interpreting() else {}))
     if dq_part is not None:
         dqi = (dq_part.sum(2, dtype=torch.float32) * (index_scale / count)).transpose(0, 1).contiguous()
