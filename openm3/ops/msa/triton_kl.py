@@ -105,7 +105,9 @@ class KLLaunch:
         dot with the key tile's 128 rows as M, wgmma on sm_90, where the entry-major step's two 16-row dots compile
         to mma.sync; dL/dqi by atomics, never the dqi_buffer). Session 5's key-major main pass (which recomputed
         the teacher, one head per dot) measured 5-17% slower and was removed; this one only does the student's
-        three dots. Opt-in: untimed (session 9).
+        three dots. Opt-in: slower at m3-small's G = 4 with its default register cap of 128 (211 registers
+        uncapped; 8 x 8K tokens iid, 2 rounds: 11.80 -> 12.54 ms, session 9); without the cap and at M3's G = 16
+        untimed (`gpu_all.sh kmsweep`).
     """
 
     block_n: int
