@@ -35,8 +35,8 @@ target. The MSA ops' value checks of `block_idx` (a host sync and a few sorts pe
 `--ab 'VAR=VALUE[;VAR=VALUE]'` times an interleaved A/B in one process: the timed steps alternate between the
 current environment and these variables (the MSA launch configs, `OPENM3_*_LAUNCH`, are read at every call), so
 both sides share the compiled graphs, the warm allocator and the machine's state; each case then reports `ab`
-(both sides' step times and medians). Separate runs moved by 1-3% between calls (session 8), more than some of
-the effects being compared.
+(both sides' step times and medians; the profiled `breakdown` is A's, `ab.b_breakdown` B's). Separate runs moved
+by 1-3% between calls (session 8), more than some of the effects being compared.
 Each case runs in its own try/except (a compiled case that fails is retried eagerly, both recorded); results go to
 `<out>/train_throughput.json` with hardware, versions, date.
 """
@@ -150,6 +150,14 @@ def kernel_breakdown(kernels: dict[str, tuple[float, int]], wall_ms: float, top:
             "share_by_category": {k: round(v / busy, 4) for k, v in by_cat.items()} if busy else {},
             "top_kernels": [{"name": n[:160], "ms": round(ms, 3), "launches": c, "category": kernel_category(n)}
                             for n, (ms, c) in ranked]}
+
+
+def guarded_profile(trainer) -> dict:
+    """`profile_step`, or the error it raised (the timings stand without it)."""
+    try:
+        return profile_step(trainer)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:1000]}
 
 
 def profile_step(trainer) -> dict:
@@ -315,10 +323,10 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     if peak:
         out["mfu"] = out["flops_per_token"] * out["tokens_per_s"] / peak
     if profile:
-        try:
-            out["breakdown"] = profile_step(trainer)
-        except Exception as e:  # the timing above stands without it
-            out["breakdown"] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        out["breakdown"] = guarded_profile(trainer)  # the defaults (A)
+        if ab_env:  # and the variant, so an A/B compares kernels too
+            with environment(ab_env):
+                out["ab"]["b_breakdown"] = guarded_profile(trainer)
         try:
             out["breakdown"]["sync_sites"] = sync_sites(trainer)
         except Exception as e:
