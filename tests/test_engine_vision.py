@@ -15,7 +15,7 @@ from openm3.engine import BatchedGenerator, generate
 from openm3.engine.cache import CacheLayout, PagedCache, plan_cache
 from openm3.engine.scheduler import PromptImages, check_images, decode_step, prefill
 from openm3.models import M3ForConditionalGeneration, M3TextConfig, M3TextModel, M3VLConfig
-from openm3.models.processor import M3ImageProcessor
+from openm3.models.processor import M3ImageProcessor, M3VideoProcessor
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -96,6 +96,40 @@ def test_prefill_and_decode_with_images_equal_the_full_forward(vl, chunk, steps,
     with torch.no_grad():  # the images matter: the placeholders' own embeddings give other logits
         blind = vl.language_model(torch.tensor(seqs[0])).logits[len(prompts[0]) - 1:]
     assert (blind - _full(vl, seqs[:1], per_prompt[:1])[0][len(prompts[0]) - 1:]).abs().max() > 1e-3
+
+
+def test_prefill_and_decode_with_a_video_and_an_image_equal_the_full_forward(vl):
+    """A prompt with a video (5 temporal patches, in clips of 4 and 1 as M3VideoProcessor splits them) before an
+    image: the visual tokens of both kinds go in prompt order, through chunk boundaries, as in the full forward."""
+    rng = np.random.default_rng(5)
+    frames = rng.integers(0, 256, (10, 56, 56, 3), dtype=np.uint8)  # 5 temporal patches of 2 frames
+    video_pixels, video_grid, counts = M3VideoProcessor()([frames])
+    assert counts == [2] and video_grid.tolist() == [[4, 4, 4], [1, 4, 4]]  # 5 runs of 4 video tokens
+    image = _images([(28, 56)])
+    gen = torch.Generator().manual_seed(6)
+    prompt = _text(5, gen)
+    for _ in range(5):
+        prompt += [START] + [VID] * 4 + [END]
+    prompt += _text(6, gen) + [START] + [IMG] * 6 + [END] + _text(4, gen)
+    both = PromptImages(image.pixel_values, image.grid_thw, video_pixels, video_grid)
+    seq = prompt + _text(3, gen)
+    cache = PagedCache(plan_cache(CacheLayout.from_config(vl.config.text_config), 128, kv_dtype=torch.float32))
+    cache.admit({0: len(seq)})
+    got = list(prefill(vl, cache, [0], [torch.tensor(prompt)], chunk_size=11, images=[both]))
+    for s in range(3):
+        got += list(decode_step(vl, cache, [0], torch.tensor([seq[len(prompt) + s]])))
+    with torch.no_grad():
+        full = vl(torch.tensor(seq), image.pixel_values, image.grid_thw, video_pixels, video_grid,
+                  cu_seqlens=torch.tensor([0, len(seq)], dtype=torch.int32)).logits
+    assert (torch.stack(got) - full[len(prompt) - 1: len(seq)]).abs().max().item() < 1e-4
+    # a video-only request, and the counts checked per kind
+    video_only = PromptImages(None, None, video_pixels, video_grid)
+    no_image = prompt[:prompt.index(IMG) - 1] + prompt[prompt.index(END, prompt.index(IMG)) + 1:]
+    assert check_images(vl, [torch.tensor(no_image)], [video_only])[0].video_grid_thw.tolist() == video_grid.tolist()
+    with pytest.raises(ValueError, match="prompt 0: input_ids: 10 video placeholder tokens but the videos give 20"):
+        check_images(vl, [torch.tensor(no_image[:20])], [video_only])
+    with pytest.raises(ValueError, match=r"images\[0\]\.pixel_values_videos: expected a float tensor \[80, 1176\]"):
+        check_images(vl, [torch.tensor(no_image)], [PromptImages(None, None, video_pixels[:-1], video_grid)])
 
 
 def test_the_vision_tower_runs_once_per_prompt(vl, monkeypatch):

@@ -21,12 +21,15 @@ from .cache import PagedCache
 
 
 class PromptImages(NamedTuple):
-    """The images of one prompt as `openm3.models.processor.M3ImageProcessor` returns them (its tuple converts):
-    `pixel_values` float [N, C*2*14*14] packed patches and `grid_thw` int [I, 3], one row per image in the order
-    of the prompt's placeholder runs."""
+    """The images and videos of one prompt. Images as `openm3.models.processor.M3ImageProcessor` returns them (its
+    tuple converts): `pixel_values` float [N, C*2*14*14] packed patches and `grid_thw` int [I, 3], one row per
+    image in the order of the prompt's image placeholder runs. Videos as `M3VideoProcessor` returns them:
+    `pixel_values_videos` [M, C*2*14*14] and `video_grid_thw` [K, 3], one row per clip. Either kind may be None."""
 
-    pixel_values: torch.Tensor
-    grid_thw: torch.Tensor
+    pixel_values: torch.Tensor | None
+    grid_thw: torch.Tensor | None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
 
 def is_vision_language(model) -> bool:
@@ -62,21 +65,27 @@ def check_images(model, prompts: Sequence[torch.Tensor], images) -> list[PromptI
     for b, (prompt, im) in enumerate(zip(prompts, images)):
         where = f"images[{b}]"
         if im is not None:
-            if not isinstance(im, (tuple, list)) or len(im) != 2:
-                raise ValueError(f"{where}: expected (pixel_values [N, {width}], grid_thw [I, 3]) or None, got "
-                                 f"{type(im).__name__}")
-            im = PromptImages(im[0], torch.as_tensor(im[1]).cpu())
+            if not isinstance(im, (tuple, list)) or len(im) not in (2, 4):
+                raise ValueError(f"{where}: expected (pixel_values [N, {width}], grid_thw [I, 3]), a PromptImages "
+                                 f"(with videos) or None, got {type(im).__name__}")
+            im = PromptImages(*(None if x is None else torch.as_tensor(x).cpu() if i % 2 else x
+                                for i, x in enumerate(im)))
         try:
-            model.check_visual_placeholders(prompt, None if im is None else im.grid_thw)
+            model.check_visual_placeholders(prompt, None if im is None else im.grid_thw,
+                                            None if im is None else im.video_grid_thw)
         except ValueError as e:
             raise ValueError(f"prompt {b}: {e}") from None
         if im is not None:
-            pixels, patches = im.pixel_values, int(im.grid_thw.prod(dim=-1).sum())
-            if not isinstance(pixels, torch.Tensor) or not pixels.dtype.is_floating_point \
-                    or tuple(pixels.shape) != (patches, width):
-                raise ValueError(f"{where}.pixel_values: expected a float tensor [{patches}, {width}] (the patches "
-                                 f"grid_thw describes), got {getattr(pixels, 'dtype', type(pixels).__name__)} "
-                                 f"{tuple(getattr(pixels, 'shape', ()))}")
+            for name, pixels, grid in (("pixel_values", im.pixel_values, im.grid_thw),
+                                       ("pixel_values_videos", im.pixel_values_videos, im.video_grid_thw)):
+                patches = 0 if grid is None else int(grid.prod(dim=-1).sum())
+                if pixels is None and grid is None:
+                    continue
+                if not isinstance(pixels, torch.Tensor) or not pixels.dtype.is_floating_point \
+                        or tuple(pixels.shape) != (patches, width):
+                    raise ValueError(f"{where}.{name}: expected a float tensor [{patches}, {width}] (the patches "
+                                     f"its grid describes), got {getattr(pixels, 'dtype', type(pixels).__name__)} "
+                                     f"{tuple(getattr(pixels, 'shape', ()))}")
         out.append(im)
     return out
 
@@ -98,17 +107,22 @@ class PromptVisual(NamedTuple):
 
 @torch.no_grad()
 def prompt_visual(model, prompt: torch.Tensor, images: PromptImages) -> PromptVisual:
-    """The visual tokens of one prompt's images (the vision tower and projector, run once per request) and the
-    positions of the placeholders they replace (`prompt`: int64 [L] on the host). Only these stay in memory during
-    the prompt's prefill, not the whole prompt's embeddings: each chunk embeds its ids and scatters its share
-    (`_forward`), as `M3ForConditionalGeneration.embed` does for the whole prompt. The counts are `check_images`'s
-    (host) business."""
+    """The visual tokens of one prompt's images and videos (the vision tower and projector, run once per request)
+    and the positions of the placeholders they replace (`prompt`: int64 [L] on the host), in prompt order. Only
+    these stay in memory during the prompt's prefill, not the whole prompt's embeddings: each chunk embeds its ids
+    and scatters its share (`_forward`), as `M3ForConditionalGeneration.embed` does for the whole prompt. The
+    counts are `check_images`'s (host) business."""
     tower = next(model.vision_tower.parameters())
-    pixels = images.pixel_values.to(device=tower.device, dtype=tower.dtype)
-    tokens = model.visual_tokens(pixels, images.grid_thw)  # a host grid: its values are read without a sync
-    positions = (prompt == model.config.image_token_index).nonzero().flatten()
     dtype = model.language_model.embed_tokens.weight.dtype
-    return PromptVisual(positions, tokens.to(dtype))
+    positions, tokens = [], []
+    for pixels, grid, token in ((images.pixel_values, images.grid_thw, model.config.image_token_index),
+                                (images.pixel_values_videos, images.video_grid_thw, model.config.video_token_index)):
+        if pixels is not None:  # a host grid: its values are read without a sync
+            tokens.append(model.visual_tokens(pixels.to(device=tower.device, dtype=tower.dtype), grid).to(dtype))
+            positions.append((prompt == token).nonzero().flatten())
+    positions = torch.cat(positions)
+    order = torch.argsort(positions)  # host: images' and videos' placeholders interleave in the prompt
+    return PromptVisual(positions[order], torch.cat(tokens)[order.to(tower.device)])
 
 
 def _forward(model, cache: PagedCache, seq_ids: list[int], pieces: list[torch.Tensor], starts: list[int],
