@@ -284,3 +284,69 @@ def test_anthropic_tool_result_bad_blocks_get_a_400_naming_them(client, text_cli
     assert r.status_code == 400 and f"{where}.source.type: only base64 sources" in _error(r), r.text
     r = client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "document"}])})
     assert r.status_code == 400 and "messages[2].content[0].content[0]: expected a text block" in _error(r), r.text
+
+
+def apng_base64(frames: np.ndarray, frame_ms: int) -> str:
+    """Frames uint8 [F, H, W, 3] as an animated PNG (lossless, so the server decodes exactly these), base64."""
+    buf = io.BytesIO()
+    first, *rest = [Image.fromarray(f) for f in frames]
+    first.save(buf, format="PNG", save_all=True, append_images=rest, duration=frame_ms, loop=0)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+FRAMES = np.random.default_rng(7).integers(0, 256, (5, 56, 56, 3), dtype=np.uint8)
+
+
+def video_body(url: str, text: str = "What happens?") -> dict:
+    return {"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": text}, {"type": "video_url", "video_url": {"url": url}}]}]}
+
+
+def test_a_video_request_reaches_the_engine_as_training_writes_it(client, backend, vl, tok):
+    """vLLM's `video_url` part with an animated PNG (5 frames at 2 fps): the prompt is the training pipeline's for
+    the same conversation and video (placeholder runs per temporal patch, with their timestamps), the patches are
+    M3VideoProcessor's, and the answer is what `generate` gives for them."""
+    from openm3.data.packing import Video
+    from openm3.models.processor import M3VideoProcessor
+
+    before = len(backend.calls)
+    url = f"data:image/png;base64,{apng_base64(FRAMES, 500)}"
+    r = client.post("/v1/chat/completions", json={"model": NAME, "temperature": 0, **video_body(url)})
+    assert r.status_code == 200, r.text
+    (prompt, visual), = backend.calls[before:]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What happens?"}, {"type": "video"}]}]
+    example = Example(render_segments(messages, add_generation_prompt=True), videos=[Video(FRAMES, fps=2.0)])
+    assert prompt == tokenize_example(example, tok, processor_layout).input_ids.tolist()
+    pixels, grid, _ = M3VideoProcessor()([FRAMES])
+    assert visual.pixel_values is None and torch.equal(visual.pixel_values_videos, pixels)
+    assert torch.equal(visual.video_grid_thw, grid) and prompt.count(tok.video_id) == 12  # 3 runs of 2x2
+    results, _ = generate(vl, [prompt], max_new_tokens=4, stop_tokens=[tok.eos_id], images=[visual])
+    assert r.json()["choices"][0]["message"]["content"] == tok.decode([t for t in results[0].tokens
+                                                                        if t != tok.eos_id])
+
+
+def test_long_videos_are_sampled_evenly():
+    from openm3.serve.images import MAX_VIDEO_FRAMES, decode_video
+
+    frames = np.random.default_rng(8).integers(0, 256, (MAX_VIDEO_FRAMES + 6, 28, 28, 3), dtype=np.uint8)
+    got, meta = decode_video({"data": apng_base64(frames, 40), "where": "v"})
+    assert got.shape == (MAX_VIDEO_FRAMES, 28, 28, 3) and meta.fps == 25.0
+    assert meta.frames_indices[0] == 0 and meta.frames_indices[-1] == MAX_VIDEO_FRAMES + 5
+    assert all(np.array_equal(got[i], frames[j]) for i, j in enumerate(meta.frames_indices))
+
+
+def test_bad_video_parts_get_a_400_naming_the_part(client, text_client):
+    jpeg = f"data:image/jpeg;base64,{B64}"
+    r = client.post("/v1/chat/completions", json={"model": NAME, **video_body(jpeg)})
+    assert r.status_code == 400 and "messages[0].content[1].video_url.url: videos are accepted as animated" \
+        in _error(r), r.text
+    mp4 = "data:video/mp4;base64,AAAA"
+    r = client.post("/v1/chat/completions", json={"model": NAME, **video_body(mp4)})
+    assert r.status_code == 400 and "this server has no video decoder" in _error(r), r.text
+    url = f"data:image/png;base64,{apng_base64(FRAMES, 500)}"
+    r = text_client.post("/v1/chat/completions", json={"model": NAME, **video_body(url)})
+    assert r.status_code == 400 and "messages[0].content[1]: 'video_url' parts are not supported by this server" \
+        in _error(r), r.text
+    r = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {}}]}]})
+    assert r.status_code == 400 and "'input_audio' parts are not supported" in r.text, r.text

@@ -146,8 +146,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
 
     model: an `M3TextModel`, or an `M3ForConditionalGeneration` (its text decoder's dtype and device are the
     cache's); prompts: B lists of token ids; images: None, or one entry per prompt, None or `(pixel_values
-    [N, 1176], grid_thw [I, 3])` as `M3ImageProcessor` returns them (VL models only: the prompt's image
-    placeholders take the visual tokens, see `openm3.engine.scheduler.check_images`);
+    [N, 1176], grid_thw [I, 3])` as `M3ImageProcessor` returns them, or a `PromptImages` that also carries
+    videos (VL models only: the prompt's image and video placeholders take the visual tokens, see
+    `openm3.engine.scheduler.check_images`);
     stop_tokens: generation of a sequence ends after any of them; token_budget: tokens the cache is planned for
     (default: exactly what the batch reserves; a batch beyond it raises CacheFullError before any work);
     index_dtype: index-key cache dtype (None = model dtype, 'bf16', 'fp8'); max_total_tokens: prompt +

@@ -13,8 +13,8 @@ once; any other backend (`ModelBackend`: one `generate` per request) runs one re
 
 A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`)
 takes images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded
-into placeholder runs as in training) and call it with `images=PromptImages(pixel_values, grid_thw)`; for any
-other backend an image part is a 400 naming the part.
+into placeholder runs as in training), Chat Completions also vLLM's `video_url` parts (animated images), and call
+it with `images=PromptImages(...)`; for any other backend an image or video part is a 400 naming the part.
 
 Text is produced incrementally by `TextStream`, for streamed and non-streamed responses alike, so the
 concatenated deltas of a stream equal the non-streamed text. Stop strings end generation (raising from
@@ -382,14 +382,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
 
 def _image_url_parts(messages: list[dict], takes_images: bool) -> None:
-    """Turns Chat Completions' `image_url` parts into the chat template's image parts, in place; refuses them by
-    name when the model takes no images."""
+    """Turns Chat Completions' `image_url` (and vLLM's `video_url`) parts into the chat template's image (video)
+    parts, in place; refuses them by name when the model takes no images."""
     for i, message in enumerate(messages):
         content = message.get("content")
         for j, part in enumerate(content if isinstance(content, list) else []):
-            if part["type"] != "image_url":
+            kind = part["type"]
+            if kind not in ("image_url", "video_url"):
                 continue
             where = f"messages[{i}].content[{j}]"
             if not takes_images:
-                raise ValueError(f"{where}: 'image_url' parts are not supported by this server (text-only model)")
-            content[j] = data_url_part(part["image_url"]["url"], where, "image_url.url")
+                raise ValueError(f"{where}: {kind!r} parts are not supported by this server (text-only model)")
+            content[j] = data_url_part(part[kind]["url"], where, f"{kind}.url", video=kind == "video_url")

@@ -10,6 +10,11 @@ its placeholder run with `expand_prompt`: the template, processor and placeholde
 one `]<]image[>[` per visual token, `]<]end of image[>[`) that training uses, so the placeholders match the visual
 tokens the engine scatters over them.
 
+Chat Completions also takes vLLM's `{"type": "video_url", "video_url": {"url": "data:image/gif;base64,..."}}`
+parts: an animated GIF, WebP or PNG (Pillow decodes them; there is no video codec among the dependencies), whose
+frames (at most MAX_VIDEO_FRAMES, sampled evenly) and frame times go through `M3VideoProcessor` and the video
+placeholder layout (one run per temporal patch, each after its timestamp), as training writes them.
+
 Only inline data is accepted: the server fetches nothing, so an http(s) URL is refused. Every error is a
 ValueError naming the part or field; the endpoints answer it with a 400. Pillow (the `data` extra) is imported
 when the first image is decoded.
@@ -23,21 +28,27 @@ import io
 import struct
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..data.chat import render_chat
 from ..engine.scheduler import PromptImages
-from ..models.processor import IMAGE_TOKEN, VIDEO_TOKEN, M3ImageProcessor, expand_prompt
+from ..models.processor import IMAGE_TOKEN, VIDEO_TOKEN, M3ImageProcessor, M3VideoProcessor, VideoMeta, expand_prompt
 
 # Decoded images larger than this are refused before their pixels are read (the processor shrinks every image to
 # at most 451,584 pixels anyway; Pillow's own bomb check only starts at 89M).
 MAX_IMAGE_PIXELS = 40_000_000
 _DATA_URL = "data:image/png;base64,..."
+# Videos come as animated images Pillow decodes (no video codec among the dependencies). Longer ones are sampled
+# evenly down to MAX_VIDEO_FRAMES frames; each frame is bounded like an image.
+VIDEO_MEDIA_TYPES = ("image/gif", "image/webp", "image/png", "image/apng")
+MAX_VIDEO_FRAMES = 64
+DEFAULT_FRAME_MS = 100  # a frame without a duration (Pillow's `info["duration"]`) lasts 100 ms
 
 
-def data_url_part(url: Any, where: str, field: str) -> dict:
-    """The template's image part for an OpenAI image URL, which must be a base64 data URL; `where.field` names it
-    in errors."""
+def data_url_part(url: Any, where: str, field: str, video: bool = False) -> dict:
+    """The template's image part for an OpenAI image URL (its video part for vLLM's `video_url`: an animated GIF,
+    WebP or PNG), which must be a base64 data URL; `where.field` names it in errors."""
     name = f"{where}.{field}"
     if not isinstance(url, str) or not url:
         raise ValueError(f"{name}: expected a data URL string ({_DATA_URL}), got {type(url).__name__}")
@@ -49,6 +60,11 @@ def data_url_part(url: Any, where: str, field: str) -> dict:
     media_type, *params = header.split(";")
     if not comma or "base64" not in params:
         raise ValueError(f"{name}: expected base64 data in the data URL ({_DATA_URL}), got 'data:{header[:40]}'")
+    if video:
+        if media_type not in VIDEO_MEDIA_TYPES:
+            raise ValueError(f"{name}: videos are accepted as animated {', '.join(VIDEO_MEDIA_TYPES)} data URLs "
+                             f"(this server has no video decoder), got {media_type or 'no media type'!r}")
+        return {"type": "video", "data": data, "where": where}
     return _part(media_type, data, where, name)
 
 
@@ -79,8 +95,11 @@ def content_of(parts: Sequence[dict]) -> str | list[dict]:
     return list(parts)
 
 
-def decode_image(part: dict):
-    """The part's image, decoded by Pillow (RGB conversion is the processor's); ValueError naming the part."""
+_PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error)
+
+
+def _open(part: dict):
+    """The part's data opened by Pillow (not yet decoded) and the Image module; ValueError naming the part."""
     where = part["where"]
     try:
         from PIL import Image
@@ -93,20 +112,47 @@ def decode_image(part: dict):
         raise ValueError(f"{where}: the image data is not valid base64") from None
     try:
         image = Image.open(io.BytesIO(raw))
-        pixels = image.width * image.height
-        if pixels <= MAX_IMAGE_PIXELS:
-            image.load()
-    except (OSError, SyntaxError, ValueError, EOFError, struct.error, Image.DecompressionBombError) as e:
+    except (*_PIL_ERRORS, Image.DecompressionBombError) as e:
         raise ValueError(f"{where}: the data is not an image Pillow can read ({type(e).__name__}: {e})") from None
-    if pixels > MAX_IMAGE_PIXELS:
+    if image.width * image.height > MAX_IMAGE_PIXELS:
         raise ValueError(f"{where}: the image has {image.width}x{image.height} pixels; at most {MAX_IMAGE_PIXELS} "
                          f"are accepted")
+    return image, Image
+
+
+def decode_image(part: dict):
+    """The part's image, decoded by Pillow (RGB conversion is the processor's); ValueError naming the part."""
+    image, pil = _open(part)
+    try:
+        image.load()
+    except (*_PIL_ERRORS, pil.DecompressionBombError) as e:
+        raise ValueError(f"{part['where']}: the data is not an image Pillow can read ({type(e).__name__}: {e})") \
+            from None
     return image
 
 
-def image_parts(messages: Sequence[dict]) -> list[dict]:
-    """The image parts of OpenAI-style messages, in the order the chat template numbers them."""
-    return [p for m in messages if isinstance(m.get("content"), list) for p in m["content"] if p["type"] == "image"]
+def decode_video(part: dict) -> tuple[np.ndarray, VideoMeta]:
+    """The frames (uint8 [F, H, W, 3]) of the part's animated image and their times (`VideoMeta`: fps from the
+    first frame's duration, source index of each kept frame); at most MAX_VIDEO_FRAMES, sampled evenly."""
+    image, pil = _open(part)
+    total = getattr(image, "n_frames", 1)
+    keep = np.linspace(0, total - 1, min(total, MAX_VIDEO_FRAMES)).round().astype(int).tolist()
+    frames = []
+    try:
+        for index in keep:
+            image.seek(index)
+            frames.append(np.asarray(image.convert("RGB")))
+        image.seek(0)
+    except (*_PIL_ERRORS, pil.DecompressionBombError) as e:
+        raise ValueError(f"{part['where']}: the data is not an animation Pillow can read ({type(e).__name__}: {e})"
+                         ) from None
+    frame_ms = image.info.get("duration") or DEFAULT_FRAME_MS
+    return np.stack(frames), VideoMeta(fps=1000.0 / frame_ms, frames_indices=keep)
+
+
+def image_parts(messages: Sequence[dict], kind: str = "image") -> list[dict]:
+    """The image (or video) parts of OpenAI-style messages, in the order the chat template numbers them."""
+    return [p for m in messages if isinstance(m.get("content"), list) for p in m["content"] if p["type"] == kind]
 
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None, *, prefill: str = "",
@@ -121,7 +167,9 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None
     vision = vl_config.vision_config
     processor = M3ImageProcessor(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                                  merge_size=vision.spatial_merge_size)
-    pixels, grids = [], []
+    videos = M3VideoProcessor(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                              merge_size=vision.spatial_merge_size)
+    pixels, grids, video_pixels, video_grids, clips, metas = [], [], [], [], [], []
     for part in image_parts(messages):
         image = decode_image(part)
         try:
@@ -130,11 +178,25 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None
             raise ValueError(f"{part['where']}: {e}") from None
         pixels.append(patches)
         grids.append(grid)
+    for part in image_parts(messages, "video"):
+        frames, meta = decode_video(part)
+        try:
+            patches, grid, counts = videos([frames])
+        except ValueError as e:
+            raise ValueError(f"{part['where']}: {e}") from None
+        video_pixels.append(patches)
+        video_grids.append(grid)
+        clips += counts
+        metas.append(meta)
     grid_thw = torch.cat(grids) if grids else None
+    video_grid_thw = torch.cat(video_grids) if video_grids else None
     try:  # with no images this still checks that the text holds no image or video marker of its own
-        text = expand_prompt(text, grid_thw, merge_size=vision.spatial_merge_size,
-                             temporal_patch_size=vision.temporal_patch_size)
+        text = expand_prompt(text, grid_thw, video_grid_thw, clips if metas else None, metas if metas else None,
+                             merge_size=vision.spatial_merge_size, temporal_patch_size=vision.temporal_patch_size)
     except ValueError as e:
         raise ValueError(f"content: the text may not contain the marker strings {IMAGE_TOKEN!r} or "
                          f"{VIDEO_TOKEN!r} ({e})") from None
-    return tokenizer.encode(text), PromptImages(torch.cat(pixels), grid_thw) if grids else None
+    if not grids and not video_grids:
+        return tokenizer.encode(text), None
+    return tokenizer.encode(text), PromptImages(torch.cat(pixels) if pixels else None, grid_thw,
+                                                torch.cat(video_pixels) if video_pixels else None, video_grid_thw)

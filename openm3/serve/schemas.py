@@ -69,7 +69,16 @@ class ImageURLPart(BaseModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+class VideoURL(BaseModel):
+    url: str  # a base64 data URL of an animated GIF / WebP / PNG (`openm3.serve.images`)
+
+
+class VideoURLPart(BaseModel):  # vLLM's extension of the OpenAI format
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):
@@ -98,9 +107,9 @@ class ChatMessage(BaseModel):
         if isinstance(v, list):
             for j, part in enumerate(v):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind not in ("text", "image_url"):
-                    raise ValueError(f"content[{j}]: {kind!r} parts are not supported (text and image_url parts "
-                                     f"only: the served engine has no audio, video or file input)")
+                if kind not in ("text", "image_url", "video_url"):
+                    raise ValueError(f"content[{j}]: {kind!r} parts are not supported (text, image_url and "
+                                     f"video_url parts only: the served engine has no audio or file input)")
         return v
 
 
