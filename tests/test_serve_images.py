@@ -326,7 +326,7 @@ def test_a_video_request_reaches_the_engine_as_training_writes_it(client, backen
 
 
 def test_long_videos_are_sampled_evenly():
-    from openm3.serve.images import MAX_VIDEO_FRAMES, decode_video
+    from openm3.engine.media import MAX_VIDEO_FRAMES, decode_video
 
     frames = np.random.default_rng(8).integers(0, 256, (MAX_VIDEO_FRAMES + 6, 28, 28, 3), dtype=np.uint8)
     got, meta = decode_video({"data": apng_base64(frames, 40), "where": "v"})

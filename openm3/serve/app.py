@@ -34,10 +34,11 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
+from ..engine.media import chat_prompt
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses
-from .images import chat_prompt, data_url_part
+from .images import data_url_part
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 
 
@@ -215,7 +216,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     def prompt_of(messages: list[dict], tools: list[dict] | None, param: str,
                   prefill: str = "") -> tuple[list[int], PromptImages | None]:
-        """The conversation's prompt ids and images (`images.chat_prompt`); a 400 naming `param` if it is bad."""
+        """The conversation's prompt ids and images (`openm3.engine.media.chat_prompt`); a 400 naming `param` if it is bad."""
         try:
             return chat_prompt(tokenizer, messages, tools, prefill=prefill, vl_config=vl_config)
         except ValueError as e:

@@ -1,0 +1,157 @@
+"""Images and videos for a chat prompt: encoded files -> Pillow -> the M3 processors' patches, and the prompt ids.
+
+A media part is the chat template's `{"type": "image"}` or `{"type": "video"}` part plus where its bytes are:
+`"data"` (base64, as the serving APIs carry them; `openm3.serve.images` parses their wire formats) or `"path"` (a
+local file, `openm3 generate --image/--video`), and `"where"`, which names the part in errors. `chat_prompt`
+renders the conversation with `render_chat`, decodes the media with Pillow, runs `M3ImageProcessor` /
+`M3VideoProcessor` on them and expands each marker into its placeholder run with `expand_prompt`: the template,
+processors and placeholder layout (`]<]start of image[>[`, one `]<]image[>[` per visual token, `]<]end of
+image[>[`; a video's runs per temporal patch, each after its timestamp) that training uses, so the placeholders
+match the visual tokens the engine scatters over them.
+
+Videos are animated GIF, WebP or PNG files (Pillow decodes them; there is no video codec among the dependencies):
+at most MAX_VIDEO_FRAMES frames, sampled evenly, timed by the file's frame duration. Every error is a ValueError
+naming the part. Pillow (the `data` extra) is imported when the first medium is decoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import struct
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..data.chat import render_chat
+from ..models.processor import IMAGE_TOKEN, VIDEO_TOKEN, M3ImageProcessor, M3VideoProcessor, VideoMeta, expand_prompt
+from .scheduler import PromptImages
+
+# Decoded images larger than this are refused before their pixels are read (the processor shrinks every image to
+# at most 451,584 pixels anyway; Pillow's own bomb check only starts at 89M).
+MAX_IMAGE_PIXELS = 40_000_000
+# Videos are animated images. Longer ones are sampled evenly down to MAX_VIDEO_FRAMES frames; each frame is
+# bounded like an image.
+MAX_VIDEO_FRAMES = 64
+DEFAULT_FRAME_MS = 100  # a frame without a duration (Pillow's `info["duration"]`) lasts 100 ms
+
+
+def _raw(part: dict) -> bytes:
+    """The part's encoded bytes: its base64 `data` or its file `path`."""
+    where = part["where"]
+    if "path" in part:
+        try:
+            with open(part["path"], "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read {part['path']!r} ({e.strerror or e})") from None
+    try:
+        return base64.b64decode("".join(part["data"].split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: the image data is not valid base64") from None
+
+
+_PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error)
+
+
+def _open(part: dict):
+    """The part's data opened by Pillow (not yet decoded) and the Image module; ValueError naming the part."""
+    where = part["where"]
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError(f"{where}: this server cannot decode images: Pillow is not installed (pip install "
+                         f"'openm3[data]')") from None
+    raw = _raw(part)
+    try:
+        image = Image.open(io.BytesIO(raw))
+    except (*_PIL_ERRORS, Image.DecompressionBombError) as e:
+        raise ValueError(f"{where}: the data is not an image Pillow can read ({type(e).__name__}: {e})") from None
+    if image.width * image.height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"{where}: the image has {image.width}x{image.height} pixels; at most {MAX_IMAGE_PIXELS} "
+                         f"are accepted")
+    return image, Image
+
+
+def decode_image(part: dict):
+    """The part's image, decoded by Pillow (RGB conversion is the processor's); ValueError naming the part."""
+    image, pil = _open(part)
+    try:
+        image.load()
+    except (*_PIL_ERRORS, pil.DecompressionBombError) as e:
+        raise ValueError(f"{part['where']}: the data is not an image Pillow can read ({type(e).__name__}: {e})") \
+            from None
+    return image
+
+
+def decode_video(part: dict) -> tuple[np.ndarray, VideoMeta]:
+    """The frames (uint8 [F, H, W, 3]) of the part's animated image and their times (`VideoMeta`: fps from the
+    first frame's duration, source index of each kept frame); at most MAX_VIDEO_FRAMES, sampled evenly."""
+    image, pil = _open(part)
+    total = getattr(image, "n_frames", 1)
+    keep = np.linspace(0, total - 1, min(total, MAX_VIDEO_FRAMES)).round().astype(int).tolist()
+    frames = []
+    try:
+        for index in keep:
+            image.seek(index)
+            frames.append(np.asarray(image.convert("RGB")))
+        image.seek(0)
+    except (*_PIL_ERRORS, pil.DecompressionBombError) as e:
+        raise ValueError(f"{part['where']}: the data is not an animation Pillow can read ({type(e).__name__}: {e})"
+                         ) from None
+    frame_ms = image.info.get("duration") or DEFAULT_FRAME_MS
+    return np.stack(frames), VideoMeta(fps=1000.0 / frame_ms, frames_indices=keep)
+
+
+def image_parts(messages: Sequence[dict], kind: str = "image") -> list[dict]:
+    """The image (or video) parts of OpenAI-style messages, in the order the chat template numbers them."""
+    return [p for m in messages if isinstance(m.get("content"), list) for p in m["content"] if p["type"] == kind]
+
+
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None, *, prefill: str = "",
+                vl_config=None) -> tuple[list[int], PromptImages | None]:
+    """(prompt token ids, images or None) of a conversation with the generation prompt, then `prefill` text.
+
+    vl_config: the served VL model's `M3VLConfig` (its vision config sizes the patches and placeholder runs);
+    None for a text model, whose prompt is the rendered text, encoded. Raises ValueError naming the bad part."""
+    text = render_chat(messages, tools, add_generation_prompt=True) + prefill
+    if vl_config is None:
+        return tokenizer.encode(text), None
+    vision = vl_config.vision_config
+    processor = M3ImageProcessor(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                                 merge_size=vision.spatial_merge_size)
+    videos = M3VideoProcessor(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                              merge_size=vision.spatial_merge_size)
+    pixels, grids, video_pixels, video_grids, clips, metas = [], [], [], [], [], []
+    for part in image_parts(messages):
+        image = decode_image(part)
+        try:
+            patches, grid = processor([image])
+        except ValueError as e:
+            raise ValueError(f"{part['where']}: {e}") from None
+        pixels.append(patches)
+        grids.append(grid)
+    for part in image_parts(messages, "video"):
+        frames, meta = decode_video(part)
+        try:
+            patches, grid, counts = videos([frames])
+        except ValueError as e:
+            raise ValueError(f"{part['where']}: {e}") from None
+        video_pixels.append(patches)
+        video_grids.append(grid)
+        clips += counts
+        metas.append(meta)
+    grid_thw = torch.cat(grids) if grids else None
+    video_grid_thw = torch.cat(video_grids) if video_grids else None
+    try:  # with no images this still checks that the text holds no image or video marker of its own
+        text = expand_prompt(text, grid_thw, video_grid_thw, clips if metas else None, metas if metas else None,
+                             merge_size=vision.spatial_merge_size, temporal_patch_size=vision.temporal_patch_size)
+    except ValueError as e:
+        raise ValueError(f"content: the text may not contain the marker strings {IMAGE_TOKEN!r} or "
+                         f"{VIDEO_TOKEN!r} ({e})") from None
+    if not grids and not video_grids:
+        return tokenizer.encode(text), None
+    return tokenizer.encode(text), PromptImages(torch.cat(pixels) if pixels else None, grid_thw,
+                                                torch.cat(video_pixels) if video_pixels else None, video_grid_thw)
