@@ -216,7 +216,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     def prompt_of(messages: list[dict], tools: list[dict] | None, param: str,
                   prefill: str = "") -> tuple[list[int], PromptImages | None]:
-        """The conversation's prompt ids and images (`openm3.engine.media.chat_prompt`); a 400 naming `param` if it is bad."""
+        """The conversation's prompt ids and images (`openm3.engine.media.chat_prompt`); a 400 naming `param` if it
+        is bad."""
         try:
             return chat_prompt(tokenizer, messages, tools, prefill=prefill, vl_config=vl_config)
         except ValueError as e:
