@@ -16,7 +16,7 @@ from PIL import Image
 import test_serve
 from openm3.data.chat import render_segments
 from openm3.data.packing import Example, tokenize_example
-from openm3.engine import BatchedGenerator, generate
+from openm3.engine import BatchedGenerator, PromptImages, generate
 from openm3.models import M3ForConditionalGeneration, M3VLConfig
 from openm3.models.processor import M3ImageProcessor
 from openm3.serve import ModelBackend, create_app
@@ -350,3 +350,38 @@ def test_bad_video_parts_get_a_400_naming_the_part(client, text_client):
     r = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {}}]}]})
     assert r.status_code == 400 and "'input_audio' parts are not supported" in r.text, r.text
+
+
+def test_generate_cli_takes_image_and_video_files(vl, model, tok, tmp_path, capsys):
+    """`openm3 generate --checkpoint VL --image F --video F --prompt TEXT`: one user turn (images, videos, text) as
+    training writes it, and the tokens `generate` gives for that prompt and those patches."""
+    from openm3.data.packing import Video
+    from openm3.engine.generate import main
+    from openm3.models.processor import M3VideoProcessor
+
+    vl.save_pretrained(tmp_path / "ckpt")
+    tok.save(tmp_path / "ckpt")
+    (tmp_path / "cat.png").write_bytes(base64.b64decode(B64))
+    (tmp_path / "clip.png").write_bytes(base64.b64decode(apng_base64(FRAMES, 500)))
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--prompt", QUESTION, "--image", str(tmp_path / "cat.png"),
+            "--video", str(tmp_path / "clip.png"), "--max-new-tokens", "3", "--device", "cpu", "--no-stream"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.strip()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text",
+                                                                                   "text": QUESTION}]}]
+    example = Example(render_segments(messages, add_generation_prompt=True), [PIXELS],
+                      [Video(FRAMES, fps=2.0)])
+    prompt = tokenize_example(example, tok, processor_layout).input_ids.tolist()
+    images = PromptImages(*M3ImageProcessor()([PIXELS]), *M3VideoProcessor()([FRAMES])[:2])
+    results, _ = generate(vl, [prompt], max_new_tokens=3, images=[images])
+    assert printed == tok.decode(results[0].tokens).strip()
+    for bad, match in ((["--image", str(tmp_path / "missing.png")], "--image .*missing.png: cannot read"),
+                       (["--video", str(tmp_path / "ckpt" / "config.json")], "not an image Pillow can read")):
+        with pytest.raises(SystemExit, match=match):
+            main(argv[:4] + bad + ["--device", "cpu"])
+    with pytest.raises(SystemExit, match="need --prompt text and a vision-language --checkpoint"):
+        main(["--preset", "m3-tiny", "--prompt", "x", "--image", str(tmp_path / "cat.png"), "--device", "cpu"])
+    model.save_pretrained(tmp_path / "text")
+    tok.save(tmp_path / "text")
+    with pytest.raises(SystemExit, match="is a text-only checkpoint"):
+        main(["--checkpoint", str(tmp_path / "text"), *argv[2:]])

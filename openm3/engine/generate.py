@@ -24,7 +24,7 @@ import torch
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, sample
-from .scheduler import check_images, decode_step, prefill, text_model
+from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -244,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "--checkpoint directory)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     prompt.add_argument("--random-prompt", type=int, metavar="N", help="N random token ids (long-context runs)")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image file for a vision-language --checkpoint (repeatable): --prompt becomes a user "
+                   "turn of the chat template holding the images, then the videos, then the text")
+    p.add_argument("--video", action="append", default=[], metavar="PATH",
+                   help="a video as an animated GIF / WebP / PNG file (repeatable; at most 64 frames are kept)")
     p.add_argument("--tokenizer", help="a tokenizer.json or a directory holding one, for --prompt and to print "
                    "text (default: the --checkpoint directory's, if it has one)")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -335,6 +340,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise SystemExit(f"error: checkpoint directory {args.checkpoint!r} does not exist")
+    media = bool(args.image or args.video)
+    if media and (args.prompt is None or args.checkpoint is None):
+        raise SystemExit("error: --image / --video need --prompt text and a vision-language --checkpoint")
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
         stop = [int(s) for s in args.stop.split(",") if s.strip()]
@@ -353,12 +361,22 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --prompt needs --tokenizer PATH/tokenizer.json (or pass --prompt-ids)")
     device, dtype = device_and_dtype(args)
     try:
-        model = load_model(args, device, dtype)
+        model = load_model(args, device, dtype, vision=media)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    if media and not is_vision_language(model):
+        raise SystemExit(f"error: --image / --video: {args.checkpoint} is a text-only checkpoint (its config.json "
+                         f"has no vision_config)")
     if args.compile:
-        compile_layers(model)
-    if args.prompt is not None:
+        compile_layers(text_model(model))
+    images = None
+    if media:
+        try:
+            prompt, visual = media_prompt(args, path, model.config)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
+        images = [visual]
+    elif args.prompt is not None:
         prompt = tokenizer.encode(args.prompt).ids
     elif args.prompt_ids is not None:
         try:
@@ -378,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
                                   stop_tokens=stop, chunk_size=args.chunk_size, token_budget=args.token_budget,
                                   index_dtype=args.index_dtype, max_total_tokens=args.max_total_tokens,
                                   seed=args.seed, on_token=stream, on_prefill=bar.update if bar else None,
-                                  cuda_graphs=False if args.eager else None)
+                                  cuda_graphs=False if args.eager else None, images=images)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     finally:
@@ -392,6 +410,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"finish reason: {results[0].finish_reason}", file=sys.stderr)
     print(stats.summary(), file=sys.stderr)
     return 0
+
+
+def media_prompt(args, tokenizer_file: str, vl_config):
+    """(prompt ids, PromptImages) for `--prompt` with `--image` / `--video` files: one user turn of the chat
+    template (images, videos, then the text) and the generation prompt, built as training and `openm3 serve` build
+    it (`openm3.engine.media.chat_prompt`). ValueError naming the file that cannot be read or decoded."""
+    from ..data.tokenizer import M3Tokenizer
+    from .media import chat_prompt
+
+    parts = [{"type": kind, "path": f, "where": f"--{kind} {f}"}
+             for kind, files in (("image", args.image), ("video", args.video)) for f in files]
+    messages = [{"role": "user", "content": parts + [{"type": "text", "text": args.prompt}]}]
+    return chat_prompt(M3Tokenizer.from_file(tokenizer_file), messages, vl_config=vl_config)
 
 
 def _progress(total: int):
