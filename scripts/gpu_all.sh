@@ -189,6 +189,9 @@ for s in "${stages[@]}"; do
   esac
 done
 echo "=== done ($(date -u +%T)) ==="
-# the device tool returns at most 8 files: every JSON result goes back in one archive
-(cd "$OUT" && find . -name '*.json' > /tmp/json_list && [ -s /tmp/json_list ] \
-  && tar czf /tmp/results_json.tgz -T /tmp/json_list && xargs rm -f < /tmp/json_list && mv /tmp/results_json.tgz .)
+# The device tool returns few files (a count limit over all of $OUT: several invocations with OUT=$OUT/sub each
+# add theirs, and session 9 lost a stage's JSON and log to it): every result and log of this invocation goes back
+# in one archive, results.tgz (extract with `tar xzf`).
+(cd "$OUT" && find . -type f ! -name 'results.tgz' > /tmp/out_list && [ -s /tmp/out_list ] \
+  && tar czf /tmp/results.tgz -T /tmp/out_list && xargs rm -f < /tmp/out_list && find . -type d -empty -delete \
+  && mv /tmp/results.tgz .)
