@@ -385,3 +385,11 @@ def test_generate_cli_takes_image_and_video_files(vl, model, tok, tmp_path, caps
     tok.save(tmp_path / "text")
     with pytest.raises(SystemExit, match="is a text-only checkpoint"):
         main(["--checkpoint", str(tmp_path / "text"), *argv[2:]])
+
+
+def test_video_frames_are_bounded(monkeypatch):
+    from openm3.engine import media
+
+    monkeypatch.setattr(media, "MAX_VIDEO_FRAME_PIXELS", 28 * 28 - 1)
+    with pytest.raises(ValueError, match="v: the video's frames have 28x28 pixels; at most 783"):
+        media.decode_video({"data": apng_base64(FRAMES[:2, :28, :28], 40), "where": "v"})

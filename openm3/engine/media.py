@@ -35,6 +35,7 @@ MAX_IMAGE_PIXELS = 40_000_000
 # Videos are animated images. Longer ones are sampled evenly down to MAX_VIDEO_FRAMES frames; each frame is
 # bounded like an image.
 MAX_VIDEO_FRAMES = 64
+MAX_VIDEO_FRAME_PIXELS = 2_100_000  # 1920 x 1080 (the decoded frames of one video stay under ~400 MB)
 DEFAULT_FRAME_MS = 100  # a frame without a duration (Pillow's `info["duration"]`) lasts 100 ms
 
 
@@ -62,8 +63,8 @@ def _open(part: dict):
     try:
         from PIL import Image
     except ImportError:
-        raise ValueError(f"{where}: this server cannot decode images: Pillow is not installed (pip install "
-                         f"'openm3[data]')") from None
+        raise ValueError(f"{where}: cannot decode images: Pillow is not installed (pip install 'openm3[data]')"
+                         ) from None
     raw = _raw(part)
     try:
         image = Image.open(io.BytesIO(raw))
@@ -90,6 +91,9 @@ def decode_video(part: dict) -> tuple[np.ndarray, VideoMeta]:
     """The frames (uint8 [F, H, W, 3]) of the part's animated image and their times (`VideoMeta`: fps from the
     first frame's duration, source index of each kept frame); at most MAX_VIDEO_FRAMES, sampled evenly."""
     image, pil = _open(part)
+    if image.width * image.height > MAX_VIDEO_FRAME_PIXELS:
+        raise ValueError(f"{part['where']}: the video's frames have {image.width}x{image.height} pixels; at most "
+                         f"{MAX_VIDEO_FRAME_PIXELS} are accepted (the video processor keeps far fewer)")
     total = getattr(image, "n_frames", 1)
     keep = np.linspace(0, total - 1, min(total, MAX_VIDEO_FRAMES)).round().astype(int).tolist()
     frames = []
