@@ -355,6 +355,29 @@ def test_cli_uses_the_checkpoint_tokenizer(tok, model, tmp_path):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tok.encode("hello world"))
 
 
+def test_cli_compile_serves_the_same_tokens(tok, tmp_path, monkeypatch):
+    """`--compile` compiles every decoder layer (torch.compile, as `openm3 generate --compile`); the answers stay
+    the eager model's."""
+    import importlib
+
+    engine_generate = importlib.import_module("openm3.engine.generate")  # (the package exports a function too)
+    compiled = []
+    real = engine_generate.compile_layers
+    monkeypatch.setattr(engine_generate, "compile_layers", lambda m: compiled.append(m) or real(m))
+    path = tok.save(tmp_path / "tok")
+    base = ["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64", "--max-batch", "1"]
+    body = {"model": "m3-tiny", "prompt": "hello world", "max_tokens": 3, "temperature": 0}
+    texts = []
+    for extra in ([], ["--compile"]):
+        app = build_app(build_parser().parse_args(base + extra))
+        assert len(compiled) == len(extra)
+        r = TestClient(app).post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert all(layer._compiled_call_impl is not None for layer in compiled[0].layers)
+    assert texts[0] == texts[1]
+
+
 def test_cli_builds_an_app_from_a_preset(tok, tmp_path):
     path = tok.save(tmp_path / "tok")
     args = build_parser().parse_args(["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64"])

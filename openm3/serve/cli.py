@@ -48,13 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
     p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
                    help="index-key cache dtype (default: the model dtype)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (as `openm3 generate --compile`: decode steps ~1.9x "
+                   "faster on an H200 at a 128K prompt; the first requests pay the compilation)")
     return p
 
 
 def build_app(args: argparse.Namespace):
     """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
     from ..data.tokenizer import M3Tokenizer, get_tokenizer
-    from ..engine.generate import device_and_dtype, load_model, tokenizer_path
+    from ..engine.generate import compile_layers, device_and_dtype, load_model, tokenizer_path
     from ..engine.batching import BatchedGenerator
     from ..engine.scheduler import text_model
     from .app import ModelBackend, create_app
@@ -71,6 +74,8 @@ def build_app(args: argparse.Namespace):
         model = _vision_preset(args, tokenizer, device, dtype)
     else:
         model = load_model(args, device, dtype, vision=True)  # a VL checkpoint loads as a VL model
+    if args.compile:
+        compile_layers(text_model(model))
     positions = text_model(model).config.max_position_embeddings
     limit = args.max_total_tokens
     if limit is None:
