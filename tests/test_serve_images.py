@@ -325,6 +325,41 @@ def test_a_video_request_reaches_the_engine_as_training_writes_it(client, backen
                                                                         if t != tok.eos_id])
 
 
+def test_batching_backend_answers_a_video_beside_an_image(vl, tok):
+    """The server's default backend (continuous batching) with a video request and an image request in flight
+    together: each answer is `generate`'s for its prompt alone."""
+    import threading
+
+    from openm3.data.packing import Video
+    from openm3.models.processor import M3VideoProcessor
+
+    batcher = BatchedGenerator(vl, token_budget=512, max_batch=4, chunk_size=16)
+    client = TestClient(create_app(batcher, tok, model_name=NAME, max_total_tokens=LIMIT))
+    url = f"data:image/png;base64,{apng_base64(FRAMES, 500)}"
+    bodies = {"video": {"model": NAME, "temperature": 0, **video_body(url)},
+              "image": {"model": NAME, "temperature": 0, **chat_body()}}
+    answers = {}
+
+    def ask(kind):
+        answers[kind] = client.post("/v1/chat/completions", json=bodies[kind]).json()["choices"][0]["message"]
+
+    threads = [threading.Thread(target=ask, args=(kind,)) for kind in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batcher.close()
+    video = PromptImages(None, None, *M3VideoProcessor()([FRAMES])[:2])
+    messages = {"video": [{"type": "text", "text": "What happens?"}, {"type": "video"}],
+                "image": [{"type": "text", "text": QUESTION}, {"type": "image"}]}
+    for kind, images, media in (("video", video, ([], [Video(FRAMES, fps=2.0)])),
+                                ("image", PromptImages(*M3ImageProcessor()([PIXELS])), ([PIXELS], []))):
+        segments = render_segments([{"role": "user", "content": messages[kind]}], add_generation_prompt=True)
+        prompt = tokenize_example(Example(segments, *media), tok, processor_layout).input_ids.tolist()
+        results, _ = generate(vl, [prompt], max_new_tokens=4, stop_tokens=[tok.eos_id], images=[images])
+        assert answers[kind]["content"] == tok.decode([t for t in results[0].tokens if t != tok.eos_id]), kind
+
+
 def test_long_videos_are_sampled_evenly():
     from openm3.engine.media import MAX_VIDEO_FRAMES, decode_video
 
