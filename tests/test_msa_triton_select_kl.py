@@ -167,20 +167,25 @@ def test_index_lse_by_sequence_length(monkeypatch):
     """index_lse=-1 (the GPU default) computes the normaliser in the selection for sequences of at most
     INDEX_LSE_MAX_KEYS keys on average (weighted by queries), else leaves it to the KL."""
     from openm3.ops.msa import triton_select as ts
+    from openm3.ops.msa._checks import check_seqlens
+
+    def segs(lens, klens=None):
+        kl = None if klens is None else cu(klens)
+        return check_seqlens(cu(lens), sum(lens), kl, sum(klens or lens))
 
     auto = ts.select_launch(4, 128, 128, on_gpu=True)
     assert auto.index_lse == -1 and ts.select_launch(4, 128, 128, on_gpu=False).index_lse == 0
     limit = ts.INDEX_LSE_MAX_KEYS
-    assert ts.index_lse_on_the_way(auto, cu([limit] * 8), None)  # m3-small's 8K training rows
-    assert not ts.index_lse_on_the_way(auto, cu([16 * limit]), None)  # M3 at 128K
+    assert ts.index_lse_on_the_way(auto, segs([limit] * 8))  # m3-small's 8K training rows
+    assert not ts.index_lse_on_the_way(auto, segs([16 * limit]))  # M3 at 128K
     # weighted by queries: one long sequence among short ones tips it
-    assert ts.index_lse_on_the_way(auto, cu([limit, limit // 2]), None)
-    assert not ts.index_lse_on_the_way(auto, cu([100, 4 * limit]), None)
+    assert ts.index_lse_on_the_way(auto, segs([limit, limit // 2]))
+    assert not ts.index_lse_on_the_way(auto, segs([100, 4 * limit]))
     # chunked prefill: few queries against many cached keys count their keys
-    assert not ts.index_lse_on_the_way(auto, cu([64]), cu([2 * limit]))
+    assert not ts.index_lse_on_the_way(auto, segs([64], [2 * limit]))
     for fixed in (0, 1):
         launch = ts.select_launch(4, 128, 128, on_gpu=True, index_lse=fixed)
-        assert ts.index_lse_on_the_way(launch, cu([16 * limit]), None) == bool(fixed)
+        assert ts.index_lse_on_the_way(launch, segs([16 * limit])) == bool(fixed)
     with pytest.raises(ValueError, match="index_lse=2 must be -1"):
         ts.select_launch(4, 128, 128, on_gpu=True, index_lse=2)
 

@@ -109,8 +109,9 @@ def decode_video(part: dict) -> tuple[np.ndarray, VideoMeta]:
     return np.stack(frames), VideoMeta(fps=1000.0 / frame_ms, frames_indices=keep)
 
 
-def image_parts(messages: Sequence[dict], kind: str = "image") -> list[dict]:
-    """The image (or video) parts of OpenAI-style messages, in the order the chat template numbers them."""
+def media_parts(messages: Sequence[dict], kind: str) -> list[dict]:
+    """The parts of one kind ("image" or "video") of OpenAI-style messages, in the order the chat template numbers
+    them."""
     return [p for m in messages if isinstance(m.get("content"), list) for p in m["content"] if p["type"] == kind]
 
 
@@ -129,7 +130,7 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None
     videos = M3VideoProcessor(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                               merge_size=vision.spatial_merge_size)
     pixels, grids, video_pixels, video_grids, clips, metas = [], [], [], [], [], []
-    for part in image_parts(messages):
+    for part in media_parts(messages, "image"):
         image = decode_image(part)
         try:
             patches, grid = processor([image])
@@ -137,7 +138,7 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None
             raise ValueError(f"{part['where']}: {e}") from None
         pixels.append(patches)
         grids.append(grid)
-    for part in image_parts(messages, "video"):
+    for part in media_parts(messages, "video"):
         frames, meta = decode_video(part)
         try:
             patches, grid, counts = videos([frames])

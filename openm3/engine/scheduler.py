@@ -42,6 +42,10 @@ def text_model(model):
     return model.language_model if is_vision_language(model) else model
 
 
+def _on_host(grid) -> torch.Tensor | None:
+    return None if grid is None else torch.as_tensor(grid).cpu()
+
+
 def check_images(model, prompts: Sequence[torch.Tensor], images) -> list[PromptImages | None]:
     """Validates the per-prompt `images` (None, or one entry per prompt: None or `(pixel_values, grid_thw)`)
     against the host prompts (int64 [L_b]); returns them as `PromptImages` (grids on the host). Images need a
@@ -68,8 +72,8 @@ def check_images(model, prompts: Sequence[torch.Tensor], images) -> list[PromptI
             if not isinstance(im, (tuple, list)) or len(im) not in (2, 4):
                 raise ValueError(f"{where}: expected (pixel_values [N, {width}], grid_thw [I, 3]), a PromptImages "
                                  f"(with videos) or None, got {type(im).__name__}")
-            im = PromptImages(*(None if x is None else torch.as_tensor(x).cpu() if i % 2 else x
-                                for i, x in enumerate(im)))
+            pixels, grid, video_pixels, video_grid = (*im, None, None)[:4]
+            im = PromptImages(pixels, _on_host(grid), video_pixels, _on_host(video_grid))
         try:
             model.check_visual_placeholders(prompt, None if im is None else im.grid_thw,
                                             None if im is None else im.video_grid_thw)

@@ -397,6 +397,12 @@ def _teacher_step(q, qpos, row_token, lse2, sel, sel_rows, t_ok, slots, col, K, 
 
 
 @triton.jit
+def _kl_terms(p, log_r):
+    """KL(teacher || student) terms p (log p - log r) per (entry, key), 0 where the teacher has no mass."""
+    return tl.where(p > 0, p * (tl.log(tl.where(p > 0, p, 1.0)) - log_r), 0.0)
+
+
+@triton.jit
 def _student_step_key_major(dki, QI, ENTRIES, QPOS, LSE_Z, TEACH, LOSS, DQI, ki, kpos, k_ok, di, di_ok, start, hi, g,
                             sub, T, stride_qit, stride_qih, stride_dqt, stride_dqh, index_scale, grad_coef,
                             TOPK: tl.constexpr, N_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -415,8 +421,7 @@ def _student_step_key_major(dki, QI, ENTRIES, QPOS, LSE_Z, TEACH, LOSS, DQI, ki,
                   mask=e_ok[None, :] & (key < BLOCK_SIZE)[:, None], other=0.0).to(tl.float32)
     p_t = tl.where(vis_t, p_t, 0.0)
     log_r = z_t - lse_z[None, :]
-    term = tl.where(p_t > 0, p_t * (tl.log(tl.where(p_t > 0, p_t, 1.0)) - log_r), 0.0)
-    tl.store(LOSS + e.to(tl.int64) * N_SUB + sub, tl.sum(term, 0), mask=e_ok)
+    tl.store(LOSS + e.to(tl.int64) * N_SUB + sub, tl.sum(_kl_terms(p_t, log_r), 0), mask=e_ok)
     if GRAD:
         dz_t = (tl.where(vis_t, tl.exp(log_r), 0.0) - p_t).to(qi.dtype)  # scaled by grad_coef after the dots
         dqi_t = tl.dot(tl.trans(ki), dz_t, input_precision=INDEX_PRECISION)  # [BLOCK_DI, BLOCK_Q]
@@ -484,8 +489,7 @@ def _kl_main_kernel(
                                          stride_lt, scale, GROUP, TOPK, BLOCK_Q, BLOCK_N, HG, DOT_PRECISION)
                 p = tl.where(vis, p * (1.0 / GROUP), 0.0)
             log_r = z - lse_z[:, None]
-            term = tl.where(p > 0, p * (tl.log(tl.where(p > 0, p, 1.0)) - log_r), 0.0)
-            tl.store(LOSS + e.to(tl.int64) * N_SUB + sub, tl.sum(term, 1), mask=e_ok)
+            tl.store(LOSS + e.to(tl.int64) * N_SUB + sub, tl.sum(_kl_terms(p, log_r), 1), mask=e_ok)
             if GRAD:
                 r = tl.where(vis, tl.exp(log_r), 0.0)
                 dz = (r - p).to(qi.dtype)  # scaled by grad_coef after the dots, to keep low-precision dz in range

@@ -29,14 +29,14 @@ overrides single fields for tuning on the GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..host import host_list
-from ._checks import check_block_params, check_index_inputs, check_scale, check_seqlens
+from ._checks import Segment, check_block_params, check_index_inputs, check_scale, check_seqlens
 from .triton_common import interpreting, largest_pow2_divisor, next_pow2, with_overrides
 
 __all__ = ["select_blocks", "select_launch", "SelectLaunch"]
@@ -406,19 +406,14 @@ def _select_lse_fake(qi, ki, cu_seqlens, cu_seqlens_k, block_size, topk, local_b
     return (qi.new_empty((heads, t, topk), dtype=torch.int32), qi.new_empty((heads, t), dtype=torch.float32))
 
 
-def index_lse_on_the_way(launch: SelectLaunch, cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None
-                         ) -> bool:
+def index_lse_on_the_way(launch: SelectLaunch, segments: Sequence[Segment]) -> bool:
     """Whether the selection computes the KL's student normaliser: `launch.index_lse`, where -1 means when the
-    queries' sequences hold at most `INDEX_LSE_MAX_KEYS` keys on average, weighted by queries (host values of
-    cu_seqlens: `host_list`, no device read when the caller remembered them)."""
+    queries' sequences (`check_seqlens`' segments) hold at most `INDEX_LSE_MAX_KEYS` keys on average, weighted by
+    queries."""
     if launch.index_lse >= 0:
         return bool(launch.index_lse)
-    cu_q = host_list(cu_seqlens)
-    cu_k = cu_q if cu_seqlens_k is None else host_list(cu_seqlens_k)
-    q_len = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    k_len = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    queries = sum(q_len)
-    return queries > 0 and sum(q * k for q, k in zip(q_len, k_len)) <= INDEX_LSE_MAX_KEYS * queries
+    queries = sum(s.q_len for s in segments)
+    return queries > 0 and sum(s.q_len * s.k_len for s in segments) <= INDEX_LSE_MAX_KEYS * queries
 
 
 def select_blocks(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, *, block_size: int, topk: int,
@@ -446,13 +441,12 @@ def select_blocks(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, 
     check_index_inputs(qi, ki)
     check_block_params(block_size=block_size, topk=topk, local_blocks=local_blocks)
     check_scale(index_scale, "index_scale")
-    check_seqlens(cu_seqlens, qi.shape[0], cu_seqlens_k, ki.shape[0], device=qi.device)
+    segments = check_seqlens(cu_seqlens, qi.shape[0], cu_seqlens_k, ki.shape[0], device=qi.device)
     if qi.dtype == torch.float64:
         raise ValueError("qi must be fp16, bf16 or fp32 for the Triton backend (use the reference for fp64)")
     if not return_index_lse:
         return _select_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks)
-    if not index_lse_on_the_way(select_launch(qi.shape[1], qi.shape[2], block_size, qi.is_cuda), cu_seqlens,
-                                cu_seqlens_k):
+    if not index_lse_on_the_way(select_launch(qi.shape[1], qi.shape[2], block_size, qi.is_cuda), segments):
         return _select_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks), None
     scale = qi.shape[2] ** -0.5 if index_scale is None else float(index_scale)
     return _select_lse_op(qi.detach(), ki.detach(), cu_seqlens, cu_seqlens_k, block_size, topk, local_blocks, scale)
