@@ -36,7 +36,8 @@ target. The MSA ops' value checks of `block_idx` (a host sync and a few sorts pe
 current environment and these variables (the MSA launch configs, `OPENM3_*_LAUNCH`, are read at every call), so
 both sides share the compiled graphs, the warm allocator and the machine's state; each case then reports `ab`
 (both sides' step times and medians; the profiled `breakdown` is A's, `ab.b_breakdown` B's). Separate runs moved
-by 1-3% between calls (session 8), more than some of the effects being compared.
+by 1-3% between calls (session 8), more than some of the effects being compared. Items `cfg.FIELD=VALUE` set a
+`TrainConfig` field for B's steps instead (those the trainer reads at every step: `cfg.residual_dtype=float32`).
 Each case runs in its own try/except (a compiled case that fails is retried eagerly, both recorded); results go to
 `<out>/train_throughput.json` with hardware, versions, date.
 """
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -248,10 +250,18 @@ def ab_variant_step(i: int, warmup: int) -> bool:
 
 
 @contextlib.contextmanager
-def environment(env: dict[str, str]):
-    """Set environment variables inside the block (the MSA launch configs read theirs at every call)."""
+def environment(env: dict[str, str], cfg=None):
+    """Set environment variables inside the block (the MSA launch configs read theirs at every call); items named
+    `cfg.FIELD` set that field of `cfg` (a `TrainConfig`) instead."""
+    fields = {k[len("cfg."):]: v for k, v in env.items() if k.startswith("cfg.")}
+    env = {k: v for k, v in env.items() if not k.startswith("cfg.")}
+    if fields and cfg is None:
+        raise ValueError(f"environment: cfg.* items {sorted(fields)} need the TrainConfig")
     before = {k: os.environ.get(k) for k in env}
+    saved = {k: getattr(cfg, k) for k in fields}
     os.environ.update(env)
+    for k, v in fields.items():
+        setattr(cfg, k, v)
     try:
         yield
     finally:
@@ -260,6 +270,8 @@ def environment(env: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        for k, v in saved.items():
+            setattr(cfg, k, v)
 
 
 def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = False, ckpt: bool = False,
@@ -297,7 +309,7 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     b_times: list[float] = []
     for i in range(steps + warmup):
         variant = bool(ab_env) and ab_variant_step(i, warmup)
-        with environment(ab_env if variant else {}):
+        with environment(ab_env if variant else {}, trainer.cfg):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             record = trainer.train_step()
@@ -325,7 +337,7 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     if profile:
         out["breakdown"] = guarded_profile(trainer)  # the defaults (A)
         if ab_env:  # and the variant, so an A/B compares kernels too
-            with environment(ab_env):
+            with environment(ab_env, trainer.cfg):
                 out["ab"]["b_breakdown"] = guarded_profile(trainer)
         try:
             out["breakdown"]["sync_sites"] = sync_sites(trainer)
@@ -339,13 +351,19 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
 
 
 def parse_ab(spec: str) -> dict[str, str]:
-    """`--ab`'s 'VAR=VALUE;VAR=VALUE' -> {VAR: VALUE} (the values may hold '=' and ',')."""
+    """`--ab`'s 'VAR=VALUE;cfg.FIELD=VALUE' -> {VAR: VALUE} (the values may hold '=' and ','); a `cfg.` field must
+    be a `TrainConfig` field."""
+    from openm3.train.config import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     env = {}
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         name, eq, value = item.partition("=")
-        if not eq or not name.strip() or not name.strip().isidentifier():
-            raise SystemExit(f"--ab: expected VAR=VALUE[;VAR=VALUE], got {item!r}")
-        env[name.strip()] = value
+        name = name.strip()
+        field = name[len("cfg."):] if name.startswith("cfg.") else None
+        if not eq or not (name.isidentifier() or field in fields):
+            raise SystemExit(f"--ab: expected VAR=VALUE or cfg.FIELD=VALUE (a TrainConfig field) [;...], got {item!r}")
+        env[name] = value
     return env
 
 
@@ -386,7 +404,8 @@ def main(argv=None) -> int:
     p.add_argument("--ab", default="", metavar="VAR=VALUE[;VAR=VALUE]",
                    help="interleaved A/B in one process: timed steps alternate between the current environment (A) "
                         "and these environment variables (B), e.g. 'OPENM3_KL_LAUNCH=teacher_pass=0' (the MSA launch "
-                        "configs read theirs at every call); the case reports both medians (`ab`)")
+                        "configs read theirs at every call), or TrainConfig fields the trainer reads at every step "
+                        "('cfg.residual_dtype=float32'); the case reports both medians (`ab`)")
     p.add_argument("--nested-graph-breaks", action="store_true",
                    help="torch._dynamo.config.nested_graph_breaks: 2 compiled graphs per decoder layer instead of 4 "
                         "(the residual stream's adds and casts fuse across the attention call)")

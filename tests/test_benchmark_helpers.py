@@ -102,3 +102,17 @@ def test_train_throughput_ab_schedule_and_spec():
     with environment({"OPENM3_AB_PROBE": "1"}):
         assert os.environ["OPENM3_AB_PROBE"] == "1"
     assert "OPENM3_AB_PROBE" not in os.environ
+    # cfg.FIELD items: TrainConfig fields, set for the block on the trainer's config
+    from openm3.train.config import TrainConfig
+
+    assert parse_ab("cfg.residual_dtype=float32;OPENM3_AB_PROBE=2") == {
+        "cfg.residual_dtype": "float32", "OPENM3_AB_PROBE": "2"}
+    with pytest.raises(SystemExit, match="TrainConfig field"):
+        parse_ab("cfg.no_such_field=1")
+    cfg = TrainConfig()
+    with environment(parse_ab("cfg.residual_dtype=float32;OPENM3_AB_PROBE=2"), cfg):
+        assert cfg.residual_dtype == "float32" and os.environ["OPENM3_AB_PROBE"] == "2"
+    assert cfg.residual_dtype == "auto" and "OPENM3_AB_PROBE" not in os.environ
+    with pytest.raises(ValueError, match="need the TrainConfig"):
+        with environment({"cfg.residual_dtype": "float32"}):
+            pass

@@ -158,3 +158,54 @@ def test_grouped_moe_under_autocast_computes_in_bf16():
     y32.float().sum().backward()
     grad = moe32.experts.gate_up_proj.grad
     assert grad.dtype == torch.float32 and grad.abs().sum() > 0
+
+
+def _dtypes_seen(trainer) -> list[torch.dtype]:
+    """The dtype of the hidden states entering each decoder layer and the final norm, during the next step."""
+    seen = []
+    hook = lambda module, args: seen.append(args[0].dtype)  # noqa: E731
+    handles = [m.register_forward_pre_hook(hook) for m in [*trainer.model.layers, trainer.model.norm]]
+    trainer.train_step()
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def test_bf16_autocast_carries_a_bf16_residual_stream(tmp_path):
+    """The single-process trainer's bf16 mode (fp32 parameters under autocast) carries the hidden states between
+    layers in bf16, as FSDP's bf16 parameters do on several GPUs; `residual_dtype='float32'` keeps them fp32.
+    Parameters and their gradients stay fp32 either way, and the losses agree to bf16 rounding."""
+    runs = {}
+    for residual in ("auto", "float32"):
+        mcfg = M3TextConfig.from_name("m3-tiny")
+        trainer = Trainer(tiny_cfg(tmp_path, residual, param_dtype="bfloat16", residual_dtype=residual),
+                          lambda: M3TextModel(mcfg), PackedRows(mcfg.vocab_size))
+        first = trainer.train_step()  # dense warm-up step
+        seen = _dtypes_seen(trainer)  # sparse stage
+        want = torch.bfloat16 if residual == "auto" else torch.float32
+        assert seen and set(seen) == {want}, (residual, seen)
+        assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+        assert trainer.model.residual_dtype is None  # only set inside the trainer's autocast
+        runs[residual] = first["loss"]
+        trainer.close()
+    auto, fp32 = runs["auto"], runs["float32"]
+    assert auto == pytest.approx(fp32, rel=2e-2) and auto != fp32
+
+
+def test_residual_dtype_is_checked():
+    with pytest.raises(ValueError, match="residual_dtype must be auto|float32"):
+        TrainConfig(residual_dtype="bf16")
+    model = M3TextModel(M3TextConfig.from_name("m3-tiny"))
+    from openm3.models.text import residual_stream_dtype
+    with pytest.raises(ValueError, match="dtype must be a floating dtype"):
+        with residual_stream_dtype(model, torch.int32):
+            pass
+    seen = []
+    model.norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16), residual_stream_dtype(model, torch.bfloat16) as n:
+        assert n == 1 and model.residual_dtype == torch.bfloat16
+        model(torch.arange(40))
+    assert model.residual_dtype is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.arange(40))
+    assert seen == [torch.bfloat16, torch.float32]

@@ -106,8 +106,10 @@ class Experts(nn.Module):
         num_experts, _, hidden = self.gate_up_proj.shape
         if x.dim() != 2 or x.shape[1] != hidden:
             raise ValueError(f"x must be [N, {hidden}], got {tuple(x.shape)}")
-        if x.dtype != self.gate_up_proj.dtype:
-            raise ValueError(f"x must have the experts' dtype {self.gate_up_proj.dtype}, got {x.dtype}")
+        autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        if x.dtype not in (self.gate_up_proj.dtype, autocast):  # x in the autocast dtype beside fp32 experts
+            raise ValueError(f"x must have the experts' dtype {self.gate_up_proj.dtype} (or the autocast dtype), got "
+                             f"{x.dtype}")
         if experts.dim() != 2 or experts.shape[0] != x.shape[0] or experts.dtype.is_floating_point \
                 or experts.dtype == torch.bool:
             raise ValueError(f"experts must be an integer tensor [N={x.shape[0]}, k], got {experts.dtype} "

@@ -105,12 +105,35 @@ def input_ids_checked_by_caller(model: nn.Module) -> Iterator[int | None]:
             m.input_ids_prechecked = value
 
 
+@contextmanager
+def residual_stream_dtype(model: nn.Module, dtype: torch.dtype | None) -> Iterator[int]:
+    """Within this block every openm3 text model inside `model` carries its residual stream (the hidden states
+    between layers) in `dtype`: the embeddings are cast to it, and the norms, attention and MLP outputs keep it.
+    The single-GPU trainer passes bf16 under its bf16 autocast, so its activations are bf16 as FSDP's bf16
+    parameters make them on several GPUs (with fp32 parameters alone they would stay fp32: the norms and residual
+    adds promote to their fp32 weights). None: the embeddings' dtype. Yields how many models it set."""
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"residual_stream_dtype: dtype must be a floating dtype or None, got {dtype}")
+    flagged = [m for m in model.modules() if isinstance(m, M3TextModel)]
+    saved = [m.residual_dtype for m in flagged]
+    for m in flagged:
+        m.residual_dtype = dtype
+    try:
+        yield len(flagged)
+    finally:
+        for m, value in zip(flagged, saved):
+            m.residual_dtype = value
+
+
 class M3TextModel(nn.Module):
     """The M3 decoder: `embed_tokens`, `layers`, `norm`, `lm_head` (parameter names as in transformers, without
     its `model.` prefix, so transformers' checkpoints map by prefix)."""
 
     # True while a caller that checked the ids on the host runs the model (`input_ids_checked_by_caller`)
     input_ids_prechecked = False
+    # dtype of the hidden states between layers (the residual stream) inside `residual_stream_dtype`; None: the
+    # embeddings' dtype (fp32 parameters under a bf16 autocast then keep an fp32 residual stream)
+    residual_dtype: torch.dtype | None = None
 
     def __init__(self, config: M3TextConfig):
         super().__init__()
@@ -226,9 +249,12 @@ class M3TextModel(nn.Module):
             if inputs_embeds.dim() != 2 or inputs_embeds.shape[1] != self.config.hidden_size:
                 raise ValueError(f"inputs_embeds must be [T, hidden={self.config.hidden_size}], got "
                                  f"{tuple(inputs_embeds.shape)}")
-            return inputs_embeds
+            return self._to_residual(inputs_embeds)
         check_input_ids(input_ids, self.config.vocab_size, read_range=not self.input_ids_prechecked)
-        return self.embed_tokens(input_ids)
+        return self._to_residual(self.embed_tokens(input_ids))
+
+    def _to_residual(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_dtype is None else x.to(self.residual_dtype)
 
 
 def _positions(offsets: list[int], device) -> torch.Tensor:

@@ -41,6 +41,8 @@ _FLAGS = (
     ("cpt_steps", int, "recipe cpt: vision steps after the decay"),
     ("device", str, "auto (cuda if available, default) | cpu | cuda"),
     ("param_dtype", str, "auto (bf16 on CUDA, fp32 on CPU, default) | float32 | bfloat16"),
+    ("residual_dtype", str, "auto (the compute dtype, default) | float32 (fp32 hidden states between layers "
+                            "under the single-process bf16 autocast)"),
 )
 
 

@@ -64,6 +64,9 @@ class TrainConfig:
 
     device: str = "auto"  # auto | cpu | cuda
     param_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    # auto | float32: the residual stream's dtype. auto: the compute dtype (bf16 with bf16 compute, on one GPU as
+    # under FSDP); float32: fp32 hidden states between layers under the single-process bf16 autocast (slower)
+    residual_dtype: str = "auto"
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer (openm3.train.distributed.apply_compile)
     compile_backend: str = "inductor"  # any torch.compile backend ("aot_eager": trace without code generation)
@@ -93,6 +96,8 @@ class TrainConfig:
             raise ValueError(f"prefetch must be auto|on|off, got {self.prefetch!r}")
         if self.param_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"param_dtype must be auto|float32|bfloat16, got {self.param_dtype!r}")
+        if self.residual_dtype not in ("auto", "float32"):
+            raise ValueError(f"residual_dtype must be auto|float32, got {self.residual_dtype!r}")
         self.plan()  # validates recipe, schedule (decay before warmup) and mixture
 
     def plan(self) -> RecipePlan:

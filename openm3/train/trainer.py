@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from . import distributed as D
-from ..models.text import check_input_ids, input_ids_checked_by_caller
+from ..models.text import check_input_ids, input_ids_checked_by_caller, residual_stream_dtype
 from .batches import IGNORE, Batch, RowSource, shard_micro_batches, step_rows
 from .checkpoint import CheckpointManager, export_consolidated, latest_checkpoint
 from .config import TrainConfig
@@ -89,6 +90,9 @@ class Trainer:
         dtype = {"auto": torch.bfloat16 if self.info.device.type == "cuda" else None,
                  "float32": None, "bfloat16": torch.bfloat16}[cfg.param_dtype]
         self.autocast_dtype = dtype if (dtype is not None and not self.info.distributed) else None
+        if cfg.residual_dtype == "float32" and self.info.distributed and dtype is not None:
+            raise ValueError("residual_dtype='float32' applies to the single-process trainer's autocast; under FSDP "
+                             f"the parameters (param_dtype={cfg.param_dtype!r}) set the activations' dtype")
         model = self.build_model().to(self.info.device)
         if cfg.activation_checkpointing:
             D.apply_activation_checkpointing(model)
@@ -142,10 +146,18 @@ class Trainer:
         return export_consolidated(self.model, self.build_model, out, self.info, tokenizer)
 
     # ---- one optimizer step ------------------------------------------------------------------------------
+    @contextmanager
     def _autocast(self):
+        """The single-process trainer's mixed precision: bf16 autocast over fp32 parameters, and the residual
+        stream in bf16 too unless `residual_dtype='float32'` (read at every call)."""
         if self.autocast_dtype is None:
-            return torch.autocast(self.info.device.type, enabled=False)
-        return torch.autocast(self.info.device.type, dtype=self.autocast_dtype)
+            with torch.autocast(self.info.device.type, enabled=False):
+                yield
+            return
+        residual = None if self.cfg.residual_dtype == "float32" else self.autocast_dtype
+        with torch.autocast(self.info.device.type, dtype=self.autocast_dtype), \
+                residual_stream_dtype(self.model, residual):
+            yield
 
     def train_step(self) -> dict:
         cfg, info, step = self.cfg, self.info, self.step
