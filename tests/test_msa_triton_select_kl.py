@@ -471,6 +471,7 @@ def test_entry_work_inverts_the_selection():
     seen = []
     for lo, hi, g, k0, k1 in zip(*(x.tolist() for x in (work.lo, work.hi, work.g, work.k0, work.k1))):
         assert 0 < hi - lo <= 7 and k1 - k0 <= 16
+        assert work.entries[lo:hi].tolist() == sorted(work.entries[lo:hi].tolist())  # by query, for locality
         for e in work.entries[lo:hi].tolist():
             gg, tt, slot = e // (t * topk), e // topk % t, e % topk
             start = int(cu_q[seq[tt]]) + int(block_idx[gg, tt, slot]) * 16
