@@ -172,6 +172,9 @@ for s in "${stages[@]}"; do
     stages4)  # dk/dv pipeline stages with dq transposed (115 KB of shared memory instead of 140), G = 4 8 x 8K iid
       python3 -m benchmarks.msa_group_sweep --out "$OUT/stages4" --rounds 3 --T 65536 --regime iid \
         --attn "" "dkdv_num_stages=3" "dkdv_num_stages=1" --kl 2>&1 | tee "$OUT/stages4.log" | grep median ;;
+    stages128)  # dk/dv pipeline stages at M3's shape, 128K (G = 4 measured -1.2% with 3 in session 9)
+      python3 -m benchmarks.msa_group_sweep --out "$OUT/stages128" --rounds 2 --hq 64 --T 131072 --seq-len 131072 \
+        --attn "" "dkdv_num_stages=3" --kl 2>&1 | tee "$OUT/stages128.log" | grep median ;;
     kmsweep)  # the KL main pass key-major after the teacher pass (all wgmma), with and without the G < 16 register cap
       python3 -m benchmarks.msa_group_sweep --out "$OUT/km4" --rounds 3 --T 65536 --regime iid --attn --kl "" \
         "key_major=1" "key_major=1,maxnreg=0" "maxnreg=0" 2>&1 | tee "$OUT/km4.log" | grep median
