@@ -19,7 +19,8 @@ times optimizer steps after warm-up (medians; the warm-up steps include compilat
   and half with 8 random 448 x 448 images each; tokens/s and the profiled step (with its host-sync census), no MFU.
 - `msa_vs_dense_<ctx>`: the same model at 64K context with MSA layers, then with every layer dense
   (`layer_types` all `full_attention`, no index branch); ratio of tokens/s. Activation checkpointing is on for
-  both at 64K so the dense model fits.
+  both at 64K so the dense model fits. Both are profiled too (since session 10: a 13% slower MSA step at 64K had
+  no kernel breakdown to explain it).
 Targets (issue "Training system"): MFU >= 35% at 8K; MSA >= 4x dense tokens/s at 64K.
 
 The 8K case takes `--rows` rows per optimizer step (default 8: 64K tokens) in micro-batches of `--micro-batch`
@@ -27,7 +28,7 @@ rows (default 8: the whole step in one forward, 92 GiB peak on an H200). A one-r
 all 1.2B parameters, experts included, for 8K tokens; micro-batches of 2 rows left the step host-bound (the GPU busy
 83-95% of it, session 5: 65.5K tokens/s at 4 rows in 2 micro-batches against 72.7K at 4 rows in 1 and 73.4K at 8
 rows in 2 of 4, all in one H200 call; session 6: 76.8K at 8 rows in 2 of 4, 78.6K in 1 of 8, consecutive calls).
-One more step runs under
+One more step of each case runs under
 `torch.profiler`: its CUDA kernel time by category (`breakdown`: attention/MSA kernels, MoE grouped GEMMs, other
 matmuls, optimizer incl. gradient clipping, elementwise and everything else; top kernels by time) explains a missed
 target. The MSA ops' value checks of `block_idx` (a host sync and a few sorts per call) are off unless
@@ -435,8 +436,8 @@ def main(argv=None) -> int:
     cases = {
         f"mfu_{args.preset}_{args.mfu_ctx}": dict(ctx=args.mfu_ctx, rows=args.rows, micro_batch=args.micro_batch,
                                                   profile=True),
-        f"msa_{args.preset}_{args.long_ctx}": dict(ctx=args.long_ctx, ckpt=True),
-        f"dense_{args.preset}_{args.long_ctx}": dict(ctx=args.long_ctx, ckpt=True, dense=True),
+        f"msa_{args.preset}_{args.long_ctx}": dict(ctx=args.long_ctx, ckpt=True, profile=True),
+        f"dense_{args.preset}_{args.long_ctx}": dict(ctx=args.long_ctx, ckpt=True, dense=True, profile=True),
         # native multimodal: half the rows text, half with 8 images each (2048 of 8192 tokens visual)
         f"vl_{args.preset}_{args.mfu_ctx}": dict(ctx=args.mfu_ctx, rows=args.rows, micro_batch=args.micro_batch,
                                                  profile=True, images=8),

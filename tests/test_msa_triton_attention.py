@@ -225,7 +225,7 @@ def test_tile_candidates_one_token_is_the_selection():
 def test_bucket_runs_groups_and_splits(payload_range):
     """Every payload lands in exactly one item of its bucket, ascending, at most max_per_item per item; a bucket
     with more is split (chunks > 1); unused positions (bucket == num_buckets) are in no item; int32 and int64 sort
-    keys (chosen from the shapes) give the same items."""
+    keys (chosen from the shapes) give the same items; `order` maps each sorted position to its input position."""
     from openm3.ops.msa.triton_common import bucket_runs
 
     gen = torch.Generator().manual_seed(3)
@@ -233,8 +233,9 @@ def test_bucket_runs_groups_and_splits(payload_range):
     bucket = torch.randint(0, num_buckets + 1, (n,), generator=gen)
     bucket[:9] = 2  # a hot bucket
     payload = torch.randperm(40, generator=gen)  # distinct, < 40 <= payload_range
-    sorted_payload, sorted_bucket, b, lo, hi, live, chunks = bucket_runs(bucket, payload, payload_range,
-                                                                        num_buckets, cap)
+    sorted_payload, sorted_bucket, b, lo, hi, live, chunks, order = bucket_runs(bucket, payload, payload_range,
+                                                                               num_buckets, cap)
+    assert torch.equal(payload[order].int(), sorted_payload) and torch.equal(bucket[order], sorted_bucket)
     got = {}
     for i in range(b.numel()):
         if not live[i]:

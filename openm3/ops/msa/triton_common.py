@@ -256,8 +256,9 @@ def bucket_runs(bucket: torch.Tensor, payload: torch.Tensor, payload_range: int,
 
     bucket, payload: int64 [N]; buckets 0..num_buckets-1 are real, `num_buckets` marks unused positions (sorted
     last, covered by no item); payload values lie in [0, payload_range) and are distinct within a bucket.
-    Returns `(payload_sorted, bucket_sorted, b, lo, hi, live, chunks_b)`: payload_sorted int32 [N] (ascending
-    within each bucket) and bucket_sorted [N] the bucket of each of its positions; item i covers
+    Returns `(payload_sorted, bucket_sorted, b, lo, hi, live, chunks_b, order)`: payload_sorted int32 [N]
+    (ascending within each bucket), bucket_sorted [N] the bucket of each of its positions and order int64 [N] the
+    input position each came from (the sort's indices: free, torch's sort returns them anyway); item i covers
     `payload_sorted[lo[i]:hi[i]]` of bucket `b[i]` (int64; `live` False and lo == hi for the padding items of the
     shape-derived item count), and `chunks_b[i]` is the number of items of its bucket (> 1: a hot bucket split
     across items). Run starts come from a binary search over the sorted buckets, not a scatter of counts (atomics
@@ -267,7 +268,7 @@ def bucket_runs(bucket: torch.Tensor, payload: torch.Tensor, payload_range: int,
     keys = bucket * payload_range + payload  # < (num_buckets + 1) * payload_range
     if (num_buckets + 1) * payload_range <= torch.iinfo(torch.int32).max:  # from shapes: half the radix passes
         keys = keys.to(torch.int32)
-    ordered = torch.sort(keys).values
+    ordered, order = torch.sort(keys)
     payload_sorted = (ordered % payload_range).to(torch.int32)
     bucket_sorted = ordered // payload_range
     run_start = torch.searchsorted(bucket_sorted,
@@ -283,7 +284,7 @@ def bucket_runs(bucket: torch.Tensor, payload: torch.Tensor, payload_range: int,
     b = b.clamp(max=num_buckets - 1)
     lo = offsets[b] + (item - (chunk_end[b] - chunks[b])) * max_per_item
     hi = torch.where(live, torch.minimum(lo + max_per_item, offsets[b] + counts[b]), lo)
-    return payload_sorted, bucket_sorted, b, lo, hi, live, chunks[b]
+    return payload_sorted, bucket_sorted, b, lo, hi, live, chunks[b], order
 
 
 def block_rows(gb: torch.Tensor, cu_k: torch.Tensor, seq_block_off: torch.Tensor, seq_block_end: torch.Tensor,
@@ -332,7 +333,7 @@ def _key_block_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k:
     sel = selection_buckets(block_idx, seq, cu_seqlens_k, num_keys, block_size)
     slots, dump = sel.slots, sel.unused  # the dump bucket is never referenced by a work item
     token = torch.arange(t, device=device, dtype=torch.int64).view(1, t, 1).expand(h, t, topk).flatten()
-    tokens, _, b, lo, hi, _, chunks = bucket_runs(sel.bucket, token, t, dump, max_tokens)
+    tokens, _, b, lo, hi, _, chunks, _ = bucket_runs(sel.bucket, token, t, dump, max_tokens)
 
     start, end, used = block_rows(torch.arange(slots, device=device, dtype=torch.int64), sel.cu_k, sel.seq_block_off,
                                   sel.seq_block_end, block_size)

@@ -555,16 +555,12 @@ def _entry_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: tor
     sel = selection_buckets(block_idx, seq, cu_seqlens_k, num_keys, block_size)
     slots, unused = sel.slots, sel.unused  # the bucket of the -1 slots is covered by no work item
     # Sort by (bucket, query token): a bucket holds one head and a token selects a block at most once per head,
-    # so the pairs are distinct and the sort keys stay int32 up to T * buckets < 2^31 (entry numbers as payload,
-    # topk times larger, needed int64 keys from m3-small's 8 x 8K tokens on: twice the radix passes). The slot of
-    # a sorted pair is the one of its token's row that holds its bucket (one compare of topk values).
+    # so the keys are distinct and stay int32 up to T * buckets < 2^31 (with entry numbers as the payload, topk
+    # times larger, m3-small's 8 x 8K tokens needed int64 keys: twice the radix passes). The entry numbers are
+    # the sort's indices: the position of each (head, token, slot) in the flattened selection.
     token = torch.arange(t, device=device, dtype=torch.int64).view(1, t, 1).expand(heads, t, topk).flatten()
-    tok, sorted_bucket, b, lo, hi, _, _ = bucket_runs(sel.bucket, token, t, unused, max_entries)
-    used = sorted_bucket < unused
-    head_of = torch.where(used, sorted_bucket // slots, 0)
-    rows = sel.bucket.view(heads, t, topk)[head_of, tok.to(torch.int64)]  # [N, topk]
-    slot = torch.where(used, ((rows == sorted_bucket[:, None]) * torch.arange(topk, device=device)).sum(1), 0)
-    entries = ((head_of * t + tok) * topk + slot).to(torch.int32)
+    _, _, b, lo, hi, _, _, order = bucket_runs(sel.bucket, token, t, unused, max_entries)
+    entries = order.to(torch.int32)
     k0, k1, _ = block_rows(b % slots, sel.cu_k, sel.seq_block_off, sel.seq_block_end, block_size)
     return entries, hi > lo, lo, hi, b // slots, k0, k1
 
