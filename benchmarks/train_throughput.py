@@ -38,7 +38,8 @@ current environment and these variables (the MSA launch configs, `OPENM3_*_LAUNC
 both sides share the compiled graphs, the warm allocator and the machine's state; each case then reports `ab`
 (both sides' step times and medians; the profiled `breakdown` is A's, `ab.b_breakdown` B's). Separate runs moved
 by 1-3% between calls (session 8), more than some of the effects being compared. Items `cfg.FIELD=VALUE` set a
-`TrainConfig` field for B's steps instead (those the trainer reads at every step: `cfg.residual_dtype=float32`).
+`TrainConfig` field for B's steps instead (those the trainer reads at every step: `cfg.residual_dtype=float32`,
+`cfg.ac_reuse_msa=0`).
 Each case runs in its own try/except (a compiled case that fails is retried eagerly, both recorded); results go to
 `<out>/train_throughput.json` with hardware, versions, date.
 """
@@ -250,6 +251,15 @@ def ab_variant_step(i: int, warmup: int) -> bool:
     return i == warmup - 1 or (i >= warmup and (i - warmup) % 2 == 1)
 
 
+def _field_value(current, text: str):
+    """`text` as the type of a TrainConfig field's current value (bool: 1/0/true/false)."""
+    if isinstance(current, bool):
+        if text.lower() not in ("1", "0", "true", "false"):
+            raise ValueError(f"--ab: a bool field takes 1/0/true/false, got {text!r}")
+        return text.lower() in ("1", "true")
+    return type(current)(text) if isinstance(current, (int, float)) else text
+
+
 @contextlib.contextmanager
 def environment(env: dict[str, str], cfg=None):
     """Set environment variables inside the block (the MSA launch configs read theirs at every call); items named
@@ -260,8 +270,9 @@ def environment(env: dict[str, str], cfg=None):
         raise ValueError(f"environment: cfg.* items {sorted(fields)} need the TrainConfig")
     before = {k: os.environ.get(k) for k in env}
     saved = {k: getattr(cfg, k) for k in fields}
+    values = {k: _field_value(saved[k], v) for k, v in fields.items()}  # may raise: before anything is set
     os.environ.update(env)
-    for k, v in fields.items():
+    for k, v in values.items():
         setattr(cfg, k, v)
     try:
         yield

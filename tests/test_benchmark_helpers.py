@@ -113,6 +113,12 @@ def test_train_throughput_ab_schedule_and_spec():
     with environment(parse_ab("cfg.residual_dtype=float32;OPENM3_AB_PROBE=2"), cfg):
         assert cfg.residual_dtype == "float32" and os.environ["OPENM3_AB_PROBE"] == "2"
     assert cfg.residual_dtype == "auto" and "OPENM3_AB_PROBE" not in os.environ
+    with environment({"cfg.ac_reuse_msa": "0", "cfg.lr": "0.5"}, cfg):
+        assert cfg.ac_reuse_msa is False and cfg.lr == 0.5
+    assert cfg.ac_reuse_msa is True and cfg.lr == 3e-3
+    with pytest.raises(ValueError, match="bool field"):
+        with environment({"cfg.ac_reuse_msa": "yes"}, cfg):
+            pass
     with pytest.raises(ValueError, match="need the TrainConfig"):
         with environment({"cfg.residual_dtype": "float32"}):
             pass

@@ -32,6 +32,7 @@ from torch import nn
 from ..ops import msa
 from ..ops.attention import dense_attention
 from .indexer import Indexer
+from . import recompute
 from .norm import RMSNorm
 from .rope import apply_rope
 
@@ -121,25 +122,49 @@ class Attention(nn.Module):
         if not self.is_sparse:
             return dense_attention(q, k, v, cu_seqlens, scale=self.scale), None, None
 
+        # Under activation checkpointing with `recompute.reuse_contexts`, the backward's recomputation of this layer
+        # takes the forward's selection back and skips the KL (see openm3.layers.recompute).
+        reuse = recompute.current()
         block_idx = kl = index_lse = None
         if not dense_warmup or return_block_idx:
-            # The sparse KL's student normaliser comes with the selection when the backend computes it on the way
-            # (else None and the KL computes it).
-            want_lse = compute_kl and not dense_warmup
-            selected = msa.select_blocks(qi.detach(), ki.detach(), cu_seqlens, block_size=self.block_size,
-                                         topk=self.topk, local_blocks=self.local_blocks, return_index_lse=want_lse)
-            block_idx, index_lse = selected if want_lse else (selected, None)
+            if reuse is not None and reuse.replaying:
+                block_idx, index_lse = reuse.take()
+            else:
+                # The sparse KL's student normaliser comes with the selection when the backend computes it on the
+                # way (else None and the KL computes it).
+                want_lse = compute_kl and not dense_warmup
+                selected = msa.select_blocks(qi.detach(), ki.detach(), cu_seqlens, block_size=self.block_size,
+                                             topk=self.topk, local_blocks=self.local_blocks,
+                                             return_index_lse=want_lse)
+                block_idx, index_lse = selected if want_lse else (selected, None)
+                if reuse is not None:
+                    reuse.put((block_idx, index_lse))
         if dense_warmup:
             o = dense_attention(q, k, v, cu_seqlens, scale=self.scale)
             if compute_kl:
-                kl = msa.indexer_kl(q.detach(), k.detach(), qi, ki, None, cu_seqlens, block_size=self.block_size,
-                                    scale=self.scale)
+                kl = _kl_once(reuse, lambda: msa.indexer_kl(q.detach(), k.detach(), qi, ki, None, cu_seqlens,
+                                                            block_size=self.block_size, scale=self.scale))
         else:
             # block_idx comes from select_blocks just above: its value checks (host syncs) are skipped
             o, lse = msa.sparse_attention(q, k, v, block_idx, cu_seqlens, block_size=self.block_size,
                                           scale=self.scale, validate_block_idx=False)
             if compute_kl:
-                kl = msa.indexer_kl(q.detach(), k.detach(), qi, ki, block_idx, cu_seqlens,
-                                    block_size=self.block_size, scale=self.scale, lse=lse.detach(),
-                                    validate_block_idx=False, index_lse=index_lse)
+                kl = _kl_once(reuse, lambda: msa.indexer_kl(q.detach(), k.detach(), qi, ki, block_idx, cu_seqlens,
+                                                            block_size=self.block_size, scale=self.scale,
+                                                            lse=lse.detach(), validate_block_idx=False,
+                                                            index_lse=index_lse))
         return o, kl, block_idx if return_block_idx else None
+
+
+def _kl_once(reuse: "recompute.CheckpointReuse | None", run) -> torch.Tensor:
+    """The indexer KL, computed once under activation checkpointing: the forward's KL node keeps its saved tensors
+    (its gradients, for the Triton kernel) and the recomputation gets the forward's loss value back instead of
+    running it again."""
+    if reuse is None:
+        return run()
+    if reuse.replaying:
+        return reuse.take()
+    with reuse.keep_saved():
+        kl = run()
+    reuse.put(kl.detach())
+    return kl

@@ -20,6 +20,7 @@ from ..layers.attention import Attention
 from ..layers.mlp import DenseMLP
 from ..layers.moe import MoE, Router, Experts, load_balancing_loss
 from ..layers.norm import RMSNorm
+from ..layers.recompute import reuse_contexts
 from ..layers.rope import rope_cos_sin
 from ..ops.attention import check_cu_seqlens
 from .config import M3TextConfig
@@ -218,7 +219,8 @@ class M3TextModel(nn.Module):
         for layer in self.layers:
             args = (x, cos, sin, cu_seqlens, compute_kl, dense_warmup, return_block_idx, cache)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, kl, router_logits, block_idx = checkpoint(layer, *args, use_reentrant=False)
+                x, kl, router_logits, block_idx = checkpoint(layer, *args, use_reentrant=False,
+                                                             context_fn=reuse_contexts)
             else:
                 x, kl, router_logits, block_idx = layer(*args)
             if kl is not None:

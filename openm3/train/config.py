@@ -68,6 +68,10 @@ class TrainConfig:
     # under FSDP); float32: fp32 hidden states between layers under the single-process bf16 autocast (slower)
     residual_dtype: str = "auto"
     activation_checkpointing: bool = False
+    # with activation checkpointing, the backward's recomputation of an MSA layer takes the forward's block
+    # selection and indexer KL instead of running them again (read at every step; costs the selections and the
+    # KL's fp32 gradients held until the backward: 2.4 GB for m3-small at 64K)
+    ac_reuse_msa: bool = True
     compile: bool = False  # torch.compile each decoder layer (openm3.train.distributed.apply_compile)
     compile_backend: str = "inductor"  # any torch.compile backend ("aot_eager": trace without code generation)
     # auto | on | off: build the next step's rows (data reading, tokenising, image preprocessing) in a background

@@ -78,15 +78,20 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def apply_activation_checkpointing(model: nn.Module) -> int:
-    """Recompute each block's activations in backward (non-reentrant). Returns the number of blocks wrapped."""
+def apply_activation_checkpointing(model: nn.Module, context_fn=None) -> int:
+    """Recompute each block's activations in backward (non-reentrant). Returns the number of blocks wrapped.
+
+    `context_fn` goes to `torch.utils.checkpoint.checkpoint` (called once per checkpointed call: a pair of context
+    managers around the forward and the recomputation); `openm3.layers.recompute.reuse_contexts` lets MSA layers
+    hand their selection and indexer KL to the recomputation instead of running them twice."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    kwargs = {} if context_fn is None else {"context_fn": context_fn}
     count = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.ModuleList) and name.split(".")[-1] in ("layers", "blocks"):
             for i, block in enumerate(module):
-                module[i] = checkpoint_wrapper(block)
+                module[i] = checkpoint_wrapper(block, **kwargs)
                 count += 1
     return count
 

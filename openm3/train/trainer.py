@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import distributed as D
+from ..layers.recompute import reuse_contexts
 from ..models.text import check_input_ids, input_ids_checked_by_caller, residual_stream_dtype
 from .batches import IGNORE, Batch, RowSource, shard_micro_batches, step_rows
 from .checkpoint import CheckpointManager, export_consolidated, latest_checkpoint
@@ -95,7 +96,7 @@ class Trainer:
                              f"the parameters (param_dtype={cfg.param_dtype!r}) set the activations' dtype")
         model = self.build_model().to(self.info.device)
         if cfg.activation_checkpointing:
-            D.apply_activation_checkpointing(model)
+            D.apply_activation_checkpointing(model, context_fn=self._checkpoint_contexts)
         if cfg.compile:
             D.apply_compile(model, backend=cfg.compile_backend)
         if self.info.distributed:
@@ -121,6 +122,10 @@ class Trainer:
             torch.manual_seed(self.cfg.seed)
             return build()
         return wrapped
+
+    def _checkpoint_contexts(self):
+        """Activation checkpointing's context managers for one checkpointed call (`cfg.ac_reuse_msa`)."""
+        return reuse_contexts() if self.cfg.ac_reuse_msa else (nullcontext(), nullcontext())
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def trainer_state(self) -> dict:

@@ -1,0 +1,122 @@
+"""Activation checkpointing that does not run an MSA layer's selection and indexer KL twice
+(`openm3.layers.recompute`): the backward's recomputation takes the forward's selection back and skips the KL,
+and every gradient equals the run without checkpointing, on the reference backend and on the Triton kernels
+(interpreter on CPU), in the sparse stage and in the dense warm-up; the trainer's switch (`ac_reuse_msa`)."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from openm3.layers import recompute
+from openm3.models.config import M3TextConfig
+from openm3.models.text import M3TextModel
+from openm3.ops import msa
+from openm3.train.trainer import Trainer
+from test_train_compile import PackedRows, tiny_cfg
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _counting(monkeypatch) -> dict:
+    calls = {"select": 0, "kl": 0}
+    select, kl = msa.select_blocks, msa.indexer_kl
+
+    def counted_select(*a, **k):
+        calls["select"] += 1
+        return select(*a, **k)
+
+    def counted_kl(*a, **k):
+        calls["kl"] += 1
+        return kl(*a, **k)
+
+    monkeypatch.setattr(msa, "select_blocks", counted_select)
+    monkeypatch.setattr(msa, "indexer_kl", counted_kl)
+    return calls
+
+
+def _grads(model, ids, cu, stage):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, cu_seqlens=cu, msa_stage=stage, return_kl=True)
+    loss = out.logits.float().logsumexp(-1).mean() + out.indexer_kl
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("stage", ["sparse", "dense"])
+def test_checkpointed_layers_select_and_run_the_kl_once(monkeypatch, backend, stage):
+    cfg = M3TextConfig.from_name("m3-tiny", vocab_size=128, index_topk_blocks=2)
+    n_msa = sum(t == "minimax_m3_sparse" for t in cfg.layer_types)
+    torch.manual_seed(0)
+    model = M3TextModel(cfg).train()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (75,), generator=gen)
+    cu = torch.tensor([0, 40, 75], dtype=torch.int32)
+    calls = _counting(monkeypatch)
+    results = {}
+    with msa.use_backend(backend):
+        for ckpt in (False, True):
+            model.gradient_checkpointing = ckpt
+            calls.update(select=0, kl=0)
+            results[ckpt] = _grads(model, ids, cu, stage)
+            # the dense warm-up selects nothing (dense attention, dense KL); the sparse stage selects once
+            assert calls == {"select": n_msa if stage == "sparse" else 0, "kl": n_msa}, (ckpt, calls)
+    (loss0, g0), (loss1, g1) = results[False], results[True]
+    assert torch.equal(loss0, loss1) and g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_plain_checkpointing_runs_them_twice(monkeypatch):
+    """The baseline the reuse removes: without its contexts the recomputation selects and runs the KL again."""
+    cfg = M3TextConfig.from_name("m3-tiny", vocab_size=128, index_topk_blocks=2)
+    torch.manual_seed(0)
+    model = M3TextModel(cfg).train()
+    layer = model.layers[1]
+    x = torch.randn(60, cfg.hidden_size, requires_grad=True)
+    cos, sin = torch.ones(60, cfg.rotary_dim // 2), torch.zeros(60, cfg.rotary_dim // 2)
+    cu = torch.tensor([0, 60], dtype=torch.int32)
+    calls = _counting(monkeypatch)
+    for context_fn, want in ((None, 2), (recompute.reuse_contexts, 1)):
+        calls.update(select=0, kl=0)
+        kw = {} if context_fn is None else {"context_fn": context_fn}
+        out, kl, _, _ = checkpoint(layer, x, cos, sin, cu, True, False, False, None, use_reentrant=False, **kw)
+        (out.sum() + kl).backward()
+        assert calls == {"select": want, "kl": want}, (context_fn, calls)
+
+
+def test_reuse_records_and_replays_in_order():
+    forward, again = recompute.reuse_contexts()
+    assert recompute.current() is None
+    with forward:
+        reuse = recompute.current()
+        reuse.put("a")
+        reuse.put("b")
+        with pytest.raises(RuntimeError, match="forward recorded"):
+            reuse.take()
+    assert recompute.current() is None
+    with again:
+        assert recompute.current() is reuse and reuse.take() == "a" and reuse.take() == "b"
+        with pytest.raises(RuntimeError, match="2 taken"):
+            reuse.take()
+        with pytest.raises(RuntimeError, match="during the recomputation"):
+            reuse.put("c")
+
+
+def test_trainer_switch_keeps_the_losses(tmp_path, monkeypatch):
+    """`TrainConfig.ac_reuse_msa` (read at every step): the same losses and gradient norms with and without, and
+    half the selection and KL calls with it."""
+    calls = _counting(monkeypatch)
+    runs = {}
+    for reuse in (True, False):
+        mcfg = M3TextConfig.from_name("m3-tiny")
+        cfg = tiny_cfg(tmp_path, f"reuse{reuse}", activation_checkpointing=True, ac_reuse_msa=reuse, steps=2)
+        trainer = Trainer(cfg, lambda: M3TextModel(mcfg), PackedRows(mcfg.vocab_size))
+        calls.update(select=0, kl=0)
+        runs[reuse] = [trainer.train_step(), trainer.train_step()], dict(calls)
+        trainer.close()
+    for a, b in zip(runs[True][0], runs[False][0]):
+        for key in ("loss", "indexer_kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+    assert runs[False][1]["kl"] == 2 * runs[True][1]["kl"] > 0
+    assert runs[False][1]["select"] == 2 * runs[True][1]["select"] > 0
