@@ -431,6 +431,9 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         # selections; session 3, benchmarks/msa_group_sweep.py; G = 8 not measured).
         # dq inside dk/dv as dq^T = K^T dS^T (a wgmma; dS K with 32 rows compiles to mma.sync): fwd+bwd -3.0% at
         # G = 4 (2 x 8K drift), -3.6% (8 x 8K iid), -3.2% at M3's 128K (162.2 -> 157.1 ms; session 9).
+        # Three pipeline stages in dk/dv (the token list one step ahead of the q / dO gathers it addresses):
+        # fwd+bwd 17.86 -> 17.65 ms at G = 4 (8 x 8K iid, medians of 3; session 9), 157.38 -> 155.66 ms at M3's
+        # 128K (medians of 2; session 10).
         one_token = next_pow2(max(min_rows, group))
         small_group = 4 <= group < 16
         block_m = 64 if small_group else one_token
@@ -438,7 +441,7 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2 if small_group else 3,
                    dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
                    dkdv_block_m=max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
-                   dkdv_num_warps=8, dkdv_num_stages=2, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1, dq_transposed=1)
+                   dkdv_num_warps=8, dkdv_num_stages=3, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1, dq_transposed=1)
     else:
         # The CPU interpreter pays per operation, not per element: few programs with large tiles run fastest.
         block_m = next_pow2(max(64, group))
