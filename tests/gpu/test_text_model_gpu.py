@@ -101,3 +101,35 @@ def test_vl_model_with_a_compiled_tower_matches_eager_bf16():
         outs.append((tokens.float(), x.grad.float()))
     assert rel(outs[1][0], outs[0][0]) < 3e-2 and rel(outs[1][1], outs[0][1]) < 6e-2  # bf16, fused vs not
     torch._dynamo.reset()
+
+
+def test_checkpointed_layers_reuse_selection_and_kl_on_gpu(monkeypatch):
+    """Activation checkpointing with the Triton kernels on CUDA (fp32): the recomputation takes the forward's
+    selection and skips the KL (each runs once per MSA layer), and the gradients equal the unchecked run's up to
+    the kernels' atomic-add ordering."""
+    torch.manual_seed(0)
+    model = M3TextModel(tiny(index_topk_blocks=2)).to("cuda").train()
+    ids, cu = (t.cuda() for t in packed_ids([150, 93], 128, seed=8))
+    calls = {"select": 0, "kl": 0}
+    select, kl = msa.select_blocks, msa.indexer_kl
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(msa, "select_blocks", counted("select", select))
+    monkeypatch.setattr(msa, "indexer_kl", counted("kl", kl))
+    n_msa = sum(t == "minimax_m3_sparse" for t in model.config.layer_types)
+    results = []
+    for flag in (False, True):
+        model.gradient_checkpointing = flag
+        calls.update(select=0, kl=0)
+        results.append(run_model(model, ids, cu, "triton"))
+        assert calls == {"select": n_msa, "kl": n_msa}, (flag, calls)
+    (logits0, kl0, g0), (logits1, kl1, g1) = results
+    assert torch.equal(logits0, logits1) and abs(kl0.item() - kl1.item()) <= 1e-6 * max(1.0, abs(kl0.item()))
+    assert g0.keys() == g1.keys()
+    for name, g in g1.items():
+        assert rel(g, g0[name]) < 1e-5, name
