@@ -172,6 +172,9 @@ for s in "${stages[@]}"; do
     stages4)  # dk/dv pipeline stages with dq transposed (115 KB of shared memory instead of 140), G = 4 8 x 8K iid
       python3 -m benchmarks.msa_group_sweep --out "$OUT/stages4" --rounds 3 --T 65536 --regime iid \
         --attn "" "dkdv_num_stages=3" "dkdv_num_stages=1" --kl 2>&1 | tee "$OUT/stages4.log" | grep median ;;
+    lse64)  # m3-small's 64K MSA step, interleaved: the selection's student normaliser on (B) against the default
+      python3 -m benchmarks.train_throughput --out "$OUT/lse64" --only msa --steps 6 --warmup 2 \
+        --ab 'OPENM3_SELECT_LAUNCH=index_lse=1' 2>&1 | tee "$OUT/lse64.log" | tail -2 | cut -c1-600 ;;
     stages128)  # dk/dv pipeline stages at M3's shape, 128K (G = 4 measured -1.2% with 3 in session 9)
       python3 -m benchmarks.msa_group_sweep --out "$OUT/stages128" --rounds 2 --hq 64 --T 131072 --seq-len 131072 \
         --attn "" "dkdv_num_stages=3" --kl 2>&1 | tee "$OUT/stages128.log" | grep median ;;
