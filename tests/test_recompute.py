@@ -120,3 +120,13 @@ def test_trainer_switch_keeps_the_losses(tmp_path, monkeypatch):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
     assert runs[False][1]["kl"] == 2 * runs[True][1]["kl"] > 0
     assert runs[False][1]["select"] == 2 * runs[True][1]["select"] > 0
+
+
+def test_train_cli_flags():
+    from openm3.train.cli import build_config, parse_args
+
+    assert build_config(parse_args([])).ac_reuse_msa is True
+    cfg = build_config(parse_args(["--activation-checkpointing", "--no-ac-reuse-msa", "--residual-dtype", "float32"]))
+    assert cfg.activation_checkpointing and cfg.ac_reuse_msa is False and cfg.residual_dtype == "float32"
+    with pytest.raises(ValueError, match="residual_dtype"):
+        build_config(parse_args(["--residual-dtype", "bf16"]))
