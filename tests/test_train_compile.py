@@ -209,3 +209,16 @@ def test_residual_dtype_is_checked():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.arange(40))
     assert seen == [torch.bfloat16, torch.float32]
+
+
+def test_compiled_bf16_checkpointed_training_matches_eager(tmp_path):
+    """The 64K benchmark's combination on CPU: compiled layers, bf16 autocast with a bf16 residual stream,
+    activation checkpointing whose recomputation reuses the MSA selection and KL. Same losses as eager (to bf16
+    rounding: the compiled graphs fuse differently) and no recompilation after step 1."""
+    kw = dict(param_dtype="bfloat16", activation_checkpointing=True)
+    _, eager, _ = _fit(tmp_path, "eager_bf16", **kw)
+    _, compiled, graphs = _fit(tmp_path, "compiled_bf16", compile=True, **kw)
+    for key in ("loss", "indexer_kl", "aux_loss"):
+        got, want = [r[key] for r in compiled], [r[key] for r in eager]
+        assert got == pytest.approx(want, rel=2e-2, abs=1e-3), key
+    assert graphs[1] == graphs[2], f"recompiles after step 1: graphs per step {graphs}"
