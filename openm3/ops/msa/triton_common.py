@@ -324,16 +324,28 @@ def selection_buckets(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: 
     return SelectionBuckets(bucket, unused, slots, seq_block_off, seq_block_end, cu_seqlens_k.to(torch.int64))
 
 
+def token_runs(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
+               block_size: int, max_per_item: int) -> tuple[SelectionBuckets, tuple[torch.Tensor, ...]]:
+    """Every (head, token, slot) of `block_idx` grouped by its (head, global key block) bucket, tokens ascending
+    within a bucket, cut into work items of at most `max_per_item`: `(sel, bucket_runs(...))` with the tokens as
+    the payload. A token selects a block at most once per head, so the (bucket, token) pairs are distinct and the
+    sort keys stay int32 up to T * buckets < 2^31; the sort's indices (`order`) are each pair's position in the
+    flattened selection, i.e. its entry number (g * T + t) * topk + slot. The -1 slots go to the `sel.unused`
+    bucket, which no work item covers."""
+    h, t, topk = block_idx.shape
+    sel = selection_buckets(block_idx, seq, cu_seqlens_k, num_keys, block_size)
+    token = torch.arange(t, device=block_idx.device, dtype=torch.int64).view(1, t, 1).expand(h, t, topk).flatten()
+    return sel, bucket_runs(sel.bucket, token, t, sel.unused, max_per_item)
+
+
 @fused_on_cuda(grad=False)
 def _key_block_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
                        block_size: int, max_tokens: int) -> tuple[torch.Tensor, ...]:
     """The tensors of `key_block_work` (~35 torch ops: one fused graph on CUDA)."""
-    h, t, topk = block_idx.shape
     device = block_idx.device
-    sel = selection_buckets(block_idx, seq, cu_seqlens_k, num_keys, block_size)
-    slots, dump = sel.slots, sel.unused  # the dump bucket is never referenced by a work item
-    token = torch.arange(t, device=device, dtype=torch.int64).view(1, t, 1).expand(h, t, topk).flatten()
-    tokens, _, b, lo, hi, _, chunks, _ = bucket_runs(sel.bucket, token, t, dump, max_tokens)
+    sel, (tokens, _, b, lo, hi, _, chunks, _) = token_runs(block_idx, seq, cu_seqlens_k, num_keys, block_size,
+                                                          max_tokens)
+    slots = sel.slots
 
     start, end, used = block_rows(torch.arange(slots, device=device, dtype=torch.int64), sel.cu_k, sel.seq_block_off,
                                   sel.seq_block_end, block_size)

@@ -47,8 +47,8 @@ import triton.language as tl
 from ..fused import fused_on_cuda
 from ._checks import check_indexer_kl_inputs
 from .triton_attention import _LOG2E, _key_operands, _load_tile_rows, _tile_scores, _tile_walk
-from .triton_common import (attention_launch, block_rows, bucket_runs, interpreting, largest_pow2_divisor,
-                            next_pow2, query_positions, query_tiling, selection_buckets, with_overrides)
+from .triton_common import (attention_launch, block_rows, interpreting, largest_pow2_divisor,
+                            next_pow2, query_positions, query_tiling, token_runs, with_overrides)
 
 __all__ = ["indexer_kl", "kl_launch", "KLLaunch"]
 
@@ -550,16 +550,10 @@ def _entry_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.
 def _entry_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
                    block_size: int, max_entries: int) -> tuple[torch.Tensor, ...]:
     """`_entry_work` up to the compaction (~35 torch ops: one fused graph on CUDA)."""
-    heads, t, topk = block_idx.shape
-    device = block_idx.device
-    sel = selection_buckets(block_idx, seq, cu_seqlens_k, num_keys, block_size)
-    slots, unused = sel.slots, sel.unused  # the bucket of the -1 slots is covered by no work item
-    # Sort by (bucket, query token): a bucket holds one head and a token selects a block at most once per head,
-    # so the keys are distinct and stay int32 up to T * buckets < 2^31 (with entry numbers as the payload, topk
-    # times larger, m3-small's 8 x 8K tokens needed int64 keys: twice the radix passes). The entry numbers are
-    # the sort's indices: the position of each (head, token, slot) in the flattened selection.
-    token = torch.arange(t, device=device, dtype=torch.int64).view(1, t, 1).expand(heads, t, topk).flatten()
-    _, _, b, lo, hi, _, _, order = bucket_runs(sel.bucket, token, t, unused, max_entries)
+    # Sorted by (bucket, query token), the entry numbers are the sort's indices (with entry numbers as the sort's
+    # payload, topk times larger than tokens, m3-small's 8 x 8K tokens needed int64 keys: twice the radix passes).
+    sel, (_, _, b, lo, hi, _, _, order) = token_runs(block_idx, seq, cu_seqlens_k, num_keys, block_size, max_entries)
+    slots = sel.slots
     entries = order.to(torch.int32)
     k0, k1, _ = block_rows(b % slots, sel.cu_k, sel.seq_block_off, sel.seq_block_end, block_size)
     return entries, hi > lo, lo, hi, b // slots, k0, k1
