@@ -90,20 +90,27 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, *, read_range: boo
 
 
 @contextmanager
+def _text_models_set(model: nn.Module, name: str, value: Any) -> Iterator[list["M3TextModel"]]:
+    """Within this block attribute `name` of every openm3 text model inside `model` (a VL model's too) is `value`;
+    yields those models. Their own values come back afterwards."""
+    flagged = [m for m in model.modules() if isinstance(m, M3TextModel)]
+    saved = [getattr(m, name) for m in flagged]
+    for m in flagged:
+        setattr(m, name, value)
+    try:
+        yield flagged
+    finally:
+        for m, before in zip(flagged, saved):
+            setattr(m, name, before)
+
+
+@contextmanager
 def input_ids_checked_by_caller(model: nn.Module) -> Iterator[int | None]:
     """Within this block the openm3 models inside `model` skip their range check of `input_ids` (a device sync
     per forward on a GPU): the caller checks its ids on the host before copying them (`check_input_ids` with the
     vocabulary size this yields; None when `model` holds no openm3 model)."""
-    flagged = [m for m in model.modules() if isinstance(m, M3TextModel)]  # the VL model reads its text model's flag
-    vocab = flagged[0].config.vocab_size if flagged else None
-    saved = [m.input_ids_prechecked for m in flagged]
-    for m in flagged:
-        m.input_ids_prechecked = True
-    try:
-        yield vocab
-    finally:
-        for m, value in zip(flagged, saved):
-            m.input_ids_prechecked = value
+    with _text_models_set(model, "input_ids_prechecked", True) as flagged:
+        yield flagged[0].config.vocab_size if flagged else None
 
 
 @contextmanager
@@ -115,15 +122,8 @@ def residual_stream_dtype(model: nn.Module, dtype: torch.dtype | None) -> Iterat
     adds promote to their fp32 weights). None: the embeddings' dtype. Yields how many models it set."""
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"residual_stream_dtype: dtype must be a floating dtype or None, got {dtype}")
-    flagged = [m for m in model.modules() if isinstance(m, M3TextModel)]
-    saved = [m.residual_dtype for m in flagged]
-    for m in flagged:
-        m.residual_dtype = dtype
-    try:
+    with _text_models_set(model, "residual_dtype", dtype) as flagged:
         yield len(flagged)
-    finally:
-        for m, value in zip(flagged, saved):
-            m.residual_dtype = value
 
 
 class M3TextModel(nn.Module):
