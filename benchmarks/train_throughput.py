@@ -28,6 +28,9 @@ rows (default 8: the whole step in one forward, 92 GiB peak on an H200). A one-r
 all 1.2B parameters, experts included, for 8K tokens; micro-batches of 2 rows left the step host-bound (the GPU busy
 83-95% of it, session 5: 65.5K tokens/s at 4 rows in 2 micro-batches against 72.7K at 4 rows in 1 and 73.4K at 8
 rows in 2 of 4, all in one H200 call; session 6: 76.8K at 8 rows in 2 of 4, 78.6K in 1 of 8, consecutive calls).
+Then the same number of steps run back to back as `Trainer.fit` runs them (each next step queued before this one's
+logged values are read: `overlapped_step_s`, `overlapped_tokens_per_s`, `overlapped_mfu`; not with `--ab`): the
+synced medians include the GPU's idle start of every step, which training does not have since session 11.
 One more step of each case runs under
 `torch.profiler`: its CUDA kernel time by category (`breakdown`: attention/MSA kernels, MoE grouped GEMMs, other
 matmuls, optimizer incl. gradient clipping, elementwise and everything else; top kernels by time) explains a missed
@@ -286,6 +289,24 @@ def environment(env: dict[str, str], cfg=None):
             setattr(cfg, k, v)
 
 
+def time_overlapped(trainer, steps: int) -> float:
+    """Seconds per step over `steps` optimizer steps queued as `Trainer.fit` queues them (each next step before
+    this one's logged values are read, so the GPU does not idle while the host starts a step), between two device
+    syncs (on a GPU)."""
+    sync = torch.cuda.synchronize if trainer.info.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    pending = None
+    for _ in range(steps):
+        queued = trainer.launch_step()
+        if pending is not None:
+            pending.record()
+        pending = queued
+    pending.record()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
 def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = False, ckpt: bool = False,
                rows: int = 1, micro_batch: int | None = None, compile: bool = True, profile: bool = False,
                images: int = 0, ab_env: dict[str, str] | None = None) -> dict:
@@ -303,7 +324,8 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     mcfg = M3TextConfig.from_name(preset, **overrides)
     micro_batch = micro_batch or rows
     vl = dict(recipe="native", mixture={"text": 1.0, "image": 1.0}) if images else dict(recipe="text-only")
-    cfg = TrainConfig(model=preset, steps=steps + warmup + 2 * int(profile), seq_len=ctx,
+    overlap = steps if not ab_env else 0  # the back-to-back steps timed after the synced ones
+    cfg = TrainConfig(model=preset, steps=steps + warmup + overlap + 2 * int(profile), seq_len=ctx,
                       text_rows=rows // 2 if images else rows, micro_batch=micro_batch, warmup_steps=1,
                       msa_switch_step=0, out_dir="/tmp/openm3_bench_train", progress=False, tensorboard=False,
                       activation_checkpointing=ckpt, compile=compile, param_dtype="bfloat16", **vl)
@@ -338,6 +360,9 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
            "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens / step_s, "loss_last": record["loss"],
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
            "flops_per_token": flops_per_token(mcfg, ctx)}
+    if overlap:
+        o_step = time_overlapped(trainer, overlap)
+        out.update(overlapped_step_s=o_step, overlapped_tokens_per_s=tokens / o_step)
     if ab_env:
         b_step = statistics.median(b_times)
         out["ab"] = {"env": ab_env, "a_step_s_all": times, "b_step_s_all": b_times, "a_step_s": step_s,
@@ -346,6 +371,8 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
     peak = None if images else next((v for k, v in PEAK_BF16.items() if k in name), None)
     if peak:
         out["mfu"] = out["flops_per_token"] * out["tokens_per_s"] / peak
+        if overlap:
+            out["overlapped_mfu"] = out["flops_per_token"] * out["overlapped_tokens_per_s"] / peak
     if profile:
         out["breakdown"] = guarded_profile(trainer)  # the defaults (A)
         if ab_env:  # and the variant, so an A/B compares kernels too
@@ -464,6 +491,9 @@ def main(argv=None) -> int:
     msa, dense = (result["cases"].get(f"{k}_{args.preset}_{args.long_ctx}", {}) for k in ("msa", "dense"))
     if "tokens_per_s" in msa and "tokens_per_s" in dense:
         result["msa_over_dense_tokens_per_s"] = msa["tokens_per_s"] / dense["tokens_per_s"]
+    if "overlapped_tokens_per_s" in msa and "overlapped_tokens_per_s" in dense:
+        result["msa_over_dense_overlapped_tokens_per_s"] = (msa["overlapped_tokens_per_s"]
+                                                           / dense["overlapped_tokens_per_s"])
     if "flops_per_token" in msa and "flops_per_token" in dense:
         # the ratio tokens/s could reach if both ran at the same FLOP/s (the target's ceiling for this preset)
         result["msa_over_dense_flop_ratio"] = dense["flops_per_token"] / msa["flops_per_token"]

@@ -66,6 +66,35 @@ def test_train_throughput_image_rows_train_the_vl_model_on_cpu(tmp_path):
     assert record["loss"] > 0
 
 
+def test_train_throughput_times_overlapped_steps_as_fit_queues_them(tmp_path, monkeypatch):
+    """`time_overlapped`: the steps run back to back with `Trainer.fit`'s order (each next step queued before this
+    one's values are read), every step's values read, the same losses as steps run one at a time."""
+    from benchmarks.train_throughput import time_overlapped
+    from openm3.train.config import TrainConfig
+    from openm3.train.trainer import PendingStep, Trainer
+    from test_train_toy import ToyLM, ToySource
+
+    cfg = lambda name: TrainConfig(recipe="text-only", steps=4, seq_len=24, text_rows=2, micro_batch=2,  # noqa: E731
+                                   warmup_steps=1, msa_switch_step=1,
+                                   out_dir=str(tmp_path / name), progress=False, tensorboard=False)
+    order, read = [], PendingStep.record
+
+    def recording(self):
+        if self._record is None:
+            order.append(("read", self.step))
+        return read(self)
+
+    t = Trainer(cfg("a"), ToyLM, ToySource())
+    launch = t.launch_step
+    t.launch_step = lambda: order.append(("launch", t.step)) or launch()
+    monkeypatch.setattr(PendingStep, "record", recording)
+    assert time_overlapped(t, 3) > 0
+    assert order == [("launch", 0), ("launch", 1), ("read", 0), ("launch", 2), ("read", 1), ("read", 2)]
+    ref = Trainer(cfg("b"), ToyLM, ToySource())
+    ref_losses = [ref.train_step()["loss"] for _ in range(4)]
+    assert t.train_step()["loss"] == ref_losses[3]  # the timed steps trained as usual
+
+
 def test_mean_keys_per_query_counts_what_the_selection_lets_each_query_see():
     """The MFU's attention FLOPs: the mean number of keys a query attends to, against the causal keys inside the
     blocks the reference selection actually picks (lengths not multiples of the block, fewer blocks than topk)."""

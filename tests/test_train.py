@@ -223,6 +223,96 @@ def test_prefetched_rows_change_nothing(tmp_path):
         toy_cfg(tmp_path, prefetch="yes")
 
 
+class EventTrainer(Trainer):
+    """A trainer that records the order of its steps' launches, value reads, evaluations and checkpoints."""
+
+    def __init__(self, *args, **kwargs):
+        self.events = []
+        super().__init__(*args, **kwargs, evaluator=lambda t, step: t.events.append(("eval", step)) or {})
+
+    def launch_step(self):
+        self.events.append(("launch", self.step))
+        pending = super().launch_step()
+        record = pending.record
+
+        def read():
+            if pending._record is None:
+                self.events.append(("read", pending.step))
+            return record()
+        pending.record = read
+        return pending
+
+    def save_checkpoint(self, **kwargs):
+        self.events.append(("save", self.step))
+        return super().save_checkpoint(**kwargs)
+
+
+def test_overlapped_steps_read_values_one_step_late_and_change_nothing(tmp_path):
+    """overlap_steps (the default): fit queues step N+1 before it reads step N's logged values (the one device
+    sync of a step), but reads them before any evaluation or checkpoint; the records, the log and the checkpoints
+    are those of reading every step first (`overlap_steps=False`), timings aside."""
+    runs = {}
+    for overlap in (True, False):
+        t = EventTrainer(toy_cfg(tmp_path, f"o{overlap}", steps=5, ckpt_every=2, overlap_steps=overlap), ToyLM,
+                         ToySource())
+        runs[overlap] = (t, t.fit())
+    L, R = "launch", "read"
+    assert runs[True][0].events == [(L, 0), (L, 1), (R, 0), (R, 1), ("save", 2), (L, 2), (L, 3), (R, 2), (R, 3),
+                                    ("save", 4), (L, 4), (R, 4), ("eval", 5), ("save", 5)]
+    assert runs[False][0].events == [(L, 0), (R, 0), (L, 1), (R, 1), ("save", 2), (L, 2), (R, 2), (L, 3), (R, 3),
+                                     ("save", 4), (L, 4), (R, 4), ("eval", 5), ("save", 5)]
+    timing = ("tokens_per_s",)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    assert strip(runs[True][1]) == strip(runs[False][1])
+    assert [r["step"] for r in runs[True][1]] == list(range(5))
+    assert all(r["tokens_per_s"] > 0 for r in runs[True][1])
+    logs = [strip(r for r in read_jsonl(tmp_path / f"o{o}" / "metrics.jsonl") if "loss" in r) for o in (True, False)]
+    assert logs[0] == logs[1] and [r["step"] for r in logs[0]] == list(range(5))
+    a, b = (torch.load(latest_checkpoint(tmp_path / f"o{o}" / "checkpoints") / "trainer_state.pt", weights_only=False)
+            for o in (True, False))
+    assert a["step"] == b["step"] == 5 and a["scheduler"] == b["scheduler"]
+
+
+def test_launched_step_reads_its_values_once(tmp_path):
+    t = Trainer(toy_cfg(tmp_path, steps=3), ToyLM, ToySource())
+    first = t.launch_step()
+    second = t.launch_step()
+    assert t.step == 2 and (first.step, second.step) == (0, 1)
+    rec = first.record()
+    assert first.record() is rec and rec["step"] == 0 and second.record()["step"] == 1
+    ref = Trainer(toy_cfg(tmp_path, "ref", steps=3), ToyLM, ToySource())
+    assert [ref.train_step()["loss"] for _ in range(2)] == [rec["loss"], second.record()["loss"]]
+
+
+@pytest.mark.parametrize("overlap,ckpt_every,stopped_at", [(True, 3, 3), (False, 3, 3), (True, 0, 4), (False, 0, 3)])
+def test_non_finite_loss_stops_fit_before_a_checkpoint_holds_it(tmp_path, overlap, ckpt_every, stopped_at):
+    """A NaN loss at step 2 stops `fit`: one step later when steps overlap (step 3 is queued first), but before
+    the checkpoint due after step 2 either way (its values are read first)."""
+    class Poisoned(ToySource):
+        def rows(self, kind, step, count):
+            rows = super().rows(kind, step, count)
+            if step == 2:
+                model.head.weight.data.fill_(float("nan"))
+            return rows
+
+    cfg = toy_cfg(tmp_path, steps=6, ckpt_every=ckpt_every, overlap_steps=overlap, aux_loss_weight=0.0,
+                  kl_weight=0.0)
+    t = Trainer(cfg, ToyLM, Poisoned())
+    model = t.model
+    with pytest.raises(FloatingPointError, match="loss is nan at step 2"):
+        t.fit()
+    assert t.step == stopped_at
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints") is None
+    assert [r["step"] for r in t.history] == [0, 1]
+
+
+def test_overlap_steps_cli_flag():
+    from openm3.train.cli import build_config, parse_args
+
+    assert build_config(parse_args([])).overlap_steps is True
+    assert build_config(parse_args(["--no-overlap-steps"])).overlap_steps is False
+
+
 def test_resume_restores_rng_and_scheduler(tmp_path):
     cfg = toy_cfg(tmp_path, steps=6)
     t = Trainer(cfg, ToyLM, ToySource())

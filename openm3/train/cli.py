@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "at 64K tokens on m3-small)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile each decoder layer (the attention ops stay eager inside it)")
+    p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false", default=None,
+                   help="read each step's logged values before queueing the next (by default the next step is "
+                        "queued first, so the GPU does not wait for the host between steps)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--export", type=Path, help="write a consolidated checkpoint (published M3 layout) here at the end")

@@ -77,6 +77,10 @@ class TrainConfig:
     # auto | on | off: build the next step's rows (data reading, tokenising, image preprocessing) in a background
     # thread while this step runs; auto = on when training on a GPU (on a CPU it would take cores from compute)
     prefetch: str = "auto"
+    # `fit` queues each next step before it reads this step's logged values (loss, norms: one device sync per
+    # step), so the GPU does not idle while the host starts the next step; a non-finite loss then stops the run
+    # one step later. False: read every step's values before the next starts
+    overlap_steps: bool = True
     extra: dict = field(default_factory=dict)  # free-form settings for data/model factories
 
     def __post_init__(self):

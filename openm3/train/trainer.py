@@ -70,6 +70,55 @@ def _param_groups(model: nn.Module, weight_decay: float, lr: float, vision_lr_sc
             for (vision, decay), params in sorted(groups.items())]
 
 
+class PendingStep:
+    """An optimizer step queued on the device (`Trainer.launch_step`). Its logged values travel to the host behind
+    the step's kernels (into pinned memory, then an event on CUDA); `record()` waits for them and builds the step's
+    record (once; later calls return the same dict)."""
+
+    def __init__(self, values: torch.Tensor, meta: dict, t0: float, trainer: "Trainer"):
+        self.meta, self.t0, self._trainer = meta, t0, trainer
+        self._record: dict | None = None
+        self._done = None
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = values
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+    def record(self) -> dict:
+        if self._record is not None:
+            return self._record
+        if self._done is not None:
+            self._done.synchronize()
+        values = self._host.tolist()
+        # the step's time: from its start, or from when the previous step's values arrived if it was queued
+        # before that (then the interval is one step of the device's time, not of the host's queueing)
+        now = time.perf_counter()
+        dt = max(now - max(self.t0, self._trainer._values_read_at), 1e-9)
+        self._trainer._values_read_at = now
+        m = self.meta
+        ce_sum, kl, aux = values[:3]
+        kind_ce, kind_tok, norm = values[3:3 + len(KINDS)], values[3 + len(KINDS):-1], values[-1]
+        record = {"step": m["step"], "loss": ce_sum / m["n_loss"], "lr": m["lr"], "grad_norm": norm,
+                  "tokens": int(m["n_tok"]), "tokens_per_s": m["n_tok"] / dt, "msa_stage": m["msa_stage"],
+                  "vision": m["vision"]}
+        for i, kind in enumerate(KINDS):
+            if kind_tok[i] > 0:
+                record[f"loss/{kind}"] = kind_ce[i] / kind_tok[i]
+        if m["has_kl"]:
+            record["indexer_kl"] = kl
+        if m["has_aux"]:
+            record["aux_loss"] = aux
+        self._record = record
+        return record
+
+
 class Trainer:
     """Builds the (sharded) model, optimizer and schedule; trains, checkpoints, evaluates and logs.
 
@@ -116,6 +165,7 @@ class Trainer:
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="openm3-rows") \
             if cfg.prefetch == "on" or (cfg.prefetch == "auto" and on_gpu) else None
         self._ahead: tuple[int, Future] | None = None  # (step, its rows being built)
+        self._values_read_at = -math.inf  # when the last step's logged values reached the host
 
     def _seeded(self, build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
         def wrapped() -> nn.Module:
@@ -165,14 +215,20 @@ class Trainer:
             yield
 
     def train_step(self) -> dict:
+        """One optimizer step; returns its record (waits for the device to finish the step)."""
+        return self.launch_step().record()
+
+    def launch_step(self) -> "PendingStep":
+        """Queue one optimizer step on the device and return it without waiting: `PendingStep.record()` reads the
+        logged values (one device sync). `fit` queues step N+1 before reading step N's values, so the GPU never
+        idles while the host prepares the next step."""
         cfg, info, step = self.cfg, self.info, self.step
         t0 = time.perf_counter()
         rows = self._rows(step)
         micro = shard_micro_batches(rows, info.rank, info.world_size, cfg.micro_batch)
-        counts = [sum(b.num_loss_tokens for b in micro), sum(b.num_tokens for b in micro)]
-        if info.distributed:
-            counts = D.all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=info.device), info).tolist()
-        n_loss, n_tok = counts
+        # every rank holds the whole step's rows: the global counts need no all-reduce (a device sync)
+        n_loss = sum(int((r.labels != IGNORE).sum()) for r in rows)
+        n_tok = sum(r.input_ids.numel() for r in rows)
         if n_loss == 0:
             raise ValueError(f"step {step} has no loss tokens (every label is ignored)")
         stage = cfg.msa_stage(step)
@@ -188,22 +244,10 @@ class Trainer:
         D.all_reduce_sum(sums, info)
         D.all_reduce_sum(by_kind, info)
         self.step += 1
-        dt = time.perf_counter() - t0
-        # every logged value in one host read (each .item() is a device sync)
-        values = torch.cat([sums, by_kind.reshape(-1), grad_norm.detach().double().reshape(1)]).tolist()
-        ce_sum, kl, aux = values[:3]
-        kind_ce, kind_tok, norm = values[3:3 + len(KINDS)], values[3 + len(KINDS):-1], values[-1]
-        record = {"step": step, "loss": ce_sum / n_loss, "lr": lr, "grad_norm": norm,
-                  "tokens": int(n_tok), "tokens_per_s": n_tok / dt, "msa_stage": stage,
-                  "vision": int(self.plan.vision_on(step))}
-        for i, kind in enumerate(KINDS):
-            if kind_tok[i] > 0:
-                record[f"loss/{kind}"] = kind_ce[i] / kind_tok[i]
-        if has_kl:
-            record["indexer_kl"] = kl
-        if has_aux:
-            record["aux_loss"] = aux
-        return record
+        values = torch.cat([sums, by_kind.reshape(-1), grad_norm.detach().double().reshape(1)])
+        meta = {"step": step, "lr": lr, "n_tok": n_tok, "n_loss": n_loss, "msa_stage": stage,
+                "vision": int(self.plan.vision_on(step)), "has_kl": has_kl, "has_aux": has_aux}
+        return PendingStep(values, meta, t0, self)
 
     def _rows(self, step: int) -> list:
         """The rows of `step` (from the background thread when it built them ahead), and the next step's rows
@@ -284,23 +328,40 @@ class Trainer:
         return result
 
     def fit(self, until: int | None = None) -> list[dict]:
-        """Train from the current step to `until` (default: the recipe's last step). Returns the step records."""
+        """Train from the current step to `until` (default: the recipe's last step). Returns the step records.
+
+        With `cfg.overlap_steps` the host queues step N+1 before it reads step N's logged values, so a non-finite
+        loss stops the run one step later (the checkpoints stay clean: a step's values are read before any
+        evaluation or checkpoint after it)."""
         cfg = self.cfg
         until = self.plan.steps if until is None else min(until, self.plan.steps)
         progress = Progress(self.plan.steps, self.step, enabled=self.info.is_main and cfg.progress)
+
+        def finish(pending: PendingStep) -> None:
+            record = pending.record()
+            if not math.isfinite(record["loss"]):
+                raise FloatingPointError(f"loss is {record['loss']} at step {record['step']}")
+            self.history.append(record)
+            if record["step"] % cfg.log_every == 0 or record["step"] + 1 == until:
+                self.logger.log(record)
+            progress.update(record["loss"], record["tokens_per_s"])
+
+        pending: PendingStep | None = None
         try:
             while self.step < until:
-                record = self.train_step()
-                if not math.isfinite(record["loss"]):
-                    raise FloatingPointError(f"loss is {record['loss']} at step {record['step']}")
-                self.history.append(record)
-                if record["step"] % cfg.log_every == 0 or self.step == until:
-                    self.logger.log(record)
-                progress.update(record["loss"], record["tokens_per_s"])
+                queued = self.launch_step()
+                if pending is not None:
+                    finish(pending)
+                pending = queued
                 last = self.step == self.plan.steps
-                if cfg.eval_every and (self.step % cfg.eval_every == 0) or last:
+                evaluate = cfg.eval_every and (self.step % cfg.eval_every == 0) or last
+                save = cfg.ckpt_every and (self.step % cfg.ckpt_every == 0) or last
+                if not cfg.overlap_steps or evaluate or save or self.step == until:
+                    finish(pending)
+                    pending = None
+                if evaluate:
                     self.evaluate()
-                if cfg.ckpt_every and (self.step % cfg.ckpt_every == 0) or last:
+                if save:
                     self.save_checkpoint()
         finally:
             progress.close()
