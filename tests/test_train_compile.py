@@ -211,6 +211,41 @@ def test_residual_dtype_is_checked():
     assert seen == [torch.bfloat16, torch.float32]
 
 
+def test_vision_tower_carries_the_residual_stream_dtype_too():
+    """A VL model inside `residual_stream_dtype(bf16)` under a bf16 autocast: the vision tower's blocks take bf16
+    hidden states as the text layers do (fp32 without: its pre-LayerNorm runs in fp32 under autocast). The tower's
+    output stays within bf16 rounding of fp32 (the logits of a random tiny model are not compared: its MSA
+    selections and expert choices flip under any bf16 rounding)."""
+    from openm3.models.multimodal import M3ForConditionalGeneration, M3VLConfig
+    from openm3.models.text import residual_stream_dtype
+
+    text = M3TextConfig.from_name("m3-tiny")
+    cfg = M3VLConfig.from_name("m3-tiny", image_token_index=text.vocab_size - 2, video_token_index=text.vocab_size - 1)
+    torch.manual_seed(0)
+    model = M3ForConditionalGeneration(cfg)
+    grid = torch.tensor([[1, 4, 4]])  # 16 patches, 4 visual tokens after the 2 x 2 merge
+    ids = torch.cat([torch.arange(5), torch.full((4,), cfg.image_token_index), torch.arange(5, 12)])
+    pixels = torch.randn(16, 3 * 2 * 14 * 14)
+    seen = {"vision": [], "text": []}
+    for name, layers in (("vision", model.vision_tower.layers), ("text", model.language_model.layers)):
+        for layer in layers:
+            layer.register_forward_pre_hook(lambda module, args, name=name: seen[name].append(args[0].dtype))
+    with torch.no_grad():
+        exact = model.vision_tower(pixels, grid)
+    tower = {}
+    for dtype in (torch.bfloat16, None):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), residual_stream_dtype(model, dtype) as n:
+            assert n == 2  # the text model and the vision tower
+            seen["vision"].clear(), seen["text"].clear()
+            model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid)
+            want = dtype or torch.float32
+            assert set(seen["vision"]) == {want} and set(seen["text"]) == {want}, (dtype, seen)
+            tower[dtype] = model.vision_tower(pixels, grid).float()
+    assert model.vision_tower.residual_dtype is None
+    err = {k: ((v - exact).norm() / exact.norm()).item() for k, v in tower.items()}
+    assert 0 < err[torch.bfloat16] < 1e-2 and err[torch.bfloat16] != err[None], err
+
+
 def test_compiled_bf16_checkpointed_training_matches_eager(tmp_path):
     """The 64K benchmark's combination on CPU: compiled layers, bf16 autocast with a bf16 residual stream,
     activation checkpointing whose recomputation reuses the MSA selection and KL. Same losses as eager (to bf16

@@ -90,10 +90,11 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, *, read_range: boo
 
 
 @contextmanager
-def _text_models_set(model: nn.Module, name: str, value: Any) -> Iterator[list["M3TextModel"]]:
-    """Within this block attribute `name` of every openm3 text model inside `model` (a VL model's too) is `value`;
-    yields those models. Their own values come back afterwards."""
-    flagged = [m for m in model.modules() if isinstance(m, M3TextModel)]
+def _models_set(model: nn.Module, name: str, value: Any) -> Iterator[list[nn.Module]]:
+    """Within this block attribute `name` of every module inside `model` whose class declares it (the openm3 text
+    models; for `residual_dtype` the vision tower too) is `value`; yields those modules. Their own values come
+    back afterwards."""
+    flagged = [m for m in model.modules() if hasattr(type(m), name)]
     saved = [getattr(m, name) for m in flagged]
     for m in flagged:
         setattr(m, name, value)
@@ -109,20 +110,21 @@ def input_ids_checked_by_caller(model: nn.Module) -> Iterator[int | None]:
     """Within this block the openm3 models inside `model` skip their range check of `input_ids` (a device sync
     per forward on a GPU): the caller checks its ids on the host before copying them (`check_input_ids` with the
     vocabulary size this yields; None when `model` holds no openm3 model)."""
-    with _text_models_set(model, "input_ids_prechecked", True) as flagged:
+    with _models_set(model, "input_ids_prechecked", True) as flagged:
         yield flagged[0].config.vocab_size if flagged else None
 
 
 @contextmanager
 def residual_stream_dtype(model: nn.Module, dtype: torch.dtype | None) -> Iterator[int]:
-    """Within this block every openm3 text model inside `model` carries its residual stream (the hidden states
-    between layers) in `dtype`: the embeddings are cast to it, and the norms, attention and MLP outputs keep it.
-    The single-GPU trainer passes bf16 under its bf16 autocast, so its activations are bf16 as FSDP's bf16
-    parameters make them on several GPUs (with fp32 parameters alone they would stay fp32: the norms and residual
-    adds promote to their fp32 weights). None: the embeddings' dtype. Yields how many models it set."""
+    """Within this block every openm3 text model and vision tower inside `model` carries its residual stream (the
+    hidden states between layers) in `dtype`: the text embeddings and the vision tower's normalised patch
+    embeddings are cast to it, and the norms, attention and MLP outputs keep it. The single-GPU trainer passes
+    bf16 under its bf16 autocast, so its activations are bf16 as FSDP's bf16 parameters make them on several GPUs
+    (with fp32 parameters alone they would stay fp32: the norms and residual adds promote to their fp32 weights).
+    None: the embeddings' dtype. Yields how many models it set."""
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"residual_stream_dtype: dtype must be a floating dtype or None, got {dtype}")
-    with _text_models_set(model, "residual_dtype", dtype) as flagged:
+    with _models_set(model, "residual_dtype", dtype) as flagged:
         yield len(flagged)
 
 

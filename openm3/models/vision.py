@@ -222,6 +222,10 @@ class M3VisionModel(nn.Module):
     rows further; ``None`` uses the rows as given, which is what HF does with the processor's chunks.
     """
 
+    # dtype of the hidden states between blocks inside `openm3.models.text.residual_stream_dtype`; None: the
+    # pre-LayerNorm's output dtype (fp32 under a bf16 autocast, which runs layer norms in fp32)
+    residual_dtype: torch.dtype | None = None
+
     def __init__(self, config: M3VisionConfig):
         super().__init__()
         self.config = config
@@ -248,6 +252,8 @@ class M3VisionModel(nn.Module):
         x = self.embeddings(pixel_values).to(self.pre_layrnorm.weight.dtype)
         cos, sin = axial_rope_cos_sin(positions, self.inv_freq)
         x = self.pre_layrnorm(x)
+        if self.residual_dtype is not None:
+            x = x.to(self.residual_dtype)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, cu_seqlens, use_reentrant=False)
