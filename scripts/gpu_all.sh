@@ -189,6 +189,9 @@ for s in "${stages[@]}"; do
         python3 -m benchmarks.train_throughput --out "$OUT/mfu_r$1_mb$2" --only mfu --steps 3 --warmup 2 --rows $1 \
           --micro-batch $2 2>&1 | tee "$OUT/train_mfu_r$1_mb$2.log" | tail -2 | cut -c1-600
       done ;;
+    mfu16)  # the 8K MFU case with 16 rows per optimizer step in 2 micro-batches of 8 (AdamW once per 128K tokens)
+      python3 -m benchmarks.train_throughput --out "$OUT/mfu16" --only mfu --steps 3 --warmup 2 --rows 16 \
+        --micro-batch 8 2>&1 | tee "$OUT/train_mfu16.log" | tail -2 | cut -c1-700 ;;
     mfu) python3 -m benchmarks.train_throughput --out "$OUT" --only mfu --steps 3 --warmup 2 2>&1 \
            | tee "$OUT/train_mfu.log" | tail -4 ;;
     *) echo "unknown stage $s" ;;
