@@ -187,11 +187,12 @@ def test_index_lists_a_tensor_its_shard_lacks(broken):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda c: c.update(model_type="llama"), "unsupported model_type 'llama'"),
-    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "unsupported config.*quantization_config"),
+    (lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}), "quant_method 'awq' is not supported"),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "weight_block_size must be two positive ints"),
     (lambda c: c["text_config"].update(index_n_heads=1), "unsupported config.*index_n_heads"),
     (lambda c: c["text_config"].update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
      "unsupported config.*rope_type='yarn'"),
-], ids=["model-type", "quantized", "index-heads", "rope-type"])
+], ids=["model-type", "quantized-awq", "fp8-no-blocks", "index-heads", "rope-type"])
 def test_unsupported_config(broken, edit, match):
     config = json.loads((broken / "config.json").read_text())
     edit(config)

@@ -378,11 +378,19 @@ def test_config_validation_names_the_field(overrides, field):
 
 @pytest.mark.parametrize("data,match", [
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not supported"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({"rotary_dim": 32, "head_dim": 128, "partial_rotary_factor": 0.5}, "disagrees with partial_rotary_factor"),
     ({"qk_norm_type": "per_layer"}, "qk_norm_type='per_layer' is not supported"),
     ({"text_config": {"scoring_func": "softmax"}}, "scoring_func='softmax' is not supported"),
-], ids=["yarn", "quantized", "rotary-conflict", "per-layer-qk-norm", "softmax-router"])
+], ids=["yarn", "rotary-conflict", "per-layer-qk-norm", "softmax-router"])
 def test_from_dict_rejects_unsupported(data, match):
     with pytest.raises(ValueError, match=match):
         M3TextConfig.from_dict(data)
+
+
+def test_quantization_config_describes_the_file_not_the_model():
+    """An fp8 release's config.json reads (the checkpoint loader dequantizes, `test_checkpoint_fp8.py`); the model
+    config neither keeps nor writes its quantization_config."""
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    for data in ({"quantization_config": fp8}, {"text_config": {}, "quantization_config": fp8}):
+        cfg = M3TextConfig.from_dict(data)
+        assert "quantization_config" not in cfg.extra and "quantization_config" not in cfg.to_dict()

@@ -10,6 +10,10 @@ Two layouts are read (and may even be mixed):
   shared_experts.*, e_score_correction_bias}`, split `gate_proj`/`up_proj`, `self_attn.index_{q,k}_{proj,norm}`.
   Vision tower and projector tensors (and MTP heads) are skipped by this text-only loader.
 
+Either layout may be FP8 block-quantized, as MiniMax's releases are (config.json's `quantization_config`,
+`openm3.models.fp8`): those weights are dequantized as they are read (`TensorSource`) and the model holds them in
+its dtype (config.json's `dtype` / `torch_dtype`, or the one asked for); `save_pretrained` writes them unquantized.
+
 `save_pretrained` writes the published layout through `write_checkpoint`, which every model's save uses: shards,
 index and config.json go to a temporary directory beside the target that is then renamed into place, so a reader
 never sees a half-written checkpoint. `load_text_model` builds the model on the meta device, allocates it once on
@@ -39,6 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import M3TextConfig
+from .fp8 import SCALE_SUFFIX, Fp8Scheme, is_scale, scale_name, weight_name
 from .text import M3TextModel
 
 if TYPE_CHECKING:
@@ -354,15 +359,75 @@ def _few(names: list[str], limit: int = 5) -> str:
     return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-def _plan(root: Path, files: dict[str, list[str]], params: dict[str, torch.Tensor], tied: bool
-          ) -> dict[str, list[tuple[str, _Target]]]:
-    """Check every checkpoint tensor's name and shape against the model before any data is read.
-    Returns shard file -> [(checkpoint name, target)]. With `tied` embeddings an lm_head tensor is skipped."""
+class TensorSource:
+    """The tensors of checkpoint directory `root`, by shard. With an fp8 `quantization_config` in config.json
+    (`openm3.models.fp8`), quantized weights come back dequantized to float32 and their scale tensors are not
+    listed; every scale is read up front (a 1/16,384 share of the weights) and checked against its weight."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        files = shard_index(root)
+        try:
+            self.scheme = Fp8Scheme.from_config(config_json(root), root / CONFIG_FILE)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+        scales = sorted(n for names in files.values() for n in names if is_scale(n))
+        if scales and self.scheme is None:
+            raise CheckpointError(f"{root}: tensors of an fp8 checkpoint ({_few(scales, 3)}) but config.json has "
+                                  "no fp8 quantization_config")
+        self.files = {file: [n for n in names if not is_scale(n)] for file, names in files.items()}
+        self.scales: dict[str, torch.Tensor] = {}
+        for file, names in files.items():
+            wanted = [n for n in names if n.endswith(SCALE_SUFFIX)]
+            if wanted:
+                with safe_open(str(root / file), framework="pt", device="cpu") as f:
+                    self.scales.update((n, f.get_tensor(n)) for n in wanted)
+        listed = {n for names in self.files.values() for n in names}
+        orphans = sorted(n for n in self.scales if weight_name(n) not in listed)
+        if orphans:
+            raise CheckpointError(f"{root}: scale tensors without their weight: {_few(orphans)}")
+
+    def check(self, f, name: str) -> None:
+        """Raise CheckpointError when fp8 weight `name` (of open shard `f`) lacks a matching scale, or a scale
+        comes with a weight that is not fp8."""
+        dtype = f.get_slice(name).get_dtype()
+        scale = self.scales.get(scale_name(name))
+        if dtype.startswith("F8") and dtype != "F8_E4M3":
+            raise CheckpointError(f"{self.root}: {name} is {dtype}; openm3 reads float8_e4m3fn weights only")
+        if dtype == "F8_E4M3":
+            if self.scheme is None:
+                raise CheckpointError(f"{self.root}: {name} is float8_e4m3fn but config.json has no fp8 "
+                                      "quantization_config")
+            if scale is None:
+                raise CheckpointError(f"{self.root}: {name} is float8_e4m3fn but {scale_name(name)} is missing")
+            shape = tuple(f.get_slice(name).get_shape())
+            want = self.scheme.scale_shape(shape)
+            if tuple(scale.shape) != want:
+                raise CheckpointError(f"{self.root}: {scale_name(name)}: shape {list(scale.shape)}, expected "
+                                      f"{list(want)} for {name} {list(shape)} in blocks of {list(self.scheme.block)}")
+        elif scale is not None:
+            raise CheckpointError(f"{self.root}: {scale_name(name)} scales {name}, which is {dtype}, not fp8")
+
+    def get(self, f, name: str, device: torch.device | None = None) -> torch.Tensor:
+        """Tensor `name` of open shard `f`, dequantized (float32) when it is an fp8 weight; that happens on
+        `device` (the model's: a GPU moves 1 byte per weight over PCIe instead of 4 and multiplies faster)."""
+        tensor = f.get_tensor(name)
+        if tensor.dtype == torch.float8_e4m3fn:
+            self.check(f, name)
+            tensor = self.scheme.dequantize(tensor.to(device), self.scales[scale_name(name)].to(device))
+        return tensor
+
+
+def _plan(source: TensorSource, params: dict[str, torch.Tensor], tied: bool) -> dict[str, list[tuple[str, _Target]]]:
+    """Check every checkpoint tensor's name and shape (and an fp8 weight's scales) against the model before any
+    data is read. Returns shard file -> [(checkpoint name, target)]. With `tied` embeddings an lm_head tensor is
+    skipped."""
+    root = source.root
     plan: dict[str, list[tuple[str, _Target]]] = {}
     unknown, mismatched, duplicated = [], [], []
     covered: dict[str, int] = {}
     seen: set[_Target] = set()
-    for file, listed in files.items():
+    for file, listed in source.files.items():
         with safe_open(str(root / file), framework="pt") as f:
             present = set(f.keys())
             absent = sorted(set(listed) - present)
@@ -388,6 +453,7 @@ def _plan(root: Path, files: dict[str, list[str]], params: dict[str, torch.Tenso
                     expected = tuple(target.view(params[target.param]).shape)
                 except IndexError:
                     expected = None
+                source.check(f, name)
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != expected:
                     mismatched.append(f"{name}: checkpoint {list(shape)} vs model "
@@ -449,7 +515,7 @@ def load_text_model(path, dtype: torch.dtype | None = None, device: torch.device
         dtype = _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
     device = torch.device(device if device is not None else "cpu")
 
-    files = shard_index(root)
+    source = TensorSource(root)
     with torch.device("meta"):
         model = M3TextModel(config)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -458,11 +524,11 @@ def load_text_model(path, dtype: torch.dtype | None = None, device: torch.device
     params = dict(model.state_dict(keep_vars=True))
     if config.tie_word_embeddings:
         params.pop("lm_head.weight")
-    plan = _plan(root, files, params, config.tie_word_embeddings)
+    plan = _plan(source, params, config.tie_word_embeddings)
 
     with torch.no_grad():
         for file, entries in plan.items():
             with safe_open(str(root / file), framework="pt", device="cpu") as f:
                 for name, target in entries:
-                    target.view(params[target.param]).copy_(f.get_tensor(name))
+                    target.view(params[target.param]).copy_(source.get(f, name, device))
     return model.eval()

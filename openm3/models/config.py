@@ -148,17 +148,11 @@ class M3TextConfig:
         if not isinstance(data, dict):
             raise ValueError(f"config must be a dict, got {type(data).__name__}")
         data = dict(data)
-        if data.get("quantization_config"):
-            raise ValueError("config.quantization_config: quantized checkpoints are not supported; "
-                             "use a bf16/fp16/fp32 checkpoint")
         if "text_config" in data:
             outer = data
             data = dict(outer["text_config"] or {})
             if "tie_word_embeddings" not in data and "tie_word_embeddings" in outer:
                 data["tie_word_embeddings"] = outer["tie_word_embeddings"]
-        if data.get("quantization_config"):
-            raise ValueError("config.quantization_config: quantized checkpoints are not supported; "
-                             "use a bf16/fp16/fp32 checkpoint")
         for key, allowed in _REQUIRED_VALUES.items():
             if key in data and data[key] not in allowed:
                 raise ValueError(f"config.{key}={data[key]!r} is not supported (M3 uses {allowed[0]!r})")
@@ -203,9 +197,10 @@ class M3TextConfig:
 # Fields that some MiniMax configs carry; M3 (and this implementation) supports only these values.
 _REQUIRED_VALUES = {"qk_norm_type": ("per_head",), "scoring_func": ("sigmoid",), "use_qk_norm": (True,)}
 
-# Keys that describe the HF wrapper or the run rather than the decoder; not kept in `extra`.
+# Keys that describe the HF wrapper, the run or the file format (fp8 weights are dequantized on load) rather than the
+# decoder; not kept in `extra`.
 _DROPPED_KEYS = {"model_type", "architectures", "transformers_version", "dtype", "torch_dtype", "auto_map",
-                 "rope_scaling", "partial_rotary_factor", "rope_parameters"}
+                 "quantization_config", "rope_scaling", "partial_rotary_factor", "rope_parameters"}
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -85,7 +85,7 @@ class M3VLConfig:
         vision = M3VisionConfig.from_dict(d["vision_config"] or {})
         known = {"text_config", "vision_config", "image_token_index", "image_token_id", "video_token_index",
                  "video_token_id", "projector_hidden_size", "tie_word_embeddings", "model_type", "architectures",
-                 "transformers_version", "dtype", "torch_dtype"}
+                 "transformers_version", "dtype", "torch_dtype", "quantization_config"}
         return cls(text, vision,
                    image_token_index=d.get("image_token_index", d.get("image_token_id", 200025)),
                    video_token_index=d.get("video_token_index", d.get("video_token_id", 200026)),
@@ -306,8 +306,9 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device=None) -> M3Fo
                                                       config.vision_config.rope_theta).to(device)
     params = {n: p for n, p in model.state_dict(keep_vars=True).items() if not n.startswith("language_model.")}
     filled: set[str] = set()
+    source = text_checkpoint.TensorSource(root)  # dequantizes fp8 weights, hides their scales
     with torch.no_grad():
-        for file, names in text_checkpoint.shard_index(root).items():
+        for file, names in source.files.items():
             with safe_open(str(root / file), framework="pt", device="cpu") as f:
                 for name in names:
                     ours = vision_checkpoint_name(name)
@@ -318,7 +319,7 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device=None) -> M3Fo
                                                               f"({ours}) in this config")
                     if ours in filled:
                         raise text_checkpoint.CheckpointError(f"{root}: {name} fills {ours} a second time")
-                    tensor = f.get_tensor(name)
+                    tensor = source.get(f, name, device)
                     if tuple(tensor.shape) != tuple(params[ours].shape):
                         raise text_checkpoint.CheckpointError(
                             f"{root / file}: {name}: shape {list(tensor.shape)} vs model {list(params[ours].shape)}")
