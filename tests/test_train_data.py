@@ -241,6 +241,66 @@ def test_train_cli_runs_and_resumes(tmp_path, tokenizer):
     assert M3Tokenizer.from_file(tmp_path / "model").vocab_size == tokenizer.vocab_size
 
 
+def test_train_starts_from_a_checkpoint(tmp_path, tokenizer, source, monkeypatch):
+    """`init_from`: the run's model is the checkpoint's (its config and weights; here an earlier run's export,
+    whose tokenizer.json then tokenizes the data) and training goes on from there, through the CLI too."""
+    import json
+
+    from openm3.train import cli
+    from openm3.train.factory import checkpoint_builder, checkpoint_tokenizer
+    from openm3.train.metrics import read_jsonl
+
+    first = Trainer(real_cfg(tmp_path, "first", steps=2), model_builder("m3-tiny", tokenizer), source)
+    first.fit()
+    export = first.export(tmp_path / "export", tokenizer)
+    saved = checkpoint_tokenizer(export)
+    assert saved.vocab_size == tokenizer.vocab_size and saved.image_id == tokenizer.image_id
+    second = Trainer(real_cfg(tmp_path, "second", steps=2), checkpoint_builder(export, saved, multimodal=True), source)
+    want = first.model.state_dict()
+    got = second.model.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert all(p.dtype == torch.float32 for p in second.model.parameters()) and second.model.training
+
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"extra": {"weights": WEIGHTS, "image_size": 56, "eval": {"windows": 1, "qa": {}}},
+                                  "mixture": {"text": 1.0, "image": 1.0, "video": 0.0}}))
+    out = tmp_path / "cli"
+    from openm3.train import factory
+    built = []
+    real = factory.checkpoint_builder
+    monkeypatch.setattr(factory, "checkpoint_builder", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(factory, "model_builder", lambda *a, **k: pytest.fail("built a preset, not the checkpoint"))
+    assert cli.main(["--config", str(config), "--init-from", str(export), "--recipe", "native", "--seq-len", "256",
+                     "--text-rows", "1", "--warmup-steps", "1", "--steps", "1", "--out", str(out), "--no-progress",
+                     "--device", "cpu"]) == 0
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] == [0]
+    assert built == [str(export)]
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "init_from: .*checkpoint directory not found"),
+    ("text-only", "init_from: .* holds a text-only M3 model, but the recipe trains on images or videos"),
+    ("small-vocab", "init_from: the tokenizer has 4096 tokens, more than the checkpoint's vocab_size=100"),
+])
+def test_train_init_from_a_checkpoint_that_does_not_fit_fails_before_training(case, message, tmp_path, monkeypatch,
+                                                                               tokenizer):
+    from openm3.models import M3TextConfig, M3TextModel
+    from openm3.train import cli
+
+    path = tmp_path / "ckpt"
+    if case != "missing":
+        vocab = 100 if case == "small-vocab" else tokenizer.vocab_size
+        M3TextModel(M3TextConfig.from_name("m3-tiny", vocab_size=vocab)).save_pretrained(path)
+    monkeypatch.setattr("openm3.data.get_tokenizer", lambda *a, **k: tokenizer)
+    trained = []
+    monkeypatch.setattr("openm3.train.trainer.Trainer.fit", lambda self, *a, **k: trained.append(1))
+    recipe = ["--recipe", "text-only"] if case == "small-vocab" else ["--recipe", "native"]
+    with pytest.raises(ValueError, match=message):
+        cli.main(["--init-from", str(path), "--steps", "2", "--warmup-steps", "1", "--out", str(tmp_path / "run"),
+                  "--no-progress", "--device", "cpu", *recipe])
+    assert trained == []
+
+
 def test_vision_parameters_get_their_own_learning_rate(tmp_path, tokenizer, source):
     cfg = real_cfg(tmp_path, "lr", lr=1e-3, vision_lr_scale=0.1)
     trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)

@@ -41,6 +41,9 @@ _FLAGS = (
     ("cpt_steps", int, "recipe cpt: vision steps after the decay"),
     ("device", str, "auto (cuda if available, default) | cpu | cuda"),
     ("param_dtype", str, "auto (bf16 on CUDA, fp32 on CPU, default) | float32 | bfloat16"),
+    ("init_from", str, "start from the weights of this checkpoint directory (an --export, save_pretrained, a "
+                       "release; either layout, fp8 too): its config.json decides the model (not --model) and its "
+                       "tokenizer.json, if any, tokenizes the data"),
     ("residual_dtype", str, "auto (the compute dtype, default) | float32 (fp32 hidden states between layers "
                             "under the single-process bf16 autocast)"),
 )
@@ -96,10 +99,11 @@ def main(argv=None) -> int:
     from ..data import get_tokenizer
     from .data import MixtureRows
     from .eval import Evaluator
-    from .factory import model_builder
+    from .factory import checkpoint_builder, checkpoint_tokenizer, model_builder
     from .trainer import Trainer
 
-    tokenizer = get_tokenizer()
+    saved = checkpoint_tokenizer(cfg.init_from) if cfg.init_from else None  # checks the directory first
+    tokenizer = saved or get_tokenizer()
     extra = cfg.extra
     sizes = {"image_size": extra.get("image_size", 112), "video_size": extra.get("video_size", 56)}
     source = MixtureRows(tokenizer, cfg.seq_len, seed=cfg.seed, weights=extra.get("weights"), **sizes)
@@ -107,10 +111,14 @@ def main(argv=None) -> int:
     missing = sorted(needed - set(source.kinds()))
     if missing:
         raise ValueError(f"recipe {cfg.recipe!r} needs {missing} rows but extra.weights has no such sources")
+    if cfg.init_from:
+        build = checkpoint_builder(cfg.init_from, tokenizer, multimodal=bool(needed & {"image", "video"}))
+    else:
+        build = model_builder(cfg.model, tokenizer)
     ev = extra.get("eval", {})
     evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=ev.get("windows", 2),
                           qa=ev.get("qa", {"colour_qa": 50, "video_qa": 24}), **sizes)
-    trainer = Trainer(cfg, model_builder(cfg.model, tokenizer), source, evaluator=evaluator)
+    trainer = Trainer(cfg, build, source, evaluator=evaluator)
     if args.resume and not trainer.resume():
         print(f"no checkpoint under {trainer.checkpoints.root}; starting from step 0")
     trainer.fit()

@@ -28,6 +28,10 @@ class TrainConfig:
     """
 
     model: str = "m3-tiny"
+    # a checkpoint directory whose weights start the run (an earlier run's export, `save_pretrained`, a release;
+    # either layout, fp8 too): its config.json then decides the model instead of `model`, and the tokenizer.json
+    # beside it (if any) tokenizes the data (`openm3 train`; the `Trainer` takes its model from its caller)
+    init_from: str | None = None
     recipe: str = "native"
     steps: int = 100
     seq_len: int = 256

@@ -1,7 +1,9 @@
-"""Model constructors for training: the M3 text model or the vision-language model, sized to the tokenizer."""
+"""Model constructors for training: the M3 text model or the vision-language model, sized to the tokenizer, or a
+checkpoint's weights as a run's starting point."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from torch import nn
@@ -26,3 +28,55 @@ def model_builder(name: str, tokenizer, *, multimodal: bool = True, **overrides)
     config = M3VLConfig.from_name(name, image_token_index=tokenizer.image_id, video_token_index=tokenizer.video_id,
                                   **overrides)
     return lambda: M3ForConditionalGeneration(config)
+
+
+def checkpoint_tokenizer(path: str | Path):
+    """The `M3Tokenizer` stored beside checkpoint `path` (its `tokenizer.json`, as `--export` writes it), or None.
+    Raises ValueError naming `init_from` when `path` is no checkpoint directory (config.json is read and checked,
+    nothing else): a run fails there before any compute."""
+    from ..models.checkpoint import CheckpointError, config_json
+
+    root = Path(path)
+    try:
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: checkpoint directory not found")
+        config_json(root)
+    except CheckpointError as err:
+        raise ValueError(f"init_from: {err}") from None
+    if not (root / "tokenizer.json").is_file():
+        return None
+    from ..data.tokenizer import M3Tokenizer
+
+    return M3Tokenizer.from_file(root)
+
+
+def checkpoint_builder(path: str | Path, tokenizer, *, multimodal: bool) -> Callable[[], nn.Module]:
+    """A zero-argument constructor of the model in checkpoint directory `path` with its weights (any layout
+    `load_pretrained` reads, fp8 releases dequantized) in float32: a training run's starting point. Checks first,
+    without reading weights, that it suits the run: a vision-language checkpoint when `multimodal` (the recipe has
+    image or video rows), the tokenizer's ids inside its vocabulary, and the tokenizer's image / video
+    placeholder ids for a VL checkpoint. Raises ValueError naming `init_from`."""
+    import torch
+
+    from ..models.checkpoint import CheckpointError, config_json, load_pretrained
+    from ..models.checkpoint import read_config as read_text_config
+    from ..models.multimodal import read_config as read_vl_config
+
+    root = Path(path)
+    try:
+        is_vl = config_json(root).get("vision_config") is not None
+        config = read_vl_config(root) if is_vl else None
+        text = config.text_config if is_vl else read_text_config(root)
+    except CheckpointError as err:
+        raise ValueError(f"init_from: {err}") from None
+    if multimodal and not is_vl:
+        raise ValueError(f"init_from: {root} holds a text-only M3 model, but the recipe trains on images or videos "
+                         "(use a vision-language checkpoint, or recipe text-only)")
+    if tokenizer.vocab_size > text.vocab_size:
+        raise ValueError(f"init_from: the tokenizer has {tokenizer.vocab_size} tokens, more than the checkpoint's "
+                         f"vocab_size={text.vocab_size} (train with the tokenizer.json saved beside it)")
+    if is_vl and (tokenizer.image_id, tokenizer.video_id) != (config.image_token_index, config.video_token_index):
+        raise ValueError(f"init_from: the tokenizer's image / video ids {tokenizer.image_id} / {tokenizer.video_id} "
+                         f"differ from the checkpoint's image_token_index / video_token_index "
+                         f"{config.image_token_index} / {config.video_token_index}")
+    return lambda: load_pretrained(root, dtype=torch.float32).train()
