@@ -319,6 +319,7 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device=None) -> M3Fo
                                                               f"({ours}) in this config")
                     if ours in filled:
                         raise text_checkpoint.CheckpointError(f"{root}: {name} fills {ours} a second time")
+                    source.check(f, name)
                     tensor = source.get(f, name, device)
                     if tuple(tensor.shape) != tuple(params[ours].shape):
                         raise text_checkpoint.CheckpointError(
