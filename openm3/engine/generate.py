@@ -251,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a video as an animated GIF / WebP / PNG file (repeatable; at most 64 frames are kept)")
     p.add_argument("--tokenizer", help="a tokenizer.json or a directory holding one, for --prompt and to print "
                    "text (default: the --checkpoint directory's, if it has one)")
+    add_chat_template_argument(p)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -270,6 +271,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every decode step eagerly (default on CUDA: each batch's decode step is captured as a "
                         "CUDA graph at its second step and replayed)")
     return p
+
+
+def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default="auto", metavar="auto|builtin|PATH",
+                   help="how chat prompts are rendered: auto (default) = the checkpoint's own template when the "
+                   "tokenizer's directory has one (chat_template.jinja or tokenizer_config.json's chat_template), "
+                   "else openm3's built-in M3 template; builtin; or a .jinja file")
+
+
+def chat_template(option: str, tokenizer_file: str | None):
+    """The `ChatTemplate` that --chat-template names, or None for the built-in renderer (`render_chat`, which also
+    checks the messages): for 'builtin', and for openm3's own template (what `openm3 train --export` saves, which
+    renders the same). ValueError naming the option for a file that is missing or not a valid template."""
+    import os
+
+    from ..data.chat import CHAT_TEMPLATE
+    from ..data.chat_template import ChatTemplate, read_template
+
+    if option == "builtin":
+        return None
+    if option == "auto":
+        found = read_template(os.path.dirname(tokenizer_file)) if tokenizer_file else None
+    elif not os.path.isfile(option):
+        raise ValueError(f"--chat-template: expected auto, builtin or a template file, got {option!r} (no such file)")
+    else:
+        with open(option, encoding="utf-8") as f:
+            found = f.read(), {}, f"--chat-template {option}"
+    if found is None or found[0].strip() == CHAT_TEMPLATE:
+        return None
+    return ChatTemplate(*found[:2], origin=found[2])
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -422,7 +453,8 @@ def media_prompt(args, tokenizer_file: str, vl_config):
     parts = [{"type": kind, "path": f, "where": f"--{kind} {f}"}
              for kind, files in (("image", args.image), ("video", args.video)) for f in files]
     messages = [{"role": "user", "content": parts + [{"type": "text", "text": args.prompt}]}]
-    return chat_prompt(M3Tokenizer.from_file(tokenizer_file), messages, vl_config=vl_config)
+    return chat_prompt(M3Tokenizer.from_file(tokenizer_file), messages, vl_config=vl_config,
+                       template=chat_template(args.chat_template, tokenizer_file))
 
 
 def _progress(total: int):

@@ -116,12 +116,15 @@ def media_parts(messages: Sequence[dict], kind: str) -> list[dict]:
 
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None, *, prefill: str = "",
-                vl_config=None) -> tuple[list[int], PromptImages | None]:
+                vl_config=None, template=None) -> tuple[list[int], PromptImages | None]:
     """(prompt token ids, images or None) of a conversation with the generation prompt, then `prefill` text.
 
     vl_config: the served VL model's `M3VLConfig` (its vision config sizes the patches and placeholder runs);
-    None for a text model, whose prompt is the rendered text, encoded. Raises ValueError naming the bad part."""
-    text = render_chat(messages, tools, add_generation_prompt=True) + prefill
+    None for a text model, whose prompt is the rendered text, encoded. template: a checkpoint's own chat template
+    (`openm3.data.chat_template.ChatTemplate`) instead of the built-in `render_chat`. Raises ValueError naming
+    the bad part."""
+    render = template if template is not None else render_chat
+    text = render(messages, tools, add_generation_prompt=True) + prefill
     if vl_config is None:
         return tokenizer.encode(text), None
     vision = vl_config.vision_config

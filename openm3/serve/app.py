@@ -142,8 +142,10 @@ def _partial_suffix(text: str, s: str) -> int:
     return 0
 
 
-def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int):
-    """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens."""
+def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int, chat_template=None):
+    """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
+    chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
+    None renders with openm3's built-in M3 template."""
     from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -219,7 +221,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         """The conversation's prompt ids and images (`openm3.engine.media.chat_prompt`); a 400 naming `param` if it
         is bad."""
         try:
-            return chat_prompt(tokenizer, messages, tools, prefill=prefill, vl_config=vl_config)
+            return chat_prompt(tokenizer, messages, tools, prefill=prefill, vl_config=vl_config,
+                               template=chat_template)
         except ValueError as e:
             raise APIError(str(e), param) from None
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..engine.generate import add_model_arguments
+    from ..engine.generate import add_chat_template_argument, add_model_arguments
 
     p = argparse.ArgumentParser(prog="openm3 serve", description="Serve a model behind the OpenAI HTTP API "
                                 "(/v1/models, /v1/completions, /v1/chat/completions, /v1/responses) and "
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or a directory holding one (default: the "
                    "--checkpoint directory's tokenizer.json if it has one, else the locally trained tokenizer of "
                    "openm3.data, trained on first use)")
+    add_chat_template_argument(p)
     p.add_argument("--model-name", default=None, help="the model id clients send (default: preset or directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 def build_app(args: argparse.Namespace):
     """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
     from ..data.tokenizer import M3Tokenizer, get_tokenizer
-    from ..engine.generate import compile_layers, device_and_dtype, load_model, tokenizer_path
+    from ..engine.generate import chat_template, compile_layers, device_and_dtype, load_model, tokenizer_path
     from ..engine.batching import BatchedGenerator
     from ..engine.scheduler import text_model
     from .app import ModelBackend, create_app
@@ -66,6 +67,7 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
     source = tokenizer_path(args.tokenizer, args.checkpoint)
     tokenizer = M3Tokenizer.from_file(source) if source else get_tokenizer()
+    template = chat_template(args.chat_template, source)
     device, dtype = device_and_dtype(args)
     if args.vision and args.preset is None:
         raise ValueError("--vision: only with --preset (a --checkpoint is a vision-language model when its "
@@ -94,7 +96,7 @@ def build_app(args: argparse.Namespace):
             raise ValueError(f"--token-budget: {budget} tokens cannot hold one request of --max-total-tokens={limit}")
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
                                    index_dtype=args.index_dtype)
-    return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit)
+    return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template)
 
 
 def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):

@@ -1,0 +1,136 @@
+"""A checkpoint's own chat template: rendered as transformers 5.24.0's `apply_chat_template` renders it, found
+beside the tokenizer, and used by `openm3 serve` / `openm3 generate` in place of the built-in renderer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from openm3.data.chat import CHAT_TEMPLATE, render_chat
+from openm3.data.chat_template import ChatTemplate, read_template
+from openm3.data.tokenizer import BOS, TokenizerSettings, get_tokenizer
+from openm3.engine.generate import chat_template
+
+# A template in another family's style, using what released templates use: special-token variables, the
+# `{% generation %}` tag, namespaces, loop controls, `tojson` with options, `raise_exception`.
+CHATML = """{%- set ns = namespace(system=false) -%}
+{{- bos_token -}}
+{%- if tools %}<|tools|>{{ tools | tojson(indent=2) }}<|end|>
+{% endif -%}
+{%- for m in messages -%}
+{%- if m.role not in ["system", "user", "assistant", "tool"] -%}
+{{- raise_exception("unknown role " + m.role) -}}
+{%- endif -%}
+{%- if m.role == "system" %}{% set ns.system = true %}{% endif -%}
+<|{{ m.role }}|>
+{%- if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}
+{%- if p.type == "text" %}{{ p.text }}{% elif p.type == "image" %}]<]image[>[{% else %}{% continue %}{% endif %}
+{%- endfor %}{% endif -%}
+{%- if m.role == "assistant" %}{% generation %}{{ eos_token }}{% endgeneration %}{% endif %}
+{% endfor -%}
+{%- if add_generation_prompt %}<|assistant|>{% if not ns.system %}(no system){% endif %}{% endif -%}"""
+
+TOOL = {"type": "function", "function": {"name": "add", "description": "Sum ünï.", "parameters": {"type": "object"}}}
+CONVERSATIONS = [
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ünï 🚀 <b>"},
+      {"role": "assistant", "content": "Hello."}], None),
+    ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "video"}]}], None),
+    ([{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}], [TOOL]),
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return get_tokenizer(TokenizerSettings(vocab_size=1024, chars_per_corpus=150_000),
+                         tmp_path_factory.mktemp("tok-cache"))
+
+
+def _with_template(tok, path, template: str | None, *, in_config: bool = False):
+    """`tok` saved to `path` (tokenizer.json, tokenizer_config.json, chat_template.jinja), its template replaced by
+    `template` (in tokenizer_config.json with `in_config`; none at all for None)."""
+    tok.save(path)
+    (path / "chat_template.jinja").unlink()
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if template is not None and in_config:
+        config["chat_template"] = template
+    elif template is not None:
+        (path / "chat_template.jinja").write_text(template)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("name", ["openm3", "chatml"])
+def test_renders_as_transformers_renders(tok, tmp_path, name):
+    from transformers import AutoTokenizer
+
+    path = _with_template(tok, tmp_path / name, CHAT_TEMPLATE if name == "openm3" else CHATML)
+    ours = ChatTemplate.from_dir(path)
+    hf = AutoTokenizer.from_pretrained(str(path))
+    for messages, tools in CONVERSATIONS:
+        for gen in (False, True):
+            want = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+            assert ours(messages, tools, add_generation_prompt=gen) == want
+            if name == "openm3":
+                assert want == render_chat(messages, tools, add_generation_prompt=gen)
+    if name == "chatml":
+        assert ours(*CONVERSATIONS[0]).startswith("]~!b[<|system|>Be brief.")  # bos_token from tokenizer_config
+        with pytest.raises(ValueError, match="refused them: unknown role robot"):
+            ours([{"role": "robot", "content": "x"}])
+
+
+def test_finding_the_template(tok, tmp_path):
+    assert read_template(_with_template(tok, tmp_path / "none", None)) is None
+    in_config = _with_template(tok, tmp_path / "config", CHATML, in_config=True)
+    assert read_template(in_config)[0] == CHATML
+    both = _with_template(tok, tmp_path / "both", "file wins", in_config=False)
+    config = json.loads((both / "tokenizer_config.json").read_text())
+    (both / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    assert read_template(both)[0] == "file wins"
+    named = _with_template(tok, tmp_path / "named", [{"name": "tool_use", "template": "T"},
+                                                     {"name": "default", "template": CHATML}], in_config=True)
+    assert read_template(named)[0] == CHATML
+    bad = _with_template(tok, tmp_path / "bad", [{"name": "tool_use", "template": "T"}], in_config=True)
+    with pytest.raises(ValueError, match="needs one named 'default'"):
+        read_template(bad)
+    broken = _with_template(tok, tmp_path / "broken", "{% if %}")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: not a valid Jinja template"):
+        ChatTemplate.from_dir(broken)
+
+
+def test_chat_template_option(tok, tmp_path):
+    """--chat-template: auto takes the tokenizer directory's template, except openm3's own (the built-in renderer,
+    which renders the same and checks the messages); builtin ignores it; a path names a file."""
+    own = tok.save(tmp_path / "own")
+    assert chat_template("auto", str(own)) is None
+    foreign = _with_template(tok, tmp_path / "foreign", CHATML) / "tokenizer.json"
+    assert chat_template("auto", str(foreign)).source == CHATML
+    assert chat_template("builtin", str(foreign)) is None
+    assert chat_template("auto", None) is None
+    assert chat_template(str(foreign.parent / "chat_template.jinja"), None).source == CHATML
+    with pytest.raises(ValueError, match="--chat-template: expected auto, builtin or a template file"):
+        chat_template("chatml", str(foreign))
+
+
+def test_serve_renders_prompts_with_the_checkpoint_template(tok, tmp_path):
+    """The chat endpoints (OpenAI's and Anthropic's) prompt the model with the tokenizer directory's template; a
+    request the template refuses is a 400."""
+    from test_serve import Scripted
+
+    from openm3.serve import create_app
+
+    path = _with_template(tok, tmp_path / "tok", CHATML)
+    backend = Scripted([tok.eos_id], tok.vocab_size)
+    app = create_app(backend, tok, model_name="m", max_total_tokens=512,
+                     chat_template=chat_template("auto", str(path / "tokenizer.json")))
+    client = TestClient(app)
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/messages", json={"model": "m", "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    want = tok.encode(ChatTemplate(CHATML, {"bos_token": BOS})(messages))
+    assert backend.prompts == [want, want]
+    assert tok.decode(want) == "]~!b[<|user|>Hi<|assistant|>(no system)"
