@@ -172,3 +172,34 @@ def test_cli_compile_gives_the_same_greedy_tokens(capsys):
     finally:
         torch._dynamo.reset()
     assert capsys.readouterr().out.strip().splitlines()[-1] == eager
+
+
+def test_cli_chat_prompt(tmp_path, capsys, monkeypatch):
+    """--chat: --prompt becomes a user turn of the chat template (after a --system turn), with the generation
+    prompt, as `openm3 serve` renders a conversation; the end-of-turn token stops generation. Without a tokenizer
+    holding M3's chat tokens it fails with a message saying so."""
+    import importlib
+
+    from openm3.data.chat import render_chat
+    from openm3.data.tokenizer import TokenizerSettings, get_tokenizer
+
+    tok = get_tokenizer(TokenizerSettings(vocab_size=1024, chars_per_corpus=150_000), tmp_path / "cache")
+    path = tok.save(tmp_path / "tok")
+    module = importlib.import_module("openm3.engine.generate")  # (the package exports a function of that name)
+    seen = []
+    real = module.generate
+    monkeypatch.setattr(module, "generate", lambda model, prompts, **kw: seen.append((prompts[0], kw["stop_tokens"]))
+                        or real(model, prompts, **kw))
+    base = ["--preset", "m3-tiny", "--tokenizer", str(path), "--prompt", "hi there", "--max-new-tokens", "2",
+            "--device", "cpu", "--no-stream", "--stop", "7"]
+    assert main(base + ["--chat"]) == 0
+    assert main(base + ["--system", "Be brief."]) == 0
+    assert main(base) == 0
+    user = {"role": "user", "content": [{"type": "text", "text": "hi there"}]}
+    assert seen[0] == (tok.encode(render_chat([user], add_generation_prompt=True)), [7, tok.eos_id])
+    system = {"role": "system", "content": "Be brief."}
+    assert seen[1] == (tok.encode(render_chat([system, user], add_generation_prompt=True)), [7, tok.eos_id])
+    assert seen[2] == (tok.encode("hi there"), [7])
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="--chat / --system need --prompt"):
+        main(["--preset", "m3-tiny", "--prompt-ids", "1", "--chat", "--device", "cpu"])

@@ -249,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "turn of the chat template holding the images, then the videos, then the text")
     p.add_argument("--video", action="append", default=[], metavar="PATH",
                    help="a video as an animated GIF / WebP / PNG file (repeatable; at most 64 frames are kept)")
+    p.add_argument("--chat", action="store_true",
+                   help="--prompt is a user turn of the chat template (as `openm3 serve` renders a conversation), "
+                   "followed by the assistant's generation prompt; generation stops at the end of the turn. "
+                   "Implied by --image, --video and --system")
+    p.add_argument("--system", default=None, help="a system turn before the --chat user turn")
     p.add_argument("--tokenizer", help="a tokenizer.json or a directory holding one, for --prompt and to print "
                    "text (default: the --checkpoint directory's, if it has one)")
     add_chat_template_argument(p)
@@ -374,6 +379,9 @@ def run(args: argparse.Namespace) -> int:
     media = bool(args.image or args.video)
     if media and (args.prompt is None or args.checkpoint is None):
         raise SystemExit("error: --image / --video need --prompt text and a vision-language --checkpoint")
+    chat = args.chat or media or args.system is not None
+    if chat and args.prompt is None:
+        raise SystemExit("error: --chat / --system need --prompt text (the user turn)")
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
         stop = [int(s) for s in args.stop.split(",") if s.strip()]
@@ -401,12 +409,15 @@ def run(args: argparse.Namespace) -> int:
     if args.compile:
         compile_layers(text_model(model))
     images = None
-    if media:
+    if chat:
+        from ..data.tokenizer import M3Tokenizer
+
         try:
-            prompt, visual = media_prompt(args, path, model.config)
+            prompt, visual = chat_turn_prompt(args, path, model.config if media else None)
+            stop = stop + [M3Tokenizer.from_file(path).eos_id]  # the end of the assistant's turn
         except ValueError as e:
             raise SystemExit(f"error: {e}")
-        images = [visual]
+        images = [visual] if media else None
     elif args.prompt is not None:
         prompt = tokenizer.encode(args.prompt).ids
     elif args.prompt_ids is not None:
@@ -443,16 +454,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def media_prompt(args, tokenizer_file: str, vl_config):
-    """(prompt ids, PromptImages) for `--prompt` with `--image` / `--video` files: one user turn of the chat
-    template (images, videos, then the text) and the generation prompt, built as training and `openm3 serve` build
-    it (`openm3.engine.media.chat_prompt`). ValueError naming the file that cannot be read or decoded."""
+def chat_turn_prompt(args, tokenizer_file: str, vl_config):
+    """(prompt ids, PromptImages or None) for a `--chat` `--prompt`: an optional `--system` turn, then one user turn
+    of the chat template (the `--image` / `--video` files, then the text) and the generation prompt, built as
+    training and `openm3 serve` build it (`openm3.engine.media.chat_prompt`; `vl_config` None for a text model).
+    ValueError naming the file that cannot be read or decoded."""
     from ..data.tokenizer import M3Tokenizer
     from .media import chat_prompt
 
     parts = [{"type": kind, "path": f, "where": f"--{kind} {f}"}
              for kind, files in (("image", args.image), ("video", args.video)) for f in files]
-    messages = [{"role": "user", "content": parts + [{"type": "text", "text": args.prompt}]}]
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    messages.append({"role": "user", "content": parts + [{"type": "text", "text": args.prompt}]})
     return chat_prompt(M3Tokenizer.from_file(tokenizer_file), messages, vl_config=vl_config,
                        template=chat_template(args.chat_template, tokenizer_file))
 
