@@ -210,3 +210,16 @@ def test_missing_files(broken, tmp_path):
     (broken / "config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json not found"):
         load_text_model(broken)
+
+
+def test_large_loads_show_progress(published_dir, monkeypatch, capsys):
+    """A load of at least `PROGRESS_BYTES` of weights draws a progress bar on stderr (a real M3 checkpoint loads for
+    minutes); a small one prints nothing."""
+    from openm3.models import checkpoint
+
+    load_text_model(published_dir)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(checkpoint, "PROGRESS_BYTES", 0)
+    load_text_model(published_dir)
+    err = capsys.readouterr().err
+    assert f"loading {published_dir.name}" in err and "100%" in err

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -526,9 +527,25 @@ def load_text_model(path, dtype: torch.dtype | None = None, device: torch.device
         params.pop("lm_head.weight")
     plan = _plan(source, params, config.tie_word_embeddings)
 
-    with torch.no_grad():
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    with torch.no_grad(), _progress(total, f"loading {root.name}") as bar:
         for file, entries in plan.items():
             with safe_open(str(root / file), framework="pt", device="cpu") as f:
                 for name, target in entries:
-                    target.view(params[target.param]).copy_(source.get(f, name, device))
+                    view = target.view(params[target.param])
+                    view.copy_(source.get(f, name, device))
+                    bar.update(view.numel() * view.element_size())
     return model.eval()
+
+
+# a checkpoint load takes a progress bar (on stderr) from this many bytes of weights on
+PROGRESS_BYTES = 2 << 30
+
+
+def _progress(total: int, desc: str):
+    """A tqdm bar over `total` bytes when they are at least `PROGRESS_BYTES` (a real M3 checkpoint loads for
+    minutes), else one that shows nothing."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=total < PROGRESS_BYTES, file=sys.stderr)
