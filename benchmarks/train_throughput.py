@@ -362,7 +362,8 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
            "flops_per_token": flops_per_token(mcfg, ctx)}
     if overlap:
         o_step = time_overlapped(trainer, overlap)
-        out.update(overlapped_step_s=o_step, overlapped_tokens_per_s=tokens / o_step)
+        out.update(overlapped_step_s=o_step, overlapped_tokens_per_s=tokens / o_step,
+                   peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30)  # the peak over both ways
     if ab_env:
         b_step = statistics.median(b_times)
         out["ab"] = {"env": ab_env, "a_step_s_all": times, "b_step_s_all": b_times, "a_step_s": step_s,
