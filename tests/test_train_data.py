@@ -255,11 +255,22 @@ def test_train_starts_from_a_checkpoint(tmp_path, tokenizer, source, monkeypatch
     export = first.export(tmp_path / "export", tokenizer)
     saved = checkpoint_tokenizer(export)
     assert saved.vocab_size == tokenizer.vocab_size and saved.image_id == tokenizer.image_id
+    from openm3.models import checkpoint as model_checkpoint
+
+    loads = []
+    real_load = model_checkpoint.load_pretrained
+    monkeypatch.setattr(model_checkpoint, "load_pretrained", lambda *a, **k: loads.append(a[0]) or real_load(*a, **k))
     second = Trainer(real_cfg(tmp_path, "second", steps=2), checkpoint_builder(export, saved, multimodal=True), source)
     want = first.model.state_dict()
     got = second.model.state_dict()
     assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
     assert all(p.dtype == torch.float32 for p in second.model.parameters()) and second.model.training
+    # its export saves from the architecture alone: the checkpoint is not read a second time
+    again = second.export(tmp_path / "again")
+    assert loads == [export]
+    monkeypatch.setattr(model_checkpoint, "load_pretrained", real_load)
+    exported = real_load(again).state_dict()
+    assert list(exported) == list(want) and all(torch.equal(exported[n], want[n]) for n in want)
 
     config = tmp_path / "run.json"
     config.write_text(json.dumps({"extra": {"weights": WEIGHTS, "image_size": 56, "eval": {"windows": 1, "qa": {}}},

@@ -483,6 +483,8 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device: torch.device
     with a `vision_config`, else `M3TextModel`; `load_text_model` reads only the text decoder of either.
     dtype: parameter dtype (default: the `dtype` / `torch_dtype` of config.json, else float32).
     device: where to allocate the model (default CPU). Returns the model in eval mode.
+    source: the checkpoint's `TensorSource` when the caller has built it already (the VL loader reads the vision
+    tensors through the same one: config.json and the fp8 scales are read once).
     """
     root = _checkpoint_dir(path)
     if config_json(root).get("vision_config") is not None:
@@ -499,12 +501,14 @@ def _checkpoint_dir(path) -> Path:
     return root
 
 
-def load_text_model(path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
-                    ) -> M3TextModel:
+def load_text_model(path, dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
+                    source: TensorSource | None = None) -> M3TextModel:
     """Load the M3 text decoder from a local checkpoint directory, text-only or VL (vision tensors are skipped).
 
     dtype: parameter dtype (default: the `dtype` / `torch_dtype` of config.json, else float32).
     device: where to allocate the model (default CPU). Returns the model in eval mode.
+    source: the checkpoint's `TensorSource` when the caller has built it already (the VL loader reads the vision
+    tensors through the same one: config.json and the fp8 scales are read once).
     """
     root = _checkpoint_dir(path)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -516,7 +520,7 @@ def load_text_model(path, dtype: torch.dtype | None = None, device: torch.device
         dtype = _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
     device = torch.device(device if device is not None else "cpu")
 
-    source = TensorSource(root)
+    source = source if source is not None else TensorSource(root)
     with torch.device("meta"):
         model = M3TextModel(config)
     model = model.to(dtype=dtype).to_empty(device=device)

@@ -294,7 +294,8 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device=None) -> M3Fo
     if not root.is_dir():
         raise text_checkpoint.CheckpointError(f"{root}: checkpoint directory not found")
     config = read_config(root)
-    language_model = text_checkpoint.load_text_model(root, dtype=dtype, device=device)
+    source = text_checkpoint.TensorSource(root)  # dequantizes fp8 weights, hides their scales
+    language_model = text_checkpoint.load_text_model(root, dtype=dtype, device=device, source=source)
     dtype = next(language_model.parameters()).dtype
     device = next(language_model.parameters()).device
     with torch.device("meta"):
@@ -306,7 +307,6 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device=None) -> M3Fo
                                                       config.vision_config.rope_theta).to(device)
     params = {n: p for n, p in model.state_dict(keep_vars=True).items() if not n.startswith("language_model.")}
     filled: set[str] = set()
-    source = text_checkpoint.TensorSource(root)  # dequantizes fp8 weights, hides their scales
     with torch.no_grad():
         for file, names in source.files.items():
             with safe_open(str(root / file), framework="pt", device="cpu") as f:

@@ -148,14 +148,16 @@ def export_consolidated(model: nn.Module, build_model: Callable[[], nn.Module], 
                         info: DistInfo, tokenizer=None) -> Path | None:
     """Collective: gather the full weights and (rank 0) write them with the model's `save_pretrained`
     (published M3 layout for openm3 models) and, if given, the `M3Tokenizer` (`tokenizer.json`, its config and
-    chat template), under a temporary name, then rename. Returns the path on rank 0."""
+    chat template), under a temporary name, then rename. Returns the path on rank 0. The weights are saved from a
+    fresh model: `build_model.skeleton()` when the builder has one (the same architecture built without reading a
+    checkpoint: a run started from one does not read it again), else `build_model()`."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = Path(out)
     result = None
     if info.is_main:
-        fresh = build_model()
+        fresh = (getattr(build_model, "skeleton", None) or build_model)()
         fresh.load_state_dict(full)
         if not hasattr(fresh, "save_pretrained"):
             raise ValueError(f"{type(fresh).__name__} has no save_pretrained; cannot export a consolidated checkpoint")

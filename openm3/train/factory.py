@@ -79,4 +79,16 @@ def checkpoint_builder(path: str | Path, tokenizer, *, multimodal: bool) -> Call
         raise ValueError(f"init_from: the tokenizer's image / video ids {tokenizer.image_id} / {tokenizer.video_id} "
                          f"differ from the checkpoint's image_token_index / video_token_index "
                          f"{config.image_token_index} / {config.video_token_index}")
-    return lambda: load_pretrained(root, dtype=torch.float32).train()
+    def build() -> nn.Module:
+        return load_pretrained(root, dtype=torch.float32).train()
+
+    # the same architecture without reading the weights (an export needs only its structure to save into)
+    if is_vl:
+        from ..models.multimodal import M3ForConditionalGeneration
+
+        build.skeleton = lambda: M3ForConditionalGeneration(config)
+    else:
+        from ..models.text import M3TextModel
+
+        build.skeleton = lambda: M3TextModel(text)
+    return build

@@ -171,6 +171,7 @@ class Trainer:
         def wrapped() -> nn.Module:
             torch.manual_seed(self.cfg.seed)
             return build()
+        wrapped.skeleton = getattr(build, "skeleton", None)  # see export_consolidated
         return wrapped
 
     def _checkpoint_contexts(self):
