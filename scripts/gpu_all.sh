@@ -48,6 +48,7 @@ for s in "${stages[@]}"; do
     prefillprof) python3 -m benchmarks.prefill_profile --out "$OUT" 2>&1 | tee "$OUT/prefill_profile.log" | tail -45 ;;
     batching) python3 -m benchmarks.serve_batching --out "$OUT" 2>&1 | tee "$OUT/serve_batching.log" | tail -6 ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
+    routing) python3 -m benchmarks.moe_routing_ops --out "$OUT" 2>&1 | tee "$OUT/moe_routing_ops.log" | tail -4 ;;
     klcompact)  # the KL with its old work-list compaction (a host sync per call; off by default since session 5)
       python3 -m benchmarks.msa_group_sweep --out "$OUT/klcompact" --attn "" --kl "" "compact_items=1" 2>&1 \
         | tee "$OUT/klcompact_sweep.log" | tail -8

@@ -187,3 +187,36 @@ def test_bad_inputs():
         layer.impl = "fast"
     with pytest.raises(ValueError, match="impl must be one of"):
         set_experts_impl(layer, "cuda")
+
+
+@pytest.mark.parametrize("experts,k", [(4, 1), (7, 2), (16, 2), (16, 4), (9, 3)])
+def test_top_k_by_passes_equals_topk(experts, k):
+    """CUDA's top-k of the router (k argmax passes) picks torch.topk's columns, largest first, on tie-free rows."""
+    x = torch.randn(300, experts, generator=torch.Generator().manual_seed(experts * 10 + k))
+    assert torch.equal(moe._top_k_by_passes(x, k), torch.topk(x, k, dim=-1).indices)
+
+
+def test_top_k_by_passes_ties_take_the_lower_column_first():
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, -1.0, 5.0, 5.0]])
+    assert moe._top_k_by_passes(x, 2).tolist() == [[1, 2], [0, 1], [2, 3]]
+    assert moe._top_k_by_passes(x, 3).tolist() == [[1, 2, 0], [0, 1, 2], [2, 3, 0]]
+
+
+def test_load_balancing_loss_counts_the_top_k_of_the_softmax():
+    """E * sum_e f_e * mean(p_e) over the layers pooled, against the formula written out with index_add counts."""
+    gen = torch.Generator().manual_seed(3)
+    layers = [torch.randn(n, 8, generator=gen, requires_grad=True) for n in (40, 17)]
+    got = moe.load_balancing_loss(layers, 8, 2)
+    counts = torch.zeros(8)
+    prob_sum = torch.zeros(8)
+    for logits in layers:
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(probs, 2, dim=-1).indices.reshape(-1)
+        counts = counts.index_add(0, chosen, torch.ones(chosen.numel()))
+        prob_sum = prob_sum + probs.sum(dim=0)
+    want = 8 * torch.sum((counts / 57) * (prob_sum / 57))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    g_got = torch.autograd.grad(got, layers, retain_graph=True)
+    g_want = torch.autograd.grad(want, layers)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
