@@ -36,6 +36,33 @@ def profiled_times(prof) -> tuple[dict[str, tuple[float, int]], dict[str, tuple[
     return ({k: (v[0], v[1]) for k, v in kernels.items()}, {k: (v[0], v[1]) for k, v in host.items()})
 
 
+def idle_gaps(prof, top: int = 12, min_us: float = 20.0) -> dict:
+    """Where the GPU idled in a profiled region: the span from the first kernel's start to the last one's end, the
+    kernel time inside it, and the `top` longest gaps of at least `min_us` between one kernel's end (the latest end
+    so far) and the next start, each with the kernels on both sides and its offset into the span (a gap at a
+    step's edges is the host preparing the step; one inside is a sync or a stretch of slow host code)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    if not spans:
+        return {}
+    first, end, before = spans[0][0], spans[0][1], spans[0][2]
+    gaps, busy, cur_start = [], 0.0, first
+    for start, stop, name in spans[1:]:
+        if start > end:
+            busy += end - cur_start
+            if start - end >= min_us:
+                gaps.append((start - end, end - first, before, name))
+            cur_start = start
+        if stop > end:
+            end, before = stop, name
+    busy += end - cur_start
+    gaps.sort(reverse=True)
+    return {"span_ms": round((end - first) / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+            "gaps_ms_total": round(sum(g[0] for g in gaps) / 1e3, 3), "gaps_count": len(gaps),
+            "largest": [{"ms": round(g / 1e3, 3), "at_ms": round(at / 1e3, 3), "after": a[:70], "before": b[:70]}
+                        for g, at, a, b in gaps[:top]]}
+
+
 def top_host_ops(host: dict[str, tuple[float, int]], top: int = 25) -> list[dict]:
     """The `top` host operators by self CPU time, as JSON-ready rows."""
     ranked = sorted(host.items(), key=lambda kv: -kv[1][0])[:top]

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._timing import profiled_times, top_host_ops
+from benchmarks._timing import idle_gaps, profiled_times, top_host_ops
 
 PEAK_BF16 = {"H200": 989.5e12, "H100": 989.5e12}
 
@@ -181,6 +181,7 @@ def profile_step(trainer) -> dict:
     out = kernel_breakdown(kernels, wall_ms)
     # where the host's time goes (a step whose GPU idles is bound by it): self CPU time per operator / CUDA API call
     out["host_self_ms"] = top_host_ops(host)
+    out["idle"] = idle_gaps(prof)  # where in the step the GPU waited for the host
     return out
 
 
