@@ -9,6 +9,8 @@ top-16 with 1 local block, one sequence of T tokens. Per T it times (medians, ms
   sparse_fwd      sparse_attention forward          sparse_fwd_bwd   forward + backward (dq, dk, dv)
   kl_fwd_bwd      indexer_kl forward + backward (sparse, with the attention's lse)
   msa_prefill     select + sparse forward           msa_train_step   select + attention fwd/bwd + KL fwd/bwd
+  msa_train_step_kl_bwd   the train step with the KL in the attention's backward (`sparse_attention_with_kl`:
+                  the dk/dv kernel stores the KL's teacher, no teacher pass; the trainer's default since session 15)
   dense_fwd       cuDNN SDPA causal forward         dense_fwd_bwd    forward + backward (skipped at >= 1M)
   flex_fwd        FlexAttention over the union of the selected blocks of each 128-query tile (per KV group, so
                   the block mask stays [NQ, NKV]); flex_fwd_bwd forward + backward
@@ -149,9 +151,17 @@ def msa_fns(x: dict, res: dict):
         kl = msa.indexer_kl(q.detach(), k.detach(), qi, ki, bi, cu, lse=lse_t.detach(), **kw)
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
 
+    def train_step_kl_bwd():
+        q.grad = k.grad = v.grad = qi.grad = ki.grad = None
+        with torch.no_grad():
+            bi = select()
+        o, _, kl = msa.sparse_attention_with_kl(q, k, v, qi, ki, bi, cu, **kw)
+        torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
+
     cases = dict(sparse_fwd=sparse_fwd, sparse_fwd_bwd=sparse_fwd_bwd, kl_fwd_bwd=kl_fwd_bwd)
     if have_select:
-        cases.update(select=select, msa_prefill=prefill, msa_train_step=train_step)
+        cases.update(select=select, msa_prefill=prefill, msa_train_step=train_step,
+                     msa_train_step_kl_bwd=train_step_kl_bwd)
     return cases, block_idx
 
 
@@ -353,7 +363,8 @@ def run_T(t: int, args, results_all: list) -> None:
             print(f"    check FAILED: {exc}", flush=True)
             traceback.print_exc(limit=5)
     slow_reps = 1 if big else 2
-    names = ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step")
+    names = ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step",
+             "msa_train_step_kl_bwd")
     for name in names[:3] if args.prefill_only else names:
         if name in msa_cases:
             _run_case(res, name, msa_cases[name], slow_reps=slow_reps)
@@ -438,6 +449,7 @@ def _ratios(res: dict) -> None:
     res["ratios"] = {
         "prefill_speedup_vs_dense": ratio("dense_fwd", "msa_prefill"),
         "train_speedup_vs_dense": ratio("dense_fwd_bwd", "msa_train_step"),
+        "train_kl_bwd_speedup_vs_dense": ratio("dense_fwd_bwd", "msa_train_step_kl_bwd"),
         "sparse_fwd_speedup_vs_flex": ratio("flex_fwd", "sparse_fwd"),
         "sparse_fwd_bwd_speedup_vs_flex": ratio("flex_fwd_bwd", "sparse_fwd_bwd"),
         "sparse_fwd_speedup_vs_dense": ratio("dense_fwd", "sparse_fwd"),
@@ -554,7 +566,7 @@ def kernel_breakdown(fn) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step",
-            "dense_fwd", "dense_fwd_bwd", "flex_fwd", "flex_fwd_bwd"]
+            "msa_train_step_kl_bwd", "dense_fwd", "dense_fwd_bwd", "flex_fwd", "flex_fwd_bwd"]
     print("\n" + "T".rjust(8) + "".join(c.rjust(16) for c in cols))
     for r in rows:
         if "launch" in r:
@@ -574,7 +586,8 @@ def print_table(rows: list[dict]) -> None:
         print(str(r["T"]).rjust(8) + "".join((f"{v:.2f}" if isinstance(v, float) else "-").rjust(14) for v in vals))
     print("\nratios (higher is better; targets: prefill >= 12x at 128K and >= 20x at 1M, train >= 10x at 128K, "
           "sparse vs flex > 1)")
-    names = ["prefill_speedup_vs_dense", "train_speedup_vs_dense", "sparse_fwd_speedup_vs_flex",
+    names = ["prefill_speedup_vs_dense", "train_speedup_vs_dense", "train_kl_bwd_speedup_vs_dense",
+             "sparse_fwd_speedup_vs_flex",
              "sparse_fwd_bwd_speedup_vs_flex", "sparse_fwd_speedup_vs_dense", "iid_prefill_speedup_vs_dense"]
     print("T".rjust(8) + "".join(n.replace("_speedup", "").rjust(26) for n in names))
     for r in rows:

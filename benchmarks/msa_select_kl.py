@@ -135,9 +135,16 @@ def check_select(x: dict, tail: int) -> dict:
     return res
 
 
-def check_kl(x: dict, tail: int, sparse: bool, with_lse: bool) -> dict:
+def check_kl(x: dict, tail: int, sparse: bool, with_lse: bool, joint: bool = False) -> dict:
+    """The KL kernel's loss, dqi and dki against the fp32 reference, and a bf16 PyTorch computation's errors.
+    joint: the KL computed in the sparse attention's backward (`sparse_attention_with_kl`, with its own bf16 lse;
+    `with_lse` must be False, so the reference and the bf16 baseline compute theirs too)."""
     from openm3.ops.msa import reference
+    from openm3.ops.msa.triton_attention_kl import sparse_attention_with_kl
     from openm3.ops.msa.triton_kl import indexer_kl
+
+    if joint and (with_lse or not sparse):
+        raise ValueError("check_kl: joint=True is the sparse KL with the attention's own lse (with_lse=False)")
 
     t, dev = x["ki"].shape[0], x["ki"].device
     q, qi = x["q"][-tail:], x["qi"][-tail:]
@@ -162,8 +169,12 @@ def check_kl(x: dict, tail: int, sparse: bool, with_lse: bool) -> dict:
                                block_size=BLOCK, lse=lse, cu_seqlens_k=cu_k, workspace=1 << 27)
     ref.backward()
     qi_k, ki_k = qi.detach().clone().requires_grad_(True), x["ki"].detach().clone().requires_grad_(True)
-    out = indexer_kl(q, x["k"], qi_k, ki_k, block_idx if sparse else None, cu_q, block_size=BLOCK, lse=lse,
-                     cu_seqlens_k=cu_k)
+    if joint:  # the backward (from the KL alone: o's gradient is zero) writes the KL's value
+        _, _, out = sparse_attention_with_kl(q, x["k"], x["k"], qi_k, ki_k, block_idx, cu_q, block_size=BLOCK,
+                                             cu_seqlens_k=cu_k)
+    else:
+        out = indexer_kl(q, x["k"], qi_k, ki_k, block_idx if sparse else None, cu_q, block_size=BLOCK, lse=lse,
+                         cu_seqlens_k=cu_k)
     out.backward()
     base_loss, base_dqi, base_dki = kl_bf16_torch(q, x["k"], qi, x["ki"], block_idx, scale=scale,
                                                   index_scale=index_scale, lse=lse)

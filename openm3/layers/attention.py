@@ -23,8 +23,10 @@ own attention output. No indexer KL and no block selections are produced on this
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -144,6 +146,10 @@ class Attention(nn.Module):
             if compute_kl:
                 kl = _kl_once(reuse, lambda: msa.indexer_kl(q.detach(), k.detach(), qi, ki, None, cu_seqlens,
                                                             block_size=self.block_size, scale=self.scale))
+        elif compute_kl and reuse is None and _KL_VALUES.get() is not None:
+            # inside `kl_in_backward`: the KL runs in the attention's backward (its value is written there)
+            o, _, kl = msa.sparse_attention_with_kl(q, k, v, qi, ki, block_idx, cu_seqlens, block_size=self.block_size,
+                                                    scale=self.scale, validate_block_idx=False, index_lse=index_lse)
         else:
             # block_idx comes from select_blocks just above: its value checks (host syncs) are skipped
             o, lse = msa.sparse_attention(q, k, v, block_idx, cu_seqlens, block_size=self.block_size,
@@ -153,7 +159,31 @@ class Attention(nn.Module):
                                                             block_size=self.block_size, scale=self.scale,
                                                             lse=lse.detach(), validate_block_idx=False,
                                                             index_lse=index_lse))
+        values = _KL_VALUES.get()
+        if kl is not None and values is not None:
+            values.append(kl.detach())  # shares kl's storage: a value the backward writes shows here after it
         return o, kl, block_idx if return_block_idx else None
+
+
+# The list `kl_in_backward` collects the MSA layers' KL values into (None outside it).
+_KL_VALUES: ContextVar[list | None] = ContextVar("openm3_kl_values", default=None)
+
+
+@contextmanager
+def kl_in_backward() -> Iterator[list[torch.Tensor]]:
+    """Inside this context, the sparse-stage MSA layers that compute the indexer KL (without activation
+    checkpointing) run it inside the attention's backward (`msa.sparse_attention_with_kl`: on the Triton backend
+    the dk/dv kernel computes the KL's teacher on the way, so the forward's teacher pass goes), and every MSA
+    layer's KL appends its value tensor to the yielded list. The KL's gradients are unchanged; its value is
+    written by the backward: the model output's `indexer_kl` is 0 in a forward run here on the Triton backend,
+    and `torch.stack(values).mean()` after the backward is the value. The training loop uses it
+    (`TrainConfig.kl_in_backward`)."""
+    values: list[torch.Tensor] = []
+    token = _KL_VALUES.set(values)
+    try:
+        yield values
+    finally:
+        _KL_VALUES.reset(token)
 
 
 def _kl_once(reuse: "recompute.CheckpointReuse | None", run) -> torch.Tensor:

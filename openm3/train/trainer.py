@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import distributed as D
+from ..layers.attention import kl_in_backward
 from ..layers.recompute import reuse_contexts
 from ..models.text import check_input_ids, input_ids_checked_by_caller, residual_stream_dtype
 from .batches import IGNORE, Batch, RowSource, shard_micro_batches, step_rows
@@ -295,7 +296,9 @@ class Trainer:
         """Forward and backward of one micro-batch holding `share` of the step's tokens; adds into `sums` and
         `by_kind`. Returns whether it produced a KL and an aux loss."""
         cfg, info = self.cfg, self.info
-        with self._autocast():
+        # the KL in the attention's backward: not with checkpointing (its recomputation would run the other path)
+        defer_kl = cfg.kl_in_backward and not cfg.activation_checkpointing
+        with self._autocast(), (kl_in_backward() if defer_kl else nullcontext([])) as kl_values:
             out = model_forward(self.model, batch, msa_stage=stage, kl=cfg.kl_weight > 0,
                                 aux=cfg.aux_loss_weight > 0)
         per_token = token_losses(out.logits, batch.labels)
@@ -308,13 +311,15 @@ class Trainer:
         loss = ce / n_loss
         if out.indexer_kl is not None:
             loss = loss + cfg.kl_weight * share * out.indexer_kl
-            sums[1] += share * out.indexer_kl.detach().double()
         if out.aux_loss is not None:
             loss = loss + cfg.aux_loss_weight * share * out.aux_loss
             sums[2] += share * out.aux_loss.detach().double()
         # FSDP averages gradients over ranks; scaling by world size turns that into the global sum.
         (loss * info.world_size).backward()
         sums[0] += ce.detach().double()
+        if out.indexer_kl is not None:  # after the backward, which writes the values of KLs it computed
+            kl = torch.stack(kl_values).mean() if kl_values else out.indexer_kl.detach()
+            sums[1] += share * kl.double()
         return out.indexer_kl is not None, out.aux_loss is not None
 
     # ---- the loop ----------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import torch
 from . import reference
 from .backend import BACKENDS, pick_backend, use_backend
 
-__all__ = ["select_blocks", "sparse_attention", "indexer_kl", "use_backend", "pick_backend", "BACKENDS"]
+__all__ = ["select_blocks", "sparse_attention", "indexer_kl", "sparse_attention_with_kl", "use_backend",
+           "pick_backend", "BACKENDS"]
 
 
 def select_blocks(qi, ki, cu_seqlens, *, block_size: int, topk: int, local_blocks: int = 1, cu_seqlens_k=None,
@@ -57,3 +58,26 @@ def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: f
         impl = reference.indexer_kl
     return impl(q, k, qi, ki, block_idx, cu_seqlens, block_size=block_size, scale=scale, index_scale=index_scale,
                 lse=lse, cu_seqlens_k=cu_seqlens_k, validate_block_idx=validate_block_idx, index_lse=index_lse)
+
+
+def sparse_attention_with_kl(q, k, v, qi, ki, block_idx, cu_seqlens, *, block_size: int,
+                             scale: float | None = None, index_scale: float | None = None, cu_seqlens_k=None,
+                             validate_block_idx: bool = True, index_lse: torch.Tensor | None = None):
+    """`sparse_attention` and the sparse `indexer_kl` (with the attention's lse) of one selection in one call:
+    (o, lse, kl), with the gradients of the two calls (the KL's into qi and ki only).
+
+    On the Triton backend the KL runs inside the attention's backward, on the teacher probabilities its dk/dv
+    kernel computes anyway (one pass over the selected blocks fewer than the two calls), so when a backward is
+    to come kl's *value* is written by that backward (0 before it): read it after `backward()`. The reference
+    computes the KL at once."""
+    if pick_backend(q) == "triton":
+        from .triton_attention_kl import sparse_attention_with_kl as impl
+        return impl(q, k, v, qi, ki, block_idx, cu_seqlens, block_size=block_size, scale=scale,
+                    index_scale=index_scale, cu_seqlens_k=cu_seqlens_k, validate_block_idx=validate_block_idx,
+                    index_lse=index_lse)
+    o, lse = reference.sparse_attention(q, k, v, block_idx, cu_seqlens, block_size=block_size, scale=scale,
+                                        cu_seqlens_k=cu_seqlens_k, validate_block_idx=validate_block_idx)
+    kl = reference.indexer_kl(q.detach(), k.detach(), qi, ki, block_idx, cu_seqlens, block_size=block_size,
+                              scale=scale, index_scale=index_scale, lse=lse.detach(), cu_seqlens_k=cu_seqlens_k,
+                              validate_block_idx=False, index_lse=index_lse)
+    return o, lse, kl

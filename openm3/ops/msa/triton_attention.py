@@ -254,14 +254,16 @@ def _attn_dq_kernel(
 
 @triton.jit
 def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
-               stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
+               stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok, TEACH, ENTRY_LIST, key0,
                NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr,
-               DQ_T: tl.constexpr):
+               DQ_T: tl.constexpr, TEACHER: tl.constexpr, TEACHER_T: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Accumulate dk, dv of one key tile over the next TOKENS queries `TOKENS_LIST[j : j + TOKENS]`; with FUSE_DQ
     also add this tile's dq = scale * dS K into the fp32 [T, Hq, D] buffer DQ (atomics: a query's blocks are
     handled by different programs). PASS 0 does all of it, 1 only dv, 2 only dk (and dq): a split pass keeps one
-    fp32 accumulator live instead of two, for fewer registers per thread.
+    fp32 accumulator live instead of two, for fewer registers per thread. With TEACHER (passes 0 and 1) the
+    indexer KL's teacher is stored on the way: the mean over the group's heads of P = exp(s - lse) (capped at 1,
+    as `_teacher_step`'s) of each token, at TEACH[entry, key0 + key] for the entry `ENTRY_LIST[j + token]`.
 
     Key-major: S^T = K Q^T is [BLOCK_N, BLOCK_M], so every dot has the key tile as its M dimension (a wgmma on
     Hopper) and P^T / dS^T feed dV += P^T dO and dK += dS^T Q straight from registers."""
@@ -280,6 +282,21 @@ def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIS
     p_t = tl.where(visible, tl.math.exp2(s_t - lse2[None, :]), 0.0)
     if PASS != 2:
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        if TEACHER:  # rows are (token, head) with the head fastest: the mean of each token's GROUP rows
+            t_local = tl.arange(0, BLOCK_M // GROUP)
+            t_ok = (t_local < TOKENS) & (j + t_local < hi)
+            entry = tl.load(ENTRY_LIST + j + t_local, mask=t_ok, other=0).to(tl.int64)
+            key = key0 + tl.arange(0, p_t.shape[0])
+            if TEACHER_T:  # [tokens, keys]: stores along the keys
+                p_mean = tl.sum(tl.reshape(tl.trans(tl.minimum(p_t, 1.0)), [BLOCK_M // GROUP, GROUP, p_t.shape[0]]),
+                                1) * (1.0 / GROUP)
+                tl.store(TEACH + entry[:, None] * BLOCK_SIZE + key[None, :], p_mean.to(TEACH.dtype.element_ty),
+                         mask=t_ok[:, None] & (key < BLOCK_SIZE)[None, :])
+            else:  # [keys, tokens]
+                p_mean = tl.sum(tl.reshape(tl.minimum(p_t, 1.0), [p_t.shape[0], BLOCK_M // GROUP, GROUP]),
+                                2) * (1.0 / GROUP)
+                tl.store(TEACH + entry[None, :] * BLOCK_SIZE + key[:, None], p_mean.to(TEACH.dtype.element_ty),
+                         mask=t_ok[None, :] & (key < BLOCK_SIZE)[:, None])
     if PASS != 1:
         delta = tl.load(DELTA + tok.to(tl.int64) * NUM_HEADS + head, mask=row_ok, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -300,18 +317,20 @@ def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIS
 @triton.jit
 def _attn_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, QPOS, DQ,
-    TOKENS_LIST, ITEM_BUCKET, ITEM_LO, ITEM_HI, ITEM_SPLIT, BLOCK_START, BLOCK_END,
+    TOKENS_LIST, ITEM_BUCKET, ITEM_LO, ITEM_HI, ITEM_SPLIT, BLOCK_START, BLOCK_END, TEACH, ENTRY_LIST,
     num_block_slots,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dt, stride_dh,
     qk_scale, sm_scale,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WHILE_LOOPS: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr, DQ_T: tl.constexpr,
+    TEACHER: tl.constexpr, TEACHER_T: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """dk, dv of one [BLOCK_N] key sub-block of one group over one chunk of the queries that selected it
     (grid: work items x sub-blocks per selection block). DO shares q's strides; DK/DV are fp32 [Tk, Hkv, D];
     with FUSE_DQ, dq is accumulated into the fp32 [T, Hq, D] buffer DQ too (by the pass that computes dk).
-    PASS 0 computes dk and dv, 1 only dv, 2 only dk (see `_dkdv_step`)."""
+    PASS 0 computes dk and dv, 1 only dv, 2 only dk (see `_dkdv_step`). With TEACHER also the indexer KL's
+    teacher rows TEACH [Hkv * T * topk, BLOCK_SIZE] of the positions' entries ENTRY_LIST (see `_dkdv_step`)."""
     item = tl.program_id(0)
     sub = tl.program_id(1)
     lo = tl.load(ITEM_LO + item)
@@ -336,14 +355,16 @@ def _attn_dkdv_kernel(
             j = lo
             while j < hi:
                 dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
-                                    stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
-                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ, PASS, DQ_T)
+                                    stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok, TEACH, ENTRY_LIST,
+                                    sub * BLOCK_N, NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION,
+                                    FUSE_DQ, PASS, DQ_T, TEACHER, TEACHER_T, BLOCK_SIZE)
                 j += TOKENS
         else:
             for j in range(lo, hi, TOKENS):
                 dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
-                                    stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok,
-                                    NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION, FUSE_DQ, PASS, DQ_T)
+                                    stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok, TEACH, ENTRY_LIST,
+                                    sub * BLOCK_N, NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION,
+                                    FUSE_DQ, PASS, DQ_T, TEACHER, TEACHER_T, BLOCK_SIZE)
         offs = kpos[:, None].to(tl.int64) * stride_dt + g * stride_dh + d[None, :]
         out_ok = k_ok[:, None] & d_ok[None, :]
         if tl.load(ITEM_SPLIT + item) != 0:  # a hot block split over several programs: sum their parts
@@ -456,9 +477,22 @@ def _dq_pass(q, k, v, do, lse, delta, dq, block_idx, cu_seqlens, cu_seqlens_k, b
 FUSED_DQ_MAX_BYTES = 8 << 30
 
 
-def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):
+def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float,
+              teacher_dtype: torch.dtype | None = None):
+    """(dq, dk, dv) of the sparse attention, plus with `teacher_dtype` the indexer KL's teacher probabilities
+    [Hkv, T, topk, block_size] in that dtype, computed by the dk/dv kernel on the way (as `triton_kl._teacher_pass`
+    computes them: rows of unused slots left unwritten). The teacher needs a power-of-two group."""
     t, hq, hkv, group, dim, launch = _launch_common(q, k, block_size)
     tk = k.shape[0]
+    topk = block_idx.shape[2]
+    teacher = None
+    if teacher_dtype is not None:
+        if group & (group - 1):
+            raise ValueError(f"the teacher from the dk/dv kernel needs a power-of-two group, got {group}")
+        if hkv * t * topk >= 2 ** 31:
+            raise ValueError(f"the teacher from the dk/dv kernel numbers entries in int32: {hkv} x {t} x {topk} "
+                             f"entries are too many")
+        teacher = torch.empty((hkv, t, topk, block_size), device=q.device, dtype=teacher_dtype)
     # The kernels index dO and dq with q's strides: give all three one dense layout (a copy only for a q that is
     # a strided view, e.g. a slice of a fused qkv projection).
     dq = torch.empty_like(q)
@@ -469,7 +503,7 @@ def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_si
     dk = torch.zeros((tk, hkv, dim), device=q.device, dtype=torch.float32)
     dv = torch.zeros_like(dk)
     if t == 0:
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), teacher
     delta = torch.empty((t, hq), device=q.device, dtype=torch.float32)
     rows_per_program = 64 if interpreting() else 16
     _delta_kernel[(triton.cdiv(t * hq, rows_per_program),)](
@@ -487,24 +521,28 @@ def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_si
                              launch, precision)
         dq32 = dk  # placeholder pointer, never touched without FUSE_DQ
 
-    work = key_block_work(block_idx, seq, cu_seqlens_k, tk, block_size, launch.dkdv_max_tokens)
+    work = key_block_work(block_idx, seq, cu_seqlens_k, tk, block_size, launch.dkdv_max_tokens,
+                          with_entries=teacher is not None)
     n_sub = block_size // launch.dkdv_block_n
     for dkdv_pass in ((1, 2) if launch.dkdv_split else (0,)):  # split: dv, then dk (+ dq), one accumulator each
         _attn_dkdv_kernel[(work.lo.numel(), n_sub)](
             q, k, v, do, lse, delta, dk, dv, qpos, dq32,
             work.tokens, work.bucket, work.lo, work.hi, work.split, work.block_start, work.block_end,
+            dk if teacher is None else teacher, work.tokens if teacher is None else work.entries,
             work.num_block_slots,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dk.stride(0), dk.stride(1),
             scale * _LOG2E, scale,
             NUM_HEADS=hq, GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim),
             BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, TOKENS=launch.dkdv_tokens(group),
             DOT_PRECISION=precision, WHILE_LOOPS=interpreting(), FUSE_DQ=fuse_dq, PASS=dkdv_pass,
-            DQ_T=bool(launch.dq_transposed), num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
+            DQ_T=bool(launch.dq_transposed), TEACHER=teacher is not None, TEACHER_T=bool(launch.teacher_t),
+            BLOCK_SIZE=block_size,
+            num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
             **({"maxnreg": launch.dkdv_maxnreg} if launch.dkdv_maxnreg and not interpreting() else {}),
         )
     if fuse_dq:
         dq.copy_(dq32)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), teacher
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -526,12 +564,26 @@ def _fwd_fake(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale):
 def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
             lse: torch.Tensor, block_idx: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor,
             block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
+    return _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)[:3]
 
 
 @_bwd_op.register_fake
 def _bwd_fake(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale):
     return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("openm3::msa_sparse_attn_bwd_teacher", mutates_args=())
+def _bwd_teacher_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor, block_idx: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                    block_size: int, scale: float, teacher_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale, teacher_dtype)
+
+
+@_bwd_teacher_op.register_fake
+def _bwd_teacher_fake(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale, teacher_dtype):
+    teacher = q.new_empty((k.shape[1], q.shape[0], block_idx.shape[2], block_size), dtype=teacher_dtype)
+    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape), teacher
 
 
 class _SparseAttention(torch.autograd.Function):

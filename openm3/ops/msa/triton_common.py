@@ -211,7 +211,8 @@ class KeyBlockWork:
     Work item `i` handles `tokens[lo[i]:hi[i]]` of bucket `bucket[i]` (empty when `lo == hi`); a bucket with more
     queries than `max_tokens` is split into several items, flagged `split` (their results must be summed).
     `block_start` / `block_end` int32 [num_block_slots]: absolute key rows [start, end) of each global block
-    (start == end for unused slots).
+    (start == end for unused slots). `entries` (when asked for) int32 [N]: the selection entry of each position
+    of `tokens`, `(head * T + token) * topk + slot` (a row of the KL's teacher buffer), else None.
     """
 
     tokens: torch.Tensor
@@ -222,6 +223,7 @@ class KeyBlockWork:
     block_start: torch.Tensor
     block_end: torch.Tensor
     num_block_slots: int
+    entries: torch.Tensor | None = None
 
 
 def global_block_numbering(cu_seqlens_k: torch.Tensor, num_keys: int,
@@ -239,15 +241,16 @@ def global_block_numbering(cu_seqlens_k: torch.Tensor, num_keys: int,
 
 
 def key_block_work(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
-                   block_size: int, max_tokens: int) -> KeyBlockWork:
+                   block_size: int, max_tokens: int, with_entries: bool = False) -> KeyBlockWork:
     """Build the inverse index of `block_idx` (int32 [H, T, topk]) with torch sort ops, without host syncs.
 
     Global block numbers run over all sequences' blocks in order; `num_block_slots = ceil(Tk / block_size) + B`
-    bounds their count, so every size here is known from shapes alone.
+    bounds their count, so every size here is known from shapes alone. with_entries: also each position's
+    selection entry (`KeyBlockWork.entries`).
     """
     slots = -(-num_keys // block_size) + cu_seqlens_k.numel() - 1  # as global_block_numbering's
-    return KeyBlockWork(*_key_block_tensors(block_idx, seq, cu_seqlens_k, num_keys, block_size, max_tokens),
-                        num_block_slots=slots)
+    tensors = _key_block_tensors(block_idx, seq, cu_seqlens_k, num_keys, block_size, max_tokens, with_entries)
+    return KeyBlockWork(*tensors[:7], num_block_slots=slots, entries=tensors[7] if with_entries else None)
 
 
 def bucket_runs(bucket: torch.Tensor, payload: torch.Tensor, payload_range: int, num_buckets: int,
@@ -340,19 +343,21 @@ def token_runs(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.T
 
 @fused_on_cuda(grad=False)
 def _key_block_tensors(block_idx: torch.Tensor, seq: torch.Tensor, cu_seqlens_k: torch.Tensor, num_keys: int,
-                       block_size: int, max_tokens: int) -> tuple[torch.Tensor, ...]:
+                       block_size: int, max_tokens: int, with_entries: bool = False) -> tuple[torch.Tensor, ...]:
     """The tensors of `key_block_work` (~35 torch ops: one fused graph on CUDA)."""
     device = block_idx.device
-    sel, (tokens, _, b, lo, hi, _, chunks, _) = token_runs(block_idx, seq, cu_seqlens_k, num_keys, block_size,
-                                                          max_tokens)
+    sel, (tokens, _, b, lo, hi, _, chunks, order) = token_runs(block_idx, seq, cu_seqlens_k, num_keys, block_size,
+                                                              max_tokens)
     slots = sel.slots
 
     start, end, used = block_rows(torch.arange(slots, device=device, dtype=torch.int64), sel.cu_k, sel.seq_block_off,
                                   sel.seq_block_end, block_size)
     start = torch.where(used, start, num_keys)
     end = torch.where(used, end, num_keys)
-    return (tokens, b.to(torch.int32), lo.to(torch.int32), hi.to(torch.int32), (chunks > 1).to(torch.int32),
-            start.to(torch.int32), end.to(torch.int32))
+    out = (tokens, b.to(torch.int32), lo.to(torch.int32), hi.to(torch.int32), (chunks > 1).to(torch.int32),
+           start.to(torch.int32), end.to(torch.int32))
+    # the sort's indices are the entry numbers (see token_runs); int32 while H * T * topk < 2^31
+    return out + (order.to(torch.int32),) if with_entries else out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -387,6 +392,10 @@ class AttentionLaunch:
       tile's head dim as the dot's M, a wgmma on Hopper) instead of dq = dS K ([rows, D], whose M of 32 rows is
       below a warpgroup's 64 and compiles to mma.sync on sm_90); the atomic adds stay 16-byte vectors. The GPU
       default since session 9 (3-4% faster fwd+bwd at G = 4 and 16).
+    teacher_t: when dk/dv stores the indexer KL's teacher (`sparse_attention_with_kl`), 1 transposes P to [rows,
+      keys] before the mean over each token's heads, so the store runs along the keys (contiguous in the teacher
+      buffer); 0 reduces P in the dot's [keys, rows] layout. Session 15, m3-small's 8K step interleaved: the dk/dv
+      kernel took 162.1 ms either way (the compiler converts the layout for the store in both), so 0 stays.
     """
 
     block_m: int
@@ -406,6 +415,7 @@ class AttentionLaunch:
     dkdv_maxnreg: int = 0
     dkdv_split: int = 0
     dq_transposed: int = 0
+    teacher_t: int = 0
 
     def tokens_per_tile(self, group: int) -> int:
         return max(1, self.block_m // group)
@@ -477,7 +487,7 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
     if max(launch.tokens_per_tile(group), launch.dq_tokens_per_tile(group)) > 64:
         raise ValueError(f"attention launch: block_m={launch.block_m} / dq_block_m={launch.dq_block_m} hold more "
                          f"than 64 tokens of {group} heads (membership bits are int64)")
-    for name in ("dkdv_split", "dq_transposed"):
+    for name in ("dkdv_split", "dq_transposed", "teacher_t"):
         if getattr(launch, name) not in (0, 1):
             raise ValueError(f"attention launch: {name}={getattr(launch, name)} must be 0 or 1")
     if launch.dkdv_maxnreg < 0 or launch.dkdv_maxnreg > 255:

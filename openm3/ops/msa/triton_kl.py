@@ -100,7 +100,8 @@ class KLLaunch:
         fwd+bwd 66.9 -> 53.8 ms (2 rounds); the m3-small 8K training step's KL 140.3 -> 109.7 ms (main pass 121.1
         -> 57.2, teacher pass 33.2), kernel time 808-814 -> 792 ms, 80.2-80.8K -> 81.1K tokens/s; but the isolated
         G = 4 case at 2 x 8K drifting selections measured 4.15 -> 4.93 ms (rounds 4.0-4.7 vs 4.7-5.8). The
-        interpreter keeps 0 (the CPU tests run both).
+        interpreter keeps 0 (the CPU tests run both). Training no longer runs this pass by default: since session 15
+        the attention's dk/dv kernel stores the same teacher in the backward (`sparse_attention_with_kl`).
     key_major: 1 runs the main pass's steps key-major when the teacher pass ran (`_student_step_key_major`: every
         dot with the key tile's 128 rows as M, wgmma on sm_90, where the entry-major step's two 16-row dots compile
         to mma.sync; dL/dqi by atomics, never the dqi_buffer). Session 5's key-major main pass (which recomputed
@@ -576,9 +577,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size: int, scale: float,
-                index_scale: float, need_grad: bool, launch: KLLaunch | None = None, index_lse=None):
+                index_scale: float, need_grad: bool, launch: KLLaunch | None = None, index_lse=None, teacher=None):
     """Loss (fp32 scalar) and, if need_grad, dL/dqi [T, Hi, Di], dL/dki [Tk, Di] (fp32; zeros otherwise). With
-    both `lse` and `index_lse` given the first pass is skipped (it only computes normalisers)."""
+    both `lse` and `index_lse` given the first pass is skipped (it only computes normalisers). `teacher`: the
+    teacher probabilities [Hi, T, topk, block_size] of a sparse KL computed elsewhere (the attention backward's
+    dk/dv kernel, `triton_attention._backward`), read instead of running the teacher pass."""
     t, hq, d = q.shape
     tk, hkv, _ = k.shape
     di = qi.shape[2]
@@ -630,8 +633,9 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
             del a_part
     lse = lse.to(torch.float32).contiguous()
 
-    teacher = None
-    if (launch.teacher_pass and sparse and group & (group - 1) == 0
+    if teacher is not None and not sparse:
+        raise ValueError("a precomputed teacher is for the sparse KL (block_idx given)")
+    if teacher is None and (launch.teacher_pass and sparse and group & (group - 1) == 0
             and hkv * t * topk * block_size * _teacher_dtype(q.dtype).itemsize <= TEACHER_MAX_BYTES):
         teacher = _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
 
@@ -695,17 +699,17 @@ def _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size: in
 @torch.library.custom_op("openm3::msa_indexer_kl", mutates_args=())
 def _kl_op(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor, block_idx: torch.Tensor | None,
            cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, lse: torch.Tensor | None, block_size: int,
-           scale: float, index_scale: float, need_grad: bool, index_lse: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           scale: float, index_scale: float, need_grad: bool, index_lse: torch.Tensor | None = None,
+           teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # cu_seqlens_k None means cu_seqlens (not passed twice: Dynamo rejects one tensor in two Function inputs).
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     return _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_k, lse, block_size, scale, index_scale, need_grad,
-                       index_lse=index_lse)
+                       index_lse=index_lse, teacher=teacher)
 
 
 @_kl_op.register_fake
 def _kl_fake(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_size, scale, index_scale, need_grad,
-             index_lse=None):
+             index_lse=None, teacher=None):
     return (q.new_empty((), dtype=torch.float32), qi.new_empty(qi.shape, dtype=torch.float32),
             ki.new_empty(ki.shape, dtype=torch.float32))
 
