@@ -78,12 +78,12 @@ def test_equals_the_separate_calls(lens, klens, hq, hkv):
     assert rel_err(kl2.detach(), ref) < 1e-4
 
 
-@pytest.mark.parametrize("launch", ["", "teacher_t=1"], ids=["keys-rows", "rows-keys"])
+@pytest.mark.parametrize("launch", ["", "teacher_mean=1", "teacher_mean=2"], ids=["sum", "transposed", "dot"])
 @pytest.mark.parametrize("lens,klens,hq,hkv", [([100, 37, 63], None, 16, 4), ([20, 37], [45, 60], 4, 1)])
 def test_dkdv_kernel_stores_the_teacher_of_each_entry(lens, klens, hq, hkv, launch, monkeypatch):
     """The teacher rows the dk/dv kernel stores equal `_teacher_pass`'s on every used entry (both leave the rows
     of unused slots alone), also beyond the block's end and the query's causal limit (zeros); in both layouts of
-    the head mean (`teacher_t`)."""
+    the head mean (`teacher_mean`)."""
     monkeypatch.setenv("OPENM3_ATTN_LAUNCH", launch)
     q, k, v, _, _, block_idx, cu_q, cu_k = make_case(lens, klens, hq, hkv, seed=3, topk=4)
     cu_k = cu_q if cu_k is None else cu_k

@@ -257,7 +257,7 @@ def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIS
                stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok, TEACH, ENTRY_LIST, key0,
                NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr,
-               DQ_T: tl.constexpr, TEACHER: tl.constexpr, TEACHER_T: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+               DQ_T: tl.constexpr, TEACHER: tl.constexpr, TEACHER_MEAN: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Accumulate dk, dv of one key tile over the next TOKENS queries `TOKENS_LIST[j : j + TOKENS]`; with FUSE_DQ
     also add this tile's dq = scale * dS K into the fp32 [T, Hq, D] buffer DQ (atomics: a query's blocks are
     handled by different programs). PASS 0 does all of it, 1 only dv, 2 only dk (and dq): a split pass keeps one
@@ -283,18 +283,24 @@ def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIS
     if PASS != 2:
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         if TEACHER:  # rows are (token, head) with the head fastest: the mean of each token's GROUP rows
-            t_local = tl.arange(0, BLOCK_M // GROUP)
+            # token columns (a dot's N: at least 16 when the mean is a dot)
+            TOK: tl.constexpr = max(16, BLOCK_M // GROUP) if TEACHER_MEAN == 2 else BLOCK_M // GROUP
+            t_local = tl.arange(0, TOK)
             t_ok = (t_local < TOKENS) & (j + t_local < hi)
             entry = tl.load(ENTRY_LIST + j + t_local, mask=t_ok, other=0).to(tl.int64)
             key = key0 + tl.arange(0, p_t.shape[0])
-            if TEACHER_T:  # [tokens, keys]: stores along the keys
-                p_mean = tl.sum(tl.reshape(tl.trans(tl.minimum(p_t, 1.0)), [BLOCK_M // GROUP, GROUP, p_t.shape[0]]),
-                                1) * (1.0 / GROUP)
+            if TEACHER_MEAN == 1:  # [tokens, keys]: stores along the keys
+                p_rows = tl.trans(tl.minimum(p_t, 1.0))
+                p_mean = tl.sum(tl.reshape(p_rows, [TOK, GROUP, p_t.shape[0]]), 1) * (1.0 / GROUP)
                 tl.store(TEACH + entry[:, None] * BLOCK_SIZE + key[None, :], p_mean.to(TEACH.dtype.element_ty),
                          mask=t_ok[:, None] & (key < BLOCK_SIZE)[None, :])
             else:  # [keys, tokens]
-                p_mean = tl.sum(tl.reshape(tl.minimum(p_t, 1.0), [p_t.shape[0], BLOCK_M // GROUP, GROUP]),
-                                2) * (1.0 / GROUP)
+                if TEACHER_MEAN == 2:  # P [keys, rows] @ A [rows, tokens], A = 1/G on each token's head rows
+                    avg = tl.where(tl.arange(0, BLOCK_M)[:, None] // GROUP == t_local[None, :], 1.0 / GROUP, 0.0)
+                    p_mean = tl.dot(tl.minimum(p_t, 1.0).to(TEACH.dtype.element_ty), avg.to(TEACH.dtype.element_ty),
+                                    input_precision=DOT_PRECISION)
+                else:
+                    p_mean = tl.sum(tl.reshape(tl.minimum(p_t, 1.0), [p_t.shape[0], TOK, GROUP]), 2) * (1.0 / GROUP)
                 tl.store(TEACH + entry[None, :] * BLOCK_SIZE + key[:, None], p_mean.to(TEACH.dtype.element_ty),
                          mask=t_ok[None, :] & (key < BLOCK_SIZE)[:, None])
     if PASS != 1:
@@ -324,7 +330,7 @@ def _attn_dkdv_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WHILE_LOOPS: tl.constexpr, FUSE_DQ: tl.constexpr, PASS: tl.constexpr, DQ_T: tl.constexpr,
-    TEACHER: tl.constexpr, TEACHER_T: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TEACHER: tl.constexpr, TEACHER_MEAN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     """dk, dv of one [BLOCK_N] key sub-block of one group over one chunk of the queries that selected it
     (grid: work items x sub-blocks per selection block). DO shares q's strides; DK/DV are fp32 [Tk, Hkv, D];
@@ -357,14 +363,14 @@ def _attn_dkdv_kernel(
                 dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
                                     stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok, TEACH, ENTRY_LIST,
                                     sub * BLOCK_N, NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION,
-                                    FUSE_DQ, PASS, DQ_T, TEACHER, TEACHER_T, BLOCK_SIZE)
+                                    FUSE_DQ, PASS, DQ_T, TEACHER, TEACHER_MEAN, BLOCK_SIZE)
                 j += TOKENS
         else:
             for j in range(lo, hi, TOKENS):
                 dk, dv = _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIST, j, hi, g,
                                     stride_qt, stride_qh, qk_scale, sm_scale, d, d_ok, TEACH, ENTRY_LIST,
                                     sub * BLOCK_N, NUM_HEADS, GROUP, HEAD_DIM, BLOCK_M, TOKENS, DOT_PRECISION,
-                                    FUSE_DQ, PASS, DQ_T, TEACHER, TEACHER_T, BLOCK_SIZE)
+                                    FUSE_DQ, PASS, DQ_T, TEACHER, TEACHER_MEAN, BLOCK_SIZE)
         offs = kpos[:, None].to(tl.int64) * stride_dt + g * stride_dh + d[None, :]
         out_ok = k_ok[:, None] & d_ok[None, :]
         if tl.load(ITEM_SPLIT + item) != 0:  # a hot block split over several programs: sum their parts
@@ -535,7 +541,7 @@ def _backward(do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_si
             NUM_HEADS=hq, GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim),
             BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, TOKENS=launch.dkdv_tokens(group),
             DOT_PRECISION=precision, WHILE_LOOPS=interpreting(), FUSE_DQ=fuse_dq, PASS=dkdv_pass,
-            DQ_T=bool(launch.dq_transposed), TEACHER=teacher is not None, TEACHER_T=bool(launch.teacher_t),
+            DQ_T=bool(launch.dq_transposed), TEACHER=teacher is not None, TEACHER_MEAN=launch.teacher_mean,
             BLOCK_SIZE=block_size,
             num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages,
             **({"maxnreg": launch.dkdv_maxnreg} if launch.dkdv_maxnreg and not interpreting() else {}),

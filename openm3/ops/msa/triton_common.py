@@ -392,10 +392,13 @@ class AttentionLaunch:
       tile's head dim as the dot's M, a wgmma on Hopper) instead of dq = dS K ([rows, D], whose M of 32 rows is
       below a warpgroup's 64 and compiles to mma.sync on sm_90); the atomic adds stay 16-byte vectors. The GPU
       default since session 9 (3-4% faster fwd+bwd at G = 4 and 16).
-    teacher_t: when dk/dv stores the indexer KL's teacher (`sparse_attention_with_kl`), 1 transposes P to [rows,
-      keys] before the mean over each token's heads, so the store runs along the keys (contiguous in the teacher
-      buffer); 0 reduces P in the dot's [keys, rows] layout. Session 15, m3-small's 8K step interleaved: the dk/dv
-      kernel took 162.1 ms either way (the compiler converts the layout for the store in both), so 0 stays.
+    teacher_mean: how dk/dv takes the mean over each token's group heads of P [keys, rows] when it stores the
+      indexer KL's teacher (`sparse_attention_with_kl`): 0 sums in P's layout and stores [keys, tokens]; 1
+      transposes P first and stores along the keys (contiguous in the teacher buffer); 2 multiplies P by a
+      [rows, tokens] matrix of 1/G (a dot instead of a cross-lane reduction; needs at least 16 tokens' columns).
+      Session 15, m3-small's 8K step interleaved: 0 and 1 both 162.1 ms of dk/dv (the compiler converts the layout
+      for the store either way); 2 against 0: dk/dv 163.1 -> 157.4 ms, steps 724.3 -> 708.4 ms (medians of 3, every
+      step of 2 faster than every step of 0): the GPU default.
     """
 
     block_m: int
@@ -415,7 +418,7 @@ class AttentionLaunch:
     dkdv_maxnreg: int = 0
     dkdv_split: int = 0
     dq_transposed: int = 0
-    teacher_t: int = 0
+    teacher_mean: int = 0
 
     def tokens_per_tile(self, group: int) -> int:
         return max(1, self.block_m // group)
@@ -463,7 +466,8 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2 if small_group else 3,
                    dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
                    dkdv_block_m=max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
-                   dkdv_num_warps=8, dkdv_num_stages=3, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1, dq_transposed=1)
+                   dkdv_num_warps=8, dkdv_num_stages=3, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1, dq_transposed=1,
+                   teacher_mean=2)
     else:
         # The CPU interpreter pays per operation, not per element: few programs with large tiles run fastest.
         block_m = next_pow2(max(64, group))
@@ -487,9 +491,11 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
     if max(launch.tokens_per_tile(group), launch.dq_tokens_per_tile(group)) > 64:
         raise ValueError(f"attention launch: block_m={launch.block_m} / dq_block_m={launch.dq_block_m} hold more "
                          f"than 64 tokens of {group} heads (membership bits are int64)")
-    for name in ("dkdv_split", "dq_transposed", "teacher_t"):
+    for name in ("dkdv_split", "dq_transposed"):
         if getattr(launch, name) not in (0, 1):
             raise ValueError(f"attention launch: {name}={getattr(launch, name)} must be 0 or 1")
+    if launch.teacher_mean not in (0, 1, 2):
+        raise ValueError(f"attention launch: teacher_mean={launch.teacher_mean} must be 0, 1 or 2")
     if launch.dkdv_maxnreg < 0 or launch.dkdv_maxnreg > 255:
         raise ValueError(f"attention launch: dkdv_maxnreg={launch.dkdv_maxnreg} must be 0 (compiler's choice) or "
                          f"a register count in [1, 255]")
