@@ -78,7 +78,7 @@ def test_equals_the_separate_calls(lens, klens, hq, hkv):
     assert rel_err(kl2.detach(), ref) < 1e-4
 
 
-@pytest.mark.parametrize("launch", ["", "teacher_mean=1", "teacher_mean=2"], ids=["sum", "transposed", "dot"])
+@pytest.mark.parametrize("launch", ["", "teacher_mean=2"], ids=["sum", "dot"])
 @pytest.mark.parametrize("lens,klens,hq,hkv", [([100, 37, 63], None, 16, 4), ([20, 37], [45, 60], 4, 1)])
 def test_dkdv_kernel_stores_the_teacher_of_each_entry(lens, klens, hq, hkv, launch, monkeypatch):
     """The teacher rows the dk/dv kernel stores equal `_teacher_pass`'s on every used entry (both leave the rows

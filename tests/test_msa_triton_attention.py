@@ -397,7 +397,7 @@ for group in (16, 4, 1):
              launch.dkdv_num_warps, launch.dkdv_num_stages),
             # the indexer KL's teacher stored on the way (sparse_attention_with_kl)
             (ta._attn_dkdv_kernel, dict(BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, TEACHER=True,
-                                        TEACHER_MEAN={16: 0, 4: 1, 1: 2}[group], TOKENS=launch.dkdv_tokens(group)),
+                                        TEACHER_MEAN=launch.teacher_mean, TOKENS=launch.dkdv_tokens(group)),
              launch.dkdv_num_warps, launch.dkdv_num_stages)]
     for fn, extra, warps, stages in jobs:
         consts = {k: v for k, v in {**base, **extra}.items() if k in fn.arg_names}
@@ -424,7 +424,7 @@ launch = attention_launch(4, 128, 128, torch.bfloat16, on_gpu=True, dkdv_block_n
 for dkdv_pass in (1, 2):
     consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, DOT_PRECISION="tf32", WHILE_LOOPS=False, NUM_HEADS=16,
                   FUSE_DQ=True, BLOCK_M=launch.dkdv_block_m, BLOCK_N=64, TOKENS=launch.dkdv_tokens(4),
-                  PASS=dkdv_pass, DQ_T=False, TEACHER=dkdv_pass == 1, TEACHER_MEAN=2, BLOCK_SIZE=128)
+                  PASS=dkdv_pass, DQ_T=False, TEACHER=dkdv_pass == 1, TEACHER_MEAN=0, BLOCK_SIZE=128)
     sig, attrs = signature(ta._attn_dkdv_kernel, consts)
     k = triton.compile(ASTSource(ta._attn_dkdv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=launch.dkdv_num_warps, num_stages=launch.dkdv_num_stages))

@@ -289,20 +289,14 @@ def _dkdv_step(k, v, kpos, k_ok, dk, dv, Q, DO, LSE, DELTA, QPOS, DQ, TOKENS_LIS
             t_ok = (t_local < TOKENS) & (j + t_local < hi)
             entry = tl.load(ENTRY_LIST + j + t_local, mask=t_ok, other=0).to(tl.int64)
             key = key0 + tl.arange(0, p_t.shape[0])
-            if TEACHER_MEAN == 1:  # [tokens, keys]: stores along the keys
-                p_rows = tl.trans(tl.minimum(p_t, 1.0))
-                p_mean = tl.sum(tl.reshape(p_rows, [TOK, GROUP, p_t.shape[0]]), 1) * (1.0 / GROUP)
-                tl.store(TEACH + entry[:, None] * BLOCK_SIZE + key[None, :], p_mean.to(TEACH.dtype.element_ty),
-                         mask=t_ok[:, None] & (key < BLOCK_SIZE)[None, :])
-            else:  # [keys, tokens]
-                if TEACHER_MEAN == 2:  # P [keys, rows] @ A [rows, tokens], A = 1/G on each token's head rows
-                    avg = tl.where(tl.arange(0, BLOCK_M)[:, None] // GROUP == t_local[None, :], 1.0 / GROUP, 0.0)
-                    p_mean = tl.dot(tl.minimum(p_t, 1.0).to(TEACH.dtype.element_ty), avg.to(TEACH.dtype.element_ty),
-                                    input_precision=DOT_PRECISION)
-                else:
-                    p_mean = tl.sum(tl.reshape(tl.minimum(p_t, 1.0), [p_t.shape[0], TOK, GROUP]), 2) * (1.0 / GROUP)
-                tl.store(TEACH + entry[None, :] * BLOCK_SIZE + key[:, None], p_mean.to(TEACH.dtype.element_ty),
-                         mask=t_ok[None, :] & (key < BLOCK_SIZE)[:, None])
+            if TEACHER_MEAN == 2:  # P [keys, rows] @ A [rows, tokens], A = 1/G on each token's head rows
+                avg = tl.where(tl.arange(0, BLOCK_M)[:, None] // GROUP == t_local[None, :], 1.0 / GROUP, 0.0)
+                p_mean = tl.dot(tl.minimum(p_t, 1.0).to(TEACH.dtype.element_ty), avg.to(TEACH.dtype.element_ty),
+                                input_precision=DOT_PRECISION)
+            else:  # a sum over each token's GROUP columns in P's layout
+                p_mean = tl.sum(tl.reshape(tl.minimum(p_t, 1.0), [p_t.shape[0], TOK, GROUP]), 2) * (1.0 / GROUP)
+            tl.store(TEACH + entry[None, :] * BLOCK_SIZE + key[:, None], p_mean.to(TEACH.dtype.element_ty),
+                     mask=t_ok[None, :] & (key < BLOCK_SIZE)[:, None])
     if PASS != 1:
         delta = tl.load(DELTA + tok.to(tl.int64) * NUM_HEADS + head, mask=row_ok, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)

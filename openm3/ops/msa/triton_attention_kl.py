@@ -20,7 +20,7 @@ import torch
 
 from ._checks import check_indexer_kl_inputs
 from .triton_attention import _check_inputs, sparse_attention
-from .triton_kl import TEACHER_MAX_BYTES, _teacher_dtype, indexer_kl
+from .triton_kl import _teacher_dtype, indexer_kl, teacher_fits
 
 
 class _SparseAttentionKL(torch.autograd.Function):
@@ -46,15 +46,11 @@ class _SparseAttentionKL(torch.autograd.Function):
         if do is None:  # only the KL was used: the attention's gradients are zero, its P still gives the teacher
             do = torch.zeros_like(o)
         want_kl = dkl is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
-        hkv, t, topk = block_idx.shape
-        teacher_dtype = _teacher_dtype(q.dtype)
-        group = q.shape[1] // hkv
-        fused = (want_kl and group & (group - 1) == 0
-                 and hkv * t * topk * block_size * teacher_dtype.itemsize <= TEACHER_MAX_BYTES)
+        hkv, _, topk = block_idx.shape
         teacher = None
-        if fused:
+        if want_kl and teacher_fits(q, hkv, topk, block_size):
             dq, dk, dv, teacher = torch.ops.openm3.msa_sparse_attn_bwd_teacher(
-                do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale, teacher_dtype)
+                do, q, k, v, o, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale, _teacher_dtype(q.dtype))
         else:
             dq, dk, dv = torch.ops.openm3.msa_sparse_attn_bwd(do, q, k, v, o, lse, block_idx, cu_seqlens,
                                                               cu_seqlens_k, block_size, scale)

@@ -393,12 +393,11 @@ class AttentionLaunch:
       below a warpgroup's 64 and compiles to mma.sync on sm_90); the atomic adds stay 16-byte vectors. The GPU
       default since session 9 (3-4% faster fwd+bwd at G = 4 and 16).
     teacher_mean: how dk/dv takes the mean over each token's group heads of P [keys, rows] when it stores the
-      indexer KL's teacher (`sparse_attention_with_kl`): 0 sums in P's layout and stores [keys, tokens]; 1
-      transposes P first and stores along the keys (contiguous in the teacher buffer); 2 multiplies P by a
-      [rows, tokens] matrix of 1/G (a dot instead of a cross-lane reduction; needs at least 16 tokens' columns).
-      Session 15, m3-small's 8K step interleaved: 0 and 1 both 162.1 ms of dk/dv (the compiler converts the layout
-      for the store either way); 2 against 0: dk/dv 163.1 -> 157.4 ms, steps 724.3 -> 708.4 ms (medians of 3, every
-      step of 2 faster than every step of 0): the GPU default.
+      indexer KL's teacher (`sparse_attention_with_kl`): 0 sums in P's layout; 2 multiplies P by a [rows, tokens]
+      matrix of 1/G (a dot instead of a cross-lane reduction; at least 16 token columns). Session 15, m3-small's
+      8K step interleaved: 2 against 0, dk/dv 163.1 -> 157.4 ms, steps 724.3 -> 708.4 ms (medians of 3, every
+      step of 2 faster than every step of 0): the GPU default. (A transposed sum storing along the keys, timed as
+      1, took the same 162.1 ms as 0 and was removed.)
     """
 
     block_m: int
@@ -494,8 +493,8 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
     for name in ("dkdv_split", "dq_transposed"):
         if getattr(launch, name) not in (0, 1):
             raise ValueError(f"attention launch: {name}={getattr(launch, name)} must be 0 or 1")
-    if launch.teacher_mean not in (0, 1, 2):
-        raise ValueError(f"attention launch: teacher_mean={launch.teacher_mean} must be 0, 1 or 2")
+    if launch.teacher_mean not in (0, 2):
+        raise ValueError(f"attention launch: teacher_mean={launch.teacher_mean} must be 0 or 2")
     if launch.dkdv_maxnreg < 0 or launch.dkdv_maxnreg > 255:
         raise ValueError(f"attention launch: dkdv_maxnreg={launch.dkdv_maxnreg} must be 0 (compiler's choice) or "
                          f"a register count in [1, 255]")

@@ -635,8 +635,7 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
 
     if teacher is not None and not sparse:
         raise ValueError("a precomputed teacher is for the sparse KL (block_idx given)")
-    if teacher is None and (launch.teacher_pass and sparse and group & (group - 1) == 0
-            and hkv * t * topk * block_size * _teacher_dtype(q.dtype).itemsize <= TEACHER_MAX_BYTES):
+    if teacher is None and launch.teacher_pass and sparse and teacher_fits(q, hkv, topk, block_size):
         teacher = _teacher_pass(q, k, lse, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale)
 
     # Pass 2: loss terms and gradients.
@@ -660,6 +659,14 @@ def _kl_forward(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse, block_si
     if dq_part is not None:
         dqi = (dq_part.sum(2, dtype=torch.float32) * (index_scale / count)).transpose(0, 1).contiguous()
     return loss_part.sum() / count, dqi, dki
+
+
+def teacher_fits(q: torch.Tensor, hkv: int, topk: int, block_size: int) -> bool:
+    """Whether the KL can read its teacher from a `[Hkv, T, topk, block_size]` buffer for queries q [T, Hq, D]:
+    a power-of-two group (the head mean's tile shapes) and a buffer within `TEACHER_MAX_BYTES`."""
+    group = q.shape[1] // hkv
+    nbytes = hkv * q.shape[0] * topk * block_size * _teacher_dtype(q.dtype).itemsize
+    return group & (group - 1) == 0 and nbytes <= TEACHER_MAX_BYTES
 
 
 def _teacher_dtype(dtype: torch.dtype) -> torch.dtype:
