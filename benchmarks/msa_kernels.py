@@ -317,6 +317,40 @@ def _run_case(results: dict, name: str, fn, **kw) -> None:
         torch.cuda.empty_cache()
 
 
+def _profile_case(name: str, fn, top: int = 14) -> dict:
+    """CUDA kernel time of one warm call of `fn` under torch.profiler, by kernel (where a case's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks._timing import idle_gaps, profiled_times
+    from benchmarks.train_throughput import kernel_breakdown, sync_sites
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+        out = kernel_breakdown(profiled_times(prof)[0], wall_ms, top=40)
+        out["idle"] = idle_gaps(prof)
+        out["sync_sites"] = sync_sites(fn)
+    except Exception as exc:
+        print(f"    profile {name} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+    idle = out["idle"]
+    print(f"    profile {name}: wall {wall_ms:.2f} ms, kernels {out['kernel_ms']:.2f} ms, kernel span "
+          f"{idle.get('span_ms')} ms, gaps {idle.get('gaps_ms_total')} ms, host syncs {out['sync_sites'][-1]}",
+          flush=True)
+    for gap in idle.get("largest", [])[:5]:
+        print(f"      gap {gap['ms']:.3f} ms at {gap['at_ms']} ms: {gap['after'][:40]} -> {gap['before'][:40]}")
+    for site in out["sync_sites"][:-1][:5]:
+        print(f"      sync x{site['count']}: {site['site'][:150]}")
+    for k in out["top_kernels"][:top]:
+        print(f"      {k['ms']:9.3f} ms {k['launches']:5d}x  {k['name'][:90]}", flush=True)
+    return out
+
+
 def _workspace(x: dict, msa_cases: dict) -> dict:
     """Peak memory of select + sparse forward beyond inputs and outputs."""
     torch.cuda.synchronize()
@@ -368,6 +402,9 @@ def run_T(t: int, args, results_all: list) -> None:
     for name in names[:3] if args.prefill_only else names:
         if name in msa_cases:
             _run_case(res, name, msa_cases[name], slow_reps=slow_reps)
+    for name in args.profile:
+        if name in msa_cases:
+            res.setdefault("profile", {})[name] = _profile_case(name, msa_cases[name])
     if block_idx is not None:
         res["union_drift"] = union_stats(block_idx)
     if not args.skip_iid:
@@ -609,6 +646,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-T", type=int, default=32768,
                         help="also time sparse fwd and fwd+bwd under several launch configs at this T (0: off)")
     parser.add_argument("--sweep", nargs="*", default=None, help="launch configs for the sweep (key=v,...)")
+    parser.add_argument("--profile", nargs="*", default=[], metavar="CASE",
+                        help="also profile these cases (e.g. msa_train_step_kl_bwd): CUDA time per kernel")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("msa_kernels: needs a CUDA GPU", file=sys.stderr)

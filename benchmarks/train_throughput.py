@@ -185,8 +185,8 @@ def profile_step(trainer) -> dict:
     return out
 
 
-def sync_sites(trainer, top: int = 25) -> list[dict]:
-    """One optimizer step under `torch.cuda.set_sync_debug_mode("warn")`: each host sync (a `.tolist()`, `.item()`,
+def sync_sites(step, top: int = 25) -> list[dict]:
+    """One call of `step` (e.g. a trainer's `train_step`) under `torch.cuda.set_sync_debug_mode("warn")`: each host sync (a `.tolist()`, `.item()`,
     a blocking copy) and the innermost openm3 / benchmarks frames that caused it, counted per call site. A sync
     drains the launch queue, so the GPU idles while Python issues the next kernels."""
     import traceback as tb
@@ -205,7 +205,7 @@ def sync_sites(trainer, top: int = 25) -> list[dict]:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            trainer.train_step()
+            step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -381,7 +381,7 @@ def time_steps(preset: str, ctx: int, steps: int, warmup: int, *, dense: bool = 
             with environment(ab_env, trainer.cfg):
                 out["ab"]["b_breakdown"] = guarded_profile(trainer)
         try:
-            out["breakdown"]["sync_sites"] = sync_sites(trainer)
+            out["breakdown"]["sync_sites"] = sync_sites(trainer.train_step)
         except Exception as e:
             out["breakdown"]["sync_sites"] = [{"error": f"{type(e).__name__}: {e}"[:1000]}]
         if peak:  # the step's model FLOPs at peak, to compare with the measured kernel ms

@@ -93,6 +93,11 @@ for s in "${stages[@]}"; do
     table128)  # the 128K M3 table alone (dense in the same run, no flex / iid / checks)
       python3 -m benchmarks.msa_kernels --out "$OUT" --T 131072 --skip-flex --skip-iid --skip-check --sweep-T 0 \
         2>&1 | tee "$OUT/msa_kernels_128k.log" | tail -12 ;;
+    unionsweep)  # the hybrid forward's union threshold and launch knobs at M3's 128K, both regimes, with a profile
+      python3 -m benchmarks.msa_kernels --out "$OUT/unionsweep" --T 131072 --skip-flex --skip-iid --skip-check \
+        --skip-dense --prefill-only --sweep-T 131072 --sweep "" "union_max=0,block_m=16" "union_max=0" \
+        ${UNION_SWEEP:-"union_max=36" "union_max=44" "num_warps=8" "num_stages=2" "num_stages=4"} 2>&1 \
+        | tee "$OUT/unionsweep.log" | grep -A12 "^launch sweep" ;;
     klsweep4)  # KL knobs on top of the session-6 defaults at m3-small's shape (G = 4), 2 interleaved rounds
       python3 -m benchmarks.msa_group_sweep --out "$OUT/klsweep4" --rounds 2 --attn --kl "" "block_q=32" \
         "num_warps=4,maxnreg=0" "num_warps=4" "max_entries=128" "max_entries=512" "prefetch=1" "dqi_buffer=1" \

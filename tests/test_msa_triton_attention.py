@@ -129,6 +129,22 @@ def test_gpu_launch_shapes(launch, bs, monkeypatch):
     assert_match(ours, ref)
 
 
+@pytest.mark.parametrize("union_max", [1, 3, 64], ids=["all-tiles-per-token", "mixed", "all-tiles-union"])
+def test_hybrid_forward_walks_wide_unions_per_token(union_max, monkeypatch):
+    """The hybrid forward: 4-token tiles (G = 16) whose union exceeds union_max are left to a second launch that
+    walks each of their tokens' own blocks in one-token tiles; the first walks the other tiles' unions. Same
+    results as the reference either way, and the mixed case has tiles of both kinds; varlen, a partial last
+    tile."""
+    monkeypatch.setenv("OPENM3_ATTN_LAUNCH", f"block_m=64,block_n=16,union_max={union_max}")
+    q, k, v, block_idx, cu_q, cu_k = make_case((45, 100), 16, 1, 16, 16, 3, klens=(60, 100), seed=5)
+    if union_max == 3:
+        seq, _ = query_positions(cu_q, cu_k, q.shape[0])
+        _, ncand, _ = tile_candidates(absolute_block_starts(block_idx, seq, cu_k, 16), 4)
+        assert (ncand <= union_max).any() and (ncand > union_max).any()
+    ours, ref = run_both(q, k, v, block_idx, cu_q, cu_k, 16)
+    assert_match(ours, ref)
+
+
 def test_small_group_gpu_default_tiling(monkeypatch):
     """The GPU default for groups of 4 (m3-small): 64-row tiles of 16 tokens over their union, TMA, 2 stages, dq in
     dk/dv (`attention_launch(4, ..., on_gpu=True)`), run here under the interpreter with its key tile width."""
@@ -292,9 +308,11 @@ def test_launch_config_checks():
     # on CPU the dq kernel follows the forward's tiling unless set
     assert attention_launch(16, 16, 16, torch.float32, False, block_m=32).dq_block_m == 32
     assert attention_launch(16, 16, 16, torch.float32, False, block_m=32, dq_block_m=16).dq_block_m == 16
-    # the GPU default for M3: one-token forward tiles, TMA, dq fused into whole-block dk/dv programs
+    # the GPU default for M3: the hybrid forward (4-token tiles over unions of at most 40 blocks, the rest one token
+    # per program), TMA, dq fused into whole-block dk/dv programs
     gpu = attention_launch(16, 128, 128, torch.bfloat16, True)
-    assert (gpu.block_m, gpu.tma, gpu.dq_in_dkdv, gpu.dkdv_block_n, gpu.dq_transposed) == (16, 1, 1, 128, 1)
+    assert (gpu.block_m, gpu.union_max, gpu.tma, gpu.dq_in_dkdv, gpu.dkdv_block_n, gpu.dq_transposed) == (
+        64, 40, 1, 1, 128, 1)
     # groups of 4 (m3-small): 64-row wgmma tiles of 16 tokens over the union of their blocks, 2 stages
     small = attention_launch(4, 128, 128, torch.bfloat16, True)
     assert (small.block_m, small.tokens_per_tile(4), small.num_stages) == (64, 16, 2)
@@ -378,7 +396,8 @@ for group in (16, 4, 1):
     launch = attention_launch(group, 128, 128, torch.bfloat16, on_gpu=True)
     base = dict(GROUP=group, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=128, DOT_PRECISION="tf32", WHILE_LOOPS=False,
                 NUM_HEADS=4 * group, USE_TMA=bool(launch.tma), FUSE_DQ=bool(launch.dq_in_dkdv), PASS=0,
-                DQ_T=bool(launch.dq_transposed), TEACHER=False, TEACHER_MEAN=0)
+                DQ_T=bool(launch.dq_transposed), TEACHER=False, TEACHER_MEAN=0, HYBRID=0,
+                UNION_TOKENS=1)
     jobs = [(ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
                                        TOKENS=launch.tokens_per_tile(group)), launch.num_warps, launch.num_stages),
             (ta._attn_fwd_kernel, dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, USE_TMA=False,
@@ -398,7 +417,12 @@ for group in (16, 4, 1):
             # the indexer KL's teacher stored on the way (sparse_attention_with_kl)
             (ta._attn_dkdv_kernel, dict(BLOCK_M=launch.dkdv_block_m, BLOCK_N=launch.dkdv_block_n, TEACHER=True,
                                         TEACHER_MEAN=launch.teacher_mean, TOKENS=launch.dkdv_tokens(group)),
-             launch.dkdv_num_warps, launch.dkdv_num_stages)]
+             launch.dkdv_num_warps, launch.dkdv_num_stages),
+            # the hybrid forward's two passes: 64-row tiles over narrow unions, then the other tiles' tokens alone
+            (ta._attn_fwd_kernel, dict(BLOCK_M=64, BLOCK_N=launch.block_n, HYBRID=1, TOKENS=max(1, 64 // group),
+                                       UNION_TOKENS=max(1, 64 // group)), launch.num_warps, launch.num_stages),
+            (ta._attn_fwd_kernel, dict(BLOCK_M=max(16, group), BLOCK_N=launch.block_n, HYBRID=2, TOKENS=1,
+                                       UNION_TOKENS=max(1, 64 // group)), launch.num_warps, launch.num_stages)]
     for fn, extra, warps, stages in jobs:
         consts = {k: v for k, v in {**base, **extra}.items() if k in fn.arg_names}
         sig, attrs = signature(fn, consts)
@@ -454,7 +478,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(" ok") == 25, proc.stdout  # 3 groups x 7 kernels, dk/dv capped and split, delta
+    assert proc.stdout.count(" ok") == 31, proc.stdout  # 3 groups x 9 kernels, dk/dv capped and split, delta
 
 
 def test_strided_views_of_fused_projections():

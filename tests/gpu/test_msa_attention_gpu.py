@@ -71,6 +71,9 @@ LAUNCH_VARIANTS = [
     "dq_in_dkdv=1,dkdv_block_n=64,dkdv_block_m=32,dkdv_max_tokens=64",
     "tma=0,block_m=128,block_n=64,num_warps=8,dq_block_m=32,dkdv_block_m=64",
     "dq_in_dkdv=1,dq_transposed=0,dkdv_block_n=128,dkdv_block_m=32",
+    # the hybrid forward with every tile's union too wide (its one-token pass only; the default walks unions here)
+    "block_m=64,union_max=1",
+    "block_m=16,union_max=0",  # the one-token forward (the G = 16 default before session 16)
 ]
 
 

@@ -152,46 +152,56 @@ def _load_tile_rows(Q, QPOS, tile, g, T, stride_qt, stride_qh,
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, QPOS, MEMB, CAND, NCAND,
-    T, Tk, n_tiles, cand_stride,
+    Q, K, V, O, LSE, QPOS, MEMB, CAND, NCAND, UNION_NCAND,
+    T, Tk, n_tiles, cand_stride, n_union_tiles, union_max,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr, USE_TMA: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr, USE_TMA: tl.constexpr, HYBRID: tl.constexpr, UNION_TOKENS: tl.constexpr,
 ):
     """o, lse of one query tile (grid: n_tiles x Hkv). LSE is [T, Hq] fp32 contiguous. With USE_TMA, K and V are
-    [Tk, Hkv * D] tensor descriptors with [BLOCK_N, BLOCK_D] boxes."""
+    [Tk, Hkv * D] tensor descriptors with [BLOCK_N, BLOCK_D] boxes.
+
+    HYBRID splits the forward into two launches by the union sizes UNION_NCAND [Hkv, n_union_tiles] of tiles of
+    UNION_TOKENS tokens: 1, the union pass, handles only the tiles whose union holds at most `union_max` blocks
+    (TOKENS = UNION_TOKENS); 2, the one-token pass (TOKENS = 1, CAND the selection itself), only the tokens of
+    the other tiles. 0: every tile."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    tok, head, row_ok, d, d_ok, q, qpos, row_token = _load_tile_rows(
-        Q, QPOS, tile, g, T, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, TOKENS)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     N_SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
     cand_base, memb_base, n_steps = _tile_walk(CAND, MEMB, NCAND, tile, g, n_tiles, cand_stride, N_SUB)
-    if WHILE_LOOPS:  # the CPU interpreter cannot use a loaded scalar as a range() bound
-        step = 0
-        while step < n_steps:
-            m_i, l_i, acc = _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, step, g,
-                                      d, d_ok, Tk, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-                                      N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
-            step += 1
-    else:
-        for step in range(0, n_steps):
-            m_i, l_i, acc = _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, step, g,
-                                      d, d_ok, Tk, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
-                                      N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
+    run = True
+    if HYBRID == 1:
+        run = n_steps <= union_max * N_SUB
+    if HYBRID == 2:
+        run = tl.load(UNION_NCAND + g * n_union_tiles + tile // UNION_TOKENS) > union_max
+    if run:
+        tok, head, row_ok, d, d_ok, q, qpos, row_token = _load_tile_rows(
+            Q, QPOS, tile, g, T, stride_qt, stride_qh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, TOKENS)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        if WHILE_LOOPS:  # the CPU interpreter cannot use a loaded scalar as a range() bound
+            step = 0
+            while step < n_steps:
+                m_i, l_i, acc = _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, step, g,
+                                          d, d_ok, Tk, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                                          N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
+                step += 1
+        else:
+            for step in range(0, n_steps):
+                m_i, l_i, acc = _fwd_step(q, qpos, row_token, m_i, l_i, acc, K, V, cand_base, memb_base, step, g,
+                                          d, d_ok, Tk, stride_kt, stride_kh, stride_vt, stride_vh, qk_scale,
+                                          N_SUB, BLOCK_N, BLOCK_D, TOKENS, DOT_PRECISION, USE_TMA)
 
-    has_keys = l_i > 0.0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # x ln 2
-    o_ptrs = O + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + tok.to(tl.int64) * (GROUP * tl.num_programs(1)) + head, lse, mask=row_ok)
+        has_keys = l_i > 0.0
+        l_safe = tl.where(has_keys, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # x ln 2
+        o_ptrs = O + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + tok.to(tl.int64) * (GROUP * tl.num_programs(1)) + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -431,23 +441,29 @@ def _launch_common(q, k, block_size):
 def _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scale: float):
     t, hq, hkv, group, dim, launch = _launch_common(q, k, block_size)
     tokens = launch.tokens_per_tile(group)
-    _, qpos, _, cand, ncand, members = query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, k.shape[0], block_size,
-                                                    tokens)
+    _, qpos, sel, cand, ncand, members = query_tiling(block_idx, cu_seqlens, cu_seqlens_k, t, k.shape[0],
+                                                      block_size, tokens)
     o = torch.empty_like(q)
     lse = torch.empty((t, hq), device=q.device, dtype=torch.float32)
     n_tiles = cand.shape[1]
     if t == 0:
         return o, lse
     kd, vd, use_tma = _key_operands(k, v, launch.tma, launch.block_n)
-    args = (q, kd, vd, o, lse, qpos, members, cand, ncand,
-            t, k.shape[0], n_tiles, cand.shape[2],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-            scale * _LOG2E)
-    common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_SIZE=block_size, TOKENS=tokens,
+    common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=next_pow2(dim), BLOCK_SIZE=block_size,
                   DOT_PRECISION=_dot_precision(q.dtype), WHILE_LOOPS=interpreting(), USE_TMA=use_tma,
+                  UNION_TOKENS=tokens, BLOCK_N=launch.block_n, num_warps=launch.num_warps,
                   num_stages=launch.num_stages)
-    _attn_fwd_kernel[(n_tiles, hkv)](*args, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-                                     num_warps=launch.num_warps, **common)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
+               o.stride(1), scale * _LOG2E)
+    hybrid = tokens > 1 and launch.union_max > 0
+    _attn_fwd_kernel[(n_tiles, hkv)](q, kd, vd, o, lse, qpos, members, cand, ncand, ncand,
+                                     t, k.shape[0], n_tiles, cand.shape[2], n_tiles, launch.union_max, *strides,
+                                     BLOCK_M=launch.block_m, TOKENS=tokens, HYBRID=1 if hybrid else 0, **common)
+    if hybrid:  # the tokens of the tiles whose union was too wide, one per program, walking their own blocks
+        ncand_one = (sel >= 0).sum(dim=-1, dtype=torch.int32)
+        _attn_fwd_kernel[(t, hkv)](q, kd, vd, o, lse, qpos, sel, sel, ncand_one, ncand,
+                                   t, k.shape[0], t, sel.shape[2], n_tiles, launch.union_max, *strides,
+                                   BLOCK_M=next_pow2(max(16, group)), TOKENS=1, HYBRID=2, **common)
     return o, lse
 
 

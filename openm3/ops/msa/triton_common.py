@@ -398,6 +398,10 @@ class AttentionLaunch:
       8K step interleaved: 2 against 0, dk/dv 163.1 -> 157.4 ms, steps 724.3 -> 708.4 ms (medians of 3, every
       step of 2 faster than every step of 0): the GPU default. (A transposed sum storing along the keys, timed as
       1, took the same 162.1 ms as 0 and was removed.)
+    union_max: with several tokens per forward tile, n > 0 makes the forward hybrid: a tile whose tokens chose
+      more than n distinct blocks between them walks each token's own blocks in one-token tiles instead of the
+      union (whose masked rows cost dot work in proportion to the union), so the shared K/V loads are taken only
+      where the tokens' selections overlap; 0 always walks the union.
     """
 
     block_m: int
@@ -418,6 +422,7 @@ class AttentionLaunch:
     dkdv_split: int = 0
     dq_transposed: int = 0
     teacher_mean: int = 0
+    union_max: int = 0
 
     def tokens_per_tile(self, group: int) -> int:
         return max(1, self.block_m // group)
@@ -458,15 +463,20 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         # Three pipeline stages in dk/dv (the token list one step ahead of the q / dO gathers it addresses):
         # fwd+bwd 17.86 -> 17.65 ms at G = 4 (8 x 8K iid, medians of 3; session 9), 157.38 -> 155.66 ms at M3's
         # 128K (medians of 2; session 10).
+        # M3's G = 16: a hybrid forward (session 16, 128K, ms drift / iid): tiles of 4 tokens over the union of
+        # their blocks where it holds at most 40 blocks, the other tiles' tokens alone in a second launch: 52.9 /
+        # 64.8 against one-token tiles' 58.2 / 66.9 and the union everywhere's 52.7 / 83.7 (union_max 44-56:
+        # 53.4-55.9 / 65.8-69.4; benchmarks/results/msa_kernels_128k_union_sweep_20261202T1520.json).
         one_token = next_pow2(max(min_rows, group))
         small_group = 4 <= group < 16
-        block_m = 64 if small_group else one_token
+        hybrid = group == 16
+        block_m = 64 if small_group or hybrid else one_token
         block_n = largest_pow2_divisor(block_size, 128 if head_dim <= 64 else 64)
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2 if small_group else 3,
                    dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
                    dkdv_block_m=max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
                    dkdv_num_warps=8, dkdv_num_stages=3, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1, dq_transposed=1,
-                   teacher_mean=2)
+                   teacher_mean=2, union_max=40 if hybrid else 0)
     else:
         # The CPU interpreter pays per operation, not per element: few programs with large tiles run fastest.
         block_m = next_pow2(max(64, group))
