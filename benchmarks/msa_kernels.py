@@ -400,7 +400,7 @@ def run_T(t: int, args, results_all: list) -> None:
     names = ("select", "sparse_fwd", "msa_prefill", "sparse_fwd_bwd", "kl_fwd_bwd", "msa_train_step",
              "msa_train_step_kl_bwd")
     for name in names[:3] if args.prefill_only else names:
-        if name in msa_cases:
+        if name in msa_cases and (not args.cases or name in args.cases):
             _run_case(res, name, msa_cases[name], slow_reps=slow_reps)
     for name in args.profile:
         if name in msa_cases:
@@ -646,6 +646,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-T", type=int, default=32768,
                         help="also time sparse fwd and fwd+bwd under several launch configs at this T (0: off)")
     parser.add_argument("--sweep", nargs="*", default=None, help="launch configs for the sweep (key=v,...)")
+    parser.add_argument("--cases", nargs="*", default=[], metavar="CASE",
+                        help="time only these MSA cases (e.g. msa_prefill msa_train_step_kl_bwd; default: all)")
     parser.add_argument("--profile", nargs="*", default=[], metavar="CASE",
                         help="also profile these cases (e.g. msa_train_step_kl_bwd): CUDA time per kernel")
     args = parser.parse_args(argv)

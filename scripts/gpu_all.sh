@@ -98,6 +98,16 @@ for s in "${stages[@]}"; do
         --skip-dense --prefill-only --sweep-T 131072 --sweep "" "union_max=0,block_m=16" "union_max=0" \
         ${UNION_SWEEP:-"union_max=36" "union_max=44" "num_warps=8" "num_stages=2" "num_stages=4"} 2>&1 \
         | tee "$OUT/unionsweep.log" | grep -A12 "^launch sweep" ;;
+    step128)  # M3's 128K prefill and train step (KL in the backward) with dense, then under each of $STEP_AB
+      python3 -m benchmarks.msa_kernels --out "$OUT/step128" --T 131072 --skip-flex --skip-iid --skip-check \
+        --sweep-T 0 --cases select sparse_fwd msa_prefill msa_train_step_kl_bwd 2>&1 | tee "$OUT/step128.log" \
+        | grep -E "^  131072|^    (select|sparse_fwd|msa_|dense)"
+      for ab in ${STEP_AB:-}; do
+        echo "--- OPENM3_ATTN_LAUNCH=$ab"
+        OPENM3_ATTN_LAUNCH=$ab python3 -m benchmarks.msa_kernels --out "$OUT/step128_ab" --T 131072 --skip-flex \
+          --skip-iid --skip-check --skip-dense --sweep-T 0 --cases msa_train_step_kl_bwd 2>&1 \
+          | tee -a "$OUT/step128_ab.log" | grep -E "^    msa_"
+      done ;;
     klsweep4)  # KL knobs on top of the session-6 defaults at m3-small's shape (G = 4), 2 interleaved rounds
       python3 -m benchmarks.msa_group_sweep --out "$OUT/klsweep4" --rounds 2 --attn --kl "" "block_q=32" \
         "num_warps=4,maxnreg=0" "num_warps=4" "max_entries=128" "max_entries=512" "prefetch=1" "dqi_buffer=1" \
