@@ -311,8 +311,8 @@ def test_launch_config_checks():
     # the GPU default for M3: the hybrid forward (4-token tiles over unions of at most 40 blocks, the rest one token
     # per program), TMA, dq fused into whole-block dk/dv programs
     gpu = attention_launch(16, 128, 128, torch.bfloat16, True)
-    assert (gpu.block_m, gpu.union_max, gpu.tma, gpu.dq_in_dkdv, gpu.dkdv_block_n, gpu.dq_transposed) == (
-        64, 40, 1, 1, 128, 1)
+    assert (gpu.block_m, gpu.union_max, gpu.tma, gpu.dq_in_dkdv, gpu.dkdv_block_n, gpu.dkdv_block_m,
+            gpu.dq_transposed) == (64, 40, 1, 1, 128, 64, 1)
     # groups of 4 (m3-small): 64-row wgmma tiles of 16 tokens over the union of their blocks, 2 stages
     small = attention_launch(4, 128, 128, torch.bfloat16, True)
     assert (small.block_m, small.tokens_per_tile(4), small.num_stages) == (64, 16, 2)

@@ -11,6 +11,9 @@ Schedule (details, measurements and cost floors in docs/kernels_attention.md):
   per block of the tile's tokens that chose it) and masks each row to the blocks its own token chose (one shift
   per row and key tile). Blocks are addressed by absolute key row, so a tile may straddle a sequence boundary;
   causality is `key_row <= qpos[row]`. K/V tiles come through TMA tensor descriptors where possible.
+- Hybrid forward (`union_max` > 0, the GPU default at M3's G = 16): the multi-token tiles whose union holds at
+  most `union_max` blocks walk it; the tokens of the others are handled one per program by a second launch, so K/V
+  loads are shared only where the tokens' selections overlap enough to pay for the masked rows.
 - Forward: online softmax (exp2 domain) over the candidate blocks, fp32 accumulators, writes o and lse.
 - Backward: delta = rowsum(dO * O) (a small kernel); dk/dv key-block-outer: one program per (group, key block
   tile, chunk of at most `dkdv_max_tokens` queries that selected that block), walking those queries (from an

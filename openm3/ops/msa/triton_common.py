@@ -462,7 +462,8 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         # G = 4 (2 x 8K drift), -3.6% (8 x 8K iid), -3.2% at M3's 128K (162.2 -> 157.1 ms; session 9).
         # Three pipeline stages in dk/dv (the token list one step ahead of the q / dO gathers it addresses):
         # fwd+bwd 17.86 -> 17.65 ms at G = 4 (8 x 8K iid, medians of 3; session 9), 157.38 -> 155.66 ms at M3's
-        # 128K (medians of 2; session 10).
+        # 128K (medians of 2; session 10). At G = 16, dk/dv steps of 4 tokens (dkdv_block_m=64): M3's 128K train
+        # step 189.10 -> 179.04 ms (16 rows: 226.89; session 16).
         # M3's G = 16: a hybrid forward (session 16, 128K, ms drift / iid): tiles of 4 tokens over the union of
         # their blocks where it holds at most 40 blocks, the other tiles' tokens alone in a second launch: 52.9 /
         # 64.8 against one-token tiles' 58.2 / 66.9 and the union everywhere's 52.7 / 83.7 (union_max 44-56:
@@ -474,7 +475,7 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         block_n = largest_pow2_divisor(block_size, 128 if head_dim <= 64 else 64)
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2 if small_group else 3,
                    dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
-                   dkdv_block_m=max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
+                   dkdv_block_m=64 if hybrid else max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
                    dkdv_num_warps=8, dkdv_num_stages=3, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1, dq_transposed=1,
                    teacher_mean=2, union_max=40 if hybrid else 0)
     else:
