@@ -470,14 +470,15 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         # 53.4-55.9 / 65.8-69.4; benchmarks/results/msa_kernels_128k_union_sweep_20261202T1520.json).
         one_token = next_pow2(max(min_rows, group))
         small_group = 4 <= group < 16
-        hybrid = group == 16
-        block_m = 64 if small_group or hybrid else one_token
+        m3_group = group == 16  # the hybrid forward and 4-token dk/dv steps: measured at this group size only
+        block_m = 64 if small_group or m3_group else one_token
         block_n = largest_pow2_divisor(block_size, 128 if head_dim <= 64 else 64)
         cfg = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2 if small_group else 3,
                    dq_block_m=one_token, dq_block_n=block_n, dq_num_warps=4,
-                   dkdv_block_m=64 if hybrid else max(one_token, 32), dkdv_block_n=largest_pow2_divisor(block_size, 128),
+                   dkdv_block_m=64 if m3_group else max(one_token, 32),
+                   dkdv_block_n=largest_pow2_divisor(block_size, 128),
                    dkdv_num_warps=8, dkdv_num_stages=3, dkdv_max_tokens=512, tma=1, dq_in_dkdv=1, dq_transposed=1,
-                   teacher_mean=2, union_max=40 if hybrid else 0)
+                   teacher_mean=2, union_max=40 if m3_group else 0)
     else:
         # The CPU interpreter pays per operation, not per element: few programs with large tiles run fastest.
         block_m = next_pow2(max(64, group))
