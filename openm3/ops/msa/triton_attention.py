@@ -36,7 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._checks import (check_attention_inputs, check_block_idx, check_block_params, check_scale,
                       check_seqlens)
 from .triton_common import (attention_launch, interpreting, key_block_work, next_pow2, query_positions,
-                            query_tiling)
+                            query_tiling, tile_candidates)
 
 __all__ = ["sparse_attention"]
 
@@ -463,7 +463,7 @@ def _forward(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size: int, scal
                                      t, k.shape[0], n_tiles, cand.shape[2], n_tiles, launch.union_max, *strides,
                                      BLOCK_M=launch.block_m, TOKENS=tokens, HYBRID=1 if hybrid else 0, **common)
     if hybrid:  # the tokens of the tiles whose union was too wide, one per program, walking their own blocks
-        ncand_one = (sel >= 0).sum(dim=-1, dtype=torch.int32)
+        _, ncand_one, _ = tile_candidates(sel, 1)
         _attn_fwd_kernel[(t, hkv)](q, kd, vd, o, lse, qpos, sel, sel, ncand_one, ncand,
                                    t, k.shape[0], t, sel.shape[2], n_tiles, launch.union_max, *strides,
                                    BLOCK_M=next_pow2(max(16, group)), TOKENS=1, HYBRID=2, **common)
