@@ -70,7 +70,8 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     "fused_combine": dict(fuse_combine=True), "noshrink": dict(merge_direct_max=1 << 30),
     "shrink256": dict(merge_direct_max=256), "slots2": dict(slots_per_split=2),
     **{f"seg{n}": dict(segment_blocks=n) for n in (2, 4, 8, 16, 32, 64)},
-    "warps8": dict(num_warps=8), "stages2": dict(stages=2),
+    "warps8": dict(num_warps=8), "stages2": dict(stages=2), "attn_warps8": dict(attention_warps=8),
+    "attn_warps2": dict(attention_warps=2),
     # batch-1 work (bandwidth of the scoring kernel, fewer launches / gaps); 'noshrink' above is no-shrink with
     # the bitonic merge (the default merge) since merge_sort became the default
     **SCORE_VARIANTS,

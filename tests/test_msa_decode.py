@@ -175,6 +175,42 @@ def test_triton_decode_matches_reference(case, fp8):
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("score_loads", ["table", "hoist"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["idx-fp32", "idx-fp8"])
+def test_triton_decode_selection_ignores_what_lies_outside_the_sequences(fp8, score_loads):
+    """The scoring kernel ranks only blocks wholly before each row's forced local blocks, so nothing it reads
+    for other blocks may matter: NaN / inf in the unused tail of each sequence's last page and in spare pages,
+    and garbage page ids past each sequence's blocks in the table, give the reference's selection. Several
+    queries per sequence, so the last page is a later (invisible) block for the earlier rows."""
+    td = _triton()
+    seq_lens, q_len, bs, hkv, di, topk, local = [37, 70, 100], 3, 16, 2, 16, 4, 1
+    c = make_paged(seq_lens, block_size=bs, hkv=hkv, d=16, di=di)
+    table, lens = c["block_table"].clone(), torch.tensor(seq_lens, dtype=torch.int32)
+    poison = torch.ones(c["ki_pages"].shape[:2], dtype=torch.bool)  # [P, bs]: slots no sequence owns
+    for b, n in enumerate(seq_lens):
+        nb = -(-n // bs)
+        for j in range(nb):
+            poison[table[b, j], : min(bs, n - j * bs)] = False
+        table[b, nb:] = 1 << 30  # never to be read: past the sequence
+    assert poison.any() and table.max() == 1 << 30
+    ki_pages, ki_scale, want_scale = c["ki_pages"].clone(), None, None
+    if fp8:
+        flat, want_scale = decode.quantize_index_keys(ki_pages.flatten(0, 1))
+        ki_pages, want_scale = flat.view(ki_pages.shape), want_scale.view(poison.shape)
+        ki_scale = torch.where(poison, float("nan"), want_scale)
+    else:
+        ki_pages[poison] = float("nan")
+        ki_pages[poison.all(-1)] = float("inf")  # the spare pages
+    gen = torch.Generator().manual_seed(3)
+    qi = torch.randn(q_len * len(seq_lens), hkv, di, generator=gen)
+    want = decode.paged_select_blocks(qi, c["ki_pages"] if not fp8 else ki_pages, c["block_table"],
+                                      cu([q_len] * len(seq_lens)), seq_lens, block_size=bs, topk=topk,
+                                      local_blocks=local, ki_scale=want_scale)
+    got = td.decode_select_blocks(qi, ki_pages, table, lens, q_len=q_len, block_size=bs, topk=topk,
+                                  local_blocks=local, ki_scale=ki_scale, segment_blocks=2, score_loads=score_loads)
+    assert torch.equal(got, want)
+
+
 MSA_CASES = [
     # seq_lens, q_len, block_size, Hq, Hkv, D, Di, topk, local, segment_blocks, slots_per_split
     ([50, 130], 1, 16, 4, 2, 16, 16, 3, 1, 2, 1),

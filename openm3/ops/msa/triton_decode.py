@@ -136,24 +136,26 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
     q_pos = seq_len - Q + rows // HI  # absolute position of each row's query
     q_block = q_pos // BS
     scores = tl.full([BLOCK_M, SEG], _NEG_INF, tl.float32)
-    if HOIST or TMA:
+    if HOIST or TMA:  # not masked by seq_len, so this load does not wait for that one
         seg_blk = seg * SEG + seg_cols
-        pages = tl.load(table_ptr + b * stride_table + seg_blk,
-                        mask=(seg_blk < max_blocks) & (seg_blk * BS < seq_len), other=0)
+        pages = tl.load(table_ptr + b * stride_table + seg_blk, mask=seg_blk < max_blocks, other=0)
     for jj in tl.range(0, SEG, num_stages=STAGES):
         blk = seg * SEG + jj
         valid = (blk < max_blocks) & (blk * BS < seq_len)
+        # Only blocks wholly before each row's forced local blocks are ranked: the own block (the one block a
+        # row sees in part) is always local (LOCAL >= 1), later ones are invisible, so no per-token mask is
+        # needed and an invalid block's scores (read from page 0) are never used.
+        ranked = (blk <= q_block - LOCAL) & valid
         if HOIST or TMA:
-            page = tl.sum(tl.where(seg_cols == jj, pages, 0)).to(tl.int64)
+            page = tl.where(valid, tl.sum(tl.where(seg_cols == jj, pages, 0)), 0).to(tl.int64)
         else:
             page = tl.load(table_ptr + b * stride_table + blk, mask=valid, other=0).to(tl.int64)
-        if SPLIT:  # [BS, BLOCK_M] scores, keys along M; an invalid block reads page 0 (masked below)
+        if SPLIT:  # [BS, BLOCK_M] scores, keys along M
             ki = ki_ptr.load([(page * BS).to(tl.int32), 0])
             s_t = tl.dot(ki, q_hi, tl.dot(ki, q_lo))  # 16 * 2^e * q . k (exact split, fp32 accumulation)
-            s_t = s_t * tl.load(ks_ptr + page * BS + cols, mask=valid, other=0.0)[:, None] * q_inv[None, :]
-            visible_t = ((blk * BS + cols)[:, None] <= q_pos[None, :]) & valid
-            best = tl.max(tl.where(visible_t, s_t, _NEG_INF), axis=0)  # [BLOCK_M] block max
-        elif TMA:  # an invalid block reads page 0 (its scores are masked below)
+            s_t = s_t * tl.load(ks_ptr + page * BS + cols)[:, None] * q_inv[None, :]
+            best = tl.max(s_t, axis=0)  # [BLOCK_M] block max
+        elif TMA:
             raw = ki_ptr.load([(page * BS).to(tl.int32), 0])
             if FP8:
                 ki = raw.to(tl.float8e4nv, bitcast=True).to(qi.dtype)
@@ -168,11 +170,9 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
         if not SPLIT:
             s = tl.dot(qi, tl.trans(ki), input_precision=PRECISION)  # [BLOCK_M, BS] fp32
             if FP8:  # the scale is per token, so it must multiply before the block max
-                s = s * tl.load(ks_ptr + page * BS + cols, mask=valid, other=0.0)[None, :]
-            visible = ((blk * BS + cols)[None, :] <= q_pos[:, None]) & valid
-            best = tl.max(tl.where(visible, s, _NEG_INF), axis=1)  # [BLOCK_M] block max
-        local = (blk <= q_block) & (blk > q_block - LOCAL)  # forced by the merge, not ranked here
-        scores = tl.where(seg_cols[None, :] == jj, tl.where(local, _NEG_INF, best)[:, None], scores)
+                s = s * tl.load(ks_ptr + page * BS + cols)[None, :]
+            best = tl.max(s, axis=1)  # [BLOCK_M] block max
+        scores = tl.where(seg_cols[None, :] == jj, tl.where(ranked, best, _NEG_INF)[:, None], scores)
     keys = _sort_key(scores, seg * SEG + seg_cols[None, :])
     out = cand_ptr + ((b * Q * HI + rows) * n_seg + seg) * KP
     for slot in tl.static_range(KP):

@@ -1,0 +1,376 @@
+"""Measured floors for the two MSA targets still missed, and the prefill with selection and attention overlapped.
+
+    python -m benchmarks.msa_floors --out benchmarks/results/            # all three parts
+    python -m benchmarks.msa_floors --parts stream --decode-T 1048576    # one part
+
+Three parts, each timed in the same process as the openm3 kernel it bounds (M3 shape, bf16, one layer):
+
+  stream   decode (issue 4): a kernel that only streams the 1M-token fp8 index-key cache (every byte loaded once,
+           an integer max so nothing is dead code) with 1-8 programs per SM, CUDA-graph timed like
+           `benchmarks/msa_decode.py`, against the decode scoring kernel, the whole decode step and cuDNN dense
+           decode over the same cache. It is the bandwidth a kernel of this length reaches at all.
+  gather   prefill (issue 3): a kernel that loads exactly the K/V tiles the one-token forward gathers (16 blocks per
+           (token, KV head) of the benchmark's drifting selection at 128K, through the same TMA boxes), no dots,
+           against the sparse forward on that selection: how much of the forward is the gather itself.
+  overlap  prefill: the queries in chunks, the selection of chunk c + 1 on a second (high-priority) stream while
+           the forward of chunk c runs: the selection is tensor-core bound (~670 TFLOP/s at 128K), the forward
+           bound by the K/V gather, so the two may share the GPU. Against select + forward in sequence.
+
+Writes `msa_floors_<stamp>.json` with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks._inputs import DI, HI, HKV, HQ, D, m3_inputs
+
+BLOCK, TOPK, LOCAL = 128, 16, 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels (measurement only: they compute nothing anyone needs)
+
+
+@triton.jit
+def _stream_kernel(X, OUT, n_tiles, ROWS: tl.constexpr, COLS: tl.constexpr, STAGES: tl.constexpr):
+    """Grid-stride walk over [n_tiles * ROWS, COLS] uint8 (a tensor descriptor, one [ROWS, COLS] box per tile):
+    the max byte of everything this program loaded -> OUT[pid]."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
+    for t in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=STAGES):
+        acc = tl.maximum(acc, X.load([t * ROWS, 0]).to(tl.int32))
+    tl.store(OUT + pid, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _score_ladder_kernel(X, S, Qi, OUT, n_blocks, SEG: tl.constexpr, ROWS: tl.constexpr, DI_: tl.constexpr,
+                         BLOCK_M: tl.constexpr, LEVEL: tl.constexpr, STAGES: tl.constexpr):
+    """The decode scoring kernel's loop built up one piece at a time (program = SEG consecutive fp8 key blocks,
+    as there): LEVEL 0 loads each [ROWS, DI] tile (TMA) and keeps a byte max; 1 widens e4m3 -> fp16 first; 2 also
+    takes the dot with the [BLOCK_M, DI] fp16 queries; 3 also multiplies by the per-token scales; 4 also takes
+    each row's block max into a [BLOCK_M, SEG] score tile (the scoring kernel without its top-k epilogue)."""
+    seg = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, DI_)
+    cols = tl.arange(0, ROWS)
+    seg_cols = tl.arange(0, SEG)
+    q = tl.load(Qi + rows[:, None] * DI_ + dims[None, :]).to(tl.float16)
+    acc_b = tl.zeros([ROWS, DI_], dtype=tl.int32)
+    acc_h = tl.full([ROWS, DI_], float("-inf"), dtype=tl.float16)
+    acc_s = tl.full([BLOCK_M, ROWS], float("-inf"), dtype=tl.float32)
+    scores = tl.full([BLOCK_M, SEG], float("-inf"), dtype=tl.float32)
+    for jj in tl.range(0, SEG, num_stages=STAGES):
+        blk = seg * SEG + jj
+        page = tl.minimum(blk, n_blocks - 1)
+        raw = X.load([page * ROWS, 0])
+        if LEVEL == 0:
+            acc_b = tl.maximum(acc_b, raw.to(tl.int32))
+        else:
+            ki = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            if LEVEL == 1:
+                acc_h = tl.maximum(acc_h, ki)
+            else:
+                s = tl.dot(q, tl.trans(ki))
+                if LEVEL >= 3:
+                    s = s * tl.load(S + page * ROWS + cols)[None, :]
+                if LEVEL >= 4:
+                    best = tl.max(s, axis=1)
+                    scores = tl.where(seg_cols[None, :] == jj, best[:, None], scores)
+                else:
+                    acc_s = tl.maximum(acc_s, s)
+    if LEVEL == 0:
+        tl.store(OUT + seg, tl.max(tl.max(acc_b, axis=1), axis=0).to(tl.float32))
+    elif LEVEL == 1:
+        tl.store(OUT + seg, tl.max(tl.max(acc_h.to(tl.float32), axis=1), axis=0))
+    elif LEVEL <= 3:
+        tl.store(OUT + seg, tl.max(tl.max(acc_s, axis=1), axis=0))
+    else:
+        tl.store(OUT + seg, tl.max(tl.max(scores, axis=1), axis=0))
+
+
+@triton.jit
+def _gather_kernel(K, V, SEL, OUT, T, Tk, BLOCK_SIZE: tl.constexpr, TOPK_: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+    """Program (token, KV head g): loads the K and V tiles of the TOPK blocks the token selected (SEL [Hkv, T, TOPK]),
+    BLOCK_N keys at a time through [Tk, Hkv * D] descriptors as the forward does, and stores the sum
+    of what it loaded. No dots, no softmax: the forward's gather on its own."""
+    tok = tl.program_id(0)
+    g = tl.program_id(1)
+    N_SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    sel = SEL + (g * T + tok).to(tl.int64) * TOPK_
+    acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for step in tl.range(0, TOPK_ * N_SUB, num_stages=STAGES):
+        blk = tl.load(sel + step // N_SUB)  # an unused slot (-1: early tokens only) loads block 0, unbranched
+        row0 = tl.maximum(blk, 0) * BLOCK_SIZE + (step % N_SUB) * BLOCK_N
+        acc += K.load([row0, g * BLOCK_D]).to(tl.float32) + V.load([row0, g * BLOCK_D]).to(tl.float32)
+    tl.store(OUT + g * T + tok, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parts
+
+
+def _descriptor(x: torch.Tensor, block_shape):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=list(block_shape))
+
+
+def stream_part(t: int, programs_per_sm=(1, 2, 4, 8), stages=(2, 3, 4), compare: str | None = None) -> dict:
+    """Streaming floor of the fp8 index-key cache at t tokens, batch 1, next to the real decode kernels."""
+    from benchmarks.msa_decode import dense_sdpa, graph_time_ms, sdpa_backend
+    from openm3.ops.msa import decode, triton_decode
+
+    nb = t // BLOCK
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ki = torch.empty(nb, BLOCK, DI, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
+    flat, scale = decode.quantize_index_keys(ki.view(-1, DI))
+    ki8, ki_scale = flat.view(nb, BLOCK, DI), scale.view(nb, BLOCK)
+    del ki, flat
+    k = torch.empty(nb, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
+    v = torch.empty_like(k).normal_(generator=gen)
+    table = torch.arange(nb, device="cuda", dtype=torch.int32).view(1, nb)
+    lens = torch.full((1,), t, device="cuda", dtype=torch.int32)
+    q = torch.randn(1, HQ, D, device="cuda", generator=gen).bfloat16()
+    qi = torch.randn(1, HI, DI, device="cuda", generator=gen).bfloat16()
+    qi16 = torch.zeros(16, DI, device="cuda", dtype=torch.bfloat16)  # the kernel's 16 padded query rows
+    qi16[:HI] = qi[0]
+    key_bytes = ki8.numel() + ki_scale.numel() * 4
+    rec: dict = {"T": t, "index_key_bytes": key_bytes}
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    desc = _descriptor(ki8.view(torch.uint8).view(-1, DI), [BLOCK, DI])
+    out = torch.empty(max(8 * sms, nb), dtype=torch.int32, device="cuda")
+    best = None
+    for per_sm in programs_per_sm:
+        for st in stages:
+            grid = (min(per_sm * sms, nb),)
+            ms = graph_time_ms(lambda: _stream_kernel[grid](desc, out, nb, ROWS=BLOCK, COLS=DI, STAGES=st,
+                                                            num_warps=4))
+            rec[f"stream_ms_p{per_sm}_s{st}"] = ms
+            best = ms if best is None else min(best, ms)
+            print(f"    stream {per_sm} programs/SM, {st} stages: {ms * 1e3:.1f} us "
+                  f"({key_bytes / ms / 1e9:.2f} TB/s of keys; the scales are not read)", flush=True)
+    rec["stream_best_ms"] = best
+    rec["stream_best_tb_per_s"] = ki8.numel() / best / 1e9
+
+    n_seg = triton.cdiv(nb, 32)
+    out_f = torch.empty(n_seg, dtype=torch.float32, device="cuda")
+    for level in range(5):
+        for st, warps in ((3, 4), (4, 4), (3, 8)):
+            rec[f"ladder_ms_l{level}_s{st}_w{warps}"] = ms = graph_time_ms(lambda: _score_ladder_kernel[(n_seg,)](
+                desc, ki_scale, qi16, out_f, nb, SEG=32, ROWS=BLOCK, DI_=DI, BLOCK_M=16, LEVEL=level, STAGES=st,
+                num_warps=warps))
+            print(f"    scoring ladder level {level} ({st} stages, {warps} warps): {ms * 1e3:.1f} us", flush=True)
+    modules = {"": triton_decode}
+    if compare:  # another version of the decode module, timed in the same process (A/B)
+        modules["_" + compare.rsplit(".", 1)[-1]] = importlib.import_module(compare)
+    for sfx, mod in modules.items():
+        rec["score_ms" + sfx] = graph_time_ms(lambda: mod._score_candidates(
+            qi, ki8, table, lens, q_len=1, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL, ki_scale=ki_scale,
+            segment_blocks=None, stages=3, num_warps=4, fp8_math="fp16", score_loads="tma", pdl=True))
+        rec["msa_step_ms" + sfx] = graph_time_ms(lambda: mod.decode_msa(
+            q, qi, k, v, ki8, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL, ki_scale=ki_scale)[0])
+        idx = mod.decode_select_blocks(qi, ki8, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
+                                       local_blocks=LOCAL, ki_scale=ki_scale)
+        rec["block_idx" + sfx] = idx.flatten().tolist()
+        rec["attention_ms" + sfx] = graph_time_ms(lambda: mod.decode_attention(q, k, v, table, lens, idx,
+                                                                                q_len=1)[0])
+        print(f"    [{sfx or 'current'}] score {rec['score_ms' + sfx] * 1e3:.1f} us, step "
+              f"{rec['msa_step_ms' + sfx] * 1e3:.1f} us, attention + combine on a given selection "
+              f"{rec['attention_ms' + sfx] * 1e3:.1f} us", flush=True)
+    if compare:
+        rec["same_selection_as_compare"] = rec["block_idx"] == rec["block_idx" + sfx]
+    kd, vd = (x.view(1, t, HKV, D).transpose(1, 2) for x in (k, v))
+    qd = q.view(1, HQ, 1, D)
+    backend = sdpa_backend(qd, kd, vd)
+    rec["dense_ms"] = graph_time_ms(lambda: dense_sdpa(qd, kd, vd, backend))
+    rec["dense_backend"] = str(backend)
+    rec["speedup_vs_dense"] = rec["dense_ms"] / rec["msa_step_ms"]
+    rec["budget_12x_ms"] = rec["dense_ms"] / 12
+    rec["stream_share_of_12x_budget"] = best / rec["budget_12x_ms"]
+    print(f"    score kernel {rec['score_ms'] * 1e3:.1f} us, whole step {rec['msa_step_ms'] * 1e3:.1f} us, dense "
+          f"{rec['dense_ms'] * 1e3:.1f} us ({rec['speedup_vs_dense']:.2f}x); 12x budget "
+          f"{rec['budget_12x_ms'] * 1e3:.1f} us, of which streaming the keys alone takes {best * 1e3:.1f} us",
+          flush=True)
+    return rec
+
+
+def _selection(x: dict) -> torch.Tensor:
+    from openm3.ops import msa
+
+    with torch.no_grad():
+        return msa.select_blocks(x["qi"], x["ki"], x["cu"], block_size=BLOCK, topk=TOPK, local_blocks=LOCAL)
+
+
+def gather_part(x: dict, block_idx: torch.Tensor, stages=(2, 3, 4)) -> dict:
+    """The one-token forward's K/V gather alone against the forward, on the same selection."""
+    from benchmarks.msa_kernels import bench_ms
+    from openm3.ops import msa
+
+    t = x["q"].shape[0]
+    kd = _descriptor(x["k"].view(t, HKV * D), [64, D])
+    vd = _descriptor(x["v"].view(t, HKV * D), [64, D])
+    out = torch.empty(HKV, t, dtype=torch.float32, device="cuda")
+    sel = block_idx.contiguous()
+    rec: dict = {"T": t, "gathered_gib": t * HKV * TOPK * BLOCK * D * 2 * 2 / 2 ** 30}
+    for st in stages:
+        rec[f"gather_ms_s{st}"] = bench_ms(lambda: _gather_kernel[(t, HKV)](
+            kd, vd, sel, out, t, t, BLOCK_SIZE=BLOCK, TOPK_=TOPK, BLOCK_N=64, BLOCK_D=D, STAGES=st, num_warps=4))
+    rec["gather_best_ms"] = min(rec[f"gather_ms_s{st}"] for st in stages)
+    rec["gather_tb_per_s"] = rec["gathered_gib"] * 2 ** 30 / rec["gather_best_ms"] / 1e9
+
+    def fwd():
+        with torch.no_grad():
+            return msa.sparse_attention(x["q"], x["k"], x["v"], block_idx, x["cu"], block_size=BLOCK,
+                                        validate_block_idx=False)
+
+    rec["sparse_fwd_ms"] = bench_ms(fwd)
+    with msa_launch("union_max=0,block_m=16"):
+        rec["sparse_fwd_one_token_ms"] = bench_ms(fwd)
+    print(f"    gather alone {rec['gather_best_ms']:.2f} ms ({rec['gathered_gib']:.0f} GiB, "
+          f"{rec['gather_tb_per_s']:.2f} TB/s) vs forward {rec['sparse_fwd_ms']:.2f} ms (hybrid default), "
+          f"{rec['sparse_fwd_one_token_ms']:.2f} ms (one-token tiles)", flush=True)
+    return rec
+
+
+class msa_launch:
+    """Context manager: OPENM3_ATTN_LAUNCH=cfg for the calls inside (the launch config is read per call)."""
+
+    def __init__(self, cfg: str):
+        self.cfg = cfg
+
+    def __enter__(self):
+        import os
+
+        self.old = os.environ.get("OPENM3_ATTN_LAUNCH")
+        os.environ["OPENM3_ATTN_LAUNCH"] = self.cfg
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.old is None:
+            os.environ.pop("OPENM3_ATTN_LAUNCH", None)
+        else:
+            os.environ["OPENM3_ATTN_LAUNCH"] = self.old
+
+
+def overlapped_prefill(x: dict, chunks: int, priority: int = -1):
+    """select + sparse forward over query chunks: chunk c + 1's selection on a second stream while chunk c's
+    forward runs on the current one. Returns a closure (its cu_seqlens are made up front, host values known)."""
+    from openm3.ops import msa
+    from openm3.ops.host import to_device
+
+    t = x["q"].shape[0]
+    bounds = [min(t, -(-t * i // chunks) // BLOCK * BLOCK) for i in range(chunks + 1)]
+    bounds[-1] = t
+    parts = []
+    for c0, c1 in zip(bounds, bounds[1:]):
+        cu_q = to_device(torch.tensor([0, c1 - c0], dtype=torch.int32), "cuda", remember=True)
+        cu_k = to_device(torch.tensor([0, c1], dtype=torch.int32), "cuda", remember=True)
+        parts.append((c0, c1, cu_q, cu_k))
+    side = torch.cuda.Stream(priority=priority)
+    o = torch.empty_like(x["q"])
+    lse = torch.empty(t, HQ, dtype=torch.float32, device="cuda")
+
+    def run():
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.no_grad():
+            for c0, c1, cu_q, cu_k in parts:
+                with torch.cuda.stream(side):
+                    bi = msa.select_blocks(x["qi"][c0:c1], x["ki"][:c1], cu_q, block_size=BLOCK, topk=TOPK,
+                                           local_blocks=LOCAL, cu_seqlens_k=cu_k)
+                main.wait_stream(side)
+                bi.record_stream(main)
+                oc, lc = msa.sparse_attention(x["q"][c0:c1], x["k"][:c1], x["v"][:c1], bi, cu_q, block_size=BLOCK,
+                                              cu_seqlens_k=cu_k, validate_block_idx=False)
+                o[c0:c1].copy_(oc)
+                lse[c0:c1].copy_(lc)
+        return o, lse
+
+    return run
+
+
+def overlap_part(x: dict, chunk_counts=(1, 2, 4, 8)) -> dict:
+    """Chunked prefill with and without the second stream, against select + forward in sequence."""
+    from benchmarks.msa_kernels import bench_ms
+    from openm3.ops import msa
+
+    t = x["q"].shape[0]
+    rec: dict = {"T": t}
+
+    def sequential():
+        with torch.no_grad():
+            bi = _selection(x)
+            return msa.sparse_attention(x["q"], x["k"], x["v"], bi, x["cu"], block_size=BLOCK,
+                                        validate_block_idx=False)
+
+    rec["select_ms"] = bench_ms(lambda: _selection(x))
+    rec["prefill_ms"] = bench_ms(sequential)
+    ref_o, _ = sequential()
+    for n in chunk_counts:
+        for prio, name in ((-1, "high"), (0, "same")):
+            run = overlapped_prefill(x, n, prio)
+            ms = rec[f"prefill_chunks{n}_{name}_ms"] = bench_ms(run)
+            err = (run()[0].float() - ref_o.float()).abs().max().item()
+            rec[f"prefill_chunks{n}_{name}_max_abs_diff"] = err
+            print(f"    prefill in {n} chunks, side stream priority {name}: {ms:.2f} ms (sequential "
+                  f"{rec['prefill_ms']:.2f}; select alone {rec['select_ms']:.2f}); max |o - o_seq| {err:.2e}",
+                  flush=True)
+    return rec
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", default=["stream", "gather", "overlap"],
+                   choices=["stream", "gather", "overlap"])
+    p.add_argument("--decode-T", type=int, default=1 << 20, help="cached tokens of the stream part")
+    p.add_argument("--prefill-T", type=int, default=1 << 17, help="tokens of the gather and overlap parts")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--compare", default=None, help="module path of another triton_decode version to time beside "
+                   "the current one in the stream part (e.g. a copy of the file before a change)")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("msa_floors needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from benchmarks.msa_decode import environment
+
+    result = environment()
+    t0 = time.time()
+    if "stream" in args.parts:
+        print(f"== stream floor, decode at {args.decode_T} tokens ==", flush=True)
+        result["stream"] = stream_part(args.decode_T, compare=args.compare)
+        torch.cuda.empty_cache()
+    if "gather" in args.parts or "overlap" in args.parts:
+        x = m3_inputs(args.prefill_T)
+        if "gather" in args.parts:
+            print(f"== gather floor, forward at {args.prefill_T} tokens ==", flush=True)
+            result["gather"] = gather_part(x, _selection(x))
+        if "overlap" in args.parts:
+            print(f"== overlapped prefill at {args.prefill_T} tokens ==", flush=True)
+            result["overlap"] = overlap_part(x, tuple(args.chunks))
+    result["wall_s"] = round(time.time() - t0, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M")
+    path = out / f"msa_floors_{stamp}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
