@@ -58,6 +58,7 @@ SCORE_VARIANTS = {  # name -> _score_candidates keyword arguments, timed as scor
     "hoist": dict(score_loads="hoist"), "hoist_s4": dict(score_loads="hoist", stages=4),
     "hoist_seg16_s4": dict(score_loads="hoist", stages=4, segment_blocks=16),
     "tma": dict(score_loads="tma"), "tma_s4": dict(score_loads="tma", stages=4),
+    "tma_keep_best": dict(score_loads="tma", keep_all=False),
     # fp8 tensor-core scoring (fp8 keys only; with bf16 keys these equal 'tma'): query split into two fp8 terms
     **{f"split{sfx}": dict(score_loads="tma", fp8_math="split", **kw) for sfx, kw in (
         ("", {}), ("_s4", dict(stages=4)), ("_s2", dict(stages=2)), ("_seg4", dict(segment_blocks=4)),
@@ -72,6 +73,12 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     **{f"seg{n}": dict(segment_blocks=n) for n in (2, 4, 8, 16, 32, 64)},
     "warps8": dict(num_warps=8), "stages2": dict(stages=2), "attn_warps8": dict(attention_warps=8),
     "attn_warps2": dict(attention_warps=2),
+    # every block's key out of the scoring kernel (no per-segment top-k rounds): more candidates for the shrink
+    # (the default since session 17; keep_best: each program's best topk - local keys, the default before)
+    "keep_best": dict(keep_all=False),
+    **{f"keep_all{sfx}": dict(keep_all=True, **kw) for sfx, kw in (
+        ("_seg16", dict(segment_blocks=16)), ("_seg32", dict(segment_blocks=32)), ("_seg64", dict(segment_blocks=64)),
+        ("_s4", dict(stages=4)), ("_fold", dict(fold_shrink=True)), ("_seg64_s4", dict(segment_blocks=64, stages=4)))},
     # batch-1 work (bandwidth of the scoring kernel, fewer launches / gaps); 'noshrink' above is no-shrink with
     # the bitonic merge (the default merge) since merge_sort became the default
     **SCORE_VARIANTS,
@@ -251,7 +258,7 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
             **VARIANTS[name])[2], sel)]
     if ki_scale is not None:  # the previous fp8 path: keys widened to bf16 (a slow fp16 -> bf16 step per key)
         record["score_ms_fp8_as_bf16"] = graph_time_ms(lambda: score_only(fp8_math="query"))
-    record["msa_default_segment_blocks"] = triton_decode._default_segment_blocks(nb, batch, q.device)
+    record["msa_default_segment_blocks"] = triton_decode._default_segment_blocks(nb, batch, q.device)  # keep_all
     record["msa_eager_ms"] = eager_time_ms(msa_step)
     time_ms(dense_step, record, "dense_ms")
     record["dense_backend"] = backend.name

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from benchmarks._inputs import DI, HI, HKV, HQ, D, m3_inputs
 
@@ -54,12 +55,16 @@ def _stream_kernel(X, OUT, n_tiles, ROWS: tl.constexpr, COLS: tl.constexpr, STAG
 
 
 @triton.jit
-def _score_ladder_kernel(X, S, Qi, OUT, n_blocks, SEG: tl.constexpr, ROWS: tl.constexpr, DI_: tl.constexpr,
-                         BLOCK_M: tl.constexpr, LEVEL: tl.constexpr, STAGES: tl.constexpr):
+def _score_ladder_kernel(X, S, Qi, OUT, TABLE, CAND, n_blocks, SEG: tl.constexpr, ROWS: tl.constexpr,
+                         DI_: tl.constexpr, BLOCK_M: tl.constexpr, LEVEL: tl.constexpr, STAGES: tl.constexpr,
+                         LOOKUP: tl.constexpr, KP: tl.constexpr):
     """The decode scoring kernel's loop built up one piece at a time (program = SEG consecutive fp8 key blocks,
     as there): LEVEL 0 loads each [ROWS, DI] tile (TMA) and keeps a byte max; 1 widens e4m3 -> fp16 first; 2 also
     takes the dot with the [BLOCK_M, DI] fp16 queries; 3 also multiplies by the per-token scales; 4 also takes
-    each row's block max into a [BLOCK_M, SEG] score tile (the scoring kernel without its top-k epilogue)."""
+    each row's block max into a [BLOCK_M, SEG] score tile; 5 also writes each row's KP best blocks as int64 sort
+    keys, as the scoring kernel's epilogue does. LOOKUP: how a block's page id is found: 0 page = block (no
+    table), 1 the segment's ids loaded once and picked by a masked sum per block (the scoring kernel's way), 2 a
+    scalar load per block from the table."""
     seg = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, DI_)
@@ -70,9 +75,16 @@ def _score_ladder_kernel(X, S, Qi, OUT, n_blocks, SEG: tl.constexpr, ROWS: tl.co
     acc_h = tl.full([ROWS, DI_], float("-inf"), dtype=tl.float16)
     acc_s = tl.full([BLOCK_M, ROWS], float("-inf"), dtype=tl.float32)
     scores = tl.full([BLOCK_M, SEG], float("-inf"), dtype=tl.float32)
+    if LOOKUP == 1:
+        pages = tl.load(TABLE + seg * SEG + seg_cols, mask=seg * SEG + seg_cols < n_blocks, other=0)
     for jj in tl.range(0, SEG, num_stages=STAGES):
         blk = seg * SEG + jj
-        page = tl.minimum(blk, n_blocks - 1)
+        if LOOKUP == 0:
+            page = tl.minimum(blk, n_blocks - 1)
+        elif LOOKUP == 1:
+            page = tl.sum(tl.where(seg_cols == jj, pages, 0))
+        else:
+            page = tl.load(TABLE + tl.minimum(blk, n_blocks - 1))
         raw = X.load([page * ROWS, 0])
         if LEVEL == 0:
             acc_b = tl.maximum(acc_b, raw.to(tl.int32))
@@ -95,8 +107,27 @@ def _score_ladder_kernel(X, S, Qi, OUT, n_blocks, SEG: tl.constexpr, ROWS: tl.co
         tl.store(OUT + seg, tl.max(tl.max(acc_h.to(tl.float32), axis=1), axis=0))
     elif LEVEL <= 3:
         tl.store(OUT + seg, tl.max(tl.max(acc_s, axis=1), axis=0))
-    else:
+    elif LEVEL == 4:
         tl.store(OUT + seg, tl.max(tl.max(scores, axis=1), axis=0))
+    else:
+        bits = scores.to(tl.int32, bitcast=True)
+        mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        keys = (mono.to(tl.int64) << 32) | (4294967295 - (seg * SEG + seg_cols[None, :]).to(tl.int64))
+        out = CAND + (rows * tl.num_programs(0) + seg) * KP
+        for slot in tl.static_range(KP):
+            top = tl.max(keys, axis=1)
+            tl.store(out + slot, top)
+            keys = tl.where(keys == top[:, None], -9223372036854775807, keys)
+
+
+@triton.jit
+def _chain_kernel(X, PDL: tl.constexpr):
+    """One link of a chain of dependent launches: reads what the previous link wrote, writes one value."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    tl.store(X + pid, tl.load(X + pid) + 1.0)
 
 
 @triton.jit
@@ -127,7 +158,7 @@ def _descriptor(x: torch.Tensor, block_shape):
     return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=list(block_shape))
 
 
-def stream_part(t: int, programs_per_sm=(1, 2, 4, 8), stages=(2, 3, 4), compare: str | None = None) -> dict:
+def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str | None = None) -> dict:
     """Streaming floor of the fp8 index-key cache at t tokens, batch 1, next to the real decode kernels."""
     from benchmarks.msa_decode import dense_sdpa, graph_time_ms, sdpa_backend
     from openm3.ops.msa import decode, triton_decode
@@ -167,12 +198,23 @@ def stream_part(t: int, programs_per_sm=(1, 2, 4, 8), stages=(2, 3, 4), compare:
 
     n_seg = triton.cdiv(nb, 32)
     out_f = torch.empty(n_seg, dtype=torch.float32, device="cuda")
-    for level in range(5):
-        for st, warps in ((3, 4), (4, 4), (3, 8)):
-            rec[f"ladder_ms_l{level}_s{st}_w{warps}"] = ms = graph_time_ms(lambda: _score_ladder_kernel[(n_seg,)](
-                desc, ki_scale, qi16, out_f, nb, SEG=32, ROWS=BLOCK, DI_=DI, BLOCK_M=16, LEVEL=level, STAGES=st,
-                num_warps=warps))
-            print(f"    scoring ladder level {level} ({st} stages, {warps} warps): {ms * 1e3:.1f} us", flush=True)
+    cand = torch.empty(16 * n_seg * 15, dtype=torch.int64, device="cuda")
+    ladder = [(level, 0, 3) for level in range(6)] + [(4, 1, 3), (5, 1, 3), (4, 2, 3), (5, 2, 3), (5, 2, 4)]
+    for level, lookup, st in ladder:
+        rec[f"ladder_ms_l{level}_lookup{lookup}_s{st}"] = ms = graph_time_ms(
+            lambda: _score_ladder_kernel[(n_seg,)](desc, ki_scale, qi16, out_f, table, cand, nb, SEG=32, ROWS=BLOCK,
+                                                   DI_=DI, BLOCK_M=16, LEVEL=level, STAGES=st, LOOKUP=lookup, KP=15,
+                                                   num_warps=4))
+        print(f"    scoring ladder level {level}, page lookup {lookup}, {st} stages: {ms * 1e3:.1f} us", flush=True)
+    chain = torch.zeros(64, device="cuda")
+    for pdl in (False, True):
+        for links in (1, 2, 4):
+            def step():
+                for _ in range(links):
+                    _chain_kernel[(64,)](chain, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+            ms = rec[f"chain_ms_{links}_links{'_pdl' if pdl else ''}"] = graph_time_ms(step)
+            print(f"    {links} dependent tiny launches{' with PDL' if pdl else ''}: {ms * 1e3:.2f} us per step",
+                  flush=True)
     modules = {"": triton_decode}
     if compare:  # another version of the decode module, timed in the same process (A/B)
         modules["_" + compare.rsplit(".", 1)[-1]] = importlib.import_module(compare)

@@ -229,7 +229,10 @@ MSA_VARIANTS = {"default": {}, "shrink-rounds-merge-kernel": dict(merge_direct_m
                                           pdl=True),
                 "tma-fold-merge-kernel": dict(score_loads="tma", fold_shrink=True, merge_direct_max=4,
                                               fuse_merge=False),
-                "two-launch": dict(score_loads="hoist", fold_shrink=True, merge_direct_max=4, fuse_combine=True)}
+                "two-launch": dict(score_loads="hoist", fold_shrink=True, merge_direct_max=4, fuse_combine=True),
+                # each scoring program's best keys only (sorted in its epilogue: the default before session 17)
+                "keep-best": dict(keep_all=False),
+                "keep-best-fold": dict(keep_all=False, fold_shrink=True, merge_direct_max=4)}
 
 
 @pytest.mark.parametrize("variant", list(MSA_VARIANTS))
@@ -407,11 +410,15 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
 
 
 def test_default_segments_cap_the_candidates_per_row():
-    """Scoring segments: ~4 programs per SM, grown until a row keeps <= 4096 candidates (long batch-1 rows)."""
+    """Scoring segments. keep_all=False: ~4 programs per SM, grown until a row keeps <= 4096 candidates (long
+    batch-1 rows). keep_all (the default): ~2 programs per SM, every block a candidate."""
     td = _triton()
     cpu = torch.device("cpu")  # 132 SMs assumed off-GPU, as on an H200
     sizes = {(1024, 1): 2, (1024, 32): 32, (8192, 1): 32, (8192, 32): 128, (16384, 1): 64, (32, 1): 2}
     for (blocks, batch), want in sizes.items():
-        seg = td._default_segment_blocks(blocks, batch, cpu)
+        seg = td._default_segment_blocks(blocks, batch, cpu, keep_all=False)
         assert seg == want, (blocks, batch, seg)
         assert -(-blocks // seg) * min(seg, 15) <= td._MAX_ROW_CANDIDATES
+    sizes = {(1024, 1): 2, (1024, 32): 64, (8192, 1): 16, (8192, 32): 128, (16384, 1): 32, (32, 1): 2}
+    for (blocks, batch), want in sizes.items():
+        assert td._default_segment_blocks(blocks, batch, cpu) == want, (blocks, batch)

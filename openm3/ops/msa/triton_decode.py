@@ -8,10 +8,12 @@ batch of sequences of different lengths. A decode step (`decode_msa`):
    keys and takes each block's max. fp8 e4m3 keys are widened to fp16 (one native conversion per pair of bytes,
    exact) and multiplied by the 16-bit queries converted to fp16 (widening to bf16 instead costs a slow
    fp16 -> bf16 conversion per key); the per-token scale multiplies the [rows, 128] score tile before the block
-   max. Each segment keeps its best `min(SEG, topk - local_blocks)` non-local blocks per row as int64 sort keys
-   (score bits made monotonic in the high word, complemented block number in the low word, so one comparison
-   orders (score, lower block first)). Segments are sized so that about four programs run per SM: batch-1
-   decode streams the index keys with the whole GPU.
+   max. Each segment writes every block's score per row as an int64 sort key (score bits made monotonic in the
+   high word, complemented block number in the low word, so one comparison orders (score, lower block first);
+   local and invisible blocks get -inf), or with keep_all=False only its best `min(SEG, topk - local_blocks)`,
+   sorted out in its epilogue by one max-reduction round per slot (~5 us of a 40 us kernel at 1M tokens, batch
+   1: the epilogues of every program run at the same time, after the last loads). Segments are sized so that
+   about two programs run per SM: batch-1 decode streams the index keys with the whole GPU.
 2. `_topk_partial_kernel` (long rows only): groups of a row's candidates -> their best `topk - local_blocks`,
    so the final merge sorts a few hundred keys instead of thousands (1M tokens at batch 1: 8192 -> 240).
 3. The merge -> the row's block list: local blocks first (own block, then the one before, ...), then the others
@@ -61,6 +63,7 @@ _MIN_KEY = tl.constexpr(-9223372036854775807)  # below every sort key: an empty 
 _NEG_INF_KEY = -2139095041  # high word of `_sort_key` for a -inf score (fp32 bits 0xFF800000, made monotonic)
 _PROGRAMS_PER_SM = 4  # selection programs in flight per SM that keep HBM busy (H200: 132 SMs)
 _MAX_ROW_CANDIDATES = 4096  # scoring segments grow until a row leaves at most this many candidates
+_KEEP_ALL_PROGRAMS_PER_SM = 2  # the same with every block's key kept (no candidate cap)
 
 
 @triton.jit
@@ -103,7 +106,8 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
                           HOIST: tl.constexpr, TMA: tl.constexpr, FOLD_SEGS: tl.constexpr, FOLD_P2: tl.constexpr,
                           KEEP: tl.constexpr, KEEP_P2: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
     """Program (sequence b, segment): scores SEG consecutive blocks for the Q*HI query rows of b and writes the
-    KP best non-local blocks of each row, best first, as sort keys to cand[(b*Q*HI + row), segment, :].
+    KP best non-local blocks of each row, best first, as sort keys to cand[(b*Q*HI + row), segment, :] (with
+    KP == SEG every block's key, in block order, without the rounds that sort them).
 
     HOIST: the segment's page ids are loaded once before the loop, so the key loads depend on no load inside it
     and the pipeliner keeps STAGES-1 key tiles in flight (with the page id loaded per block it uses one of the
@@ -175,10 +179,13 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
         scores = tl.where(seg_cols[None, :] == jj, tl.where(ranked, best, _NEG_INF)[:, None], scores)
     keys = _sort_key(scores, seg * SEG + seg_cols[None, :])
     out = cand_ptr + ((b * Q * HI + rows) * n_seg + seg) * KP
-    for slot in tl.static_range(KP):
-        top = tl.max(keys, axis=1)
-        tl.store(out + slot, top, mask=row_ok)
-        keys = tl.where(keys == top[:, None], _MIN_KEY, keys)
+    if KP >= SEG:  # every block's key, in block order: the top-k after this does not need them sorted
+        tl.store(out[:, None] + seg_cols[None, :], keys, mask=row_ok[:, None])
+    else:  # the KP best, best first: one max-reduction round per slot
+        for slot in tl.static_range(KP):
+            top = tl.max(keys, axis=1)
+            tl.store(out + slot, top, mask=row_ok)
+            keys = tl.where(keys == top[:, None], _MIN_KEY, keys)
     if FOLD_SEGS > 0:
         grp = seg // FOLD_SEGS
         in_grp = tl.minimum(n_seg - grp * FOLD_SEGS, FOLD_SEGS)
@@ -427,14 +434,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _default_segment_blocks(max_blocks: int, batch: int, device: torch.device, keep: int = 15) -> int:
-    """Blocks per scoring program: ~`_PROGRAMS_PER_SM` programs per SM at this batch size, 2..128 blocks each,
-    and long enough that a row's candidates (segments x min(segment, keep)) stay within `_MAX_ROW_CANDIDATES`: the
-    shrink and merge after the scoring grow with them (1M tokens at batch 1: 8-block segments leave 8192
-    candidates per row, 32-block ones 3840; measured 52.7 vs 50.45 us per fp8 step on an H200, session 3)."""
-    per_program = max_blocks * batch // (_PROGRAMS_PER_SM * _sm_count(device))
+def _default_segment_blocks(max_blocks: int, batch: int, device: torch.device, keep: int = 15,
+                            keep_all: bool = True) -> int:
+    """Blocks per scoring program, 2..128 (a power of two).
+
+    keep_all (each program writes every block's key; the default): about `_KEEP_ALL_PROGRAMS_PER_SM` programs per
+    SM at this batch size (a row's candidates are its blocks whatever the segment). Measured on an H200 (session
+    17, fp8 keys, us per step): 1M batch 1 16-block segments 46.5, 32: 46.9, 64: 62.9; 128K batch 32 64: 191.3,
+    32: 198.2. Otherwise (each program writes its `keep` best): ~`_PROGRAMS_PER_SM` programs per SM, grown until
+    a row's candidates (segments x min(segment, keep)) stay within `_MAX_ROW_CANDIDATES`, as the shrink and merge
+    after the scoring grow with them (1M tokens at batch 1: 8-block segments leave 8192 candidates per row,
+    32-block ones 3840; 52.7 vs 50.45 us per fp8 step, session 3)."""
+    per_sm = _KEEP_ALL_PROGRAMS_PER_SM if keep_all else _PROGRAMS_PER_SM
+    per_program = max_blocks * batch // (per_sm * _sm_count(device))
     seg = max(2, min(128, 1 << max(0, per_program.bit_length() - 1)))
-    while seg < 128 and triton.cdiv(max_blocks, seg) * min(seg, keep) > _MAX_ROW_CANDIDATES:
+    while not keep_all and seg < 128 and triton.cdiv(max_blocks, seg) * min(seg, keep) > _MAX_ROW_CANDIDATES:
         seg *= 2
     return seg
 
@@ -475,11 +489,12 @@ def _index_key_operand(ki_pages: torch.Tensor, fp8: bool, score_loads: str, spli
 
 def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size, topk, local_blocks, ki_scale,
                       segment_blocks, stages, num_warps, fp8_math, score_loads="table", fold_max=None,
-                      pdl=False) -> tuple[torch.Tensor, int]:
+                      pdl=False, keep_all=True) -> tuple[torch.Tensor, int]:
     """Validates the index inputs and runs `_score_segment_kernel` -> (cand int64 [B*q_len*Hi, n_cand] sort keys,
-    n_cand). Each segment's KP keys are sorted best first. fold_max (an int): candidate rows longer than this
-    are shrunk inside the scoring kernel (groups of segments as `_shrink_candidates` groups keys; the last
-    program of each group reduces it), and the shrunk rows are returned."""
+    n_cand). Each segment's KP = min(topk - local_blocks, segment) keys are its best, best first, or with
+    keep_all (or KP equal to the segment) all its blocks' keys, unsorted. fold_max (an int): candidate rows longer
+    than this are shrunk inside the scoring kernel (groups of segments as `_shrink_candidates` groups keys; the
+    last program of each group reduces it), and the shrunk rows are returned."""
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("qi", qi, 3, q_len, batch)
     hi, di = qi.shape[1], qi.shape[2]
@@ -512,12 +527,12 @@ def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size,
     rows = q_len * hi
     k = topk - local_blocks
     if segment_blocks is None:
-        segment_blocks = _default_segment_blocks(max_blocks, batch, qi.device, max(k, 1))
+        segment_blocks = _default_segment_blocks(max_blocks, batch, qi.device, max(k, 1), keep_all)
     if segment_blocks < 1 or segment_blocks & (segment_blocks - 1):
         raise ValueError(f"segment_blocks must be a power of two >= 1, got {segment_blocks}")
     seg = min(segment_blocks, triton.next_power_of_2(max_blocks))
     n_seg = triton.cdiv(max_blocks, seg)
-    kp = min(k, seg)
+    kp = seg if keep_all and k > 0 else min(k, seg)
     cand = torch.empty(batch * rows, n_seg * max(kp, 1), dtype=torch.int64, device=qi.device)
     n_cand = n_seg * kp
     fold_segs, n_groups, out = 0, 1, cand
@@ -563,14 +578,15 @@ def _shrink_candidates(cand: torch.Tensor, n_cand: int, keep: int, *, direct_max
 
 def _select_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size, topk, local_blocks, ki_scale,
                        segment_blocks, stages, num_warps, fp8_math, score_loads, merge_direct_max, merge_sort,
-                       fold_shrink, pdl) -> tuple[torch.Tensor, int]:
+                       fold_shrink, pdl, keep_all=True) -> tuple[torch.Tensor, int]:
     """Scores, then candidate rows longer than merge_direct_max shrunk (a partial top-k launch, or folded into
     the scoring kernel with fold_shrink) -> (cand, n_cand) for the final merge."""
     cand, n_cand = _score_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
                                      topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
                                      segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
                                      fp8_math=fp8_math, score_loads=score_loads,
-                                     fold_max=merge_direct_max if fold_shrink else None, pdl=pdl)
+                                     fold_max=merge_direct_max if fold_shrink else None, pdl=pdl,
+                                     keep_all=keep_all)
     return _shrink_candidates(cand, n_cand, topk - local_blocks, direct_max=merge_direct_max, sort=merge_sort,
                               pdl=pdl)
 
@@ -600,7 +616,8 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
                          ki_scale: torch.Tensor | None = None, segment_blocks: int | None = None,
                          stages: int = 3, num_warps: int = 4, merge_warps: int = 4,
                          fp8_math: str = "fp16", merge_direct_max: int = 512, merge_sort: bool = True,
-                         score_loads: str = "table", fold_shrink: bool = False, pdl: bool = False) -> torch.Tensor:
+                         score_loads: str = "table", fold_shrink: bool = False, pdl: bool = False,
+                         keep_all: bool = True) -> torch.Tensor:
     """Top-k cached blocks for the `q_len` newest queries of each sequence.
 
     qi: [B*q_len, Hi, Di] (the queries of sequence b are rows b*q_len..; query i sits at position
@@ -621,13 +638,17 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
     stay in flight per program), 'tma' (hoisted, and each block one TMA copy through a tensor descriptor; sm_90+).
     fold_shrink: the shrink step runs inside the scoring kernel (the last program of each group of segments to
     finish reduces the group) instead of its own launch. pdl: programmatic dependent launch between the kernels
-    (sm_90+; a no-op elsewhere).
+    (sm_90+; a no-op elsewhere). keep_all (the default): each scoring program writes every block's key instead
+    of sorting out its best `topk - local_blocks` (one max-reduction round per slot in its epilogue, ~5 us of a
+    40 us scoring kernel at 1M tokens, batch 1), leaving more candidates for the shrink. Measured on an H200
+    (session 17, fp8 index keys, us per decode step, against keep_all=False): 1M batch 1 46.5 vs 48.8, 128K
+    batch 32 191.3 vs 204.6, 1M batch 32 and 128K batch 1 equal.
     """
     cand, n_cand = _select_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
                                       topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
                                       segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
                                       fp8_math=fp8_math, score_loads=score_loads, merge_direct_max=merge_direct_max,
-                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl)
+                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl, keep_all=keep_all)
     hi = qi.shape[1]
     block_idx = torch.empty(hi, qi.shape[0], topk, dtype=torch.int32, device=qi.device)
     pdl = _pdl_on(pdl, qi.device)
@@ -725,7 +746,7 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                num_warps: int = 4, attention_warps: int = 4, fp8_math: str = "fp16", merge_direct_max: int = 512,
                merge_sort: bool = True, fuse_merge: bool = True, fuse_combine: bool = False,
                score_loads: str | None = None, fold_shrink: bool = False,
-               pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               pdl: bool = True, keep_all: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One MSA decode step: index scores, (top-k merge,) split-K attention, combine.
 
     q: [B*q_len, Hq, D]; qi: [B*q_len, Hi, Di] with Hi == Hkv; k_pages, v_pages: [P, block_size, Hkv, D];
@@ -757,7 +778,7 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                                       topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
                                       segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
                                       fp8_math=fp8_math, score_loads=score_loads, merge_direct_max=merge_direct_max,
-                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl)
+                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl, keep_all=keep_all)
     block_idx = torch.empty(hkv, q.shape[0], topk, dtype=torch.int32, device=q.device)
     merge_pdl = _pdl_on(pdl, q.device)
     if not fuse_merge:
