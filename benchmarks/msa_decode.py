@@ -75,7 +75,7 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     "attn_warps2": dict(attention_warps=2),
     # every block's key out of the scoring kernel (no per-segment top-k rounds): more candidates for the shrink
     # (the default since session 17; keep_best: each program's best topk - local keys, the default before)
-    "keep_best": dict(keep_all=False),
+    "keep_best": dict(keep_all=False), "shrink8": dict(shrink_groups=8), "shrink32": dict(shrink_groups=32),
     **{f"keep_all{sfx}": dict(keep_all=True, **kw) for sfx, kw in (
         ("_seg16", dict(segment_blocks=16)), ("_seg32", dict(segment_blocks=32)), ("_seg64", dict(segment_blocks=64)),
         ("_s4", dict(stages=4)), ("_fold", dict(fold_shrink=True)), ("_seg64_s4", dict(segment_blocks=64, stages=4)))},
@@ -101,8 +101,11 @@ B1_SWEEP = ["noshrink", "fused_combine", "fold", "no_pdl", "noshrink_pdl", "fold
 SPLIT_SWEEP = [n for n in VARIANTS if n.startswith("split")]  # `--variants split`
 
 
-def graph_time_ms(fn, steps: int = 20, reps: int = 10) -> float:
-    """Median time per call of `fn` (ms), `steps` calls captured in one CUDA graph, replayed `reps` times."""
+def graph_time_ms(fn, steps: int = 20, reps: int = 10, warm_ms: float = 100.0) -> float:
+    """Median time per call of `fn` (ms), `steps` calls captured in one CUDA graph, replayed `reps` times after
+    `warm_ms` of replays. Without them, the first configuration of a case was timed on a GPU that had just
+    idled (compiles, host work): in session 17 the 128K batch-1 default step read 14.1 us and the same kernels
+    timed next 12.8 us (the warm-up is for that; that clocks ramping up explains it is our guess)."""
     fn()  # compile / warm up
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -116,6 +119,10 @@ def graph_time_ms(fn, steps: int = 20, reps: int = 10) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < warm_ms:
+        graph.replay()
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -231,7 +231,7 @@ MSA_VARIANTS = {"default": {}, "shrink-rounds-merge-kernel": dict(merge_direct_m
                                               fuse_merge=False),
                 "two-launch": dict(score_loads="hoist", fold_shrink=True, merge_direct_max=4, fuse_combine=True),
                 # each scoring program's best keys only (sorted in its epilogue: the default before session 17)
-                "keep-best": dict(keep_all=False),
+                "keep-best": dict(keep_all=False), "shrink-3-groups": dict(merge_direct_max=4, shrink_groups=3),
                 "keep-best-fold": dict(keep_all=False, fold_shrink=True, merge_direct_max=4)}
 
 

@@ -555,19 +555,19 @@ def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size,
     return (out, n_groups * k) if fold_segs else (cand, n_cand)
 
 
-def _shrink_group(n_cand: int, keep: int) -> int:
-    """Keys per shrink group: about 16 groups per candidate row, each at least twice the kept width."""
-    return max(2 * triton.next_power_of_2(keep), triton.next_power_of_2(triton.cdiv(n_cand, 16)))
+def _shrink_group(n_cand: int, keep: int, groups: int = 16) -> int:
+    """Keys per shrink group: about `groups` groups per candidate row, each at least twice the kept width."""
+    return max(2 * triton.next_power_of_2(keep), triton.next_power_of_2(triton.cdiv(n_cand, groups)))
 
 
 def _shrink_candidates(cand: torch.Tensor, n_cand: int, keep: int, *, direct_max: int,
-                       sort: bool, pdl: bool = False) -> tuple[torch.Tensor, int]:
+                       sort: bool, pdl: bool = False, groups: int = 16) -> tuple[torch.Tensor, int]:
     """Candidate rows longer than `direct_max` keys are cut to the best `keep` of each group of keys (about 16
     groups per row, `_topk_partial_kernel`), so the final merge reduces a few hundred keys instead of thousands."""
     if keep == 0 or n_cand <= direct_max:
         return cand, n_cand
     keep_p2 = triton.next_power_of_2(keep)
-    group = _shrink_group(n_cand, keep)
+    group = _shrink_group(n_cand, keep, groups)
     n_groups = triton.cdiv(n_cand, group)
     out = torch.empty(cand.shape[0], n_groups * keep, dtype=torch.int64, device=cand.device)
     pdl = _pdl_on(pdl, cand.device)
@@ -578,9 +578,11 @@ def _shrink_candidates(cand: torch.Tensor, n_cand: int, keep: int, *, direct_max
 
 def _select_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size, topk, local_blocks, ki_scale,
                        segment_blocks, stages, num_warps, fp8_math, score_loads, merge_direct_max, merge_sort,
-                       fold_shrink, pdl, keep_all=True) -> tuple[torch.Tensor, int]:
+                       fold_shrink, pdl, keep_all=True, shrink_groups=16) -> tuple[torch.Tensor, int]:
     """Scores, then candidate rows longer than merge_direct_max shrunk (a partial top-k launch, or folded into
     the scoring kernel with fold_shrink) -> (cand, n_cand) for the final merge."""
+    if shrink_groups < 1:
+        raise ValueError(f"shrink_groups must be >= 1, got {shrink_groups}")
     cand, n_cand = _score_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
                                      topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
                                      segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
@@ -588,7 +590,7 @@ def _select_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size
                                      fold_max=merge_direct_max if fold_shrink else None, pdl=pdl,
                                      keep_all=keep_all)
     return _shrink_candidates(cand, n_cand, topk - local_blocks, direct_max=merge_direct_max, sort=merge_sort,
-                              pdl=pdl)
+                              pdl=pdl, groups=shrink_groups)
 
 
 def _nc(n_cand: int, topk: int) -> int:
@@ -617,7 +619,7 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
                          stages: int = 3, num_warps: int = 4, merge_warps: int = 4,
                          fp8_math: str = "fp16", merge_direct_max: int = 512, merge_sort: bool = True,
                          score_loads: str = "table", fold_shrink: bool = False, pdl: bool = False,
-                         keep_all: bool = True) -> torch.Tensor:
+                         keep_all: bool = True, shrink_groups: int = 16) -> torch.Tensor:
     """Top-k cached blocks for the `q_len` newest queries of each sequence.
 
     qi: [B*q_len, Hi, Di] (the queries of sequence b are rows b*q_len..; query i sits at position
@@ -640,15 +642,17 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
     finish reduces the group) instead of its own launch. pdl: programmatic dependent launch between the kernels
     (sm_90+; a no-op elsewhere). keep_all (the default): each scoring program writes every block's key instead
     of sorting out its best `topk - local_blocks` (one max-reduction round per slot in its epilogue, ~5 us of a
-    40 us scoring kernel at 1M tokens, batch 1), leaving more candidates for the shrink. Measured on an H200
-    (session 17, fp8 index keys, us per decode step, against keep_all=False): 1M batch 1 46.5 vs 48.8, 128K
+    40 us scoring kernel at 1M tokens, batch 1), leaving more candidates for the shrink. shrink_groups: how many
+    groups of a long candidate row the shrink reduces separately, each to its best `topk - local_blocks`.
+    keep_all measured on an H200 (session 17, fp8 index keys, us per decode step, against keep_all=False): 1M batch 1 46.5 vs 48.8, 128K
     batch 32 191.3 vs 204.6, 1M batch 32 and 128K batch 1 equal.
     """
     cand, n_cand = _select_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
                                       topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
                                       segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
                                       fp8_math=fp8_math, score_loads=score_loads, merge_direct_max=merge_direct_max,
-                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl, keep_all=keep_all)
+                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl, keep_all=keep_all,
+                                      shrink_groups=shrink_groups)
     hi = qi.shape[1]
     block_idx = torch.empty(hi, qi.shape[0], topk, dtype=torch.int32, device=qi.device)
     pdl = _pdl_on(pdl, qi.device)
@@ -746,7 +750,8 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                num_warps: int = 4, attention_warps: int = 4, fp8_math: str = "fp16", merge_direct_max: int = 512,
                merge_sort: bool = True, fuse_merge: bool = True, fuse_combine: bool = False,
                score_loads: str | None = None, fold_shrink: bool = False,
-               pdl: bool = True, keep_all: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               pdl: bool = True, keep_all: bool = True,
+               shrink_groups: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One MSA decode step: index scores, (top-k merge,) split-K attention, combine.
 
     q: [B*q_len, Hq, D]; qi: [B*q_len, Hi, Di] with Hi == Hkv; k_pages, v_pages: [P, block_size, Hkv, D];
@@ -778,7 +783,8 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                                       topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
                                       segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
                                       fp8_math=fp8_math, score_loads=score_loads, merge_direct_max=merge_direct_max,
-                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl, keep_all=keep_all)
+                                      merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl, keep_all=keep_all,
+                                      shrink_groups=shrink_groups)
     block_idx = torch.empty(hkv, q.shape[0], topk, dtype=torch.int32, device=q.device)
     merge_pdl = _pdl_on(pdl, q.device)
     if not fuse_merge:
