@@ -26,8 +26,10 @@ batch of sequences of different lengths. A decode step (`decode_msa`):
 
 `decode_select_blocks` (1-3) and `decode_attention` (4-5) expose the two halves separately.
 
-Measured defaults (H200, session 2, `benchmarks/results/msa_decode_20261130T1121.json`): `pdl` on, and
-`score_loads='tma'` for fp8 index keys on sm_90+ ('table' otherwise): fp8 128K batch 1 15.2 -> 13.3 us, 1M batch
+Measured defaults (H200, session 17, `benchmarks/results/msa_decode_final_20261202T1806.json`): `keep_all` (every
+block's key out of the scoring kernel, no per-segment top-k rounds) with ~2 scoring programs per SM: fp8 1M batch
+1 49.1 -> 46.8 us, 128K batch 32 204.2 -> 191.3 us. Session 2 (`benchmarks/results/msa_decode_20261130T1121.json`):
+`pdl` on, and `score_loads='tma'` for fp8 index keys on sm_90+ ('table' otherwise): fp8 128K batch 1 15.2 -> 13.3 us, 1M batch
 32 1198 -> 1097 us; with bf16 keys TMA measured no better. Other batch-1 knobs (`benchmarks/msa_decode.py
 --variants b1` times them; fold_shrink and the 2-launch step measured slower at batch 1): `score_loads`
 'hoist' loads a segment's page ids before the block loop (with the page id loaded per block, the pipeliner
