@@ -27,24 +27,23 @@ batch of sequences of different lengths. A decode step (`decode_msa`):
 `decode_select_blocks` (1-3) and `decode_attention` (4-5) expose the two halves separately.
 
 Measured defaults (H200, session 17, `benchmarks/results/msa_decode_final_20261202T1806.json`): `keep_all` (every
-block's key out of the scoring kernel, no per-segment top-k rounds) with ~2 scoring programs per SM: fp8 1M batch
-1 49.1 -> 46.8 us, 128K batch 32 204.2 -> 191.3 us. Session 2 (`benchmarks/results/msa_decode_20261130T1121.json`):
-`pdl` on, and `score_loads='tma'` for fp8 index keys on sm_90+ ('table' otherwise): fp8 128K batch 1 15.2 -> 13.3 us, 1M batch
-32 1198 -> 1097 us; with bf16 keys TMA measured no better. Other batch-1 knobs (`benchmarks/msa_decode.py
---variants b1` times them; fold_shrink and the 2-launch step measured slower at batch 1): `score_loads`
-'hoist' loads a segment's page ids before the block loop (with the page id loaded per block, the pipeliner
-spends a stage on that indirection and keeps a single key tile buffer, so each program has one 16 KiB tile in
-flight and none while it computes; hoisted, `stages` - 1 tiles stay in flight), 'tma' also fetches each block
-with one TMA copy; `fold_shrink` runs step 2 inside the scoring kernel (the last program of each group of
-segments to finish, counted with an atomic, reduces the group), one launch fewer; `pdl` launches the kernels as
-programmatic dependents (`griddepcontrol`: each kernel starts while the previous one drains and waits for it
-before touching its outputs). With fold_shrink and fuse_combine a step is 2 launches.
-fp8_math='split' scores fp8 keys on the fp8 tensor cores (`_split_query`): each key tile goes from its TMA buffer
-into a wgmma with the keys as M, no conversion in registers. Measured (session 3): scoring alone at 1M batch 1
-39.3 vs 41.1 us (the per-tile conversion was not what bounded it), at batch 32 1.15 vs 1.04 ms; opt-in.
-Shapes depend only on (B, Q, max_blocks), all lengths and page ids are read on the device, and nothing syncs with
-the host, so a decode step can be captured in a CUDA graph. Set `TRITON_INTERPRET=1` before importing this module
-to run it on CPU tensors (fp32/fp16 only there).
+block's key out of the scoring kernel, no per-segment top-k rounds) with ~2 scoring programs per SM: fp8 1M batch 1
+49.1 -> 46.8 us, 128K batch 32 204.2 -> 191.3 us. Session 2 (`benchmarks/results/msa_decode_20261130T1121.json`):
+`pdl` on, and `score_loads='tma'` for fp8 index keys on sm_90+ ('table' otherwise): fp8 128K batch 1 15.2 -> 13.3
+us, 1M batch 32 1198 -> 1097 us; with bf16 keys TMA measured no better. Other batch-1 knobs
+(`benchmarks/msa_decode.py --variants b1` times them; fold_shrink and the 2-launch step measured slower at batch 1):
+`score_loads` 'hoist' loads a segment's page ids before the block loop (with the page id loaded per block, the
+pipeliner spends a stage on that indirection and keeps a single key tile buffer, so each program has one 16 KiB tile
+in flight and none while it computes; hoisted, `stages` - 1 tiles stay in flight), 'tma' also fetches each block
+with one TMA copy; `fold_shrink` runs step 2 inside the scoring kernel (the last program of each group of segments
+to finish, counted with an atomic, reduces the group), one launch fewer; `pdl` launches the kernels as programmatic
+dependents (`griddepcontrol`: each kernel starts while the previous one drains and waits for it before touching its
+outputs). With fold_shrink and fuse_combine a step is 2 launches. fp8_math='split' scores fp8 keys on the fp8 tensor
+cores (`_split_query`): each key tile goes from its TMA buffer into a wgmma with the keys as M, no conversion in
+registers. Measured (session 3): scoring alone at 1M batch 1 39.3 vs 41.1 us (the per-tile conversion was not what
+bounded it), at batch 32 1.15 vs 1.04 ms; opt-in. Shapes depend only on (B, Q, max_blocks), all lengths and page ids
+are read on the device, and nothing syncs with the host, so a decode step can be captured in a CUDA graph. Set
+`TRITON_INTERPRET=1` before importing this module to run it on CPU tensors (fp32/fp16 only there).
 """
 
 from __future__ import annotations
@@ -442,8 +441,8 @@ def _default_segment_blocks(max_blocks: int, batch: int, device: torch.device, k
 
     keep_all (each program writes every block's key; the default): about `_KEEP_ALL_PROGRAMS_PER_SM` programs per
     SM at this batch size (a row's candidates are its blocks whatever the segment). Measured on an H200 (session
-    17, fp8 keys, us per step): 1M batch 1 16-block segments 46.5, 32: 46.9, 64: 62.9; 128K batch 32 64: 191.3,
-    32: 198.2. Otherwise (each program writes its `keep` best): ~`_PROGRAMS_PER_SM` programs per SM, grown until
+    17, fp8 keys, us per step, one run): 1M batch 1 16-block segments 46.5, 32: 46.9, 64: 62.9; 128K batch 32 64:
+    191.3, 32: 198.2. Otherwise (each program writes its `keep` best): ~`_PROGRAMS_PER_SM` programs per SM, grown until
     a row's candidates (segments x min(segment, keep)) stay within `_MAX_ROW_CANDIDATES`, as the shrink and merge
     after the scoring grow with them (1M tokens at batch 1: 8-block segments leave 8192 candidates per row,
     32-block ones 3840; 52.7 vs 50.45 us per fp8 step, session 3)."""
@@ -644,10 +643,11 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
     finish reduces the group) instead of its own launch. pdl: programmatic dependent launch between the kernels
     (sm_90+; a no-op elsewhere). keep_all (the default): each scoring program writes every block's key instead
     of sorting out its best `topk - local_blocks` (one max-reduction round per slot in its epilogue, ~5 us of a
-    40 us scoring kernel at 1M tokens, batch 1), leaving more candidates for the shrink. shrink_groups: how many
-    groups of a long candidate row the shrink reduces separately, each to its best `topk - local_blocks`.
-    keep_all measured on an H200 (session 17, fp8 index keys, us per decode step, against keep_all=False): 1M batch 1 46.5 vs 48.8, 128K
-    batch 32 191.3 vs 204.6, 1M batch 32 and 128K batch 1 equal.
+    40 us scoring kernel at 1M tokens, batch 1), leaving more candidates for the shrink. Measured on an H200
+    (session 17, fp8 index keys, us per decode step, against keep_all=False): 1M batch 1 46.8 vs 49.1, 128K
+    batch 32 191.3 vs 204.2, 1M batch 32 and 128K batch 1 equal. shrink_groups: how many groups of a long
+    candidate row the shrink launch reduces separately, each to its best `topk - local_blocks` (16 measured best
+    overall; fold_shrink sizes its own groups).
     """
     cand, n_cand = _select_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
                                       topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
