@@ -192,7 +192,7 @@ def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str |
             rec[f"stream_ms_p{per_sm}_s{st}"] = ms
             best = ms if best is None else min(best, ms)
             print(f"    stream {per_sm} programs/SM, {st} stages: {ms * 1e3:.1f} us "
-                  f"({key_bytes / ms / 1e9:.2f} TB/s of keys; the scales are not read)", flush=True)
+                  f"({ki8.numel() / ms / 1e9:.2f} TB/s of fp8 keys; the scales are not read)", flush=True)
     rec["stream_best_ms"] = best
     rec["stream_best_tb_per_s"] = ki8.numel() / best / 1e9
 
