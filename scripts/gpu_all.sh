@@ -14,7 +14,9 @@ for s in "${stages[@]}"; do
   case "$s" in
     tests)   timeout "${TESTS_TIMEOUT:-3000}" python3 -m pytest -v -m gpu tests/gpu -p no:cacheprovider 2>&1 \
                | tee "$OUT/gpu_tests.log" | grep -v PASSED | tail -40 ;;
-    tests:*) python3 -m pytest -q -m gpu ${s#tests:} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_sel.log" | tail -40 ;;
+    tests:*)  # tests:PATHS (split on spaces: node ids or files); a -k expression goes in TESTS_K="a or b"
+      python3 -m pytest -q -m gpu ${s#tests:} ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_tests_sel.log" | tail -40 ;;
     kernels) python3 -m benchmarks.msa_kernels --out "$OUT" 2>&1 | tee "$OUT/msa_kernels.log" | tail -60 ;;
     kernels:*) python3 -m benchmarks.msa_kernels --out "$OUT" --T ${s#kernels:} 2>&1 | tee "$OUT/msa_kernels.log" | tail -60 ;;
     floors)  # the measured floors of the missed targets (decode key streaming, forward gather) and the overlapped prefill

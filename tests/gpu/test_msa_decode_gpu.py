@@ -97,6 +97,10 @@ BATCH1_KNOBS = {
                                         fuse_merge=False),
     "two-launch-pdl": dict(score_loads="hoist", stages=4, fold_shrink=True, merge_direct_max=16, fuse_combine=True,
                            pdl=True),
+    # each scoring program's best keys only, sorted in its epilogue (the default before session 17)
+    "keep-best-tma": dict(score_loads="tma", keep_all=False),
+    "keep-best-fold": dict(keep_all=False, fold_shrink=True, merge_direct_max=16),
+    "shrink-32-groups": dict(merge_direct_max=16, shrink_groups=32),
 }
 
 
