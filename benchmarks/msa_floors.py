@@ -258,6 +258,7 @@ def _selection(x: dict) -> torch.Tensor:
 
 def gather_part(x: dict, block_idx: torch.Tensor, stages=(2, 3, 4)) -> dict:
     """The one-token forward's K/V gather alone against the forward, on the same selection."""
+    from benchmarks.msa_group_sweep import _with_env
     from benchmarks.msa_kernels import bench_ms
     from openm3.ops import msa
 
@@ -279,33 +280,11 @@ def gather_part(x: dict, block_idx: torch.Tensor, stages=(2, 3, 4)) -> dict:
                                         validate_block_idx=False)
 
     rec["sparse_fwd_ms"] = bench_ms(fwd)
-    with msa_launch("union_max=0,block_m=16"):
-        rec["sparse_fwd_one_token_ms"] = bench_ms(fwd)
+    rec["sparse_fwd_one_token_ms"] = _with_env("OPENM3_ATTN_LAUNCH", "union_max=0,block_m=16", lambda: bench_ms(fwd))
     print(f"    gather alone {rec['gather_best_ms']:.2f} ms ({rec['gathered_gib']:.0f} GiB, "
           f"{rec['gather_tb_per_s']:.2f} TB/s) vs forward {rec['sparse_fwd_ms']:.2f} ms (hybrid default), "
           f"{rec['sparse_fwd_one_token_ms']:.2f} ms (one-token tiles)", flush=True)
     return rec
-
-
-class msa_launch:
-    """Context manager: OPENM3_ATTN_LAUNCH=cfg for the calls inside (the launch config is read per call)."""
-
-    def __init__(self, cfg: str):
-        self.cfg = cfg
-
-    def __enter__(self):
-        import os
-
-        self.old = os.environ.get("OPENM3_ATTN_LAUNCH")
-        os.environ["OPENM3_ATTN_LAUNCH"] = self.cfg
-
-    def __exit__(self, *exc):
-        import os
-
-        if self.old is None:
-            os.environ.pop("OPENM3_ATTN_LAUNCH", None)
-        else:
-            os.environ["OPENM3_ATTN_LAUNCH"] = self.old
 
 
 def overlapped_prefill(x: dict, chunks: int, priority: int = -1):
