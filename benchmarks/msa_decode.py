@@ -82,6 +82,7 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     # batch-1 work (bandwidth of the scoring kernel, fewer launches / gaps); 'noshrink' above is no-shrink with
     # the bitonic merge (the default merge) since merge_sort became the default
     **SCORE_VARIANTS,
+    "fold_fused_combine": dict(fold_shrink=True, fuse_combine=True),  # the 2-launch step with the default loads
     "fold": dict(fold_shrink=True),  # shrink inside the scoring kernel (last program of each group): -1 launch
     "table": dict(score_loads="table"),  # the page id loaded per block (the default before session 2's TMA)
     "no_pdl": dict(pdl=False),  # without programmatic dependent launch (the default since it measured faster)

@@ -1,9 +1,10 @@
 """Measured floors for the two MSA targets still missed, and the prefill with selection and attention overlapped.
 
-    python -m benchmarks.msa_floors --out benchmarks/results/            # all three parts
+    python -m benchmarks.msa_floors --out benchmarks/results/            # stream, gather, overlap
     python -m benchmarks.msa_floors --parts stream --decode-T 1048576    # one part
+    python -m benchmarks.msa_floors --parts tail --compare benchmarks._decode_head   # A/B against a copy
 
-Three parts, each timed in the same process as the openm3 kernel it bounds (M3 shape, bf16, one layer):
+Four parts, each timed in the same process as the openm3 kernel it bounds (M3 shape, bf16, one layer):
 
   stream   decode (issue 4): a kernel that only streams the 1M-token fp8 index-key cache (every byte loaded once,
            an integer max so nothing is dead code) with 1-8 programs per SM, CUDA-graph timed like
@@ -15,6 +16,9 @@ Three parts, each timed in the same process as the openm3 kernel it bounds (M3 s
   overlap  prefill: the queries in chunks, the selection of chunk c + 1 on a second (high-priority) stream while
            the forward of chunk c runs: the selection is tensor-core bound (~670 TFLOP/s at 128K), the forward
            bound by the K/V gather, so the two may share the GPU. Against select + forward in sequence.
+  tail     decode: the kernel timeline of a 1M-token batch-1 fp8 step inside a CUDA graph (what runs after the
+           scoring, and when), for a few knob settings and optionally another version of the module, and the
+           latency of the top-k reductions the shrink and merge use.
 
 Writes `msa_floors_<stamp>.json` with every figure.
 """
@@ -148,6 +152,34 @@ def _gather_kernel(K, V, SEL, OUT, T, Tk, BLOCK_SIZE: tl.constexpr, TOPK_: tl.co
     tl.store(OUT + g * T + tok, tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
+@triton.jit
+def _topk_probe_kernel(KEYS, OUT, N: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr):
+    """Program p: loads N int64 keys (its own), reduces them and stores 16 results: MODE 0 the max only (the
+    load and store alone), 1 Triton's bitonic top-16 (the decode merge's way), 2 sixteen max-reduction rounds,
+    3 the (p % 16)-th largest by rank counting (an N x N comparison), the one key an attention split needs."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    offs = tl.arange(0, N)
+    slots = tl.arange(0, 16)
+    keys = tl.load(KEYS + pid * N + offs)
+    if MODE == 0:
+        top = tl.zeros([16], tl.int64) + tl.max(keys, axis=0)
+    elif MODE == 1:
+        top = tl.topk(keys, 16)
+    elif MODE == 2:
+        top = tl.full([16], -9223372036854775807, tl.int64)
+        for slot in tl.static_range(16):
+            best = tl.max(keys, axis=0)
+            top = tl.where(slots == slot, best, top)
+            keys = tl.where(keys == best, -9223372036854775807, keys)
+    else:
+        rank = tl.sum((keys[None, :] > keys[:, None]).to(tl.int32), axis=1)
+        top = tl.zeros([16], tl.int64) + tl.sum(tl.where(rank == pid % 16, keys, 0), axis=0)
+    tl.store(OUT + pid * 16 + slots, top)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Parts
 
@@ -158,10 +190,10 @@ def _descriptor(x: torch.Tensor, block_shape):
     return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=list(block_shape))
 
 
-def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str | None = None) -> dict:
-    """Streaming floor of the fp8 index-key cache at t tokens, batch 1, next to the real decode kernels."""
-    from benchmarks.msa_decode import dense_sdpa, graph_time_ms, sdpa_backend
-    from openm3.ops.msa import decode, triton_decode
+def _decode_cache(t: int):
+    """One sequence of t cached tokens at M3's shape, batch 1: (nb blocks, generator, fp8 index keys and their
+    scales, K and V pages, the identity block table, lengths, the query and the index query)."""
+    from openm3.ops.msa import decode
 
     nb = t // BLOCK
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -175,6 +207,15 @@ def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str |
     lens = torch.full((1,), t, device="cuda", dtype=torch.int32)
     q = torch.randn(1, HQ, D, device="cuda", generator=gen).bfloat16()
     qi = torch.randn(1, HI, DI, device="cuda", generator=gen).bfloat16()
+    return nb, gen, ki8, ki_scale, k, v, table, lens, q, qi
+
+
+def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str | None = None) -> dict:
+    """Streaming floor of the fp8 index-key cache at t tokens, batch 1, next to the real decode kernels."""
+    from benchmarks.msa_decode import dense_sdpa, graph_time_ms, sdpa_backend
+    from openm3.ops.msa import triton_decode
+
+    nb, gen, ki8, ki_scale, k, v, table, lens, q, qi = _decode_cache(t)
     qi16 = torch.zeros(16, DI, device="cuda", dtype=torch.bfloat16)  # the kernel's 16 padded query rows
     qi16[:HI] = qi[0]
     key_bytes = ki8.numel() + ki_scale.numel() * 4
@@ -246,6 +287,104 @@ def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str |
           f"{rec['dense_ms'] * 1e3:.1f} us ({rec['speedup_vs_dense']:.2f}x); 12x budget "
           f"{rec['budget_12x_ms'] * 1e3:.1f} us, of which streaming the keys alone takes {best * 1e3:.1f} us",
           flush=True)
+    return rec
+
+
+def kernel_timeline(fn, steps: int = 20, reps: int = 5) -> list[dict]:
+    """Kernels of one call of `fn` as the GPU ran them inside a CUDA graph of `steps` calls (profiled over `reps`
+    replays): per kernel of the call, in launch order, its name and the median start, end and duration (us), times
+    relative to the start of the call's first kernel. With PDL a kernel starts (is resident) before the previous
+    one ends, so the ends are what place the time."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            fn()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    per_call = len(spans) // (steps * reps)
+    if per_call == 0 or len(spans) % (steps * reps):
+        return [{"error": f"{len(spans)} kernels for {steps * reps} calls"}]
+    rows = []
+    for k in range(per_call):
+        starts, ends = [], []
+        for c in range(1, steps * reps):  # the first call of each trace has no predecessor in flight: skipped
+            base = spans[c * per_call][0]
+            starts.append(spans[c * per_call + k][0] - base)
+            ends.append(spans[c * per_call + k][1] - base)
+        rows.append({"kernel": spans[k][2][:60], "start_us": statistics.median(starts),
+                     "end_us": statistics.median(ends),
+                     "dur_us": statistics.median(e - s for s, e in zip(starts, ends))})
+    return rows
+
+
+def tail_part(t: int, variants: dict | None = None, compare: str | None = None) -> dict:
+    """Where the decode step's time after the scoring goes (issue 4), at t tokens, batch 1, fp8 index keys: the
+    kernel timeline of the step (and of a few knob settings, and of another module's, `compare`), whether each
+    step selects the same blocks as the default, and the latency of the top-k reductions the shrink
+    and merge run (a chain of dependent launches of `_topk_probe_kernel` against the same chain that only loads
+    and stores)."""
+    from benchmarks.msa_decode import graph_time_ms
+    from openm3.ops.msa import triton_decode
+
+    nb, gen, ki8, ki_scale, k, v, table, lens, q, qi = _decode_cache(t)
+    rec: dict = {"T": t}
+    # the same cache with its pages shuffled (block j in page perm[j]), as a long-running engine's pool may be
+    perm = torch.randperm(nb, device="cuda", generator=gen)
+    shuffled = [torch.empty_like(x) for x in (k, v, ki8, ki_scale)]
+    for dst, src in zip(shuffled, (k, v, ki8, ki_scale)):
+        dst[perm] = src
+    cache = (k, v, ki8, ki_scale, table)
+    cache_shuffled = (*shuffled, perm.to(torch.int32).view(1, nb))
+    variants = variants or {"default": (triton_decode, {}, cache),
+                            "fold_shrink": (triton_decode, dict(fold_shrink=True), cache),
+                            "fused_combine": (triton_decode, dict(fuse_combine=True), cache),
+                            "two_launch": (triton_decode, dict(fold_shrink=True, fuse_combine=True), cache),
+                            "shuffled_pages": (triton_decode, {}, cache_shuffled)}
+    if compare:  # another version of the decode module, its default step timed in the same process (A/B)
+        variants[compare.rsplit(".", 1)[-1]] = (importlib.import_module(compare), {}, cache)
+    for name, (mod, kw, (k_, v_, ki_, ks_, table_)) in variants.items():
+        def step():
+            return mod.decode_msa(q, qi, k_, v_, ki_, table_, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
+                                  ki_scale=ks_, **kw)[0]
+        rec[f"step_ms_{name}"] = graph_time_ms(step)
+        rec[f"timeline_{name}"] = rows = kernel_timeline(step)
+        sel = mod.decode_msa(q, qi, k_, v_, ki_, table_, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
+                             ki_scale=ks_, **kw)[2]
+        first = rec.setdefault("block_idx_default", sel.flatten().tolist())
+        rec[f"same_selection_{name}"] = sel.flatten().tolist() == first
+        print(f"    {name}: step {rec[f'step_ms_{name}'] * 1e3:.1f} us; " + "; ".join(
+            f"{r.get('kernel', r.get('error'))[:24]} {r.get('start_us', 0):.1f}-{r.get('end_us', 0):.1f}"
+            for r in rows), flush=True)
+    programs = 64
+    for n in (256, 512, 1024):
+        keys = torch.randint(-2 ** 62, 2 ** 62, (programs * n,), device="cuda", dtype=torch.int64)
+        out = torch.empty(programs * 16, dtype=torch.int64, device="cuda")
+        for mode in range(4):
+            if mode == 3 and n > 512:
+                continue
+            def chain():
+                for _ in range(4):
+                    _topk_probe_kernel[(programs,)](keys, out, N=n, MODE=mode, PDL=True, launch_pdl=True)
+            rec[f"topk_chain4_ms_n{n}_mode{mode}"] = graph_time_ms(chain)
+        base = rec[f"topk_chain4_ms_n{n}_mode0"]
+        print(f"    top-16 of {n} int64 keys per program, us per link over load + store alone "
+              f"({base / 4 * 1e3:.2f} us): bitonic "
+              f"{(rec[f'topk_chain4_ms_n{n}_mode1'] - base) / 4 * 1e3:.2f}, 16 max rounds "
+              f"{(rec[f'topk_chain4_ms_n{n}_mode2'] - base) / 4 * 1e3:.2f}" + (
+                  f", rank count {(rec[f'topk_chain4_ms_n{n}_mode3'] - base) / 4 * 1e3:.2f}" if n <= 512 else ""),
+              flush=True)
     return rec
 
 
@@ -356,12 +495,12 @@ def overlap_part(x: dict, chunk_counts=(1, 2, 4, 8)) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["stream", "gather", "overlap"],
-                   choices=["stream", "gather", "overlap"])
+                   choices=["stream", "gather", "overlap", "tail"])
     p.add_argument("--decode-T", type=int, default=1 << 20, help="cached tokens of the stream part")
     p.add_argument("--prefill-T", type=int, default=1 << 17, help="tokens of the gather and overlap parts")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--compare", default=None, help="module path of another triton_decode version to time beside "
-                   "the current one in the stream part (e.g. a copy of the file before a change)")
+                   "the current one in the stream and tail parts (e.g. a copy of the file before a change)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -374,6 +513,10 @@ def main(argv=None) -> int:
     if "stream" in args.parts:
         print(f"== stream floor, decode at {args.decode_T} tokens ==", flush=True)
         result["stream"] = stream_part(args.decode_T, compare=args.compare)
+        torch.cuda.empty_cache()
+    if "tail" in args.parts:
+        print(f"== decode tail (after the scoring) at {args.decode_T} tokens ==", flush=True)
+        result["tail"] = tail_part(args.decode_T, compare=args.compare)
         torch.cuda.empty_cache()
     if "gather" in args.parts or "overlap" in args.parts:
         x = m3_inputs(args.prefill_T)

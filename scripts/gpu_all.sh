@@ -21,6 +21,9 @@ for s in "${stages[@]}"; do
     kernels:*) python3 -m benchmarks.msa_kernels --out "$OUT" --T ${s#kernels:} 2>&1 | tee "$OUT/msa_kernels.log" | tail -60 ;;
     floors)  # the measured floors of the missed targets (decode key streaming, forward gather) and the overlapped prefill
       python3 -m benchmarks.msa_floors --out "$OUT" 2>&1 | tee "$OUT/msa_floors.log" | tail -40 ;;
+    tail)  # the 1M batch-1 decode step's kernel timeline for a few knobs (COMPARE=module: another version beside it)
+      python3 -m benchmarks.msa_floors --parts tail --out "$OUT" ${COMPARE:+--compare "$COMPARE"} 2>&1 \
+        | tee "$OUT/msa_floors_tail.log" | tail -12 ;;
     selkl)   python3 -m benchmarks.msa_select_kl --out "$OUT" 2>&1 | tee "$OUT/msa_select_kl.log" | tail -40 ;;
     decode)  python3 -m benchmarks.msa_decode --out "$OUT" 2>&1 | tee "$OUT/msa_decode.log" | tail -40 ;;
     train)   python3 -m benchmarks.train_throughput --out "$OUT" 2>&1 | tee "$OUT/train.log" | tail -40 ;;

@@ -232,7 +232,9 @@ MSA_VARIANTS = {"default": {}, "shrink-rounds-merge-kernel": dict(merge_direct_m
                 "two-launch": dict(score_loads="hoist", fold_shrink=True, merge_direct_max=4, fuse_combine=True),
                 # each scoring program's best keys only (sorted in its epilogue: the default before session 17)
                 "keep-best": dict(keep_all=False), "shrink-3-groups": dict(merge_direct_max=4, shrink_groups=3),
-                "keep-best-fold": dict(keep_all=False, fold_shrink=True, merge_direct_max=4)}
+                "keep-best-fold": dict(keep_all=False, fold_shrink=True, merge_direct_max=4),
+                "fold-tma-fused-combine": dict(score_loads="tma", fold_shrink=True, merge_direct_max=4,
+                                               fuse_combine=True)}
 
 
 @pytest.mark.parametrize("variant", list(MSA_VARIANTS))
@@ -341,31 +343,43 @@ score = {"ks_ptr": "*fp32", **table, "cand_ptr": "*i64", "fold_ptr": "*i64", "co
          "n_seg": "i32", "n_groups": "i32", "stride_table": "i32", "stride_page": "i32"}
 for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", "ieee", False), ("fp32", "ieee", True)):
     key_t = "u8" if fp8 else dt
-    # (page loads, fold, pdl, stages): the default at every segment size; hoisted page ids (4 stages), TMA, and
-    # the shrink folded in + PDL at the bf16 query shapes the H200 runs
-    variants = [("table", 0, False, 3, seg) for seg in (2, 16, 128)]
+    # (page loads, fold, pdl, stages, seg, keep_all): the default at every segment size; hoisted page ids (4
+    # stages), TMA, and the shrink folded in + PDL at the bf16 query shapes the H200 runs; the 1M-token batch-1
+    # step (TMA, 16-block segments, every block's key), with the shrink folded in and without
+    variants = [("table", 0, False, 3, seg, False) for seg in (2, 16, 128)]
     if dt == "bf16":
-        variants += [("hoist", 0, False, 4, 16), ("tma", 0, False, 3, 16), ("hoist", 64, True, 3, 8)]
-    for loads, fold, pdl, stages, seg in variants:
+        variants += [("hoist", 0, False, 4, 16, False), ("tma", 0, False, 3, 16, False),
+                     ("hoist", 64, True, 3, 8, False), ("tma", 0, True, 3, 16, True), ("tma", 32, True, 3, 16, True)]
+    shared = {}
+    for loads, fold, pdl, stages, seg, keep_all in variants:
         ki = f"tensordesc<{key_t}[128, 128]>" if loads == "tma" else f"*{key_t}"
-        kp = min(seg, 15)
+        kp = seg if keep_all else min(seg, 15)
         k = compile_(td._score_segment_kernel, {"qi_ptr": f"*{dt}", "ki_ptr": ki, **score},
                      dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=kp, LOCAL=1, FP8=fp8,
                           HALF=fp8 and dt == "bf16", PRECISION=prec, STAGES=stages, HOIST=loads == "hoist",
                           TMA=loads == "tma", FOLD_SEGS=fold, FOLD_P2=triton.next_power_of_2(fold * kp) if fold else 1,
-                          KEEP=15, KEEP_P2=16, PDL=pdl, SPLIT=False), stages=stages)
+                          FOLD_ROWS=4 if fold else 1, KEEP=15, KEEP_P2=16, PDL=pdl, SPLIT=False), stages=stages)
         if loads == "hoist":  # the point of hoisting the page ids: stages - 1 key tiles buffered, not one
             buffers = re.findall(r"local_alloc.*memdesc<(\d+)x128x128xi8", k.asm["ttgir"]) if fp8 else None
             assert buffers is None or buffers == [str(stages - 1)], buffers
+        if keep_all:
+            shared[fold] = k.metadata.shared
         if pdl:
             assert "griddepcontrol.wait" in k.asm["ptx"]
+    if shared:  # the default sizes segments for ~_KEEP_ALL_PROGRAMS_PER_SM scoring programs per SM: they must
+        # fit (228 KiB per sm_90 SM, 1 KiB of it reserved per program); the folded shrink's sort may not add
+        # shared memory (session 18: a variant whose second copy of the key loop doubled it took the scoring
+        # kernel from 35 to 45 us at 1M tokens; the default's is ~38 KB with fp8 keys)
+        assert td._KEEP_ALL_PROGRAMS_PER_SM * (shared[0] + 1024) <= 228 * 1024, shared
+        assert shared[32] == shared[0], shared
     if fp8 and dt == "bf16":  # fp8 tensor-core scoring: keys straight from the TMA buffer into the MMA
         for seg, stages in ((8, 3), (32, 4)):
             k = compile_(td._score_segment_kernel, {"qi_ptr": "*bf16", "ki_ptr": "tensordesc<fp8e4nv[128, 128]>",
                                                     **score},
                          dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=min(seg, 15), LOCAL=1, FP8=True,
                               HALF=False, PRECISION=prec, STAGES=stages, HOIST=False, TMA=True, FOLD_SEGS=0,
-                              FOLD_P2=1, KEEP=15, KEEP_P2=16, PDL=True, SPLIT=True), stages=stages)
+                              FOLD_P2=1, FOLD_ROWS=1, KEEP=15, KEEP_P2=16, PDL=True, SPLIT=True),
+                         stages=stages)
             assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in k.asm["ptx"]
             # the key tiles feed the MMA from shared memory, the query terms are staged once, before the loop
             loop = k.asm["ttgir"].split("scf.for")[1]

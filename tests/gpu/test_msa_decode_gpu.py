@@ -118,6 +118,11 @@ def test_decode_kernels_match_reference(seq_lens, q_len, index_fp8):
                                              topk=TOPK, ki_scale=x["ki_scale"])
     same = (idx.sort(-1).values == want_idx.sort(-1).values).all(-1).float().mean().item()
     assert same >= 0.99, same
+    # the shrink folded into the scoring kernel keeps the same keys as its own launch (keys are unique: identical)
+    select = dict(q_len=q_len, block_size=BLOCK, topk=TOPK, ki_scale=x["ki_scale"], merge_direct_max=16)
+    assert torch.equal(triton_decode.decode_select_blocks(x["qi"], x["ki"], x["table"], x["lens"], **select),
+                       triton_decode.decode_select_blocks(x["qi"], x["ki"], x["table"], x["lens"], fold_shrink=True,
+                                                          score_loads="tma" if index_fp8 else "table", **select))
     o, lse = triton_decode.decode_attention(x["q"], x["k"], x["v"], x["table"], x["lens"], want_idx, q_len=q_len)
     want_o, want_lse = decode.paged_sparse_attention(x["q"].float(), x["k"], x["v"], x["table"], want_idx, cu_q,
                                                      seq_lens, block_size=BLOCK)
