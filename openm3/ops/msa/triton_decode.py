@@ -26,6 +26,12 @@ batch of sequences of different lengths. A decode step (`decode_msa`):
 
 `decode_select_blocks` (1-3) and `decode_attention` (4-5) expose the two halves separately.
 
+Where a 1M-token batch-1 fp8 step goes (H200, session 19, `python -m benchmarks.msa_floors --parts tail`: kernel
+ends inside a CUDA graph): scoring 35.4 us (streaming the keys alone: ~33), shrink 39.1, attention 44.9, combine
+46.0. All 512 scoring programs run in one wave (90 registers, 38 KB of shared memory: 5 fit per SM), so every
+group of candidates is complete only at the end and the tail is a chain of dependent latencies; the folded
+shrink (16 programs each reducing 4 x 512 keys after the last loads) ends the scoring kernel at 46.0 instead.
+
 Measured defaults (H200, session 17, `benchmarks/results/msa_decode_final_20261202T1806.json`): `keep_all` (every
 block's key out of the scoring kernel, no per-segment top-k rounds) with ~2 scoring programs per SM: fp8 1M batch 1
 49.1 -> 46.8 us, 128K batch 32 204.2 -> 191.3 us. Session 2 (`benchmarks/results/msa_decode_20261130T1121.json`):
