@@ -152,6 +152,9 @@ def _gather_kernel(K, V, SEL, OUT, T, Tk, BLOCK_SIZE: tl.constexpr, TOPK_: tl.co
     tl.store(OUT + g * T + tok, tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
+_MIN_KEY = tl.constexpr(-9223372036854775807)  # below every key (as in triton_decode); kernels read constexprs
+
+
 @triton.jit
 def _topk_probe_kernel(KEYS, OUT, N: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr):
     """Program p: loads N int64 keys (its own), reduces them and stores 16 results: MODE 0 the max only (the
@@ -169,11 +172,11 @@ def _topk_probe_kernel(KEYS, OUT, N: tl.constexpr, MODE: tl.constexpr, PDL: tl.c
     elif MODE == 1:
         top = tl.topk(keys, 16)
     elif MODE == 2:
-        top = tl.full([16], -9223372036854775807, tl.int64)
+        top = tl.full([16], _MIN_KEY, tl.int64)
         for slot in tl.static_range(16):
             best = tl.max(keys, axis=0)
             top = tl.where(slots == slot, best, top)
-            keys = tl.where(keys == best, -9223372036854775807, keys)
+            keys = tl.where(keys == best, _MIN_KEY, keys)
     else:
         rank = tl.sum((keys[None, :] > keys[:, None]).to(tl.int32), axis=1)
         top = tl.zeros([16], tl.int64) + tl.sum(tl.where(rank == pid % 16, keys, 0), axis=0)
@@ -355,13 +358,15 @@ def tail_part(t: int, variants: dict | None = None, compare: str | None = None) 
     if compare:  # another version of the decode module, its default step timed in the same process (A/B)
         variants[compare.rsplit(".", 1)[-1]] = (importlib.import_module(compare), {}, cache)
     for name, (mod, kw, (k_, v_, ki_, ks_, table_)) in variants.items():
-        def step():
+        def run():  # (o, lse, block_idx)
             return mod.decode_msa(q, qi, k_, v_, ki_, table_, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
-                                  ki_scale=ks_, **kw)[0]
+                                  ki_scale=ks_, **kw)
+
+        def step():
+            return run()[0]
         rec[f"step_ms_{name}"] = graph_time_ms(step)
         rec[f"timeline_{name}"] = rows = kernel_timeline(step)
-        sel = mod.decode_msa(q, qi, k_, v_, ki_, table_, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
-                             ki_scale=ks_, **kw)[2]
+        sel = run()[2]
         first = rec.setdefault("block_idx_default", sel.flatten().tolist())
         rec[f"same_selection_{name}"] = sel.flatten().tolist() == first
         print(f"    {name}: step {rec[f'step_ms_{name}'] * 1e3:.1f} us; " + "; ".join(
