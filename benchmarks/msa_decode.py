@@ -73,9 +73,6 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     **{f"seg{n}": dict(segment_blocks=n) for n in (2, 4, 8, 16, 32, 64)},
     "warps8": dict(num_warps=8), "stages2": dict(stages=2), "attn_warps8": dict(attention_warps=8),
     "attn_warps2": dict(attention_warps=2),
-    # each selected block's tokens over 2 / 4 attention programs (session 20)
-    "parts2": dict(kv_parts=2), "parts4": dict(kv_parts=4), "parts4_warps2": dict(kv_parts=4, attention_warps=2),
-    "shrink32_parts2": dict(shrink_groups=32, kv_parts=2), "shrink32_parts4": dict(shrink_groups=32, kv_parts=4),
     # every block's key out of the scoring kernel (no per-segment top-k rounds): more candidates for the shrink
     # (the default since session 17; keep_best: each program's best topk - local keys, the default before)
     "keep_best": dict(keep_all=False), "shrink8": dict(shrink_groups=8), "shrink32": dict(shrink_groups=32),

@@ -354,11 +354,6 @@ def tail_part(t: int, variants: dict | None = None, compare: str | None = None) 
                             "fold_shrink": (triton_decode, dict(fold_shrink=True), cache),
                             "fused_combine": (triton_decode, dict(fuse_combine=True), cache),
                             "two_launch": (triton_decode, dict(fold_shrink=True, fuse_combine=True), cache),
-                            **{name: (triton_decode, kw, cache) for name, kw in (
-                                ("kv_parts2", dict(kv_parts=2)), ("kv_parts4", dict(kv_parts=4)),
-                                ("shrink32", dict(shrink_groups=32)),
-                                ("shrink32_parts2", dict(shrink_groups=32, kv_parts=2)),
-                                ("shrink32_parts4", dict(shrink_groups=32, kv_parts=4)))},
                             "shuffled_pages": (triton_decode, {}, cache_shuffled)}
     if compare:  # another version of the decode module, its default step timed in the same process (A/B)
         variants[compare.rsplit(".", 1)[-1]] = (importlib.import_module(compare), {}, cache)

@@ -261,7 +261,7 @@ def test_triton_decode_msa_equals_select_then_attend(case, index, variant):
     o, lse, idx = td.decode_msa(q, qi, c["k_pages"], c["v_pages"], ki_pages, table, lens, q_len=q_len, topk=topk,
                                 local_blocks=local, ki_scale=ki_scale, segment_blocks=seg, slots_per_split=slots,
                                 **knobs)
-    merge = {k: v for k, v in knobs.items() if k not in ("fuse_combine", "fuse_merge", "kv_parts")}
+    merge = {k: v for k, v in knobs.items() if k not in ("fuse_combine", "fuse_merge")}
     sel = td.decode_select_blocks(qi, ki_pages, table, lens, q_len=q_len, block_size=bs, topk=topk,
                                   local_blocks=local, ki_scale=ki_scale, segment_blocks=seg, **merge)
     assert torch.equal(idx, sel)  # same candidates, same merge: identical lists, order included
@@ -303,39 +303,6 @@ def test_triton_decode_bad_inputs(fn, bad, match):
     args.update({name: change(args[name]) if callable(change) else change for name, change in bad.items()})
     with pytest.raises(ValueError, match=match):
         entry(**args)
-
-
-@pytest.mark.parametrize("knobs", [dict(kv_parts=2), dict(kv_parts=4, fuse_combine=True),
-                                   dict(kv_parts=2, slots_per_split=2, merge_direct_max=4)],
-                         ids=["parts2", "parts4-fused-combine", "parts2-slots2-shrink"])
-def test_triton_decode_msa_kv_parts(knobs):
-    """Each selected block's tokens split over kv_parts programs: the same step as one program per block and as
-    the spec, including the own block's later parts, which lie wholly after the query (nothing to attend)."""
-    td = _triton()
-    seq_lens, q_len, bs, hq, hkv, d, di, topk, local = [97, 40, 300], 2, 64, 4, 2, 16, 16, 3, 1
-    c = make_paged(seq_lens, block_size=bs, hkv=hkv, d=d, di=di, seed=5)
-    gen = torch.Generator().manual_seed(6)
-    rows = q_len * len(seq_lens)
-    q, qi = torch.randn(rows, hq, d, generator=gen), torch.randn(rows, hkv, di, generator=gen)
-    table, lens, cu_q = c["block_table"], torch.tensor(seq_lens, dtype=torch.int32), cu([q_len] * len(seq_lens))
-    args = (q, qi, c["k_pages"], c["v_pages"], c["ki_pages"], table, lens)
-    o, lse, idx = td.decode_msa(*args, q_len=q_len, topk=topk, local_blocks=local, segment_blocks=2, **knobs)
-    base_o, base_lse, base_idx = td.decode_msa(*args, q_len=q_len, topk=topk, local_blocks=local, segment_blocks=2)
-    assert torch.equal(idx, base_idx)
-    torch.testing.assert_close(o, base_o, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, base_lse, atol=1e-5, rtol=1e-5)
-    want_o, want_lse = decode.paged_sparse_attention(q, c["k_pages"], c["v_pages"], table, idx, cu_q, seq_lens,
-                                                     block_size=bs)
-    torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
-    dense_o, dense_lse = td.decode_attention(q, c["k_pages"], c["v_pages"], table, lens, None, q_len=q_len,
-                                             slots_per_split=2, kv_parts=knobs["kv_parts"])
-    want_o, want_lse = decode.paged_dense_attention(q, c["k_pages"], c["v_pages"], table, cu_q, seq_lens,
-                                                    block_size=bs)
-    torch.testing.assert_close(dense_o, want_o, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(dense_lse, want_lse, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="kv_parts"):
-        td.decode_msa(*args, q_len=q_len, topk=topk, kv_parts=8)  # 64 / 8 = 8 tokens: below a dot's 16
 
 
 @pytest.mark.parametrize("slots", [1, 3], ids=["split1", "split3"])
@@ -417,9 +384,8 @@ for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", 
             # the key tiles feed the MMA from shared memory, the query terms are staged once, before the loop
             loop = k.asm["ttgir"].split("scf.for")[1]
             assert "local_alloc %" not in loop and loop.count("warp_group_dot ") == 2
-    for mode, sort, fuse, pdl, parts in ((0, False, False, False, 1), (1, False, True, False, 1),
-                                         (2, False, False, False, 1), (2, True, True, False, 1),
-                                         (2, True, False, dt == "bf16", 1), (2, True, False, dt == "bf16", 4)):
+    for mode, sort, fuse, pdl in ((0, False, False, False), (1, False, True, False), (2, False, False, False),
+                                  (2, True, True, False), (2, True, False, dt == "bf16")):
         compile_(td._attention_split_kernel,
                  {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "idx_ptr": "*i32", "cand_ptr": "*i64",
                   **table, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}", "lse_ptr": "*fp32",
@@ -427,7 +393,7 @@ for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", 
                   "n_slots": "i32", "n_splits": "i32", "n_cand": "i32", "stride_table": "i32",
                   "stride_page": "i32", "stride_tok": "i32"},
                  dict(Q=1, HQ=64, HKV=4, D=128, BS=128, BLOCK_G=16, SLOTS=4 if mode == 0 else 1, MODE=mode,
-                      PRECISION=prec, SORT=sort, FUSE=fuse, BLOCK_S=16, PDL=pdl, PARTS=parts, **merge))
+                      PRECISION=prec, SORT=sort, FUSE=fuse, BLOCK_S=16, PDL=pdl, **merge))
     for pdl in (False, True) if dt == "bf16" else (False,):
         compile_(td._combine_kernel, {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}",
                                       "lse_ptr": "*fp32"}, dict(N_SPLITS=16, D=128, BLOCK_S=16, PDL=pdl))

@@ -316,19 +316,16 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cand_ptr, table_ptr, l
                             BLOCK_G: tl.constexpr, SLOTS: tl.constexpr, MODE: tl.constexpr, LOCAL: tl.constexpr,
                             TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NC: tl.constexpr, NEG_KEY: tl.constexpr,
                             SORT: tl.constexpr, FUSE: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                            PDL: tl.constexpr, PARTS: tl.constexpr):
+                            PDL: tl.constexpr):
     """Program (query row t = b*Q + i, KV head g, split). MODE 0: dense (every block); 1: blocks from
     idx_ptr = block_idx [HKV, total_rows, n_slots]; 2: merge the candidates of row t*HKV + g first and write the
-    merged list to idx_ptr from split 0. PARTS: each of its SLOTS blocks is split PARTS ways by tokens, so split
-    `split` covers tokens (split % PARTS) * BS/PARTS.. of the blocks of slot group split // PARTS (n_splits
-    counts the partial results: slot groups x PARTS). FUSE: the last split of (t, g) to finish (counted in count_ptr, which it
+    merged list to idx_ptr from split 0. FUSE: the last split of (t, g) to finish (counted in count_ptr, which it
     resets for the next launch) combines the partial results into o and lse, saving the combine launch.
     PDL (only as the second or later kernel of a decode step): lengths and queries, written before the step's
     first kernel, are loaded while the previous kernel finishes; everything else waits for it."""
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
-    group = split // PARTS  # which SLOTS entries of the block list
     b = t // Q
     i = t % Q
     G: tl.constexpr = HQ // HKV
@@ -337,7 +334,7 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cand_ptr, table_ptr, l
     heads = tl.arange(0, BLOCK_G)
     head_ok = heads < G
     dims = tl.arange(0, D)
-    cols = (split % PARTS) * (BS // PARTS) + tl.arange(0, BS // PARTS)  # this split's tokens of each block
+    cols = tl.arange(0, BS)
     if PDL:
         q = tl.load(q_ptr + (t * HQ + g * G + heads)[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0)
         gdc_wait()
@@ -354,19 +351,19 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cand_ptr, table_ptr, l
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for jj in tl.range(0, SLOTS):
-        slot = group * SLOTS + jj
+        slot = split * SLOTS + jj
         if MODE == 0:
             blk = slot
         elif MODE == 1:
             blk = tl.load(idx_ptr + (g * total_rows + t) * n_slots + slot, mask=slot < n_slots, other=-1)
         else:
             blk = tl.sum(tl.where(slots == slot, blocks, 0))
-        if (slot < n_slots) & (blk >= 0) & (blk * BS + (split % PARTS) * (BS // PARTS) <= q_pos):
+        if (slot < n_slots) & (blk >= 0) & (blk * BS <= q_pos):
             page = tl.load(table_ptr + b * stride_table + blk).to(tl.int64)
             kv_off = page * stride_page + cols[:, None] * stride_tok + g * D + dims[None, :]
             k = tl.load(k_ptr + kv_off).to(q.dtype)
             v = tl.load(v_ptr + kv_off).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BS // PARTS]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BS]
             s = tl.where((blk * BS + cols)[None, :] <= q_pos, s, _NEG_INF)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
@@ -699,19 +696,14 @@ def _check_kv(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> 
 
 def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode, n_slots, idx, cand, n_cand,
                      local_blocks, scale, slots_per_split, num_warps, merge_sort=False, fuse_combine=False,
-                     pdl=False, kv_parts=1):
+                     pdl=False):
     """Launches `_attention_split_kernel` (mode 0 dense / 1 block_idx / 2 merge candidates) and the combine
     (fused into the split kernel when `fuse_combine` and there are at most 64 splits). pdl: both launched as
     programmatic dependents; only when a kernel of the same step ran before the split kernel (it reads q and
-    the lengths before waiting for its predecessor). kv_parts: each block's tokens split over that many
-    programs (a power of two, at most block_size / 16)."""
+    the lengths before waiting for its predecessor)."""
     rows, hq, d = q.shape
     hkv = k_pages.shape[2]
-    block_size = k_pages.shape[1]
-    if kv_parts < 1 or kv_parts & (kv_parts - 1) or block_size // kv_parts < 16:
-        raise ValueError(f"kv_parts must be a power of two with block_size / kv_parts >= 16 "
-                         f"(block_size={block_size}), got {kv_parts}")
-    n_splits = triton.cdiv(n_slots, slots_per_split) * kv_parts
+    n_splits = triton.cdiv(n_slots, slots_per_split)
     fuse = fuse_combine and n_splits <= 64
     o_part = torch.empty(rows, hq, n_splits, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(rows, hq, n_splits, dtype=torch.float32, device=q.device)
@@ -728,7 +720,7 @@ def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode,
         TOPK_P2=triton.next_power_of_2(n_slots) if mode == 2 else 1, NC=_nc(n_cand, n_slots if mode == 2 else 1),
         NEG_KEY=_NEG_INF_KEY, SORT=merge_sort and mode == 2 and n_slots > local_blocks, FUSE=fuse,
         BLOCK_S=triton.next_power_of_2(n_splits) if fuse else 1, PRECISION=_precision(q.dtype), PDL=pdl,
-        PARTS=kv_parts, num_warps=num_warps, **_launch(pdl))
+        num_warps=num_warps, **_launch(pdl))
     if not fuse:
         _combine_kernel[(rows * hq,)](o_part, lse_part, o, lse, N_SPLITS=n_splits, D=d,
                                       BLOCK_S=min(64, triton.next_power_of_2(n_splits)), PDL=pdl, **_launch(pdl))
@@ -737,15 +729,13 @@ def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode,
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, block_idx: torch.Tensor | None, *, q_len: int, scale: float | None = None,
-                     slots_per_split: int | None = None, num_warps: int = 4,
-                     kv_parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                     slots_per_split: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K attention of the `q_len` newest queries of each sequence over cached pages.
 
     q: [B*q_len, Hq, D]; k_pages, v_pages: [P, block_size, Hkv, D]; block_table int32 [B, max_blocks];
     seq_lens int32 [B]; block_idx int32 [Hkv, B*q_len, topk] (from `decode_select_blocks`), or None for dense
     attention over every cached block. Returns (o [B*q_len, Hq, D] in q.dtype, lse [B*q_len, Hq] fp32).
-    Matches `decode.paged_sparse_attention` / `decode.paged_dense_attention`. kv_parts: each block's tokens are
-    split over that many programs (a power of two; more, smaller programs for short block lists).
+    Matches `decode.paged_sparse_attention` / `decode.paged_dense_attention`.
     """
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("q", q, 3, q_len, batch)
@@ -765,7 +755,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         slots_per_split = 1 if not dense else max(1, min(16, n_slots // 128))
     return _split_attention(q, k_pages, v_pages, block_table, seq_lens, q_len=q_len, mode=0 if dense else 1,
                             n_slots=n_slots, idx=idx, cand=block_table, n_cand=0, local_blocks=1, scale=scale,
-                            slots_per_split=slots_per_split, num_warps=num_warps, kv_parts=kv_parts)
+                            slots_per_split=slots_per_split, num_warps=num_warps)
 
 
 def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -775,8 +765,8 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                num_warps: int = 4, attention_warps: int = 4, fp8_math: str = "fp16", merge_direct_max: int = 512,
                merge_sort: bool = True, fuse_merge: bool = True, fuse_combine: bool = False,
                score_loads: str | None = None, fold_shrink: bool = False,
-               pdl: bool = True, keep_all: bool = True, shrink_groups: int = 16,
-               kv_parts: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               pdl: bool = True, keep_all: bool = True,
+               shrink_groups: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One MSA decode step: index scores, (top-k merge,) split-K attention, combine.
 
     q: [B*q_len, Hq, D]; qi: [B*q_len, Hi, Di] with Hi == Hkv; k_pages, v_pages: [P, block_size, Hkv, D];
@@ -792,8 +782,7 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
     folded in, attention merging the candidates and combining), and pdl lets each launch overlap the previous
     one's tail (the attention kernel loads its queries before waiting; on by default: 128K batch 1 fp8 13.8 vs
     15.2 us on an H200, neutral at 1M; a no-op off sm_90+). Other knobs as in
-    `decode_select_blocks` / `decode_attention` (num_warps: scoring; attention_warps: attention; kv_parts:
-    programs per selected block in the attention).
+    `decode_select_blocks` / `decode_attention` (num_warps: scoring; attention_warps: attention).
     """
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("q", q, 3, q_len, batch)
@@ -824,5 +813,5 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                               n_slots=topk, idx=block_idx, cand=cand, n_cand=n_cand, local_blocks=local_blocks,
                               scale=scale, slots_per_split=slots_per_split, num_warps=attention_warps,
                               merge_sort=merge_sort, fuse_combine=fuse_combine,
-                              pdl=pdl and (topk > local_blocks or not fuse_merge), kv_parts=kv_parts)
+                              pdl=pdl and (topk > local_blocks or not fuse_merge))
     return o, lse, block_idx
