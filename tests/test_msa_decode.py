@@ -287,6 +287,8 @@ BAD_DECODE_CALLS = [
     ("decode_select_blocks", dict(seq_lens=lambda lens: lens.long()), "seq_lens"),
     ("decode_select_blocks", dict(local_blocks=3), "local_blocks"),
     ("decode_attention", dict(block_idx=torch.zeros(2, 1, 2, dtype=torch.int64)), "block_idx"),
+    ("decode_attention", dict(prefetch=True), "prefetch"),  # inline PTX: compiled CUDA only
+    ("decode_msa", dict(shrink_groups=0), "shrink_groups"),
 ]
 
 
@@ -386,14 +388,21 @@ for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", 
             assert "local_alloc %" not in loop and loop.count("warp_group_dot ") == 2
     for mode, sort, fuse, pdl in ((0, False, False, False), (1, False, True, False), (2, False, False, False),
                                   (2, True, True, False), (2, True, False, dt == "bf16")):
-        compile_(td._attention_split_kernel,
+        prefetch = mode == 2 and sort  # the GPU default (V into L2 before the K loads) at the step's shapes
+        k = compile_(td._attention_split_kernel,
                  {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "idx_ptr": "*i32", "cand_ptr": "*i64",
                   **table, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}", "lse_ptr": "*fp32",
                   "count_ptr": "*i32", "sm_scale": "fp32", "total_rows": "i32",
                   "n_slots": "i32", "n_splits": "i32", "n_cand": "i32", "stride_table": "i32",
                   "stride_page": "i32", "stride_tok": "i32"},
                  dict(Q=1, HQ=64, HKV=4, D=128, BS=128, BLOCK_G=16, SLOTS=4 if mode == 0 else 1, MODE=mode,
-                      PRECISION=prec, SORT=sort, FUSE=fuse, BLOCK_S=16, PDL=pdl, **merge))
+                      PRECISION=prec, SORT=sort, FUSE=fuse, BLOCK_S=16, PDL=pdl, PREFETCH=prefetch, **merge))
+        ptx = k.asm["ptx"]
+        assert ("prefetch.global.L2" in ptx) == prefetch
+        if prefetch:  # issued before the K tile's loads, one per 128-byte line of the V tile
+            after = ptx[ptx.index("prefetch.global.L2"):]
+            assert after.index("ld.global.v4") < after.index("st.shared")
+            assert ptx.count("prefetch.global.L2") == 128 * (2 if dt == "bf16" else 4) // (4 * 32)
     for pdl in (False, True) if dt == "bf16" else (False,):
         compile_(td._combine_kernel, {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}",
                                       "lse_ptr": "*fp32"}, dict(N_SPLITS=16, D=128, BLOCK_S=16, PDL=pdl))
@@ -436,3 +445,13 @@ def test_default_segments_cap_the_candidates_per_row():
     sizes = {(1024, 1): 2, (1024, 32): 64, (8192, 1): 16, (8192, 32): 128, (16384, 1): 32, (32, 1): 2}
     for (blocks, batch), want in sizes.items():
         assert td._default_segment_blocks(blocks, batch, cpu) == want, (blocks, batch)
+
+
+def test_default_shrink_groups():
+    """32 shrink groups only where 16 would leave most SMs idle and each group keeps >= 256 keys (1M tokens at
+    batch 1: 4 rows of 8,192 candidates); 16 at batch 32 and for 128K-token rows (1,024 candidates)."""
+    td = _triton()
+    cpu = torch.device("cpu")  # 132 SMs assumed off-GPU, as on an H200
+    sizes = {(4, 8192): 32, (4, 16384): 32, (128, 8192): 16, (4, 1024): 16, (16, 8192): 16, (8, 8192): 32}
+    for (rows, n_cand), want in sizes.items():
+        assert td._default_shrink_groups(rows, n_cand, cpu) == want, (rows, n_cand)
