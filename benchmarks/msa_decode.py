@@ -73,9 +73,7 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     **{f"seg{n}": dict(segment_blocks=n) for n in (2, 4, 8, 16, 32, 64)},
     "warps8": dict(num_warps=8), "stages2": dict(stages=2), "attn_warps8": dict(attention_warps=8),
     "attn_warps2": dict(attention_warps=2),
-    # session 20: without the V prefetch into L2, and with the shrink groups fixed (the default picks them)
-    "no_prefetch": dict(prefetch=False), "shrink16": dict(shrink_groups=16),
-    "shrink16_no_prefetch": dict(shrink_groups=16, prefetch=False),
+    "shrink16": dict(shrink_groups=16),  # the default picks 16 or 32 by shape since session 20
     # every block's key out of the scoring kernel (no per-segment top-k rounds): more candidates for the shrink
     # (the default since session 17; keep_best: each program's best topk - local keys, the default before)
     "keep_best": dict(keep_all=False), "shrink8": dict(shrink_groups=8), "shrink32": dict(shrink_groups=32),

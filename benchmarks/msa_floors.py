@@ -354,9 +354,7 @@ def tail_part(t: int, variants: dict | None = None, compare: str | None = None) 
                             "fold_shrink": (triton_decode, dict(fold_shrink=True), cache),
                             "fused_combine": (triton_decode, dict(fuse_combine=True), cache),
                             "two_launch": (triton_decode, dict(fold_shrink=True, fuse_combine=True), cache),
-                            "no_prefetch": (triton_decode, dict(prefetch=False), cache),
                             "shrink16": (triton_decode, dict(shrink_groups=16), cache),
-                            "shrink16_no_prefetch": (triton_decode, dict(shrink_groups=16, prefetch=False), cache),
                             "shuffled_pages": (triton_decode, {}, cache_shuffled)}
     if compare:  # another version of the decode module, its default step timed in the same process (A/B)
         variants[compare.rsplit(".", 1)[-1]] = (importlib.import_module(compare), {}, cache)

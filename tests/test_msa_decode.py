@@ -287,7 +287,6 @@ BAD_DECODE_CALLS = [
     ("decode_select_blocks", dict(seq_lens=lambda lens: lens.long()), "seq_lens"),
     ("decode_select_blocks", dict(local_blocks=3), "local_blocks"),
     ("decode_attention", dict(block_idx=torch.zeros(2, 1, 2, dtype=torch.int64)), "block_idx"),
-    ("decode_attention", dict(prefetch=True), "prefetch"),  # inline PTX: compiled CUDA only
     ("decode_msa", dict(shrink_groups=0), "shrink_groups"),
 ]
 
@@ -388,21 +387,14 @@ for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", 
             assert "local_alloc %" not in loop and loop.count("warp_group_dot ") == 2
     for mode, sort, fuse, pdl in ((0, False, False, False), (1, False, True, False), (2, False, False, False),
                                   (2, True, True, False), (2, True, False, dt == "bf16")):
-        prefetch = mode == 2 and sort  # the GPU default (V into L2 before the K loads) at the step's shapes
-        k = compile_(td._attention_split_kernel,
+        compile_(td._attention_split_kernel,
                  {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "idx_ptr": "*i32", "cand_ptr": "*i64",
                   **table, "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}", "lse_ptr": "*fp32",
                   "count_ptr": "*i32", "sm_scale": "fp32", "total_rows": "i32",
                   "n_slots": "i32", "n_splits": "i32", "n_cand": "i32", "stride_table": "i32",
                   "stride_page": "i32", "stride_tok": "i32"},
                  dict(Q=1, HQ=64, HKV=4, D=128, BS=128, BLOCK_G=16, SLOTS=4 if mode == 0 else 1, MODE=mode,
-                      PRECISION=prec, SORT=sort, FUSE=fuse, BLOCK_S=16, PDL=pdl, PREFETCH=prefetch, **merge))
-        ptx = k.asm["ptx"]
-        assert ("prefetch.global.L2" in ptx) == prefetch
-        if prefetch:  # issued before the K tile's loads, one per 128-byte line of the V tile
-            after = ptx[ptx.index("prefetch.global.L2"):]
-            assert after.index("ld.global.v4") < after.index("st.shared")
-            assert ptx.count("prefetch.global.L2") == 128 * (2 if dt == "bf16" else 4) // (4 * 32)
+                      PRECISION=prec, SORT=sort, FUSE=fuse, BLOCK_S=16, PDL=pdl, **merge))
     for pdl in (False, True) if dt == "bf16" else (False,):
         compile_(td._combine_kernel, {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "o_ptr": f"*{dt}",
                                       "lse_ptr": "*fp32"}, dict(N_SPLITS=16, D=128, BLOCK_S=16, PDL=pdl))

@@ -101,7 +101,7 @@ BATCH1_KNOBS = {
     "keep-best-tma": dict(score_loads="tma", keep_all=False),
     "keep-best-fold": dict(keep_all=False, fold_shrink=True, merge_direct_max=16),
     "shrink-32-groups": dict(merge_direct_max=16, shrink_groups=32),
-    "shrink-16-groups-no-prefetch": dict(merge_direct_max=16, shrink_groups=16, prefetch=False),
+    "shrink-16-groups": dict(merge_direct_max=16, shrink_groups=16),
 }
 
 
@@ -135,7 +135,7 @@ def test_decode_kernels_match_reference(seq_lens, q_len, index_fp8):
                   dict(merge_sort=False, fuse_merge=False), *BATCH1_KNOBS.values()):
         o2, lse2, idx2 = triton_decode.decode_msa(x["q"], x["qi"], x["k"], x["v"], x["ki"], x["table"], x["lens"],
                                                   q_len=q_len, topk=TOPK, ki_scale=x["ki_scale"], **knobs)
-        merge = {k: v for k, v in knobs.items() if k not in ("fuse_combine", "fuse_merge", "prefetch")}
+        merge = {k: v for k, v in knobs.items() if k not in ("fuse_combine", "fuse_merge")}
         assert torch.equal(idx2, triton_decode.decode_select_blocks(
             x["qi"], x["ki"], x["table"], x["lens"], q_len=q_len, block_size=BLOCK, topk=TOPK,
             ki_scale=x["ki_scale"], **merge))

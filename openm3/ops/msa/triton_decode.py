@@ -218,14 +218,6 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """`prefetch.global.L2` of the 128-byte lines at `ptrs` (one pointer per line): starts their HBM reads
-    without waiting for them (compiled CUDA only: inline PTX, which the interpreter cannot run)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _top_keys(keys, KEEP: tl.constexpr, KEEP_P2: tl.constexpr, SORT: tl.constexpr):
     """The KEEP largest of the int64 keys [N] (N >= KEEP_P2 = next power of two >= KEEP), best first, in a
     [KEEP_P2] tensor: KEEP rounds of one max-reduction each (SORT=False) or Triton's bitonic top-k (SORT=True)."""
@@ -324,16 +316,13 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cand_ptr, table_ptr, l
                             BLOCK_G: tl.constexpr, SLOTS: tl.constexpr, MODE: tl.constexpr, LOCAL: tl.constexpr,
                             TOPK: tl.constexpr, TOPK_P2: tl.constexpr, NC: tl.constexpr, NEG_KEY: tl.constexpr,
                             SORT: tl.constexpr, FUSE: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                            PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                            PDL: tl.constexpr):
     """Program (query row t = b*Q + i, KV head g, split). MODE 0: dense (every block); 1: blocks from
     idx_ptr = block_idx [HKV, total_rows, n_slots]; 2: merge the candidates of row t*HKV + g first and write the
     merged list to idx_ptr from split 0. FUSE: the last split of (t, g) to finish (counted in count_ptr, which it
     resets for the next launch) combines the partial results into o and lse, saving the combine launch.
     PDL (only as the second or later kernel of a decode step): lengths and queries, written before the step's
-    first kernel, are loaded while the previous kernel finishes; everything else waits for it. PREFETCH: each
-    block's V lines are prefetched into L2 before its K loads (the K tile passes through shared memory for the
-    dot, and the compiled code issues the V loads only after that, so without it K and V are two HBM round trips
-    one after the other)."""
+    first kernel, are loaded while the previous kernel finishes; everything else waits for it."""
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -372,10 +361,6 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, cand_ptr, table_ptr, l
         if (slot < n_slots) & (blk >= 0) & (blk * BS <= q_pos):
             page = tl.load(table_ptr + b * stride_table + blk).to(tl.int64)
             kv_off = page * stride_page + cols[:, None] * stride_tok + g * D + dims[None, :]
-            if PREFETCH:
-                per_line: tl.constexpr = 1024 // v_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 B
-                lines = tl.arange(0, D // per_line) * per_line
-                _prefetch_l2(v_ptr + page * stride_page + cols[:, None] * stride_tok + g * D + lines[None, :])
             k = tl.load(k_ptr + kv_off).to(q.dtype)
             v = tl.load(v_ptr + kv_off).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BS]
@@ -590,11 +575,12 @@ def _shrink_group(n_cand: int, keep: int, groups: int = 16) -> int:
 
 
 def _default_shrink_groups(rows: int, n_cand: int, device: torch.device) -> int:
-    """Shrink groups per candidate row: 16, or 32 when the shrink would leave most SMs idle (rows x 16 programs
-    below the SM count) and each of 32 groups still holds >= 256 keys. Measured on an H200 (session 20, fp8 keys,
-    us per step, 32 groups against 16): 1M batch 1 45.25 vs 45.77 (its kernel timeline: the shrink ends 1.6 us
-    earlier, the attention's merge of 480 keys instead of 240 takes 0.6 of it back); 128K batch 1 13.48 vs 12.68
-    and 128K batch 32 193.7 vs 189.6 (rows of 1,024 keys), 1M batch 32 1048.9 vs 1045.3."""
+    """Shrink groups per candidate row: 16, or 32 when 16 would leave most SMs idle (rows x 16 programs below
+    the SM count) and each of 32 groups still holds >= 256 keys. Measured on an H200 (session 20, fp8 keys, us
+    per step, 32 groups against 16 in the same process): 1M batch 1 45.02 vs 46.05 and 45.25 vs 45.77 (kernel
+    timeline: the shrink ends 1.6 us earlier, the attention's merge of 480 keys instead of 240 takes ~0.6 back);
+    bf16 keys 73.06 vs 73.48. With 32 groups 128K batch 1 read 13.48 vs 12.68 and 128K batch 32 193.7 vs 189.6
+    (rows of 1,024 keys), 1M batch 32 1048.9 vs 1045.3: those keep 16."""
     return 32 if rows * 16 < _sm_count(device) and n_cand >= 32 * 256 else 16
 
 
@@ -724,12 +710,11 @@ def _check_kv(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> 
 
 def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode, n_slots, idx, cand, n_cand,
                      local_blocks, scale, slots_per_split, num_warps, merge_sort=False, fuse_combine=False,
-                     pdl=False, prefetch=None):
+                     pdl=False):
     """Launches `_attention_split_kernel` (mode 0 dense / 1 block_idx / 2 merge candidates) and the combine
     (fused into the split kernel when `fuse_combine` and there are at most 64 splits). pdl: both launched as
     programmatic dependents; only when a kernel of the same step ran before the split kernel (it reads q and
-    the lengths before waiting for its predecessor). prefetch: V prefetched into L2 before the K loads (None:
-    on compiled CUDA, where the inline PTX exists; True elsewhere is an error)."""
+    the lengths before waiting for its predecessor)."""
     rows, hq, d = q.shape
     hkv = k_pages.shape[2]
     n_splits = triton.cdiv(n_slots, slots_per_split)
@@ -740,14 +725,6 @@ def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode,
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device)
     counts = _counters(rows * hkv, q.device) if fuse else lse
     pdl = _pdl_on(pdl, q.device)
-    compiled = q.is_cuda and not interpreting()
-    if prefetch is None:
-        prefetch = compiled
-    elif prefetch and not compiled:
-        raise ValueError("prefetch=True needs compiled CUDA kernels (inline PTX); under the interpreter or on "
-                         "the CPU pass prefetch=None or False")
-    if prefetch and (d * q.element_size()) % 128:
-        prefetch = False  # rows of whole 128-byte lines only (M3: 128 bf16 dims = 2 lines)
     _attention_split_kernel[(rows, hkv, n_splits)](
         q, k_pages, v_pages, idx, cand, block_table, seq_lens, o_part, lse_part, o, lse, counts,
         scale if scale is not None else 1.0 / math.sqrt(d), rows, n_slots, n_splits, n_cand,
@@ -757,7 +734,7 @@ def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode,
         TOPK_P2=triton.next_power_of_2(n_slots) if mode == 2 else 1, NC=_nc(n_cand, n_slots if mode == 2 else 1),
         NEG_KEY=_NEG_INF_KEY, SORT=merge_sort and mode == 2 and n_slots > local_blocks, FUSE=fuse,
         BLOCK_S=triton.next_power_of_2(n_splits) if fuse else 1, PRECISION=_precision(q.dtype), PDL=pdl,
-        PREFETCH=bool(prefetch), num_warps=num_warps, **_launch(pdl))
+        num_warps=num_warps, **_launch(pdl))
     if not fuse:
         _combine_kernel[(rows * hq,)](o_part, lse_part, o, lse, N_SPLITS=n_splits, D=d,
                                       BLOCK_S=min(64, triton.next_power_of_2(n_splits)), PDL=pdl, **_launch(pdl))
@@ -766,15 +743,13 @@ def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode,
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, block_idx: torch.Tensor | None, *, q_len: int, scale: float | None = None,
-                     slots_per_split: int | None = None, num_warps: int = 4,
-                     prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     slots_per_split: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K attention of the `q_len` newest queries of each sequence over cached pages.
 
     q: [B*q_len, Hq, D]; k_pages, v_pages: [P, block_size, Hkv, D]; block_table int32 [B, max_blocks];
     seq_lens int32 [B]; block_idx int32 [Hkv, B*q_len, topk] (from `decode_select_blocks`), or None for dense
     attention over every cached block. Returns (o [B*q_len, Hq, D] in q.dtype, lse [B*q_len, Hq] fp32).
-    Matches `decode.paged_sparse_attention` / `decode.paged_dense_attention`. prefetch: each block's V
-    prefetched into L2 before its K is loaded (None: wherever the kernels are compiled for CUDA).
+    Matches `decode.paged_sparse_attention` / `decode.paged_dense_attention`.
     """
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("q", q, 3, q_len, batch)
@@ -794,7 +769,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         slots_per_split = 1 if not dense else max(1, min(16, n_slots // 128))
     return _split_attention(q, k_pages, v_pages, block_table, seq_lens, q_len=q_len, mode=0 if dense else 1,
                             n_slots=n_slots, idx=idx, cand=block_table, n_cand=0, local_blocks=1, scale=scale,
-                            slots_per_split=slots_per_split, num_warps=num_warps, prefetch=prefetch)
+                            slots_per_split=slots_per_split, num_warps=num_warps)
 
 
 def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -804,8 +779,8 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                num_warps: int = 4, attention_warps: int = 4, fp8_math: str = "fp16", merge_direct_max: int = 512,
                merge_sort: bool = True, fuse_merge: bool = True, fuse_combine: bool = False,
                score_loads: str | None = None, fold_shrink: bool = False,
-               pdl: bool = True, keep_all: bool = True, shrink_groups: int | None = None,
-               prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               pdl: bool = True, keep_all: bool = True,
+               shrink_groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One MSA decode step: index scores, (top-k merge,) split-K attention, combine.
 
     q: [B*q_len, Hq, D]; qi: [B*q_len, Hi, Di] with Hi == Hkv; k_pages, v_pages: [P, block_size, Hkv, D];
@@ -821,8 +796,7 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
     folded in, attention merging the candidates and combining), and pdl lets each launch overlap the previous
     one's tail (the attention kernel loads its queries before waiting; on by default: 128K batch 1 fp8 13.8 vs
     15.2 us on an H200, neutral at 1M; a no-op off sm_90+). Other knobs as in
-    `decode_select_blocks` / `decode_attention` (num_warps: scoring; attention_warps: attention; prefetch: the
-    attention's V prefetch).
+    `decode_select_blocks` / `decode_attention` (num_warps: scoring; attention_warps: attention).
     """
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("q", q, 3, q_len, batch)
@@ -853,5 +827,5 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                               n_slots=topk, idx=block_idx, cand=cand, n_cand=n_cand, local_blocks=local_blocks,
                               scale=scale, slots_per_split=slots_per_split, num_warps=attention_warps,
                               merge_sort=merge_sort, fuse_combine=fuse_combine,
-                              pdl=pdl and (topk > local_blocks or not fuse_merge), prefetch=prefetch)
+                              pdl=pdl and (topk > local_blocks or not fuse_merge))
     return o, lse, block_idx
