@@ -73,10 +73,11 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     **{f"seg{n}": dict(segment_blocks=n) for n in (2, 4, 8, 16, 32, 64)},
     "warps8": dict(num_warps=8), "stages2": dict(stages=2), "attn_warps8": dict(attention_warps=8),
     "attn_warps2": dict(attention_warps=2),
-    "shrink16": dict(shrink_groups=16),  # the default picks 16 or 32 by shape since session 20
     # every block's key out of the scoring kernel (no per-segment top-k rounds): more candidates for the shrink
-    # (the default since session 17; keep_best: each program's best topk - local keys, the default before)
-    "keep_best": dict(keep_all=False), "shrink8": dict(shrink_groups=8), "shrink32": dict(shrink_groups=32),
+    # (the default since session 17; keep_best: each program's best topk - local keys, the default before);
+    # shrinkN: N shrink groups per row (the default picks 16 or 32 by shape since session 20)
+    "keep_best": dict(keep_all=False), "shrink8": dict(shrink_groups=8), "shrink16": dict(shrink_groups=16),
+    "shrink32": dict(shrink_groups=32),
     **{f"keep_all{sfx}": dict(keep_all=True, **kw) for sfx, kw in (
         ("_seg16", dict(segment_blocks=16)), ("_seg32", dict(segment_blocks=32)), ("_seg64", dict(segment_blocks=64)),
         ("_s4", dict(stages=4)), ("_fold", dict(fold_shrink=True)), ("_seg64_s4", dict(segment_blocks=64, stages=4)))},
