@@ -6,8 +6,9 @@ One attention layer of M3: 64 query heads, 4 KV heads, head dim 128, index 4 x 1
 of 128 tokens, top-16 with 1 local block.
 
 decode: one new query per sequence against T cached tokens (T = 128K and 1M), batch 1 and 32, index keys bf16 and
-  fp8 (+ fp32 scale per token). `msa` = `triton_decode.decode_msa` with its defaults (index scores, candidate
-  shrinking for long rows, top-k merge inside the attention splits, split-K sparse attention, combine);
+  fp8 (+ an e8m0 scale byte per token; variants `scale_fp32` / `tma_scale_fp32`: fp32 scales). `msa` =
+  `triton_decode.decode_msa` with its defaults (index scores, candidate shrinking for long rows, top-k merge
+  inside the attention splits, split-K sparse attention, combine);
   `4-launch` = `decode_select_blocks` then `decode_attention`; `select`, `score` (the scoring kernel alone) and
   `attn` (attention + combine on a given selection) place the time; `dense` = SDPA decode (cuDNN backend, else
   flash / efficient; the one used is recorded) over the same cache memory, `dense_triton` = the decode kernel
@@ -59,6 +60,8 @@ SCORE_VARIANTS = {  # name -> _score_candidates keyword arguments, timed as scor
     "hoist_seg16_s4": dict(score_loads="hoist", stages=4, segment_blocks=16),
     "tma": dict(score_loads="tma"), "tma_s4": dict(score_loads="tma", stages=4),
     "tma_keep_best": dict(score_loads="tma", keep_all=False),
+    # fp8 keys quantised with fp32 per-token scales (the cache's format before session 21; now 1-byte e8m0)
+    "tma_scale_fp32": dict(score_loads="tma", scale_fp32=True),
     # fp8 tensor-core scoring (fp8 keys only; with bf16 keys these equal 'tma'): query split into two fp8 terms
     **{f"split{sfx}": dict(score_loads="tma", fp8_math="split", **kw) for sfx, kw in (
         ("", {}), ("_s4", dict(stages=4)), ("_s2", dict(stages=2)), ("_seg4", dict(segment_blocks=4)),
@@ -78,6 +81,7 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     # shrinkN: N shrink groups per row (the default picks 16 or 32 by shape since session 20)
     "keep_best": dict(keep_all=False), "shrink8": dict(shrink_groups=8), "shrink16": dict(shrink_groups=16),
     "shrink32": dict(shrink_groups=32),
+    "scale_fp32": dict(scale_fp32=True),  # fp8 keys with fp32 scales (the format before session 21)
     **{f"keep_all{sfx}": dict(keep_all=True, **kw) for sfx, kw in (
         ("_seg16", dict(segment_blocks=16)), ("_seg32", dict(segment_blocks=32)), ("_seg64", dict(segment_blocks=64)),
         ("_s4", dict(stages=4)), ("_fold", dict(fold_shrink=True)), ("_seg64_s4", dict(segment_blocks=64, stages=4)))},
@@ -198,6 +202,20 @@ def dense_sdpa(q, k, v, backend, **kw):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
 
 
+def _quantised(ki: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 index-key pages [P, BLOCK, DI] and their per-token scales [P, BLOCK] in `scale_dtype`, quantised a
+    range of pages at a time to keep the fp32 temporaries small."""
+    from openm3.ops.msa import decode
+
+    ki8 = torch.empty(ki.shape, device=ki.device, dtype=decode.FP8_DTYPE)
+    scale = torch.empty(ki.shape[:2], device=ki.device, dtype=scale_dtype)
+    for p0 in range(0, ki.shape[0], 4096):
+        flat, s = decode.quantize_index_keys(ki[p0:p0 + 4096].reshape(-1, DI), scale_dtype)
+        ki8[p0:p0 + 4096] = flat.view(-1, BLOCK, DI)
+        scale[p0:p0 + 4096] = s.view(-1, BLOCK)
+    return ki8, scale
+
+
 def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VARIANTS),
                 score_variants=tuple(SCORE_VARIANTS)) -> None:
     """One decode configuration; fills `record` with timings (ms), ratios and bandwidths."""
@@ -210,23 +228,29 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
     k = torch.empty(pages, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
     v = torch.empty_like(k).normal_(generator=gen)
     ki = torch.empty(pages, BLOCK, DI, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
-    ki_scale = None
-    if index == "fp8":  # quantise page by page range to keep the fp32 temporaries small
-        ki8 = torch.empty(pages, BLOCK, DI, device="cuda", dtype=decode.FP8_DTYPE)
-        ki_scale = torch.empty(pages, BLOCK, device="cuda", dtype=torch.float32)
-        for p0 in range(0, pages, 4096):
-            flat, s = decode.quantize_index_keys(ki[p0:p0 + 4096].reshape(-1, DI))
-            ki8[p0:p0 + 4096] = flat.view(-1, BLOCK, DI)
-            ki_scale[p0:p0 + 4096] = s.view(-1, BLOCK)
+    ki_scale, fp32_scaled = None, None
+    if index == "fp8":  # e8m0 scales (the cache's format) and, for the `scale_fp32` variants, fp32 ones
+        ki8, ki_scale = _quantised(ki, torch.uint8)
+        fp32_scaled = _quantised(ki, torch.float32)
         ki = ki8
     table = torch.arange(pages, device="cuda", dtype=torch.int32).view(batch, nb)
     lens = torch.full((batch,), t, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, HQ, D, device="cuda", generator=gen).bfloat16()
     qi = torch.randn(batch, HI, DI, device="cuda", generator=gen).bfloat16()
 
+    def index_keys(kw: dict):  # (keys, scales, knobs): `scale_fp32` picks the keys quantised with fp32 scales
+        kw = dict(kw)
+        if kw.pop("scale_fp32", False) and fp32_scaled is not None:
+            return (*fp32_scaled, kw)
+        return ki, ki_scale, kw
+
+    def msa_run(**kw):  # (o, lse, block_idx)
+        ki_, ks_, kw = index_keys(kw)
+        return triton_decode.decode_msa(q, qi, k, v, ki_, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
+                                        ki_scale=ks_, **kw)
+
     def msa_step(**kw):  # 3 launches: scores, attention merging each row's candidates, combine
-        return triton_decode.decode_msa(q, qi, k, v, ki, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
-                                        ki_scale=ki_scale, **kw)[0]
+        return msa_run(**kw)[0]
 
     def select_only(**kw):
         return triton_decode.decode_select_blocks(qi, ki, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
@@ -236,8 +260,9 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
         return triton_decode.decode_attention(q, k, v, table, lens, select_only(), q_len=1)[0]
 
     def score_only(**kw):
-        return triton_decode._score_candidates(qi, ki, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
-                                               local_blocks=LOCAL, ki_scale=ki_scale, num_warps=4,
+        ki_, ks_, kw = index_keys(kw)
+        return triton_decode._score_candidates(qi, ki_, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
+                                               local_blocks=LOCAL, ki_scale=ks_, num_warps=4,
                                                **{"segment_blocks": None, "fp8_math": "fp16", "stages": 3, **kw})[0]
 
     kd = k.view(batch, t, HKV, D).transpose(1, 2)  # [B, Hkv, T, D] view of the pool
@@ -263,9 +288,12 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
         record[f"msa_ms_{name}"] = graph_time_ms(lambda: msa_step(**VARIANTS[name]))
     sel = select_only()
     record["variant_selection_mismatch"] = [
-        name for name in variants if not torch.equal(triton_decode.decode_msa(
-            q, qi, k, v, ki, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL, ki_scale=ki_scale,
-            **VARIANTS[name])[2], sel)]
+        name for name in variants if "scale_fp32" not in VARIANTS[name] and not torch.equal(
+            msa_run(**VARIANTS[name])[2], sel)]
+    if fp32_scaled is not None:  # other quantised keys: near-ties may go either way (the same (row, head) sets?)
+        other = msa_run(scale_fp32=True)[2]
+        same = (other.sort(-1).values == sel.sort(-1).values).all(-1)
+        record["scale_fp32_same_block_sets"] = same.float().mean().item()
     if ki_scale is not None:  # the previous fp8 path: keys widened to bf16 (a slow fp16 -> bf16 step per key)
         record["score_ms_fp8_as_bf16"] = graph_time_ms(lambda: score_only(fp8_math="query"))
     record["msa_default_segment_blocks"] = triton_decode._default_segment_blocks(nb, batch, q.device)  # keep_all
@@ -274,7 +302,7 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
     record["dense_backend"] = backend.name
     time_ms(dense_triton, record, "dense_triton_ms")
     record["speedup_vs_dense"] = record["dense_ms"] / record["msa_ms"]
-    index_bytes = batch * t * (DI * ki.element_size() + (4 if ki_scale is not None else 0))
+    index_bytes = batch * t * (DI * ki.element_size() + (ki_scale.element_size() if ki_scale is not None else 0))
     kv_bytes_msa = batch * HKV * TOPK * BLOCK * D * 2 * 2
     dense_bytes = batch * t * HKV * D * 2 * 2
     record["byte_floor_speedup"] = dense_bytes / (index_bytes + kv_bytes_msa)

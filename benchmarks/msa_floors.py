@@ -39,6 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from benchmarks._inputs import DI, HI, HKV, HQ, D, m3_inputs
+from openm3.ops.msa.triton_decode import _token_scales
 
 BLOCK, TOPK, LOCAL = 128, 16, 1
 
@@ -99,7 +100,7 @@ def _score_ladder_kernel(X, S, Qi, OUT, TABLE, CAND, n_blocks, SEG: tl.constexpr
             else:
                 s = tl.dot(q, tl.trans(ki))
                 if LEVEL >= 3:
-                    s = s * tl.load(S + page * ROWS + cols)[None, :]
+                    s = s * _token_scales(S, page * ROWS + cols)[None, :]
                 if LEVEL >= 4:
                     best = tl.max(s, axis=1)
                     scores = tl.where(seg_cols[None, :] == jj, best[:, None], scores)
@@ -195,7 +196,9 @@ def _descriptor(x: torch.Tensor, block_shape):
 
 def _decode_cache(t: int):
     """One sequence of t cached tokens at M3's shape, batch 1: (nb blocks, generator, fp8 index keys and their
-    scales, K and V pages, the identity block table, lengths, the query and the index query)."""
+    e8m0 scales, K and V pages, the identity block table, lengths, the query, the index query, and the same keys
+    quantised with fp32 scales as a pair (keys, scales): the format before session 21, which the decode module of
+    an earlier session (`--compare`) needs)."""
     from openm3.ops.msa import decode
 
     nb = t // BLOCK
@@ -203,6 +206,8 @@ def _decode_cache(t: int):
     ki = torch.empty(nb, BLOCK, DI, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
     flat, scale = decode.quantize_index_keys(ki.view(-1, DI))
     ki8, ki_scale = flat.view(nb, BLOCK, DI), scale.view(nb, BLOCK)
+    flat, scale = decode.quantize_index_keys(ki.view(-1, DI), torch.float32)
+    fp32_scaled = (flat.view(nb, BLOCK, DI), scale.view(nb, BLOCK))
     del ki, flat
     k = torch.empty(nb, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
     v = torch.empty_like(k).normal_(generator=gen)
@@ -210,7 +215,7 @@ def _decode_cache(t: int):
     lens = torch.full((1,), t, device="cuda", dtype=torch.int32)
     q = torch.randn(1, HQ, D, device="cuda", generator=gen).bfloat16()
     qi = torch.randn(1, HI, DI, device="cuda", generator=gen).bfloat16()
-    return nb, gen, ki8, ki_scale, k, v, table, lens, q, qi
+    return nb, gen, ki8, ki_scale, k, v, table, lens, q, qi, fp32_scaled
 
 
 def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str | None = None) -> dict:
@@ -218,10 +223,10 @@ def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str |
     from benchmarks.msa_decode import dense_sdpa, graph_time_ms, sdpa_backend
     from openm3.ops.msa import triton_decode
 
-    nb, gen, ki8, ki_scale, k, v, table, lens, q, qi = _decode_cache(t)
+    nb, gen, ki8, ki_scale, k, v, table, lens, q, qi, fp32_scaled = _decode_cache(t)
     qi16 = torch.zeros(16, DI, device="cuda", dtype=torch.bfloat16)  # the kernel's 16 padded query rows
     qi16[:HI] = qi[0]
-    key_bytes = ki8.numel() + ki_scale.numel() * 4
+    key_bytes = ki8.numel() + ki_scale.numel() * ki_scale.element_size()
     rec: dict = {"T": t, "index_key_bytes": key_bytes}
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -259,17 +264,17 @@ def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str |
             ms = rec[f"chain_ms_{links}_links{'_pdl' if pdl else ''}"] = graph_time_ms(step)
             print(f"    {links} dependent tiny launches{' with PDL' if pdl else ''}: {ms * 1e3:.2f} us per step",
                   flush=True)
-    modules = {"": triton_decode}
-    if compare:  # another version of the decode module, timed in the same process (A/B)
-        modules["_" + compare.rsplit(".", 1)[-1]] = importlib.import_module(compare)
-    for sfx, mod in modules.items():
+    modules = {"": (triton_decode, ki8, ki_scale), "_scale_fp32": (triton_decode, *fp32_scaled)}
+    if compare:  # another version of the decode module, timed in the same process (A/B), with fp32 scales
+        modules["_" + compare.rsplit(".", 1)[-1]] = (importlib.import_module(compare), *fp32_scaled)
+    for sfx, (mod, ki_, ks_) in modules.items():
         rec["score_ms" + sfx] = graph_time_ms(lambda: mod._score_candidates(
-            qi, ki8, table, lens, q_len=1, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL, ki_scale=ki_scale,
+            qi, ki_, table, lens, q_len=1, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL, ki_scale=ks_,
             segment_blocks=None, stages=3, num_warps=4, fp8_math="fp16", score_loads="tma", pdl=True))
         rec["msa_step_ms" + sfx] = graph_time_ms(lambda: mod.decode_msa(
-            q, qi, k, v, ki8, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL, ki_scale=ki_scale)[0])
-        idx = mod.decode_select_blocks(qi, ki8, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
-                                       local_blocks=LOCAL, ki_scale=ki_scale)
+            q, qi, k, v, ki_, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL, ki_scale=ks_)[0])
+        idx = mod.decode_select_blocks(qi, ki_, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
+                                       local_blocks=LOCAL, ki_scale=ks_)
         rec["block_idx" + sfx] = idx.flatten().tolist()
         rec["attention_ms" + sfx] = graph_time_ms(lambda: mod.decode_attention(q, k, v, table, lens, idx,
                                                                                 q_len=1)[0])
@@ -341,7 +346,7 @@ def tail_part(t: int, variants: dict | None = None, compare: str | None = None) 
     from benchmarks.msa_decode import graph_time_ms
     from openm3.ops.msa import triton_decode
 
-    nb, gen, ki8, ki_scale, k, v, table, lens, q, qi = _decode_cache(t)
+    nb, gen, ki8, ki_scale, k, v, table, lens, q, qi, fp32_scaled = _decode_cache(t)
     rec: dict = {"T": t}
     # the same cache with its pages shuffled (block j in page perm[j]), as a long-running engine's pool may be
     perm = torch.randperm(nb, device="cuda", generator=gen)
@@ -349,15 +354,17 @@ def tail_part(t: int, variants: dict | None = None, compare: str | None = None) 
     for dst, src in zip(shuffled, (k, v, ki8, ki_scale)):
         dst[perm] = src
     cache = (k, v, ki8, ki_scale, table)
+    cache_fp32_scales = (k, v, *fp32_scaled, table)
     cache_shuffled = (*shuffled, perm.to(torch.int32).view(1, nb))
     variants = variants or {"default": (triton_decode, {}, cache),
                             "fold_shrink": (triton_decode, dict(fold_shrink=True), cache),
                             "fused_combine": (triton_decode, dict(fuse_combine=True), cache),
                             "two_launch": (triton_decode, dict(fold_shrink=True, fuse_combine=True), cache),
                             "shrink16": (triton_decode, dict(shrink_groups=16), cache),
+                            "scale_fp32": (triton_decode, {}, cache_fp32_scales),
                             "shuffled_pages": (triton_decode, {}, cache_shuffled)}
     if compare:  # another version of the decode module, its default step timed in the same process (A/B)
-        variants[compare.rsplit(".", 1)[-1]] = (importlib.import_module(compare), {}, cache)
+        variants[compare.rsplit(".", 1)[-1]] = (importlib.import_module(compare), {}, cache_fp32_scales)
     for name, (mod, kw, (k_, v_, ki_, ks_, table_)) in variants.items():
         def run():  # (o, lse, block_idx)
             return mod.decode_msa(q, qi, k_, v_, ki_, table_, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,

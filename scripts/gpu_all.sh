@@ -40,6 +40,14 @@ for s in "${stages[@]}"; do
     decodefinal) python3 -m benchmarks.msa_decode --out "$OUT" --T 131072 1048576 --batch 1 32 --index fp8 bf16 \
                    --variants no_pdl tma --score-variants --prefill-T 1048576 --chunk 131072 2>&1 \
                    | tee "$OUT/msa_decode_final.log" | tail -24 ;;
+    decodescale)  # fp8 index keys with e8m0 scales (the default since session 21) against fp32 ones, same process
+      python3 -m benchmarks.msa_decode --out "$OUT/scale" --T 1048576 131072 --batch 1 32 --index fp8 \
+        --variants scale_fp32 shrink16 --score-variants tma tma_scale_fp32 --prefill-T 2>&1 \
+        | tee "$OUT/msa_decode_scale.log" | tail -24 ;;
+    decodebatch)  # the batch sizes between the benchmark's 1 and 32, with the shrink-group settings beside
+      python3 -m benchmarks.msa_decode --out "$OUT/batch" --T 1048576 131072 --batch 2 4 8 16 --index fp8 \
+        --variants scale_fp32 shrink16 shrink32 --score-variants --prefill-T 2>&1 \
+        | tee "$OUT/msa_decode_batch.log" | tail -24 ;;
     decodesplit) python3 -m benchmarks.msa_decode --out "$OUT/split" --T 1048576 131072 --batch 1 32 --index fp8 \
                    --variants split table --score-variants split split_s4 split_seg16 split_seg32 split_seg32_s4 tma \
                    --prefill-T 2>&1 | tee "$OUT/msa_decode_split.log" | tail -24 ;;

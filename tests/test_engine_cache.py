@@ -22,7 +22,7 @@ def test_plan_bytes_and_summary():
     assert plan.kv_bytes == 3 * 2 * 12 * 2 * 16 * 2  # layers * (k, v) * tokens * heads * dim * bf16
     assert plan.index_bytes == 2 * 12 * 8 * 2  # MSA layers * tokens * Di * bf16
     fp8 = plan_cache(LAYOUT, 10, kv_dtype=torch.bfloat16, index_dtype="fp8")
-    assert fp8.index_bytes == 2 * 12 * (8 + 4)  # one byte per entry + an fp32 scale per token
+    assert fp8.index_bytes == 2 * 12 * (8 + 1)  # one byte per entry + an e8m0 scale byte per token
     assert "12 tokens" in plan.summary() and "GiB" in plan.summary()
     cache = PagedCache(fp8)
     real = sum(t.numel() * t.element_size() for t in cache.k + cache.v)

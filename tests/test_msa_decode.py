@@ -103,16 +103,33 @@ def test_paged_dense_equals_sdpa():
 
 def test_fp8_roundtrip_and_bad_inputs():
     ki = torch.randn(10, 32) * 3
-    q8, scale = decode.quantize_index_keys(ki)
-    assert q8.dtype == torch.float8_e4m3fn and scale.shape == (10,)
-    back = decode.dequantize_index_keys(q8, scale)
-    assert ((back - ki).abs() <= ki.abs().amax(-1, keepdim=True) / 16).all()  # e4m3: 3 mantissa bits
+    ki[3] = 0.0  # a zero key: any scale, zero entries
+    ki[4] *= 1e-30
+    for scale_dtype in (torch.uint8, torch.float32):
+        q8, scale = decode.quantize_index_keys(ki, scale_dtype)
+        assert q8.dtype == torch.float8_e4m3fn and scale.shape == (10,) and scale.dtype == scale_dtype
+        back = decode.dequantize_index_keys(q8, scale)
+        amax = ki.abs().amax(-1, keepdim=True)
+        assert ((back - ki).abs() <= amax / 16).all()  # e4m3: 3 mantissa bits
+        assert (back[3] == 0).all()
+        top = q8.float().abs().amax(-1)[amax[:, 0] > 0]
+        assert (top <= 448).all() and (top >= (224 if scale_dtype == torch.uint8 else 448)).all()  # after rounding
+    # e8m0: powers of two, so dequantising is exact scaling and the scale of a power-of-two row is exact too
+    q8, scale = decode.quantize_index_keys(torch.tensor([[448.0, -1.0], [224.0, 3.0], [449.0, 0.0]]))
+    assert scale.tolist() == [127, 126, 128]
+    assert decode.index_key_scales(scale).tolist() == [1.0, 0.5, 2.0]
+    assert decode.dequantize_index_keys(q8, scale)[:2].tolist() == [[448.0, -1.0], [224.0, 3.0]]
+    with pytest.raises(ValueError, match="scale_dtype"):
+        decode.quantize_index_keys(ki, torch.float16)
     with pytest.raises(ValueError, match="ki must be"):
         decode.quantize_index_keys(ki[None])
     c = make_paged([20], block_size=8, hkv=1, d=16, di=16)
     qi = torch.randn(1, 1, 16)
     with pytest.raises(ValueError, match="ki_scale"):
         decode.paged_select_blocks(qi, q8.new_zeros(5, 8, 16), c["block_table"], cu([1]), [20], block_size=8, topk=2)
+    with pytest.raises(ValueError, match="ki_scale must be uint8"):
+        decode.paged_select_blocks(qi, q8.new_zeros(5, 8, 16), c["block_table"], cu([1]), [20], block_size=8, topk=2,
+                                   ki_scale=torch.ones(5, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="block_table"):
         decode.paged_select_blocks(qi, c["ki_pages"], c["block_table"].long(), cu([1]), [20], block_size=8, topk=2)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
@@ -141,7 +158,7 @@ def _decode_id(c):
     return f"L{'-'.join(map(str, c[0]))}-Q{c[1]}-bs{c[2]}-Hq{c[3]}-Hkv{c[4]}-D{c[5]}-Di{c[6]}-k{c[7]}-loc{c[8]}"
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["idx-fp32", "idx-fp8"])
+@pytest.mark.parametrize("fp8", [None, torch.uint8, torch.float32], ids=["idx-fp32", "idx-fp8", "idx-fp8-fp32-scale"])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[_decode_id(c) for c in DECODE_CASES])
 def test_triton_decode_matches_reference(case, fp8):
     td = _triton()
@@ -154,8 +171,9 @@ def test_triton_decode_matches_reference(case, fp8):
     table, lens = c["block_table"], torch.tensor(seq_lens, dtype=torch.int32)
     cu_q = cu([q_len] * len(seq_lens))
     ki_pages, ki_scale = c["ki_pages"], None
-    if fp8:
-        flat, scale = decode.quantize_index_keys(ki_pages.flatten(0, 1))
+    if fp8:  # the scale's storage dtype: uint8 e8m0 exponents (the cache's) or fp32
+        flat, scale = decode.quantize_index_keys(ki_pages.flatten(0, 1), fp8)
+        assert scale.dtype == fp8
         ki_pages, ki_scale = flat.view(ki_pages.shape), scale.view(ki_pages.shape[:2])
     want_idx = decode.paged_select_blocks(qi, ki_pages, table, cu_q, seq_lens, block_size=bs, topk=topk,
                                           local_blocks=local, ki_scale=ki_scale)
@@ -176,7 +194,7 @@ def test_triton_decode_matches_reference(case, fp8):
 
 
 @pytest.mark.parametrize("score_loads", ["table", "hoist"])
-@pytest.mark.parametrize("fp8", [False, True], ids=["idx-fp32", "idx-fp8"])
+@pytest.mark.parametrize("fp8", [None, torch.uint8, torch.float32], ids=["idx-fp32", "idx-fp8", "idx-fp8-fp32-scale"])
 def test_triton_decode_selection_ignores_what_lies_outside_the_sequences(fp8, score_loads):
     """The scoring kernel ranks only blocks wholly before each row's forced local blocks, so nothing it reads
     for other blocks may matter: NaN / inf in the unused tail of each sequence's last page and in spare pages,
@@ -195,9 +213,10 @@ def test_triton_decode_selection_ignores_what_lies_outside_the_sequences(fp8, sc
     assert poison.any() and table.max() == 1 << 30
     ki_pages, ki_scale, want_scale = c["ki_pages"].clone(), None, None
     if fp8:
-        flat, want_scale = decode.quantize_index_keys(ki_pages.flatten(0, 1))
+        flat, want_scale = decode.quantize_index_keys(ki_pages.flatten(0, 1), fp8)
         ki_pages, want_scale = flat.view(ki_pages.shape), want_scale.view(poison.shape)
-        ki_scale = torch.where(poison, float("nan"), want_scale)
+        bad = float("nan") if fp8 == torch.float32 else 255  # e8m0's NaN code; it reads as +inf here
+        ki_scale = torch.where(poison, torch.tensor(bad, dtype=fp8), want_scale)
     else:
         ki_pages[poison] = float("nan")
         ki_pages[poison.all(-1)] = float("inf")  # the spare pages
@@ -340,7 +359,7 @@ def compile_(fn, sig, consts, warps=4, stages=3):
 
 table = {"table_ptr": "*i32", "lens_ptr": "*i32"}
 merge = dict(LOCAL=1, TOPK=16, TOPK_P2=16, NC=256, NEG_KEY=td._NEG_INF_KEY)
-score = {"ks_ptr": "*fp32", **table, "cand_ptr": "*i64", "fold_ptr": "*i64", "count_ptr": "*i32", "max_blocks": "i32",
+score = {"ks_ptr": "*u8", **table, "cand_ptr": "*i64", "fold_ptr": "*i64", "count_ptr": "*i32", "max_blocks": "i32",
          "n_seg": "i32", "n_groups": "i32", "stride_table": "i32", "stride_page": "i32"}
 for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", "ieee", False), ("fp32", "ieee", True)):
     key_t = "u8" if fp8 else dt
@@ -355,7 +374,9 @@ for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", 
     for loads, fold, pdl, stages, seg, keep_all in variants:
         ki = f"tensordesc<{key_t}[128, 128]>" if loads == "tma" else f"*{key_t}"
         kp = seg if keep_all else min(seg, 15)
-        k = compile_(td._score_segment_kernel, {"qi_ptr": f"*{dt}", "ki_ptr": ki, **score},
+        # fp8 keys' per-token scales: e8m0 bytes (the cache's), fp32 at the 2-block segments (also accepted)
+        ks = {"ks_ptr": "*fp32"} if seg == 2 else {}
+        k = compile_(td._score_segment_kernel, {"qi_ptr": f"*{dt}", "ki_ptr": ki, **score, **ks},
                      dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=kp, LOCAL=1, FP8=fp8,
                           HALF=fp8 and dt == "bf16", PRECISION=prec, STAGES=stages, HOIST=loads == "hoist",
                           TMA=loads == "tma", FOLD_SEGS=fold, FOLD_P2=triton.next_power_of_2(fold * kp) if fold else 1,

@@ -5,8 +5,9 @@ Memory is one pool of `num_pages` pages shared by all layers: page p of sequence
 page is exactly one MSA key block. Per layer the pool holds
 
 - `k, v [num_pages, page_size, Hkv, D]` in the KV dtype (every layer), and
-- for MSA layers, the index keys `[num_pages, page_size, Di]` in the model dtype / bf16, or fp8 e4m3 with one fp32
-  scale per token `[num_pages, page_size]` (the decode kernels read ~132 B per token instead of 256 B).
+- for MSA layers, the index keys `[num_pages, page_size, Di]` in the model dtype / bf16, or fp8 e4m3 with one
+  power-of-two scale per token `[num_pages, page_size]`, stored as its uint8 e8m0 exponent (the decode kernels
+  read ~129 B per token instead of 256 B).
 
 A request reserves the pages for its whole length (prompt + new tokens) when it is admitted, so a batch that does
 not fit is refused before any work and an admitted one never runs out half way.
@@ -96,7 +97,8 @@ class CachePlan:
 
     @property
     def index_bytes(self) -> int:
-        per_token = self.layout.index_head_dim * _dtype_size(self.index_dtype) + (4 if self.index_dtype == FP8 else 0)
+        scale = 1 if self.index_dtype == FP8 else 0  # fp8 keys: + one e8m0 scale byte per token
+        per_token = self.layout.index_head_dim * _dtype_size(self.index_dtype) + scale
         return per_token * self.token_capacity * sum(self.layout.sparse)
 
     @property
@@ -215,8 +217,8 @@ class PagedCache:
         ishape = (plan.num_pages, lay.page_size, lay.index_head_dim)
         self.ki = [torch.zeros(ishape, dtype=plan.index_dtype, device=self.device) if s else None for s in lay.sparse]
         fp8 = plan.index_dtype == FP8
-        self.ki_scale = [torch.zeros(ishape[:2], dtype=torch.float32, device=self.device) if s and fp8 else None
-                         for s in lay.sparse]
+        self.ki_scale = [torch.zeros(ishape[:2], dtype=decode.SCALE_E8M0, device=self.device) if s and fp8
+                         else None for s in lay.sparse]
         self._free = list(range(plan.num_pages))  # kept sorted: allocation takes the lowest ids
         self._seqs: dict[int, _Sequence] = {}
         self._step: _Step | None = None

@@ -4,7 +4,9 @@ Cache layout (one pool per layer, pages of `block_size` tokens, so one page is o
 
 - `k_pages, v_pages [P, block_size, Hkv, D]`: the main-branch keys and values.
 - `ki_pages [P, block_size, Di]`: the index keys, in the model dtype, bf16, or fp8 (e4m3) with
-  `ki_scale [P, block_size]` fp32 holding one dequantisation scale per token (`ki = ki_pages * ki_scale`).
+  `ki_scale [P, block_size]` holding one dequantisation scale per token (`ki = ki_pages * scale`): uint8 e8m0
+  (the biased exponent e of the power of two `2^(e - 127)`, one byte per token, what the engine's cache stores)
+  or fp32.
 - `block_table int32 [B, max_blocks]`: page id of logical block j of sequence b (entries past the sequence's
   last block are ignored).
 - `seq_lens [B]`: cached tokens per sequence, the new tokens included (they are written before attending).
@@ -25,27 +27,46 @@ from . import reference
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+SCALE_E8M0 = torch.uint8  # a per-token scale 2^(e - 127) stored as its biased exponent e
+SCALE_DTYPES = (SCALE_E8M0, torch.float32)
 
 
-def quantize_index_keys(ki: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_index_keys(ki: torch.Tensor, scale_dtype: torch.dtype = SCALE_E8M0) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 e4m3 index keys with one scale per token.
 
-    ki: [T, Di] (any float dtype). Returns (ki_fp8 [T, Di] float8_e4m3fn, scale [T] fp32) such that
-    `ki_fp8.float() * scale[:, None]` approximates `ki` (the token's largest entry maps to 448).
+    ki: [T, Di] (any float dtype). Returns (ki_fp8 [T, Di] float8_e4m3fn, scale [T]) such that
+    `dequantize_index_keys(ki_fp8, scale)` approximates `ki`. scale_dtype uint8 (e8m0, the default): the smallest
+    power of two that maps the token's largest entry to at most 448, stored as its biased exponent (1 byte per
+    token instead of 4); e4m3 is a float format, so a power-of-two scale keeps its relative precision (3 mantissa
+    bits) and only shifts where its subnormals start. float32: the token's largest entry maps to 448 exactly.
     """
     if ki.dim() != 2:
         raise ValueError(f"ki must be [T, Di], got shape {tuple(ki.shape)}")
-    amax = ki.detach().float().abs().amax(dim=-1).clamp_min(1e-12)
-    scale = amax / FP8_MAX
-    q = (ki.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}")
+    amax = ki.detach().float().abs().amax(dim=-1).clamp_min(1e-30)
+    if scale_dtype == torch.float32:
+        scale = amax / FP8_MAX
+        q = (ki.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return q, scale
+    mant, exp = torch.frexp(amax / FP8_MAX)  # amax / 448 = mant * 2^exp, mant in [0.5, 1)
+    e = (exp - (mant == 0.5).to(exp.dtype)).clamp(-126, 127)  # the smallest e with 2^e >= amax / 448
+    q = torch.ldexp(ki.float(), -e[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # exact scaling
+    return q, (e + 127).to(torch.uint8)
+
+
+def index_key_scales(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 per-token scales from their stored form (uint8 e8m0 exponents or fp32)."""
+    if scale.dtype == SCALE_E8M0:
+        return (scale.to(torch.int32) << 23).view(torch.float32)  # 2^(e - 127) for e in [1, 254]
+    return scale.float()
 
 
 def dequantize_index_keys(ki: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """fp32 index keys from a cache slice: ki [..., Di], scale [...] (None when ki is not fp8)."""
     if scale is None:
         return ki.float()
-    return ki.float() * scale.float()[..., None]
+    return ki.float() * index_key_scales(scale)[..., None]
 
 
 def _lengths(name: str, x, batch: int) -> list[int]:
@@ -111,6 +132,8 @@ def paged_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: t
         raise ValueError("ki_scale must be given exactly when ki_pages is fp8 (float8_e4m3fn)")
     if ki_scale is not None and ki_scale.shape != ki_pages.shape[:2]:
         raise ValueError(f"ki_scale must be [P, block_size] = {tuple(ki_pages.shape[:2])}, got {tuple(ki_scale.shape)}")
+    if ki_scale is not None and ki_scale.dtype not in SCALE_DTYPES:
+        raise ValueError(f"ki_scale must be uint8 (e8m0 exponents) or float32, got {ki_scale.dtype}")
     _, lens = _check_paged(block_table, cu_seqlens_q, seq_lens, block_size, ki_pages.shape[0])
     ki = gather_pages(ki_pages, block_table, lens, block_size)
     scale = None if ki_scale is None else gather_pages(ki_scale, block_table, lens, block_size)

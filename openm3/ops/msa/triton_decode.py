@@ -63,7 +63,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .decode import FP8_DTYPE
+from .decode import FP8_DTYPE, SCALE_DTYPES
 from .triton_common import interpreting
 
 _NEG_INF = tl.constexpr(float("-inf"))  # globals read by kernels must be constexpr
@@ -81,6 +81,15 @@ def _sort_key(score, blk):
     bits = score.to(tl.int32, bitcast=True)
     mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     return (mono.to(tl.int64) << 32) | (4294967295 - blk.to(tl.int64))
+
+
+@triton.jit
+def _token_scales(ks_ptr, offs):
+    """fp32 per-token scales ks[offs], stored as fp32 or as uint8 e8m0 exponents (2^(e - 127), e in [1, 254])."""
+    s = tl.load(ks_ptr + offs)
+    if ks_ptr.dtype.element_ty == tl.uint8:
+        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return s
 
 
 @triton.jit
@@ -166,7 +175,7 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
         if SPLIT:  # [BS, BLOCK_M] scores, keys along M
             ki = ki_ptr.load([(page * BS).to(tl.int32), 0])
             s_t = tl.dot(ki, q_hi, tl.dot(ki, q_lo))  # 16 * 2^e * q . k (exact split, fp32 accumulation)
-            s_t = s_t * tl.load(ks_ptr + page * BS + cols)[:, None] * q_inv[None, :]
+            s_t = s_t * _token_scales(ks_ptr, page * BS + cols)[:, None] * q_inv[None, :]
             best = tl.max(s_t, axis=0)  # [BLOCK_M] block max
         elif TMA:
             raw = ki_ptr.load([(page * BS).to(tl.int32), 0])
@@ -183,7 +192,7 @@ def _score_segment_kernel(qi_ptr, ki_ptr, ks_ptr, table_ptr, lens_ptr, cand_ptr,
         if not SPLIT:
             s = tl.dot(qi, tl.trans(ki), input_precision=PRECISION)  # [BLOCK_M, BS] fp32
             if FP8:  # the scale is per token, so it must multiply before the block max
-                s = s * tl.load(ks_ptr + page * BS + cols)[None, :]
+                s = s * _token_scales(ks_ptr, page * BS + cols)[None, :]
             best = tl.max(s, axis=1)  # [BLOCK_M] block max
         scores = tl.where(seg_cols[None, :] == jj, tl.where(ranked, best, _NEG_INF)[:, None], scores)
     keys = _sort_key(scores, seg * SEG + seg_cols[None, :])
@@ -517,9 +526,9 @@ def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size,
     fp8 = ki_pages.dtype == FP8_DTYPE
     if fp8 != (ki_scale is not None):
         raise ValueError("ki_scale must be given exactly when ki_pages is fp8 (float8_e4m3fn)")
-    if fp8 and (ki_scale.shape != ki_pages.shape[:2] or ki_scale.dtype != torch.float32):
-        raise ValueError(f"ki_scale must be fp32 [P, block_size] = {tuple(ki_pages.shape[:2])}, "
-                         f"got {ki_scale.dtype} {tuple(ki_scale.shape)}")
+    if fp8 and (ki_scale.shape != ki_pages.shape[:2] or ki_scale.dtype not in SCALE_DTYPES):
+        raise ValueError(f"ki_scale must be uint8 (e8m0 exponents) or fp32 [P, block_size] = "
+                         f"{tuple(ki_pages.shape[:2])}, got {ki_scale.dtype} {tuple(ki_scale.shape)}")
     if not ki_pages.is_contiguous() or (fp8 and not ki_scale.is_contiguous()):
         raise ValueError("ki_pages (and ki_scale) must be contiguous")
     if not 1 <= local_blocks <= topk:
