@@ -20,6 +20,8 @@ decode: one new query per sequence against T cached tokens (T = 128K and 1M), ba
   `decode_select_blocks` (must be empty). `score TB/s` = index-key bytes / scoring time (HBM peak 4.8 TB/s);
   `score_ms_<name>` / `score_tb_per_s_<name>` time the scoring kernel with the knobs of SCORE_VARIANTS.
   `python -m benchmarks.msa_decode --T 131072 --batch 1 --index fp8 --variants rounds --prefill-T` runs one case.
+  `--q-len 4`: 4 new queries per sequence (speculative / MTP drafts; the dense baseline leaves their causal tail
+  unmasked).
   Batch-1 sweep (the variants of B1_SWEEP, about 2-3 minutes on an H200):
   `python -m benchmarks.msa_decode --T 131072 1048576 --batch 1 --index fp8 --variants b1 --prefill-T`
 prefill: T tokens of one MSA layer through the engine (`PagedCache`, chunks of --chunk tokens, several sizes
@@ -217,8 +219,10 @@ def _quantised(ki: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor
 
 
 def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VARIANTS),
-                score_variants=tuple(SCORE_VARIANTS)) -> None:
-    """One decode configuration; fills `record` with timings (ms), ratios and bandwidths."""
+                score_variants=tuple(SCORE_VARIANTS), q_len: int = 1) -> None:
+    """One decode configuration (q_len new queries per sequence: 1, or a few for speculative / MTP drafts); fills
+    `record` with timings (ms), ratios and bandwidths. The dense baseline attends each new query to every cached
+    token (no mask: for q_len > 1 the causal tail of the drafts, q_len - 1 of T keys, is not masked)."""
     from openm3.ops.msa import decode, triton_decode
 
     nb = t // BLOCK
@@ -235,8 +239,8 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
         ki = ki8
     table = torch.arange(pages, device="cuda", dtype=torch.int32).view(batch, nb)
     lens = torch.full((batch,), t, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, HQ, D, device="cuda", generator=gen).bfloat16()
-    qi = torch.randn(batch, HI, DI, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(batch * q_len, HQ, D, device="cuda", generator=gen).bfloat16()
+    qi = torch.randn(batch * q_len, HI, DI, device="cuda", generator=gen).bfloat16()
 
     def index_keys(kw: dict):  # (keys, scales, knobs): `scale_fp32` picks the keys quantised with fp32 scales
         kw = dict(kw)
@@ -246,42 +250,43 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
 
     def msa_run(**kw):  # (o, lse, block_idx)
         ki_, ks_, kw = index_keys(kw)
-        return triton_decode.decode_msa(q, qi, k, v, ki_, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
-                                        ki_scale=ks_, **kw)
+        return triton_decode.decode_msa(q, qi, k, v, ki_, table, lens, q_len=q_len, topk=TOPK,
+                                        local_blocks=LOCAL, ki_scale=ks_, **kw)
 
     def msa_step(**kw):  # 3 launches: scores, attention merging each row's candidates, combine
         return msa_run(**kw)[0]
 
     def select_only(**kw):
-        return triton_decode.decode_select_blocks(qi, ki, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
-                                                  local_blocks=LOCAL, ki_scale=ki_scale, **kw)
+        return triton_decode.decode_select_blocks(qi, ki, table, lens, q_len=q_len, block_size=BLOCK,
+                                                  topk=TOPK, local_blocks=LOCAL, ki_scale=ki_scale, **kw)
 
     def unfused_step():  # 4 launches: scores, top-k merge, attention, combine
-        return triton_decode.decode_attention(q, k, v, table, lens, select_only(), q_len=1)[0]
+        return triton_decode.decode_attention(q, k, v, table, lens, select_only(), q_len=q_len)[0]
 
     def score_only(**kw):
         ki_, ks_, kw = index_keys(kw)
-        return triton_decode._score_candidates(qi, ki_, table, lens, q_len=1, block_size=BLOCK, topk=TOPK,
-                                               local_blocks=LOCAL, ki_scale=ks_, num_warps=4,
+        return triton_decode._score_candidates(qi, ki_, table, lens, q_len=q_len, block_size=BLOCK,
+                                               topk=TOPK, local_blocks=LOCAL, ki_scale=ks_, num_warps=4,
                                                **{"segment_blocks": None, "fp8_math": "fp16", "stages": 3, **kw})[0]
 
     kd = k.view(batch, t, HKV, D).transpose(1, 2)  # [B, Hkv, T, D] view of the pool
     vd = v.view(batch, t, HKV, D).transpose(1, 2)
-    qd = q.view(batch, HQ, 1, D)
+    qd = q.view(batch, q_len, HQ, D).transpose(1, 2)  # [B, HQ, q_len, D]
     backend = sdpa_backend(qd, kd, vd)
 
     def dense_step():
         return dense_sdpa(qd, kd, vd, backend)
 
     def dense_triton():
-        return triton_decode.decode_attention(q, k, v, table, lens, None, q_len=1)[0]
+        return triton_decode.decode_attention(q, k, v, table, lens, None, q_len=q_len)[0]
 
     record["msa_ms"] = graph_time_ms(msa_step)
     record["msa_unfused_ms"] = graph_time_ms(unfused_step)
     record["select_ms"] = graph_time_ms(select_only)
     record["score_ms"] = graph_time_ms(score_only)
     idx = select_only()
-    record["attention_ms"] = graph_time_ms(lambda: triton_decode.decode_attention(q, k, v, table, lens, idx, q_len=1))
+    record["attention_ms"] = graph_time_ms(lambda: triton_decode.decode_attention(q, k, v, table, lens, idx,
+                                                                                  q_len=q_len))
     # knobs: blocks per scoring program (the default aims at 4 programs per SM), candidate shrinking, bitonic
     # top-k, combine fused into the attention kernel, warps, pipeline stages, attention splits
     for name in variants:
@@ -303,7 +308,7 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
     time_ms(dense_triton, record, "dense_triton_ms")
     record["speedup_vs_dense"] = record["dense_ms"] / record["msa_ms"]
     index_bytes = batch * t * (DI * ki.element_size() + (ki_scale.element_size() if ki_scale is not None else 0))
-    kv_bytes_msa = batch * HKV * TOPK * BLOCK * D * 2 * 2
+    kv_bytes_msa = batch * q_len * HKV * TOPK * BLOCK * D * 2 * 2  # q_len > 1: at most this (blocks shared)
     dense_bytes = batch * t * HKV * D * 2 * 2
     record["byte_floor_speedup"] = dense_bytes / (index_bytes + kv_bytes_msa)
     record["msa_tb_per_s"] = (index_bytes + kv_bytes_msa) / (record["msa_ms"] * 1e-3) / 1e12
@@ -316,14 +321,15 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
     record["best_speedup_vs_dense"] = record["dense_ms"] / best[0]
     record["dense_tb_per_s"] = dense_bytes / (record["dense_ms"] * 1e-3) / 1e12
     # the kernel must agree with the spec on these inputs: compare one sequence's selection sets
-    want = decode.paged_select_blocks(qi[:1], ki, table[:1], torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+    want = decode.paged_select_blocks(qi[:q_len], ki, table[:1], torch.tensor([0, q_len], dtype=torch.int32,
+                                                                              device="cuda"),
                                       [t], block_size=BLOCK, topk=TOPK, local_blocks=LOCAL,
                                       ki_scale=ki_scale) if t <= 131072 else None
     if want is not None:
-        got = select_only()[:, :1]
+        got = select_only()[:, :q_len]
         record["selection_agrees_with_reference"] = bool(torch.equal(got.sort(-1).values, want.sort(-1).values))
-        fused = triton_decode.decode_msa(q, qi, k, v, ki, table, lens, q_len=1, topk=TOPK, local_blocks=LOCAL,
-                                         ki_scale=ki_scale)[2]
+        fused = triton_decode.decode_msa(q, qi, k, v, ki, table, lens, q_len=q_len, topk=TOPK,
+                                         local_blocks=LOCAL, ki_scale=ki_scale)[2]
         record["fused_selection_equals_select"] = bool(torch.equal(fused, select_only()))
     del k, v, ki, kd, vd
 
@@ -395,6 +401,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--T", type=int, nargs="+", default=[131072, 1048576], help="cached tokens")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--q-len", type=int, default=1, help="new queries per sequence (a few: speculative / MTP drafts)")
     p.add_argument("--index", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=[*VARIANTS, "b1", "split"],
                    help="decode_msa knob settings timed beside the default ('b1': the batch-1 sweep B1_SWEEP)")
@@ -418,9 +425,9 @@ def main(argv=None) -> int:
     for t in args.T:
         for batch in args.batch:
             for index in args.index:
-                rec = {"T": t, "batch": batch, "index": index}
+                rec = {"T": t, "batch": batch, "q_len": args.q_len, "index": index}
                 try:
-                    decode_case(t, batch, index, rec, args.variants, args.score_variants)
+                    decode_case(t, batch, index, rec, args.variants, args.score_variants, args.q_len)
                 except Exception as e:  # noqa: BLE001 - report and continue with the next case
                     rec["error"] = f"{type(e).__name__}: {e}"
                     traceback.print_exc()
@@ -446,9 +453,9 @@ def main(argv=None) -> int:
             results["prefill"].append(rec)
             print(json.dumps(rec), flush=True)
 
-    print(f"\n{'decode':<7}{'T':>8}{'B':>3}{'index':>6}{'msa ms':>8}{'4-launch':>9}{'select':>8}{'score':>8}"
+    print(f"\n{'decode':<7}{'T':>8}{'B':>3}{'Q':>2}{'index':>6}{'msa ms':>8}{'4-launch':>9}{'select':>8}{'score':>8}"
           f"{'attn':>7}{'dense':>8}{'x dense':>8}{'floor x':>8}{'score TB/s':>11}  best variant")
-    _print_rows(results["decode"], lambda r: f"{'':<7}{r['T']:>8}{r['batch']:>3}{r['index']:>6}",
+    _print_rows(results["decode"], lambda r: f"{'':<7}{r['T']:>8}{r['batch']:>3}{r.get('q_len', 1):>2}{r['index']:>6}",
                 lambda r: (f"{r['msa_ms']:>8.4f}{r['msa_unfused_ms']:>9.4f}{r['select_ms']:>8.4f}"
                            f"{r['score_ms']:>8.4f}{r['attention_ms']:>7.4f}{r['dense_ms']:>8.4f}"
                            f"{r['speedup_vs_dense']:>8.2f}{r['byte_floor_speedup']:>8.2f}{r['score_tb_per_s']:>11.2f}  "

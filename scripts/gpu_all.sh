@@ -48,6 +48,11 @@ for s in "${stages[@]}"; do
       python3 -m benchmarks.msa_decode --out "$OUT/batch" --T 1048576 131072 --batch 2 4 8 16 --index fp8 \
         --variants scale_fp32 shrink16 shrink32 --score-variants --prefill-T 2>&1 \
         | tee "$OUT/msa_decode_batch.log" | tail -24 ;;
+    decodeq)  # a few new queries per sequence (speculative / MTP drafts), batch 1, with the shrink groups beside
+      for ql in 2 4; do
+        python3 -m benchmarks.msa_decode --out "$OUT/q$ql" --q-len $ql --T 1048576 131072 --batch 1 --index fp8 \
+          --variants shrink16 shrink32 --score-variants --prefill-T 2>&1 | tee "$OUT/msa_decode_q$ql.log" | tail -8
+      done ;;
     decodesplit) python3 -m benchmarks.msa_decode --out "$OUT/split" --T 1048576 131072 --batch 1 32 --index fp8 \
                    --variants split table --score-variants split split_s4 split_seg16 split_seg32 split_seg32_s4 tma \
                    --prefill-T 2>&1 | tee "$OUT/msa_decode_split.log" | tail -24 ;;
