@@ -84,6 +84,7 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     "keep_best": dict(keep_all=False), "shrink8": dict(shrink_groups=8), "shrink16": dict(shrink_groups=16),
     "shrink32": dict(shrink_groups=32),
     "scale_fp32": dict(scale_fp32=True),  # fp8 keys with fp32 scales (the format before session 21)
+    "default_again": {},  # the default timed again after the variants before it: the case's own noise
     **{f"keep_all{sfx}": dict(keep_all=True, **kw) for sfx, kw in (
         ("_seg16", dict(segment_blocks=16)), ("_seg32", dict(segment_blocks=32)), ("_seg64", dict(segment_blocks=64)),
         ("_s4", dict(stages=4)), ("_fold", dict(fold_shrink=True)), ("_seg64_s4", dict(segment_blocks=64, stages=4)))},
@@ -295,10 +296,12 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
     record["variant_selection_mismatch"] = [
         name for name in variants if "scale_fp32" not in VARIANTS[name] and not torch.equal(
             msa_run(**VARIANTS[name])[2], sel)]
-    if fp32_scaled is not None:  # other quantised keys: near-ties may go either way (the same (row, head) sets?)
+    if fp32_scaled is not None:  # other quantised keys: near-ties may go either way
         other = msa_run(scale_fp32=True)[2]
         same = (other.sort(-1).values == sel.sort(-1).values).all(-1)
-        record["scale_fp32_same_block_sets"] = same.float().mean().item()
+        record["scale_fp32_same_block_sets"] = same.float().mean().item()  # whole (row, head) lists
+        shared = (other[..., :, None] == sel[..., None, :]).any(-1) & (other >= 0)
+        record["scale_fp32_shared_blocks"] = shared.sum().item() / max((sel >= 0).sum().item(), 1)
     if ki_scale is not None:  # the previous fp8 path: keys widened to bf16 (a slow fp16 -> bf16 step per key)
         record["score_ms_fp8_as_bf16"] = graph_time_ms(lambda: score_only(fp8_math="query"))
     record["msa_default_segment_blocks"] = triton_decode._default_segment_blocks(nb, batch, q.device)  # keep_all

@@ -42,7 +42,7 @@ for s in "${stages[@]}"; do
                    | tee "$OUT/msa_decode_final.log" | tail -24 ;;
     decodescale)  # fp8 index keys with e8m0 scales (the default since session 21) against fp32 ones, same process
       python3 -m benchmarks.msa_decode --out "$OUT/scale" --T 1048576 131072 --batch 1 32 --index fp8 \
-        --variants scale_fp32 shrink16 --score-variants tma tma_scale_fp32 --prefill-T 2>&1 \
+        --variants scale_fp32 shrink16 default_again --score-variants tma tma_scale_fp32 --prefill-T 2>&1 \
         | tee "$OUT/msa_decode_scale.log" | tail -24 ;;
     decodebatch)  # the batch sizes between the benchmark's 1 and 32, with the shrink-group settings beside
       python3 -m benchmarks.msa_decode --out "$OUT/batch" --T 1048576 131072 --batch 2 4 8 16 --index fp8 \
@@ -236,7 +236,10 @@ done
 echo "=== done ($(date -u +%T)) ==="
 # The device tool returns few files (a count limit over all of $OUT: several invocations with OUT=$OUT/sub each
 # add theirs, and session 9 lost a stage's JSON and log to it): every result and log of this invocation goes back
-# in one archive, results.tgz (extract with `tar xzf`).
-(cd "$OUT" && find . -type f ! -name 'results.tgz' > /tmp/out_list && [ -s /tmp/out_list ] \
+# in one archive, results.tgz (extract with `tar xzf`). An archive an earlier invocation of the same command left
+# is unpacked first, so that several invocations in one call return all their files (until session 21 each
+# archive replaced the last, which is how sessions 20 and 21 lost a tail JSON and the GPU test logs).
+(cd "$OUT" && { [ ! -f results.tgz ] || { tar xzf results.tgz && rm -f results.tgz; }; } \
+  && find . -type f ! -name 'results.tgz' > /tmp/out_list && [ -s /tmp/out_list ] \
   && tar czf /tmp/results.tgz -T /tmp/out_list && xargs rm -f < /tmp/out_list && find . -type d -empty -delete \
   && mv /tmp/results.tgz .)
