@@ -100,7 +100,7 @@ def _score_ladder_kernel(X, S, Qi, OUT, TABLE, CAND, n_blocks, SEG: tl.constexpr
             else:
                 s = tl.dot(q, tl.trans(ki))
                 if LEVEL >= 3:
-                    s = s * _token_scales(S, page * ROWS + cols)[None, :]
+                    s = s * _token_scales(S, page * ROWS, ROWS)[None, :]
                 if LEVEL >= 4:
                     best = tl.max(s, axis=1)
                     scores = tl.where(seg_cols[None, :] == jj, best[:, None], scores)

@@ -376,11 +376,19 @@ for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", 
         kp = seg if keep_all else min(seg, 15)
         # fp8 keys' per-token scales: e8m0 bytes (the cache's), fp32 at the 2-block segments (also accepted)
         ks = {"ks_ptr": "*fp32"} if seg == 2 else {}
-        k = compile_(td._score_segment_kernel, {"qi_ptr": f"*{dt}", "ki_ptr": ki, **score, **ks},
-                     dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=kp, LOCAL=1, FP8=fp8,
-                          HALF=fp8 and dt == "bf16", PRECISION=prec, STAGES=stages, HOIST=loads == "hoist",
-                          TMA=loads == "tma", FOLD_SEGS=fold, FOLD_P2=triton.next_power_of_2(fold * kp) if fold else 1,
-                          FOLD_ROWS=4 if fold else 1, KEEP=15, KEEP_P2=16, PDL=pdl, SPLIT=False), stages=stages)
+        consts = dict(Q=1, HI=4, DI=128, BS=128, BLOCK_M=16, SEG=seg, KP=kp, LOCAL=1, FP8=fp8,
+                      HALF=fp8 and dt == "bf16", PRECISION=prec, STAGES=stages, HOIST=loads == "hoist",
+                      TMA=loads == "tma", FOLD_SEGS=fold, FOLD_P2=triton.next_power_of_2(fold * kp) if fold else 1,
+                      FOLD_ROWS=4 if fold else 1, KEEP=15, KEEP_P2=16, PDL=pdl, SPLIT=False)
+        k = compile_(td._score_segment_kernel, {"qi_ptr": f"*{dt}", "ki_ptr": ki, **score, **ks}, consts,
+                     stages=stages)
+        if fp8 and ks == {} and loads != "table" and not fold:  # the e8m0 bytes load as words the pipeliner copies asynchronously, as
+            # fp32 scales do (a 1-byte load per thread is not a cp.async: it waited in every iteration, +0.75 us
+            # of a 6 us scoring kernel at 128K tokens, batch 1, session 21)
+            f32 = compile_(td._score_segment_kernel, {"qi_ptr": f"*{dt}", "ki_ptr": ki, **score, "ks_ptr": "*fp32"},
+                           consts, stages=stages)
+            n_async = k.asm["ttgir"].count("async_copy_global_to_local")
+            assert n_async == f32.asm["ttgir"].count("async_copy_global_to_local") > 0, (loads, seg, n_async)
         if loads == "hoist":  # the point of hoisting the page ids: stages - 1 key tiles buffered, not one
             buffers = re.findall(r"local_alloc.*memdesc<(\d+)x128x128xi8", k.asm["ttgir"]) if fp8 else None
             assert buffers is None or buffers == [str(stages - 1)], buffers
@@ -468,3 +476,21 @@ def test_default_shrink_groups():
     sizes = {(4, 8192): 32, (4, 16384): 32, (128, 8192): 16, (4, 1024): 16, (16, 8192): 16, (8, 8192): 32}
     for (rows, n_cand), want in sizes.items():
         assert td._default_shrink_groups(rows, n_cand, cpu) == want, (rows, n_cand)
+
+
+def test_triton_decode_e8m0_scales_need_word_loads():
+    """e8m0 scales load as int32 words: the same selection as the same scales in fp32, and a tensor that is not
+    4-byte aligned is refused up front."""
+    td = _triton()
+    ki = torch.randn(3 * 16, 16)
+    q8, scale = decode.quantize_index_keys(ki)
+    table, lens, qi = torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([48], dtype=torch.int32), ki[:1, None]
+    common = dict(q_len=1, block_size=16, topk=2, local_blocks=1)
+    got = td.decode_select_blocks(qi, q8.view(3, 16, 16), table, lens, ki_scale=scale.view(3, 16), **common)
+    want = td.decode_select_blocks(qi, q8.view(3, 16, 16), table, lens,
+                                   ki_scale=decode.index_key_scales(scale).view(3, 16), **common)
+    assert torch.equal(got, want)
+    odd = torch.empty(3 * 16 + 1, dtype=torch.uint8)[1:].view(3, 16)
+    odd.copy_(scale.view(3, 16))
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        td.decode_select_blocks(qi, q8.view(3, 16, 16), table, lens, ki_scale=odd, **common)
