@@ -469,11 +469,12 @@ def test_default_segments_cap_the_candidates_per_row():
 
 
 def test_default_shrink_groups():
-    """32 shrink groups only where 16 would leave most SMs idle and each group keeps >= 256 keys (1M tokens at
-    batch 1: 4 rows of 8,192 candidates); 16 at batch 32 and for 128K-token rows (1,024 candidates)."""
+    """32 shrink groups where each group keeps >= 256 keys and the shrink runs at most ~8 programs per SM (1M
+    tokens at batch 1-16: 4-64 rows of 8,192 candidates); 16 at batch 32 and for 128K-token rows (1,024)."""
     td = _triton()
     cpu = torch.device("cpu")  # 132 SMs assumed off-GPU, as on an H200
-    sizes = {(4, 8192): 32, (4, 16384): 32, (128, 8192): 16, (4, 1024): 16, (16, 8192): 16, (8, 8192): 32}
+    sizes = {(4, 8192): 32, (4, 16384): 32, (128, 8192): 16, (4, 1024): 16, (16, 8192): 32, (64, 8192): 32,
+             (72, 8192): 16, (8, 4096): 16}
     for (rows, n_cand), want in sizes.items():
         assert td._default_shrink_groups(rows, n_cand, cpu) == want, (rows, n_cand)
 

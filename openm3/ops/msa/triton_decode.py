@@ -593,13 +593,14 @@ def _shrink_group(n_cand: int, keep: int, groups: int = 16) -> int:
 
 
 def _default_shrink_groups(rows: int, n_cand: int, device: torch.device) -> int:
-    """Shrink groups per candidate row: 16, or 32 when 16 would leave most SMs idle (rows x 16 programs below
-    the SM count) and each of 32 groups still holds >= 256 keys. Measured on an H200 (session 20, fp8 keys, us
-    per step, 32 groups against 16 in the same process): 1M batch 1 45.02 vs 46.05 and 45.25 vs 45.77 (kernel
-    timeline: the shrink ends 1.6 us earlier, the attention's merge of 480 keys instead of 240 takes ~0.6 back);
-    bf16 keys 73.06 vs 73.48. With 32 groups 128K batch 1 read 13.48 vs 12.68 and 128K batch 32 193.7 vs 189.6
-    (rows of 1,024 keys), 1M batch 32 1048.9 vs 1045.3: those keep 16."""
-    return 32 if rows * 16 < _sm_count(device) and n_cand >= 32 * 256 else 16
+    """Shrink groups per candidate row: 32 when each of 32 groups still holds >= 256 keys and the shrink's
+    rows x 16 programs would be at most ~8 per SM, else 16. Measured on an H200 (fp8 keys, us per step, 32 groups
+    against 16 in the same process): session 20, 1M batch 1 45.02 vs 46.05 and 45.25 vs 45.77 (kernel timeline: the
+    shrink ends 1.6 us earlier, the attention's merge of 480 keys instead of 240 takes ~0.6 back), bf16 keys 73.06
+    vs 73.48; session 21, 1M batch 4 / 8 / 16 145.96 / 283.41 / 545.38 vs 147.00 / 289.03 / 550.00, 4 queries per
+    sequence at 1M batch 1 51.86 vs 52.54. With 32 groups 128K batch 1 read 13.48 vs 12.68 and 128K batch 32 193.7
+    vs 189.6 (rows of 1,024 keys), 1M batch 32 (128 rows) 1048.9 vs 1045.3: those keep 16."""
+    return 32 if rows * 16 <= 8 * _sm_count(device) and n_cand >= 32 * 256 else 16
 
 
 def _shrink_candidates(cand: torch.Tensor, n_cand: int, keep: int, *, direct_max: int,
@@ -690,8 +691,8 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
     40 us scoring kernel at 1M tokens, batch 1), leaving more candidates for the shrink. Measured on an H200
     (session 17, fp8 index keys, us per decode step, against keep_all=False): 1M batch 1 46.8 vs 49.1, 128K
     batch 32 191.3 vs 204.2, 1M batch 32 and 128K batch 1 equal. shrink_groups: how many groups of a long
-    candidate row the shrink launch reduces separately, each to its best `topk - local_blocks` (None: 32 for a
-    few long rows, as at 1M tokens batch 1, else 16, `_default_shrink_groups`; fold_shrink sizes its own
+    candidate row the shrink launch reduces separately, each to its best `topk - local_blocks` (None: 32 for up to
+    ~64 long rows, as at 1M tokens batch 1-16, else 16, `_default_shrink_groups`; fold_shrink sizes its own
     groups).
     """
     cand, n_cand = _select_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
