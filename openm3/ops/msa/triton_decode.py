@@ -86,9 +86,10 @@ def _sort_key(score, blk):
 @triton.jit
 def _token_scales(ks_ptr, first, BS: tl.constexpr):
     """fp32 scales [BS] of tokens first .. first + BS - 1, stored as fp32 or as uint8 e8m0 exponents (2^(e - 127),
-    e in [1, 254]). The bytes are loaded as int32 words (first is a multiple of BS, a power of two >= 16) and unpacked: a 1-byte load
-    per thread is not one the pipeliner can issue asynchronously (cp.async copies 4, 8 or 16 bytes), so the scale
-    load would wait in every loop iteration (sm_90 compile: no async copy; 128K batch-1 scoring 5.6 -> 6.3 us)."""
+    e in [1, 254]). The bytes load as int32 words (first is a multiple of BS, a power of two >= 16) unpacked in
+    registers: a 1-byte load per thread is no load the pipeliner can issue asynchronously (cp.async copies 4, 8 or
+    16 bytes), so it waited in every loop iteration (sm_90 compile: no async copy; session 21 on the H200: the
+    128K batch-1 step 13.6 us against 12.6 with fp32 scales; with the words 12.5 against 12.7)."""
     if ks_ptr.dtype.element_ty == tl.uint8:
         words = tl.load((ks_ptr + first).to(tl.pointer_type(tl.int32)) + tl.arange(0, BS // 4))
         e = (words[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF  # little-endian: byte j of word i = token 4i+j
