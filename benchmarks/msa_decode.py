@@ -235,7 +235,7 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
     ki = torch.empty(pages, BLOCK, DI, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
     ki_scale, fp32_scaled = None, None
     if index == "fp8":  # e8m0 scales (the cache's format) and, for the `scale_fp32` variants, fp32 ones
-        ki8, ki_scale = _quantised(ki, torch.uint8)
+        ki8, ki_scale = _quantised(ki, decode.SCALE_E8M0)
         fp32_scaled = _quantised(ki, torch.float32)
         ki = ki8
     table = torch.arange(pages, device="cuda", dtype=torch.int32).view(batch, nb)
@@ -331,8 +331,7 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
     if want is not None:
         got = select_only()[:, :q_len]
         record["selection_agrees_with_reference"] = bool(torch.equal(got.sort(-1).values, want.sort(-1).values))
-        fused = triton_decode.decode_msa(q, qi, k, v, ki, table, lens, q_len=q_len, topk=TOPK,
-                                         local_blocks=LOCAL, ki_scale=ki_scale)[2]
+        fused = msa_run()[2]
         record["fused_selection_equals_select"] = bool(torch.equal(fused, select_only()))
     del k, v, ki, kd, vd
 

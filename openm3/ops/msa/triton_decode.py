@@ -63,7 +63,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .decode import FP8_DTYPE, SCALE_DTYPES
+from .decode import FP8_DTYPE, SCALE_DTYPES, SCALE_E8M0
 from .triton_common import interpreting
 
 _NEG_INF = tl.constexpr(float("-inf"))  # globals read by kernels must be constexpr
@@ -538,7 +538,7 @@ def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size,
                          f"{tuple(ki_pages.shape[:2])}, got {ki_scale.dtype} {tuple(ki_scale.shape)}")
     if not ki_pages.is_contiguous() or (fp8 and not ki_scale.is_contiguous()):
         raise ValueError("ki_pages (and ki_scale) must be contiguous")
-    if fp8 and ki_scale.dtype == torch.uint8 and ki_scale.data_ptr() % 4:  # (block_size is a power of two >= 16)
+    if fp8 and ki_scale.dtype == SCALE_E8M0 and ki_scale.data_ptr() % 4:  # (block_size is a power of two >= 16)
         raise ValueError("e8m0 (uint8) ki_scale must be 4-byte aligned: its bytes load as int32 words")
     if not 1 <= local_blocks <= topk:
         raise ValueError(f"local_blocks must be in [1, topk={topk}], got {local_blocks}")
