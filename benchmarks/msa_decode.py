@@ -61,6 +61,8 @@ SCORE_VARIANTS = {  # name -> _score_candidates keyword arguments, timed as scor
     "hoist": dict(score_loads="hoist"), "hoist_s4": dict(score_loads="hoist", stages=4),
     "hoist_seg16_s4": dict(score_loads="hoist", stages=4, segment_blocks=16),
     "tma": dict(score_loads="tma"), "tma_s4": dict(score_loads="tma", stages=4),
+    "tma_seg32": dict(score_loads="tma", segment_blocks=32),
+    "tma_seg32_s4": dict(score_loads="tma", segment_blocks=32, stages=4),
     "tma_keep_best": dict(score_loads="tma", keep_all=False),
     # fp8 keys quantised with fp32 per-token scales (the cache's format before session 21; now 1-byte e8m0)
     "tma_scale_fp32": dict(score_loads="tma", scale_fp32=True),
@@ -75,7 +77,7 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     "rounds": dict(merge_sort=False), "fuse_merge": dict(fuse_merge=True), "merge_kernel": dict(fuse_merge=False),
     "fused_combine": dict(fuse_combine=True), "noshrink": dict(merge_direct_max=1 << 30),
     "shrink256": dict(merge_direct_max=256), "slots2": dict(slots_per_split=2),
-    **{f"seg{n}": dict(segment_blocks=n) for n in (2, 4, 8, 16, 32, 64)},
+    **{f"seg{n}": dict(segment_blocks=n) for n in (2, 4, 8, 16, 32, 64)}, "seg32_s4": dict(segment_blocks=32, stages=4),
     "warps8": dict(num_warps=8), "stages2": dict(stages=2), "attn_warps8": dict(attention_warps=8),
     "attn_warps2": dict(attention_warps=2),
     # every block's key out of the scoring kernel (no per-segment top-k rounds): more candidates for the shrink

@@ -4,7 +4,7 @@
     python -m benchmarks.msa_floors --parts stream --decode-T 1048576    # one part
     python -m benchmarks.msa_floors --parts tail --compare benchmarks._decode_head   # A/B against a copy
 
-Four parts, each timed in the same process as the openm3 kernel it bounds (M3 shape, bf16, one layer):
+Five parts, each timed in the same process as the openm3 kernel it bounds (M3 shape, bf16, one layer):
 
   stream   decode (issue 4): a kernel that only streams the 1M-token fp8 index-key cache (every byte loaded once,
            an integer max so nothing is dead code) with 1-8 programs per SM, CUDA-graph timed like
@@ -16,6 +16,9 @@ Four parts, each timed in the same process as the openm3 kernel it bounds (M3 sh
   overlap  prefill: the queries in chunks, the selection of chunk c + 1 on a second (high-priority) stream while
            the forward of chunk c runs: the selection is tensor-core bound (~670 TFLOP/s at 128K), the forward
            bound by the K/V gather, so the two may share the GPU. Against select + forward in sequence.
+  bandwidth decode: how fast anything reads the same bytes: cuDNN dense decode over a KV cache of that size (and a
+           fit of its fixed cost and rate over 1-16x it), torch's reduction and copy, Triton streams of several
+           shapes, and the decode scoring kernel over a grid of its launch knobs.
   tail     decode: the kernel timeline of a 1M-token batch-1 fp8 step inside a CUDA graph (what runs after the
            scoring, and when), for a few knob settings and optionally another version of the module, and the
            latency of the top-k reductions the shrink and merge use.
@@ -60,6 +63,34 @@ def _stream_kernel(X, OUT, n_tiles, ROWS: tl.constexpr, COLS: tl.constexpr, STAG
 
 
 @triton.jit
+def _stream_contig_kernel(X, OUT, n_tiles, ROWS: tl.constexpr, COLS: tl.constexpr, STAGES: tl.constexpr):
+    """As `_stream_kernel`, but each program walks one contiguous run of tiles (the scoring kernel's order)."""
+    pid = tl.program_id(0)
+    per = tl.cdiv(n_tiles, tl.num_programs(0))
+    acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
+    for t in tl.range(pid * per, tl.minimum(pid * per + per, n_tiles), num_stages=STAGES):
+        acc = tl.maximum(acc, X.load([t * ROWS, 0]).to(tl.int32))
+    tl.store(OUT + pid, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _stream_ptr_kernel(X, OUT, n_tiles, ROWS: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr,
+                       EVICT_FIRST: tl.constexpr):
+    """Grid-stride walk over [n_tiles * ROWS, WORDS] int32 with plain (vectorised, cp.async-pipelined) loads,
+    optionally marked evict-first in L2: the max word -> OUT[pid]."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, ROWS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    acc = tl.zeros([ROWS, WORDS], dtype=tl.int32)
+    for t in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=STAGES):
+        if EVICT_FIRST:
+            x = tl.load(X + t * (ROWS * WORDS) + offs, eviction_policy="evict_first")
+        else:
+            x = tl.load(X + t * (ROWS * WORDS) + offs)
+        acc = tl.maximum(acc, x)
+    tl.store(OUT + pid, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
 def _score_ladder_kernel(X, S, Qi, OUT, TABLE, CAND, n_blocks, SEG: tl.constexpr, ROWS: tl.constexpr,
                          DI_: tl.constexpr, BLOCK_M: tl.constexpr, LEVEL: tl.constexpr, STAGES: tl.constexpr,
                          LOOKUP: tl.constexpr, KP: tl.constexpr):
@@ -73,7 +104,6 @@ def _score_ladder_kernel(X, S, Qi, OUT, TABLE, CAND, n_blocks, SEG: tl.constexpr
     seg = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, DI_)
-    cols = tl.arange(0, ROWS)
     seg_cols = tl.arange(0, SEG)
     q = tl.load(Qi + rows[:, None] * DI_ + dims[None, :]).to(tl.float16)
     acc_b = tl.zeros([ROWS, DI_], dtype=tl.int32)
@@ -194,11 +224,11 @@ def _descriptor(x: torch.Tensor, block_shape):
     return TensorDescriptor(x, shape=list(x.shape), strides=list(x.stride()), block_shape=list(block_shape))
 
 
-def _decode_cache(t: int):
+def _decode_cache(t: int, fp32_scales: bool = True):
     """One sequence of t cached tokens at M3's shape, batch 1: (nb blocks, generator, fp8 index keys and their
     e8m0 scales, K and V pages, the identity block table, lengths, the query, the index query, and the same keys
     quantised with fp32 scales as a pair (keys, scales): the format before session 21, which the decode module of
-    an earlier session (`--compare`) needs)."""
+    an earlier session (`--compare`) needs; None without fp32_scales)."""
     from openm3.ops.msa import decode
 
     nb = t // BLOCK
@@ -206,8 +236,10 @@ def _decode_cache(t: int):
     ki = torch.empty(nb, BLOCK, DI, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
     flat, scale = decode.quantize_index_keys(ki.view(-1, DI))
     ki8, ki_scale = flat.view(nb, BLOCK, DI), scale.view(nb, BLOCK)
-    flat, scale = decode.quantize_index_keys(ki.view(-1, DI), torch.float32)
-    fp32_scaled = (flat.view(nb, BLOCK, DI), scale.view(nb, BLOCK))
+    fp32_scaled = None
+    if fp32_scales:
+        flat, scale = decode.quantize_index_keys(ki.view(-1, DI), torch.float32)
+        fp32_scaled = (flat.view(nb, BLOCK, DI), scale.view(nb, BLOCK))
     del ki, flat
     k = torch.empty(nb, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
     v = torch.empty_like(k).normal_(generator=gen)
@@ -295,6 +327,100 @@ def stream_part(t: int, programs_per_sm=(1, 2, 8), stages=(3, 4), compare: str |
           f"{rec['dense_ms'] * 1e3:.1f} us ({rec['speedup_vs_dense']:.2f}x); 12x budget "
           f"{rec['budget_12x_ms'] * 1e3:.1f} us, of which streaming the keys alone takes {best * 1e3:.1f} us",
           flush=True)
+    return rec
+
+
+def bandwidth_part(t: int) -> dict:
+    """How fast anything on this GPU reads the fp8 index-key cache's bytes (issue 4: is the ~33 us stream floor
+    at 1M the chip's, or that of one kernel shape?): cuDNN dense decode over a KV cache of the same size (t / 16
+    tokens) and of 2-16x that (its fixed cost and its rate, by a straight-line fit), torch's own reduction and
+    copy of the key bytes, Triton streams of several shapes (TMA boxes of 128 / 256 rows, contiguous runs,
+    plain loads with and without evict-first, 4 / 8 warps, 1-4 programs per SM), and the real scoring kernel
+    over a grid of its launch knobs (segment, stages, warps)."""
+    from benchmarks.msa_decode import dense_sdpa, graph_time_ms, sdpa_backend
+    from openm3.ops.msa import triton_decode
+
+    nb, gen, ki8, ki_scale, k, v, table, lens, q, qi, _ = _decode_cache(t, fp32_scales=False)
+    key_bytes = ki8.numel()
+    rec: dict = {"T": t, "fp8_key_bytes": key_bytes}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def show(name, ms, nbytes=key_bytes):
+        rec[f"{name}_ms"] = ms
+        print(f"    {name}: {ms * 1e3:.2f} us ({nbytes / ms / 1e9:.2f} TB/s)", flush=True)
+
+    qd = q.view(1, HQ, 1, D)
+    fit = []
+    for div in (16, 8, 4, 2, 1):  # dense decode over t / div tokens: t / 16 holds the key cache's bytes
+        n = t // div
+        kd, vd = (x.view(1, t, HKV, D)[:, :n].transpose(1, 2) for x in (k, v))
+        backend = sdpa_backend(qd, kd, vd)
+        ms = graph_time_ms(lambda: dense_sdpa(qd, kd, vd, backend))
+        nbytes = 2 * n * HKV * D * 2
+        show(f"dense_T{n}", ms, nbytes)
+        fit.append((nbytes, ms))
+    xs, ys = zip(*fit)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in fit) / sum((x - mx) ** 2 for x in xs)
+    rec["dense_fit_fixed_us"] = (my - slope * mx) * 1e3
+    rec["dense_fit_tb_per_s"] = 1 / slope / 1e9
+    print(f"    dense decode fit: {rec['dense_fit_fixed_us']:.2f} us + bytes at {rec['dense_fit_tb_per_s']:.2f} TB/s",
+          flush=True)
+
+    words = ki8.view(torch.int32).view(-1)
+    show("torch_amax_int32", graph_time_ms(lambda: words.amax()))
+    copy = torch.empty_like(words)
+    show("torch_copy", graph_time_ms(lambda: copy.copy_(words)), 2 * key_bytes)
+
+    out = torch.empty(8 * sms, dtype=torch.int32, device="cuda")
+    flat = ki8.view(torch.uint8).view(-1, DI)
+    for rows in (128, 256):
+        desc = _descriptor(flat, [rows, DI])
+        n_tiles = flat.shape[0] // rows
+        for kernel, tag in ((_stream_kernel, "stride"), (_stream_contig_kernel, "contig")):
+            for warps in (4, 8):
+                for per_sm in (1, 2, 3, 4):
+                    for st in (2, 3, 4):
+                        if rows == 256 and st == 4:
+                            continue  # 3 x 32 KiB boxes already fill a program's shared memory
+                        grid = (min(per_sm * sms, n_tiles),)
+                        try:
+                            ms = graph_time_ms(lambda: kernel[grid](desc, out, n_tiles, ROWS=rows, COLS=DI, STAGES=st,
+                                                                    num_warps=warps))
+                        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: recorded, not fatal
+                            rec[f"tma_{tag}_r{rows}_w{warps}_p{per_sm}_s{st}_error"] = str(e)[:160]
+                            continue
+                        show(f"tma_{tag}_r{rows}_w{warps}_p{per_sm}_s{st}", ms)
+    for evict in (False, True):
+        for warps in (4, 8):
+            for per_sm in (2, 4):
+                for st in (3, 4):
+                    n_tiles = words.numel() // (64 * 32)
+                    grid = (min(per_sm * sms, n_tiles),)
+                    ms = graph_time_ms(lambda: _stream_ptr_kernel[grid](words, out, n_tiles, ROWS=64, WORDS=32,
+                                                                        STAGES=st, EVICT_FIRST=evict,
+                                                                        num_warps=warps))
+                    show(f"ptr{'_evict' if evict else ''}_w{warps}_p{per_sm}_s{st}", ms)
+
+    for loads in ("tma", "hoist"):
+        for seg in (8, 16, 32):
+            for st in (2, 3, 4):
+                for warps in (4, 8):
+                    if loads == "hoist" and (seg != 16 or warps != 4):
+                        continue
+                    try:
+                        ms = graph_time_ms(lambda: triton_decode._score_candidates(
+                            qi, ki8, table, lens, q_len=1, block_size=BLOCK, topk=TOPK, local_blocks=LOCAL,
+                            ki_scale=ki_scale, segment_blocks=seg, stages=st, num_warps=warps, fp8_math="fp16",
+                            score_loads=loads, pdl=True))
+                    except Exception as e:  # noqa: BLE001
+                        rec[f"score_{loads}_seg{seg}_s{st}_w{warps}_error"] = str(e)[:160]
+                        continue
+                    show(f"score_{loads}_seg{seg}_s{st}_w{warps}", ms, key_bytes + ki_scale.numel())
+    best = min((ms, name) for name, ms in rec.items()
+               if name.endswith("_ms") and not name.startswith(("dense", "torch")))
+    rec["best_stream_or_score"] = best[1]
+    print(f"    fastest Triton read of the keys: {best[1]} {best[0] * 1e3:.2f} us", flush=True)
     return rec
 
 
@@ -508,7 +634,7 @@ def overlap_part(x: dict, chunk_counts=(1, 2, 4, 8)) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["stream", "gather", "overlap"],
-                   choices=["stream", "gather", "overlap", "tail"])
+                   choices=["stream", "gather", "overlap", "tail", "bandwidth"])
     p.add_argument("--decode-T", type=int, default=1 << 20, help="cached tokens of the stream part")
     p.add_argument("--prefill-T", type=int, default=1 << 17, help="tokens of the gather and overlap parts")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -526,6 +652,10 @@ def main(argv=None) -> int:
     if "stream" in args.parts:
         print(f"== stream floor, decode at {args.decode_T} tokens ==", flush=True)
         result["stream"] = stream_part(args.decode_T, compare=args.compare)
+        torch.cuda.empty_cache()
+    if "bandwidth" in args.parts:
+        print(f"== read bandwidth of the fp8 key cache's bytes at {args.decode_T} tokens ==", flush=True)
+        result["bandwidth"] = bandwidth_part(args.decode_T)
         torch.cuda.empty_cache()
     if "tail" in args.parts:
         print(f"== decode tail (after the scoring) at {args.decode_T} tokens ==", flush=True)

@@ -21,6 +21,8 @@ for s in "${stages[@]}"; do
     kernels:*) python3 -m benchmarks.msa_kernels --out "$OUT" --T ${s#kernels:} 2>&1 | tee "$OUT/msa_kernels.log" | tail -60 ;;
     floors)  # the measured floors of the missed targets (decode key streaming, forward gather) and the overlapped prefill
       python3 -m benchmarks.msa_floors --out "$OUT" 2>&1 | tee "$OUT/msa_floors.log" | tail -40 ;;
+    bandwidth)  # how fast anything reads the 1M fp8 key cache's bytes: dense at equal bytes, torch, Triton streams, scoring knobs
+      python3 -m benchmarks.msa_floors --parts bandwidth --out "$OUT" 2>&1 | tee "$OUT/msa_floors_bandwidth.log" | tail -30 ;;
     tail)  # the 1M batch-1 decode step's kernel timeline for a few knobs (COMPARE=module: another version beside it)
       python3 -m benchmarks.msa_floors --parts tail --out "$OUT" ${COMPARE:+--compare "$COMPARE"} 2>&1 \
         | tee "$OUT/msa_floors_tail.log" | tail -12 ;;
@@ -44,6 +46,10 @@ for s in "${stages[@]}"; do
       python3 -m benchmarks.msa_decode --out "$OUT/scale" --T 1048576 131072 --batch 1 32 --index fp8 \
         --variants scale_fp32 shrink16 default_again --score-variants tma tma_scale_fp32 --prefill-T 2>&1 \
         | tee "$OUT/msa_decode_scale.log" | tail -24 ;;
+    decodeknobs)  # the scoring kernel's segment and stages (session 22's bandwidth sweep), step and kernel, same process
+      python3 -m benchmarks.msa_decode --out "$OUT/knobs" --T 1048576 131072 --batch 1 32 --index fp8 \
+        --variants seg32 keep_all_s4 seg32_s4 default_again --score-variants tma tma_s4 tma_seg32 tma_seg32_s4 \
+        --prefill-T 2>&1 | tee "$OUT/msa_decode_knobs.log" | tail -24 ;;
     decodebatch)  # the batch sizes between the benchmark's 1 and 32, with the shrink-group settings beside
       python3 -m benchmarks.msa_decode --out "$OUT/batch" --T 1048576 131072 --batch 2 4 8 16 --index fp8 \
         --variants scale_fp32 shrink16 shrink32 --score-variants --prefill-T 2>&1 \
@@ -104,6 +110,11 @@ for s in "${stages[@]}"; do
       OPENM3_KL_LAUNCH="${KL_AB:-unroll_heads=0,maxnreg=128}" python3 -m benchmarks.train_throughput \
         --out "$OUT/mfu_kl_ab" --only mfu --steps 3 --warmup 2 2>&1 | tee "$OUT/train_mfu_kl_ab.log" | tail -2 \
         | cut -c1-400 ;;
+    ab64kl)  # the 64K MSA step (checkpointed) with the KL in the attention's backward (A) against in the forward (B), then dense
+      python3 -m benchmarks.train_throughput --out "$OUT/ab64kl" --only msa --steps 6 --ab 'cfg.kl_in_backward=0' 2>&1 \
+        | tee "$OUT/ab64kl.log" | grep -E "context|tokens_per_s|step_s|Error" | cut -c1-400
+      python3 -m benchmarks.train_throughput --out "$OUT/dense64" --only dense 2>&1 | tee "$OUT/dense64.log" \
+        | grep -E "context|tokens_per_s|Error" | cut -c1-300 ;;
     train64)  # the 64K MSA vs dense cases of train_throughput only
       python3 -m benchmarks.train_throughput --out "$OUT/train64" --only msa,dense 2>&1 | tee "$OUT/train64.log" \
         | grep -E "context|tokens_per_s" | cut -c1-300 ;;

@@ -382,10 +382,11 @@ for dt, prec, fp8 in (("bf16", "tf32", False), ("bf16", "tf32", True), ("fp32", 
                       FOLD_ROWS=4 if fold else 1, KEEP=15, KEEP_P2=16, PDL=pdl, SPLIT=False)
         k = compile_(td._score_segment_kernel, {"qi_ptr": f"*{dt}", "ki_ptr": ki, **score, **ks}, consts,
                      stages=stages)
-        if fp8 and ks == {} and loads != "table" and not fold:
+        if fp8 and loads == "tma" and keep_all and not fold:
             # the e8m0 bytes load as words the pipeliner copies asynchronously, as fp32 scales do (a 1-byte load per
             # thread is not a cp.async: it waited in every iteration; the 128K batch-1 step read 13.6 us against
-            # 12.6 with fp32 scales, session 21)
+            # 12.6 with fp32 scales, session 21). One twin, the GPU default's: the scale load is the same code
+            # (`_token_scales`) whatever the key loads.
             f32 = compile_(td._score_segment_kernel, {"qi_ptr": f"*{dt}", "ki_ptr": ki, **score, "ks_ptr": "*fp32"},
                            consts, stages=stages)
             n_async = k.asm["ttgir"].count("async_copy_global_to_local")
