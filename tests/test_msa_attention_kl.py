@@ -159,28 +159,71 @@ def _model_step(model, ids, cu_q, defer: bool):
     return kl, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, before
 
 
-def test_layers_run_the_kl_in_the_backward_inside_kl_in_backward():
-    """m3-tiny on the Triton kernels: inside `kl_in_backward` every MSA layer hands its KL value over, filled by
-    the backward; the mean and every gradient equal a run without it."""
+def _tiny_case():
+    """m3-tiny (2 blocks per query) on DEVICE, two packed sequences: (model, ids, cu_seqlens, MSA layers)."""
     cfg = M3TextConfig.from_name("m3-tiny", vocab_size=128, index_topk_blocks=2)
-    n_msa = sum(t == "minimax_m3_sparse" for t in cfg.layer_types)
     torch.manual_seed(0)
     model = M3TextModel(cfg).train().to(DEVICE)
     ids = torch.randint(0, 128, (75,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    cu_q = cu([40, 35])
-    with msa.use_backend("triton"):
-        kl0, g0, _ = _model_step(model, ids, cu_q, defer=False)
-        kl1, g1, before = _model_step(model, ids, cu_q, defer=True)
-    assert before == [0.0] * n_msa and n_msa > 0 and kl0.item() > 0  # deferred: written by the backward
+    return model, ids, cu([40, 35]), sum(t == "minimax_m3_sparse" for t in cfg.layer_types)
+
+
+def _assert_same(kl1, g1, kl0, g0):
     assert rel_err(kl1, kl0) < 1e-5
     assert g0.keys() == g1.keys()
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_trainer_switch_keeps_the_logged_kl(tmp_path):
-    """`TrainConfig.kl_in_backward` on the Triton kernels: the same loss, KL and gradient norm with and without;
-    the CLI's `--no-kl-in-backward`."""
+def test_layers_run_the_kl_in_the_backward_inside_kl_in_backward():
+    """m3-tiny on the Triton kernels: inside `kl_in_backward` every MSA layer hands its KL value over, filled by
+    the backward; the mean and every gradient equal a run without it."""
+    model, ids, cu_q, n_msa = _tiny_case()
+    with msa.use_backend("triton"):
+        kl0, g0, _ = _model_step(model, ids, cu_q, defer=False)
+        kl1, g1, before = _model_step(model, ids, cu_q, defer=True)
+    assert before == [0.0] * n_msa and n_msa > 0 and kl0.item() > 0  # deferred: written by the backward
+    _assert_same(kl1, g1, kl0, g0)
+
+
+def test_checkpointed_layers_run_the_kl_in_the_backward(monkeypatch):
+    """With activation checkpointing (the model's, through `recompute.reuse_contexts`) inside `kl_in_backward`:
+    the recomputation replays the forward's choice, so no layer runs `indexer_kl` (the teacher comes from dk/dv),
+    each selects once, the values are written by the backward into the forward's KL outputs, and the KL and
+    every gradient equal a run without checkpointing and without the deferral."""
+    model, ids, cu_q, n_msa = _tiny_case()
+    calls = {"select": 0, "kl": 0}
+    select, kl_fn = msa.select_blocks, msa.indexer_kl
+
+    def counted(name, fn):
+        def run(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return run
+
+    monkeypatch.setattr(msa, "select_blocks", counted("select", select))
+    monkeypatch.setattr(msa, "indexer_kl", counted("kl", kl_fn))
+    with msa.use_backend("triton"):
+        kl0, g0, _ = _model_step(model, ids, cu_q, defer=False)
+        assert calls == {"select": n_msa, "kl": n_msa}
+        calls.update(select=0, kl=0)
+        model.gradient_checkpointing = True
+        kl1, g1, before = _model_step(model, ids, cu_q, defer=True)
+    assert calls == {"select": n_msa, "kl": 0}, calls
+    assert before == [0.0] * n_msa and kl0.item() > 0
+    _assert_same(kl1, g1, kl0, g0)
+    # the reference backend computes the KL in the forward: checkpointed, it keeps `_kl_once` (one KL per layer)
+    calls.update(select=0, kl=0)
+    with msa.use_backend("reference"):
+        kl2, g2, before = _model_step(model, ids, cu_q, defer=True)
+    assert calls == {"select": n_msa, "kl": n_msa}, calls
+    assert all(b > 0 for b in before) and rel_err(kl2, kl0) < 1e-4
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+def test_trainer_switch_keeps_the_logged_kl(tmp_path, ckpt):
+    """`TrainConfig.kl_in_backward` on the Triton kernels, with and without activation checkpointing: the same
+    loss, KL and gradient norm with and without it; the CLI's `--no-kl-in-backward`."""
     from openm3.train.cli import build_config, parse_args
     from openm3.train.trainer import Trainer
     from test_train_compile import PackedRows, tiny_cfg
@@ -189,7 +232,8 @@ def test_trainer_switch_keeps_the_logged_kl(tmp_path):
     with msa.use_backend("triton"):
         for defer in (True, False):
             mcfg = M3TextConfig.from_name("m3-tiny")
-            cfg = tiny_cfg(tmp_path, f"defer{defer}", kl_in_backward=defer, steps=1, msa_switch_step=0)
+            cfg = tiny_cfg(tmp_path, f"defer{defer}", kl_in_backward=defer, steps=1, msa_switch_step=0,
+                           activation_checkpointing=ckpt)
             trainer = Trainer(cfg, lambda: M3TextModel(mcfg), PackedRows(mcfg.vocab_size))
             runs[defer] = [trainer.train_step()]
             trainer.close()

@@ -146,7 +146,7 @@ class Attention(nn.Module):
             if compute_kl:
                 kl = _kl_once(reuse, lambda: msa.indexer_kl(q.detach(), k.detach(), qi, ki, None, cu_seqlens,
                                                             block_size=self.block_size, scale=self.scale))
-        elif compute_kl and reuse is None and _KL_VALUES.get() is not None:
+        elif compute_kl and _kl_in_backward(reuse, q):
             # inside `kl_in_backward`: the KL runs in the attention's backward (its value is written there)
             o, _, kl = msa.sparse_attention_with_kl(q, k, v, qi, ki, block_idx, cu_seqlens, block_size=self.block_size,
                                                     scale=self.scale, validate_block_idx=False, index_lse=index_lse)
@@ -172,7 +172,7 @@ _KL_VALUES: ContextVar[list | None] = ContextVar("openm3_kl_values", default=Non
 @contextmanager
 def kl_in_backward() -> Iterator[list[torch.Tensor]]:
     """Inside this context, the sparse-stage MSA layers that compute the indexer KL (without activation
-    checkpointing) run it inside the attention's backward (`msa.sparse_attention_with_kl`: on the Triton backend
+    checkpointing, or with it through `recompute.reuse_contexts`) run it inside the attention's backward (`msa.sparse_attention_with_kl`: on the Triton backend
     the dk/dv kernel computes the KL's teacher on the way, so the forward's teacher pass goes), and every MSA
     layer's KL appends its value tensor to the yielded list. The KL's gradients are unchanged; its value is
     written by the backward: the model output's `indexer_kl` is 0 in a forward run here on the Triton backend,
@@ -184,6 +184,21 @@ def kl_in_backward() -> Iterator[list[torch.Tensor]]:
         yield values
     finally:
         _KL_VALUES.reset(token)
+
+
+def _kl_in_backward(reuse: "recompute.CheckpointReuse | None", q: torch.Tensor) -> bool:
+    """Whether this layer's KL runs in the attention's backward: inside `kl_in_backward`. A checkpointed call's
+    forward records the answer and its recomputation (which runs in the backward, outside that context) replays
+    it, so both build the same autograd node (`sparse_attention_with_kl`); the KL value the backward writes lands
+    in the forward's output, which the context's list holds. Checkpointed on the reference backend, no: its
+    `sparse_attention_with_kl` computes the KL in the forward, which the recomputation would then run again
+    (`_kl_once` runs it once)."""
+    if reuse is not None and reuse.replaying:
+        return reuse.take()
+    on = _KL_VALUES.get() is not None and (reuse is None or msa.pick_backend(q) == "triton")
+    if reuse is not None:
+        reuse.put(on)
+    return on
 
 
 def _kl_once(reuse: "recompute.CheckpointReuse | None", run) -> torch.Tensor:

@@ -76,9 +76,10 @@ class TrainConfig:
     # selection and indexer KL instead of running them again (read at every step; costs the selections and the
     # KL's fp32 gradients held until the backward: 2.4 GB for m3-small at 64K)
     ac_reuse_msa: bool = True
-    # Without activation checkpointing, the sparse-stage MSA layers run the indexer KL inside the attention's
-    # backward (`openm3.layers.attention.kl_in_backward`: the dk/dv kernel computes the KL's teacher on the way, so
-    # the forward's teacher pass goes; the logged KL is read after the backward). Read at every step.
+    # The sparse-stage MSA layers run the indexer KL inside the attention's backward
+    # (`openm3.layers.attention.kl_in_backward`: the dk/dv kernel computes the KL's teacher on the way, so the
+    # forward's teacher pass goes; the logged KL is read after the backward); with activation checkpointing only
+    # together with ac_reuse_msa (the recomputation replays the forward's choice). Read at every step.
     kl_in_backward: bool = True
     compile: bool = False  # torch.compile each decoder layer (openm3.train.distributed.apply_compile)
     compile_backend: str = "inductor"  # any torch.compile backend ("aot_eager": trace without code generation)

@@ -296,8 +296,9 @@ class Trainer:
         """Forward and backward of one micro-batch holding `share` of the step's tokens; adds into `sums` and
         `by_kind`. Returns whether it produced a KL and an aux loss."""
         cfg, info = self.cfg, self.info
-        # the KL in the attention's backward: not with checkpointing (its recomputation would run the other path)
-        defer_kl = cfg.kl_in_backward and not cfg.activation_checkpointing
+        # the KL in the attention's backward; with checkpointing only through the reuse contexts, which replay the
+        # forward's choice in the recomputation (plain checkpointing would recompute the other path)
+        defer_kl = cfg.kl_in_backward and (not cfg.activation_checkpointing or cfg.ac_reuse_msa)
         with self._autocast(), (kl_in_backward() if defer_kl else nullcontext([])) as kl_values:
             out = model_forward(self.model, batch, msa_stage=stage, kl=cfg.kl_weight > 0,
                                 aux=cfg.aux_loss_weight > 0)
