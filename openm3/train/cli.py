@@ -63,8 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(by default the recomputation reuses the forward's: faster, ~160 MB more per MSA layer "
                         "at 64K tokens on m3-small)")
     p.add_argument("--no-kl-in-backward", dest="kl_in_backward", action="store_false", default=None,
-                   help="run the indexer KL in the forward, as a separate pass (by default, without activation "
-                        "checkpointing, it runs in the attention's backward, which computes its teacher anyway)")
+                   help="run the indexer KL in the forward, as a separate pass (by default it runs in the "
+                        "attention's backward, which computes its teacher anyway; with --activation-checkpointing "
+                        "only while the recomputation reuses the forward's selection, i.e. without "
+                        "--no-ac-reuse-msa)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile each decoder layer (the attention ops stay eager inside it)")
     p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false", default=None,
