@@ -702,14 +702,22 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
                                       fp8_math=fp8_math, score_loads=score_loads, merge_direct_max=merge_direct_max,
                                       merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl, keep_all=keep_all,
                                       shrink_groups=shrink_groups)
-    hi = qi.shape[1]
-    block_idx = torch.empty(hi, qi.shape[0], topk, dtype=torch.int32, device=qi.device)
-    pdl = _pdl_on(pdl, qi.device)
-    _topk_merge_kernel[(qi.shape[0] * hi,)](
-        cand, seq_lens, block_idx, n_cand, qi.shape[0], Q=q_len, HI=hi, BS=block_size, TOPK=topk,
-        TOPK_P2=triton.next_power_of_2(topk), LOCAL=local_blocks, NC=_nc(n_cand, topk), NEG_KEY=_NEG_INF_KEY,
-        SORT=merge_sort and topk > local_blocks, PDL=pdl, num_warps=merge_warps, **_launch(pdl))
+    block_idx = torch.empty(qi.shape[1], qi.shape[0], topk, dtype=torch.int32, device=qi.device)
+    _merge_into(block_idx, cand, n_cand, seq_lens, q_len=q_len, block_size=block_size, local_blocks=local_blocks,
+                merge_sort=merge_sort, pdl=pdl, num_warps=merge_warps)
     return block_idx
+
+
+def _merge_into(block_idx: torch.Tensor, cand: torch.Tensor, n_cand: int, seq_lens: torch.Tensor, *, q_len: int,
+                block_size: int, local_blocks: int, merge_sort: bool, pdl: bool, num_warps: int = 4) -> None:
+    """The top-k merge launch: each (row, index head)'s local blocks and best candidates -> block_idx
+    [Hi, rows, topk]."""
+    hi, rows, topk = block_idx.shape
+    pdl = _pdl_on(pdl, block_idx.device)
+    _topk_merge_kernel[(rows * hi,)](
+        cand, seq_lens, block_idx, n_cand, rows, Q=q_len, HI=hi, BS=block_size, TOPK=topk,
+        TOPK_P2=triton.next_power_of_2(topk), LOCAL=local_blocks, NC=_nc(n_cand, topk), NEG_KEY=_NEG_INF_KEY,
+        SORT=merge_sort and topk > local_blocks, PDL=pdl, num_warps=num_warps, **_launch(pdl))
 
 
 def _check_kv(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> tuple[int, int]:
@@ -835,12 +843,9 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
                                       merge_sort=merge_sort, fold_shrink=fold_shrink, pdl=pdl, keep_all=keep_all,
                                       shrink_groups=shrink_groups)
     block_idx = torch.empty(hkv, q.shape[0], topk, dtype=torch.int32, device=q.device)
-    merge_pdl = _pdl_on(pdl, q.device)
     if not fuse_merge:
-        _topk_merge_kernel[(q.shape[0] * hkv,)](
-            cand, seq_lens, block_idx, n_cand, q.shape[0], Q=q_len, HI=hkv, BS=block_size, TOPK=topk,
-            TOPK_P2=triton.next_power_of_2(topk), LOCAL=local_blocks, NC=_nc(n_cand, topk), NEG_KEY=_NEG_INF_KEY,
-            SORT=merge_sort and topk > local_blocks, PDL=merge_pdl, **_launch(merge_pdl))
+        _merge_into(block_idx, cand, n_cand, seq_lens, q_len=q_len, block_size=block_size, local_blocks=local_blocks,
+                    merge_sort=merge_sort, pdl=pdl)
     # the split kernel reads q before its PDL wait: only safe behind a kernel of this step (none when topk ==
     # local_blocks and the merge is fused: then nothing is scored)
     o, lse = _split_attention(q, k_pages, v_pages, block_table, seq_lens, q_len=q_len, mode=2 if fuse_merge else 1,
