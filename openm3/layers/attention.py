@@ -172,12 +172,12 @@ _KL_VALUES: ContextVar[list | None] = ContextVar("openm3_kl_values", default=Non
 @contextmanager
 def kl_in_backward() -> Iterator[list[torch.Tensor]]:
     """Inside this context, the sparse-stage MSA layers that compute the indexer KL (without activation
-    checkpointing, or with it through `recompute.reuse_contexts`) run it inside the attention's backward (`msa.sparse_attention_with_kl`: on the Triton backend
-    the dk/dv kernel computes the KL's teacher on the way, so the forward's teacher pass goes), and every MSA
-    layer's KL appends its value tensor to the yielded list. The KL's gradients are unchanged; its value is
-    written by the backward: the model output's `indexer_kl` is 0 in a forward run here on the Triton backend,
-    and `torch.stack(values).mean()` after the backward is the value. The training loop uses it
-    (`TrainConfig.kl_in_backward`)."""
+    checkpointing, or with it through `recompute.reuse_contexts`) run it inside the attention's backward
+    (`msa.sparse_attention_with_kl`: on the Triton backend the dk/dv kernel computes the KL's teacher on the way,
+    so the forward's teacher pass goes), and every MSA layer's KL appends its value tensor to the yielded list.
+    The KL's gradients are unchanged; its value is written by the backward: the model output's `indexer_kl` is 0
+    in a forward run here on the Triton backend, and `torch.stack(values).mean()` after the backward is the value.
+    The training loop uses it (`TrainConfig.kl_in_backward`)."""
     values: list[torch.Tensor] = []
     token = _KL_VALUES.set(values)
     try:

@@ -73,8 +73,8 @@ class TrainConfig:
     residual_dtype: str = "auto"
     activation_checkpointing: bool = False
     # with activation checkpointing, the backward's recomputation of an MSA layer takes the forward's block
-    # selection and indexer KL instead of running them again (read at every step; costs the selections and the
-    # KL's fp32 gradients held until the backward: 2.4 GB for m3-small at 64K)
+    # selection and indexer KL instead of running them again (read at every step; costs the selections held until
+    # the backward, and with kl_in_backward off the KL's fp32 gradients too: 2.4 GB for m3-small at 64K)
     ac_reuse_msa: bool = True
     # The sparse-stage MSA layers run the indexer KL inside the attention's backward
     # (`openm3.layers.attention.kl_in_backward`: the dk/dv kernel computes the KL's teacher on the way, so the
