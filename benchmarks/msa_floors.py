@@ -229,18 +229,15 @@ def _decode_cache(t: int, fp32_scales: bool = True):
     e8m0 scales, K and V pages, the identity block table, lengths, the query, the index query, and the same keys
     quantised with fp32 scales as a pair (keys, scales): the format before session 21, which the decode module of
     an earlier session (`--compare`) needs; None without fp32_scales)."""
+    from benchmarks.msa_decode import _quantised
     from openm3.ops.msa import decode
 
     nb = t // BLOCK
     gen = torch.Generator(device="cuda").manual_seed(0)
     ki = torch.empty(nb, BLOCK, DI, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
-    flat, scale = decode.quantize_index_keys(ki.view(-1, DI))
-    ki8, ki_scale = flat.view(nb, BLOCK, DI), scale.view(nb, BLOCK)
-    fp32_scaled = None
-    if fp32_scales:
-        flat, scale = decode.quantize_index_keys(ki.view(-1, DI), torch.float32)
-        fp32_scaled = (flat.view(nb, BLOCK, DI), scale.view(nb, BLOCK))
-    del ki, flat
+    ki8, ki_scale = _quantised(ki, decode.SCALE_E8M0)
+    fp32_scaled = _quantised(ki, torch.float32) if fp32_scales else None
+    del ki
     k = torch.empty(nb, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
     v = torch.empty_like(k).normal_(generator=gen)
     table = torch.arange(nb, device="cuda", dtype=torch.int32).view(1, nb)
@@ -391,11 +388,11 @@ def bandwidth_part(t: int) -> dict:
                             rec[f"tma_{tag}_r{rows}_w{warps}_p{per_sm}_s{st}_error"] = str(e)[:160]
                             continue
                         show(f"tma_{tag}_r{rows}_w{warps}_p{per_sm}_s{st}", ms)
+    n_tiles = words.numel() // (64 * 32)
     for evict in (False, True):
         for warps in (4, 8):
             for per_sm in (2, 4):
                 for st in (3, 4):
-                    n_tiles = words.numel() // (64 * 32)
                     grid = (min(per_sm * sms, n_tiles),)
                     ms = graph_time_ms(lambda: _stream_ptr_kernel[grid](words, out, n_tiles, ROWS=64, WORDS=32,
                                                                         STAGES=st, EVICT_FIRST=evict,

@@ -25,6 +25,7 @@ from openm3.ops.msa.triton_attention import _backward, sparse_attention  # noqa:
 from openm3.ops.msa.triton_attention_kl import sparse_attention_with_kl  # noqa: E402
 from openm3.ops.msa.triton_kl import _teacher_pass, indexer_kl  # noqa: E402
 from test_msa_triton_select_kl import cu, rel_err  # noqa: E402
+from test_recompute import _counting  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -192,17 +193,7 @@ def test_checkpointed_layers_run_the_kl_in_the_backward(monkeypatch):
     each selects once, the values are written by the backward into the forward's KL outputs, and the KL and
     every gradient equal a run without checkpointing and without the deferral."""
     model, ids, cu_q, n_msa = _tiny_case()
-    calls = {"select": 0, "kl": 0}
-    select, kl_fn = msa.select_blocks, msa.indexer_kl
-
-    def counted(name, fn):
-        def run(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return run
-
-    monkeypatch.setattr(msa, "select_blocks", counted("select", select))
-    monkeypatch.setattr(msa, "indexer_kl", counted("kl", kl_fn))
+    calls = _counting(monkeypatch)
     with msa.use_backend("triton"):
         kl0, g0, _ = _model_step(model, ids, cu_q, defer=False)
         assert calls == {"select": n_msa, "kl": n_msa}
