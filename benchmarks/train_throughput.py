@@ -19,8 +19,10 @@ times optimizer steps after warm-up (medians; the warm-up steps include compilat
   and half with 8 random 448 x 448 images each; tokens/s and the profiled step (with its host-sync census), no MFU.
 - `msa_vs_dense_<ctx>`: the same model at 64K context with MSA layers, then with every layer dense
   (`layer_types` all `full_attention`, no index branch); ratio of tokens/s. Activation checkpointing is on for
-  both at 64K so the dense model fits. Both are profiled too (since session 10: a 13% slower MSA step at 64K had
-  no kernel breakdown to explain it).
+  both (`--long-ckpt on`, the default); `--long-ckpt off` runs both without it and `both` runs all four cases
+  (`_noac` names the cases without), reporting each pairing and the ratio of each model's faster way
+  (`msa_over_dense_best_tokens_per_s`). A case that runs out of memory is recorded as such, not retried. Both are
+  profiled too (since session 10: a 13% slower MSA step at 64K had no kernel breakdown to explain it).
 Targets (issue "Training system"): MFU >= 35% at 8K; MSA >= 4x dense tokens/s at 64K.
 
 The 8K case takes `--rows` rows per optimizer step (default 8: 64K tokens) in micro-batches of `--micro-batch`
@@ -419,7 +421,9 @@ def run_case(args, name: str, kw: dict) -> dict:
             return {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-3000:]}
 
     out = attempt(args.compile)
-    if args.compile and "error" in out:
+    if out.get("error", "").startswith("OutOfMemoryError"):
+        out["out_of_memory"] = True  # an eager retry needs more memory, not less
+    elif args.compile and "error" in out:
         print(name, "compiled run failed, retrying eagerly:", out["error"][:300], flush=True)
         torch._dynamo.reset()
         out = attempt(False) | {"compile_error": out["error"], "compile_traceback": out["traceback"]}
@@ -440,6 +444,9 @@ def main(argv=None) -> int:
                    help="torch.compile each decoder layer (default on)")
     p.add_argument("--validate-block-idx", action="store_true",
                    help="keep the MSA ops' block_idx value checks (a host sync per call)")
+    p.add_argument("--long-ckpt", choices=("on", "off", "both"), default="on",
+                   help="activation checkpointing in the --long-ctx cases: on (default), off, or both ways (four "
+                        "cases; the ones without are named *_noac)")
     p.add_argument("--only", default="mfu,msa,dense",
                    help="comma-separated case prefixes to run (mfu, msa, dense, vl: the vision-language model)")
     p.add_argument("--ab", default="", metavar="VAR=VALUE[;VAR=VALUE]",
@@ -476,8 +483,13 @@ def main(argv=None) -> int:
     cases = {
         f"mfu_{args.preset}_{args.mfu_ctx}": dict(ctx=args.mfu_ctx, rows=args.rows, micro_batch=args.micro_batch,
                                                   profile=True),
-        f"msa_{args.preset}_{args.long_ctx}": dict(ctx=args.long_ctx, ckpt=True, profile=True),
-        f"dense_{args.preset}_{args.long_ctx}": dict(ctx=args.long_ctx, ckpt=True, dense=True, profile=True),
+    }
+    for ckpt in {"on": (True,), "off": (False,), "both": (True, False)}[args.long_ckpt]:
+        suffix = "" if ckpt else "_noac"
+        cases[f"msa_{args.preset}_{args.long_ctx}{suffix}"] = dict(ctx=args.long_ctx, ckpt=ckpt, profile=True)
+        cases[f"dense_{args.preset}_{args.long_ctx}{suffix}"] = dict(ctx=args.long_ctx, ckpt=ckpt, dense=True,
+                                                                     profile=True)
+    cases |= {
         # native multimodal: half the rows text, half with 8 images each (2048 of 8192 tokens visual)
         f"vl_{args.preset}_{args.mfu_ctx}": dict(ctx=args.mfu_ctx, rows=args.rows, micro_batch=args.micro_batch,
                                                  profile=True, images=8),
@@ -490,12 +502,22 @@ def main(argv=None) -> int:
         result["cases"][name] = run_case(args, name, kw)
         print(name, json.dumps(result["cases"][name], indent=None)[:1500], flush=True)
     result["total_s"] = time.perf_counter() - t_all
-    msa, dense = (result["cases"].get(f"{k}_{args.preset}_{args.long_ctx}", {}) for k in ("msa", "dense"))
-    if "tokens_per_s" in msa and "tokens_per_s" in dense:
-        result["msa_over_dense_tokens_per_s"] = msa["tokens_per_s"] / dense["tokens_per_s"]
-    if "overlapped_tokens_per_s" in msa and "overlapped_tokens_per_s" in dense:
-        result["msa_over_dense_overlapped_tokens_per_s"] = (msa["overlapped_tokens_per_s"]
-                                                           / dense["overlapped_tokens_per_s"])
+    long = {(k, s): result["cases"].get(f"{k}_{args.preset}_{args.long_ctx}{s}", {})
+            for k in ("msa", "dense") for s in ("", "_noac")}
+    for s in ("", "_noac"):
+        msa, dense = long["msa", s], long["dense", s]
+        if "tokens_per_s" in msa and "tokens_per_s" in dense:
+            result[f"msa_over_dense{s}_tokens_per_s"] = msa["tokens_per_s"] / dense["tokens_per_s"]
+        if "overlapped_tokens_per_s" in msa and "overlapped_tokens_per_s" in dense:
+            result[f"msa_over_dense{s}_overlapped_tokens_per_s"] = (msa["overlapped_tokens_per_s"]
+                                                                   / dense["overlapped_tokens_per_s"])
+    best = {k: max((c["tokens_per_s"] for (m, _), c in long.items() if m == k and "tokens_per_s" in c), default=None)
+            for k in ("msa", "dense")}
+    if args.long_ckpt == "both" and None not in best.values():  # each model its faster way of the two
+        result["msa_over_dense_best_tokens_per_s"] = best["msa"] / best["dense"]
+        print(f"{args.long_ctx} context, each model's faster checkpointing setting: MSA / dense tokens/s "
+              f"{result['msa_over_dense_best_tokens_per_s']:.2f}x", flush=True)
+    msa, dense = long["msa", ""] or long["msa", "_noac"], long["dense", ""] or long["dense", "_noac"]
     if "flops_per_token" in msa and "flops_per_token" in dense:
         # the ratio tokens/s could reach if both ran at the same FLOP/s (the target's ceiling for this preset)
         result["msa_over_dense_flop_ratio"] = dense["flops_per_token"] / msa["flops_per_token"]

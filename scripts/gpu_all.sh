@@ -115,6 +115,11 @@ for s in "${stages[@]}"; do
         | tee "$OUT/ab64kl.log" | grep -E "context|tokens_per_s|step_s|Error" | cut -c1-400
       python3 -m benchmarks.train_throughput --out "$OUT/dense64" --only dense 2>&1 | tee "$OUT/dense64.log" \
         | grep -E "context|tokens_per_s|Error" | cut -c1-300 ;;
+    train64ac)  # 64K MSA and dense: full checkpointing A/B keeping the attention (same process), then no checkpointing
+      python3 -m benchmarks.train_throughput --out "$OUT/train64keep" --only msa,dense --steps 4 \
+        --ab 'cfg.ac_keep_attention=1' 2>&1 | tee "$OUT/train64keep.log" | tail -4 | cut -c1-600
+      python3 -m benchmarks.train_throughput --out "$OUT/train64noac" --only msa,dense --long-ckpt off --steps 3 \
+        2>&1 | tee "$OUT/train64noac.log" | tail -4 | cut -c1-600 ;;
     train64)  # the 64K MSA vs dense cases of train_throughput only
       python3 -m benchmarks.train_throughput --out "$OUT/train64" --only msa,dense 2>&1 | tee "$OUT/train64.log" \
         | grep -E "context|tokens_per_s" | cut -c1-300 ;;

@@ -1,13 +1,17 @@
 """Activation checkpointing that does not run an MSA layer's selection and indexer KL twice
 (`openm3.layers.recompute`): the backward's recomputation takes the forward's selection back and skips the KL,
 and every gradient equals the run without checkpointing, on the reference backend and on the Triton kernels
-(interpreter on CPU), in the sparse stage and in the dense warm-up; the trainer's switch (`ac_reuse_msa`)."""
+(interpreter on CPU), in the sparse stage and in the dense warm-up; the trainer's switch (`ac_reuse_msa`); and the
+selective checkpoint that keeps every layer's attention (`keep_attention`, `ac_keep_attention`)."""
+
+import contextlib
+import functools
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from openm3.layers import recompute
+from openm3.layers import attention, recompute
 from openm3.models.config import M3TextConfig
 from openm3.models.text import M3TextModel
 from openm3.ops import msa
@@ -130,7 +134,89 @@ def test_train_cli_flags():
     from openm3.train.cli import build_config, parse_args
 
     assert build_config(parse_args([])).ac_reuse_msa is True
+    assert build_config(parse_args([])).ac_keep_attention is False
+    assert build_config(parse_args(["--activation-checkpointing", "--ac-keep-attention"])).ac_keep_attention is True
     cfg = build_config(parse_args(["--activation-checkpointing", "--no-ac-reuse-msa", "--residual-dtype", "float32"]))
     assert cfg.activation_checkpointing and cfg.ac_reuse_msa is False and cfg.residual_dtype == "float32"
     with pytest.raises(ValueError, match="residual_dtype"):
         build_config(parse_args(["--residual-dtype", "bf16"]))
+
+
+def _count_attention(monkeypatch) -> dict:
+    calls = {"attention": 0}
+    for owner, name in ((msa, "sparse_attention"), (msa, "sparse_attention_with_kl"), (attention, "dense_attention")):
+        def counted(*a, _run=getattr(owner, name), **k):
+            calls["attention"] += 1
+            return _run(*a, **k)
+
+        monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", ["dense_layer", "sparse", "sparse_kl_in_backward", "dense_warmup"])
+def test_kept_attention_runs_once_with_the_same_gradients(monkeypatch, backend, case):
+    """`reuse_contexts(keep_attention=True)`: a checkpointed layer's attention (dense, MSA, the MSA layer's dense
+    warm-up, the KL in the attention's backward) runs in the forward only, and the output, the KL and every
+    gradient equal the unchecked layer's; the plain reuse contexts (the control) run it twice."""
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("CPU-tensor Triton case (interpreter); on a GPU tests/gpu/test_text_model_gpu.py covers it")
+    cfg = M3TextConfig.from_name("m3-tiny", vocab_size=128, index_topk_blocks=2)
+    torch.manual_seed(0)
+    model = M3TextModel(cfg).train()
+    layer = model.layers[0 if case == "dense_layer" else 1]
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(75, cfg.hidden_size, generator=gen)
+    angles = torch.arange(75.0)[:, None] * 0.1 * torch.arange(1, cfg.rotary_dim // 2 + 1)
+    cos, sin = angles.cos(), angles.sin()
+    cu = torch.tensor([0, 40, 75], dtype=torch.int32)
+    calls = _count_attention(monkeypatch)
+    runs = {}
+    with msa.use_backend(backend):
+        for mode, context_fn in (("plain", None), ("kept", functools.partial(recompute.reuse_contexts,
+                                                                              keep_attention=True)),
+                                 ("reuse", recompute.reuse_contexts)):
+            x = x0.clone().requires_grad_(True)
+            layer.zero_grad(set_to_none=True)
+            calls["attention"] = 0
+            args = (x, cos, sin, cu, case != "dense_layer", case == "dense_warmup", False, None)
+            with attention.kl_in_backward() if case == "sparse_kl_in_backward" else contextlib.nullcontext():
+                if context_fn is None:
+                    out, kl, _, _ = layer(*args)
+                else:
+                    out, kl, _, _ = checkpoint(layer, *args, use_reentrant=False, context_fn=context_fn)
+                (out.float().pow(2).mean() + (0 if kl is None else kl)).backward()
+            grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+            runs[mode] = out.detach(), None if kl is None else kl.detach(), x.grad.clone(), grads, calls["attention"]
+    assert [runs[m][4] for m in ("plain", "kept", "reuse")] == [1, 1, 2]
+    (o0, kl0, dx0, g0, _), (o1, kl1, dx1, g1, _) = runs["plain"], runs["kept"]
+    assert torch.equal(o0, o1) and (kl0 is None) == (kl1 is None) == (case == "dense_layer")
+    if kl0 is not None:
+        assert kl0.item() > 0 and torch.equal(kl0, kl1)
+    torch.testing.assert_close(dx1, dx0, atol=1e-6, rtol=1e-5)
+    assert g0.keys() == g1.keys() and g0
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_trainer_keeps_attention_with_the_same_losses(tmp_path, monkeypatch):
+    """`TrainConfig.ac_keep_attention` (read at every step): the same losses and gradient norms, half the
+    attention calls; with `ac_reuse_msa` off as well the MSA layers still select twice (the flags are apart)."""
+    attn_calls, calls = _count_attention(monkeypatch), _counting(monkeypatch)
+    runs = {}
+    for keep, reuse in ((False, True), (True, True), (True, False)):
+        mcfg = M3TextConfig.from_name("m3-tiny")
+        cfg = tiny_cfg(tmp_path, f"keep{keep}{reuse}", activation_checkpointing=True, ac_keep_attention=keep,
+                       ac_reuse_msa=reuse, steps=2)
+        trainer = Trainer(cfg, lambda: M3TextModel(mcfg), PackedRows(mcfg.vocab_size))
+        calls.update(select=0, kl=0)
+        attn_calls["attention"] = 0
+        runs[keep, reuse] = [trainer.train_step(), trainer.train_step()], dict(calls, **attn_calls)
+        trainer.close()
+    for records, _ in list(runs.values())[1:]:
+        for a, b in zip(records, runs[False, True][0]):
+            for key in ("loss", "indexer_kl", "grad_norm"):
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), key
+    base, kept, apart = (runs[k][1] for k in ((False, True), (True, True), (True, False)))
+    assert base["attention"] == 2 * kept["attention"] == 2 * apart["attention"] > 0
+    assert base["select"] == kept["select"] and apart["select"] == 2 * kept["select"] > 0

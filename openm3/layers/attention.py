@@ -121,12 +121,15 @@ class Attention(nn.Module):
             return cache.attend(self.layer_idx, q, k, v, qi, ki, cu_seqlens=cu_seqlens, scale=self.scale,
                                 **sparse), None, None
 
-        if not self.is_sparse:
-            return dense_attention(q, k, v, cu_seqlens, scale=self.scale), None, None
-
         # Under activation checkpointing with `recompute.reuse_contexts`, the backward's recomputation of this layer
-        # takes the forward's selection back and skips the KL (see openm3.layers.recompute).
-        reuse = recompute.current()
+        # takes the forward's selection back and skips the KL, and with `keep_attention` the attention too (see
+        # openm3.layers.recompute).
+        kept = recompute.current()
+        once = kept.kept if kept is not None and kept.keep_attention else (lambda run: run())
+        reuse = recompute.current_msa()
+        if not self.is_sparse:
+            return once(lambda: (dense_attention(q, k, v, cu_seqlens, scale=self.scale),))[0], None, None
+
         block_idx = kl = index_lse = None
         if not dense_warmup or return_block_idx:
             if reuse is not None and reuse.replaying:
@@ -142,18 +145,19 @@ class Attention(nn.Module):
                 if reuse is not None:
                     reuse.put((block_idx, index_lse))
         if dense_warmup:
-            o = dense_attention(q, k, v, cu_seqlens, scale=self.scale)
+            o, = once(lambda: (dense_attention(q, k, v, cu_seqlens, scale=self.scale),))
             if compute_kl:
                 kl = _kl_once(reuse, lambda: msa.indexer_kl(q.detach(), k.detach(), qi, ki, None, cu_seqlens,
                                                             block_size=self.block_size, scale=self.scale))
         elif compute_kl and _kl_in_backward(reuse, q):
             # inside `kl_in_backward`: the KL runs in the attention's backward (its value is written there)
-            o, _, kl = msa.sparse_attention_with_kl(q, k, v, qi, ki, block_idx, cu_seqlens, block_size=self.block_size,
-                                                    scale=self.scale, validate_block_idx=False, index_lse=index_lse)
+            o, _, kl = once(lambda: msa.sparse_attention_with_kl(
+                q, k, v, qi, ki, block_idx, cu_seqlens, block_size=self.block_size, scale=self.scale,
+                validate_block_idx=False, index_lse=index_lse))
         else:
             # block_idx comes from select_blocks just above: its value checks (host syncs) are skipped
-            o, lse = msa.sparse_attention(q, k, v, block_idx, cu_seqlens, block_size=self.block_size,
-                                          scale=self.scale, validate_block_idx=False)
+            o, lse = once(lambda: msa.sparse_attention(q, k, v, block_idx, cu_seqlens, block_size=self.block_size,
+                                                       scale=self.scale, validate_block_idx=False))
             if compute_kl:
                 kl = _kl_once(reuse, lambda: msa.indexer_kl(q.detach(), k.detach(), qi, ki, block_idx, cu_seqlens,
                                                             block_size=self.block_size, scale=self.scale,

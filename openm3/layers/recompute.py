@@ -13,6 +13,13 @@ its gradients in one pass and saves the gradients). Recomputing them is wasted w
 
 The price is memory held from the forward to the backward: per MSA layer the selection (`[Hi, T, topk]` int32)
 and the KL's fp32 gradients (`[T, Hi, Di]` and `[Tk, Di]`): 2.4 GB over m3-small's 15 MSA layers at 64K.
+
+`reuse_contexts(keep_attention=True)` also keeps every layer's attention, dense or MSA: the forward's attention
+node keeps its saved tensors and the recomputation gets the forward's output back instead of running the attention
+again (a selective checkpoint: the attention is the one part of a long-context layer whose recomputation costs
+more than its tensors take). On CUDA the kernels save q, k, v, the output and the softmax statistics (and the MSA
+ops their index bookkeeping): ~0.7 GB per m3-small layer at 64K tokens. On CPU the PyTorch paths save their whole
+graph (the dense math path its [T, T] probabilities), so it is meant for the GPU.
 Outside a checkpoint with these contexts (`current()` is None) nothing changes.
 """
 
@@ -31,7 +38,9 @@ _ACTIVE: contextvars.ContextVar["CheckpointReuse | None"] = contextvars.ContextV
 class CheckpointReuse:
     """The values one checkpointed call's forward records for its recomputation, in order."""
 
-    def __init__(self):
+    def __init__(self, keep_attention: bool = False, reuse_msa: bool = True):
+        self.keep_attention = keep_attention  # the layers' attention runs once too (`kept`)
+        self.reuse_msa = reuse_msa  # MSA layers' selection and indexer KL run once
         self.replaying = False
         self._values: list[Any] = []
         self._next = 0
@@ -48,6 +57,17 @@ class CheckpointReuse:
         value = self._values[self._next]
         self._next += 1
         return value
+
+    def kept(self, run):
+        """`run()` (a tuple of tensors and None) once: in the forward under `keep_saved`, recording detached
+        outputs; in the recomputation those again, each requiring grad as the forward's did (so the layer's
+        later ops save what they saved in the forward)."""
+        if self.replaying:
+            return tuple(None if t is None else t.detach().requires_grad_(grad) for t, grad in self.take())
+        with self.keep_saved():
+            out = run()
+        self.put(tuple((None, False) if t is None else (t.detach(), t.requires_grad) for t in out))
+        return out
 
     @staticmethod
     def keep_saved():
@@ -68,13 +88,21 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def reuse_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+def reuse_contexts(keep_attention: bool = False, reuse_msa: bool = True
+                   ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """`context_fn` for `torch.utils.checkpoint.checkpoint` (and `checkpoint_wrapper`): a fresh `CheckpointReuse`
-    per checkpointed call, recording in the forward and replaying in the recomputation."""
-    reuse = CheckpointReuse()
+    per checkpointed call, recording in the forward and replaying in the recomputation (`functools.partial` it
+    for other flags than the defaults)."""
+    reuse = CheckpointReuse(keep_attention, reuse_msa)
     return reuse._active(False), reuse._active(True)
 
 
 def current() -> CheckpointReuse | None:
     """The `CheckpointReuse` of the checkpointed call running now, or None."""
     return _ACTIVE.get()
+
+
+def current_msa() -> CheckpointReuse | None:
+    """`current()` when it reuses MSA layers' selection and KL (`reuse_msa`), else None."""
+    reuse = _ACTIVE.get()
+    return reuse if reuse is not None and reuse.reuse_msa else None

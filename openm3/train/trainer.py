@@ -176,8 +176,11 @@ class Trainer:
         return wrapped
 
     def _checkpoint_contexts(self):
-        """Activation checkpointing's context managers for one checkpointed call (`cfg.ac_reuse_msa`)."""
-        return reuse_contexts() if self.cfg.ac_reuse_msa else (nullcontext(), nullcontext())
+        """Activation checkpointing's context managers for one checkpointed call (`cfg.ac_reuse_msa`,
+        `cfg.ac_keep_attention`)."""
+        if not (self.cfg.ac_reuse_msa or self.cfg.ac_keep_attention):
+            return nullcontext(), nullcontext()
+        return reuse_contexts(keep_attention=self.cfg.ac_keep_attention, reuse_msa=self.cfg.ac_reuse_msa)
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def trainer_state(self) -> dict:

@@ -1,5 +1,7 @@
 """The trainer on CUDA: overlapped steps (values read one step late through pinned memory and an event) give the
-records of synced steps, and the bf16 MSA model trains (the loss falls) through the fused kernels."""
+records of synced steps, and the bf16 MSA model trains (the loss falls) through the fused kernels; a compiled,
+checkpointed run keeping the attention (`ac_keep_attention`) runs each layer's attention once and gives the
+records of the plain checkpointed run."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class RepeatedRows:
         return out
 
 
-def run(tmp_path, overlap: bool, steps: int = 6) -> list[dict]:
+def run(tmp_path, overlap: bool, steps: int = 6, **kw) -> list[dict]:
     from openm3.models.config import M3TextConfig
     from openm3.models.text import M3TextModel
     from openm3.train.config import TrainConfig
@@ -36,9 +38,9 @@ def run(tmp_path, overlap: bool, steps: int = 6) -> list[dict]:
 
     mcfg = M3TextConfig.from_name("m3-tiny")
     cfg = TrainConfig(model="m3-tiny", steps=steps, seq_len=1024, text_rows=4, micro_batch=2, lr=3e-3,
-                      warmup_steps=1, msa_switch_step=2, out_dir=str(tmp_path / f"o{overlap}"), progress=False,
+                      warmup_steps=1, msa_switch_step=2, out_dir=str(tmp_path / f"o{overlap}{sorted(kw.items())}"), progress=False,
                       tensorboard=False, overlap_steps=overlap, param_dtype="bfloat16", device="cuda",
-                      ckpt_every=3)
+                      ckpt_every=3, **kw)
     trainer = Trainer(cfg, lambda: M3TextModel(mcfg), RepeatedRows(mcfg.vocab_size, cfg.seq_len))
     try:
         return trainer.fit()
@@ -59,3 +61,29 @@ def test_overlapped_steps_on_cuda_match_synced_steps(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
     assert overlapped[-1]["loss"] < overlapped[0]["loss"] - 0.2  # the same 4 rows each step (CPU fp32: -0.28 in 4)
+
+
+def test_checkpointed_run_keeping_the_attention_matches(tmp_path, monkeypatch):
+    from openm3.layers import attention
+    from openm3.ops import msa
+
+    calls = {"attention": 0}
+    for owner, name in ((msa, "sparse_attention"), (msa, "sparse_attention_with_kl"), (attention, "dense_attention")):
+        def counted(*a, _run=getattr(owner, name), **k):
+            calls["attention"] += 1
+            return _run(*a, **k)
+
+        monkeypatch.setattr(owner, name, counted)
+    runs = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        calls["attention"] = 0
+        runs[keep] = run(tmp_path, True, steps=4, activation_checkpointing=True, compile=True,
+                         ac_keep_attention=keep), calls["attention"]
+        torch._dynamo.reset()
+    (plain, n_plain), (kept, n_kept) = runs[False], runs[True]
+    assert n_plain == 2 * n_kept > 0
+    assert {r["msa_stage"] for r in kept} == {"dense", "sparse"}
+    for a, b in zip(kept, plain):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
