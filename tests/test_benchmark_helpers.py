@@ -151,3 +151,21 @@ def test_train_throughput_ab_schedule_and_spec():
     with pytest.raises(ValueError, match="need the TrainConfig"):
         with environment({"cfg.residual_dtype": "float32"}):
             pass
+
+
+def test_long_context_summary_pairs_the_checkpointing_settings(capsys):
+    """`train_throughput.summarise_long`: a ratio per setting both models ran, each model's faster setting with
+    --long-ckpt both (an out-of-memory case left out), the FLOP ceiling."""
+    from benchmarks.train_throughput import summarise_long
+
+    case = lambda tps, flops=1.0: {"tokens_per_s": tps, "overlapped_tokens_per_s": tps * 1.1, "flops_per_token": flops}
+    result = {"cases": {"msa_p_64": case(60.0, 1.0), "dense_p_64": case(24.0, 3.0), "msa_p_64_noac": case(72.0, 1.0),
+                        "dense_p_64_noac": {"error": "OutOfMemoryError: ...", "out_of_memory": True}}}
+    summarise_long(result, "p", 64, "both")
+    assert result["msa_over_dense_tokens_per_s"] == 2.5 and "msa_over_dense_noac_tokens_per_s" not in result
+    assert result["msa_over_dense_best_tokens_per_s"] == 3.0 and result["msa_over_dense_flop_ratio"] == 3.0
+    assert "2.50x (with checkpointing)" in capsys.readouterr().out
+    result = {"cases": {"msa_p_64_noac": case(72.0), "dense_p_64_noac": case(30.0, 3.0)}}
+    summarise_long(result, "p", 64, "off")
+    assert result["msa_over_dense_noac_tokens_per_s"] == 2.4 and "msa_over_dense_best_tokens_per_s" not in result
+    assert "2.40x (without checkpointing)" in capsys.readouterr().out
