@@ -220,3 +220,28 @@ def test_trainer_keeps_attention_with_the_same_losses(tmp_path, monkeypatch):
     base, kept, apart = (runs[k][1] for k in ((False, True), (True, True), (True, False)))
     assert base["attention"] == 2 * kept["attention"] == 2 * apart["attention"] > 0
     assert base["select"] == kept["select"] and apart["select"] == 2 * kept["select"] > 0
+
+
+def test_model_checkpointing_keeps_the_attention(monkeypatch):
+    """`M3TextModel.gradient_checkpointing_enable(keep_attention=True)`: one attention call per layer, as without
+    checkpointing (twice with plain `gradient_checkpointing_enable()`), and the same loss and gradients."""
+    cfg = M3TextConfig.from_name("m3-tiny", vocab_size=128, index_topk_blocks=2)
+    torch.manual_seed(0)
+    model = M3TextModel(cfg).train()
+    ids = torch.randint(0, 128, (75,), generator=torch.Generator().manual_seed(5))
+    cu = torch.tensor([0, 40, 75], dtype=torch.int32)
+    calls = _count_attention(monkeypatch)
+    results, counts = {}, {}
+    for mode in ("off", "plain", "keep"):
+        model.gradient_checkpointing_disable()
+        if mode != "off":
+            model.gradient_checkpointing_enable(keep_attention=mode == "keep")
+        calls["attention"] = 0
+        results[mode] = _grads(model, ids, cu, "sparse")
+        counts[mode] = calls["attention"]
+    n = cfg.num_hidden_layers
+    assert counts == {"off": n, "plain": 2 * n, "keep": n}
+    (loss0, g0), (loss1, g1) = results["off"], results["keep"]
+    assert torch.equal(loss0, loss1) and g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-6, rtol=1e-5, msg=name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -150,8 +151,19 @@ class M3TextModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.gradient_checkpointing = False
+        self.checkpoint_keep_attention = False  # see gradient_checkpointing_enable
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
+
+    def gradient_checkpointing_enable(self, keep_attention: bool = False) -> None:
+        """Recompute each decoder layer in the backward while training (non-reentrant checkpoints, as
+        transformers' method of this name sets up). MSA layers hand their block selection and indexer KL to the
+        recomputation; with `keep_attention` every layer's attention is kept too and not recomputed (a selective
+        checkpoint: more memory, less time; `openm3.layers.recompute`)."""
+        self.gradient_checkpointing, self.checkpoint_keep_attention = True, keep_attention
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing = self.checkpoint_keep_attention = False
 
     # ------------------------------------------------------------------ init / io
     @torch.no_grad()
@@ -221,8 +233,8 @@ class M3TextModel(nn.Module):
         for layer in self.layers:
             args = (x, cos, sin, cu_seqlens, compute_kl, dense_warmup, return_block_idx, cache)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, kl, router_logits, block_idx = checkpoint(layer, *args, use_reentrant=False,
-                                                             context_fn=reuse_contexts)
+                contexts = partial(reuse_contexts, keep_attention=self.checkpoint_keep_attention)
+                x, kl, router_logits, block_idx = checkpoint(layer, *args, use_reentrant=False, context_fn=contexts)
             else:
                 x, kl, router_logits, block_idx = layer(*args)
             if kl is not None:
