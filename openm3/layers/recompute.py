@@ -16,10 +16,11 @@ and the KL's fp32 gradients (`[T, Hi, Di]` and `[Tk, Di]`): 2.4 GB over m3-small
 
 `reuse_contexts(keep_attention=True)` also keeps every layer's attention, dense or MSA: the forward's attention
 node keeps its saved tensors and the recomputation gets the forward's output back instead of running the attention
-again (a selective checkpoint: the attention is the one part of a long-context layer whose recomputation costs
-more than its tensors take). On CUDA the kernels save q, k, v, the output and the softmax statistics (and the MSA
-ops their index bookkeeping): ~0.7 GB per m3-small layer at 64K tokens. On CPU the PyTorch paths save their whole
-graph (the dense math path its [T, T] probabilities), so it is meant for the GPU.
+again (a selective checkpoint: at long contexts the attention is the costliest part of a layer to recompute).
+On CUDA the kernels save q, k, v, the output and the softmax statistics (and the MSA ops their index
+bookkeeping): m3-small at 64K tokens on an H200, 9 GB more over its 16 layers for a 6.9% faster MSA step and a 17%
+faster dense one (session 23). On CPU the PyTorch paths save their whole graph (the dense math path its [T, T]
+probabilities), so it is meant for the GPU.
 Outside a checkpoint with these contexts (`current()` is None) nothing changes.
 """
 

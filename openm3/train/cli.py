@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "at 64K tokens on m3-small)")
     p.add_argument("--ac-keep-attention", dest="ac_keep_attention", action="store_true", default=None,
                    help="with --activation-checkpointing, keep each layer's attention (its q, k, v, output and "
-                        "softmax statistics, ~0.7 GB per m3-small layer at 64K tokens) instead of recomputing it in "
+                        "softmax statistics, ~0.6 GB per m3-small layer at 64K tokens) instead of recomputing it in "
                         "the backward: a selective checkpoint, faster where memory allows")
     p.add_argument("--no-kl-in-backward", dest="kl_in_backward", action="store_false", default=None,
                    help="run the indexer KL in the forward, as a separate pass (by default it runs in the "
