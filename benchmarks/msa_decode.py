@@ -335,7 +335,7 @@ def decode_case(t: int, batch: int, index: str, record: dict, variants=tuple(VAR
         record["selection_agrees_with_reference"] = bool(torch.equal(got.sort(-1).values, want.sort(-1).values))
         fused = msa_run()[2]
         record["fused_selection_equals_select"] = bool(torch.equal(fused, select_only()))
-    del k, v, ki, kd, vd
+    k = v = ki = kd = vd = None  # free the GPU memory (closures above hold these names)
 
 
 def prefill_case(t: int, chunk: int, index: str, record: dict, dense: bool) -> None:

@@ -448,7 +448,7 @@ def run_T(t: int, args, results_all: list) -> None:
         torch.cuda.empty_cache()
     _ratios(res)
     res["wall_s"] = round(time.time() - t0, 1)
-    del x
+    x = None  # free the GPU memory (closures above hold these names)
     torch.cuda.empty_cache()
 
 
@@ -472,7 +472,7 @@ def _iid_cases(t: int, res: dict, slow_reps: int) -> None:
         for name, fn in (("iid_sparse_fwd", cases["sparse_fwd"]), ("iid_msa_prefill", prefill),
                          ("iid_sparse_fwd_bwd", cases["sparse_fwd_bwd"])):
             _run_case(res, name, fn, slow_reps=slow_reps)
-        del x, block_idx, cases
+        x = block_idx = cases = None  # free the GPU memory (closures above hold these names)
     except Exception as exc:
         res.setdefault("errors", {})["iid"] = f"{type(exc).__name__}: {exc}"[:2000]
         print(f"    iid cases FAILED: {exc}", flush=True)
@@ -520,7 +520,7 @@ def sweep(t: int, configs: list[str], results: list) -> None:
                 print(f"    [{regime}] [{cfg or 'default'}] fwd {res.get('sparse_fwd')} ms, "
                       f"fwd+bwd {res.get('sparse_fwd_bwd')} ms, kernels {res.get('kernels_ms')}", flush=True)
                 results.append(res)
-            del x, block_idx
+            x = block_idx = None  # free the GPU memory (closures above hold these names)
             torch.cuda.empty_cache()
     finally:
         if saved is None:

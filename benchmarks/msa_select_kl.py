@@ -573,25 +573,25 @@ def main(argv=None) -> int:
             if t == min(args.check_T):
                 _run(f"check_kl_sparse_nolse_T{t}", lambda: check_kl(x, tail, True, False), results)
                 _run(f"check_kl_dense_T{t}", lambda: check_kl(x, tail, False, False), results)
-            del x
+            x = None  # free the GPU memory (closures above hold these names)
     for t in args.T:
         x = m3_inputs(t, main=t <= 200_000)
         if t > 200_000:  # the KL is a training op; at 1M time the selection only
             _run(f"time_select_T{t}", lambda: time_select(x, t), results)
         else:
             _run(f"time_T{t}", lambda: time_case(x, t, with_dense=True, no_lse=t <= 32768), results)
-        del x
+        x = None  # free the GPU memory (closures above hold these names)
         torch.cuda.empty_cache()
     _run(f"workspace_select_T{max(args.T)}", lambda: select_workspace(max(args.T)), results)
     for t in args.profile or []:
         x = m3_inputs(t)
         _run(f"profile_T{t}", lambda: profile_case(x, t), results)
-        del x
+        x = None  # free the GPU memory (closures above hold these names)
     sweep_ts = [] if args.sweep is None else (args.sweep or [32768])
     for t in sweep_ts:
         x = m3_inputs(t)
         _run(f"sweep_T{t}", lambda: sweep(x, t), results)
-        del x
+        x = None  # free the GPU memory (closures above hold these names)
 
     print("\n=== summary (ms) ===")
     print(f"{'T':>9} {'select':>8} {'TF/s':>8} {'kl_chk':>8} {'kl_idx':>8} {'kl_fwd':>8} {'kl_f+b':>8} "
