@@ -215,3 +215,41 @@ def test_tower_on_cuda_bf16_matches_cpu_fp32(tiny_tower):
         cpu_bf16.load_state_dict(tiny_tower.state_dict())
         bound = (cpu_bf16(pixels.bfloat16(), grid).float() - ref).abs().max().item()
     assert (out - ref).abs().max().item() <= 2 * bound + 1e-3
+
+
+def test_checkpointed_blocks_keeping_the_attention_run_it_once(tiny_tower, monkeypatch):
+    """A vision block checkpointed with `reuse_contexts(keep_attention=True)` (the trainer's
+    `ac_keep_attention`): its segment attention runs in the forward only, with the unchecked block's gradients."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from openm3.layers import recompute
+    from openm3.layers.vision import VisionAttention
+
+    calls = []
+    segments = VisionAttention._segments
+    monkeypatch.setattr(VisionAttention, "_segments", lambda self, *a: calls.append(1) or segments(self, *a))
+    from openm3.layers.vision import axial_rope_cos_sin
+
+    block = tiny_tower.layers[0].train()
+    n, hidden = 8, block.self_attn.q_proj.in_features
+    x0 = torch.randn(n, hidden, generator=torch.Generator().manual_seed(2))
+    positions = torch.stack([torch.arange(n) // 4, torch.arange(n) % 4 // 2, torch.arange(n) % 2], dim=1)
+    cos, sin = axial_rope_cos_sin(positions, tiny_tower.inv_freq)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)  # two segments of unequal length
+    runs = []
+    for context_fn in (None, functools.partial(recompute.reuse_contexts, keep_attention=True),
+                       recompute.reuse_contexts):
+        block.zero_grad(set_to_none=True)
+        calls.clear()
+        x = x0.clone().requires_grad_(True)
+        out = block(x, cos, sin, cu) if context_fn is None else \
+            checkpoint(block, x, cos, sin, cu, use_reentrant=False, context_fn=context_fn)
+        out.square().mean().backward()
+        runs.append((len(calls), x.grad.clone(), torch.cat([p.grad.flatten() for p in block.parameters()])))
+    tiny_tower.eval()
+    assert [r[0] for r in runs] == [1, 1, 2]
+    torch.testing.assert_close(runs[1][1], runs[0][1])
+    torch.testing.assert_close(runs[1][2], runs[0][2])
+    assert runs[0][2].abs().sum() > 0

@@ -124,8 +124,7 @@ class Attention(nn.Module):
         # Under activation checkpointing with `recompute.reuse_contexts`, the backward's recomputation of this layer
         # takes the forward's selection back and skips the KL, and with `keep_attention` the attention too (see
         # openm3.layers.recompute).
-        kept = recompute.current()
-        once = kept.kept if kept is not None and kept.keep_attention else (lambda run: run())
+        once = recompute.kept_attention
         reuse = recompute.current_msa()
         if not self.is_sparse:
             return once(lambda: (dense_attention(q, k, v, cu_seqlens, scale=self.scale),))[0], None, None

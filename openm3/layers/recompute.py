@@ -14,9 +14,10 @@ its gradients in one pass and saves the gradients). Recomputing them is wasted w
 The price is memory held from the forward to the backward: per MSA layer the selection (`[Hi, T, topk]` int32)
 and the KL's fp32 gradients (`[T, Hi, Di]` and `[Tk, Di]`): 2.4 GB over m3-small's 15 MSA layers at 64K.
 
-`reuse_contexts(keep_attention=True)` also keeps every layer's attention, dense or MSA: the forward's attention
-node keeps its saved tensors and the recomputation gets the forward's output back instead of running the attention
-again (a selective checkpoint: at long contexts the attention is the costliest part of a layer to recompute).
+`reuse_contexts(keep_attention=True)` also keeps every layer's attention (`kept_attention`: dense and MSA decoder
+layers, vision blocks): the forward's attention node keeps its saved tensors and the recomputation gets the
+forward's output back instead of running the attention again (a selective checkpoint: at long contexts the
+attention is the costliest part of a layer to recompute).
 On CUDA the kernels save q, k, v, the output and the softmax statistics (and the MSA ops their index
 bookkeeping): m3-small at 64K tokens on an H200, 9 GB more over its 16 layers for a 6.9% faster MSA step and a 17%
 faster dense one (session 23). On CPU the PyTorch paths save their whole graph (the dense math path its [T, T]
@@ -101,6 +102,13 @@ def reuse_contexts(keep_attention: bool = False, reuse_msa: bool = True
 def current() -> CheckpointReuse | None:
     """The `CheckpointReuse` of the checkpointed call running now, or None."""
     return _ACTIVE.get()
+
+
+def kept_attention(run):
+    """`run()` (an attention: a tuple of tensors and None) through the running checkpointed call's `kept` when
+    it keeps the attention (`keep_attention`), else as it is."""
+    reuse = _ACTIVE.get()
+    return reuse.kept(run) if reuse is not None and reuse.keep_attention else run()
 
 
 def current_msa() -> CheckpointReuse | None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.host import host_list
+from . import recompute
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -135,7 +136,11 @@ class VisionAttention(nn.Module):
     # lengths): under a compiled block the projections, RoPE, norms, MLP and residuals compile around it.
     @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Softmax attention of ``q, k, v: [N, H, D]`` inside each segment -> ``[N, H, D]``."""
+        """Softmax attention of ``q, k, v: [N, H, D]`` inside each segment -> ``[N, H, D]`` (under activation
+        checkpointing with `keep_attention`, the recomputation reuses the forward's output)."""
+        return recompute.kept_attention(lambda: (self._segments(q, k, v, cu_seqlens),))[0]
+
+    def _segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         lengths = check_cu_seqlens(cu_seqlens, q.shape[0])
         out = torch.empty_like(q)
         start = 0
