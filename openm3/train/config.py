@@ -76,9 +76,9 @@ class TrainConfig:
     # selection and indexer KL instead of running them again (read at every step; costs the selections held until
     # the backward, and with kl_in_backward off the KL's fp32 gradients too: 2.4 GB for m3-small at 64K)
     ac_reuse_msa: bool = True
-    # with activation checkpointing, every layer's attention (dense, MSA, vision) keeps its saved tensors (q, k, v, output,
-    # softmax statistics: ~0.6 GB per m3-small layer at 64K) and the recomputation reuses its output instead of
-    # running it again (a selective checkpoint; read at every step)
+    # with activation checkpointing, every layer's attention (dense, MSA, vision) keeps its saved tensors (q, k, v,
+    # output, softmax statistics: ~0.6 GB per m3-small layer at 64K) and the recomputation reuses its output
+    # instead of running it again (a selective checkpoint; read at every step)
     ac_keep_attention: bool = False
     # The sparse-stage MSA layers run the indexer KL inside the attention's backward
     # (`openm3.layers.attention.kl_in_backward`: the dk/dv kernel computes the KL's teacher on the way, so the
