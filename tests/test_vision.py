@@ -248,8 +248,30 @@ def test_checkpointed_blocks_keeping_the_attention_run_it_once(tiny_tower, monke
             checkpoint(block, x, cos, sin, cu, use_reentrant=False, context_fn=context_fn)
         out.square().mean().backward()
         runs.append((len(calls), x.grad.clone(), torch.cat([p.grad.flatten() for p in block.parameters()])))
-    tiny_tower.eval()
     assert [r[0] for r in runs] == [1, 1, 2]
+    # the tower's own switch: one segment attention per block with keep_attention, two without
+    grid, pixels = torch.tensor([[2, 2, 2]]), torch.randn(8, PATCH_DIM, generator=torch.Generator().manual_seed(8))
+    counts = []
+    tiny_tower.train()
+    for keep in (True, False):
+        tiny_tower.gradient_checkpointing_enable(keep_attention=keep)
+        calls.clear()
+        tiny_tower(pixels, grid).square().mean().backward()
+        counts.append(len(calls))
+    tiny_tower.gradient_checkpointing_disable()
+    tiny_tower.eval().zero_grad()
+    assert counts == [len(tiny_tower.layers), 2 * len(tiny_tower.layers)]
     torch.testing.assert_close(runs[1][1], runs[0][1])
     torch.testing.assert_close(runs[1][2], runs[0][2])
     assert runs[0][2].abs().sum() > 0
+
+
+def test_vl_model_checkpointing_switch_reaches_both_towers():
+    from openm3.models.multimodal import M3ForConditionalGeneration, M3VLConfig
+
+    model = M3ForConditionalGeneration(M3VLConfig.from_name("m3-tiny", image_token_index=7, video_token_index=8))
+    model.gradient_checkpointing_enable(keep_attention=True)
+    towers = (model.language_model, model.vision_tower)
+    assert all(t.gradient_checkpointing and t.checkpoint_keep_attention for t in towers)
+    model.gradient_checkpointing_disable()
+    assert not any(t.gradient_checkpointing or t.checkpoint_keep_attention for t in towers)

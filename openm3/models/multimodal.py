@@ -125,6 +125,15 @@ class M3ForConditionalGeneration(nn.Module):
         if not any(p.is_meta for p in self.vision_tower.parameters()):
             self.reset_vision_parameters()
 
+    def gradient_checkpointing_enable(self, keep_attention: bool = False) -> None:
+        """Checkpoint the decoder layers and the tower's blocks (see `M3TextModel.gradient_checkpointing_enable`)."""
+        self.language_model.gradient_checkpointing_enable(keep_attention)
+        self.vision_tower.gradient_checkpointing_enable(keep_attention)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.language_model.gradient_checkpointing_disable()
+        self.vision_tower.gradient_checkpointing_disable()
+
     @torch.no_grad()
     def reset_vision_parameters(self) -> None:
         """Random init of tower and projector as transformers does: normal(0, initializer_range) weights,

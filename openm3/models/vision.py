@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from openm3.layers.recompute import reuse_contexts
 from openm3.layers.vision import VisionBlock, VisionPatchEmbed, axial_rope_cos_sin, axial_rope_inv_freq
 from openm3.ops.host import host_list, to_device
 
@@ -237,6 +239,15 @@ class M3VisionModel(nn.Module):
             for _ in range(c.num_hidden_layers))
         self.register_buffer("inv_freq", axial_rope_inv_freq(c.head_dim, c.rope_theta), persistent=False)
         self.gradient_checkpointing = False
+        self.checkpoint_keep_attention = False  # see gradient_checkpointing_enable
+
+    def gradient_checkpointing_enable(self, keep_attention: bool = False) -> None:
+        """Recompute each block in the backward while training (non-reentrant checkpoints); with
+        `keep_attention` each block's segment attention is kept and not recomputed (`openm3.layers.recompute`)."""
+        self.gradient_checkpointing, self.checkpoint_keep_attention = True, keep_attention
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing = self.checkpoint_keep_attention = False
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
                 frames_per_clip: int | None = None) -> torch.Tensor:
@@ -256,7 +267,8 @@ class M3VisionModel(nn.Module):
             x = x.to(self.residual_dtype)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, cu_seqlens, use_reentrant=False)
+                contexts = partial(reuse_contexts, keep_attention=self.checkpoint_keep_attention)
+                x = checkpoint(layer, x, cos, sin, cu_seqlens, use_reentrant=False, context_fn=contexts)
             else:
                 x = layer(x, cos, sin, cu_seqlens)
         return x
