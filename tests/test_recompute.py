@@ -16,26 +16,14 @@ from openm3.models.config import M3TextConfig
 from openm3.models.text import M3TextModel
 from openm3.ops import msa
 from openm3.train.trainer import Trainer
+from call_counts import attention_entry_points, count_calls
 from test_train_compile import PackedRows, tiny_cfg
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _counting(monkeypatch) -> dict:
-    calls = {"select": 0, "kl": 0}
-    select, kl = msa.select_blocks, msa.indexer_kl
-
-    def counted_select(*a, **k):
-        calls["select"] += 1
-        return select(*a, **k)
-
-    def counted_kl(*a, **k):
-        calls["kl"] += 1
-        return kl(*a, **k)
-
-    monkeypatch.setattr(msa, "select_blocks", counted_select)
-    monkeypatch.setattr(msa, "indexer_kl", counted_kl)
-    return calls
+    return count_calls(monkeypatch, select=[(msa, "select_blocks")], kl=[(msa, "indexer_kl")])
 
 
 def _grads(model, ids, cu, stage):
@@ -143,14 +131,7 @@ def test_train_cli_flags():
 
 
 def _count_attention(monkeypatch) -> dict:
-    calls = {"attention": 0}
-    for owner, name in ((msa, "sparse_attention"), (msa, "sparse_attention_with_kl"), (attention, "dense_attention")):
-        def counted(*a, _run=getattr(owner, name), **k):
-            calls["attention"] += 1
-            return _run(*a, **k)
-
-        monkeypatch.setattr(owner, name, counted)
-    return calls
+    return count_calls(monkeypatch, attention=attention_entry_points())
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

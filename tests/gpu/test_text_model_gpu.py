@@ -110,17 +110,9 @@ def test_checkpointed_layers_reuse_selection_and_kl_on_gpu(monkeypatch):
     torch.manual_seed(0)
     model = M3TextModel(tiny(index_topk_blocks=2)).to("cuda").train()
     ids, cu = (t.cuda() for t in packed_ids([150, 93], 128, seed=8))
-    calls = {"select": 0, "kl": 0}
-    select, kl = msa.select_blocks, msa.indexer_kl
+    from call_counts import count_calls
 
-    def counted(name, fn):
-        def run(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return run
-
-    monkeypatch.setattr(msa, "select_blocks", counted("select", select))
-    monkeypatch.setattr(msa, "indexer_kl", counted("kl", kl))
+    calls = count_calls(monkeypatch, select=[(msa, "select_blocks")], kl=[(msa, "indexer_kl")])
     n_msa = sum(t == "minimax_m3_sparse" for t in model.config.layer_types)
     results = []
     for flag in (False, True):

@@ -38,7 +38,8 @@ def run(tmp_path, overlap: bool, steps: int = 6, **kw) -> list[dict]:
 
     mcfg = M3TextConfig.from_name("m3-tiny")
     cfg = TrainConfig(model="m3-tiny", steps=steps, seq_len=1024, text_rows=4, micro_batch=2, lr=3e-3,
-                      warmup_steps=1, msa_switch_step=2, out_dir=str(tmp_path / f"o{overlap}{sorted(kw.items())}"), progress=False,
+                      warmup_steps=1, msa_switch_step=2, progress=False,
+                      out_dir=str(tmp_path / f"o{overlap}{sorted(kw.items())}"),
                       tensorboard=False, overlap_steps=overlap, param_dtype="bfloat16", device="cuda",
                       ckpt_every=3, **kw)
     trainer = Trainer(cfg, lambda: M3TextModel(mcfg), RepeatedRows(mcfg.vocab_size, cfg.seq_len))
@@ -64,16 +65,9 @@ def test_overlapped_steps_on_cuda_match_synced_steps(tmp_path):
 
 
 def test_checkpointed_run_keeping_the_attention_matches(tmp_path, monkeypatch):
-    from openm3.layers import attention
-    from openm3.ops import msa
+    from call_counts import attention_entry_points, count_calls
 
-    calls = {"attention": 0}
-    for owner, name in ((msa, "sparse_attention"), (msa, "sparse_attention_with_kl"), (attention, "dense_attention")):
-        def counted(*a, _run=getattr(owner, name), **k):
-            calls["attention"] += 1
-            return _run(*a, **k)
-
-        monkeypatch.setattr(owner, name, counted)
+    calls = count_calls(monkeypatch, attention=attention_entry_points())
     runs = {}
     for keep in (False, True):
         torch.manual_seed(0)
