@@ -115,3 +115,23 @@ def current_msa() -> CheckpointReuse | None:
     """`current()` when it reuses MSA layers' selection and KL (`reuse_msa`), else None."""
     reuse = _ACTIVE.get()
     return reuse if reuse is not None and reuse.reuse_msa else None
+
+
+class CheckpointSwitch:
+    """`gradient_checkpointing_enable` / `gradient_checkpointing_disable` (transformers' names) for a model whose
+    forward checkpoints its blocks while training, with `checkpoint_contexts` as the checkpoints' `context_fn`."""
+
+    gradient_checkpointing = False
+    checkpoint_keep_attention = False
+
+    def gradient_checkpointing_enable(self, keep_attention: bool = False) -> None:
+        """Recompute each block in the backward while training (non-reentrant checkpoints). MSA layers hand
+        their block selection and indexer KL to the recomputation; with `keep_attention` every block's attention
+        is kept too and not recomputed (a selective checkpoint: more memory, less time)."""
+        self.gradient_checkpointing, self.checkpoint_keep_attention = True, keep_attention
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing = self.checkpoint_keep_attention = False
+
+    def checkpoint_contexts(self):
+        return reuse_contexts(keep_attention=self.checkpoint_keep_attention)

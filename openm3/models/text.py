@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -21,7 +20,7 @@ from ..layers.attention import Attention
 from ..layers.mlp import DenseMLP
 from ..layers.moe import MoE, Router, Experts, load_balancing_loss
 from ..layers.norm import RMSNorm
-from ..layers.recompute import reuse_contexts
+from ..layers.recompute import CheckpointSwitch
 from ..layers.rope import rope_cos_sin
 from ..ops.attention import check_cu_seqlens
 from .config import M3TextConfig
@@ -129,7 +128,7 @@ def residual_stream_dtype(model: nn.Module, dtype: torch.dtype | None) -> Iterat
         yield len(flagged)
 
 
-class M3TextModel(nn.Module):
+class M3TextModel(CheckpointSwitch, nn.Module):
     """The M3 decoder: `embed_tokens`, `layers`, `norm`, `lm_head` (parameter names as in transformers, without
     its `model.` prefix, so transformers' checkpoints map by prefix)."""
 
@@ -150,20 +149,8 @@ class M3TextModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.gradient_checkpointing = False
-        self.checkpoint_keep_attention = False  # see gradient_checkpointing_enable
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
-
-    def gradient_checkpointing_enable(self, keep_attention: bool = False) -> None:
-        """Recompute each decoder layer in the backward while training (non-reentrant checkpoints, as
-        transformers' method of this name sets up). MSA layers hand their block selection and indexer KL to the
-        recomputation; with `keep_attention` every layer's attention is kept too and not recomputed (a selective
-        checkpoint: more memory, less time; `openm3.layers.recompute`)."""
-        self.gradient_checkpointing, self.checkpoint_keep_attention = True, keep_attention
-
-    def gradient_checkpointing_disable(self) -> None:
-        self.gradient_checkpointing = self.checkpoint_keep_attention = False
 
     # ------------------------------------------------------------------ init / io
     @torch.no_grad()
@@ -233,8 +220,8 @@ class M3TextModel(nn.Module):
         for layer in self.layers:
             args = (x, cos, sin, cu_seqlens, compute_kl, dense_warmup, return_block_idx, cache)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                contexts = partial(reuse_contexts, keep_attention=self.checkpoint_keep_attention)
-                x, kl, router_logits, block_idx = checkpoint(layer, *args, use_reentrant=False, context_fn=contexts)
+                x, kl, router_logits, block_idx = checkpoint(layer, *args, use_reentrant=False,
+                                                             context_fn=self.checkpoint_contexts)
             else:
                 x, kl, router_logits, block_idx = layer(*args)
             if kl is not None:

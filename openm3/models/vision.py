@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from openm3.layers.recompute import reuse_contexts
+from openm3.layers.recompute import CheckpointSwitch
 from openm3.layers.vision import VisionBlock, VisionPatchEmbed, axial_rope_cos_sin, axial_rope_inv_freq
 from openm3.ops.host import host_list, to_device
 
@@ -216,7 +215,7 @@ def attention_mask(plan: list[ClipCost]) -> torch.Tensor:
     return seg[:, None] == seg[None, :]
 
 
-class M3VisionModel(nn.Module):
+class M3VisionModel(CheckpointSwitch, nn.Module):
     """The ViT: patch embed -> pre-LayerNorm -> blocks with 3D RoPE and per-segment attention.
 
     ``pixel_values: [N, C * 2 * 14 * 14]`` packed patches, ``grid_thw: int [G, 3]`` one row per image or
@@ -238,16 +237,6 @@ class M3VisionModel(nn.Module):
             VisionBlock(c.hidden_size, c.num_attention_heads, c.intermediate_size, c.hidden_act, c.layer_norm_eps)
             for _ in range(c.num_hidden_layers))
         self.register_buffer("inv_freq", axial_rope_inv_freq(c.head_dim, c.rope_theta), persistent=False)
-        self.gradient_checkpointing = False
-        self.checkpoint_keep_attention = False  # see gradient_checkpointing_enable
-
-    def gradient_checkpointing_enable(self, keep_attention: bool = False) -> None:
-        """Recompute each block in the backward while training (non-reentrant checkpoints); with
-        `keep_attention` each block's segment attention is kept and not recomputed (`openm3.layers.recompute`)."""
-        self.gradient_checkpointing, self.checkpoint_keep_attention = True, keep_attention
-
-    def gradient_checkpointing_disable(self) -> None:
-        self.gradient_checkpointing = self.checkpoint_keep_attention = False
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
                 frames_per_clip: int | None = None) -> torch.Tensor:
@@ -267,8 +256,8 @@ class M3VisionModel(nn.Module):
             x = x.to(self.residual_dtype)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                contexts = partial(reuse_contexts, keep_attention=self.checkpoint_keep_attention)
-                x = checkpoint(layer, x, cos, sin, cu_seqlens, use_reentrant=False, context_fn=contexts)
+                x = checkpoint(layer, x, cos, sin, cu_seqlens, use_reentrant=False,
+                               context_fn=self.checkpoint_contexts)
             else:
                 x = layer(x, cos, sin, cu_seqlens)
         return x
