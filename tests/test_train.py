@@ -1,6 +1,7 @@
 """Training system: schedule, recipes, config validation, batching, losses, and exact resume."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -271,6 +272,27 @@ def test_overlapped_steps_read_values_one_step_late_and_change_nothing(tmp_path)
     a, b = (torch.load(latest_checkpoint(tmp_path / f"o{o}" / "checkpoints") / "trainer_state.pt", weights_only=False)
             for o in (True, False))
     assert a["step"] == b["step"] == 5 and a["scheduler"] == b["scheduler"]
+
+
+class SlowToyLM(ToyLM):
+    """A forward that takes at least `SECONDS`, so every step's wall time has a known floor."""
+
+    SECONDS = 0.04
+
+    def forward(self, *args, **kwargs):
+        time.sleep(self.SECONDS)
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_tokens_per_s_times_the_step_itself(tmp_path, overlap):
+    """tokens_per_s of every step (the progress bar's and the log's) covers that step's own compute: on the host,
+    a step's values exist when it ends, so reading them after the next step ran must not shorten it (the last step
+    of an overlapped CPU run had measured ~0 s, i.e. millions of tokens/s)."""
+    cfg = toy_cfg(tmp_path, steps=4, micro_batch=4, overlap_steps=overlap)  # one forward per step
+    records = Trainer(cfg, SlowToyLM, ToySource()).fit()
+    seconds = [r["tokens"] / r["tokens_per_s"] for r in records]
+    assert len(seconds) == 4 and min(seconds) >= SlowToyLM.SECONDS, seconds
 
 
 def test_launched_step_reads_its_values_once(tmp_path):

@@ -80,6 +80,7 @@ class PendingStep:
         self.meta, self.t0, self._trainer = meta, t0, trainer
         self._record: dict | None = None
         self._done = None
+        self._ready_at: float | None = None  # host-computed values are ready now, not when `record()` reads them
         if values.is_cuda:
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self._host.copy_(values, non_blocking=True)
@@ -87,6 +88,7 @@ class PendingStep:
             self._done.record()
         else:
             self._host = values
+            self._ready_at = time.perf_counter()
 
     @property
     def step(self) -> int:
@@ -99,8 +101,10 @@ class PendingStep:
             self._done.synchronize()
         values = self._host.tolist()
         # the step's time: from its start, or from when the previous step's values arrived if it was queued
-        # before that (then the interval is one step of the device's time, not of the host's queueing)
-        now = time.perf_counter()
+        # before that (then the interval is one step of the device's time, not of the host's queueing). A step
+        # computed on the host (CPU) had its values at the end of `launch_step`: reading them later, after the
+        # next step ran, must not move its end (the last step of a CPU run would take ~0 s)
+        now = time.perf_counter() if self._ready_at is None else self._ready_at
         dt = max(now - max(self.t0, self._trainer._values_read_at), 1e-9)
         self._trainer._values_read_at = now
         m = self.meta
