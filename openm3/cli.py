@@ -109,6 +109,7 @@ _DELEGATED: dict[str, tuple[str, str]] = {
     "data": ("openm3.data.cli:main", "offline data: preview samples, build the tokenizer"),
     "generate": ("openm3.engine.generate:main", "generate text with a model from a checkpoint or a preset"),
     "train": ("openm3.train.cli:main", "train a model with a recipe (single process or torchrun)"),
+    "eval": ("openm3.eval_cli:main", "evaluate a checkpoint: held-out bits per byte, image / video QA, indexer recall"),
     "demo": ("openm3.demo:main", "train m3-tiny natively multimodal on CPU, evaluate it, write a report"),
     "serve": ("openm3.serve.cli:main", "serve a model behind the OpenAI / Anthropic HTTP APIs"),
 }

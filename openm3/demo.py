@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from .data import get_tokenizer
     from .train.data import MixtureRows
-    from .train.eval import Evaluator
+    from .train.eval import BASELINE_SAMPLES, Evaluator
     from .train.factory import model_builder
     from .train.trainer import Trainer
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                          video_size=56)
     evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=2,
                           qa={"colour_qa": args.image_qa, "video_qa": args.video_qa}, image_size=84, video_size=56,
-                          baseline_samples={"colour_qa": 3000, "video_qa": 400})
+                          baseline_samples=BASELINE_SAMPLES)
     t_setup = time.perf_counter() - t_start
     print(f"openm3 demo: training m3-tiny (native multimodal, MSA) for {cfg.steps} steps on CPU "
           f"({torch.get_num_threads()} threads); report -> {out}", flush=True)

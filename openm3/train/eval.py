@@ -19,6 +19,10 @@ from torch import nn
 
 from .tasks import QASample, qa_samples, text_only_baseline
 
+# training samples behind each task's text-only baseline in the reports (`openm3 demo`, `openm3 eval`,
+# experiments/): enough that the baseline has seen every question of the task many times
+BASELINE_SAMPLES = {"colour_qa": 3000, "video_qa": 400}
+
 
 @dataclass
 class Window:
