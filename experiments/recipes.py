@@ -1,0 +1,253 @@
+"""When should vision arrive? The four recipes of the talk's comparison, trained at one text-token budget.
+
+    python -m experiments.recipes --out reports/recipes                      # m3-tiny on CPU, 3 seeds, ~15 min
+    python -m experiments.recipes --out reports/recipes --seeds 0 --steps 60 --jobs 1     # a quick look
+
+M3 trains on text and vision together from step zero ("native"). The baselines add vision later: before the
+learning-rate decay ("mid") or after it, as continued pre-training ("cpt"); "text-only" never sees vision. Every
+recipe trains on the same text rows in the same order (`openm3.train.recipes`), so held-out text quality compares
+fairly; vision rows come on top while vision is on. Each run uses the README demo's settings (m3-tiny with MSA
+layers, 256-token rows, one text row plus `--image-rows` image rows and `--video-rows` video rows per step while
+vision is on) and is then evaluated as the demo is: held-out bits per byte per corpus, image and video QA
+accuracy next to the best accuracy a model that sees only the question can reach, indexer recall.
+
+Writes to `--out`: `runs/<recipe>_s<seed>.json` (one per run, written atomically as it finishes: a rerun skips
+the runs already there), `summary.json` (every run, plus mean and spread per recipe), `summary.md` (the table)
+and `text_loss.png` (text-row loss per step, mean over seeds). Runs go to `--jobs` processes of one thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+RECIPES = ("text-only", "native", "mid", "cpt")
+QA_TASKS = ("colour_qa", "video_qa")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m experiments.recipes", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="reports/recipes", help="results folder (default: reports/recipes)")
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=240, help="optimizer steps per run (default: the demo's 240)")
+    p.add_argument("--mid-start", type=float, default=0.5,
+                   help="mid: vision from this fraction of the steps (default 0.5; the decay starts at 0.75)")
+    p.add_argument("--cpt-fraction", type=float, default=0.25,
+                   help="cpt: the last fraction of the steps with vision, after the text-only decay (default 0.25)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: the demo's 3e-3)")
+    p.add_argument("--image-rows", type=int, default=2, help="image rows per text row while vision is on")
+    p.add_argument("--video-rows", type=int, default=1, help="video rows per text row while vision is on")
+    p.add_argument("--windows", type=int, default=4, help="held-out documents per corpus for bits per byte")
+    p.add_argument("--image-qa", type=int, default=70, help="image questions scored per run")
+    p.add_argument("--video-qa", type=int, default=48, help="video questions scored per run")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
+    args = p.parse_args(argv)
+    for name in ("steps", "windows", "jobs", "image_rows", "lr"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if not 0 < args.mid_start < 0.75:
+        p.error(f"--mid-start must be in (0, 0.75) (before the decay, which starts at 0.75), got {args.mid_start}")
+    if not 0 < args.cpt_fraction < 1:
+        p.error(f"--cpt-fraction must be in (0, 1), got {args.cpt_fraction}")
+    return args
+
+
+def run_config(args: argparse.Namespace, recipe: str, seed: int, out_dir: Path):
+    """The demo's training settings with `recipe`'s vision timing."""
+    from openm3.demo import demo_config
+
+    demo_args = argparse.Namespace(steps=args.steps, seq_len=256, lr=args.lr, vision_lr_scale=0.1,
+                                   image_rows=args.image_rows, video_rows=args.video_rows, seed=seed,
+                                   out=str(out_dir), no_progress=True)
+    cfg = demo_config(demo_args)
+    timing = {"mid": dict(vision_start_step=int(args.steps * args.mid_start)),
+              "cpt": dict(cpt_steps=max(1, int(args.steps * args.cpt_fraction)))}.get(recipe, {})
+    return dataclasses.replace(cfg, recipe=recipe, tensorboard=False, **timing)
+
+
+def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict:
+    """Train and evaluate one (recipe, seed); returns its record (also written to runs/)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from openm3.data import get_tokenizer
+    from openm3.demo import DEMO_WEIGHTS
+    from openm3.train.data import MixtureRows
+    from openm3.train.eval import BASELINE_SAMPLES, Evaluator
+    from openm3.train.factory import model_builder
+    from openm3.train.trainer import Trainer
+
+    name = f"{recipe}_s{seed}"
+    tokenizer = get_tokenizer()
+    cfg = run_config(args, recipe, seed, out / "train" / name)
+    source = MixtureRows(tokenizer, cfg.seq_len, seed=seed, weights=DEMO_WEIGHTS, image_size=84, video_size=56)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)
+    history = trainer.fit()
+    t_train = time.perf_counter() - t0
+    evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=args.windows,
+                          qa={"colour_qa": args.image_qa, "video_qa": args.video_qa}, image_size=84, video_size=56,
+                          baseline_samples=BASELINE_SAMPLES)
+    result = evaluator.evaluate(trainer.model)
+    trainer.close()
+    plan = cfg.plan()
+    bpb = {k.split("/", 1)[1]: v for k, v in result.items() if k.startswith("bpb/")}
+    record = {
+        "recipe": recipe, "seed": seed, "steps": cfg.steps,
+        "vision_steps": sum(plan.vision_on(s) for s in range(cfg.steps)),
+        "text_tokens": plan.text_token_budget(cfg.seq_len),
+        "tokens": sum(r["tokens"] for r in history),
+        "bpb": bpb, "bpb_mean": sum(bpb.values()) / len(bpb),
+        **{f"{task}_accuracy": result[f"{task}/accuracy"] for task in QA_TASKS},
+        **{f"{task}_text_only_baseline": result[f"{task}/text_only_baseline"] for task in QA_TASKS},
+        "indexer_recall": result.get("indexer_recall"),
+        "text_loss": [r.get("loss/text") for r in history],
+        "seconds": {"train": t_train, "total": time.perf_counter() - t0},
+        "config": cfg.to_dict(),
+    }
+    _write_json(out / "runs" / f"{name}.json", record)
+    return record
+
+
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarise(records: list[dict]) -> dict:
+    """Mean and sample standard deviation over seeds of each recipe's scores."""
+    out = {}
+    for recipe in RECIPES:
+        rs = [r for r in records if r["recipe"] == recipe]
+        if not rs:
+            continue
+        row = {"seeds": sorted(r["seed"] for r in rs), "vision_steps": rs[0]["vision_steps"],
+               "text_tokens": rs[0]["text_tokens"]}
+        keys = ["bpb_mean", *(f"bpb/{c}" for c in rs[0]["bpb"]), "colour_qa_accuracy", "video_qa_accuracy",
+                "indexer_recall"]
+        for key in keys:
+            vals = [r["bpb"][key[4:]] if key.startswith("bpb/") else r[key] for r in rs]
+            if all(v is not None for v in vals):
+                row[key] = _mean_sd(vals)
+        row["colour_qa_text_only_baseline"] = rs[0]["colour_qa_text_only_baseline"]
+        row["video_qa_text_only_baseline"] = rs[0]["video_qa_text_only_baseline"]
+        out[recipe] = row
+    return out
+
+
+def summary_table(summary: dict) -> str:
+    corpora = sorted(k[4:] for k in next(iter(summary.values())) if k.startswith("bpb/"))
+    head = ["recipe", "vision steps", "bpb mean", *(f"bpb {c}" for c in corpora), "image QA", "video QA",
+            "indexer recall"]
+    fmt = lambda ms, d=3: "-" if ms is None else f"{ms[0]:.{d}f} ± {ms[1]:.{d}f}"  # noqa: E731
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for recipe, row in summary.items():
+        cells = [recipe, str(row["vision_steps"]), fmt(row.get("bpb_mean")),
+                 *(fmt(row.get(f"bpb/{c}")) for c in corpora), fmt(row.get("colour_qa_accuracy"), 2),
+                 fmt(row.get("video_qa_accuracy"), 2), fmt(row.get("indexer_recall"), 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    first = next(iter(summary.values()))
+    lines.append("")
+    seeds = sorted({seed for row in summary.values() for seed in row["seeds"]})
+    lines.append(f"Mean ± sample standard deviation over seeds {seeds}. QA accuracy of the best model that "
+                 f"sees only the question: image {first['colour_qa_text_only_baseline']:.2f}, video "
+                 f"{first['video_qa_text_only_baseline']:.2f}. Every recipe: {first['text_tokens']:,} text tokens.")
+    return "\n".join(lines) + "\n"
+
+
+def text_loss_plot(records: list[dict], path: Path, args: argparse.Namespace) -> None:
+    from openm3.analysis.plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    colours = {"text-only": "#444", "native": "#c33", "mid": "#36c", "cpt": "#a7a"}
+    k = max(1, args.steps // 20)
+    for recipe in RECIPES:
+        curves = [r["text_loss"] for r in records if r["recipe"] == recipe]
+        if not curves:
+            continue
+        mean = [statistics.fmean(v for v in col if v is not None) for col in zip(*curves)]
+        smooth = [statistics.fmean(mean[max(0, i - k + 1):i + 1]) for i in range(len(mean))]
+        ax.plot(range(len(smooth)), smooth, color=colours[recipe], lw=1.5, label=recipe)
+    ax.axvline(int(args.steps * args.mid_start), color="#36c", ls=":", lw=1, label="mid: vision on")
+    ax.axvline(args.steps - max(1, int(args.steps * args.cpt_fraction)), color="#a7a", ls=":", lw=1,
+               label="cpt: vision on")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"text-row cross-entropy ({k}-step mean)")
+    ax.set_title(f"m3-tiny, one text-token budget, mean of {len(args.seeds)} seeds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _train_all(args: argparse.Namespace, todo: list[tuple[str, int]], out: Path):
+    """Yield each run's record as it finishes: in this process with `--jobs 1`, else in spawned processes."""
+    if args.jobs == 1:
+        for recipe, seed in todo:
+            yield run_one(args, recipe, seed, out)
+        return
+    import multiprocessing
+
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(run_one, args, recipe, seed, out) for recipe, seed in todo]
+        for fut in as_completed(futures):
+            yield fut.result()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from openm3.demo import check_demo_extras
+
+    check_demo_extras()
+    out = Path(args.out)
+    todo, records = [], []
+    for seed in args.seeds:
+        for recipe in args.recipes:
+            done = out / "runs" / f"{recipe}_s{seed}.json"
+            if done.exists():
+                records.append(json.loads(done.read_text()))
+            else:
+                todo.append((recipe, seed))
+    print(f"experiments.recipes: {len(todo)} runs to train ({len(records)} already in {out / 'runs'}), "
+          f"{args.jobs} at a time", flush=True)
+    t0 = time.perf_counter()
+    for i, r in enumerate(_train_all(args, todo, out), 1):
+        records.append(r)
+        print(f"[{i}/{len(todo)} {time.perf_counter() - t0:5.0f} s] {r['recipe']:9s} seed {r['seed']}: "
+              f"bpb {r['bpb_mean']:.4f}, image QA {r['colour_qa_accuracy']:.2f}, video QA "
+              f"{r['video_qa_accuracy']:.2f}, {r['seconds']['total']:.0f} s", flush=True)
+    records = [r for r in records if r["recipe"] in args.recipes and r["seed"] in args.seeds]
+    records.sort(key=lambda r: (RECIPES.index(r["recipe"]), r["seed"]))
+    summary = summarise(records)
+    import torch
+
+    _write_json(out / "summary.json", {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "settings": vars(args), "summary": summary,
+        "runs": [{k: v for k, v in r.items() if k != "text_loss"} for r in records]})
+    table = summary_table(summary)
+    (out / "summary.md").write_text(table)
+    text_loss_plot(records, out / "text_loss.png", args)
+    print(table)
+    print(f"results in {out.resolve()}")
+    return 0 if all(math.isfinite(r["bpb_mean"]) for r in records) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
