@@ -80,6 +80,14 @@ def test_models_list(client):
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [NAME]
 
 
+def test_health_and_version(client):
+    import openm3
+
+    r = client.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert client.get("/version").json() == {"version": openm3.__version__, "model": NAME}
+
+
 @pytest.mark.parametrize("prompt", ["def f(x):\n    return", [5, 300, 17, 42]], ids=["text", "ids-T4"])
 def test_completion_is_the_engines_greedy_text(client, model, tok, prompt):
     r = client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0})

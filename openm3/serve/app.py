@@ -1,6 +1,6 @@
-"""The HTTP app: OpenAI's `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` and
-`POST /v1/responses` (`responses.py`), and Anthropic's `POST /v1/messages` (+ `/count_tokens`; `anthropic.py`), over
-one engine.
+"""The HTTP app: `GET /health` and `/version`, OpenAI's `GET /v1/models`, `POST /v1/completions`,
+`POST /v1/chat/completions` and `POST /v1/responses` (`responses.py`), and Anthropic's `POST /v1/messages`
+(+ `/count_tokens`; `anthropic.py`), over one engine.
 
     app = create_app(ModelBackend(model), tokenizer, model_name="m3-tiny", max_total_tokens=4096)
 
@@ -191,6 +191,17 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if _anthropic(request):
             return JSONResponse(anthropic.error_body(message), status_code=400)
         return JSONResponse(error_body(message, param), status_code=400)
+
+    @app.get("/health")
+    def health():
+        """Liveness for load balancers and orchestrators (vLLM's route): 200 once the app serves requests."""
+        return {"status": "ok"}
+
+    @app.get("/version")
+    def version():
+        from .. import __version__
+
+        return {"version": __version__, "model": model_name}
 
     @app.get("/v1/models")
     def models(anthropic_version: str | None = Header(default=None)):
