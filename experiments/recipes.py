@@ -1,6 +1,6 @@
 """When should vision arrive? The four recipes of the talk's comparison, trained at one text-token budget.
 
-    python -m experiments.recipes --out reports/recipes                      # m3-tiny on CPU, 3 seeds, ~15 min
+    python -m experiments.recipes --out reports/recipes                      # m3-tiny on CPU, 3 seeds, ~10 min
     python -m experiments.recipes --out reports/recipes --seeds 0 --steps 60 --jobs 1     # a quick look
 
 M3 trains on text and vision together from step zero ("native"). The baselines add vision later: before the
@@ -11,9 +11,12 @@ layers, 256-token rows, one text row plus `--image-rows` image rows and `--video
 vision is on) and is then evaluated as the demo is: held-out bits per byte per corpus, image and video QA
 accuracy next to the best accuracy a model that sees only the question can reach, indexer recall.
 
+`--set FIELD=VALUE` changes a TrainConfig field in every run, for ablations (`--set aux_loss_weight=0`).
+
 Writes to `--out`: `runs/<recipe>_s<seed>.json` (one per run, written atomically as it finishes: a rerun skips
-the runs already there), `summary.json` (every run, plus mean and spread per recipe), `summary.md` (the table)
-and `text_loss.png` (text-row loss per step, mean over seeds). Runs go to `--jobs` processes of one thread each.
+the runs already there, and refuses ones made with other settings), `summary.json` (every run, plus mean and
+spread per recipe), `summary.md` (the table) and `text_loss.png` (text-row loss per step, mean over seeds). Runs
+go to `--jobs` processes of one thread each (`--jobs 1`: in this process).
 """
 
 from __future__ import annotations
@@ -50,7 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--image-qa", type=int, default=70, help="image questions scored per run")
     p.add_argument("--video-qa", type=int, default=48, help="video questions scored per run")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
+    p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
+                   help="TrainConfig fields for every run, for ablations (e.g. aux_loss_weight=0 kl_weight=0); "
+                        "values are JSON, else strings")
     args = p.parse_args(argv)
+    args.overrides = _overrides(p, args.set)
     for name in ("steps", "windows", "jobs", "image_rows", "lr"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
@@ -59,6 +66,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 < args.cpt_fraction < 1:
         p.error(f"--cpt-fraction must be in (0, 1), got {args.cpt_fraction}")
     return args
+
+
+def _overrides(p: argparse.ArgumentParser, items: list[str]) -> dict:
+    """`--set FIELD=VALUE ...` -> {field: value}; an unknown field or a recipe setting is an error."""
+    from openm3.train.config import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    reserved = {"recipe", "steps", "seed", "vision_start_step", "cpt_steps", "out_dir", "lr", "mixture"}
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields or name in reserved:
+            p.error(f"--set {item!r}: expected FIELD=VALUE with a TrainConfig field other than "
+                    f"{sorted(reserved)} (those have their own options or belong to the recipe)")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name] = value
+    return out
 
 
 def run_config(args: argparse.Namespace, recipe: str, seed: int, out_dir: Path):
@@ -71,7 +97,7 @@ def run_config(args: argparse.Namespace, recipe: str, seed: int, out_dir: Path):
     cfg = demo_config(demo_args)
     timing = {"mid": dict(vision_start_step=int(args.steps * args.mid_start)),
               "cpt": dict(cpt_steps=max(1, int(args.steps * args.cpt_fraction)))}.get(recipe, {})
-    return dataclasses.replace(cfg, recipe=recipe, tensorboard=False, **timing)
+    return dataclasses.replace(cfg, recipe=recipe, tensorboard=False, **timing, **args.overrides)
 
 
 def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict:
@@ -112,10 +138,16 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
         "indexer_recall": result.get("indexer_recall"),
         "text_loss": [r.get("loss/text") for r in history],
         "seconds": {"train": t_train, "total": time.perf_counter() - t0},
-        "config": cfg.to_dict(),
+        **_settings(args, cfg),
     }
     _write_json(out / "runs" / f"{name}.json", record)
     return record
+
+
+def _settings(args: argparse.Namespace, cfg) -> dict:
+    """What decides a run's numbers: its training config and the evaluation's sizes (JSON-normalised)."""
+    evaluation = {"windows": args.windows, "image_qa": args.image_qa, "video_qa": args.video_qa}
+    return json.loads(json.dumps({"config": cfg.to_dict(), "evaluation": evaluation}))
 
 
 def _write_json(path: Path, obj) -> None:
@@ -221,7 +253,12 @@ def main(argv=None) -> int:
         for recipe in args.recipes:
             done = out / "runs" / f"{recipe}_s{seed}.json"
             if done.exists():
-                records.append(json.loads(done.read_text()))
+                record = json.loads(done.read_text())
+                cfg = run_config(args, recipe, seed, out / "train" / f"{recipe}_s{seed}")
+                if {k: record.get(k) for k in ("config", "evaluation")} != _settings(args, cfg):
+                    raise SystemExit(f"experiments.recipes: {done} was made with other settings than these; "
+                                     "give another --out (or delete it to train it again)")
+                records.append(record)
             else:
                 todo.append((recipe, seed))
     print(f"experiments.recipes: {len(todo)} runs to train ({len(records)} already in {out / 'runs'}), "

@@ -57,3 +57,18 @@ def test_recipes_share_the_text_budget_and_a_rerun_trains_nothing(tmp_path, caps
     assert recipes.main(argv) == 0
     assert "0 runs to train (2 already in" in capsys.readouterr().out
     assert json.loads((tmp_path / "summary.json").read_text())["runs"] == first["runs"]
+    for changed in (["--windows", "2"], ["--set", "aux_loss_weight=0"]):  # kept runs must match the settings
+        with pytest.raises(SystemExit, match="made with other settings"):
+            recipes.main(argv + changed)
+
+
+def test_set_overrides_config_fields_and_refuses_recipe_settings(capsys):
+    args = recipes.parse_args(["--set", "aux_loss_weight=0", "kl_weight=0.5", "decay_shape=cosine"])
+    assert args.overrides == {"aux_loss_weight": 0, "kl_weight": 0.5, "decay_shape": "cosine"}
+    cfg = recipes.run_config(args, "mid", 3, "unused")
+    assert (cfg.aux_loss_weight, cfg.kl_weight, cfg.decay_shape, cfg.vision_start_step, cfg.seed) == \
+        (0, 0.5, "cosine", 120, 3)
+    for bad in ("steps=5", "no_such_field=1", "kl_weight"):
+        with pytest.raises(SystemExit):
+            recipes.parse_args(["--set", bad])
+    assert "--set 'kl_weight'" in capsys.readouterr().err
