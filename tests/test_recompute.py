@@ -74,7 +74,8 @@ def test_plain_checkpointing_runs_them_twice(monkeypatch):
     for context_fn, want in ((None, 2), (recompute.reuse_contexts, 1)):
         calls.update(select=0, kl=0)
         kw = {} if context_fn is None else {"context_fn": context_fn}
-        out, kl, _, _ = checkpoint(layer, x, cos, sin, cu, True, False, False, None, use_reentrant=False, **kw)
+        out, kl, _, _ = checkpoint(layer, x, cos, sin, cu, True, False, None, False, None, use_reentrant=False,
+                                    **kw)
         (out.sum() + kl).backward()
         assert calls == {"select": want, "kl": want}, (context_fn, calls)
 
@@ -160,7 +161,7 @@ def test_kept_attention_runs_once_with_the_same_gradients(monkeypatch, backend, 
             x = x0.clone().requires_grad_(True)
             layer.zero_grad(set_to_none=True)
             calls["attention"] = 0
-            args = (x, cos, sin, cu, case != "dense_layer", case == "dense_warmup", False, None)
+            args = (x, cos, sin, cu, case != "dense_layer", case == "dense_warmup", None, False, None)
             with attention.kl_in_backward() if case == "sparse_kl_in_backward" else contextlib.nullcontext():
                 if context_fn is None:
                     out, kl, _, _ = layer(*args)

@@ -184,17 +184,26 @@ def test_index_lse_from_the_selection_gives_the_same_kl(monkeypatch):
 def test_dense_warmup_kl_also_reaches_the_backbone():
     """DESIGN.md: the indexer input is detached in the sparse stage only; in the dense warm-up the KL's gradient
     reaches the layers below an MSA layer through the indexer's input, but never the teacher's q/k projections
-    of the last layer (its teacher is detached and nothing above it reads the KL)."""
+    of the last layer (its teacher is detached and nothing above it reads the KL). `index_input_grad=False`
+    detaches it in the warm-up too (TrainConfig.warmup_kl_to_backbone), leaving the index branch's own gradients
+    as they were."""
     torch.manual_seed(0)
     model = M3TextModel(tiny(index_topk_blocks=2)).train()
     (ids,) = random_ids([70], 128, seed=4)
-    for stage, reaches in (("dense", True), ("sparse", False)):
+    indexer_grads = {}
+    for stage, grad, reaches in (("dense", None, True), ("sparse", None, False), ("dense", False, False)):
         model.zero_grad(set_to_none=True)
-        model(ids, msa_stage=stage).indexer_kl.backward()
+        model(ids, msa_stage=stage, index_input_grad=grad).indexer_kl.backward()
         below = model.layers[0].self_attn.q_proj.weight.grad
-        assert (below is not None and below.abs().sum() > 0) == reaches, stage
+        assert (below is not None and below.abs().sum() > 0) == reaches, (stage, grad)
         assert all(p.grad is None or p.grad.abs().sum() == 0 for n, p in model.named_parameters()
                    if "layers.3.self_attn." in n and ".indexer." not in n), stage
+        if stage == "dense":
+            indexer_grads[grad] = {n: p.grad.clone() for n, p in model.named_parameters()
+                                   if "layers.3.self_attn.indexer." in n}
+    assert indexer_grads[None].keys() == indexer_grads[False].keys() and indexer_grads[None]
+    for name, g in indexer_grads[None].items():
+        torch.testing.assert_close(indexer_grads[False][name], g, msg=name)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():

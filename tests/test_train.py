@@ -379,3 +379,32 @@ def test_activation_checkpointing_gives_the_same_updates(tmp_path):
     assert wrapped == ["CheckpointWrapper"] * 2
     got = ac.fit()
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
+
+
+def test_warmup_kl_kept_from_the_backbone(tmp_path):
+    """TrainConfig.warmup_kl_to_backbone=False: the dense warm-up's indexer KL trains the index branch only. Its
+    first step's losses are the default's; after it the index branch's weights are the default run's (same
+    gradients) and the backbone's differ (no KL gradient)."""
+    from openm3.models.config import M3TextConfig
+    from openm3.models.text import M3TextModel
+    from openm3.train.cli import build_config, parse_args
+    from test_train_compile import PackedRows, tiny_cfg
+
+    assert build_config(parse_args(["--no-warmup-kl-to-backbone"])).warmup_kl_to_backbone is False
+    mcfg = M3TextConfig.from_name("m3-tiny")
+    records, weights = {}, {}
+    for to_backbone in (True, False):
+        cfg = tiny_cfg(tmp_path, f"kl{to_backbone}", steps=2, msa_switch_step=2, warmup_kl_to_backbone=to_backbone,
+                       grad_clip=1e9)  # no clipping: its global scale would differ between the runs
+        trainer = Trainer(cfg, lambda: M3TextModel(mcfg), PackedRows(mcfg.vocab_size))
+        records[to_backbone] = trainer.train_step()
+        weights[to_backbone] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.close()
+    assert records[True]["loss"] == records[False]["loss"]
+    assert records[True]["indexer_kl"] == pytest.approx(records[False]["indexer_kl"], rel=1e-6)
+    indexer = [n for n in weights[True] if ".indexer." in n]
+    assert indexer
+    for name in indexer:
+        torch.testing.assert_close(weights[False][name], weights[True][name], rtol=0, atol=1e-7, msg=name)
+    assert not torch.allclose(weights[False]["layers.0.self_attn.q_proj.weight"],
+                              weights[True]["layers.0.self_attn.q_proj.weight"], rtol=0, atol=1e-6)

@@ -75,19 +75,21 @@ class Attention(nn.Module):
             self.indexer = Indexer(h, config.index_n_heads, config.index_head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                compute_kl: bool = False, dense_warmup: bool = False, return_block_idx: bool = False,
-                cache: Any = None) -> AttentionOutput:
+                compute_kl: bool = False, dense_warmup: bool = False, index_input_grad: bool | None = None,
+                return_block_idx: bool = False, cache: Any = None) -> AttentionOutput:
         """x: [T, hidden]; cos, sin: [T, rotary_dim]; cu_seqlens: int32 [B+1].
 
         compute_kl: also return the indexer KL (MSA layers). In the sparse stage the indexer then reads a detached
         copy of x, so the KL trains only the index branch (DESIGN.md); in the dense warm-up its gradient also
-        reaches the backbone through x. dense_warmup: MSA layers attend densely and the KL is the dense warm-up
-        variant (over all causal tokens). cache: see the module docstring.
+        reaches the backbone through x. index_input_grad: whether it does (None: that default of the stage; False
+        in the warm-up: the KL trains the index branch only there too). dense_warmup: MSA layers attend densely
+        and the KL is the dense warm-up variant (over all causal tokens). cache: see the module docstring.
 
         Under `torch.compile` the projections, norms and RoPE (`project`) and `o_proj` are traced; only `attend`,
         which reads `cu_seqlens` on the host and runs the varlen/MSA ops, is left to run eagerly.
         """
-        q, k, v, qi, ki = self.project(x, cos, sin, detach_index_input=compute_kl and not dense_warmup)
+        grad_to_x = dense_warmup if index_input_grad is None else index_input_grad
+        q, k, v, qi, ki = self.project(x, cos, sin, detach_index_input=compute_kl and not grad_to_x)
         o, kl, block_idx = self.attend(q, k, v, qi, ki, cu_seqlens, compute_kl=compute_kl, dense_warmup=dense_warmup,
                                        return_block_idx=return_block_idx, cache=cache)
         return AttentionOutput(self.o_proj(o.reshape(x.shape[0], -1)), kl, block_idx)

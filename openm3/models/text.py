@@ -65,9 +65,10 @@ class DecoderLayer(nn.Module):
     # `Attention.attend`: the q/k/v projections, QK-norm, partial RoPE, the indexer's projections, norms and RoPE,
     # o_proj, the norms, residuals and the MLP or the MoE are compiled; only the attention ops themselves (dense
     # varlen, MSA select/attend/KL, or the inference cache), which read `cu_seqlens` on the host, run eagerly.
-    def forward(self, x, cos, sin, cu_seqlens, compute_kl, dense_warmup, return_block_idx, cache):
+    def forward(self, x, cos, sin, cu_seqlens, compute_kl, dense_warmup, index_input_grad, return_block_idx, cache):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, compute_kl=compute_kl,
-                              dense_warmup=dense_warmup, return_block_idx=return_block_idx, cache=cache)
+                              dense_warmup=dense_warmup, index_input_grad=index_input_grad,
+                              return_block_idx=return_block_idx, cache=cache)
         x = x + attn.out
         h = self.post_attention_layernorm(x)
         router_logits = None
@@ -182,7 +183,8 @@ class M3TextModel(CheckpointSwitch, nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, *,
-                msa_stage: str = "sparse", return_kl: bool | None = None, return_aux: bool = False,
+                msa_stage: str = "sparse", return_kl: bool | None = None, index_input_grad: bool | None = None,
+                return_aux: bool = False,
                 return_router_logits: bool = False, return_block_idx: bool = False,
                 logits_index: torch.Tensor | None = None, cache: Any = None) -> M3TextOutput:
         """Logits for a packed batch.
@@ -191,7 +193,10 @@ class M3TextModel(CheckpointSwitch, nn.Module):
         sequence). position_ids: int [T] (default: 0.. per sequence; required with a cache, where they are the
         absolute positions of the new tokens). msa_stage: "sparse" (MSA layers attend to their selected blocks)
         or "dense" (the warm-up stage: MSA layers attend densely and the KL uses all causal tokens).
-        return_kl: add the indexer KL (default: `self.training`); return_aux: add the MoE load-balancing loss;
+        return_kl: add the indexer KL (default: `self.training`). index_input_grad: whether the KL's gradient
+        reaches the backbone through the indexer's input (default: in the dense warm-up only; False there makes
+        the warm-up's KL train the index branch alone, as the sparse stage's does). return_aux: add the MoE
+        load-balancing loss;
         return_router_logits / return_block_idx: add those per layer. logits_index: int [N], compute logits only
         for these token rows. cache: an inference cache (protocol in `openm3.layers.attention`).
         """
@@ -218,7 +223,7 @@ class M3TextModel(CheckpointSwitch, nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta, x.dtype)
         kls, routers, blocks = [], [], []
         for layer in self.layers:
-            args = (x, cos, sin, cu_seqlens, compute_kl, dense_warmup, return_block_idx, cache)
+            args = (x, cos, sin, cu_seqlens, compute_kl, dense_warmup, index_input_grad, return_block_idx, cache)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x, kl, router_logits, block_idx = checkpoint(layer, *args, use_reentrant=False,
                                                              context_fn=self.checkpoint_contexts)

@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "attention's backward, which computes its teacher anyway; with --activation-checkpointing "
                         "only while the recomputation reuses the forward's selection, i.e. without "
                         "--no-ac-reuse-msa)")
+    p.add_argument("--no-warmup-kl-to-backbone", dest="warmup_kl_to_backbone", action="store_false", default=None,
+                   help="in the dense warm-up, the indexer KL trains the index branch only (its input detached, as "
+                        "in the sparse stage); by default its gradient also reaches the backbone there")
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile each decoder layer (the attention ops stay eager inside it)")
     p.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false", default=None,

@@ -55,6 +55,10 @@ class TrainConfig:
 
     msa_switch_step: int = 0
     kl_weight: float = 1.0
+    # the dense warm-up's indexer KL also trains the backbone through the indexer's input (DESIGN.md detaches that
+    # input in the sparse stage only); False: the warm-up's KL trains the index branch alone, as DeepSeek's sparse
+    # attention does in its warm-up (docs/experiments.md measured it at m3-tiny scale)
+    warmup_kl_to_backbone: bool = True
     aux_loss_weight: float = 0.01
 
     seed: int = 0

@@ -42,16 +42,18 @@ class ForwardOutputs:
     aux_loss: torch.Tensor | None = None
 
 
-def model_forward(model: nn.Module, batch: Batch, *, msa_stage: str, kl: bool = True, aux: bool = True
-                  ) -> ForwardOutputs:
+def model_forward(model: nn.Module, batch: Batch, *, msa_stage: str, kl: bool = True, aux: bool = True,
+                  index_input_grad: bool | None = None) -> ForwardOutputs:
     """Run an openm3 model (text or vision-language) on a packed micro-batch in training mode.
 
     The model contract: `model(input_ids=, position_ids=, cu_seqlens=, msa_stage="dense"|"sparse",
     return_kl=, return_aux=, **vision_inputs)` returning an object with `logits` and optional `indexer_kl` and
-    `aux_loss`. A loss whose weight is zero is not asked for (the indexer KL is a large share of the step cost).
+    `aux_loss`, and `index_input_grad=` where it is not None. A loss whose weight is zero is not asked for (the
+    indexer KL is a large share of the step cost).
     """
+    extra = {} if index_input_grad is None else {"index_input_grad": index_input_grad}
     out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
-                msa_stage=msa_stage, return_kl=kl, return_aux=aux, **batch.vision)
+                msa_stage=msa_stage, return_kl=kl, return_aux=aux, **extra, **batch.vision)
     return ForwardOutputs(out.logits, getattr(out, "indexer_kl", None), getattr(out, "aux_loss", None))
 
 
@@ -308,7 +310,8 @@ class Trainer:
         defer_kl = cfg.kl_in_backward and (not cfg.activation_checkpointing or cfg.ac_reuse_msa)
         with self._autocast(), (kl_in_backward() if defer_kl else nullcontext([])) as kl_values:
             out = model_forward(self.model, batch, msa_stage=stage, kl=cfg.kl_weight > 0,
-                                aux=cfg.aux_loss_weight > 0)
+                                aux=cfg.aux_loss_weight > 0,
+                                index_input_grad=None if cfg.warmup_kl_to_backbone or stage != "dense" else False)
         per_token = token_losses(out.logits, batch.labels)
         ce = per_token.sum()
         with torch.no_grad():
