@@ -151,10 +151,10 @@ def _settings(args: argparse.Namespace, cfg) -> dict:
 
 
 def _write_json(path: Path, obj) -> None:
+    from openm3.train.checkpoint import write_text_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:

@@ -200,19 +200,11 @@ def report(args, vision: bool, n_params: int, dtype, device, source, qa: dict, r
 
 
 def write_json(path: str, data: dict) -> None:
-    """Write `data` as JSON atomically: a temporary file in the same folder, then os.replace."""
-    import tempfile
+    """Write `data` as JSON atomically (a crash leaves no half-written file)."""
+    from .train.checkpoint import write_text_atomic
 
-    folder = Path(path).resolve().parent
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".eval-", suffix=".json.tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(Path(path), json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,10 @@ from .distributed import DistInfo, barrier
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
-def _fsync_write(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a crash leaves either the old file or the new one: a temporary file beside
+    it, flushed to disk, then `os.replace`."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -108,11 +111,11 @@ class CheckpointManager:
         if self.info.is_main:
             torch.save(trainer_state, tmp / "trainer_state.pt")
             meta = {"step": step, "world_size": self.info.world_size, "time": time.time()}
-            _fsync_write(tmp / "meta.json", json.dumps(meta, indent=1))
+            write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_write(self.root / "LATEST", final.name)
+            write_text_atomic(self.root / "LATEST", final.name)
             self._prune()
         barrier(self.info)
         return final

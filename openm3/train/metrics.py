@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 
@@ -44,10 +43,10 @@ class MetricsLogger:
         """Drop records of steps >= `step` (written after the checkpoint a resume starts from)."""
         if not self.enabled or not self.path.exists():
             return
+        from .checkpoint import write_text_atomic
+
         keep = [r for r in read_jsonl(self.path) if r.get("step", -1) < step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def log(self, record: dict) -> None:
         if not self.enabled:
