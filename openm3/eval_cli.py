@@ -76,14 +76,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 def read_checkpoint(path: str):
     """(VL config or None, text config) of checkpoint `path`, read without the weights; ValueError naming it."""
-    from .models.checkpoint import CheckpointError, config_json, read_config
-    from .models.multimodal import read_config as read_vl_config
+    from .models.checkpoint import CheckpointError, read_configs
 
     if not os.path.isdir(path):
         raise ValueError(f"--checkpoint: directory {path!r} does not exist")
     try:
-        vl = read_vl_config(path) if config_json(path).get("vision_config") is not None else None
-        return vl, vl.text_config if vl else read_config(path)
+        return read_configs(path)
     except CheckpointError as err:
         raise ValueError(f"--checkpoint: {err}") from None
 

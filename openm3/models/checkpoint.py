@@ -331,6 +331,17 @@ def read_config(path) -> M3TextConfig:
         raise CheckpointError(f"{Path(path) / CONFIG_FILE}: unsupported config: {err}") from None
 
 
+def read_configs(path):
+    """(`M3VLConfig` or None, `M3TextConfig`) of checkpoint directory `path`, from its config.json alone: the VL
+    config when it has a `vision_config` (the text config is then its `text_config`). Raises CheckpointError."""
+    if config_json(path).get("vision_config") is None:
+        return None, read_config(path)
+    from .multimodal import read_config as read_vl_config
+
+    vl = read_vl_config(path)
+    return vl, vl.text_config
+
+
 def shard_index(path) -> dict[str, list[str]]:
     """Shard file -> the tensor names the index lists for it (or the single `model.safetensors`'s names) of
     checkpoint directory `path`; raises CheckpointError when the index or a shard it lists is missing."""

@@ -58,15 +58,12 @@ def checkpoint_builder(path: str | Path, tokenizer, *, multimodal: bool) -> Call
     placeholder ids for a VL checkpoint. Raises ValueError naming `init_from`."""
     import torch
 
-    from ..models.checkpoint import CheckpointError, config_json, load_pretrained
-    from ..models.checkpoint import read_config as read_text_config
-    from ..models.multimodal import read_config as read_vl_config
+    from ..models.checkpoint import CheckpointError, load_pretrained, read_configs
 
     root = Path(path)
     try:
-        is_vl = config_json(root).get("vision_config") is not None
-        config = read_vl_config(root) if is_vl else None
-        text = config.text_config if is_vl else read_text_config(root)
+        config, text = read_configs(root)
+        is_vl = config is not None
     except CheckpointError as err:
         raise ValueError(f"init_from: {err}") from None
     if multimodal and not is_vl:
