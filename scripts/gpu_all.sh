@@ -73,6 +73,8 @@ for s in "${stages[@]}"; do
         --chunk-size 32768 --device cuda --compile 2>&1 | tee "$OUT/generate_128k_compile.log" | tail -8 ;;
     prefillprof) python3 -m benchmarks.prefill_profile --out "$OUT" 2>&1 | tee "$OUT/prefill_profile.log" | tail -45 ;;
     batching) python3 -m benchmarks.serve_batching --out "$OUT" 2>&1 | tee "$OUT/serve_batching.log" | tail -6 ;;
+    prefix)  # an agent's conversation on m3-small from a 128K prompt: time to first token per turn, prefix cache on / off
+      python3 -m benchmarks.serve_prefix --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee "$OUT/serve_prefix.log" | tail -9 ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
     routing) python3 -m benchmarks.moe_routing_ops --out "$OUT" 2>&1 | tee "$OUT/moe_routing_ops.log" | tail -4 ;;
     klcompact)  # the KL with its old work-list compaction (a host sync per call; off by default since session 5)

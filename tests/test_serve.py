@@ -311,6 +311,32 @@ def test_batched_server_answers_concurrent_requests_as_the_engine_does_alone(mod
     assert backend.cache.free_pages == backend.plan.num_pages
 
 
+def test_repeated_conversation_reports_cached_prompt_tokens(model, tok):
+    """With the batching backend's prefix cache, a conversation sent again (as agents resend their history) reads
+    its full pages from the cache: every API's usage says how many, in its own terms, and the answer is the same."""
+    from openm3.engine.batching import BatchedGenerator
+
+    backend = BatchedGenerator(model, token_budget=4 * LIMIT, max_batch=2)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=LIMIT))
+    messages = [{"role": "user", "content": "Tell me about the quick brown fox and the lazy dog, " * 2}]
+    ask = {"model": NAME, "max_tokens": 4, "temperature": 0}
+    first = client.post("/v1/chat/completions", json={**ask, "messages": messages}).json()
+    again = client.post("/v1/chat/completions", json={**ask, "messages": messages}).json()
+    prompt = first["usage"]["prompt_tokens"]
+    page = model.config.index_block_size
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // page * page > 0
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    resp = client.post("/v1/responses", json={"model": NAME, "input": messages, "max_output_tokens": 4,
+                                              "temperature": 0}).json()
+    assert resp["usage"]["input_tokens"] == prompt
+    assert resp["usage"]["input_tokens_details"]["cached_tokens"] == (prompt - 1) // page * page
+    anth = client.post("/v1/messages", json={**ask, "messages": messages}).json()["usage"]
+    assert anth["cache_read_input_tokens"] == (prompt - 1) // page * page
+    assert anth["input_tokens"] + anth["cache_read_input_tokens"] == prompt
+    backend.close()
+
+
 BAD = [
     ("empty-prompt", "/v1/completions", {"prompt": ""}, "prompt"),
     ("empty-ids", "/v1/completions", {"prompt": []}, "prompt"),

@@ -12,6 +12,12 @@ request per step (one forward for the whole batch; CUDA graphs on a GPU, as in `
 batch after a stop token or `max_new_tokens`, or when its `on_token` raises (the exception is re-raised in its
 caller: that is how a server ends a request early), and its pages go back to the pool at once.
 
+Prefix caching (on by default, `prefix_caching=False` turns it off; `openm3.engine.cache`): every full page a
+request wrote, its prompt's and its answer's, stays cached after it ends until the memory is needed, and a later
+request whose prompt starts with the same tokens (and the same images) prefills only the rest. An agent's
+conversation resends its whole history each turn; with the cache each turn computes only what is new.
+`on_cached(n)` tells a caller how many prompt tokens came from the cache.
+
 Each request samples with its own generator seeded by `seed`, so its tokens equal `generate(model, [prompt],
 seed=seed, ...)`'s up to the float rounding of a batched forward. The running batch pauses while new requests
 prefill (no chunk interleaving). Over a VL model (`M3ForConditionalGeneration`) a request may carry its images
@@ -30,7 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .cache import CacheLayout, PagedCache, plan_cache
+from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cache
 from .generate import check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, sample
@@ -48,6 +54,10 @@ class _Request:
     on_token: Callable[[int], None]
     gen: torch.Generator
     images: PromptImages | None = None
+    salt: bytes = b""  # what besides the ids decides its pages (its images' digest)
+    keys: list = dataclasses.field(default_factory=list)  # page_keys of its prompt's full pages (prefix caching)
+    on_cached: Callable[[int], None] | None = None
+    outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
     id: int = -1
     produced: int = 0
     last: int = -1
@@ -61,7 +71,8 @@ class BatchedGenerator:
 
     token_budget: tokens the cache is planned for (all running requests' prompt + max_new_tokens together);
     max_batch: most requests decoded together; chunk_size: prefill tokens per forward; index_dtype: as in
-    `generate`; cuda_graphs: decode steps through CUDA graphs (default: on when the model is on a CUDA device).
+    `generate`; cuda_graphs: decode steps through CUDA graphs (default: on when the model is on a CUDA device);
+    prefix_caching: reuse cached pages of earlier requests' prompts and answers (see the module docstring).
     model: an `M3TextModel` or an `M3ForConditionalGeneration` (`vl_config` is then its config, else None).
     The signature of a call is the `Backend` protocol of `openm3.serve`, and `concurrent = True` tells the server
     not to serialise calls.
@@ -70,7 +81,7 @@ class BatchedGenerator:
     concurrent = True
 
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, prefix_caching: bool = True):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -83,13 +94,16 @@ class BatchedGenerator:
         self.device, self.dtype = param.device, param.dtype
         self.plan = plan_cache(CacheLayout.from_config(self.config), token_budget, kv_dtype=self.dtype,
                                index_dtype=index_dtype)
-        self.cache = PagedCache(self.plan, self.device)
+        self.prefix_caching = prefix_caching
+        self.cache = PagedCache(self.plan, self.device, prefix_caching=prefix_caching)
         self.max_batch, self.chunk_size = max_batch, chunk_size
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self.text, self.cache) if use_graphs else None
         self.vocab_size = self.config.vocab_size
         self.steps = 0  # decode steps run
         self.batch_sizes: collections.Counter = collections.Counter()  # decode steps per batch size
+        self.prompt_tokens = 0  # prompt tokens of admitted requests
+        self.cached_tokens = 0  # of them, read from the prefix cache instead of computed
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque = collections.deque()
@@ -102,11 +116,12 @@ class BatchedGenerator:
 
     def __call__(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  stop_tokens: Sequence[int] = (), seed: int = 0, on_token: Callable[[int], None] = lambda _t: None,
-                 images: PromptImages | tuple | None = None) -> str:
+                 images: PromptImages | tuple | None = None, on_cached: Callable[[int], None] | None = None) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
         returns 'stop' or 'length' when it ends. images: `(pixel_values, grid_thw)` of the prompt's image
-        placeholders (VL models only). ValueError for a bad request or one that can never fit the cache;
-        an exception raised by `on_token` ends the request and is re-raised here."""
+        placeholders (VL models only). on_cached(n): called once, before the first token, with the number of
+        prompt tokens the prefix cache held. ValueError for a bad request or one that can never fit the cache;
+        an exception raised by `on_token` or `on_cached` ends the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
         (vision,) = check_images(self.model, [ids], None if images is None else [images])
         pages = self.cache.pages_for(ids.numel() + max_new_tokens)
@@ -115,7 +130,11 @@ class BatchedGenerator:
                              f"pages but the cache holds {self.plan.num_pages} "
                              f"({self.plan.token_capacity} tokens); raise the token budget")
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen, vision)
+        req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen, vision,
+                       on_cached=on_cached)
+        if self.prefix_caching:  # hashed here, in the caller's thread, not in the worker's
+            req.salt = b"" if vision is None else vision.digest()
+            req.keys = page_keys(ids, self.cache.layout.page_size, req.salt)
         self._start()
         self._inbox.put(req)
         req.done.wait()
@@ -167,14 +186,27 @@ class BatchedGenerator:
 
     def _admit_and_prefill(self) -> None:
         new = []
+        page_size = self.cache.layout.page_size
         while self._waiting and len(self._running) + len(new) < self.max_batch:
             req = self._waiting[0]
-            if self.cache.pages_for(req.prompt.numel() + req.max_new_tokens) > self.cache.free_pages:
+            seq_id, length = next(self._ids), req.prompt.numel()
+            reusable = req.keys[:(length - 1) // page_size]  # the page of the prompt's last token is computed
+            try:
+                cached = self.cache.admit({seq_id: length + req.max_new_tokens},
+                                          prefixes={seq_id: reusable} if reusable else None)[seq_id]
+            except CacheFullError:
                 break  # first come, first served: it waits for pages
             self._waiting.popleft()
-            req.id = next(self._ids)
-            self.cache.admit({req.id: req.prompt.numel() + req.max_new_tokens})
+            req.id = seq_id
+            self.prompt_tokens += length
+            self.cached_tokens += cached
             new.append(req)
+            if req.on_cached is not None:
+                try:
+                    req.on_cached(cached)
+                except BaseException as e:  # noqa: BLE001 - as for on_token: the request ends, its caller sees it
+                    new.remove(req)
+                    self._end(req, error=e)
         if not new:
             return
         try:
@@ -186,6 +218,8 @@ class BatchedGenerator:
             return
         for req in new:
             req.images = None  # embedded: the pixels are not needed any more
+            if self.prefix_caching:
+                self.cache.register(req.id, req.keys)
         self._running.extend(new)
         self._emit(new, logits)
 
@@ -215,6 +249,7 @@ class BatchedGenerator:
             if token is None:  # its own generator: the draws `generate` would make for it alone
                 token = int(sample(row[None], req.sampling, req.gen)[0])
             req.last, req.produced = token, req.produced + 1
+            req.outputs.append(token)
             try:
                 req.on_token(token)
             except BaseException as e:  # noqa: BLE001 - the caller decides what its exception means
@@ -229,6 +264,9 @@ class BatchedGenerator:
         if req in self._running:
             self._running.remove(req)
         if req.id >= 0:
+            if self.prefix_caching:  # the answer's full pages too: a conversation's next turn starts with them
+                fed = torch.cat([req.prompt, torch.tensor(req.outputs, dtype=torch.int64)])[:self.cache.length(req.id)]
+                self.cache.register(req.id, page_keys(fed, self.cache.layout.page_size, req.salt, keys=req.keys))
             self.cache.release(req.id)
         req.finish, req.error = finish, error
         req.done.set()

@@ -12,6 +12,15 @@ page is exactly one MSA key block. Per layer the pool holds
 A request reserves the pages for its whole length (prompt + new tokens) when it is admitted, so a batch that does
 not fit is refused before any work and an admitted one never runs out half way.
 
+**Prefix caching** (`PagedCache(..., prefix_caching=True)`, as vLLM's automatic prefix caching): a full page's
+keys and values depend only on the tokens up to its end, so a page written for one sequence serves any later
+sequence with the same leading tokens. `page_keys` names each full page of a prompt by a digest chained over
+every token before its end (and a salt for inputs beyond the ids: a prompt's images); `register` files a
+sequence's written full pages under their keys, `admit(..., prefixes=)` starts a new sequence on the longest run
+of registered pages its keys match (shared, counted per page) and returns how many tokens it finds cached, and a
+released sequence's registered pages stay cached (idle) until a reservation needs their memory, least recently
+used first. A registered page is never written again: `truncate` into one another sequence holds is refused.
+
 The model drives the cache through the protocol documented in `openm3/layers/attention.py`:
 
     cache.admit({seq_id: prompt_len + max_new_tokens, ...})
@@ -27,8 +36,10 @@ kernels for decode steps (every sequence has the same small number of new tokens
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
 import torch
@@ -142,6 +153,45 @@ def plan_cache(layout: CacheLayout, token_budget: int, *, kv_dtype: torch.dtype 
     return CachePlan(layout, num_pages, kv_dtype, resolve_index_dtype(index_dtype, kv_dtype))
 
 
+def page_keys(tokens, page_size: int, salt: bytes = b"", *, keys: Sequence[bytes] = ()) -> list[bytes]:
+    """One key per full page of `tokens` (ids), each a digest of its page's ids chained to the previous page's key:
+    two sequences' page i have equal keys exactly when their first (i + 1) * page_size ids (and salts) are equal.
+
+    salt: what else decides the pages' contents (a digest of a prompt's images; b"" for text). keys: the keys of
+    the first pages of `tokens`, known already: only the pages after them are hashed, chained to the last one.
+    """
+    ids = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+    out = list(keys)
+    prev = out[-1] if out else hashlib.blake2b(salt, digest_size=16).digest()
+    for i in range(len(out), ids.numel() // page_size):
+        prev = hashlib.blake2b(prev + ids[i * page_size:(i + 1) * page_size].numpy().tobytes(),
+                               digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+@dataclass
+class _PrefixIndex:
+    """Registered full pages by key, and those no sequence holds (idle: evictable, least recently used first)."""
+
+    page: dict = field(default_factory=dict)  # key -> page id
+    key: dict = field(default_factory=dict)  # page id -> key
+    idle: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # page id -> None
+
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """The pages of the longest run of leading `keys` that are registered."""
+        pages = []
+        for k in keys:
+            if k not in self.page:
+                break
+            pages.append(self.page[k])
+        return pages
+
+    def forget(self, page: int) -> None:
+        del self.page[self.key.pop(page)]
+        self.idle.pop(page, None)
+
+
 @dataclass
 class _Sequence:
     pages: list[int]
@@ -207,7 +257,7 @@ class StepBuffers:
 class PagedCache:
     """The caches of every layer plus one page table per sequence (see the module docstring)."""
 
-    def __init__(self, plan: CachePlan, device: torch.device | str = "cpu"):
+    def __init__(self, plan: CachePlan, device: torch.device | str = "cpu", *, prefix_caching: bool = False):
         self.plan = plan
         self.layout = lay = plan.layout
         self.device = torch.device(device)
@@ -220,6 +270,9 @@ class PagedCache:
         self.ki_scale = [torch.zeros(ishape[:2], dtype=decode.SCALE_E8M0, device=self.device) if s and fp8
                          else None for s in lay.sparse]
         self._free = list(range(plan.num_pages))  # kept sorted: allocation takes the lowest ids
+        self._holders = [0] * plan.num_pages  # sequences holding each page (more than one: a shared prefix)
+        self.prefix_caching = prefix_caching
+        self._prefix = _PrefixIndex()
         self._seqs: dict[int, _Sequence] = {}
         self._step: _Step | None = None
         self._table_key: tuple | None = None  # batch whose page table is on the device
@@ -230,33 +283,88 @@ class PagedCache:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages a reservation can take: the free ones and the cached ones no sequence holds."""
+        return len(self._free) + len(self._prefix.idle)
+
+    @property
+    def cached_pages(self) -> int:
+        """Registered pages (prefix caching), held or idle."""
+        return len(self._prefix.key)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.layout.page_size)
 
-    def admit(self, requests: Mapping[int, int]) -> None:
+    def admit(self, requests: Mapping[int, int], *, prefixes: Mapping[int, Sequence[bytes]] | None = None
+              ) -> dict[int, int]:
         """Reserve pages for new sequences, all or nothing: {seq_id: tokens to reserve (prompt + new tokens)}.
 
-        Raises CacheFullError (nothing reserved) when the batch needs more pages than are free.
+        prefixes: {seq_id: `page_keys` of the prompt's pages that may come from the cache} (prefix caching; leave
+        the page holding the prompt's last token out, which must be computed for its logits). A sequence starts
+        on the registered pages its leading keys match and its length is theirs. Returns {seq_id: tokens found
+        cached}. Raises CacheFullError (nothing reserved) when the batch needs more pages than are free.
         """
-        need = 0
+        prefixes = prefixes or {}
+        if prefixes and not self.prefix_caching:
+            raise ValueError("prefixes: this cache was made without prefix_caching")
+        need, matched = 0, {}
         for seq_id, tokens in requests.items():
             if seq_id in self._seqs:
                 raise ValueError(f"sequence {seq_id} is already in the cache")
             if not isinstance(tokens, int) or tokens <= 0:
                 raise ValueError(f"tokens to reserve for sequence {seq_id} must be a positive int, got {tokens!r}")
-            need += self.pages_for(tokens)
-        if need > len(self._free):
+            keys = prefixes.get(seq_id, ())
+            if len(keys) * self.layout.page_size >= tokens:
+                raise ValueError(f"prefixes[{seq_id}]: {len(keys)} pages cover all {tokens} reserved tokens; the "
+                                 f"prompt's last token must be left to compute")
+            matched[seq_id] = self._prefix.match(keys)
+            need += self.pages_for(tokens) - len(matched[seq_id])
+        pinned = {p for pages in matched.values() for p in pages if p in self._prefix.idle}  # idle, about to be held
+        if need > self.free_pages - len(pinned):
             raise CacheFullError(
-                f"batch needs {need} pages ({need * self.layout.page_size} tokens) but only {len(self._free)} of "
-                f"{self.plan.num_pages} are free ({self.plan.token_capacity} tokens planned); "
-                f"raise the token budget or send fewer/shorter requests")
+                f"batch needs {need} pages ({need * self.layout.page_size} tokens) but only "
+                f"{self.free_pages - len(pinned)} of {self.plan.num_pages} are free "
+                f"({self.plan.token_capacity} tokens planned); raise the token budget or send fewer/shorter requests")
+        for page in pinned:
+            del self._prefix.idle[page]
+        cached = {}
         for seq_id, tokens in requests.items():
-            self._seqs[seq_id] = _Sequence(self._allocate(self.pages_for(tokens)))
+            shared = matched[seq_id]
+            pages = shared + self._allocate(self.pages_for(tokens) - len(shared))
+            for page in pages:
+                self._holders[page] += 1
+            self._seqs[seq_id] = _Sequence(pages, length=len(shared) * self.layout.page_size)
+            cached[seq_id] = self._seqs[seq_id].length
+        return cached
+
+    def register(self, seq_id: int, keys: Sequence[bytes]) -> int:
+        """Files a sequence's written full pages under their `page_keys` (prefix caching), so later sequences with
+        the same leading tokens reuse them; pages whose key is filed already (another sequence wrote the same
+        tokens) stay private. Returns how many pages were newly registered."""
+        if not self.prefix_caching:
+            raise ValueError("register: this cache was made without prefix_caching")
+        seq = self._get(seq_id)
+        ps, added = self.layout.page_size, 0
+        for i, key in enumerate(keys[:seq.length // ps]):
+            page = seq.pages[i]
+            if page in self._prefix.key or key in self._prefix.page:
+                continue
+            self._prefix.page[key], self._prefix.key[page] = page, key
+            added += 1
+        return added
+
+    def _get(self, seq_id: int) -> _Sequence:
+        if seq_id not in self._seqs:
+            raise ValueError(f"sequence {seq_id} is not in the cache")
+        return self._seqs[seq_id]
 
     def _allocate(self, n: int) -> list[int]:
-        """n page ids, one contiguous run when the free list has one (so prefill can read a zero-copy view)."""
+        """n page ids: free ones first (one contiguous run when the free list has one, so prefill can read a
+        zero-copy view), then idle cached pages, least recently used first (they are unregistered)."""
+        if n > len(self._free):
+            evict = list(self._prefix.idle)[:n - len(self._free)]
+            for page in evict:
+                self._prefix.forget(page)
+            self._free = sorted(self._free + evict)
         free = self._free
         run_start = 0
         for i in range(1, len(free) + 1):
@@ -271,31 +379,45 @@ class PagedCache:
         return pages
 
     def release(self, seq_id: int) -> None:
-        """Return a sequence's pages to the pool."""
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
-            raise ValueError(f"sequence {seq_id} is not in the cache")
+        """Return a sequence's pages to the pool. Registered pages no other sequence holds stay cached (idle) until
+        a reservation needs them; the sequence's last pages are the first to go."""
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
         self._table_key = None
         self.releases += 1
-        self._free = sorted(self._free + seq.pages)
+        freed = []
+        for page in reversed(seq.pages):
+            self._holders[page] -= 1
+            if self._holders[page]:
+                continue
+            if page in self._prefix.key:
+                self._prefix.idle[page] = None
+            else:
+                freed.append(page)
+        self._free = sorted(self._free + freed)
 
     def length(self, seq_id: int) -> int:
         """Tokens cached for a sequence."""
-        if seq_id not in self._seqs:
-            raise ValueError(f"sequence {seq_id} is not in the cache")
-        return self._seqs[seq_id].length
+        return self._get(seq_id).length
 
     def page_table(self, seq_id: int) -> list[int]:
         return list(self._seqs[seq_id].pages)
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Forget the cached tokens of a sequence from position `length` on (rejected speculative / MTP draft
-        tokens); their pages stay reserved and are overwritten by the next tokens."""
-        if seq_id not in self._seqs:
-            raise ValueError(f"sequence {seq_id} is not in the cache")
-        seq = self._seqs[seq_id]
+        tokens); their pages stay reserved and are overwritten by the next tokens. A registered page among them is
+        unregistered first (prefix caching); one that other sequences hold too cannot be rewritten: ValueError."""
+        seq = self._get(seq_id)
         if not isinstance(length, int) or not 0 <= length <= seq.length:
             raise ValueError(f"length must be an int in [0, {seq.length}] for sequence {seq_id}, got {length!r}")
+        rewritten = seq.pages[length // self.layout.page_size:self.pages_for(seq.length)]
+        shared = [p for p in rewritten if self._holders[p] > 1]
+        if shared:
+            raise ValueError(f"sequence {seq_id}: cannot truncate to {length} tokens: pages {shared} hold a prefix "
+                             f"other sequences share")
+        for page in rewritten:
+            if page in self._prefix.key:
+                self._prefix.forget(page)
         seq.length = length
 
     # ------------------------------------------------------------------ one forward pass

@@ -13,6 +13,7 @@ inside it; positions stay 1-D, so nothing else changes, and decode feeds token i
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -30,6 +31,16 @@ class PromptImages(NamedTuple):
     grid_thw: torch.Tensor | None
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
+
+    def digest(self) -> bytes:
+        """A digest of every pixel and grid (shapes and dtypes included): equal for equal inputs. The prefix
+        cache's salt for the prompt's pages (`openm3.engine.cache.page_keys`)."""
+        h = hashlib.blake2b(digest_size=16)
+        for t in self:
+            h.update(b"-" if t is None else f"{t.dtype}{tuple(t.shape)}".encode())
+            if t is not None:
+                h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.digest()
 
 
 def is_vision_language(model) -> bool:
@@ -159,10 +170,11 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
             images: Sequence[PromptImages | None] | None = None) -> torch.Tensor:
     """Runs the prompts through the model in chunks; returns the last prompt token's logits [B, V] (fp32).
 
-    model: an `M3TextModel` or a VL `M3ForConditionalGeneration`; seq_ids: admitted cache sequences (empty so
-    far); prompts: int64 [L_b] each; images: None, or per prompt None or `PromptImages` (VL models only; see
-    `check_images`): such a prompt's visual tokens are computed once (`prompt_visual`) and each chunk scatters
-    its share of them over its ids' embeddings.
+    model: an `M3TextModel` or a VL `M3ForConditionalGeneration`; seq_ids: admitted cache sequences, each holding
+    fewer tokens than its prompt (the first `cache.length` tokens of a prompt are taken as cached, e.g. a prefix
+    cache's pages, and the rest is computed); prompts: int64 [L_b] each; images: None, or per prompt None or
+    `PromptImages` (VL models only; see `check_images`): such a prompt's visual tokens are computed once
+    (`prompt_visual`) and each chunk scatters its share of them over its ids' embeddings.
     on_chunk(n) is called after each forward with the number of prompt tokens it consumed (for progress bars).
     """
     if not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -173,7 +185,11 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
     visual = [None if im is None else prompt_visual(model, p, im)
               for p, im in zip(host, check_images(model, host, images))]
     lm = text_model(model)
-    done = [0] * len(prompts)
+    done = [cache.length(s) for s in seq_ids]
+    for b, (d, p) in enumerate(zip(done, prompts)):
+        if d >= p.numel():
+            raise ValueError(f"sequence {seq_ids[b]} holds {d} cached tokens; its prompt ({p.numel()} tokens) must "
+                             f"have more, to compute the last one's logits")
     last: list[torch.Tensor | None] = [None] * len(prompts)
     while any(d < p.numel() for d, p in zip(done, prompts)):
         batch, pieces, starts, rows, owners, slices = [], [], [], [], [], []

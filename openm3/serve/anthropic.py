@@ -231,7 +231,9 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
             return stream.text, [], "max_tokens" if finish == "length" else "end_turn", None
 
         def usage(output: int) -> dict:
-            return {"input_tokens": len(prompt), "output_tokens": output}
+            """Anthropic's accounting: input_tokens are the prompt tokens not read from the cache."""
+            return {"input_tokens": len(prompt) - stream.cached, "cache_creation_input_tokens": 0,
+                    "cache_read_input_tokens": stream.cached, "output_tokens": output}
 
         if not req.stream:
             text, tool_uses, reason, stop_seq = answer(run(req, prompt, max_new, stream, lambda _d: None,
@@ -273,7 +275,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
                 put({"type": "content_block_stop", "index": index})
                 index += 1
             put({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_seq},
-                 "usage": {"output_tokens": stream.sampled}})
+                 "usage": usage(stream.sampled)})
             put({"type": "message_stop"})
 
         return sse(produce, named_events=True, error_chunk=lambda m: error_body(m, "api_error"))

@@ -11,6 +11,10 @@ or a scripted backend in tests. A backend with `concurrent = True` (`openm3.engi
 continuous batching: what `openm3 serve` uses unless `--max-batch 1`) is called from every request's thread at
 once; any other backend (`ModelBackend`: one `generate` per request) runs one request at a time under a lock.
 
+A backend whose `prefix_caching` is true (`BatchedGenerator`'s default) also takes `on_cached(n)`, the prompt
+tokens it found cached: the usage reports them as OpenAI's `cached_tokens` and Anthropic's
+`cache_read_input_tokens`.
+
 A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`)
 takes images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded
 into placeholder runs as in training), Chat Completions also vLLM's `video_url` parts (animated images), and call
@@ -90,7 +94,8 @@ class TextStream:
     `push(token)` returns the text safe to emit so far: it holds back an unfinished UTF-8 character (decoded as
     U+FFFD) and any tail that could begin a stop string or marker. `text` is the whole text, cut before the
     first stop string; `stopped` says whether one was found. `finish()` returns what is left to emit.
-    `sampled` counts every sampled token, including the end token that is never decoded.
+    `sampled` counts every sampled token, including the end token that is never decoded; `cached` the prompt
+    tokens a prefix-caching backend read from its cache (the usage's `cached_tokens`).
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), hold: Sequence[str] = ()):
@@ -101,6 +106,7 @@ class TextStream:
         self.stopped = False
         self.stop_found: str | None = None  # the stop string that ended the text
         self.sampled = 0
+        self.cached = 0
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
@@ -258,6 +264,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 raise _Stop
 
         extra = {} if images is None else {"images": images}
+        if getattr(backend, "prefix_caching", False):
+            extra["on_cached"] = lambda n: setattr(stream, "cached", n)
         with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
             try:
                 return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=[eos], seed=seed,
@@ -267,7 +275,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     def usage(prompt: list[int], stream: TextStream) -> dict:
         n = stream.sampled
-        return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
+                "prompt_tokens_details": {"cached_tokens": stream.cached}}
 
     def sse(produce: Callable[[Callable[[dict], None], threading.Event], None], named_events: bool = False,
             error_chunk: Callable[[str], dict] | None = None) -> StreamingResponse:

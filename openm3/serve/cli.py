@@ -10,7 +10,9 @@ fastapi, uvicorn).
 
 Concurrent requests are decoded together (continuous batching, `openm3.engine.batching`: up to `--max-batch`
 requests in a cache planned for `--token-budget` tokens; a request waits while the cache is full); `--max-batch 1`
-serves one request at a time. A checkpoint with a `vision_config` is served as a vision-language model, which
+serves one request at a time. With batching, pages of earlier requests stay cached until their memory is needed,
+and a prompt that starts with an earlier prompt and its answer prefills only the rest (prefix caching;
+`--no-prefix-caching` turns it off). A checkpoint with a `vision_config` is served as a vision-language model, which
 takes images (base64 data in the requests, see `openm3.serve.images`). Errors in the arguments exit with
 `error: ...`.
 """
@@ -47,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=None, help="tokens the shared cache is planned for, all "
                    "running requests' prompt + max_tokens together (default: --max-batch x --max-total-tokens)")
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
+    p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt whole (default: a "
+                   "request whose prompt starts with an earlier request's prompt and answer, as an agent's next turn "
+                   "does, reads those tokens' cached pages and prefills only the rest)")
     p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
                    help="index-key cache dtype (default: the model dtype)")
     p.add_argument("--compile", action="store_true",
@@ -95,7 +100,7 @@ def build_app(args: argparse.Namespace):
         if budget < limit:
             raise ValueError(f"--token-budget: {budget} tokens cannot hold one request of --max-total-tokens={limit}")
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
-                                   index_dtype=args.index_dtype)
+                                   index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching)
     return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template)
 
 

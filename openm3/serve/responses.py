@@ -156,7 +156,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                     "output": output, "error": None,
                     "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                     "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-                    "usage": {"input_tokens": len(prompt), "output_tokens": n, "total_tokens": len(prompt) + n}}
+                    "usage": {"input_tokens": len(prompt), "output_tokens": n, "total_tokens": len(prompt) + n,
+                              "input_tokens_details": {"cached_tokens": stream.cached}}}
 
         def message(text_: str, status: str = "completed") -> dict:
             return {"type": "message", "id": mid, "status": status, "role": "assistant",
