@@ -69,12 +69,39 @@ def top_host_ops(host: dict[str, tuple[float, int]], top: int = 25) -> list[dict
     return [{"op": name[:120], "ms": round(ms, 2), "calls": calls} for name, (ms, calls) in ranked]
 
 
+def environment() -> dict:
+    """Where a result was measured: UTC date, torch / Triton / CUDA versions, the GPU and its driver."""
+    import datetime
+    import subprocess
+
+    import torch
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
+    return env
+
+
 def write_result(out_dir, stem: str, result: dict) -> str:
-    """Writes `result` as `<out_dir>/<stem>_<UTC time>.json`; returns the path."""
+    """Writes `result`, with its `environment()` under "env" unless it has one, as
+    `<out_dir>/<stem>_<UTC time>.json`; returns the path."""
     import datetime
     import json
     from pathlib import Path
 
+    result = {**result, "env": result.get("env") or environment()}
     path = Path(out_dir) / f"{stem}_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

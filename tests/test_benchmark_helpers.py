@@ -25,7 +25,22 @@ def test_profiled_times_and_top_host_ops():
 def test_write_result(tmp_path):
     path = write_result(tmp_path / "out", "bench", {"x": 1.5})
     assert path.endswith(".json") and "bench_" in path
-    assert json.loads(open(path).read()) == {"x": 1.5}
+    got = json.loads(open(path).read())
+    assert got["x"] == 1.5 and set(got) == {"x", "env"}
+    assert {"date", "torch", "triton"} <= set(got["env"]) and got["env"]["date"].startswith("20")
+    kept = write_result(tmp_path / "out", "bench", {"x": 2, "env": {"gpu": "mine"}})
+    assert json.loads(open(kept).read())["env"] == {"gpu": "mine"}  # a result's own record stays
+
+
+def test_serve_prefix_benchmark_runs_on_cpu(tmp_path, capsys):
+    from benchmarks import serve_prefix
+
+    assert serve_prefix.main(["--preset", "m3-tiny", "--device", "cpu", "--context", "80", "--turn-tokens", "20",
+                              "--new", "3", "--turns", "2", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("serve_prefix_*.json")
+    runs = json.loads(path.read_text())["runs"]
+    assert [t["cached_tokens"] for t in runs["uncached"]] == [0, 0]
+    assert [t["cached_tokens"] for t in runs["cached"]] == [0, 80]  # 16-token pages: turn 1's 82 fed -> 5 pages
 
 
 def test_serve_batching_benchmark_runs_on_cpu(tmp_path, capsys):
