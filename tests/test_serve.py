@@ -86,6 +86,11 @@ def test_health_and_version(client):
     r = client.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     assert client.get("/version").json() == {"version": openm3.__version__, "model": NAME}
+    before = client.get("/metrics").text  # a backend without figures of its own: the request counts only
+    assert "# TYPE openm3:http_requests_total counter" in before and "openm3:requests_running" not in before
+    client.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1, "top_p": 0})  # a 400
+    after = client.get("/metrics").text
+    assert 'openm3:http_requests_total{path="/v1/completions",status="400"}' in after
 
 
 @pytest.mark.parametrize("prompt", ["def f(x):\n    return", [5, 300, 17, 42]], ids=["text", "ids-T4"])
@@ -334,7 +339,16 @@ def test_repeated_conversation_reports_cached_prompt_tokens(model, tok):
     anth = client.post("/v1/messages", json={**ask, "messages": messages}).json()["usage"]
     assert anth["cache_read_input_tokens"] == (prompt - 1) // page * page
     assert anth["input_tokens"] + anth["cache_read_input_tokens"] == prompt
+    metrics = client.get("/metrics")
     backend.close()
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    samples = dict(line.rsplit(" ", 1) for line in metrics.text.splitlines() if not line.startswith("#"))
+    assert samples["openm3:prompt_tokens_total"] == str(4 * prompt)
+    assert samples["openm3:prefix_cache_hit_tokens_total"] == str(3 * ((prompt - 1) // page * page))
+    assert samples['openm3:requests_finished_total{reason="length"}'] == "4"
+    assert samples["openm3:requests_running"] == "0" and int(samples["openm3:cache_pages_cached"]) > 0
+    assert samples['openm3:http_requests_total{path="/v1/chat/completions",status="200"}'] == "2"
+    assert "# TYPE openm3:generation_tokens_total counter" in metrics.text
 
 
 BAD = [

@@ -104,6 +104,8 @@ class BatchedGenerator:
         self.batch_sizes: collections.Counter = collections.Counter()  # decode steps per batch size
         self.prompt_tokens = 0  # prompt tokens of admitted requests
         self.cached_tokens = 0  # of them, read from the prefix cache instead of computed
+        self.generated_tokens = 0
+        self.finished: collections.Counter = collections.Counter()  # ended requests by reason (or 'error')
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque = collections.deque()
@@ -249,6 +251,7 @@ class BatchedGenerator:
             if token is None:  # its own generator: the draws `generate` would make for it alone
                 token = int(sample(row[None], req.sampling, req.gen)[0])
             req.last, req.produced = token, req.produced + 1
+            self.generated_tokens += 1
             req.outputs.append(token)
             try:
                 req.on_token(token)
@@ -269,4 +272,24 @@ class BatchedGenerator:
                 self.cache.register(req.id, page_keys(fed, self.cache.layout.page_size, req.salt, keys=req.keys))
             self.cache.release(req.id)
         req.finish, req.error = finish, error
+        self.finished[finish or "error"] += 1
         req.done.set()
+
+    def metrics(self) -> list[tuple[str, str, str, float | dict]]:
+        """The generator's state and counters for a metrics endpoint: (name, 'gauge' | 'counter', help, value or
+        {label value: value}). Read without a lock from any thread: each figure is consistent on its own."""
+        cache = self.cache
+        return [
+            ("requests_running", "gauge", "requests being decoded", len(self._running)),
+            ("requests_waiting", "gauge", "requests waiting for a place in the batch or for pages",
+             len(self._waiting) + self._inbox.qsize()),
+            ("requests_finished_total", "counter", "ended requests by reason", dict(self.finished)),
+            ("prompt_tokens_total", "counter", "prompt tokens of admitted requests", self.prompt_tokens),
+            ("prefix_cache_hit_tokens_total", "counter", "prompt tokens read from the prefix cache",
+             self.cached_tokens),
+            ("generation_tokens_total", "counter", "sampled tokens", self.generated_tokens),
+            ("decode_steps_total", "counter", "decode forwards", self.steps),
+            ("cache_pages", "gauge", "pages of the paged cache", cache.plan.num_pages),
+            ("cache_pages_used", "gauge", "pages held by running requests", cache.plan.num_pages - cache.free_pages),
+            ("cache_pages_cached", "gauge", "pages filed in the prefix cache (held or idle)", cache.cached_pages),
+        ]

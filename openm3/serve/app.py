@@ -1,4 +1,4 @@
-"""The HTTP app: `GET /health` and `/version`, OpenAI's `GET /v1/models`, `POST /v1/completions`,
+"""The HTTP app: `GET /health`, `/version` and `/metrics` (Prometheus), OpenAI's `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions` and `POST /v1/responses` (`responses.py`), and Anthropic's `POST /v1/messages`
 (+ `/count_tokens`; `anthropic.py`), over one engine.
 
@@ -27,6 +27,7 @@ concatenated deltas of a stream equal the non-streamed text. Stop strings end ge
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import queue
@@ -202,6 +203,27 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     def health():
         """Liveness for load balancers and orchestrators (vLLM's route): 200 once the app serves requests."""
         return {"status": "ok"}
+
+    served = collections.Counter()  # requests answered, by API
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        if request.method == "POST":
+            served[(request.url.path, response.status_code)] += 1
+        return response
+
+    @app.get("/metrics")
+    def metrics():
+        """Prometheus' text format (as vLLM's `/metrics`, names prefixed `openm3:`): requests by path and status,
+        and the backend's own figures when it keeps some (`BatchedGenerator.metrics`: batch, tokens, prefix-cache
+        hits, cache pages)."""
+        from fastapi.responses import PlainTextResponse
+
+        rows = [("http_requests_total", "counter", "POST requests answered, by path and status",
+                 {f'path="{path}",status="{status}"': n for (path, status), n in sorted(served.items())})]
+        rows += backend.metrics() if hasattr(backend, "metrics") else []
+        return PlainTextResponse(prometheus_text(rows), media_type="text/plain; version=0.0.4")
 
     @app.get("/version")
     def version():
@@ -404,6 +426,22 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     anthropic.add_messages_routes(app, **shared)
     responses.add_responses_routes(app, **shared)
     return app
+
+
+def prometheus_text(rows) -> str:
+    """Prometheus' text exposition of (name, type, help, value) rows; a dict value holds one sample per label set:
+    its keys are either label strings (`a="x",b="y"`) or plain values of a `reason` label."""
+    out = []
+    for name, kind, text, value in rows:
+        name = f"openm3:{name}"
+        out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+        samples = value.items() if isinstance(value, dict) else [(None, value)]
+        for labels, v in samples:
+            if labels is not None and "=" not in labels:
+                labels = f'reason="{labels}"'
+            v = str(v) if isinstance(v, int) else repr(float(v))  # counters stay exact integers
+            out.append(f"{name}{{{labels}}} {v}" if labels else f"{name} {v}")
+    return "\n".join(out) + "\n"
 
 
 def _image_url_parts(messages: list[dict], takes_images: bool) -> None:
