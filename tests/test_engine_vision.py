@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from openm3.engine import BatchedGenerator, generate
-from openm3.engine.cache import CacheLayout, PagedCache, plan_cache
+from openm3.engine.cache import CacheLayout, PagedCache, page_keys, plan_cache
 from openm3.engine.scheduler import PromptImages, check_images, decode_step, prefill
 from openm3.models import M3ForConditionalGeneration, M3TextConfig, M3TextModel, M3VLConfig
 from openm3.models.processor import M3ImageProcessor, M3VideoProcessor
@@ -101,17 +101,9 @@ def test_prefill_and_decode_with_images_equal_the_full_forward(vl, chunk, steps,
 def test_prefill_and_decode_with_a_video_and_an_image_equal_the_full_forward(vl):
     """A prompt with a video (5 temporal patches, in clips of 4 and 1 as M3VideoProcessor splits them) before an
     image: the visual tokens of both kinds go in prompt order, through chunk boundaries, as in the full forward."""
-    rng = np.random.default_rng(5)
-    frames = rng.integers(0, 256, (10, 56, 56, 3), dtype=np.uint8)  # 5 temporal patches of 2 frames
-    video_pixels, video_grid, counts = M3VideoProcessor()([frames])
-    assert counts == [2] and video_grid.tolist() == [[4, 4, 4], [1, 4, 4]]  # 5 runs of 4 video tokens
-    image = _images([(28, 56)])
-    gen = torch.Generator().manual_seed(6)
-    prompt = _text(5, gen)
-    for _ in range(5):
-        prompt += [START] + [VID] * 4 + [END]
-    prompt += _text(6, gen) + [START] + [IMG] * 6 + [END] + _text(4, gen)
-    both = PromptImages(image.pixel_values, image.grid_thw, video_pixels, video_grid)
+    prompt, both, gen = _video_image_prompt()
+    image = PromptImages(both.pixel_values, both.grid_thw)
+    video_pixels, video_grid = both.pixel_values_videos, both.video_grid_thw
     seq = prompt + _text(3, gen)
     cache = PagedCache(plan_cache(CacheLayout.from_config(vl.config.text_config), 128, kv_dtype=torch.float32))
     cache.admit({0: len(seq)})
@@ -130,6 +122,22 @@ def test_prefill_and_decode_with_a_video_and_an_image_equal_the_full_forward(vl)
         check_images(vl, [torch.tensor(no_image[:20])], [video_only])
     with pytest.raises(ValueError, match=r"images\[0\]\.pixel_values_videos: expected a float tensor \[80, 1176\]"):
         check_images(vl, [torch.tensor(no_image)], [PromptImages(None, None, video_pixels[:-1], video_grid)])
+
+
+def _video_image_prompt() -> tuple[list[int], PromptImages, torch.Generator]:
+    """text 5, a video's 5 runs of 4 placeholders (clips of 4 and 1 temporal patches: grid rows [4, 4, 4] and
+    [1, 4, 4]), text 6, an image's run of 6, text 4; its PromptImages; the generator for more text."""
+    rng = np.random.default_rng(5)
+    frames = rng.integers(0, 256, (10, 56, 56, 3), dtype=np.uint8)  # 5 temporal patches of 2 frames
+    video_pixels, video_grid, counts = M3VideoProcessor()([frames])
+    assert counts == [2] and video_grid.tolist() == [[4, 4, 4], [1, 4, 4]]  # 5 runs of 4 video tokens
+    image = _images([(28, 56)])
+    gen = torch.Generator().manual_seed(6)
+    prompt = _text(5, gen)
+    for _ in range(5):
+        prompt += [START] + [VID] * 4 + [END]
+    prompt += _text(6, gen) + [START] + [IMG] * 6 + [END] + _text(4, gen)
+    return prompt, PromptImages(image.pixel_values, image.grid_thw, video_pixels, video_grid), gen
 
 
 def test_the_vision_tower_runs_once_per_prompt(vl, monkeypatch):
@@ -211,3 +219,45 @@ def test_bad_images_fail_before_any_work(vl, prompt, images, match):
            "triple": [(one.pixel_values, one.grid_thw, None)]}[images]
     with pytest.raises(ValueError, match=match):
         generate(vl, [prompt], max_new_tokens=2, images=arg)
+
+
+
+def test_cached_images_skip_the_vision_tower(vl, monkeypatch):
+    """An agent's next turn resends its screenshots: the images wholly inside the cached prefix are not encoded
+    again (the tower sees only the later grid rows), the one the cache boundary cuts is, and the logits equal a
+    prefill from scratch."""
+    rows = []
+    original = vl.visual_tokens
+    monkeypatch.setattr(vl, "visual_tokens", lambda p, g, *a, **k: rows.append(g.tolist()) or original(p, g, *a, **k))
+    images = _images([(112, 112), (28, 56), (56, 56)], seed=4)  # 16, 6 and 4 visual tokens
+    prompt = torch.tensor(_image_prompt(images, seed=5))
+    starts = [int(i) for i in (prompt == START).nonzero().flatten()]
+    assert starts == [9, 39, 59]  # runs at 10-25, 40-45, 60-63
+    ps = vl.config.text_config.index_block_size
+    cache = PagedCache(plan_cache(CacheLayout.from_config(vl.config.text_config), 512, kv_dtype=torch.float32),
+                       prefix_caching=True)
+    cache.admit({0: prompt.numel() + 1})
+    want = prefill(vl, cache, [0], [prompt], chunk_size=12, images=[images])
+    keys = page_keys(prompt, ps, images.digest())
+    cache.register(0, keys)
+    cache.release(0)
+    for seq_id, pages in enumerate((1, 3), start=1):  # cached: 16 tokens (inside image 0's run), 48 (past image 1)
+        assert cache.admit({seq_id: prompt.numel() + 1}, prefixes={seq_id: keys[:pages]}) == {seq_id: pages * ps}
+        rows.clear()
+        got = prefill(vl, cache, [seq_id], [prompt], chunk_size=12, images=[images])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        kept = [r for r, s in zip(images.grid_thw.tolist(), starts) if s + r[1] * r[2] // 4 >= pages * ps]
+        assert rows == [kept] and len(kept) == 3 - 2 * (pages == 3)
+        cache.release(seq_id)
+    # a video's clips are rows alike: 32 cached tokens hold clip 0's placeholders (6-27), not clip 1's (30-33)
+    prompt, both, _ = _video_image_prompt()
+    prompt = torch.tensor(prompt)
+    cache.admit({9: prompt.numel() + 1})
+    want = prefill(vl, cache, [9], [prompt], images=[both])
+    keys = page_keys(prompt, ps, both.digest())
+    cache.register(9, keys)
+    cache.release(9)
+    assert cache.admit({10: prompt.numel() + 1}, prefixes={10: keys[:2]}) == {10: 32}
+    rows.clear()
+    torch.testing.assert_close(prefill(vl, cache, [10], [prompt], images=[both]), want, rtol=1e-4, atol=1e-4)
+    assert rows == [[[1, 4, 6]], [[1, 4, 4]]]  # the image (28 x 56), then video clip 1 only

@@ -8,7 +8,8 @@ to one forward over the whole prompt. Decode feeds one new token per running seq
 Vision-language models (`M3ForConditionalGeneration`): the cache serves the text decoder (`language_model`). For
 a prompt with images the vision tower runs once, before its first chunk (`prompt_visual`: the visual tokens and
 the placeholder positions they replace), and each chunk embeds its ids and puts in the visual tokens that fall
-inside it; positions stay 1-D, so nothing else changes, and decode feeds token ids as for a text model.
+inside it; positions stay 1-D, so nothing else changes, and decode feeds token ids as for a text model. Images
+inside a prefix the cache holds already (an agent's earlier screenshots) are not encoded again.
 """
 
 from __future__ import annotations
@@ -121,20 +122,36 @@ class PromptVisual(NamedTuple):
 
 
 @torch.no_grad()
-def prompt_visual(model, prompt: torch.Tensor, images: PromptImages) -> PromptVisual:
+def prompt_visual(model, prompt: torch.Tensor, images: PromptImages, start: int = 0) -> PromptVisual | None:
     """The visual tokens of one prompt's images and videos (the vision tower and projector, run once per request)
     and the positions of the placeholders they replace (`prompt`: int64 [L] on the host), in prompt order. Only
     these stay in memory during the prompt's prefill, not the whole prompt's embeddings: each chunk embeds its ids
     and scatters its share (`_forward`), as `M3ForConditionalGeneration.embed` does for the whole prompt. The
-    counts are `check_images`'s (host) business."""
+    counts are `check_images`'s (host) business.
+
+    start: prompt positions before it are cached already (a prefix cache's pages): the tower runs only for the
+    images and video clips with a placeholder at or after it (a grid row's tokens do not depend on the other
+    rows), and None is returned when there are none."""
     tower = next(model.vision_tower.parameters())
     dtype = model.language_model.embed_tokens.weight.dtype
+    merge = model.config.vision_config.spatial_merge_size
     positions, tokens = [], []
     for pixels, grid, token in ((images.pixel_values, images.grid_thw, model.config.image_token_index),
                                 (images.pixel_values_videos, images.video_grid_thw, model.config.video_token_index)):
-        if pixels is not None:  # a host grid: its values are read without a sync
-            tokens.append(model.visual_tokens(pixels.to(device=tower.device, dtype=tower.dtype), grid).to(dtype))
-            positions.append((prompt == token).nonzero().flatten())
+        if pixels is None:
+            continue
+        where = (prompt == token).nonzero().flatten()  # one run per grid row, in row order
+        patches = grid.prod(dim=-1)  # a host grid: its values are read without a sync
+        ends = (patches // merge ** 2).cumsum(0)
+        first = int((where[ends - 1] < start).sum())  # rows whose runs end before `start` are cached whole
+        if first == len(grid):
+            continue
+        skip_tokens = int(ends[first - 1]) if first else 0
+        rows = pixels[int(patches[:first].sum()):].to(device=tower.device, dtype=tower.dtype)
+        tokens.append(model.visual_tokens(rows, grid[first:]).to(dtype))
+        positions.append(where[skip_tokens:])
+    if not positions:
+        return None
     positions = torch.cat(positions)
     order = torch.argsort(positions)  # host: images' and videos' placeholders interleave in the prompt
     return PromptVisual(positions[order], torch.cat(tokens)[order.to(tower.device)])
@@ -182,14 +199,14 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
     if len(seq_ids) != len(prompts):
         raise ValueError(f"seq_ids ({len(seq_ids)}) and prompts ({len(prompts)}) must match")
     host = [p.cpu() for p in prompts]
-    visual = [None if im is None else prompt_visual(model, p, im)
-              for p, im in zip(host, check_images(model, host, images))]
-    lm = text_model(model)
     done = [cache.length(s) for s in seq_ids]
     for b, (d, p) in enumerate(zip(done, prompts)):
         if d >= p.numel():
             raise ValueError(f"sequence {seq_ids[b]} holds {d} cached tokens; its prompt ({p.numel()} tokens) must "
                              f"have more, to compute the last one's logits")
+    visual = [None if im is None else prompt_visual(model, p, im, start=d)
+              for p, im, d in zip(host, check_images(model, host, images), done)]
+    lm = text_model(model)
     last: list[torch.Tensor | None] = [None] * len(prompts)
     while any(d < p.numel() for d, p in zip(done, prompts)):
         batch, pieces, starts, rows, owners, slices = [], [], [], [], [], []
