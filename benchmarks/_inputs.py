@@ -42,3 +42,15 @@ def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0,
     if main:
         x.update(q=randn(t, hq, D).to(dtype), k=randn(t, HKV, D).to(dtype), v=randn(t, HKV, D).to(dtype))
     return x
+
+
+def random_text_model(preset: str, device: str | None = None):
+    """A seeded random `M3TextModel` of a preset for the engine benchmarks: bf16 on CUDA (the default device when
+    there is one), fp32 on a CPU. Returns (model, device)."""
+    from openm3.models import M3TextConfig, M3TextModel
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = M3TextModel(M3TextConfig.from_name(preset))
+    return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval(), device

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from benchmarks._inputs import random_text_model
 from benchmarks._timing import write_result
 
 
@@ -44,14 +45,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from openm3.engine.batching import BatchedGenerator
-    from openm3.models import M3TextConfig, M3TextModel
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    config = M3TextConfig.from_name(args.preset)
-    with torch.device(device):
-        model = M3TextModel(config).to(dtype).eval()
+    model, device = random_text_model(args.preset, args.device)
+    config = model.config
     gen = torch.Generator().manual_seed(1)
     most = max(args.batch)
     prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(most)]

@@ -22,9 +22,14 @@ def _cache(pages: int) -> PagedCache:
     return PagedCache(plan_cache(LAYOUT, pages * 4, kv_dtype=torch.float32), prefix_caching=True)
 
 
-def _written(cache: PagedCache, seq_id: int, n: int) -> None:
-    """Pretends the sequence's first n tokens were written (as a forward under `cache.step` would)."""
-    cache._seqs[seq_id].length = n
+def _filed(cache: PagedCache, seq_id: int, tokens: int, prompt: list[int], written: int | None = None) -> list:
+    """Admits a sequence reserving `tokens`, pretends its first `written` (default: all of `prompt`) were written,
+    as a forward under `cache.step` would, and registers its full pages; returns the prompt's page keys."""
+    keys = page_keys(prompt, 4)
+    cache.admit({seq_id: tokens})
+    cache._seqs[seq_id].length = len(prompt) if written is None else written
+    cache.register(seq_id, keys)
+    return keys
 
 
 def test_page_keys_name_prefixes():
@@ -42,11 +47,8 @@ def test_page_keys_name_prefixes():
 
 def test_shared_pages_are_held_counted_and_kept_after_release():
     cache = _cache(6)
-    prompt = list(range(11))
-    keys = page_keys(prompt, 4)
-    assert cache.admit({0: 12}) == {0: 0}
-    _written(cache, 0, 11)
-    assert cache.register(0, keys) == 2  # pages 0-1 full, page 2 partial
+    keys = _filed(cache, 0, 12, list(range(11)))
+    assert cache.cached_pages == 2  # pages 0-1 full, page 2 partial
     first = cache.page_table(0)
     assert cache.admit({1: 14}, prefixes={1: keys}) == {1: 8}
     assert cache.page_table(1)[:2] == first[:2] and cache.length(1) == 8
@@ -62,10 +64,7 @@ def test_shared_pages_are_held_counted_and_kept_after_release():
 def test_idle_pages_are_evicted_least_recently_used_first():
     cache = _cache(4)
     for seq_id, start in ((0, 0), (1, 100)):
-        prompt = list(range(start, start + 8))
-        cache.admit({seq_id: 8})
-        _written(cache, seq_id, 8)
-        cache.register(seq_id, page_keys(prompt, 4))
+        _filed(cache, seq_id, 8, list(range(start, start + 8)))
     cache.release(0)
     cache.release(1)
     assert cache.free_pages == 4 and cache.cached_pages == 4
@@ -80,10 +79,7 @@ def test_idle_pages_are_evicted_least_recently_used_first():
 
 def test_admission_counts_matched_idle_pages_as_taken():
     cache = _cache(3)
-    keys = page_keys(list(range(8)), 4)
-    cache.admit({0: 8})
-    _written(cache, 0, 8)
-    cache.register(0, keys)
+    keys = _filed(cache, 0, 8, list(range(8)))
     cache.release(0)
     with pytest.raises(CacheFullError, match="needs 2 pages"):
         cache.admit({1: 16}, prefixes={1: keys})  # 2 matched + 2 new: only 1 page is free besides the matched
@@ -92,10 +88,7 @@ def test_admission_counts_matched_idle_pages_as_taken():
 
 def test_truncate_keeps_shared_pages_intact():
     cache = _cache(6)
-    keys = page_keys(list(range(8)), 4)
-    cache.admit({0: 12})
-    _written(cache, 0, 10)
-    cache.register(0, keys)
+    keys = _filed(cache, 0, 12, list(range(8)), written=10)
     cache.truncate(0, 6)  # page 1 is rewritten: it is unregistered, page 0 stays
     assert cache.cached_pages == 1
     cache.admit({1: 12}, prefixes={1: keys})
