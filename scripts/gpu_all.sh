@@ -73,6 +73,8 @@ for s in "${stages[@]}"; do
         --chunk-size 32768 --device cuda --compile 2>&1 | tee "$OUT/generate_128k_compile.log" | tail -8 ;;
     prefillprof) python3 -m benchmarks.prefill_profile --out "$OUT" 2>&1 | tee "$OUT/prefill_profile.log" | tail -45 ;;
     batching) python3 -m benchmarks.serve_batching --out "$OUT" 2>&1 | tee "$OUT/serve_batching.log" | tail -6 ;;
+    interleave)  # a decoding request's token gaps while a 128K prompt prefills, chunks interleaved with decode or not
+      python3 -m benchmarks.serve_interleave --out "$OUT" 2>&1 | tee "$OUT/serve_interleave.log" | tail -4 ;;
     prefix)  # an agent's conversation on m3-small from a 128K prompt: time to first token per turn, prefix cache on / off
       python3 -m benchmarks.serve_prefix --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee "$OUT/serve_prefix.log" | tail -9 ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;

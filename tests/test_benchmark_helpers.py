@@ -184,3 +184,15 @@ def test_long_context_summary_pairs_the_checkpointing_settings(capsys):
     summarise_long(result, "p", 64, "off")
     assert result["msa_over_dense_noac_tokens_per_s"] == 2.4 and "msa_over_dense_best_tokens_per_s" not in result
     assert "2.40x (without checkpointing)" in capsys.readouterr().out
+
+
+def test_serve_interleave_benchmark_runs_on_cpu(tmp_path, capsys):
+    from benchmarks import serve_interleave
+
+    assert serve_interleave.main(["--preset", "m3-tiny", "--device", "cpu", "--short", "16", "--new", "96",
+                                  "--long", "96", "--chunk-size", "16", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("serve_interleave_*.json")
+    settings = json.loads(path.read_text())["settings"]
+    assert settings["interleaved"]["gaps_during_prefill"] >= 5  # A decoded between B's 6 chunks
+    assert settings["whole prefill"]["gaps_during_prefill"] <= 2
+

@@ -110,6 +110,36 @@ def test_requests_wait_for_pages_and_oversized_ones_fail_at_once(model):
         gen(prompts[0], max_new_tokens=2)
 
 
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "whole-prefill"])
+def test_running_requests_decode_between_a_long_prompts_chunks(model, interleave):
+    """A long prompt arriving while a request decodes: with interleaving the running request gets a token after
+    each of the new prompt's chunks but the last (its first token comes in that chunk's forward), without it none
+    until the prefill is done; both requests' tokens equal `generate`'s."""
+    short, long = _prompts(model, [10, 7 * 16 + 5], seed=6)  # the long prompt: 8 chunks of 16
+    want = [generate(model, [p], max_new_tokens=n)[0][0].tokens for p, n in ((short, 24), (long, 3))]
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=2, chunk_size=16, interleave_prefill=interleave)
+    events = []
+    started = threading.Event()
+    got = [[], []]
+
+    def on_short(tok):
+        got[0].append(tok)
+        events.append("short")
+        if len(got[0]) == 2:  # the long prompt is sent once this one decodes
+            started.set()
+
+    def run_long():
+        started.wait(60)
+        return gen(long, max_new_tokens=3, on_token=lambda t: got[1].append(t) or events.append("long"),
+                   on_cached=lambda _n: events.append("admitted"))
+
+    results = _run_concurrently([lambda: gen(short, max_new_tokens=24, on_token=on_short), run_long])
+    gen.close()
+    assert results == ["length", "length"] and got == want
+    window = events[events.index("admitted"):events.index("long")]
+    assert window.count("short") == (7 if interleave else 0), events
+
+
 def test_max_batch_is_respected(model):
     prompts = _prompts(model, [20] * 5, seed=5)
     gen = BatchedGenerator(model, token_budget=2048, max_batch=2)

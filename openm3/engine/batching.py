@@ -5,10 +5,12 @@
     finish_reason = gen(prompt_ids, max_new_tokens=..., sampling=..., stop_tokens=..., seed=..., on_token=fn,
                         images=None)
 
-blocks its caller until that request ends, while the worker runs all admitted requests together: between decode
-steps it admits waiting requests whose pages fit (first come, first served; a request waits while the cache is
-full and fails at once if it could never fit), prefills them in chunks, then decodes one token for every running
-request per step (one forward for the whole batch; CUDA graphs on a GPU, as in `generate`). A request leaves the
+blocks its caller until that request ends, while the worker runs all admitted requests together: it admits
+waiting requests whose pages fit (first come, first served; a request waits while the cache is full and fails at
+once if it could never fit), prefills them in chunks, and decodes one token for every running request per step
+(one forward for the whole batch; CUDA graphs on a GPU, as in `generate`). Prefill chunks and decode steps
+alternate, so a long prompt that arrives delays the running requests' next tokens by one chunk's forward at a
+time, not by its whole prefill (`interleave_prefill=False` runs each prefill whole first). A request leaves the
 batch after a stop token or `max_new_tokens`, or when its `on_token` raises (the exception is re-raised in its
 caller: that is how a server ends a request early), and its pages go back to the pool at once.
 
@@ -19,10 +21,9 @@ conversation resends its whole history each turn; with the cache each turn compu
 `on_cached(n)` tells a caller how many prompt tokens came from the cache.
 
 Each request samples with its own generator seeded by `seed`, so its tokens equal `generate(model, [prompt],
-seed=seed, ...)`'s up to the float rounding of a batched forward. The running batch pauses while new requests
-prefill (no chunk interleaving). Over a VL model (`M3ForConditionalGeneration`) a request may carry its images
-(`images=(pixel_values, grid_thw)`); its prompt is embedded once when it is admitted, and it decodes beside text
-requests as one of them.
+seed=seed, ...)`'s up to the float rounding of a batched forward. Over a VL model (`M3ForConditionalGeneration`)
+a request may carry its images (`images=(pixel_values, grid_thw)`); its prompt is embedded once when its prefill
+starts, and it decodes beside text requests as one of them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cach
 from .generate import check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, sample
-from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill, text_model
+from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
 
 __all__ = ["BatchedGenerator"]
 
@@ -58,6 +59,7 @@ class _Request:
     keys: list = dataclasses.field(default_factory=list)  # page_keys of its prompt's full pages (prefix caching)
     on_cached: Callable[[int], None] | None = None
     outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
+    prefilled: bool = False
     id: int = -1
     produced: int = 0
     last: int = -1
@@ -72,7 +74,8 @@ class BatchedGenerator:
     token_budget: tokens the cache is planned for (all running requests' prompt + max_new_tokens together);
     max_batch: most requests decoded together; chunk_size: prefill tokens per forward; index_dtype: as in
     `generate`; cuda_graphs: decode steps through CUDA graphs (default: on when the model is on a CUDA device);
-    prefix_caching: reuse cached pages of earlier requests' prompts and answers (see the module docstring).
+    prefix_caching: reuse cached pages of earlier requests' prompts and answers; interleave_prefill: decode steps
+    between prefill chunks (see the module docstring).
     model: an `M3TextModel` or an `M3ForConditionalGeneration` (`vl_config` is then its config, else None).
     The signature of a call is the `Backend` protocol of `openm3.serve`, and `concurrent = True` tells the server
     not to serialise calls.
@@ -81,7 +84,7 @@ class BatchedGenerator:
     concurrent = True
 
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
-                 cuda_graphs: bool | None = None, prefix_caching: bool = True):
+                 cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -95,6 +98,7 @@ class BatchedGenerator:
         self.plan = plan_cache(CacheLayout.from_config(self.config), token_budget, kv_dtype=self.dtype,
                                index_dtype=index_dtype)
         self.prefix_caching = prefix_caching
+        self.interleave_prefill = interleave_prefill
         self.cache = PagedCache(self.plan, self.device, prefix_caching=prefix_caching)
         self.max_batch, self.chunk_size = max_batch, chunk_size
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -110,6 +114,8 @@ class BatchedGenerator:
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque = collections.deque()
         self._running: list[_Request] = []
+        self._group: list[_Request] = []  # admitted together, prefill under way (one group at a time)
+        self._chunks = None  # the group's `prefill_chunks` iterator
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -168,7 +174,7 @@ class BatchedGenerator:
             torch.cuda.set_device(self.device)
         stopping = False
         while True:
-            idle = not self._running and not self._waiting
+            idle = not self._running and not self._waiting and not self._group
             if idle and stopping:
                 return
             try:
@@ -182,11 +188,14 @@ class BatchedGenerator:
             except queue.Empty:
                 pass
             with torch.no_grad():
-                self._admit_and_prefill()
+                if not self._group:
+                    self._admit()
+                self._prefill()
                 if self._running:
                     self._decode()
 
-    def _admit_and_prefill(self) -> None:
+    def _admit(self) -> None:
+        """Admits waiting requests that fit as the next prefill group."""
         new = []
         page_size = self.cache.layout.page_size
         while self._waiting and len(self._running) + len(new) < self.max_batch:
@@ -209,21 +218,34 @@ class BatchedGenerator:
                 except BaseException as e:  # noqa: BLE001 - as for on_token: the request ends, its caller sees it
                     new.remove(req)
                     self._end(req, error=e)
-        if not new:
-            return
-        try:
-            logits = prefill(self.model, self.cache, [r.id for r in new], [r.prompt for r in new],
-                             chunk_size=self.chunk_size, images=[r.images for r in new])
-        except Exception as e:  # noqa: BLE001 - the requests of this forward fail, the worker goes on
-            for req in new:
-                self._end(req, error=e)
-            return
-        for req in new:
-            req.images = None  # embedded: the pixels are not needed any more
-            if self.prefix_caching:
-                self.cache.register(req.id, req.keys)
-        self._running.extend(new)
-        self._emit(new, logits)
+        if new:
+            self._group = new
+            self._chunks = prefill_chunks(self.model, self.cache, [r.id for r in new], [r.prompt for r in new],
+                                          chunk_size=self.chunk_size, images=[r.images for r in new])
+
+    def _prefill(self) -> None:
+        """Runs the prefill group's next chunk (all of them without `interleave_prefill`); a request whose prompt
+        is done joins the running batch with its first token."""
+        while self._group:
+            try:
+                finished, logits, _ = next(self._chunks)
+            except Exception as e:  # noqa: BLE001 - the group's unfinished requests fail, the worker goes on
+                for req in self._group:
+                    if not req.prefilled:
+                        self._end(req, error=e)
+                self._group, self._chunks = [], None
+                return
+            done = [self._group[b] for b in finished]
+            for req in done:
+                req.prefilled, req.images = True, None  # embedded: the pixels are not needed any more
+                if self.prefix_caching:
+                    self.cache.register(req.id, req.keys)
+            self._running.extend(done)
+            self._emit(done, logits)
+            if all(req.prefilled for req in self._group):
+                self._group, self._chunks = [], None
+            elif self.interleave_prefill:
+                return
 
     def _decode(self) -> None:
         batch = list(self._running)

@@ -15,7 +15,7 @@ inside a prefix the cache holds already (an agent's earlier screenshots) are not
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -194,6 +194,22 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
     (`prompt_visual`) and each chunk scatters its share of them over its ids' embeddings.
     on_chunk(n) is called after each forward with the number of prompt tokens it consumed (for progress bars).
     """
+    last: list[torch.Tensor | None] = [None] * len(prompts)
+    for finished, logits, consumed in prefill_chunks(model, cache, seq_ids, prompts, chunk_size=chunk_size,
+                                                     images=images):
+        for b, lg in zip(finished, logits):
+            last[b] = lg
+        if on_chunk is not None:
+            on_chunk(consumed)
+    return torch.stack(last)
+
+
+def prefill_chunks(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[torch.Tensor], *,
+                   chunk_size: int = 8192, images: Sequence[PromptImages | None] | None = None
+                   ) -> Iterator[tuple[list[int], torch.Tensor, int]]:
+    """`prefill` one forward at a time (a server decodes its running requests between them): checks the arguments
+    and embeds the images when first advanced, then yields after each forward (indices b of the prompts whose last
+    token it held, their logits [n, V] fp32, prompt tokens it consumed). Arguments as `prefill`'s."""
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if len(seq_ids) != len(prompts):
@@ -204,10 +220,10 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
         if d >= p.numel():
             raise ValueError(f"sequence {seq_ids[b]} holds {d} cached tokens; its prompt ({p.numel()} tokens) must "
                              f"have more, to compute the last one's logits")
-    visual = [None if im is None else prompt_visual(model, p, im, start=d)
-              for p, im, d in zip(host, check_images(model, host, images), done)]
+    with torch.no_grad():
+        visual = [None if im is None else prompt_visual(model, p, im, start=d)
+                  for p, im, d in zip(host, check_images(model, host, images), done)]
     lm = text_model(model)
-    last: list[torch.Tensor | None] = [None] * len(prompts)
     while any(d < p.numel() for d, p in zip(done, prompts)):
         batch, pieces, starts, rows, owners, slices = [], [], [], [], [], []
         budget, row = chunk_size, 0
@@ -227,12 +243,9 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
             budget -= n
             if budget == 0:
                 break
-        logits = _forward(lm, cache, batch, pieces, starts, rows, slices)
-        for b, lg in zip(owners, logits):
-            last[b] = lg.float()
-        if on_chunk is not None:
-            on_chunk(sum(p.numel() for p in pieces))
-    return torch.stack(last)
+        with torch.no_grad():
+            logits = _forward(lm, cache, batch, pieces, starts, rows, slices).float()
+        yield owners, logits, sum(p.numel() for p in pieces)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The HTTP app: `GET /health`, `/version` and `/metrics` (Prometheus), OpenAI's `GET /v1/models`, `POST /v1/completions`,
+"""The HTTP app: `GET /health`, `/version` and `/metrics` (Prometheus), OpenAI's `GET /v1/models`,
 `POST /v1/chat/completions` and `POST /v1/responses` (`responses.py`), and Anthropic's `POST /v1/messages`
 (+ `/count_tokens`; `anthropic.py`), over one engine.
 
