@@ -8,12 +8,15 @@ later turn's prompt is the previous prompt, its answer (`--new` greedy tokens) a
 result, a user message). The conversation runs twice on one `BatchedGenerator` each, with `prefix_caching` off and
 on, after an untimed run of the same conversation (with the cache) that compiles the kernels; the report gives each
 turn's prompt length, cached tokens and time to first token (the request's call to its first token), and the
-ratio of the two runs' times per turn.
+ratio of the two runs' times per turn. `--parallel N` adds N requests sharing turn 1's prompt (sub-agents over
+one repository), each with its own `--turn-tokens`, sent at once: the time to the last first token and to the
+end, with the cache (one of them prefills the shared prompt, the others wait for it and read it) and without.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import torch
@@ -44,6 +47,24 @@ def conversation(batcher, first: list[int], extra: list[list[int]], new: int) ->
     return turns
 
 
+def parallel(batcher, prompts: list[list[int]], new: int) -> dict:
+    """Sends the prompts at once from one thread each; returns the seconds to the last first token and to the end,
+    and the cached tokens of each request."""
+    firsts, cached = [None] * len(prompts), [0] * len(prompts)
+
+    def ask(i):
+        batcher(prompts[i], max_new_tokens=new, on_cached=lambda n: cached.__setitem__(i, n),
+                on_token=lambda _t: firsts[i] or firsts.__setitem__(i, time.perf_counter()))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return dict(last_first_token_s=max(firsts) - t0, total_s=time.perf_counter() - t0, cached_tokens=cached)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="m3-small")
@@ -54,6 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--index-dtype", default=None)
+    p.add_argument("--parallel", type=int, default=0, metavar="N",
+                   help="also: N requests sharing turn 1's prompt, each with --turn-tokens of its own, sent at once")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -89,6 +112,21 @@ def main(argv=None) -> int:
                   f"time to first token {t['ttft_s']:8.3f} s, turn {t['total_s']:8.3f} s", flush=True)
     res["ttft_ratio"] = [u["ttft_s"] / c["ttft_s"] for c, u in zip(res["runs"]["cached"], res["runs"]["uncached"])]
     print("uncached / cached time to first token per turn: " + ", ".join(f"{r:.2f}x" for r in res["ttft_ratio"]))
+    if args.parallel:
+        prompts = [first + ids(args.turn_tokens) for _ in range(args.parallel)]
+        res["parallel"] = {}
+        for name, caching in (("warm-up", True), ("uncached", False), ("cached", True)):
+            batcher = BatchedGenerator(model, token_budget=args.parallel * (len(prompts[0]) + args.new),
+                                       max_batch=args.parallel, chunk_size=args.chunk_size,
+                                       index_dtype=args.index_dtype, prefix_caching=caching)
+            r = parallel(batcher, prompts, args.new)
+            batcher.close()
+            del batcher
+            if name != "warm-up":
+                res["parallel"][name] = r
+                print(f"{args.parallel} requests sharing {args.context} tokens, {name:8s}: last first token "
+                      f"{r['last_first_token_s']:.3f} s, all done {r['total_s']:.3f} s, cached {r['cached_tokens']}",
+                      flush=True)
     if args.out:
         print(f"wrote {write_result(args.out, 'serve_prefix', res)}")
     return 0

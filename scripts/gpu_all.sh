@@ -75,8 +75,9 @@ for s in "${stages[@]}"; do
     batching) python3 -m benchmarks.serve_batching --out "$OUT" 2>&1 | tee "$OUT/serve_batching.log" | tail -6 ;;
     interleave)  # a decoding request's token gaps while a 128K prompt prefills, chunks interleaved with decode or not
       python3 -m benchmarks.serve_interleave --out "$OUT" 2>&1 | tee "$OUT/serve_interleave.log" | tail -4 ;;
-    prefix)  # an agent's conversation on m3-small from a 128K prompt: time to first token per turn, prefix cache on / off
-      python3 -m benchmarks.serve_prefix --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | tee "$OUT/serve_prefix.log" | tail -9 ;;
+    prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off
+      python3 -m benchmarks.serve_prefix --out "$OUT" ${PREFIX_ARGS:---parallel 4} 2>&1 | tee "$OUT/serve_prefix.log" \
+        | tail -11 ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
     routing) python3 -m benchmarks.moe_routing_ops --out "$OUT" 2>&1 | tee "$OUT/moe_routing_ops.log" | tail -4 ;;
     klcompact)  # the KL with its old work-list compaction (a host sync per call; off by default since session 5)

@@ -36,9 +36,12 @@ def test_serve_prefix_benchmark_runs_on_cpu(tmp_path, capsys):
     from benchmarks import serve_prefix
 
     assert serve_prefix.main(["--preset", "m3-tiny", "--device", "cpu", "--context", "80", "--turn-tokens", "20",
-                              "--new", "3", "--turns", "2", "--out", str(tmp_path)]) == 0
+                              "--new", "3", "--turns", "2", "--parallel", "2", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("serve_prefix_*.json")
-    runs = json.loads(path.read_text())["runs"]
+    res = json.loads(path.read_text())
+    assert sorted(res["parallel"]["cached"]["cached_tokens"]) == [0, 80] and res["parallel"]["uncached"][
+        "cached_tokens"] == [0, 0]
+    runs = res["runs"]
     assert [t["cached_tokens"] for t in runs["uncached"]] == [0, 0]
     assert [t["cached_tokens"] for t in runs["cached"]] == [0, 80]  # 16-token pages: turn 1's 82 fed -> 5 pages
 

@@ -186,3 +186,45 @@ def test_cached_pages_give_way_to_new_requests(model):
     batcher.close()
     assert seen == [0, 0, ps]  # the second request took 3 of the first one's 4 cached pages, its last ones
     assert out[2] == out[0]
+
+
+def test_requests_sharing_a_context_that_arrive_together_prefill_it_once(model):
+    """Three requests with one long context (sub-agents over the same repository) wait together: the first
+    prefills the context, the other two wait for the next group and read it from the cache, with the same tokens."""
+    import threading
+    import time
+
+    from openm3.engine import generate
+
+    ps = model.config.index_block_size
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, model.config.vocab_size, (6 * ps + 3,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, model.config.vocab_size, (5 + i,), generator=gen).tolist() for i in range(3)]
+    blocker = torch.randint(0, model.config.vocab_size, (9,), generator=gen).tolist()
+    want = [generate(model, [p], max_new_tokens=3)[0][0].tokens for p in prompts]
+    batcher = BatchedGenerator(model, token_budget=2048, max_batch=4)
+    admitted = threading.Event()
+
+    def hold(_tok, held=[]):  # noqa: B006 - the worker waits here until the three requests are queued
+        if not held:
+            held.append(1)
+            deadline = time.monotonic() + 60
+            while batcher._inbox.qsize() < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    got, cached = [[] for _ in prompts], [[] for _ in prompts]
+
+    def ask(i):
+        admitted.wait(60)
+        batcher(prompts[i], max_new_tokens=3, on_token=got[i].append, on_cached=cached[i].append)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    batcher(blocker, max_new_tokens=4, on_token=hold, on_cached=lambda _n: admitted.set())
+    for t in threads:
+        t.join(120)
+    batcher.close()
+    assert got == want
+    assert sorted(c[0] for c in cached) == [0, 6 * ps, 6 * ps]
+

@@ -195,20 +195,28 @@ class BatchedGenerator:
                     self._decode()
 
     def _admit(self) -> None:
-        """Admits waiting requests that fit as the next prefill group."""
-        new = []
+        """Admits waiting requests that fit as the next prefill group. With prefix caching, a request whose next
+        uncached page a request of the group will compute waits for the next group, which finds that page cached:
+        requests that share a long context and arrive together prefill it once."""
+        new, deferred, computing = [], [], set()
         page_size = self.cache.layout.page_size
         while self._waiting and len(self._running) + len(new) < self.max_batch:
-            req = self._waiting[0]
-            seq_id, length = next(self._ids), req.prompt.numel()
+            req = self._waiting.popleft()
+            length = req.prompt.numel()
             reusable = req.keys[:(length - 1) // page_size]  # the page of the prompt's last token is computed
+            hit = self.cache.cached_prefix(reusable) if reusable else 0
+            if hit < len(reusable) and reusable[hit] in computing:
+                deferred.append(req)
+                continue
+            seq_id = next(self._ids)
             try:
                 cached = self.cache.admit({seq_id: length + req.max_new_tokens},
                                           prefixes={seq_id: reusable} if reusable else None)[seq_id]
             except CacheFullError:
+                self._waiting.appendleft(req)
                 break  # first come, first served: it waits for pages
-            self._waiting.popleft()
             req.id = seq_id
+            computing.update(req.keys)
             self.prompt_tokens += length
             self.cached_tokens += cached
             new.append(req)
@@ -218,6 +226,7 @@ class BatchedGenerator:
                 except BaseException as e:  # noqa: BLE001 - as for on_token: the request ends, its caller sees it
                     new.remove(req)
                     self._end(req, error=e)
+        self._waiting.extendleft(reversed(deferred))
         if new:
             self._group = new
             self._chunks = prefill_chunks(self.model, self.cache, [r.id for r in new], [r.prompt for r in new],

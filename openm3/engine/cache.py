@@ -336,6 +336,10 @@ class PagedCache:
             cached[seq_id] = self._seqs[seq_id].length
         return cached
 
+    def cached_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading pages of `keys` (`page_keys`) are registered: what `admit` would start a sequence on."""
+        return len(self._prefix.match(keys))
+
     def register(self, seq_id: int, keys: Sequence[bytes]) -> int:
         """Files a sequence's written full pages under their `page_keys` (prefix caching), so later sequences with
         the same leading tokens reuse them; pages whose key is filed already (another sequence wrote the same
