@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--index-dtype", default=None)
+    p.add_argument("--whole-prefill", action="store_true",
+                   help="prefill each admitted group whole before decoding (interleave_prefill=False)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -54,13 +56,15 @@ def main(argv=None) -> int:
     budget = most * (args.prompt_len + args.new)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "preset": args.preset, "prompt_len": args.prompt_len, "new": args.new, "index_dtype": args.index_dtype,
+           "interleave_prefill": not args.whole_prefill,
            "rounds": {}}
-    warm = BatchedGenerator(model, token_budget=budget, max_batch=most, index_dtype=args.index_dtype)
+    options = dict(index_dtype=args.index_dtype, interleave_prefill=not args.whole_prefill)
+    warm = BatchedGenerator(model, token_budget=budget, max_batch=most, **options)
     run_round(warm, prompts, args.new)  # compiles the kernels for these shapes
     warm.close()
     del warm
     for b in args.batch:
-        batcher = BatchedGenerator(model, token_budget=budget, max_batch=b, index_dtype=args.index_dtype)
+        batcher = BatchedGenerator(model, token_budget=budget, max_batch=b, **options)
         wall = run_round(batcher, prompts[:b], args.new)
         batcher.close()
         tokens = b * args.new

@@ -73,6 +73,10 @@ for s in "${stages[@]}"; do
         --chunk-size 32768 --device cuda --compile 2>&1 | tee "$OUT/generate_128k_compile.log" | tail -8 ;;
     prefillprof) python3 -m benchmarks.prefill_profile --out "$OUT" 2>&1 | tee "$OUT/prefill_profile.log" | tail -45 ;;
     batching) python3 -m benchmarks.serve_batching --out "$OUT" 2>&1 | tee "$OUT/serve_batching.log" | tail -6 ;;
+    batchingab)  # continuous batching with prefill chunks interleaved (default), then with each group prefilled whole
+      python3 -m benchmarks.serve_batching --out "$OUT" 2>&1 | tee "$OUT/serve_batching.log" | tail -5
+      python3 -m benchmarks.serve_batching --out "$OUT" --whole-prefill 2>&1 | tee "$OUT/serve_batching_whole.log" \
+        | tail -5 ;;
     interleave)  # a decoding request's token gaps while a 128K prompt prefills, chunks interleaved with decode or not
       python3 -m benchmarks.serve_interleave --out "$OUT" 2>&1 | tee "$OUT/serve_interleave.log" | tail -4 ;;
     prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off

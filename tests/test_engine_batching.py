@@ -14,6 +14,8 @@ from openm3.engine.batching import BatchedGenerator
 from openm3.engine.sampling import SamplingParams
 from openm3.models import M3TextConfig, M3TextModel
 
+from batching_utils import hold_until_queued
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -138,6 +140,27 @@ def test_running_requests_decode_between_a_long_prompts_chunks(model, interleave
     assert results == ["length", "length"] and got == want
     window = events[events.index("admitted"):events.index("long")]
     assert window.count("short") == (7 if interleave else 0), events
+
+
+def test_a_prefill_group_joins_the_running_batch_at_once(model):
+    """Three requests admitted together, one prefill chunk each: each samples its first token when its chunk is
+    done, but they join the running request's decode batch together, so the batch (and its CUDA graph on a GPU)
+    changes once, not after every chunk; the running request decodes between the chunks."""
+    prompts = _prompts(model, [16, 16, 16, 9], seed=7)
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=4, chunk_size=16)
+    admitted = threading.Event()
+
+    def ask(i):
+        admitted.wait(60)
+        gen(prompts[i], max_new_tokens=3)
+
+    results = _run_concurrently([lambda: gen(prompts[3], max_new_tokens=12, on_token=hold_until_queued(gen, 3),
+                                             on_cached=lambda _n: admitted.set())]
+                                + [(lambda i=i: ask(i)) for i in range(3)])
+    gen.close()
+    assert results == ["length"] + [None] * 3
+    assert set(gen.batch_sizes) == {1, 4}, gen.batch_sizes  # never 2 or 3: the group joined at once
+    assert gen.batch_sizes[4] == 2  # each group request: its first token from prefill, two decode steps
 
 
 def test_max_batch_is_respected(model):

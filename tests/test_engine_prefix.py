@@ -15,6 +15,8 @@ from openm3.engine.cache import CacheFullError, CacheLayout, PagedCache, page_ke
 from openm3.engine.scheduler import PromptImages, prefill  # noqa: E402
 from openm3.models import M3TextConfig, M3TextModel  # noqa: E402
 
+from batching_utils import hold_until_queued  # noqa: E402
+
 LAYOUT = CacheLayout(sparse=(False, True), num_kv_heads=2, head_dim=8, index_head_dim=4, page_size=4)
 
 
@@ -192,7 +194,6 @@ def test_requests_sharing_a_context_that_arrive_together_prefill_it_once(model):
     """Three requests with one long context (sub-agents over the same repository) wait together: the first
     prefills the context, the other two wait for the next group and read it from the cache, with the same tokens."""
     import threading
-    import time
 
     from openm3.engine import generate
 
@@ -204,14 +205,6 @@ def test_requests_sharing_a_context_that_arrive_together_prefill_it_once(model):
     want = [generate(model, [p], max_new_tokens=3)[0][0].tokens for p in prompts]
     batcher = BatchedGenerator(model, token_budget=2048, max_batch=4)
     admitted = threading.Event()
-
-    def hold(_tok, held=[]):  # noqa: B006 - the worker waits here until the three requests are queued
-        if not held:
-            held.append(1)
-            deadline = time.monotonic() + 60
-            while batcher._inbox.qsize() < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
-
     got, cached = [[] for _ in prompts], [[] for _ in prompts]
 
     def ask(i):
@@ -221,7 +214,7 @@ def test_requests_sharing_a_context_that_arrive_together_prefill_it_once(model):
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    batcher(blocker, max_new_tokens=4, on_token=hold, on_cached=lambda _n: admitted.set())
+    batcher(blocker, max_new_tokens=4, on_token=hold_until_queued(batcher, 3), on_cached=lambda _n: admitted.set())
     for t in threads:
         t.join(120)
     batcher.close()

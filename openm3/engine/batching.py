@@ -233,8 +233,9 @@ class BatchedGenerator:
                                           chunk_size=self.chunk_size, images=[r.images for r in new])
 
     def _prefill(self) -> None:
-        """Runs the prefill group's next chunk (all of them without `interleave_prefill`); a request whose prompt
-        is done joins the running batch with its first token."""
+        """Runs the prefill group's next chunk (all of them without `interleave_prefill`). A request whose prompt is
+        done samples its first token at once; the group joins the running batch when its last prompt is done, so
+        the batch (and its CUDA graph) changes once per group while the running requests decode between chunks."""
         while self._group:
             try:
                 finished, logits, _ = next(self._chunks)
@@ -242,19 +243,22 @@ class BatchedGenerator:
                 for req in self._group:
                     if not req.prefilled:
                         self._end(req, error=e)
-                self._group, self._chunks = [], None
+                self._join_group()
                 return
             done = [self._group[b] for b in finished]
             for req in done:
                 req.prefilled, req.images = True, None  # embedded: the pixels are not needed any more
                 if self.prefix_caching:
                     self.cache.register(req.id, req.keys)
-            self._running.extend(done)
             self._emit(done, logits)
             if all(req.prefilled for req in self._group):
-                self._group, self._chunks = [], None
+                self._join_group()
             elif self.interleave_prefill:
                 return
+
+    def _join_group(self) -> None:
+        self._running.extend(req for req in self._group if req.prefilled and not req.done.is_set())
+        self._group, self._chunks = [], None
 
     def _decode(self) -> None:
         batch = list(self._running)

@@ -1,0 +1,20 @@
+"""Holding `BatchedGenerator`'s worker at a known point (shared by CPU tests; not a test module)."""
+
+from __future__ import annotations
+
+import time
+
+
+def hold_until_queued(batcher, n: int):
+    """An `on_token` callback that, at its first call, keeps the worker (which calls it) waiting until `n` requests
+    are queued in the batcher's inbox (at most 60 s): they are then admitted together, as one prefill group."""
+    held = []
+
+    def on_token(_token: int) -> None:
+        if not held:
+            held.append(1)
+            deadline = time.monotonic() + 60
+            while batcher._inbox.qsize() < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    return on_token
