@@ -6,11 +6,12 @@ import time
 
 
 def hold_until_queued(batcher, n: int):
-    """An `on_token` callback that, at its first call, keeps the worker (which calls it) waiting until `n` requests
-    are queued in the batcher's inbox (at most 60 s): they are then admitted together, as one prefill group."""
+    """An `on_token` (or `on_cached`) callback that, at its first call, keeps the worker (which calls it) waiting
+    until `n` requests are queued in the batcher's inbox (at most 60 s): the worker's next round admits them
+    together, as one prefill group."""
     held = []
 
-    def on_token(_token: int) -> None:
+    def on_token(_value: int) -> None:
         if not held:
             held.append(1)
             deadline = time.monotonic() + 60

@@ -163,6 +163,31 @@ def test_a_prefill_group_joins_the_running_batch_at_once(model):
     assert gen.batch_sizes[4] == 2  # each group request: its first token from prefill, two decode steps
 
 
+def test_a_short_prompt_does_not_wait_for_a_long_ones_prefill(model):
+    """A short request arriving while a long prompt prefills forms its own group and prefills beside it: its first
+    token comes before the long prompt's. Both give `generate`'s tokens."""
+    long, short = _prompts(model, [7 * 16 + 5, 9], seed=8)  # 8 chunks of 16; 1
+    want = [generate(model, [p], max_new_tokens=3)[0][0].tokens for p in (long, short)]
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=4, chunk_size=16)
+    admitted, events, got = threading.Event(), [], [[], []]
+    hold = hold_until_queued(gen, 1)
+
+    def on_long_admitted(n):
+        admitted.set()
+        hold(n)  # the worker goes on once the short request is queued
+
+    def ask_short():
+        admitted.wait(60)
+        return gen(short, max_new_tokens=3, on_token=lambda t: got[1].append(t) or events.append("short"))
+
+    results = _run_concurrently([lambda: gen(long, max_new_tokens=3, on_cached=on_long_admitted,
+                                             on_token=lambda t: got[0].append(t) or events.append("long")),
+                                 ask_short])
+    gen.close()
+    assert results == ["length", "length"] and got == want
+    assert events.index("short") < events.index("long"), events
+
+
 def test_max_batch_is_respected(model):
     prompts = _prompts(model, [20] * 5, seed=5)
     gen = BatchedGenerator(model, token_budget=2048, max_batch=2)

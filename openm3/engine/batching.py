@@ -10,7 +10,9 @@ waiting requests whose pages fit (first come, first served; a request waits whil
 once if it could never fit), prefills them in chunks, and decodes one token for every running request per step
 (one forward for the whole batch; CUDA graphs on a GPU, as in `generate`). Prefill chunks and decode steps
 alternate, so a long prompt that arrives delays the running requests' next tokens by one chunk's forward at a
-time, not by its whole prefill (`interleave_prefill=False` runs each prefill whole first). A request leaves the
+time, not by its whole prefill (`interleave_prefill=False` runs each prefill whole first). Requests admitted
+together form a prefill group, which joins the decode batch when its last prompt is done; groups admitted later
+prefill beside earlier ones, a chunk each per step, so a short prompt does not wait for a long one. A request leaves the
 batch after a stop token or `max_new_tokens`, or when its `on_token` raises (the exception is re-raised in its
 caller: that is how a server ends a request early), and its pages go back to the pool at once.
 
@@ -33,7 +35,7 @@ import dataclasses
 import itertools
 import queue
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -66,6 +68,14 @@ class _Request:
     finish: str | None = None
     error: BaseException | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """Requests admitted together and their prefill's `prefill_chunks` iterator (one forward per `next`)."""
+
+    requests: list
+    chunks: Iterator
 
 
 class BatchedGenerator:
@@ -114,8 +124,7 @@ class BatchedGenerator:
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque = collections.deque()
         self._running: list[_Request] = []
-        self._group: list[_Request] = []  # admitted together, prefill under way (one group at a time)
-        self._chunks = None  # the group's `prefill_chunks` iterator
+        self._groups: list[_Group] = []  # admitted requests whose prefill is under way, oldest first
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -174,7 +183,7 @@ class BatchedGenerator:
             torch.cuda.set_device(self.device)
         stopping = False
         while True:
-            idle = not self._running and not self._waiting and not self._group
+            idle = not self._running and not self._waiting and not self._groups
             if idle and stopping:
                 return
             try:
@@ -188,19 +197,21 @@ class BatchedGenerator:
             except queue.Empty:
                 pass
             with torch.no_grad():
-                if not self._group:
-                    self._admit()
-                self._prefill()
+                self._admit()
+                for group in list(self._groups):
+                    self._prefill(group)
                 if self._running:
                     self._decode()
 
     def _admit(self) -> None:
-        """Admits waiting requests that fit as the next prefill group. With prefix caching, a request whose next
-        uncached page a request of the group will compute waits for the next group, which finds that page cached:
-        requests that share a long context and arrive together prefill it once."""
-        new, deferred, computing = [], [], set()
+        """Admits the waiting requests that fit as a new prefill group. With prefix caching, a request whose next
+        uncached page a request being prefilled will compute waits until that page is cached: requests that share
+        a long context and arrive together prefill it once."""
+        new, deferred = [], []
+        computing = {k for g in self._groups for req in g.requests if not req.prefilled for k in req.keys}
+        room = self.max_batch - len(self._running) - sum(len(g.requests) for g in self._groups)
         page_size = self.cache.layout.page_size
-        while self._waiting and len(self._running) + len(new) < self.max_batch:
+        while self._waiting and len(new) < room:
             req = self._waiting.popleft()
             length = req.prompt.numel()
             reusable = req.keys[:(length - 1) // page_size]  # the page of the prompt's last token is computed
@@ -228,37 +239,34 @@ class BatchedGenerator:
                     self._end(req, error=e)
         self._waiting.extendleft(reversed(deferred))
         if new:
-            self._group = new
-            self._chunks = prefill_chunks(self.model, self.cache, [r.id for r in new], [r.prompt for r in new],
-                                          chunk_size=self.chunk_size, images=[r.images for r in new])
+            self._groups.append(_Group(new, prefill_chunks(
+                self.model, self.cache, [r.id for r in new], [r.prompt for r in new], chunk_size=self.chunk_size,
+                images=[r.images for r in new])))
 
-    def _prefill(self) -> None:
-        """Runs the prefill group's next chunk (all of them without `interleave_prefill`). A request whose prompt is
+    def _prefill(self, group: "_Group") -> None:
+        """Runs a prefill group's next chunk (all of them without `interleave_prefill`). A request whose prompt is
         done samples its first token at once; the group joins the running batch when its last prompt is done, so
         the batch (and its CUDA graph) changes once per group while the running requests decode between chunks."""
-        while self._group:
+        while True:
             try:
-                finished, logits, _ = next(self._chunks)
+                finished, logits, _ = next(group.chunks)
             except Exception as e:  # noqa: BLE001 - the group's unfinished requests fail, the worker goes on
-                for req in self._group:
+                for req in group.requests:
                     if not req.prefilled:
                         self._end(req, error=e)
-                self._join_group()
-                return
-            done = [self._group[b] for b in finished]
+                break
+            done = [group.requests[b] for b in finished]
             for req in done:
                 req.prefilled, req.images = True, None  # embedded: the pixels are not needed any more
                 if self.prefix_caching:
                     self.cache.register(req.id, req.keys)
             self._emit(done, logits)
-            if all(req.prefilled for req in self._group):
-                self._join_group()
-            elif self.interleave_prefill:
+            if all(req.prefilled for req in group.requests):
+                break
+            if self.interleave_prefill:
                 return
-
-    def _join_group(self) -> None:
-        self._running.extend(req for req in self._group if req.prefilled and not req.done.is_set())
-        self._group, self._chunks = [], None
+        self._running.extend(req for req in group.requests if req.prefilled and not req.done.is_set())
+        self._groups.remove(group)
 
     def _decode(self) -> None:
         batch = list(self._running)
