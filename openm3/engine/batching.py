@@ -324,6 +324,8 @@ class BatchedGenerator:
         cache = self.cache
         return [
             ("requests_running", "gauge", "requests being decoded", len(self._running)),
+            ("requests_prefilling", "gauge", "admitted requests whose prompt is being prefilled",
+             sum(not req.prefilled for g in list(self._groups) for req in g.requests)),
             ("requests_waiting", "gauge", "requests waiting for a place in the batch or for pages",
              len(self._waiting) + self._inbox.qsize()),
             ("requests_finished_total", "counter", "ended requests by reason", dict(self.finished)),
@@ -333,6 +335,6 @@ class BatchedGenerator:
             ("generation_tokens_total", "counter", "sampled tokens", self.generated_tokens),
             ("decode_steps_total", "counter", "decode forwards", self.steps),
             ("cache_pages", "gauge", "pages of the paged cache", cache.plan.num_pages),
-            ("cache_pages_used", "gauge", "pages held by running requests", cache.plan.num_pages - cache.free_pages),
+            ("cache_pages_used", "gauge", "pages held by admitted requests", cache.plan.num_pages - cache.free_pages),
             ("cache_pages_cached", "gauge", "pages filed in the prefix cache (held or idle)", cache.cached_pages),
         ]
