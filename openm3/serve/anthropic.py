@@ -9,9 +9,11 @@ streamed, its named server-sent events. Errors use Anthropic's body, `{"type": "
 "message"}}`, with the field named in the message. Image blocks with a base64 source go to a vision-language model
 (`images.py`), in user messages and inside `tool_result` content (a screenshot a tool returned); what the server
 cannot do is refused with a 400 naming the block: image blocks for a text-only model, images by URL, document
-blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains the sampler). Thinking blocks a
-client sends back are dropped (the model here writes none). A final assistant message of text is continued
-(Anthropic's prefill).
+blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains the sampler). The model's think
+block comes back as a `thinking` block before the text (streamed as `thinking_delta` events; its `signature` is
+empty: nothing is signed here), and thinking blocks a client sends back are rendered into the prompt as that
+turn's reasoning (redacted ones are dropped). A final assistant message of text is continued (Anthropic's
+prefill).
 """
 
 from __future__ import annotations
@@ -125,10 +127,13 @@ def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
             continue
         parts: list[dict] = []
         calls: list[dict] = []
+        thinking: list[str] = []
         for j, block in enumerate(message.content):
             kind = block.get("type")
             if kind == "text" and isinstance(block.get("text"), str):
                 parts.append({"type": "text", "text": block["text"]})
+            elif kind == "thinking" and message.role == "assistant" and isinstance(block.get("thinking"), str):
+                thinking.append(block["thinking"])  # rendered back as the turn's reasoning
             elif kind in ("thinking", "redacted_thinking"):
                 continue
             elif kind == "tool_use" and message.role == "assistant":
@@ -154,6 +159,8 @@ def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
                 raise ValueError(f"{where}[{j}]: unsupported block {kind!r} in a {message.role} message")
         if message.role == "assistant":
             entry: dict = {"role": "assistant", "content": content_of(parts)}
+            if thinking:
+                entry["reasoning_content"] = "\n".join(thinking)
             if calls:
                 entry["tool_calls"] = calls
             out.append(entry)
@@ -214,11 +221,11 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
             raise api_error(str(e), "tool_choice") from None
         prompt, images = prompt_and_images(req)
         max_new = check(req, prompt, "messages")
-        stream = text_stream(req.stop_sequences, [TOOL_CALL_START] if parse_calls else [])
+        stream = text_stream(req.stop_sequences, [TOOL_CALL_START] if parse_calls else [], prompt)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
 
         def answer(finish: str) -> tuple[str, list[dict], str, str | None]:
-            """(text, tool_use blocks, stop_reason, stop_sequence) of the finished generation."""
+            """(the answer's whole text, tool_use blocks, stop_reason, stop_sequence) of the finished generation."""
             calls = []
             if parse_calls and not stream.stopped:
                 calls = parse_tool_calls(stream.text[len(stream.visible()):])
@@ -236,9 +243,11 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
                     "cache_read_input_tokens": stream.cached, "output_tokens": output}
 
         if not req.stream:
-            text, tool_uses, reason, stop_seq = answer(run(req, prompt, max_new, stream, lambda _d: None,
-                                                           images=images))
-            content = ([{"type": "text", "text": text}] if text or not tool_uses else []) + tool_uses
+            whole, tool_uses, reason, stop_seq = answer(run(req, prompt, max_new, stream, lambda _k, _t: None,
+                                                            images=images))
+            reasoning, text = stream.split(whole)
+            content = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning is not None else [])
+            content += ([{"type": "text", "text": text}] if text or not tool_uses else []) + tool_uses
             return {"id": mid, "type": "message", "role": "assistant", "model": model_name, "content": content,
                     "stop_reason": reason, "stop_sequence": stop_seq, "usage": usage(stream.sampled)}
 
@@ -246,28 +255,33 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
             put({"type": "message_start", "message": {
                 "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": usage(0)}})
-            opened = []  # the text block is opened by its first delta
+            opened: list[str] = []  # the blocks opened so far, in order: "thinking", "text"
 
-            def open_text() -> None:
-                if not opened:
-                    put({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-                    opened.append(True)
+            def open_block(kind: str) -> None:
+                if opened and opened[-1] == kind:
+                    return
+                if opened:
+                    put({"type": "content_block_stop", "index": len(opened) - 1})
+                opened.append(kind)
+                start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                    {"type": "text", "text": ""}
+                put({"type": "content_block_start", "index": len(opened) - 1, "content_block": start})
 
-            def text_delta(delta: str) -> None:
-                open_text()
-                put({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta}})
+            def part(kind: str, delta: str) -> None:
+                open_block("thinking" if kind == "reasoning" else "text")
+                body = {"type": "thinking_delta", "thinking": delta} if kind == "reasoning" else \
+                    {"type": "text_delta", "text": delta}
+                put({"type": "content_block_delta", "index": len(opened) - 1, "delta": body})
 
-            finish = run(req, prompt, max_new, stream, text_delta, cancelled, images=images)
-            text, tool_uses, reason, stop_seq = answer(finish)
-            rest = stream.finish(text)
-            if rest:
-                text_delta(rest)
-            elif not tool_uses:
-                open_text()  # an answer without text or calls still has its (empty) text block
-            index = 0
+            finish = run(req, prompt, max_new, stream, part, cancelled, images=images)
+            whole, tool_uses, reason, stop_seq = answer(finish)
+            for kind, delta in stream.end_parts(whole):
+                part(kind, delta)
+            if "text" not in opened and not tool_uses:
+                open_block("text")  # an answer without text or calls still has its (empty) text block
+            index = len(opened)
             if opened:
-                put({"type": "content_block_stop", "index": 0})
-                index = 1
+                put({"type": "content_block_stop", "index": index - 1})
             for block in tool_uses:
                 put({"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}})
                 put({"type": "content_block_delta", "index": index,

@@ -38,12 +38,13 @@ import uuid
 from typing import Callable, Iterator, Protocol, Sequence
 
 from ..data.chat import parse_tool_calls
-from ..data.tokenizer import TOOL_CALL_START
+from ..data.tokenizer import THINK_START, TOOL_CALL_START
 from ..engine.media import chat_prompt
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses
 from .images import data_url_part
+from .reasoning import ReasoningSplitter, split_reasoning
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 
 
@@ -97,10 +98,17 @@ class TextStream:
     first stop string; `stopped` says whether one was found. `finish()` returns what is left to emit.
     `sampled` counts every sampled token, including the end token that is never decoded; `cached` the prompt
     tokens a prefix-caching backend read from its cache (the usage's `cached_tokens`).
+
+    reasoning: a `ReasoningSplitter` when the answer's think block is split off (`reasoning.py`; None: it is
+    text like the rest). `parts(delta)` and `end_parts(final)` route the deltas to ("reasoning" | "content",
+    text) pieces, and `split(text)` splits a whole answer the same way.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), hold: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), hold: Sequence[str] = (),
+                 reasoning: ReasoningSplitter | None = None):
         self.tokenizer, self.stop, self.hold = tokenizer, list(stop), list(hold)
+        self.reasoning = reasoning
+        self._started = reasoning is not None and reasoning.started
         self.tokens: list[int] = []
         self.text = ""
         self.sent = 0
@@ -134,6 +142,24 @@ class TextStream:
         delta, self.sent = final[self.sent:], max(self.sent, len(final))
         return delta
 
+    def parts(self, delta: str) -> list[tuple[str, str]]:
+        """A delta routed into reasoning and answer pieces."""
+        if self.reasoning is None:
+            return [("content", delta)] if delta else []
+        return self.reasoning.feed(delta)
+
+    def end_parts(self, final: str | None = None) -> list[tuple[str, str]]:
+        """The pieces left at the end: `finish(final)` routed, and what the splitter held."""
+        return self.parts(self.finish(final)) + (self.reasoning.finish() if self.reasoning is not None else [])
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, answer) of a whole text: reasoning is None without a think block (or without splitting),
+        and an empty think block counts as none."""
+        if self.reasoning is None:
+            return None, text
+        reasoning, answer = split_reasoning(text, self._started)
+        return reasoning or None, answer
+
     def _emit(self, end: int) -> str:
         end = min(end, len(self.visible()))
         delta = self.text[self.sent:end] if end > self.sent else ""
@@ -149,14 +175,18 @@ def _partial_suffix(text: str, s: str) -> int:
     return 0
 
 
-def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int, chat_template=None):
+def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int, chat_template=None,
+               reasoning_parser: str = "m3"):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
     chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
-    None renders with openm3's built-in M3 template."""
+    None renders with openm3's built-in M3 template. reasoning_parser: 'm3' splits the think block off the chat
+    endpoints' answers (`reasoning.py`), 'none' leaves it in the text."""
     from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    if reasoning_parser not in ("m3", "none"):
+        raise ValueError(f"reasoning_parser: expected 'm3' or 'none', got {reasoning_parser!r}")
     if not isinstance(max_total_tokens, int) or max_total_tokens < 2:
         raise ValueError(f"max_total_tokens must be an int >= 2, got {max_total_tokens!r}")
     vocab = getattr(backend, "vocab_size", tokenizer.vocab_size)
@@ -266,10 +296,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             raise APIError(str(e), param) from None
 
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
-            on_delta: Callable[[str], None], cancelled: threading.Event | None = None, *,
+            on_part: Callable[[str, str], None], cancelled: threading.Event | None = None, *,
             images: PromptImages | None = None) -> str:
-        """Generates (under the lock unless the backend is concurrent), feeding `stream`; returns the finish
-        reason ('stop' | 'length'). `images` go to the backend only when there are some.
+        """Generates (under the lock unless the backend is concurrent), feeding `stream` and calling
+        `on_part(kind, text)` with its routed deltas (`TextStream.parts`); returns the finish reason ('stop' |
+        'length'). `images` go to the backend only when there are some.
 
         The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
@@ -279,9 +310,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         def on_token(tok: int) -> None:
             stream.sampled += 1
             if tok != eos:
-                delta = stream.push(tok)
-                if delta:
-                    on_delta(delta)
+                for kind, text in stream.parts(stream.push(tok)):
+                    on_part(kind, text)
             if stream.stopped or (cancelled is not None and cancelled.is_set()):
                 raise _Stop
 
@@ -294,6 +324,14 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                                on_token=on_token, **extra)
             except _Stop:
                 return "stop"
+
+    def text_stream(stop: Sequence[str], hold: Sequence[str], prompt: list[int]) -> TextStream:
+        """A chat answer's stream: its think block split off unless `reasoning_parser` is 'none'; a prompt whose
+        generation prompt opens the block (a checkpoint's template may) starts inside it."""
+        splitter = None
+        if reasoning_parser == "m3":
+            splitter = ReasoningSplitter(started=tokenizer.decode(prompt[-3:]).rstrip().endswith(THINK_START))
+        return TextStream(tokenizer, stop, hold=hold, reasoning=splitter)
 
     def usage(prompt: list[int], stream: TextStream) -> dict:
         n = stream.sampled
@@ -350,11 +388,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
         if not req.stream:
-            finish = run(req, prompt, max_new, stream, lambda _d: None)
+            finish = run(req, prompt, max_new, stream, lambda _k, _t: None)
             return {**head, "choices": [choice(stream.text, finish)], "usage": usage(prompt, stream)}
 
         def produce(put, cancelled) -> None:
-            finish = run(req, prompt, max_new, stream, lambda d: put({**head, "choices": [choice(d, None)]}),
+            finish = run(req, prompt, max_new, stream, lambda _k, d: put({**head, "choices": [choice(d, None)]}),
                          cancelled)
             put({**head, "choices": [choice(stream.finish(), finish)]})
             if req.stream_options and req.stream_options.include_usage:
@@ -380,21 +418,24 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
         parse_calls = req.tool_choice != "none"
-        stream = TextStream(tokenizer, req.stop, hold=[TOOL_CALL_START] if parse_calls else [])
+        stream = text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt)
 
-        def answer(finish: str) -> tuple[str | None, list[dict], str]:
-            """(content, OpenAI tool_calls, finish_reason) of the finished generation."""
+        def answer(finish: str) -> tuple[str, list[dict], str]:
+            """(the answer's whole text, OpenAI tool_calls, finish_reason) of the finished generation."""
             tail = stream.text[len(stream.visible()):]
             calls = parse_tool_calls(tail) if parse_calls and not stream.stopped else []
             if not calls:
                 return stream.text, [], finish
             tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
-            return stream.visible() or None, tool_calls, "tool_calls"
+            return stream.visible(), tool_calls, "tool_calls"
 
         if not req.stream:
-            content, tool_calls, finish = answer(run(req, prompt, max_new, stream, lambda _d: None, images=images))
-            message = {"role": "assistant", "content": content}
+            whole, tool_calls, finish = answer(run(req, prompt, max_new, stream, lambda _k, _t: None, images=images))
+            reasoning, content = stream.split(whole)
+            message = {"role": "assistant", "content": content or (None if tool_calls else "")}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
             return {**head, "choices": [{"index": 0, "message": message, "finish_reason": finish}],
@@ -406,12 +447,14 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
         def produce(put, cancelled) -> None:
+            def part(kind: str, text: str) -> None:
+                put(chunk({"reasoning_content" if kind == "reasoning" else "content": text}))
+
             put(chunk({"role": "assistant", "content": ""}))
-            finish = run(req, prompt, max_new, stream, lambda d: put(chunk({"content": d})), cancelled, images=images)
-            content, tool_calls, finish = answer(finish)
-            rest = stream.finish(content or "")
-            if rest:
-                put(chunk({"content": rest}))
+            finish = run(req, prompt, max_new, stream, part, cancelled, images=images)
+            whole, tool_calls, finish = answer(finish)
+            for kind, text in stream.end_parts(whole):
+                part(kind, text)
             if tool_calls:
                 put(chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}))
             put(chunk({}, finish))
@@ -421,7 +464,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         return sse(produce)
 
     shared = dict(tokenizer=tokenizer, model_name=model_name, check=check, run=run, sse=sse, api_error=APIError,
-                  text_stream=lambda stop, hold: TextStream(tokenizer, stop, hold=hold), prompt_of=prompt_of,
+                  text_stream=text_stream, prompt_of=prompt_of,
                   takes_images=vl_config is not None)
     anthropic.add_messages_routes(app, **shared)
     responses.add_responses_routes(app, **shared)

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=None, help="tokens the shared cache is planned for, all "
                    "running requests' prompt + max_tokens together (default: --max-batch x --max-total-tokens)")
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
+    p.add_argument("--reasoning-parser", default="m3", choices=["m3", "none"],
+                   help="m3 (default): the chat APIs return the model's <think> block apart from its answer "
+                   "(reasoning_content, thinking blocks, reasoning items); none: it stays in the text")
     p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt whole (default: a "
                    "request whose prompt starts with an earlier request's prompt and answer, as an agent's next turn "
                    "does, reads those tokens' cached pages and prefills only the rest)")
@@ -101,7 +104,8 @@ def build_app(args: argparse.Namespace):
             raise ValueError(f"--token-budget: {budget} tokens cannot hold one request of --max-total-tokens={limit}")
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching)
-    return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template)
+    return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template,
+                      reasoning_parser=args.reasoning_parser)
 
 
 def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):

@@ -7,8 +7,10 @@ same prompt through either endpoint; the answer comes back as `output` items (a 
 one `function_call` per call the model wrote), streamed as the API's `response.*` events when asked. The server
 keeps no state: `previous_response_id` is refused (send the whole conversation, as `store: false` clients do), and
 so are forced tool calls, files, images by URL or file id, and any image when the model is text-only;
-`input_image` parts with a base64 data URL go to a vision-language model (`images.py`). Reasoning items a client
-sends back are dropped (the model here writes none). Errors are OpenAI's error bodies, as on the other endpoints.
+`input_image` parts with a base64 data URL go to a vision-language model (`images.py`). The model's think block
+comes back as a `reasoning` item (its `reasoning_text`) before the message, streamed as `response.reasoning_text.*`
+events; reasoning items a client sends back are rendered into the prompt as the next assistant turn's reasoning.
+Errors are OpenAI's error bodies, as on the other endpoints.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def chat_messages(req: ResponsesRequest, images: bool = False) -> list[dict]:
         out.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
         return out + [{"role": "user", "content": req.input}]
+    pending = None  # a reasoning item's text, for the assistant turn it precedes
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -99,6 +102,8 @@ def chat_messages(req: ResponsesRequest, images: bool = False) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ValueError(f"{where}.role: expected user, system, developer or assistant, got {role!r}")
             out.append({"role": role, "content": _content(item.get("content"), f"{where}.content", images)})
+            if role == "assistant" and pending:
+                out[-1]["reasoning_content"], pending = pending, None
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not item["name"]:
                 raise ValueError(f"{where}.name: a function_call item needs a non-empty name")
@@ -108,12 +113,16 @@ def chat_messages(req: ResponsesRequest, images: bool = False) -> list[dict]:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if pending:
+                out[-1]["reasoning_content"], pending = pending, None
         elif kind == "function_call_output":
             output = item.get("output")
             content = output if isinstance(output, str) else _content(output, f"{where}.output", images)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
         elif kind == "reasoning":
-            continue
+            texts = [p.get("text", "") for p in item.get("content") or item.get("summary") or []
+                     if isinstance(p, dict)]
+            pending = "\n".join(t for t in texts if isinstance(t, str) and t) or None
         else:
             raise ValueError(f"{where}.type: expected message, function_call or function_call_output, got {kind!r}")
     return out
@@ -146,8 +155,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                  for t in req.tools] if req.tools else None
         prompt, images = prompt_of(messages, tools, "input")
         max_new = check(req, prompt, "input")
-        stream = text_stream([], [TOOL_CALL_START] if parse_calls else [])
-        rid, mid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex[:24]}"
+        stream = text_stream([], [TOOL_CALL_START] if parse_calls else [], prompt)
+        rid, mid, rsid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex[:24]}", f"rs_{uuid.uuid4().hex[:24]}"
         created = int(time.time())
 
         def response(status: str, output: list[dict], finish: str | None = None) -> dict:
@@ -163,8 +172,12 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
             return {"type": "message", "id": mid, "status": status, "role": "assistant",
                     "content": [{"type": "output_text", "text": text_, "annotations": []}]}
 
+        def reasoning_item(text_: str) -> dict:
+            return {"type": "reasoning", "id": rsid, "summary": [], "content": [{"type": "reasoning_text",
+                                                                               "text": text_}]}
+
         def answer(finish: str) -> tuple[str, list[dict]]:
-            """(text, function_call items) of the finished generation."""
+            """(the answer's whole text, function_call items) of the finished generation."""
             calls = parse_tool_calls(stream.text[len(stream.visible()):]) if parse_calls else []
             items = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
                       "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": c["name"],
@@ -175,9 +188,11 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
             return "incomplete" if finish == "length" else "completed"
 
         if not req.stream:
-            finish = run(req, prompt, max_new, stream, lambda _d: None, images=images)
-            text_, calls = answer(finish)
-            output = ([message(text_)] if text_ or not calls else []) + calls
+            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, images=images)
+            whole, calls = answer(finish)
+            reasoning, text_ = stream.split(whole)
+            output = [reasoning_item(reasoning)] if reasoning is not None else []
+            output += ([message(text_)] if text_ or not calls else []) + calls
             return response(status_of(finish), output, finish)
 
         def produce(put, cancelled) -> None:
@@ -188,33 +203,56 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
 
             emit("response.created", response=response("in_progress", []))
             emit("response.in_progress", response=response("in_progress", []))
-            opened: list[bool] = []  # the message item is opened by its first text
+            opened: list[str] = []  # the items opened so far, in order: "reasoning", "message"
+            thought: list[str] = []  # the reasoning's deltas
 
-            def open_message() -> None:
-                if not opened:
-                    emit("response.output_item.added", output_index=0, item={**message("", "in_progress"),
-                                                                             "content": []})
-                    emit("response.content_part.added", item_id=mid, output_index=0, content_index=0,
-                         part={"type": "output_text", "text": "", "annotations": []})
-                    opened.append(True)
+            def close_reasoning() -> None:
+                text_ = "".join(thought)
+                part = {"type": "reasoning_text", "text": text_}
+                emit("response.reasoning_text.done", item_id=rsid, output_index=0, content_index=0, text=text_)
+                emit("response.content_part.done", item_id=rsid, output_index=0, content_index=0, part=part)
+                emit("response.output_item.done", output_index=0, item=reasoning_item(text_))
 
-            def delta(d: str) -> None:
-                open_message()
-                emit("response.output_text.delta", item_id=mid, output_index=0, content_index=0, delta=d)
+            def open_item(kind: str) -> None:
+                if opened and opened[-1] == kind:
+                    return
+                if opened:  # the reasoning comes first: the message closes it
+                    close_reasoning()
+                opened.append(kind)
+                index, iid = len(opened) - 1, (rsid if kind == "reasoning" else mid)
+                item = {**reasoning_item(""), "content": []} if kind == "reasoning" else \
+                    {**message("", "in_progress"), "content": []}
+                emit("response.output_item.added", output_index=index, item=item)
+                emit("response.content_part.added", item_id=iid, output_index=index, content_index=0,
+                     part={"type": "reasoning_text", "text": ""} if kind == "reasoning" else
+                     {"type": "output_text", "text": "", "annotations": []})
+
+            def delta(kind: str, d: str) -> None:
+                if kind == "reasoning":
+                    open_item("reasoning")
+                    thought.append(d)
+                    emit("response.reasoning_text.delta", item_id=rsid, output_index=0, content_index=0, delta=d)
+                else:
+                    open_item("message")
+                    emit("response.output_text.delta", item_id=mid, output_index=len(opened) - 1, content_index=0,
+                         delta=d)
 
             finish = run(req, prompt, max_new, stream, delta, cancelled, images=images)
-            text_, calls = answer(finish)
-            rest = stream.finish(text_)
-            if rest:
-                delta(rest)
-            elif not calls:
-                open_message()  # an answer without text or calls still has its (empty) message
-            output = []
-            if opened:
+            whole, calls = answer(finish)
+            for kind, d in stream.end_parts(whole):
+                delta(kind, d)
+            reasoning, text_ = stream.split(whole)
+            if "message" not in opened and not calls:
+                open_item("message")  # an answer without text or calls still has its (empty) message
+            elif opened == ["reasoning"]:
+                close_reasoning()
+            output = [reasoning_item(reasoning or "")] if "reasoning" in opened else []
+            if "message" in opened:
+                index = len(output)
                 part = {"type": "output_text", "text": text_, "annotations": []}
-                emit("response.output_text.done", item_id=mid, output_index=0, content_index=0, text=text_)
-                emit("response.content_part.done", item_id=mid, output_index=0, content_index=0, part=part)
-                emit("response.output_item.done", output_index=0, item=message(text_))
+                emit("response.output_text.done", item_id=mid, output_index=index, content_index=0, text=text_)
+                emit("response.content_part.done", item_id=mid, output_index=index, content_index=0, part=part)
+                emit("response.output_item.done", output_index=index, item=message(text_))
                 output.append(message(text_))
             for item in calls:
                 index = len(output)

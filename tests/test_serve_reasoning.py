@@ -1,0 +1,149 @@
+"""M3's think block split off the answers (`openm3/serve/reasoning.py`): the splitter against whole-text splits
+for every way of cutting a text into deltas, and the three chat APIs (streamed and not) with a scripted backend
+that writes a think block, a text and a tool call; reasoning a client sends back is rendered into the prompt."""
+
+import json
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+
+from openm3.data.chat import render_chat
+from openm3.data.tokenizer import EOS, THINK_END, THINK_START
+from openm3.serve import create_app
+from openm3.serve.reasoning import ReasoningSplitter, split_reasoning
+import test_serve
+from test_serve import CALL_TEXT, NAME, TOOLS, Scripted, events, named_events
+
+tok = test_serve.tok  # module-scoped fixture, shared
+
+THOUGHT = "The user wants a file.\n\nRead it first."
+TEXTS = [  # (text, started, reasoning, answer)
+    (f"{THINK_START}\n{THOUGHT}\n{THINK_END}\n\nHere it is.", False, THOUGHT, "Here it is."),
+    (f"  {THINK_START}\n{THOUGHT}\n{THINK_END}\n\n", False, THOUGHT, ""),
+    (f"{THINK_START}\nunfinished thought\n", False, "unfinished thought", ""),
+    (f"{THINK_START}\n\n{THINK_END}\n\nok", False, "", "ok"),
+    ("No thinking here.\n", False, None, "No thinking here.\n"),
+    (f"\n{THOUGHT}\n{THINK_END}\n\nDone.", True, THOUGHT, "Done."),
+    (f"a {THINK_START} b", False, None, f"a {THINK_START} b"),
+]
+
+
+@pytest.mark.parametrize("text,started,reasoning,answer", TEXTS, ids=[f"text{i}" for i in range(len(TEXTS))])
+def test_streamed_pieces_add_up_to_the_whole_split(text, started, reasoning, answer):
+    assert split_reasoning(text, started) == (reasoning, answer)
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 8))))
+        deltas = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        splitter = ReasoningSplitter(started)
+        pieces = [p for d in deltas for p in splitter.feed(d)] + splitter.finish()
+        got = {kind: "".join(t for k, t in pieces if k == kind) for kind in ("reasoning", "content")}
+        assert got["reasoning"] == (reasoning or "") and got["content"] == answer, deltas
+        assert all(t for _k, t in pieces)  # no empty pieces
+
+
+ANSWER = f"{THINK_START}\n{THOUGHT}\n{THINK_END}\n\n{CALL_TEXT}"
+
+
+def _client(backend, tokenizer, **kw):
+    return TestClient(create_app(backend, tokenizer, model_name=NAME, max_total_tokens=4096, **kw))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_chat_completions_reasoning_content(tok, stream):
+    backend = Scripted(tok.encode(ANSWER + EOS), tok.vocab_size)
+    req = {"model": NAME, "messages": [{"role": "user", "content": "Show src/a.py"}], "tools": TOOLS,
+           "stream": stream}
+    r = _client(backend, tok).post("/v1/chat/completions", json=req)
+    if stream:
+        deltas = [c["choices"][0]["delta"] for c in events(r) if c["choices"]]
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    else:
+        message = r.json()["choices"][0]["message"]
+        reasoning, content, calls = message["reasoning_content"], message["content"], message["tool_calls"]
+    assert reasoning == THOUGHT and content == "Let me look."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"path": "src/a.py", "lines": 20}]
+    plain = _client(backend, tok, reasoning_parser="none").post("/v1/chat/completions", json={**req, "stream": False})
+    assert plain.json()["choices"][0]["message"]["content"].startswith(THINK_START)  # left in the text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_messages_thinking_block(tok, stream):
+    backend = Scripted(tok.encode(f"{THINK_START}\n{THOUGHT}\n{THINK_END}\n\nHello there." + EOS), tok.vocab_size)
+    req = {"model": NAME, "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}], "stream": stream}
+    r = _client(backend, tok).post("/v1/messages", json=req)
+    if stream:
+        chunks = named_events(r)
+        starts = [c for c in chunks if c["type"] == "content_block_start"]
+        assert [(c["index"], c["content_block"]["type"]) for c in starts] == [(0, "thinking"), (1, "text")]
+        stops = [c["index"] for c in chunks if c["type"] == "content_block_stop"]
+        assert stops == [0, 1]
+        deltas = [c for c in chunks if c["type"] == "content_block_delta"]
+        thinking = "".join(c["delta"]["thinking"] for c in deltas if c["delta"]["type"] == "thinking_delta")
+        text = "".join(c["delta"]["text"] for c in deltas if c["delta"]["type"] == "text_delta")
+        assert {c["index"] for c in deltas if c["delta"]["type"] == "thinking_delta"} == {0}
+    else:
+        content = r.json()["content"]
+        assert [b["type"] for b in content] == ["thinking", "text"]
+        thinking, text = content[0]["thinking"], content[1]["text"]
+        assert content[0]["signature"] == ""
+    assert thinking == THOUGHT and text == "Hello there."
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_responses_reasoning_item(tok, stream):
+    backend = Scripted(tok.encode(ANSWER + EOS), tok.vocab_size)
+    req = {"model": NAME, "input": "Show src/a.py", "stream": stream,
+           "tools": [{"type": "function", **{k: v for k, v in TOOLS[0]["function"].items()}}]}
+    r = _client(backend, tok).post("/v1/responses", json=req)
+    if stream:
+        chunks = named_events(r)
+        added = [(c["output_index"], c["item"]["type"]) for c in chunks if c["type"] == "response.output_item.added"]
+        assert added == [(0, "reasoning"), (1, "message"), (2, "function_call")]
+        thought = "".join(c["delta"] for c in chunks if c["type"] == "response.reasoning_text.delta")
+        assert thought == THOUGHT
+        done = [c["item"]["type"] for c in chunks if c["type"] == "response.output_item.done"]
+        assert done == ["reasoning", "message", "function_call"]
+        output = chunks[-1]["response"]["output"]
+    else:
+        output = r.json()["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message", "function_call"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": THOUGHT}]
+    assert output[1]["content"][0]["text"] == "Let me look."
+
+
+def test_reasoning_sent_back_is_rendered_into_the_prompt(tok):
+    """A turn's reasoning comes back in each API's own form; all three render the prompt that `render_chat` writes
+    for the OpenAI-style conversation with `reasoning_content`."""
+    backend = Scripted(tok.encode("ok" + EOS), tok.vocab_size)
+    client = _client(backend, tok)
+    call = {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "a.py"}}}
+    want = render_chat([{"role": "user", "content": "Show a.py"},
+                        {"role": "assistant", "content": "", "reasoning_content": THOUGHT, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "x = 1"}], TOOLS,
+                       add_generation_prompt=True)
+    client.post("/v1/chat/completions", json={"model": NAME, "tools": TOOLS, "messages": [
+        {"role": "user", "content": "Show a.py"},
+        {"role": "assistant", "content": "", "reasoning_content": THOUGHT, "tool_calls": [
+            {**call, "function": {"name": "read_file", "arguments": json.dumps({"path": "a.py"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "x = 1"}]})
+    client.post("/v1/messages", json={"model": NAME, "max_tokens": 8, "tools": [
+        {"name": "read_file", "description": "Read a file.", "input_schema": TOOLS[0]["function"]["parameters"]}],
+        "messages": [
+        {"role": "user", "content": "Show a.py"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT, "signature": ""},
+                                          {"type": "tool_use", "id": "call_1", "name": "read_file",
+                                           "input": {"path": "a.py"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "x = 1"}]}]})
+    client.post("/v1/responses", json={"model": NAME, "tools": [{"type": "function", **TOOLS[0]["function"]}],
+                                       "input": [
+        {"role": "user", "content": "Show a.py"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]},
+        {"type": "function_call", "call_id": "call_1", "name": "read_file", "arguments": json.dumps({"path": "a.py"})},
+        {"type": "function_call_output", "call_id": "call_1", "output": "x = 1"}]})
+    assert len(backend.prompts) == 3
+    for prompt in backend.prompts:
+        assert tok.decode(prompt) == want
