@@ -147,3 +147,18 @@ def test_reasoning_sent_back_is_rendered_into_the_prompt(tok):
     assert len(backend.prompts) == 3
     for prompt in backend.prompts:
         assert tok.decode(prompt) == want
+
+
+def test_a_template_that_opens_the_think_block_starts_the_answer_inside_it(tok):
+    """A checkpoint's template may end its generation prompt with `<think>\\n` (the model then writes only the
+    block's rest): the answer is split as if it had opened the block itself."""
+    from openm3.data.chat_template import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}]~b]{{ m.role }}\n{{ m.content }}[e~[\n{% endfor %}"
+                            "{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}")
+    backend = Scripted(tok.encode(f"{THOUGHT}\n{THINK_END}\n\nHello." + EOS), tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096, chat_template=template))
+    r = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}]})
+    message = r.json()["choices"][0]["message"]
+    assert tok.decode(backend.prompts[0]).endswith(f"ai\n{THINK_START}\n")
+    assert message["reasoning_content"] == THOUGHT and message["content"] == "Hello."
