@@ -12,6 +12,8 @@ vision is on) and is then evaluated as the demo is: held-out bits per byte per c
 accuracy next to the best accuracy a model that sees only the question can reach, indexer recall.
 
 `--set FIELD=VALUE` changes a TrainConfig field in every run, for ablations (`--set aux_loss_weight=0`).
+`--blind` keeps the vision rows' text (questions, answers, captions) and drops their pixels: a control for what
+the images add beyond that text.
 
 Writes to `--out`: `runs/<recipe>_s<seed>.json` (one per run, written atomically as it finishes: a rerun skips
 the runs already there, and refuses ones made with other settings), `summary.json` (every run, plus mean and
@@ -56,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                    help="TrainConfig fields for every run, for ablations (e.g. aux_loss_weight=0 kl_weight=0); "
                         "values are JSON, else strings")
+    p.add_argument("--blind", action="store_true",
+                   help="vision rows without their pixels (their text only): what do the images add?")
     args = p.parse_args(argv)
     args.overrides = _overrides(p, args.set)
     for name in ("steps", "windows", "jobs", "image_rows", "lr"):
@@ -115,7 +119,8 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
     name = f"{recipe}_s{seed}"
     tokenizer = get_tokenizer()
     cfg = run_config(args, recipe, seed, out / "train" / name)
-    source = MixtureRows(tokenizer, cfg.seq_len, seed=seed, weights=DEMO_WEIGHTS, image_size=84, video_size=56)
+    source = MixtureRows(tokenizer, cfg.seq_len, seed=seed, weights=DEMO_WEIGHTS, image_size=84, video_size=56,
+                         blind=args.blind)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)
     history = trainer.fit()
@@ -147,7 +152,8 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
 def _settings(args: argparse.Namespace, cfg) -> dict:
     """What decides a run's numbers: its training config and the evaluation's sizes (JSON-normalised)."""
     evaluation = {"windows": args.windows, "image_qa": args.image_qa, "video_qa": args.video_qa}
-    return json.loads(json.dumps({"config": cfg.to_dict(), "evaluation": evaluation}))
+    data = {"blind": True} if args.blind else {}  # absent for the default, so earlier runs still match
+    return json.loads(json.dumps({"config": cfg.to_dict(), "evaluation": evaluation, **data}))
 
 
 def _write_json(path: Path, obj) -> None:

@@ -59,6 +59,22 @@ def test_rows_are_deterministic_and_aligned(source, tokenizer, kind):
         assert int((a[0].input_ids == tokenizer.video_id).sum()) == int((grid.prod(1) // 4).sum())
 
 
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_blind_rows_keep_the_text_and_drop_the_pixels(tokenizer, kind):
+    """The experiments' control: the same examples as the default source, without pixels, placeholders or their
+    markers; the trained tokens (the answers) are the same."""
+    seeing = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56)
+    blind = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56, blind=True)
+    example, text = next(seeing.examples(kind, 3)), next(blind.examples(kind, 3))
+    assert example.images or example.videos
+    assert not text.images and not text.videos and text.source == example.source
+    assert text.segments == [seg for seg in example.segments if seg.kind == "text"]
+    media = {tokenizer.image_id, tokenizer.video_id, tokenizer.vision_start_id, tokenizer.vision_end_id}
+    for row in blind.rows(kind, 3, 2):
+        assert not row.vision and not any(int(t) in media for t in row.input_ids)
+    assert blind.rows("text", 3, 1)[0].input_ids.equal(seeing.rows("text", 3, 1)[0].input_ids)
+
+
 def test_processor_layout_matches_processor():
     from openm3.models.processor import M3ImageProcessor
 

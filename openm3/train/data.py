@@ -70,6 +70,13 @@ def row_from_packed(sample, kind: str) -> Row:
     return Row(ids, labels, doc_lens, kind=kind, corpus=corpus, vision=vision_inputs(sample.images, sample.videos))
 
 
+def _without_media(example):
+    """The example's text alone: its image and video segments (placeholders, markers) and pixels dropped."""
+    from ..data.packing import Example
+
+    return Example([seg for seg in example.segments if seg.kind == "text"], source=example.source)
+
+
 def source_kind(name: str) -> str:
     from .tasks import TASKS
 
@@ -84,10 +91,12 @@ class MixtureRows:
     """A `RowSource` over `openm3.data` (see the module docstring).
 
     `weights`: source name -> relative weight (all kinds together; each kind draws among its own sources).
+    `blind`: image and video examples keep their text (questions, answers, captions) but lose their pixels and
+    placeholders, a control for what the pixels add beyond that text (experiments; the rows keep their kind).
     """
 
     def __init__(self, tokenizer, seq_len: int, *, seed: int = 0, weights: dict[str, float] | None = None,
-                 split: str = "train", image_size: int = 112, video_size: int = 56):
+                 split: str = "train", image_size: int = 112, video_size: int = 56, blind: bool = False):
         from ..data import DEFAULT_WEIGHTS, MixtureConfig, Mixture
         from .tasks import TASKS
 
@@ -98,6 +107,7 @@ class MixtureRows:
             raise ValueError(f"weights: unknown sources {unknown}; expected names from "
                              f"{sorted(DEFAULT_WEIGHTS) + sorted(TASKS)}")
         self.tokenizer, self.seq_len, self.seed, self.split = tokenizer, seq_len, seed, split
+        self.blind = blind
         self.builders: dict[str, list[tuple[str, float, Callable[[np.random.Generator], object]]]] = {
             k: [] for k in KIND_IDS}
         for name, w in weights.items():
@@ -129,6 +139,8 @@ class MixtureRows:
             name, _, build = builders[min(int(np.searchsorted(cdf, rng.random(), side="right")), len(builders) - 1)]
             example = build(rng)
             example.source = name
+            if self.blind and kind != "text":
+                example = _without_media(example)
             yield example
             j += 1
 
