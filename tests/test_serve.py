@@ -89,8 +89,10 @@ def test_health_and_version(client):
     before = client.get("/metrics").text  # a backend without figures of its own: the request counts only
     assert "# TYPE openm3:http_requests_total counter" in before and "openm3:requests_running" not in before
     client.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1, "top_p": 0})  # a 400
+    client.post("/v1/no/such/path", json={})
     after = client.get("/metrics").text
     assert 'openm3:http_requests_total{path="/v1/completions",status="400"}' in after
+    assert 'path="other",status="404"' in after and "/v1/no/such/path" not in after
 
 
 @pytest.mark.parametrize("prompt", ["def f(x):\n    return", [5, 300, 17, 42]], ids=["text", "ids-T4"])

@@ -108,7 +108,6 @@ class TextStream:
                  reasoning: ReasoningSplitter | None = None):
         self.tokenizer, self.stop, self.hold = tokenizer, list(stop), list(hold)
         self.reasoning = reasoning
-        self._started = reasoning is not None and reasoning.started
         self.tokens: list[int] = []
         self.text = ""
         self.sent = 0
@@ -157,7 +156,7 @@ class TextStream:
         and an empty think block counts as none."""
         if self.reasoning is None:
             return None, text
-        reasoning, answer = split_reasoning(text, self._started)
+        reasoning, answer = split_reasoning(text, self.reasoning.started)
         return reasoning or None, answer
 
     def _emit(self, end: int) -> str:
@@ -234,13 +233,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         """Liveness for load balancers and orchestrators (vLLM's route): 200 once the app serves requests."""
         return {"status": "ok"}
 
-    served = collections.Counter()  # requests answered, by API
+    served = collections.Counter()  # POST requests answered, by (path, status); unknown paths as "other"
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
         response = await call_next(request)
         if request.method == "POST":
-            served[(request.url.path, response.status_code)] += 1
+            routes = {r.path for r in app.routes if "POST" in getattr(r, "methods", ())}
+            path = request.url.path if request.url.path in routes else "other"  # bounded label values
+            served[(path, response.status_code)] += 1
         return response
 
     @app.get("/metrics")
