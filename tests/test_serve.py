@@ -341,13 +341,16 @@ def test_repeated_conversation_reports_cached_prompt_tokens(model, tok):
     anth = client.post("/v1/messages", json={**ask, "messages": messages}).json()["usage"]
     assert anth["cache_read_input_tokens"] == (prompt - 1) // page * page
     assert anth["input_tokens"] + anth["cache_read_input_tokens"] == prompt
+    chunks = named_events(client.post("/v1/messages", json={**ask, "messages": messages, "stream": True}))
+    start, end = chunks[0]["message"]["usage"], chunks[-2]["usage"]  # message_start is sent once admitted
+    assert start["cache_read_input_tokens"] == end["cache_read_input_tokens"] == anth["cache_read_input_tokens"]
     metrics = client.get("/metrics")
     backend.close()
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     samples = dict(line.rsplit(" ", 1) for line in metrics.text.splitlines() if not line.startswith("#"))
-    assert samples["openm3:prompt_tokens_total"] == str(4 * prompt)
-    assert samples["openm3:prefix_cache_hit_tokens_total"] == str(3 * ((prompt - 1) // page * page))
-    assert samples['openm3:requests_finished_total{reason="length"}'] == "4"
+    assert samples["openm3:prompt_tokens_total"] == str(5 * prompt)
+    assert samples["openm3:prefix_cache_hit_tokens_total"] == str(4 * ((prompt - 1) // page * page))
+    assert samples['openm3:requests_finished_total{reason="length"}'] == "5"
     assert samples["openm3:requests_running"] == samples["openm3:requests_prefilling"] == "0"
     assert int(samples["openm3:cache_pages_cached"]) > 0
     assert samples['openm3:http_requests_total{path="/v1/chat/completions",status="200"}'] == "2"

@@ -252,9 +252,10 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
                     "stop_reason": reason, "stop_sequence": stop_seq, "usage": usage(stream.sampled)}
 
         def produce(put, cancelled) -> None:
-            put({"type": "message_start", "message": {
-                "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": usage(0)}})
+            def start() -> None:  # once the prompt is admitted: its usage then says what the cache held
+                put({"type": "message_start", "message": {
+                    "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
+                    "stop_reason": None, "stop_sequence": None, "usage": usage(0)}})
             opened: list[str] = []  # the blocks opened so far, in order: "thinking", "text"
 
             def open_block(kind: str) -> None:
@@ -273,7 +274,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
                     {"type": "text_delta", "text": delta}
                 put({"type": "content_block_delta", "index": len(opened) - 1, "delta": body})
 
-            finish = run(req, prompt, max_new, stream, part, cancelled, images=images)
+            finish = run(req, prompt, max_new, stream, part, cancelled, images=images, on_start=start)
             whole, tool_uses, reason, stop_seq = answer(finish)
             for kind, delta in stream.end_parts(whole):
                 part(kind, delta)

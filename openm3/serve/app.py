@@ -298,17 +298,31 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
             on_part: Callable[[str, str], None], cancelled: threading.Event | None = None, *,
-            images: PromptImages | None = None) -> str:
+            images: PromptImages | None = None, on_start: Callable[[], None] | None = None) -> str:
         """Generates (under the lock unless the backend is concurrent), feeding `stream` and calling
         `on_part(kind, text)` with its routed deltas (`TextStream.parts`); returns the finish reason ('stop' |
-        'length'). `images` go to the backend only when there are some.
+        'length'). `images` go to the backend only when there are some. on_start(): called once, when the
+        request's prompt is known to be admitted (`stream.cached` is then set) or at its first token, whichever
+        the backend reports first.
 
         The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
         seed = req.seed if req.seed is not None else random.getrandbits(31)
         eos = tokenizer.eos_id
 
+        started: list[bool] = []
+
+        def start() -> None:
+            if on_start is not None and not started:
+                started.append(True)
+                on_start()
+
+        def on_cached(n: int) -> None:
+            stream.cached = n
+            start()
+
         def on_token(tok: int) -> None:
+            start()
             stream.sampled += 1
             if tok != eos:
                 for kind, text in stream.parts(stream.push(tok)):
@@ -318,13 +332,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         extra = {} if images is None else {"images": images}
         if getattr(backend, "prefix_caching", False):
-            extra["on_cached"] = lambda n: setattr(stream, "cached", n)
+            extra["on_cached"] = on_cached
         with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
             try:
                 return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=[eos], seed=seed,
                                on_token=on_token, **extra)
             except _Stop:
                 return "stop"
+            finally:
+                start()
 
     def text_stream(stop: Sequence[str], hold: Sequence[str], prompt: list[int]) -> TextStream:
         """A chat answer's stream: its think block split off unless `reasoning_parser` is 'none'; a prompt whose
