@@ -221,3 +221,44 @@ def test_requests_sharing_a_context_that_arrive_together_prefill_it_once(model):
     assert got == want
     assert sorted(c[0] for c in cached) == [0, 6 * ps, 6 * ps]
 
+
+
+def test_random_arrivals_with_shared_prefixes_under_memory_pressure(model):
+    """Everything at once: requests with shared prefixes of several lengths arrive at random moments into a cache
+    too small for all of them (they wait, idle pages are evicted), prefill in small interleaved chunks beside each
+    other and decode together. Every request's greedy tokens equal `generate`'s alone, every page comes back, and
+    the cache served part of the prompts."""
+    import random
+    import threading
+    import time
+
+    from openm3.engine import generate
+
+    ps = model.config.index_block_size
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    trunks = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (3 * ps + 2, 5 * ps)]
+    prompts = []
+    for i in range(8):
+        trunk = trunks[i % 2][:rng.choice([ps, 2 * ps + 3, len(trunks[i % 2])])]
+        prompts.append(trunk + torch.randint(0, model.config.vocab_size, (rng.randint(1, ps),), generator=gen).tolist())
+    new = [rng.randint(1, 6) for _ in prompts]
+    want = [generate(model, [p], max_new_tokens=n)[0][0].tokens for p, n in zip(prompts, new)]
+    batcher = BatchedGenerator(model, token_budget=16 * ps, max_batch=3, chunk_size=ps + 5)
+    got, cached = [[] for _ in prompts], [[] for _ in prompts]
+    delays = [rng.uniform(0, 0.3) for _ in prompts]
+
+    def ask(i):
+        time.sleep(delays[i])
+        batcher(prompts[i], max_new_tokens=new[i], on_token=got[i].append, on_cached=cached[i].append)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    batcher.close()
+    assert got == want
+    assert all(len(c) == 1 and 0 <= c[0] < len(p) and c[0] % ps == 0 for c, p in zip(cached, prompts))
+    assert batcher.cached_tokens == sum(c[0] for c in cached) > 0
+    assert batcher.cache.free_pages == batcher.plan.num_pages and max(batcher.batch_sizes) <= 3
