@@ -54,3 +54,16 @@ def random_text_model(preset: str, device: str | None = None):
     with torch.device(device):
         model = M3TextModel(M3TextConfig.from_name(preset))
     return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval(), device
+
+
+def engine_parser(doc: str):
+    """The argument parser of an engine benchmark (described by its docstring's first line) with the options they
+    all take: --preset, --device, --out (results folder)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--preset", default="m3-small")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--out", default=None, help="folder for the result's JSON (none: print only)")
+    return p
+

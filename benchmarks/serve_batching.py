@@ -11,13 +11,12 @@ decode steps per batch size the generator ran. One untimed round at the largest 
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 
 import torch
 
-from benchmarks._inputs import random_text_model
+from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 
 
@@ -34,16 +33,13 @@ def run_round(gen, prompts, new: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="m3-small")
-    p.add_argument("--device", default=None)
+    p = engine_parser(__doc__)
     p.add_argument("--prompt-len", type=int, default=8192)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--index-dtype", default=None)
     p.add_argument("--whole-prefill", action="store_true",
                    help="prefill each admitted group whole before decoding (interleave_prefill=False)")
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     from openm3.engine.batching import BatchedGenerator

@@ -12,14 +12,13 @@ time. Each setting runs once untimed first (compilation).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import threading
 import time
 
 import torch
 
-from benchmarks._inputs import random_text_model
+from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 
 
@@ -53,14 +52,11 @@ def run(batcher, short: list[int], long: list[int], new: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="m3-small")
-    p.add_argument("--device", default=None)
+    p = engine_parser(__doc__)
     p.add_argument("--short", type=int, default=8192, help="request A's prompt tokens")
     p.add_argument("--new", type=int, default=256, help="request A's new tokens")
     p.add_argument("--long", type=int, default=131072, help="request B's prompt tokens")
     p.add_argument("--chunk-size", type=int, default=8192)
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     from openm3.engine.batching import BatchedGenerator

@@ -15,13 +15,12 @@ end, with the cache (one of them prefills the shared prompt, the others wait for
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 
 import torch
 
-from benchmarks._inputs import random_text_model
+from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 
 
@@ -66,9 +65,7 @@ def parallel(batcher, prompts: list[list[int]], new: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="m3-small")
-    p.add_argument("--device", default=None)
+    p = engine_parser(__doc__)
     p.add_argument("--context", type=int, default=131072, help="turn 1's prompt tokens")
     p.add_argument("--turn-tokens", type=int, default=2048, help="new prompt tokens of each later turn")
     p.add_argument("--new", type=int, default=64, help="answer tokens per turn")
@@ -77,7 +74,6 @@ def main(argv=None) -> int:
     p.add_argument("--index-dtype", default=None)
     p.add_argument("--parallel", type=int, default=0, metavar="N",
                    help="also: N requests sharing turn 1's prompt, each with --turn-tokens of its own, sent at once")
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     from openm3.engine.batching import BatchedGenerator
