@@ -79,6 +79,10 @@ for s in "${stages[@]}"; do
         | tail -5 ;;
     interleave)  # a decoding request's token gaps while a 128K prompt prefills, chunks interleaved with decode or not
       python3 -m benchmarks.serve_interleave --out "$OUT" 2>&1 | tee "$OUT/serve_interleave.log" | tail -4 ;;
+    speculative)  # m3-small: n-gram speculative decoding vs plain, real lookups and scripted drafts right at a rate
+      python3 -m benchmarks.speculative_decode --out "$OUT" ${SPEC_ARGS:-} 2>&1 | tee "$OUT/speculative.log" | tail -12
+      python3 -m benchmarks.speculative_decode --out "$OUT" --prompt 16384 --batch 8 --drafts 4 2>&1 \
+        | tee "$OUT/speculative_b8.log" | tail -6 ;;
     prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off
       python3 -m benchmarks.serve_prefix --out "$OUT" ${PREFIX_ARGS:---parallel 4} 2>&1 | tee "$OUT/serve_prefix.log" \
         | tail -11 ;;

@@ -453,3 +453,25 @@ def test_cli_builds_an_app_from_a_preset(tok, tmp_path):
     assert r.status_code == 200
     with pytest.raises(ValueError, match="--checkpoint"):
         build_app(build_parser().parse_args(["--checkpoint", str(tmp_path / "missing"), "--tokenizer", str(path)]))
+
+
+def test_cli_speculative_config_serves_the_same_greedy_text(tok, tmp_path):
+    """`--speculative-config` (vLLM's JSON; n-gram drafts): the served greedy answers equal those without it, in
+    the batched server and one request at a time; the batched server counts its drafts in /metrics; a bad config
+    fails naming the option."""
+    path = tok.save(tmp_path / "tok")
+    base = ["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "96"]
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}']
+    body = {"model": "m3-tiny", "prompt": "the cat sat on the mat, the cat sat on the mat, the cat", "max_tokens": 24,
+            "temperature": 0}
+    texts = []
+    for extra in ([], spec, spec + ["--max-batch", "1"]):
+        client = TestClient(build_app(build_parser().parse_args(base + extra)))
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+        if extra == spec:
+            assert "openm3:spec_decode_draft_tokens_total" in client.get("/metrics").text
+    assert texts[0] == texts[1] == texts[2]
+    with pytest.raises(ValueError, match="--speculative-config: speculative config: unknown keys"):
+        build_app(build_parser().parse_args(base + ["--speculative-config", '{"num_speculative_tokens": 2, "k": 1}']))

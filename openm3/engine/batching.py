@@ -22,8 +22,13 @@ request whose prompt starts with the same tokens (and the same images) prefills 
 conversation resends its whole history each turn; with the cache each turn computes only what is new.
 `on_cached(n)` tells a caller how many prompt tokens came from the cache.
 
+Speculative decoding (`speculative=SpeculativeConfig(...)`, off by default; `openm3.engine.speculative`): before a
+decode step each request looks up n-gram drafts in its own tokens, and a step that has some feeds every request
+its last token and `num_speculative_tokens` drafts, keeping those the model's logits confirm: greedy requests get
+the tokens plain decoding gives, sampled ones tokens of the same distribution.
+
 Each request samples with its own generator seeded by `seed`, so its tokens equal `generate(model, [prompt],
-seed=seed, ...)`'s up to the float rounding of a batched forward. Over a VL model (`M3ForConditionalGeneration`)
+seed=seed, ...)`'s up to the float rounding of a batched forward (sampled requests: without speculation). Over a VL model (`M3ForConditionalGeneration`)
 a request may carry its images (`images=(pixel_values, grid_thw)`); its prompt is embedded once when its prefill
 starts, and it decodes beside text requests as one of them.
 """
@@ -43,6 +48,7 @@ from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cach
 from .generate import check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, sample
+from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
 from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
 
 __all__ = ["BatchedGenerator"]
@@ -61,6 +67,7 @@ class _Request:
     keys: list = dataclasses.field(default_factory=list)  # page_keys of its prompt's full pages (prefix caching)
     on_cached: Callable[[int], None] | None = None
     outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
+    history: TokenHistory | None = None  # prompt + outputs, where speculative drafts are looked up
     prefilled: bool = False
     id: int = -1
     produced: int = 0
@@ -85,7 +92,7 @@ class BatchedGenerator:
     max_batch: most requests decoded together; chunk_size: prefill tokens per forward; index_dtype: as in
     `generate`; cuda_graphs: decode steps through CUDA graphs (default: on when the model is on a CUDA device);
     prefix_caching: reuse cached pages of earlier requests' prompts and answers; interleave_prefill: decode steps
-    between prefill chunks (see the module docstring).
+    between prefill chunks; speculative: n-gram speculative decoding (see the module docstring).
     model: an `M3TextModel` or an `M3ForConditionalGeneration` (`vl_config` is then its config, else None).
     The signature of a call is the `Backend` protocol of `openm3.serve`, and `concurrent = True` tells the server
     not to serialise calls.
@@ -94,11 +101,14 @@ class BatchedGenerator:
     concurrent = True
 
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
-                 cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True):
+                 cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True,
+                 speculative: SpeculativeConfig | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
         self.model = model
         self.text = text_model(model)
         self.config = self.text.config
@@ -109,6 +119,7 @@ class BatchedGenerator:
                                index_dtype=index_dtype)
         self.prefix_caching = prefix_caching
         self.interleave_prefill = interleave_prefill
+        self.speculative = speculative
         self.cache = PagedCache(self.plan, self.device, prefix_caching=prefix_caching)
         self.max_batch, self.chunk_size = max_batch, chunk_size
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -119,6 +130,9 @@ class BatchedGenerator:
         self.prompt_tokens = 0  # prompt tokens of admitted requests
         self.cached_tokens = 0  # of them, read from the prefix cache instead of computed
         self.generated_tokens = 0
+        self.spec_steps = 0  # decode steps that verified drafts
+        self.draft_tokens = 0  # drafts fed (a padded request's included)
+        self.accepted_tokens = 0  # of them, confirmed by the model and kept
         self.finished: collections.Counter = collections.Counter()  # ended requests by reason (or 'error')
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
@@ -152,6 +166,8 @@ class BatchedGenerator:
         if self.prefix_caching:  # hashed here, in the caller's thread, not in the worker's
             req.salt = b"" if vision is None else vision.digest()
             req.keys = page_keys(ids, self.cache.layout.page_size, req.salt)
+        if self.speculative is not None:
+            req.history = TokenHistory(ids, max_new_tokens)
         self._start()
         self._inbox.put(req)
         req.done.wait()
@@ -270,8 +286,14 @@ class BatchedGenerator:
 
     def _decode(self) -> None:
         batch = list(self._running)
-        feed = torch.tensor([r.last for r in batch], dtype=torch.int64, device=self.device)
         ids = [r.id for r in batch]
+        drafts = None
+        if self.speculative is not None:
+            rooms = [self.cache.capacity(r.id) - self.cache.length(r.id) - 1 for r in batch]
+            drafts = step_drafts([r.history for r in batch], rooms, self.speculative)
+        fed = [[r.last] + (drafts[i] if drafts else []) for i, r in enumerate(batch)]
+        feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64, device=self.device)
+        lengths = [self.cache.length(i) for i in ids]
         try:
             logits = self.graphs.step(ids, feed) if self.graphs else decode_step(self.text, self.cache, ids, feed)
         except Exception as e:  # noqa: BLE001
@@ -280,7 +302,22 @@ class BatchedGenerator:
             return
         self.steps += 1
         self.batch_sizes[len(batch)] += 1
-        self._emit(batch, logits)
+        if drafts is None:
+            self._emit(batch, logits)
+            return
+        self.spec_steps += 1
+        greedy = [i for i, req in enumerate(batch) if req.sampling.greedy]
+        best = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}  # one host read
+        for i, req in enumerate(batch):
+            tokens = verify(logits[i], drafts[i], req.sampling, req.gen, argmax=best.get(i))
+            self.draft_tokens += len(drafts[i])
+            self.accepted_tokens += len(tokens) - 1
+            kept, _ = cut_at_end(tokens, req.stop_tokens, req.max_new_tokens - req.produced)
+            # the cache keeps the fed tokens the answer keeps: the last one and the kept drafts before the new one
+            self.cache.truncate(req.id, lengths[i] + len(kept))
+            for token in kept:
+                if not self._give(req, token):
+                    break
 
     def _emit(self, batch: list[_Request], logits: torch.Tensor) -> None:
         """Samples one token per request of `batch` from its logits row and hands it over."""
@@ -293,18 +330,27 @@ class BatchedGenerator:
         for req, row, token in zip(batch, logits, tokens):
             if token is None:  # its own generator: the draws `generate` would make for it alone
                 token = int(sample(row[None], req.sampling, req.gen)[0])
-            req.last, req.produced = token, req.produced + 1
-            self.generated_tokens += 1
-            req.outputs.append(token)
-            try:
-                req.on_token(token)
-            except BaseException as e:  # noqa: BLE001 - the caller decides what its exception means
-                self._end(req, error=e)
-                continue
-            if token in req.stop_tokens:
-                self._end(req, finish="stop")
-            elif req.produced >= req.max_new_tokens:
-                self._end(req, finish="length")
+            self._give(req, token)
+
+    def _give(self, req: _Request, token: int) -> bool:
+        """Hands one sampled token to its request; False when the request ended with it."""
+        req.last, req.produced = token, req.produced + 1
+        self.generated_tokens += 1
+        req.outputs.append(token)
+        if req.history is not None:
+            req.history.append(token)
+        try:
+            req.on_token(token)
+        except BaseException as e:  # noqa: BLE001 - the caller decides what its exception means
+            self._end(req, error=e)
+            return False
+        if token in req.stop_tokens:
+            self._end(req, finish="stop")
+        elif req.produced >= req.max_new_tokens:
+            self._end(req, finish="length")
+        else:
+            return True
+        return False
 
     def _end(self, req: _Request, *, finish: str | None = None, error: BaseException | None = None) -> None:
         if req in self._running:
@@ -334,6 +380,10 @@ class BatchedGenerator:
              self.cached_tokens),
             ("generation_tokens_total", "counter", "sampled tokens", self.generated_tokens),
             ("decode_steps_total", "counter", "decode forwards", self.steps),
+            ("spec_decode_steps_total", "counter", "decode forwards that verified speculative drafts",
+             self.spec_steps),
+            ("spec_decode_draft_tokens_total", "counter", "speculative draft tokens fed", self.draft_tokens),
+            ("spec_decode_accepted_tokens_total", "counter", "speculative draft tokens kept", self.accepted_tokens),
             ("cache_pages", "gauge", "pages of the paged cache", cache.plan.num_pages),
             ("cache_pages_used", "gauge", "pages held by admitted requests", cache.plan.num_pages - cache.free_pages),
             ("cache_pages_cached", "gauge", "pages filed in the prefix cache (held or idle)", cache.cached_pages),

@@ -404,6 +404,10 @@ class PagedCache:
         """Tokens cached for a sequence."""
         return self._get(seq_id).length
 
+    def capacity(self, seq_id: int) -> int:
+        """Tokens a sequence's reservation holds (whole pages)."""
+        return self._get(seq_id).capacity(self.layout.page_size)
+
     def page_table(self, seq_id: int) -> list[int]:
         return list(self._seqs[seq_id].pages)
 

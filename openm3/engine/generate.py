@@ -7,8 +7,9 @@
 `generate(model, prompts, ...)` admits the whole batch to a cache planned from its token budget (refused before
 any work if it does not fit), prefills the prompts in chunks (a VL model's prompts with their images: the vision
 tower runs once per prompt), then decodes one token per running sequence per step until each hits a stop token or
-`max_new_tokens`. It reports time to first token, prefill and decode throughput, and on CUDA the peak memory
-against the plan (weights + cache + an estimate of the chunk's workspace).
+`max_new_tokens` (or several per step with `speculative=`: n-gram drafts verified by the model,
+`openm3.engine.speculative`). It reports time to first token, prefill and decode throughput, and on CUDA the peak
+memory against the plan (weights + cache + an estimate of the chunk's workspace).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, sample
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
+from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -52,6 +54,11 @@ class GenerationStats:
     capture_tokens: int = 0
     graph_captures: int | None = None  # None: decode steps ran eagerly
     graph_replays: int = 0
+    decode_steps: int = 0
+    spec_steps: int = 0  # decode steps that verified speculative drafts
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    speculative: str = ""  # the speculative config, when on
     cache_bytes: int = 0
     weight_bytes: int = 0
     workspace_bytes: int = 0  # planned estimate
@@ -84,6 +91,12 @@ class GenerationStats:
         return (f"decode steps: CUDA graphs ({self.graph_captures} captured in {self.capture_s:.3f} s, "
                 f"{self.graph_replays} replays)")
 
+    def _speculative_line(self) -> str:
+        rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        per_step = self.decode_tokens / self.decode_steps if self.decode_steps else float("nan")
+        return (f"{self.speculative}: {self.accepted_tokens} of {self.draft_tokens} drafts kept ({rate:.1%}) in "
+                f"{self.spec_steps} of {self.decode_steps} steps; {per_step:.2f} tokens per sequence per step")
+
     def summary(self) -> str:
         gib = 2.0 ** 30
         lines = [f"prompt tokens {self.prompt_tokens}, time to first token {self.ttft_s:.3f} s "
@@ -92,6 +105,7 @@ class GenerationStats:
                  f"{self.decode_tokens_per_s:.2f} tokens/s (first step {self.first_step_s:.3f} s; after it "
                  f"{self.steady_decode_tokens_per_s:.2f} tokens/s)",
                  self._graph_line(),
+                 *([self._speculative_line()] if self.speculative else []),
                  self.plan,
                  f"memory plan: weights {self.weight_bytes / gib:.3f} GiB + cache {self.cache_bytes / gib:.3f} GiB + "
                  f"workspace (est.) {self.workspace_bytes / gib:.3f} GiB = {self.planned_bytes / gib:.3f} GiB"]
@@ -141,7 +155,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              token_budget: int | None = None, index_dtype=None, max_total_tokens: int | None = None,
              seed: int = 0, on_token: Callable[[int, int], None] | None = None,
              on_prefill: Callable[[int], None] | None = None, cuda_graphs: bool | None = None,
-             images: Sequence | None = None) -> tuple[list[GenerationResult], GenerationStats]:
+             images: Sequence | None = None, speculative: SpeculativeConfig | None = None
+             ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates continuations of a batch of token-id prompts.
 
     model: an `M3TextModel`, or an `M3ForConditionalGeneration` (its text decoder's dtype and device are the
@@ -155,8 +170,12 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     max_new_tokens limit per sequence (default: config.max_position_embeddings); on_token(b, token) streams
     each sampled token; on_prefill(n) reports prefill progress in tokens. cuda_graphs: decode steps replay one
     CUDA graph per batch (`openm3.engine.graphs`; default: on when the model is on a CUDA device).
+    speculative: n-gram speculative decoding (`openm3.engine.speculative`): greedy outputs equal plain decoding's
+    (up to float rounding), sampled ones have its distribution but other draws.
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
+    if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+        raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings
@@ -174,7 +193,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     stats = GenerationStats(prompt_tokens=sum(p.numel() for p in ids), cache_bytes=plan.total_bytes,
                             weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                             workspace_bytes=workspace_estimate(config, chunk_size, dtype, len(ids)),
-                            plan=plan.summary())
+                            plan=plan.summary(), speculative=speculative.describe() if speculative else "")
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -184,12 +203,14 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     gen = torch.Generator(device=device).manual_seed(seed)
     stop = set(int(t) for t in stop_tokens)
     results = [GenerationResult(prompt_len=p.numel()) for p in ids]
+    histories = [TokenHistory(p, max_new_tokens) for p in ids] if speculative else None
 
     t0 = time.perf_counter()
     logits = prefill(model, cache, list(range(len(ids))), ids, chunk_size=chunk_size, on_chunk=on_prefill,
                      images=vision)
     tokens = sample(logits, sampling, gen)
-    running = _emit(results, list(range(len(ids))), tokens.tolist(), stop, max_new_tokens, on_token)
+    running = _emit(results, list(range(len(ids))), [[t] for t in tokens.tolist()], stop, max_new_tokens, on_token,
+                    histories)
     stats.ttft_s = time.perf_counter() - t0
 
     graphs = DecodeGraphs(lm, cache) if (cuda if cuda_graphs is None else cuda_graphs) else None
@@ -199,17 +220,37 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         for b in live - set(running):  # finished sequences give their pages back
             cache.release(b)
         live = set(running)
-        feed = torch.tensor([results[b].tokens[-1] for b in running], dtype=torch.int64, device=device)
+        drafts = None
+        if speculative is not None:
+            rooms = [cache.capacity(b) - cache.length(b) - 1 for b in running]
+            drafts = step_drafts([histories[b] for b in running], rooms, speculative)
+        fed = [[results[b].tokens[-1]] + (drafts[i] if drafts else []) for i, b in enumerate(running)]
+        feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64, device=device)
+        lengths = [cache.length(b) for b in running]
         t_step, captures = time.perf_counter(), graphs.captures if graphs else 0
         logits = graphs.step(running, feed) if graphs else decode_step(lm, cache, running, feed)
-        tokens = sample(logits, sampling, gen).tolist()  # a host read: the step's time is complete here
+        if drafts is None:
+            tokens = [[t] for t in sample(logits, sampling, gen).tolist()]  # a host read: the step is complete
+        else:
+            best = logits.argmax(dim=-1).tolist() if sampling.greedy else [None] * len(running)
+            tokens = []
+            for i, b in enumerate(running):
+                out = verify(logits[i], drafts[i], sampling, gen, argmax=best[i])
+                kept, _ = cut_at_end(out, stop, max_new_tokens - len(results[b].tokens))
+                cache.truncate(b, lengths[i] + len(kept))  # the fed tokens the answer keeps
+                tokens.append(kept)
+                stats.draft_tokens += len(drafts[i])
+                stats.accepted_tokens += len(out) - 1
+            stats.spec_steps += 1
+        produced = sum(len(t) for t in tokens)
         if stats.decode_tokens == 0:
-            stats.first_step_s, stats.first_step_tokens = time.perf_counter() - t1, len(running)
+            stats.first_step_s, stats.first_step_tokens = time.perf_counter() - t1, produced
         elif graphs and graphs.captures > captures:
             stats.capture_s += time.perf_counter() - t_step
-            stats.capture_tokens += len(running)
-        stats.decode_tokens += len(running)
-        running = _emit(results, running, tokens, stop, max_new_tokens, on_token)
+            stats.capture_tokens += produced
+        stats.decode_tokens += produced
+        stats.decode_steps += 1
+        running = _emit(results, running, tokens, stop, max_new_tokens, on_token, histories)
     if cuda:
         torch.cuda.synchronize(device)
         stats.peak_bytes = torch.cuda.max_memory_allocated(device)
@@ -219,14 +260,18 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     return results, stats
 
 
-def _emit(results, seqs, tokens, stop, max_new_tokens, on_token) -> list[int]:
-    """Appends each sequence's new token; returns the sequences still running."""
+def _emit(results, seqs, tokens, stop, max_new_tokens, on_token, histories=None) -> list[int]:
+    """Appends each sequence's new tokens (a list per sequence, already cut at a stop token or the length);
+    returns the sequences still running."""
     running = []
-    for b, tok in zip(seqs, tokens):
-        results[b].tokens.append(tok)
-        if on_token is not None:
-            on_token(b, tok)
-        if tok in stop:
+    for b, new in zip(seqs, tokens):
+        for tok in new:
+            results[b].tokens.append(tok)
+            if histories is not None:
+                histories[b].append(tok)
+            if on_token is not None:
+                on_token(b, tok)
+        if new[-1] in stop:
             results[b].finish_reason = "stop"
         elif len(results[b].tokens) < max_new_tokens:
             running.append(b)
@@ -272,10 +317,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile every decoder layer (fewer, fused kernels per decode step; the first prefill "
                         "chunk and the first decode step pay for compilation)")
+    add_speculative_argument(p)
     p.add_argument("--eager", action="store_true",
                    help="run every decode step eagerly (default on CUDA: each batch's decode step is captured as a "
                         "CUDA graph at its second step and replayed)")
     return p
+
+
+def add_speculative_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding with n-gram (prompt lookup) drafts, as vLLM\'s option: '
+                   '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                   '"prompt_lookup_min": 2}\' (drafts per step 1-7). Greedy outputs are unchanged; sampled ones keep '
+                   'their distribution. Default: off')
+
+
+def speculative_option(text: str | None) -> SpeculativeConfig | None:
+    """--speculative-config parsed; ValueError naming the option."""
+    if text is None:
+        return None
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
 
 
 def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
@@ -385,6 +449,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
         stop = [int(s) for s in args.stop.split(",") if s.strip()]
+        speculative = speculative_option(args.speculative_config)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     tokenizer = None
@@ -438,7 +503,8 @@ def run(args: argparse.Namespace) -> int:
                                   stop_tokens=stop, chunk_size=args.chunk_size, token_budget=args.token_budget,
                                   index_dtype=args.index_dtype, max_total_tokens=args.max_total_tokens,
                                   seed=args.seed, on_token=stream, on_prefill=bar.update if bar else None,
-                                  cuda_graphs=False if args.eager else None, images=images)
+                                  cuda_graphs=False if args.eager else None, images=images,
+                                  speculative=speculative)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     finally:

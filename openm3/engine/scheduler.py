@@ -250,11 +250,13 @@ def prefill_chunks(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Se
 
 @torch.no_grad()
 def decode_step(model, cache: PagedCache, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
-    """Feeds one token per sequence (tokens int64 [B], at position = the sequence's cached length);
-    returns next-token logits [B, V] (fp32). model: a text model or a VL model (its text decoder runs)."""
+    """Feeds one token per sequence (tokens int64 [B], at position = the sequence's cached length) -> next-token
+    logits [B, V] (fp32); or q tokens per sequence (tokens [B, q]: a token and its speculative drafts) -> logits
+    after each of them [B, q, V]. model: a text model or a VL model (its text decoder runs)."""
     seq_ids = list(seq_ids)
-    if tokens.shape != (len(seq_ids),):
-        raise ValueError(f"tokens must be [B={len(seq_ids)}], got {tuple(tokens.shape)}")
+    if tokens.dim() not in (1, 2) or tokens.shape[0] != len(seq_ids) or tokens.numel() == 0:
+        raise ValueError(f"tokens must be [B={len(seq_ids)}] or [B, q], got {tuple(tokens.shape)}")
+    rows = tokens.reshape(len(seq_ids), -1)
     starts = [cache.length(s) for s in seq_ids]
-    pieces = list(tokens.reshape(-1, 1).cpu())
-    return _forward(text_model(model), cache, seq_ids, pieces, starts, list(range(len(seq_ids)))).float()
+    logits = _forward(text_model(model), cache, seq_ids, list(rows.cpu()), starts, list(range(rows.numel()))).float()
+    return logits if tokens.dim() == 1 else logits.view(*rows.shape, -1)

@@ -62,8 +62,9 @@ class ModelBackend:
     """Runs `openm3.engine.generate` on one model (its device and dtype pick the kernels): a text model, or a VL
     model (`vl_config` set) that also takes images."""
 
-    def __init__(self, model):
+    def __init__(self, model, speculative=None):
         self.model = model
+        self.speculative = speculative  # a SpeculativeConfig, or None
         self.vocab_size = text_model(model).config.vocab_size
         self.vl_config = model.config if is_vision_language(model) else None
 
@@ -74,7 +75,7 @@ class ModelBackend:
         results, _ = generate(self.model, [prompt], max_new_tokens=max_new_tokens, sampling=sampling,
                               stop_tokens=stop_tokens, seed=seed, on_token=lambda _b, tok: on_token(tok),
                               max_total_tokens=len(prompt) + max_new_tokens,
-                              images=None if images is None else [images])
+                              images=None if images is None else [images], speculative=self.speculative)
         return results[0].finish_reason
 
 

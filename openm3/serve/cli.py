@@ -25,7 +25,7 @@ from typing import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..engine.generate import add_chat_template_argument, add_model_arguments
+    from ..engine.generate import add_chat_template_argument, add_model_arguments, add_speculative_argument
 
     p = argparse.ArgumentParser(prog="openm3 serve", description="Serve a model behind the OpenAI HTTP API "
                                 "(/v1/models, /v1/completions, /v1/chat/completions, /v1/responses) and "
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "does, reads those tokens' cached pages and prefills only the rest)")
     p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
                    help="index-key cache dtype (default: the model dtype)")
+    add_speculative_argument(p)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (as `openm3 generate --compile`: decode steps ~1.9x "
                    "faster on an H200 at a 128K prompt; the first requests pay the compilation)")
@@ -66,13 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
 def build_app(args: argparse.Namespace):
     """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
     from ..data.tokenizer import M3Tokenizer, get_tokenizer
-    from ..engine.generate import chat_template, compile_layers, device_and_dtype, load_model, tokenizer_path
+    from ..engine.generate import (chat_template, compile_layers, device_and_dtype, load_model, speculative_option,
+                                   tokenizer_path)
     from ..engine.batching import BatchedGenerator
     from ..engine.scheduler import text_model
     from .app import ModelBackend, create_app
 
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
+    speculative = speculative_option(args.speculative_config)  # before the model loads
     source = tokenizer_path(args.tokenizer, args.checkpoint)
     tokenizer = M3Tokenizer.from_file(source) if source else get_tokenizer()
     template = chat_template(args.chat_template, source)
@@ -97,13 +100,14 @@ def build_app(args: argparse.Namespace):
     if args.max_batch < 1:
         raise ValueError(f"--max-batch: expected >= 1, got {args.max_batch}")
     if args.max_batch == 1:
-        backend = ModelBackend(model)
+        backend = ModelBackend(model, speculative)
     else:
         budget = args.token_budget if args.token_budget is not None else args.max_batch * limit
         if budget < limit:
             raise ValueError(f"--token-budget: {budget} tokens cannot hold one request of --max-total-tokens={limit}")
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
-                                   index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching)
+                                   index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
+                                   speculative=speculative)
     return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template,
                       reasoning_parser=args.reasoning_parser)
 

@@ -1,0 +1,127 @@
+"""Speculative decoding (n-gram drafts, `openm3.engine.speculative`) against plain decoding, by how many drafts
+are right.
+
+    python -m benchmarks.speculative_decode --preset m3-small --prompt 131072 --out DIR
+    python -m benchmarks.speculative_decode --preset m3-small --prompt 16384 --batch 8 --out DIR
+    python -m benchmarks.speculative_decode --preset m3-tiny --device cpu --prompt 256 --new 12 --drafts 2 \\
+        --alphas 1.0   # smoke
+
+What speculation gains depends on how often the drafts are right, and a random model's answers copy nothing from
+their prompts (an agent's copy a lot). So besides the real n-gram lookup, whose drafts are rarely right here and
+which shows the lookup's overhead, the benchmark scripts the drafts: the plain greedy run's own next tokens, each
+right with probability `alpha` (a wrong one is replaced by another token), for every alpha of --alphas and number
+of drafts of --drafts. Each setting runs `generate` (CUDA graphs on a GPU) twice on the same prompts and keeps the
+second run (the first compiles the kernels of its step shape). Reported per setting: decode tokens/s after the
+first step (graph captures excluded) and its ratio to plain decoding's, drafts kept, tokens per sequence per step,
+and whether the greedy tokens equal plain decoding's (bf16 rounding on a near-tie may flip one: reported, not
+hidden). Also the lookup's own time per call over the prompt's length.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from benchmarks._inputs import engine_parser, random_text_model
+from benchmarks._timing import write_result
+
+
+def scripted_drafts(answers: dict[tuple, list[int]], prompt_len: int, alpha: float, vocab: int, seed: int):
+    """An `ngram_drafts` stand-in: a sequence's next tokens of its plain answer, each right with probability
+    alpha (seeded)."""
+    rng = np.random.default_rng(seed)
+
+    def drafts(tokens, k, _config):
+        answer = answers[tuple(tokens[:prompt_len].tolist())]
+        done = len(tokens) - prompt_len
+        d = list(answer[done:done + k])
+        d += [answer[-1]] * (k - len(d))
+        return [t if rng.random() < alpha else (t + 1) % vocab for t in d]
+
+    return drafts
+
+
+def run(model, prompts, new: int, cfg=None, lookup=None) -> tuple[list[list[int]], dict]:
+    """generate twice (the first compiles), returns the second's tokens and figures."""
+    import openm3.engine.speculative as speculative
+    from openm3.engine.generate import generate
+
+    real = speculative.ngram_drafts
+    if lookup is not None:
+        speculative.ngram_drafts = lookup
+    try:
+        for _ in range(2):
+            results, stats = generate(model, prompts, max_new_tokens=new, speculative=cfg)
+    finally:
+        speculative.ngram_drafts = real
+    figures = dict(tokens_per_s=stats.steady_decode_tokens_per_s, decode_s=stats.decode_s,
+                   decode_steps=stats.decode_steps, decode_tokens=stats.decode_tokens,
+                   spec_steps=stats.spec_steps, draft_tokens=stats.draft_tokens,
+                   accepted_tokens=stats.accepted_tokens,
+                   tokens_per_step=stats.decode_tokens / max(1, stats.decode_steps) / len(prompts),
+                   graph_captures=stats.graph_captures)
+    return [r.tokens for r in results], figures
+
+
+def lookup_us(tokens: np.ndarray, cfg, calls: int = 50) -> float:
+    from openm3.engine.speculative import ngram_drafts
+
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        ngram_drafts(tokens, cfg.num_speculative_tokens, cfg)
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main(argv=None) -> int:
+    p = engine_parser(__doc__)
+    p.add_argument("--prompt", type=int, default=131072, help="prompt tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    p.add_argument("--new", type=int, default=256, help="new tokens per sequence")
+    p.add_argument("--drafts", default="2,4,7", help="comma-separated drafts per step")
+    p.add_argument("--alphas", default="0.5,0.8,1.0", help="comma-separated shares of right scripted drafts")
+    args = p.parse_args(argv)
+
+    from openm3.engine.speculative import SpeculativeConfig
+
+    model, device = random_text_model(args.preset, args.device)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.batch)]
+    res = {"preset": args.preset, "prompt": args.prompt, "batch": args.batch, "new": args.new, "settings": []}
+
+    plain_tokens, plain = run(model, prompts, args.new)
+    base = plain["tokens_per_s"]
+    res["plain"] = plain
+    print(f"plain: {base:.1f} tokens/s ({plain['decode_steps']} steps)", flush=True)
+    answers = {tuple(pr): t for pr, t in zip(prompts, plain_tokens)}
+
+    def record(name, k, alpha, tokens, fig):
+        fig.update(name=name, drafts=k, alpha=alpha, speedup=fig["tokens_per_s"] / base,
+                   same_tokens=tokens == plain_tokens,
+                   kept_share=fig["accepted_tokens"] / fig["draft_tokens"] if fig["draft_tokens"] else 0.0)
+        res["settings"].append(fig)
+        print(f"{name:9s} K={k} alpha={alpha if alpha is not None else '-':>4}: {fig['tokens_per_s']:8.1f} tokens/s "
+              f"= {fig['speedup']:.2f}x plain, {fig['accepted_tokens']}/{fig['draft_tokens']} drafts kept, "
+              f"{fig['tokens_per_step']:.2f} tokens/step, {fig['spec_steps']}/{fig['decode_steps']} speculative "
+              f"steps, same tokens: {fig['same_tokens']}", flush=True)
+
+    for k in [int(x) for x in args.drafts.split(",")]:
+        cfg = SpeculativeConfig(num_speculative_tokens=k)
+        tokens, fig = run(model, prompts, args.new, cfg)
+        record("ngram", k, None, tokens, fig)
+        for alpha in [float(x) for x in args.alphas.split(",")]:
+            lookup = scripted_drafts(answers, args.prompt, alpha, vocab, seed=k)
+            tokens, fig = run(model, prompts, args.new, cfg, lookup)
+            record("scripted", k, alpha, tokens, fig)
+    cfg = SpeculativeConfig(num_speculative_tokens=4)
+    res["lookup_us_per_call"] = lookup_us(np.asarray(prompts[0] + plain_tokens[0], dtype=np.int64), cfg)
+    print(f"n-gram lookup over {args.prompt + args.new} tokens: {res['lookup_us_per_call']:.1f} us per call")
+    if args.out:
+        print(f"wrote {write_result(args.out, f'speculative_decode_b{args.batch}', res)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,191 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts: several tokens per decode step, the same outputs.
+
+A decode step of a long-context model reads the whole cache and every weight for one new token per sequence;
+feeding a few more tokens costs little more (the MSA decode kernels take up to 8 queries per sequence). An agent's
+answers repeat their context: code being edited, file names, tool arguments. So before a step each sequence
+looks for the latest earlier occurrence of its last few tokens (an n-gram of `prompt_lookup_max` down to
+`prompt_lookup_min` tokens) in its prompt and output, and takes the tokens that followed it there as drafts
+(`ngram_drafts`). One forward feeds the last sampled token and the drafts; the model's logits at each position
+verify them (`verify`):
+
+- greedy: the drafts are kept while each equals the argmax of the logits before it, and the first argmax that
+  differs (or the one after the last draft) comes with them: the tokens plain greedy decoding gives, up to the
+  float rounding of a multi-token forward;
+- sampling: draft d at a position whose (temperature / top-k / top-p filtered) distribution is p is kept with
+  probability p(d); the first one rejected is replaced by a draw from p with d removed (renormalised), and when
+  all are kept one more token is drawn from the last position. A draft is one token with probability 1, so this
+  is the speculative-sampling rule with q = delta(d): every output token has exactly the distribution plain
+  sampling gives (a different random stream, so not the same tokens for a seed).
+
+The keys and values the rejected drafts wrote are dropped with `PagedCache.truncate`. A batch's step feeds every
+sequence the same number of tokens (what the decode kernels and one CUDA graph take), so a sequence without a
+match is padded with its last token, verified like any draft.
+
+The configuration follows vLLM's `--speculative-config` JSON (`{"method": "ngram", "num_speculative_tokens": 4,
+"prompt_lookup_max": 4, "prompt_lookup_min": 2}`); `SpeculativeConfig.parse` reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .cache import MAX_DECODE_QUERIES
+from .sampling import SamplingParams, filter_logits
+
+__all__ = ["SpeculativeConfig", "TokenHistory", "ngram_drafts", "step_drafts", "verify", "cut_at_end"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: 'ngram' (prompt lookup, the only one); num_speculative_tokens: drafts per step, 1 ..
+    MAX_DECODE_QUERIES - 1 (a step feeds them and the last token); prompt_lookup_max / _min: the longest and
+    shortest suffix of a sequence's tokens looked up (the longest that occurs earlier wins)."""
+
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    method: str = "ngram"
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method: only 'ngram' (prompt lookup) is supported, got {self.method!r}")
+        most = MAX_DECODE_QUERIES - 1
+        for name, low, high in (("num_speculative_tokens", 1, most), ("prompt_lookup_min", 1, None),
+                                ("prompt_lookup_max", self.prompt_lookup_min, None)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low or (high and value > high):
+                bound = f"in [{low}, {high}]" if high else f">= {low}"
+                raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+
+    @classmethod
+    def parse(cls, text: str | dict) -> "SpeculativeConfig":
+        """From vLLM's `--speculative-config` JSON (or its dict): 'method', 'num_speculative_tokens',
+        'prompt_lookup_max', 'prompt_lookup_min' (the lookup bounds default to 4 and 2, or to each other when
+        only one is given). ValueError naming what is wrong."""
+        if isinstance(text, str):
+            try:
+                text = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config: not valid JSON ({e})") from None
+        if not isinstance(text, dict):
+            raise ValueError(f"speculative config: expected a JSON object, got {type(text).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(text) - known)
+        if unknown:
+            raise ValueError(f"speculative config: unknown keys {unknown} (known: {sorted(known)})")
+        if "num_speculative_tokens" not in text:
+            raise ValueError("speculative config: 'num_speculative_tokens' is required")
+        args = dict(text)
+        if "prompt_lookup_max" in args and "prompt_lookup_min" not in args:
+            args["prompt_lookup_min"] = min(args["prompt_lookup_max"], cls.prompt_lookup_min) \
+                if isinstance(args["prompt_lookup_max"], int) else args["prompt_lookup_max"]
+        if "prompt_lookup_min" in args and "prompt_lookup_max" not in args:
+            args["prompt_lookup_max"] = max(args["prompt_lookup_min"], cls.prompt_lookup_max) \
+                if isinstance(args["prompt_lookup_min"], int) else args["prompt_lookup_min"]
+        return cls(**args)
+
+    def describe(self) -> str:
+        return (f"ngram speculation: {self.num_speculative_tokens} draft tokens per step, lookup of "
+                f"{self.prompt_lookup_max}..{self.prompt_lookup_min} tokens")
+
+
+class TokenHistory:
+    """A sequence's tokens (prompt, then sampled), in a buffer sized once: what the drafts are looked up in."""
+
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int):
+        self.tokens = np.empty(prompt.numel() + max_new_tokens, dtype=np.int64)
+        self.tokens[:prompt.numel()] = prompt.cpu().numpy()
+        self.size = prompt.numel()
+
+    def append(self, token: int) -> None:
+        self.tokens[self.size] = token
+        self.size += 1
+
+    def view(self) -> np.ndarray:
+        return self.tokens[:self.size]
+
+
+def ngram_drafts(tokens: np.ndarray, k: int, config: SpeculativeConfig) -> list[int]:
+    """Up to `k` draft tokens for the sequence `tokens` (int [L]): for n from `prompt_lookup_max` down to
+    `prompt_lookup_min`, the latest earlier occurrence of its last n tokens, and the k tokens that followed it
+    (continued through the drafts themselves when the match is less than k tokens back, as a repeating pattern
+    would). [] when no suffix occurs earlier. Vectorised: O(L) per length tried."""
+    size = len(tokens)
+    for n in range(min(config.prompt_lookup_max, size - 1), config.prompt_lookup_min - 1, -1):
+        suffix = tokens[size - n:]
+        starts = np.flatnonzero(tokens[:size - n] == suffix[0])  # a match ends before the last token
+        for j in range(1, n):
+            if not starts.size:
+                break
+            starts = starts[tokens[starts + j] == suffix[j]]
+        if starts.size:
+            drafts: list[int] = []
+            at = int(starts[-1]) + n
+            for _ in range(k):
+                drafts.append(int(tokens[at]) if at < size else drafts[at - size])
+                at += 1
+            return drafts
+    return []
+
+
+def step_drafts(histories: Sequence[TokenHistory], rooms: Sequence[int], config: SpeculativeConfig
+                ) -> list[list[int]] | None:
+    """One step's drafts for a batch: `num_speculative_tokens` per sequence, a sequence without a match padded
+    with its last token; None (a plain step) when no sequence has a match or one has no room in its cache
+    reservation for that many (`rooms`: tokens each can take beyond its last one), so a batch's steps take two
+    shapes only, each captured once as a CUDA graph."""
+    k = config.num_speculative_tokens
+    if min(rooms) < k:
+        return None
+    drafts = [ngram_drafts(h.view(), k, config) for h in histories]
+    if not any(drafts):
+        return None
+    return [d or [int(h.view()[-1])] * k for d, h in zip(drafts, histories)]
+
+
+def verify(logits: torch.Tensor, drafts: Sequence[int], sampling: SamplingParams,
+           generator: torch.Generator | None = None, argmax: Sequence[int] | None = None) -> list[int]:
+    """The tokens one speculative step yields for one sequence (see the module docstring): the accepted drafts,
+    then one token of the model's. logits: [len(drafts) + 1, V] fp32, row i after the last token and drafts[:i];
+    argmax: its rows' argmax, when read already (greedy batches read all rows at once)."""
+    if logits.shape[0] != len(drafts) + 1:
+        raise ValueError(f"logits must have len(drafts) + 1 = {len(drafts) + 1} rows, got {tuple(logits.shape)}")
+    if sampling.greedy:
+        best = logits.argmax(dim=-1).tolist() if argmax is None else list(argmax)
+        kept = 0
+        while kept < len(drafts) and best[kept] == drafts[kept]:
+            kept += 1
+        return best[:kept + 1]
+    probs = filter_logits(logits, sampling).softmax(dim=-1)
+    d = torch.tensor(list(drafts), dtype=torch.int64, device=logits.device)
+    n = len(drafts)
+    if n:
+        u = torch.rand(n, generator=generator, device=logits.device)
+        p_draft = probs[:n].gather(1, d[:, None])[:, 0]
+        rejected = (u >= p_draft).nonzero()
+        kept = int(rejected[0]) if rejected.numel() else n
+    else:
+        kept = 0
+    if kept < n:  # the rejected draft's position draws from p without the draft
+        rest = probs[kept].clone()
+        rest[d[kept]] = 0.0
+        last = torch.multinomial(rest, 1, generator=generator)
+    else:
+        last = torch.multinomial(probs[n], 1, generator=generator)
+    return list(drafts[:kept]) + [int(last)]
+
+
+def cut_at_end(tokens: Sequence[int], stop_tokens, room: int) -> tuple[list[int], str | None]:
+    """The tokens of a step a sequence keeps, and why it ends ('stop', 'length' or None): at most `room` (its
+    max_new_tokens left), up to and including the first stop token."""
+    out = []
+    for t in tokens[:room]:
+        out.append(t)
+        if t in stop_tokens:
+            return out, "stop"
+    return out, "length" if len(out) == room else None

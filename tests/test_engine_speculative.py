@@ -1,0 +1,265 @@
+"""Speculative decoding with n-gram drafts (`openm3.engine.speculative`): the lookup, the configuration, the
+verification rule (greedy and sampled: the sampled rule's output distribution is checked by counting), and
+`generate` / `BatchedGenerator` with speculation giving plain decoding's greedy tokens while drafts are kept and
+rejected, stop tokens fall inside a step's drafts, and prefix caching files the pages such steps wrote."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import openm3.engine.speculative as speculative
+from openm3.engine import generate
+from openm3.engine.batching import BatchedGenerator
+from openm3.engine.sampling import SamplingParams, filter_logits
+from openm3.engine.speculative import SpeculativeConfig, TokenHistory, ngram_drafts, step_drafts, verify
+from openm3.models import M3TextConfig, M3TextModel
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return M3TextModel(M3TextConfig.from_name("m3-tiny", index_topk_blocks=2)).eval()
+
+
+def _prompts(model, lens, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+
+
+# ---------------------------------------------------------------------------------------------- lookup, config
+
+def test_ngram_drafts_take_the_latest_longest_match():
+    cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    t = np.array([5, 6, 7, 1, 2, 9, 6, 7, 3, 4, 8, 6, 7])
+    assert ngram_drafts(t, 3, cfg) == [3, 4, 8]  # "6 7" twice before: the later one wins
+    t = np.array([1, 6, 7, 2, 2, 5, 7, 9, 9, 9, 1, 6, 7])
+    assert ngram_drafts(t, 2, cfg) == [2, 2]  # "1 6 7" (3 tokens) beats the later "7" alone
+    assert ngram_drafts(np.array([1, 2, 3, 4]), 3, cfg) == []
+    assert ngram_drafts(np.array([4]), 3, cfg) == []
+    # a match closer than k tokens back continues through its own drafts: a repeating pattern
+    assert ngram_drafts(np.array([8, 1, 2, 1, 2]), 5, cfg) == [1, 2, 1, 2, 1]
+    strict = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2)
+    assert ngram_drafts(np.array([3, 4, 5, 9, 5]), 2, strict) == []  # only one token matches
+
+
+def test_step_drafts_pad_and_fall_back_to_plain_steps():
+    cfg = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1)
+    hits = TokenHistory(torch.tensor([4, 5, 6, 4]), 8)
+    misses = TokenHistory(torch.tensor([1, 2, 3]), 8)
+    assert step_drafts([hits, misses], [5, 5], cfg) == [[5, 6], [3, 3]]  # padded with its last token
+    assert step_drafts([misses, misses], [5, 5], cfg) is None  # nobody has a draft: a plain step
+    assert step_drafts([hits, misses], [5, 1], cfg) is None  # one has no room for 2 drafts
+    hits.append(5)
+    assert hits.view().tolist() == [4, 5, 6, 4, 5]
+
+
+def test_config_reads_vllm_json_and_names_bad_fields():
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (5, 3, 2)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 1, "prompt_lookup_min": 6}).prompt_lookup_max == 6
+    bad = [("{", "not valid JSON"), ("[1]", "JSON object"), ('{"method": "ngram"}', "num_speculative_tokens"),
+           ('{"num_speculative_tokens": 8}', r"num_speculative_tokens must be an int in \[1, 7\]"),
+           ('{"num_speculative_tokens": 2, "method": "eagle"}', "only 'ngram'"),
+           ('{"num_speculative_tokens": 2, "model": "x"}', r"unknown keys \['model'\]"),
+           ('{"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+            r"prompt_lookup_max must be an int >= 3"),
+           ('{"num_speculative_tokens": true}', "num_speculative_tokens")]
+    for text, match in bad:
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig.parse(text)
+
+
+# ---------------------------------------------------------------------------------------------- verification
+
+def test_greedy_verify_keeps_the_agreeing_drafts_and_one_more():
+    logits = torch.full((4, 6), -1.0)
+    for row, best in enumerate([2, 3, 5, 1]):
+        logits[row, best] = 1.0
+    assert verify(logits, [2, 3, 0], SamplingParams()) == [2, 3, 5]
+    assert verify(logits, [2, 3, 5], SamplingParams()) == [2, 3, 5, 1]
+    assert verify(logits, [4, 3, 5], SamplingParams()) == [2]
+    assert verify(logits, [2, 3, 5], SamplingParams(), argmax=[2, 0, 0, 0]) == [2, 0]
+    with pytest.raises(ValueError, match="len\\(drafts\\) \\+ 1"):
+        verify(logits, [1], SamplingParams())
+
+
+def test_sampled_verify_keeps_the_target_distribution():
+    """Counting 40,000 steps with two drafts over a 5-token vocabulary: the first token follows p0 (filtered by
+    temperature and top-k), the second, after the first draft was kept, follows p1, and the third, after both,
+    p2; the share of kept drafts is p0(d0)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=4)
+    p = filter_logits(logits, params).softmax(-1)
+    drafts = [int(p[0].argsort()[-2]), int(p[1].argmax())]  # a likely and a very likely draft
+    gen = torch.Generator().manual_seed(1)
+    n = 40_000
+    first = torch.zeros(5)
+    second, third, kept_both = torch.zeros(5), torch.zeros(5), 0
+    for _ in range(n):
+        out = verify(logits, drafts, params, gen)
+        first[out[0]] += 1
+        if out[0] == drafts[0] and len(out) > 1:
+            second[out[1]] += 1
+            if out[1] == drafts[1]:
+                third[out[2]] += 1
+                kept_both += 1
+        assert len(out) == 3 or out[-1] != drafts[len(out) - 1]  # a kept draft never ends a step
+    assert (first / n - p[0]).abs().max() < 0.01
+    assert (second / second.sum() - p[1]).abs().max() < 0.015
+    assert (third / third.sum() - p[2]).abs().max() < 0.02
+    assert abs(kept_both / n - p[0, drafts[0]] * p[1, drafts[1]]) < 0.01
+    assert first[int(p[0].argmin())] == 0  # top-k removed it
+
+
+# ---------------------------------------------------------------------------------------------- in the engine
+
+def _run_concurrently(calls):
+    """Runs the zero-argument callables in threads; returns their results (or exceptions) in order."""
+    out = [None] * len(calls)
+
+    def run(i):
+        try:
+            out[i] = calls[i]()
+        except BaseException as e:  # noqa: BLE001
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return out
+
+
+def _oracle(monkeypatch, answers: dict[tuple, list[int]], wrong_every: int = 3):
+    """Replaces the n-gram lookup by drafts from the known greedy answers (a random model copies nothing, so
+    real lookups are rarely right): each sequence's next answer tokens, with the second one wrong every
+    `wrong_every`-th step and a made-up tail past the answer's end, so steps keep 0, some or all drafts."""
+    calls = []
+
+    def drafts(tokens, k, config):
+        for prompt, answer in answers.items():
+            if tuple(tokens[:len(prompt)].tolist()) == prompt:
+                done = len(tokens) - len(prompt)
+                d = answer[done:done + k] + [7] * max(0, k - len(answer[done:]))
+                calls.append(len(calls))
+                if len(calls) % wrong_every == 0 and k > 1:
+                    d[1] = (d[1] + 1) % 97
+                return d
+        return []
+
+    monkeypatch.setattr(speculative, "ngram_drafts", drafts)
+    return calls
+
+
+def test_generate_greedy_with_speculation_equals_plain(model, monkeypatch):
+    """Greedy `generate` with 4 drafts per step: the same tokens as without, in fewer steps; a stop token inside a
+    step's kept drafts ends the sequence there; max_new_tokens cuts a step's tokens."""
+    prompts = _prompts(model, [70, 23, 41])
+    plain, _ = generate(model, prompts, max_new_tokens=30)
+    answers = {tuple(p): r.tokens for p, r in zip(prompts, plain)}
+    stop = plain[1].tokens[17]  # sequence 1 stops on it (or earlier, where the token first comes)
+    want, _ = generate(model, prompts, max_new_tokens=30, stop_tokens=[stop])
+    _oracle(monkeypatch, answers)
+    got, stats = generate(model, prompts, max_new_tokens=30, stop_tokens=[stop],
+                          speculative=SpeculativeConfig(num_speculative_tokens=4))
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert want[1].finish_reason == "stop"
+    assert stats.spec_steps == stats.decode_steps and 0 < stats.accepted_tokens < stats.draft_tokens
+    assert stats.decode_steps < 29  # plain greedy takes 29 steps for the longest
+    assert "drafts kept" in stats.summary()
+
+
+def test_speculation_through_the_triton_decode_kernels(model, monkeypatch):
+    """The same with the Triton decode kernels (q_len = 4 queries per sequence; TRITON_INTERPRET=1 on CPU)."""
+    from openm3.ops.msa import use_backend
+
+    prompts = _prompts(model, [45, 20])
+    with use_backend("triton"):
+        plain, _ = generate(model, prompts, max_new_tokens=10)
+        _oracle(monkeypatch, {tuple(p): r.tokens for p, r in zip(prompts, plain)})
+        got, stats = generate(model, prompts, max_new_tokens=10, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    assert [r.tokens for r in got] == [r.tokens for r in plain]
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_generate_speculation_with_real_lookups_equals_plain(model):
+    """With the real n-gram lookup (1-token matches allowed, so a random model's answer finds some): the same
+    greedy tokens as plain decoding."""
+    prompts = _prompts(model, [90, 35])
+    plain, _ = generate(model, prompts, max_new_tokens=40)
+    cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    got, stats = generate(model, prompts, max_new_tokens=40, speculative=cfg)
+    assert [r.tokens for r in got] == [r.tokens for r in plain]
+    assert stats.spec_steps > 0
+
+
+def test_generate_sampled_speculation_keeps_likely_drafts(model, monkeypatch):
+    """Sampling from a peaked copy of the model (its output layer scaled up, so its greedy token has most of the
+    probability), with drafts that are the greedy continuation of each step's tokens (full forwards): most are
+    kept, and the answer keeps its length."""
+    import copy
+
+    peaked = copy.deepcopy(model)
+    with torch.no_grad():
+        peaked.lm_head.weight.mul_(40.0)
+
+    def greedy_rollout(tokens, k, _config):
+        seq = tokens.tolist()
+        with torch.no_grad():
+            for _ in range(k):
+                cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+                seq.append(int(peaked(torch.tensor(seq), cu_seqlens=cu).logits[-1].argmax()))
+        return seq[len(tokens):]
+
+    monkeypatch.setattr(speculative, "ngram_drafts", greedy_rollout)
+    prompts = _prompts(model, [50])
+    got, stats = generate(peaked, prompts, max_new_tokens=20, sampling=SamplingParams(temperature=1.0), seed=3,
+                          speculative=SpeculativeConfig(num_speculative_tokens=3))
+    assert len(got[0].tokens) == 20 and stats.spec_steps > 0
+    assert stats.accepted_tokens > stats.draft_tokens / 2
+
+
+def test_batched_generator_with_speculation_equals_generate(model, monkeypatch):
+    """Three concurrent greedy requests (one sampled beside them) with speculation: the greedy ones give
+    `generate`'s tokens; every page comes back; a later request whose prompt is an earlier prompt + its answer
+    reads the cached pages (written by speculative steps) and still gives `generate`'s tokens."""
+    prompts = _prompts(model, [40, 9, 75, 30])
+    new = [25, 14, 20, 10]
+    plain = [generate(model, [p], max_new_tokens=n)[0][0].tokens for p, n in zip(prompts, new)]
+    follow = prompts[2] + plain[2] + _prompts(model, [5], seed=9)[0]
+    follow_plain = generate(model, [follow], max_new_tokens=12)[0][0].tokens
+    _oracle(monkeypatch, {**{tuple(p): a for p, a in zip(prompts, plain)}, tuple(follow): follow_plain})
+    gen = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=32,
+                           speculative=SpeculativeConfig(num_speculative_tokens=3))
+    got = [[] for _ in prompts]
+    sampling = [SamplingParams()] * 3 + [SamplingParams(temperature=0.7)]
+    calls = [lambda i=i: gen(prompts[i], max_new_tokens=new[i], sampling=sampling[i], seed=i,
+                             on_token=got[i].append) for i in range(4)]
+    results = _run_concurrently(calls)
+    assert results == ["length"] * 4
+    assert got[:3] == plain[:3] and len(got[3]) == new[3]
+    assert gen.spec_steps > 0 and 0 < gen.accepted_tokens < gen.draft_tokens
+    cached = []
+    out = []
+    assert gen(follow, max_new_tokens=12, on_token=out.append, on_cached=cached.append) == "length"
+    assert out == follow_plain and cached[0] >= 16 * ((len(prompts[2]) + len(plain[2]) - 1) // 16 - 1)
+    metrics = {name: value for name, _, _, value in gen.metrics()}
+    assert metrics["spec_decode_accepted_tokens_total"] == gen.accepted_tokens
+    gen.close()
+    assert gen.cache.free_pages == gen.plan.num_pages
+
+
+def test_speculative_option_errors_name_the_flag():
+    from openm3.engine.generate import main
+
+    with pytest.raises(SystemExit, match="--speculative-config: num_speculative_tokens must be"):
+        main(["--preset", "m3-tiny", "--prompt-ids", "1,2", "--speculative-config", '{"num_speculative_tokens": 0}'])
+    with pytest.raises(ValueError, match="speculative must be a SpeculativeConfig"):
+        BatchedGenerator(torch.nn.Linear(1, 1), token_budget=16, speculative={"num_speculative_tokens": 2})
