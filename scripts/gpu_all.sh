@@ -79,6 +79,9 @@ for s in "${stages[@]}"; do
         | tail -5 ;;
     interleave)  # a decoding request's token gaps while a 128K prompt prefills, chunks interleaved with decode or not
       python3 -m benchmarks.serve_interleave --out "$OUT" 2>&1 | tee "$OUT/serve_interleave.log" | tail -4 ;;
+    interleave4)  # the same while 4 prompts of 32K arrive one after another (one chunk per step vs one per group)
+      python3 -m benchmarks.serve_interleave --out "$OUT" --long 32768 --longs 4 2>&1 \
+        | tee "$OUT/serve_interleave4.log" | tail -5 ;;
     speculative)  # m3-small: n-gram speculative decoding vs plain, real lookups and scripted drafts right at a rate
       python3 -m benchmarks.speculative_decode --out "$OUT" ${SPEC_ARGS:-} 2>&1 | tee "$OUT/speculative.log" | tail -12
       python3 -m benchmarks.speculative_decode --out "$OUT" --prompt 16384 --batch 8 --drafts 4 2>&1 \

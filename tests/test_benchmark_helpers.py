@@ -198,4 +198,24 @@ def test_serve_interleave_benchmark_runs_on_cpu(tmp_path, capsys):
     settings = json.loads(path.read_text())["settings"]
     assert settings["interleaved"]["gaps_during_prefill"] >= 5  # A decoded between B's 6 chunks
     assert settings["whole prefill"]["gaps_during_prefill"] <= 2
+    capsys.readouterr()
+    assert serve_interleave.main(["--preset", "m3-tiny", "--device", "cpu", "--short", "16", "--new", "64",
+                                  "--long", "48", "--longs", "2", "--chunk-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "a chunk per group" in out and out.count("time to first token") == 3
 
+
+
+def test_speculative_benchmark_runs_on_cpu(tmp_path, capsys):
+    """Smoke run: with scripted drafts that are always right every greedy answer stays plain decoding's and
+    nearly every draft is kept; the JSON holds each setting."""
+    from benchmarks import speculative_decode
+
+    assert speculative_decode.main(["--preset", "m3-tiny", "--device", "cpu", "--prompt", "64", "--new", "10",
+                                    "--drafts", "3", "--alphas", "1.0", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("speculative_decode_b1_*.json")
+    result = json.loads(path.read_text())
+    scripted = [s for s in result["settings"] if s["name"] == "scripted"]
+    assert len(scripted) == 1 and scripted[0]["same_tokens"]
+    assert scripted[0]["tokens_per_step"] > 2 and scripted[0]["decode_steps"] < result["plain"]["decode_steps"]
+    assert "n-gram lookup over 74 tokens" in capsys.readouterr().out

@@ -204,3 +204,52 @@ def test_bad_arguments():
         BatchedGenerator(model, token_budget=64, max_batch=0)
     with pytest.raises(ValueError, match="chunk_size"):
         BatchedGenerator(model, token_budget=64, chunk_size=0)
+
+
+@pytest.mark.parametrize("per_step", [1, 8])
+def test_prefill_chunks_per_step_bounds_a_running_requests_gaps(model, monkeypatch, per_step):
+    """Three long prompts arriving one after another (three prefill groups) while a request decodes: with one
+    prefill chunk per decode step (the default) the groups take turns and the running request never waits for
+    two chunk forwards in a row; with 8 per step every group runs a chunk before each decode step. All requests
+    give `generate`'s tokens."""
+    import openm3.engine.batching as batching
+
+    short = _prompts(model, [9], seed=11)[0]
+    longs = _prompts(model, [60, 61, 62], seed=12)  # 4 chunks of 16 each
+    want_short = generate(model, [short], max_new_tokens=30)[0][0].tokens
+    want_long = [generate(model, [p], max_new_tokens=2)[0][0].tokens for p in longs]
+    events = []
+    real = batching.prefill_chunks
+
+    def counted(*args, **kwargs):
+        for item in real(*args, **kwargs):
+            events.append("chunk")
+            yield item
+
+    monkeypatch.setattr(batching, "prefill_chunks", counted)
+    gen = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=16, prefill_chunks_per_step=per_step)
+    got_short, got_long, senders = [], [[], [], []], []
+
+    def send(i):
+        return gen(longs[i], max_new_tokens=2, on_token=got_long[i].append)
+
+    def on_short(tok):
+        got_short.append(tok)
+        events.append("token")
+        if 2 <= len(got_short) <= 4:  # one long prompt per round: each is admitted as its own group
+            t = threading.Thread(target=lambda i=len(got_short) - 2: senders.append(send(i)))
+            t.start()
+            hold_until_queued(gen, 1)(tok)
+            senders.append(t)
+
+    assert gen(short, max_new_tokens=30, on_token=on_short) == "length"
+    for t in [s for s in senders if isinstance(s, threading.Thread)]:
+        t.join(60)
+    gen.close()
+    assert got_short == want_short and got_long == want_long
+    running = events[:len(events) - events[::-1].index("token")]  # until the short request's last token
+    runs = [len(r) for r in "".join("c" if e == "chunk" else " " for e in running).split()]
+    if per_step == 1:
+        assert max(runs) == 1, events
+    else:
+        assert max(runs) >= 2, events

@@ -184,7 +184,8 @@ def test_speculation_through_the_triton_decode_kernels(model, monkeypatch):
     with use_backend("triton"):
         plain, _ = generate(model, prompts, max_new_tokens=10)
         _oracle(monkeypatch, {tuple(p): r.tokens for p, r in zip(prompts, plain)})
-        got, stats = generate(model, prompts, max_new_tokens=10, speculative=SpeculativeConfig(num_speculative_tokens=3))
+        got, stats = generate(model, prompts, max_new_tokens=10,
+                              speculative=SpeculativeConfig(num_speculative_tokens=3))
     assert [r.tokens for r in got] == [r.tokens for r in plain]
     assert 0 < stats.accepted_tokens < stats.draft_tokens
 

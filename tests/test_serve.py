@@ -446,6 +446,8 @@ def test_cli_builds_an_app_from_a_preset(tok, tmp_path):
     base = ["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64"]
     with pytest.raises(ValueError, match="--max-batch"):
         build_app(build_parser().parse_args(base + ["--max-batch", "0"]))
+    with pytest.raises(ValueError, match="--prefill-chunks-per-step: expected >= 1"):
+        build_app(build_parser().parse_args(base + ["--prefill-chunks-per-step", "0"]))
     with pytest.raises(ValueError, match="--token-budget"):
         build_app(build_parser().parse_args(base + ["--token-budget", "32"]))
     serial = TestClient(build_app(build_parser().parse_args(base + ["--max-batch", "1"])))  # one at a time

@@ -12,7 +12,9 @@ once if it could never fit), prefills them in chunks, and decodes one token for 
 alternate, so a long prompt that arrives delays the running requests' next tokens by one chunk's forward at a
 time, not by its whole prefill (`interleave_prefill=False` runs each prefill whole first). Requests admitted
 together form a prefill group, which joins the decode batch when its last prompt is done; groups admitted later
-prefill beside earlier ones, a chunk each per step, so a short prompt does not wait for a long one. A request leaves the
+prefill beside earlier ones, taking turns, so a short prompt does not wait for a long one. While requests decode,
+at most `prefill_chunks_per_step` chunk forwards (default 1) run between two decode steps, however many groups
+prefill, so a running request's longest gap is one chunk's forward. A request leaves the
 batch after a stop token or `max_new_tokens`, or when its `on_token` raises (the exception is re-raised in its
 caller: that is how a server ends a request early), and its pages go back to the pool at once.
 
@@ -28,9 +30,9 @@ its last token and `num_speculative_tokens` drafts, keeping those the model's lo
 the tokens plain decoding gives, sampled ones tokens of the same distribution.
 
 Each request samples with its own generator seeded by `seed`, so its tokens equal `generate(model, [prompt],
-seed=seed, ...)`'s up to the float rounding of a batched forward (sampled requests: without speculation). Over a VL model (`M3ForConditionalGeneration`)
-a request may carry its images (`images=(pixel_values, grid_thw)`); its prompt is embedded once when its prefill
-starts, and it decodes beside text requests as one of them.
+seed=seed, ...)`'s up to the float rounding of a batched forward (sampled requests: without speculation). Over a
+VL model (`M3ForConditionalGeneration`) a request may carry its images (`images=(pixel_values, grid_thw)`); its
+prompt is embedded once when its prefill starts, and it decodes beside text requests as one of them.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ class BatchedGenerator:
     max_batch: most requests decoded together; chunk_size: prefill tokens per forward; index_dtype: as in
     `generate`; cuda_graphs: decode steps through CUDA graphs (default: on when the model is on a CUDA device);
     prefix_caching: reuse cached pages of earlier requests' prompts and answers; interleave_prefill: decode steps
-    between prefill chunks; speculative: n-gram speculative decoding (see the module docstring).
+    between prefill chunks; prefill_chunks_per_step: prefill forwards between two decode steps while requests decode
+    (groups take turns); speculative: n-gram speculative decoding (see the module docstring).
     model: an `M3TextModel` or an `M3ForConditionalGeneration` (`vl_config` is then its config, else None).
     The signature of a call is the `Backend` protocol of `openm3.serve`, and `concurrent = True` tells the server
     not to serialise calls.
@@ -102,11 +105,13 @@ class BatchedGenerator:
 
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
                  cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True,
-                 speculative: SpeculativeConfig | None = None):
+                 prefill_chunks_per_step: int = 1, speculative: SpeculativeConfig | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if not isinstance(prefill_chunks_per_step, int) or prefill_chunks_per_step < 1:
+            raise ValueError(f"prefill_chunks_per_step must be a positive int, got {prefill_chunks_per_step!r}")
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
         self.model = model
@@ -119,6 +124,7 @@ class BatchedGenerator:
                                index_dtype=index_dtype)
         self.prefix_caching = prefix_caching
         self.interleave_prefill = interleave_prefill
+        self.prefill_chunks_per_step = prefill_chunks_per_step
         self.speculative = speculative
         self.cache = PagedCache(self.plan, self.device, prefix_caching=prefix_caching)
         self.max_batch, self.chunk_size = max_batch, chunk_size
@@ -214,8 +220,7 @@ class BatchedGenerator:
                 pass
             with torch.no_grad():
                 self._admit()
-                for group in list(self._groups):
-                    self._prefill(group)
+                self._prefill_round()
                 if self._running:
                     self._decode()
 
@@ -258,6 +263,20 @@ class BatchedGenerator:
             self._groups.append(_Group(new, prefill_chunks(
                 self.model, self.cache, [r.id for r in new], [r.prompt for r in new], chunk_size=self.chunk_size,
                 images=[r.images for r in new])))
+
+    def _prefill_round(self) -> None:
+        """The prefill work before the next decode step: with requests decoding (and interleaving), at most
+        `prefill_chunks_per_step` chunks, the groups taking turns; with none, a chunk of every group."""
+        if not self._running or not self.interleave_prefill:
+            for group in list(self._groups):
+                self._prefill(group)
+            return
+        for _ in range(min(self.prefill_chunks_per_step, len(self._groups))):
+            if not self._groups:
+                break
+            group = self._groups.pop(0)
+            self._groups.append(group)  # its turn is taken: the next group's chunk comes next
+            self._prefill(group)
 
     def _prefill(self, group: "_Group") -> None:
         """Runs a prefill group's next chunk (all of them without `interleave_prefill`). A request whose prompt is

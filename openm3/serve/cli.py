@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=None, help="tokens the shared cache is planned for, all "
                    "running requests' prompt + max_tokens together (default: --max-batch x --max-total-tokens)")
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
+    p.add_argument("--prefill-chunks-per-step", type=int, default=1, help="prefill forwards between two decode "
+                   "steps while requests decode (prompts being prefilled take turns): a running request waits at "
+                   "most this many chunks' forwards for its next token")
     p.add_argument("--reasoning-parser", default="m3", choices=["m3", "none"],
                    help="m3 (default): the chat APIs return the model's <think> block apart from its answer "
                    "(reasoning_content, thinking blocks, reasoning items); none: it stays in the text")
@@ -99,6 +102,8 @@ def build_app(args: argparse.Namespace):
     name = args.model_name or args.preset or os.path.basename(os.path.normpath(args.checkpoint))
     if args.max_batch < 1:
         raise ValueError(f"--max-batch: expected >= 1, got {args.max_batch}")
+    if args.prefill_chunks_per_step < 1:
+        raise ValueError(f"--prefill-chunks-per-step: expected >= 1, got {args.prefill_chunks_per_step}")
     if args.max_batch == 1:
         backend = ModelBackend(model, speculative)
     else:
@@ -107,7 +112,7 @@ def build_app(args: argparse.Namespace):
             raise ValueError(f"--token-budget: {budget} tokens cannot hold one request of --max-total-tokens={limit}")
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
-                                   speculative=speculative)
+                                   prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative)
     return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template,
                       reasoning_parser=args.reasoning_parser)
 
