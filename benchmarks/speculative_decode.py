@@ -5,6 +5,8 @@ are right.
     python -m benchmarks.speculative_decode --preset m3-small --prompt 16384 --batch 8 --out DIR
     python -m benchmarks.speculative_decode --preset m3-tiny --device cpu --prompt 256 --new 12 --drafts 2 \\
         --alphas 1.0   # smoke
+    python -m benchmarks.speculative_decode --checkpoint DIR --corpus stdlib --prompt 512 --batch 8 --new 128 \\
+        --device cpu   # a trained model on held-out text: how often the real lookup's drafts are right
 
 What speculation gains depends on how often the drafts are right, and a random model's answers copy nothing from
 their prompts (an agent's copy a lot). So besides the real n-gram lookup, whose drafts are rarely right here and
@@ -14,7 +16,10 @@ of drafts of --drafts. Each setting runs `generate` (CUDA graphs on a GPU) twice
 second run (the first compiles the kernels of its step shape). Reported per setting: decode tokens/s after the
 first step (graph captures excluded) and its ratio to plain decoding's, drafts kept, tokens per sequence per step,
 and whether the greedy tokens equal plain decoding's (bf16 rounding on a near-tie may flip one: reported, not
-hidden). Also the lookup's own time per call over the prompt's length.
+hidden). Also the lookup's own time per call over the prompt's length. With `--checkpoint` (a local checkpoint
+directory, e.g. `openm3 train --export`'s) and `--corpus` the prompts are the first `--prompt` tokens of held-out
+documents of that corpus (its tokenizer.json encodes them), so the real lookup's share of kept drafts is that of a
+trained model on real text.
 """
 
 from __future__ import annotations
@@ -65,6 +70,32 @@ def run(model, prompts, new: int, cfg=None, lookup=None) -> tuple[list[list[int]
     return [r.tokens for r in results], figures
 
 
+def checkpoint_model(path: str, device: str | None):
+    from openm3.models import load_text_model
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return load_text_model(path, dtype=dtype, device=device).eval(), device
+
+
+def corpus_prompts(checkpoint: str, corpus: str, length: int, count: int) -> list[list[int]]:
+    """The first `length` tokens of the first `count` held-out documents of `corpus` that are that long."""
+    import os
+
+    from openm3.data.corpora import load_corpus
+    from openm3.data.tokenizer import M3Tokenizer
+
+    tok = M3Tokenizer.from_file(os.path.join(checkpoint, "tokenizer.json"))
+    prompts = []
+    for doc in load_corpus(corpus, "heldout"):
+        ids = tok.encode(doc.text)
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+        if len(prompts) == count:
+            return prompts
+    raise SystemExit(f"error: {corpus} has only {len(prompts)} held-out documents of >= {length} tokens")
+
+
 def lookup_us(tokens: np.ndarray, cfg, calls: int = 50) -> float:
     from openm3.engine.speculative import ngram_drafts
 
@@ -81,15 +112,28 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=256, help="new tokens per sequence")
     p.add_argument("--drafts", default="2,4,7", help="comma-separated drafts per step")
     p.add_argument("--alphas", default="0.5,0.8,1.0", help="comma-separated shares of right scripted drafts")
+    p.add_argument("--checkpoint", default=None, help="a local checkpoint directory instead of --preset's random "
+                   "weights (its text decoder; bf16 on CUDA, fp32 on a CPU)")
+    p.add_argument("--corpus", default=None, help="with --checkpoint: prompts from this corpus's held-out "
+                   "documents (openm3.data.corpora) instead of random ids")
     args = p.parse_args(argv)
 
     from openm3.engine.speculative import SpeculativeConfig
 
-    model, device = random_text_model(args.preset, args.device)
+    if args.checkpoint:
+        model, device = checkpoint_model(args.checkpoint, args.device)
+    else:
+        model, device = random_text_model(args.preset, args.device)
     vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.batch)]
-    res = {"preset": args.preset, "prompt": args.prompt, "batch": args.batch, "new": args.new, "settings": []}
+    if args.corpus:
+        if not args.checkpoint:
+            raise SystemExit("error: --corpus needs --checkpoint (its tokenizer.json)")
+        prompts = corpus_prompts(args.checkpoint, args.corpus, args.prompt, args.batch)
+    else:
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.batch)]
+    res = {"preset": None if args.checkpoint else args.preset, "checkpoint": args.checkpoint, "corpus": args.corpus,
+           "prompt": args.prompt, "batch": args.batch, "new": args.new, "settings": []}
 
     plain_tokens, plain = run(model, prompts, args.new)
     base = plain["tokens_per_s"]
@@ -119,7 +163,8 @@ def main(argv=None) -> int:
     res["lookup_us_per_call"] = lookup_us(np.asarray(prompts[0] + plain_tokens[0], dtype=np.int64), cfg)
     print(f"n-gram lookup over {args.prompt + args.new} tokens: {res['lookup_us_per_call']:.1f} us per call")
     if args.out:
-        print(f"wrote {write_result(args.out, f'speculative_decode_b{args.batch}', res)}")
+        stem = f"speculative_decode_{args.corpus}_b{args.batch}" if args.corpus else f"speculative_decode_b{args.batch}"
+        print(f"wrote {write_result(args.out, stem, res)}")
     return 0
 
 

@@ -219,3 +219,18 @@ def test_speculative_benchmark_runs_on_cpu(tmp_path, capsys):
     assert len(scripted) == 1 and scripted[0]["same_tokens"]
     assert scripted[0]["tokens_per_step"] > 2 and scripted[0]["decode_steps"] < result["plain"]["decode_steps"]
     assert "n-gram lookup over 74 tokens" in capsys.readouterr().out
+
+
+def test_ngram_acceptance_benchmark_runs_on_cpu(tmp_path):
+    """Smoke run on two stdlib documents: rewriting a file it was shown keeps far more drafts than continuing it."""
+    from benchmarks import ngram_acceptance
+
+    shares = {}
+    for task in ("continue", "rewrite"):
+        assert ngram_acceptance.main(["--task", task, "--corpora", "stdlib", "--docs", "2", "--drafts", "4",
+                                      "--lookup-min", "2", "--max-tokens", "1024", "--out", str(tmp_path)]) == 0
+        (path,) = tmp_path.glob(f"ngram_acceptance_{task}_*.json")
+        (row,) = json.loads(path.read_text())["corpora"]["stdlib"]
+        assert row["docs"] == 2 and row["steps"] <= row["tokens"] and 0 <= row["kept_share"] <= 1
+        shares[task] = row["tokens_per_step"]
+    assert shares["rewrite"] > shares["continue"] + 0.5

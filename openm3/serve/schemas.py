@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the error body.
 
 Only the fields the server honours are declared; unknown fields are ignored, as OpenAI clients send many
-(`logprobs`, `user`, `tool_choice`, ...). Responses are plain dicts built in `app.py`: their shapes are OpenAI's.
+(`user`, `metadata`, ...). Asking for what it cannot give (log probabilities, `echo`, several choices) is refused
+with a 400 naming the field rather than answered without it. Responses are plain dicts built in `app.py`: their shapes are OpenAI's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    logprobs: Any = None
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        if v:  # false, 0 and null are what a client that does not want them sends
+            raise ValueError("log probabilities are not returned by this server; leave logprobs and top_logprobs "
+                             "unset")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -45,6 +56,14 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo (the prompt returned with its log probabilities) is not supported")
+        return v
 
     @field_validator("prompt")
     @classmethod
