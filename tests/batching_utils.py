@@ -1,8 +1,28 @@
-"""Holding `BatchedGenerator`'s worker at a known point (shared by CPU tests; not a test module)."""
+"""Holding `BatchedGenerator`'s worker at a known point, and calls from several threads at once (shared by CPU
+tests; not a test module)."""
 
 from __future__ import annotations
 
+import threading
 import time
+
+
+def run_concurrently(calls):
+    """Runs the zero-argument callables in threads; returns their results (or exceptions) in order."""
+    out = [None] * len(calls)
+
+    def run(i):
+        try:
+            out[i] = calls[i]()
+        except BaseException as e:  # noqa: BLE001
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return out
 
 
 def hold_until_queued(batcher, n: int):

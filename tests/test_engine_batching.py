@@ -14,7 +14,7 @@ from openm3.engine.batching import BatchedGenerator
 from openm3.engine.sampling import SamplingParams
 from openm3.models import M3TextConfig, M3TextModel
 
-from batching_utils import hold_until_queued
+from batching_utils import hold_until_queued, run_concurrently
 
 
 @pytest.fixture(scope="module")
@@ -29,24 +29,6 @@ def _prompts(model, lens, seed=1):
     return [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
 
 
-def _run_concurrently(calls):
-    """Runs the zero-argument callables in threads; returns their results (or exceptions) in order."""
-    out = [None] * len(calls)
-
-    def run(i):
-        try:
-            out[i] = calls[i]()
-        except BaseException as e:  # noqa: BLE001
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    return out
-
-
 def test_concurrent_requests_equal_generate_alone(model):
     prompts = _prompts(model, [40, 9, 75])
     new = [12, 5, 9]
@@ -57,7 +39,7 @@ def test_concurrent_requests_equal_generate_alone(model):
         want.append(res[0].tokens)
     gen = BatchedGenerator(model, token_budget=1024, max_batch=4, chunk_size=32)
     got = [[] for _ in prompts]
-    results = _run_concurrently([
+    results = run_concurrently([
         (lambda i=i: gen(prompts[i], max_new_tokens=new[i], sampling=sampling[i], seed=i, on_token=got[i].append))
         for i in range(3)])
     gen.close()
@@ -82,7 +64,7 @@ def test_stop_token_and_a_raising_callback_end_only_their_request(model):
             raise Enough
 
     got = []
-    results = _run_concurrently([
+    results = run_concurrently([
         lambda: gen(prompts[0], max_new_tokens=8, stop_tokens=[stop], on_token=got.append),
         lambda: gen(prompts[1], max_new_tokens=8, on_token=bail),
         lambda: gen(prompts[2], max_new_tokens=6)])
@@ -103,7 +85,7 @@ def test_requests_wait_for_pages_and_oversized_ones_fail_at_once(model):
         gen(prompts[0], max_new_tokens=0)
     want = [generate(model, [p], max_new_tokens=4)[0][0].tokens for p in prompts]
     got = [[], []]
-    results = _run_concurrently([(lambda i=i: gen(prompts[i], max_new_tokens=4, on_token=got[i].append))
+    results = run_concurrently([(lambda i=i: gen(prompts[i], max_new_tokens=4, on_token=got[i].append))
                                  for i in range(2)])
     gen.close()
     assert results == ["length", "length"] and got == want
@@ -135,7 +117,7 @@ def test_running_requests_decode_between_a_long_prompts_chunks(model, interleave
         return gen(long, max_new_tokens=3, on_token=lambda t: got[1].append(t) or events.append("long"),
                    on_cached=lambda _n: events.append("admitted"))
 
-    results = _run_concurrently([lambda: gen(short, max_new_tokens=24, on_token=on_short), run_long])
+    results = run_concurrently([lambda: gen(short, max_new_tokens=24, on_token=on_short), run_long])
     gen.close()
     assert results == ["length", "length"] and got == want
     window = events[events.index("admitted"):events.index("long")]
@@ -154,7 +136,7 @@ def test_a_prefill_group_joins_the_running_batch_at_once(model):
         admitted.wait(60)
         gen(prompts[i], max_new_tokens=3)
 
-    results = _run_concurrently([lambda: gen(prompts[3], max_new_tokens=12, on_token=hold_until_queued(gen, 3),
+    results = run_concurrently([lambda: gen(prompts[3], max_new_tokens=12, on_token=hold_until_queued(gen, 3),
                                              on_cached=lambda _n: admitted.set())]
                                 + [(lambda i=i: ask(i)) for i in range(3)])
     gen.close()
@@ -180,7 +162,7 @@ def test_a_short_prompt_does_not_wait_for_a_long_ones_prefill(model):
         admitted.wait(60)
         return gen(short, max_new_tokens=3, on_token=lambda t: got[1].append(t) or events.append("short"))
 
-    results = _run_concurrently([lambda: gen(long, max_new_tokens=3, on_cached=on_long_admitted,
+    results = run_concurrently([lambda: gen(long, max_new_tokens=3, on_cached=on_long_admitted,
                                              on_token=lambda t: got[0].append(t) or events.append("long")),
                                  ask_short])
     gen.close()
@@ -191,7 +173,7 @@ def test_a_short_prompt_does_not_wait_for_a_long_ones_prefill(model):
 def test_max_batch_is_respected(model):
     prompts = _prompts(model, [20] * 5, seed=5)
     gen = BatchedGenerator(model, token_budget=2048, max_batch=2)
-    results = _run_concurrently([(lambda p=p: gen(p, max_new_tokens=3)) for p in prompts])
+    results = run_concurrently([(lambda p=p: gen(p, max_new_tokens=3)) for p in prompts])
     gen.close()
     assert results == ["length"] * 5
     assert max(gen.batch_sizes) <= 2
@@ -228,24 +210,24 @@ def test_prefill_chunks_per_step_bounds_a_running_requests_gaps(model, monkeypat
 
     monkeypatch.setattr(batching, "prefill_chunks", counted)
     gen = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=16, prefill_chunks_per_step=per_step)
-    got_short, got_long, senders = [], [[], [], []], []
+    got_short, got_long, senders, finished = [], [[], [], []], [], []
 
     def send(i):
-        return gen(longs[i], max_new_tokens=2, on_token=got_long[i].append)
+        finished.append(gen(longs[i], max_new_tokens=2, on_token=got_long[i].append))
 
     def on_short(tok):
         got_short.append(tok)
         events.append("token")
         if 2 <= len(got_short) <= 4:  # one long prompt per round: each is admitted as its own group
-            t = threading.Thread(target=lambda i=len(got_short) - 2: senders.append(send(i)))
-            t.start()
+            senders.append(threading.Thread(target=send, args=(len(got_short) - 2,)))
+            senders[-1].start()
             hold_until_queued(gen, 1)(tok)
-            senders.append(t)
 
     assert gen(short, max_new_tokens=30, on_token=on_short) == "length"
-    for t in [s for s in senders if isinstance(s, threading.Thread)]:
+    for t in senders:
         t.join(60)
     gen.close()
+    assert finished == ["length"] * 3
     assert got_short == want_short and got_long == want_long
     running = events[:len(events) - events[::-1].index("token")]  # until the short request's last token
     runs = [len(r) for r in "".join("c" if e == "chunk" else " " for e in running).split()]

@@ -5,8 +5,6 @@ rejected, stop tokens fall inside a step's drafts, and prefix caching files the 
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -17,6 +15,8 @@ from openm3.engine.batching import BatchedGenerator
 from openm3.engine.sampling import SamplingParams, filter_logits
 from openm3.engine.speculative import SpeculativeConfig, TokenHistory, ngram_drafts, step_drafts, verify
 from openm3.models import M3TextConfig, M3TextModel
+
+from batching_utils import run_concurrently
 
 
 @pytest.fixture(scope="module")
@@ -117,24 +117,6 @@ def test_sampled_verify_keeps_the_target_distribution():
 
 
 # ---------------------------------------------------------------------------------------------- in the engine
-
-def _run_concurrently(calls):
-    """Runs the zero-argument callables in threads; returns their results (or exceptions) in order."""
-    out = [None] * len(calls)
-
-    def run(i):
-        try:
-            out[i] = calls[i]()
-        except BaseException as e:  # noqa: BLE001
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    return out
-
 
 def _oracle(monkeypatch, answers: dict[tuple, list[int]], wrong_every: int = 3):
     """Replaces the n-gram lookup by drafts from the known greedy answers (a random model copies nothing, so
@@ -243,7 +225,7 @@ def test_batched_generator_with_speculation_equals_generate(model, monkeypatch):
     sampling = [SamplingParams()] * 3 + [SamplingParams(temperature=0.7)]
     calls = [lambda i=i: gen(prompts[i], max_new_tokens=new[i], sampling=sampling[i], seed=i,
                              on_token=got[i].append) for i in range(4)]
-    results = _run_concurrently(calls)
+    results = run_concurrently(calls)
     assert results == ["length"] * 4
     assert got[:3] == plain[:3] and len(got[3]) == new[3]
     assert gen.spec_steps > 0 and 0 < gen.accepted_tokens < gen.draft_tokens
