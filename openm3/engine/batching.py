@@ -49,11 +49,21 @@ import torch
 from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cache
 from .generate import check_prompts
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, sample
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams, sample, token_logprobs
 from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
 from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
 
-__all__ = ["BatchedGenerator"]
+__all__ = ["BatchedGenerator", "check_logprobs"]
+
+
+def check_logprobs(logprobs, on_logprobs) -> None:
+    """logprobs: None, or the number of top alternatives (0-20) reported with each token to `on_logprobs`."""
+    if logprobs is None and on_logprobs is None:
+        return
+    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS \
+            or on_logprobs is None:
+        raise ValueError(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] given with on_logprobs, got "
+                         f"{logprobs!r} and {'a callback' if on_logprobs else 'no callback'}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,6 +78,8 @@ class _Request:
     salt: bytes = b""  # what besides the ids decides its pages (its images' digest)
     keys: list = dataclasses.field(default_factory=list)  # page_keys of its prompt's full pages (prefix caching)
     on_cached: Callable[[int], None] | None = None
+    logprobs: int | None = None  # top alternatives per token for on_logprobs (None: no log probabilities)
+    on_logprobs: Callable[[float, list], None] | None = None
     outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
     history: TokenHistory | None = None  # prompt + outputs, where speculative drafts are looked up
     prefilled: bool = False
@@ -97,11 +109,12 @@ class BatchedGenerator:
     between prefill chunks; prefill_chunks_per_step: prefill forwards between two decode steps while requests decode
     (groups take turns); speculative: n-gram speculative decoding (see the module docstring).
     model: an `M3TextModel` or an `M3ForConditionalGeneration` (`vl_config` is then its config, else None).
-    The signature of a call is the `Backend` protocol of `openm3.serve`, and `concurrent = True` tells the server
-    not to serialise calls.
+    The signature of a call is the `Backend` protocol of `openm3.serve`, `concurrent = True` tells the server not
+    to serialise calls, and `supports_logprobs` that it takes `logprobs=` / `on_logprobs=`.
     """
 
     concurrent = True
+    supports_logprobs = True
 
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
                  cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True,
@@ -153,13 +166,17 @@ class BatchedGenerator:
 
     def __call__(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  stop_tokens: Sequence[int] = (), seed: int = 0, on_token: Callable[[int], None] = lambda _t: None,
-                 images: PromptImages | tuple | None = None, on_cached: Callable[[int], None] | None = None) -> str:
+                 images: PromptImages | tuple | None = None, on_cached: Callable[[int], None] | None = None,
+                 logprobs: int | None = None, on_logprobs: Callable[[float, list], None] | None = None) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
         returns 'stop' or 'length' when it ends. images: `(pixel_values, grid_thw)` of the prompt's image
         placeholders (VL models only). on_cached(n): called once, before the first token, with the number of
-        prompt tokens the prefix cache held. ValueError for a bad request or one that can never fit the cache;
-        an exception raised by `on_token` or `on_cached` ends the request and is re-raised here."""
+        prompt tokens the prefix cache held. logprobs (0-20) and on_logprobs(logprob, top): before each
+        `on_token`, the token's log probability under the model and the `logprobs` most likely tokens as [(id,
+        logprob)] (`sampling.token_logprobs`). ValueError for a bad request or one that can never fit the cache;
+        an exception raised by a callback ends the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
+        check_logprobs(logprobs, on_logprobs)
         (vision,) = check_images(self.model, [ids], None if images is None else [images])
         pages = self.cache.pages_for(ids.numel() + max_new_tokens)
         if pages > self.plan.num_pages:
@@ -168,7 +185,7 @@ class BatchedGenerator:
                              f"({self.plan.token_capacity} tokens); raise the token budget")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen, vision,
-                       on_cached=on_cached)
+                       on_cached=on_cached, logprobs=logprobs, on_logprobs=on_logprobs)
         if self.prefix_caching:  # hashed here, in the caller's thread, not in the worker's
             req.salt = b"" if vision is None else vision.digest()
             req.keys = page_keys(ids, self.cache.layout.page_size, req.salt)
@@ -334,8 +351,8 @@ class BatchedGenerator:
             kept, _ = cut_at_end(tokens, req.stop_tokens, req.max_new_tokens - req.produced)
             # the cache keeps the fed tokens the answer keeps: the last one and the kept drafts before the new one
             self.cache.truncate(req.id, lengths[i] + len(kept))
-            for token in kept:
-                if not self._give(req, token):
+            for j, token in enumerate(kept):
+                if not self._give(req, token, logits[i, j]):
                     break
 
     def _emit(self, batch: list[_Request], logits: torch.Tensor) -> None:
@@ -349,16 +366,19 @@ class BatchedGenerator:
         for req, row, token in zip(batch, logits, tokens):
             if token is None:  # its own generator: the draws `generate` would make for it alone
                 token = int(sample(row[None], req.sampling, req.gen)[0])
-            self._give(req, token)
+            self._give(req, token, row)
 
-    def _give(self, req: _Request, token: int) -> bool:
-        """Hands one sampled token to its request; False when the request ended with it."""
+    def _give(self, req: _Request, token: int, row: torch.Tensor) -> bool:
+        """Hands one sampled token (sampled from logits `row` [V]) to its request; False when the request ended
+        with it."""
         req.last, req.produced = token, req.produced + 1
         self.generated_tokens += 1
         req.outputs.append(token)
         if req.history is not None:
             req.history.append(token)
         try:
+            if req.on_logprobs is not None:
+                req.on_logprobs(*token_logprobs(row, token, req.logprobs))
             req.on_token(token)
         except BaseException as e:  # noqa: BLE001 - the caller decides what its exception means
             self._end(req, error=e)

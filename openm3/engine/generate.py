@@ -24,7 +24,7 @@ import torch
 
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
 from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
 
@@ -155,7 +155,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              token_budget: int | None = None, index_dtype=None, max_total_tokens: int | None = None,
              seed: int = 0, on_token: Callable[[int, int], None] | None = None,
              on_prefill: Callable[[int], None] | None = None, cuda_graphs: bool | None = None,
-             images: Sequence | None = None, speculative: SpeculativeConfig | None = None
+             images: Sequence | None = None, speculative: SpeculativeConfig | None = None,
+             logprobs: int | None = None, on_logprobs: Callable[[int, float, list], None] | None = None
              ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates continuations of a batch of token-id prompts.
 
@@ -171,11 +172,16 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     each sampled token; on_prefill(n) reports prefill progress in tokens. cuda_graphs: decode steps replay one
     CUDA graph per batch (`openm3.engine.graphs`; default: on when the model is on a CUDA device).
     speculative: n-gram speculative decoding (`openm3.engine.speculative`): greedy outputs equal plain decoding's
-    (up to float rounding), sampled ones have its distribution but other draws.
+    (up to float rounding), sampled ones have its distribution but other draws. logprobs (0-20) and
+    on_logprobs(b, logprob, top): before each `on_token`, the token's log probability under the model and the
+    `logprobs` most likely tokens as [(id, logprob)] (`openm3.engine.sampling.token_logprobs`).
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
+    from .batching import check_logprobs
+
+    check_logprobs(logprobs, on_logprobs)
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings
@@ -209,8 +215,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     logits = prefill(model, cache, list(range(len(ids))), ids, chunk_size=chunk_size, on_chunk=on_prefill,
                      images=vision)
     tokens = sample(logits, sampling, gen)
+    report = None if on_logprobs is None else (logprobs, on_logprobs)
     running = _emit(results, list(range(len(ids))), [[t] for t in tokens.tolist()], stop, max_new_tokens, on_token,
-                    histories)
+                    histories, logits[:, None], report)
     stats.ttft_s = time.perf_counter() - t0
 
     graphs = DecodeGraphs(lm, cache) if (cuda if cuda_graphs is None else cuda_graphs) else None
@@ -229,6 +236,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         lengths = [cache.length(b) for b in running]
         t_step, captures = time.perf_counter(), graphs.captures if graphs else 0
         logits = graphs.step(running, feed) if graphs else decode_step(lm, cache, running, feed)
+        rows = logits[:, None] if drafts is None else logits  # [B, tokens fed, V]
         if drafts is None:
             tokens = [[t] for t in sample(logits, sampling, gen).tolist()]  # a host read: the step is complete
         else:
@@ -250,7 +258,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
             stats.capture_tokens += produced
         stats.decode_tokens += produced
         stats.decode_steps += 1
-        running = _emit(results, running, tokens, stop, max_new_tokens, on_token, histories)
+        running = _emit(results, running, tokens, stop, max_new_tokens, on_token, histories, rows, report)
     if cuda:
         torch.cuda.synchronize(device)
         stats.peak_bytes = torch.cuda.max_memory_allocated(device)
@@ -260,15 +268,19 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     return results, stats
 
 
-def _emit(results, seqs, tokens, stop, max_new_tokens, on_token, histories=None) -> list[int]:
+def _emit(results, seqs, tokens, stop, max_new_tokens, on_token, histories=None, rows=None, report=None
+          ) -> list[int]:
     """Appends each sequence's new tokens (a list per sequence, already cut at a stop token or the length);
-    returns the sequences still running."""
+    returns the sequences still running. rows[i, j]: the logits token j of sequence i was sampled from, for
+    `report` = (logprobs, on_logprobs)."""
     running = []
-    for b, new in zip(seqs, tokens):
-        for tok in new:
+    for i, (b, new) in enumerate(zip(seqs, tokens)):
+        for j, tok in enumerate(new):
             results[b].tokens.append(tok)
             if histories is not None:
                 histories[b].append(tok)
+            if report is not None:
+                report[1](b, *token_logprobs(rows[i, j], tok, report[0]))
             if on_token is not None:
                 on_token(b, tok)
         if new[-1] in stop:

@@ -56,3 +56,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return logits.argmax(dim=-1)
     probs = filter_logits(logits, params).softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log probability of `token` under one logits row [V] (log-softmax of the raw logits, before
+    temperature, top-k or top-p: what vLLM returns by default), and the `top` most likely tokens with theirs
+    (most likely first; [] for top = 0). One host read."""
+    lp = logits.float().log_softmax(dim=-1)
+    if top:
+        values, ids = lp.topk(top)
+        picked = torch.cat([lp[token].reshape(1), values]).tolist()
+        return picked[0], list(zip(ids.tolist(), picked[1:]))
+    return float(lp[token]), []
+

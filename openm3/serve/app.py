@@ -15,6 +15,10 @@ A backend whose `prefix_caching` is true (`BatchedGenerator`'s default) also tak
 tokens it found cached: the usage reports them as OpenAI's `cached_tokens` and Anthropic's
 `cache_read_input_tokens`.
 
+A backend whose `supports_logprobs` is true (both of openm3's) also takes `logprobs=n` and
+`on_logprobs(logprob, top)`, called before each `on_token`: Chat Completions' `logprobs` / `top_logprobs` and
+Completions' `logprobs` return them (`logprobs.py`); for any other backend asking for them is a 400.
+
 A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`)
 takes images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded
 into placeholder runs as in training), Chat Completions also vLLM's `video_url` parts (animated images), and call
@@ -44,6 +48,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses
 from .images import data_url_part
+from .logprobs import TokenLogprobs
 from .reasoning import ReasoningSplitter, split_reasoning
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 
@@ -62,6 +67,8 @@ class ModelBackend:
     """Runs `openm3.engine.generate` on one model (its device and dtype pick the kernels): a text model, or a VL
     model (`vl_config` set) that also takes images."""
 
+    supports_logprobs = True
+
     def __init__(self, model, speculative=None):
         self.model = model
         self.speculative = speculative  # a SpeculativeConfig, or None
@@ -69,13 +76,16 @@ class ModelBackend:
         self.vl_config = model.config if is_vision_language(model) else None
 
     def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token,
-                 images: PromptImages | None = None) -> str:
+                 images: PromptImages | None = None, logprobs: int | None = None,
+                 on_logprobs: Callable[[float, list], None] | None = None) -> str:
         from ..engine.generate import generate
 
+        report = None if on_logprobs is None else (lambda _b, lp, top: on_logprobs(lp, top))
         results, _ = generate(self.model, [prompt], max_new_tokens=max_new_tokens, sampling=sampling,
                               stop_tokens=stop_tokens, seed=seed, on_token=lambda _b, tok: on_token(tok),
                               max_total_tokens=len(prompt) + max_new_tokens,
-                              images=None if images is None else [images], speculative=self.speculative)
+                              images=None if images is None else [images], speculative=self.speculative,
+                              logprobs=logprobs, on_logprobs=report)
         return results[0].finish_reason
 
 
@@ -299,12 +309,13 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
             on_part: Callable[[str, str], None], cancelled: threading.Event | None = None, *,
-            images: PromptImages | None = None, on_start: Callable[[], None] | None = None) -> str:
+            images: PromptImages | None = None, on_start: Callable[[], None] | None = None,
+            logprobs: TokenLogprobs | None = None) -> str:
         """Generates (under the lock unless the backend is concurrent), feeding `stream` and calling
         `on_part(kind, text)` with its routed deltas (`TextStream.parts`); returns the finish reason ('stop' |
         'length'). `images` go to the backend only when there are some. on_start(): called once, when the
         request's prompt is known to be admitted (`stream.cached` is then set) or at its first token, whichever
-        the backend reports first.
+        the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it).
 
         The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
@@ -325,6 +336,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         def on_token(tok: int) -> None:
             start()
             stream.sampled += 1
+            if logprobs is not None:
+                logprobs.on_token(tok, eos)
             if tok != eos:
                 for kind, text in stream.parts(stream.push(tok)):
                     on_part(kind, text)
@@ -334,6 +347,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         extra = {} if images is None else {"images": images}
         if getattr(backend, "prefix_caching", False):
             extra["on_cached"] = on_cached
+        if logprobs is not None:
+            extra.update(logprobs=logprobs.top, on_logprobs=logprobs.on_logprobs)
         with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
             try:
                 return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=[eos], seed=seed,
@@ -342,6 +357,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 return "stop"
             finally:
                 start()
+
+    def logprobs_for(top: int | None, param: str) -> TokenLogprobs | None:
+        """A collector of `top` alternatives per token (None: none asked for); a 400 naming `param` when the
+        backend computes no log probabilities."""
+        if top is None:
+            return None
+        if not getattr(backend, "supports_logprobs", False):
+            raise APIError("this server's backend does not return log probabilities", param)
+        return TokenLogprobs(tokenizer, top)
 
     def text_stream(stop: Sequence[str], hold: Sequence[str], prompt: list[int]) -> TextStream:
         """A chat answer's stream: its think block split off unless `reasoning_parser` is 'none'; a prompt whose
@@ -401,17 +425,19 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         rid = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
         stream = TextStream(tokenizer, req.stop)
+        lp = logprobs_for(req.logprobs, "logprobs")
 
         def choice(text: str, finish: str | None) -> dict:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": lp.completion(lp.take()) if lp else None,
+                    "finish_reason": finish}
 
         if not req.stream:
-            finish = run(req, prompt, max_new, stream, lambda _k, _t: None)
+            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, logprobs=lp)
             return {**head, "choices": [choice(stream.text, finish)], "usage": usage(prompt, stream)}
 
         def produce(put, cancelled) -> None:
             finish = run(req, prompt, max_new, stream, lambda _k, d: put({**head, "choices": [choice(d, None)]}),
-                         cancelled)
+                         cancelled, logprobs=lp)
             put({**head, "choices": [choice(stream.finish(), finish)]})
             if req.stream_options and req.stream_options.include_usage:
                 put({**head, "choices": [], "usage": usage(prompt, stream)})
@@ -437,6 +463,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
         parse_calls = req.tool_choice != "none"
         stream = text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt)
+        lp = logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs")
 
         def answer(finish: str) -> tuple[str, list[dict], str]:
             """(the answer's whole text, OpenAI tool_calls, finish_reason) of the finished generation."""
@@ -449,27 +476,33 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             return stream.visible(), tool_calls, "tool_calls"
 
         if not req.stream:
-            whole, tool_calls, finish = answer(run(req, prompt, max_new, stream, lambda _k, _t: None, images=images))
+            whole, tool_calls, finish = answer(run(req, prompt, max_new, stream, lambda _k, _t: None, images=images,
+                                                   logprobs=lp))
             reasoning, content = stream.split(whole)
             message = {"role": "assistant", "content": content or (None if tool_calls else "")}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            return {**head, "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                    "usage": usage(prompt, stream)}
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+            if lp is not None:
+                choice["logprobs"] = lp.chat(lp.take())
+            return {**head, "choices": [choice], "usage": usage(prompt, stream)}
 
         head = {**head, "object": "chat.completion.chunk"}
 
         def chunk(delta: dict, finish: str | None = None) -> dict:
-            return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            if lp is not None:  # the tokens sampled since the last chunk
+                choice["logprobs"] = lp.chat(lp.take())
+            return {**head, "choices": [choice]}
 
         def produce(put, cancelled) -> None:
             def part(kind: str, text: str) -> None:
                 put(chunk({"reasoning_content" if kind == "reasoning" else "content": text}))
 
             put(chunk({"role": "assistant", "content": ""}))
-            finish = run(req, prompt, max_new, stream, part, cancelled, images=images)
+            finish = run(req, prompt, max_new, stream, part, cancelled, images=images, logprobs=lp)
             whole, tool_calls, finish = answer(finish)
             for kind, text in stream.end_parts(whole):
                 part(kind, text)

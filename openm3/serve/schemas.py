@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the error body.
 
 Only the fields the server honours are declared; unknown fields are ignored, as OpenAI clients send many
-(`user`, `metadata`, ...). Asking for what it cannot give (log probabilities, `echo`, several choices) is refused
-with a 400 naming the field rather than answered without it. Responses are plain dicts built in `app.py`: their shapes are OpenAI's.
+(`user`, `metadata`, ...). Asking for what it cannot give (`echo`, several choices) is refused with a 400 naming
+the field rather than answered without it. Responses are plain dicts built in `app.py`: their shapes are OpenAI's.
 """
 
 from __future__ import annotations
@@ -31,16 +31,6 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
-    logprobs: Any = None
-    top_logprobs: int | None = None
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v:  # false, 0 and null are what a client that does not want them sends
-            raise ValueError("log probabilities are not returned by this server; leave logprobs and top_logprobs "
-                             "unset")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -56,6 +46,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="top alternatives per token (0: the "
+                                 "sampled token's alone); null: no log probabilities")
     echo: bool = False
 
     @field_validator("echo")
@@ -153,6 +145,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
 
 def error_body(message: str, param: str | None, code: str | None = None,

@@ -1,0 +1,57 @@
+"""Log probabilities of an answer's tokens in OpenAI's two formats (Chat Completions' `logprobs.content`, and the
+legacy Completions' `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`).
+
+The values are the model's own (log-softmax of its logits before temperature, top-k or top-p, as vLLM returns by
+default: `openm3.engine.sampling.token_logprobs`), one entry per sampled token of the answer (the end-of-turn token
+excluded), up to and including the token that completed a stop string. A token's text is its own decoding, so a
+character split over two tokens shows as U+FFFD in each (its `bytes` in the chat format are those of that text).
+"""
+
+from __future__ import annotations
+
+
+class TokenLogprobs:
+    """Collects (token, logprob, top) from a backend's `on_logprobs(logprob, top)` and the token's `on_token`; for
+    streaming, `take()` returns the entries not returned before."""
+
+    def __init__(self, tokenizer, top: int):
+        self.tokenizer, self.top = tokenizer, top
+        self.entries: list[tuple[int, float, list[tuple[int, float]]]] = []
+        self._pending: tuple[float, list] | None = None
+        self._sent = 0
+        self._offset = 0  # characters of the completion text before the next entry (Completions' text_offset)
+
+    def on_logprobs(self, logprob: float, top: list[tuple[int, float]]) -> None:
+        self._pending = (logprob, top)
+
+    def on_token(self, token: int, eos: int) -> None:
+        if self._pending is not None and token != eos:
+            self.entries.append((token, *self._pending))
+        self._pending = None
+
+    def take(self) -> list:
+        new = self.entries[self._sent:]
+        self._sent = len(self.entries)
+        return new
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def chat(self, entries: list) -> dict:
+        """Chat Completions' `logprobs` of a choice (or a streamed chunk's choice)."""
+        def item(token: int, logprob: float) -> dict:
+            text = self._text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries]}
+
+    def completion(self, entries: list) -> dict:
+        """The legacy Completions' `logprobs` of a choice; text offsets continue from the previous call's."""
+        tokens = [self._text(t) for t, _, _ in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{self._text(i): v for i, v in top} for _, _, top in entries] if self.top else None,
+                "text_offset": offsets}

@@ -1,0 +1,140 @@
+"""Log probabilities through `openm3 serve` and the engine: each answer token's log probability and top
+alternatives equal the model's log-softmax at that position (a full forward over prompt + answer), in the
+Chat Completions and Completions formats, streamed and not, through `generate`, `BatchedGenerator` and its
+speculative steps; a backend without them gets a 400."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+import openm3.engine.speculative as speculative
+from openm3.engine import generate
+from openm3.engine.batching import BatchedGenerator
+from openm3.engine.sampling import SamplingParams
+from openm3.engine.speculative import SpeculativeConfig
+from openm3.serve import ModelBackend, create_app
+
+from test_serve import events, model, tok  # noqa: F401 - the fixtures: the same tokenizer and model
+
+NAME = "tiny"
+
+
+def model_logprobs(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """log-softmax [len(answer), V] of the positions that predicted each answer token (one full forward)."""
+    ids = prompt + answer
+    with torch.no_grad():
+        logits = model(torch.tensor(ids), cu_seqlens=torch.tensor([0, len(ids)], dtype=torch.int32)).logits
+    return logits[len(prompt) - 1:len(ids) - 1].float().log_softmax(-1)
+
+
+def check_entries(model, prompt, entries, top: int):
+    """entries: [(token, logprob, [(id, logprob)])] against the full forward."""
+    want = model_logprobs(model, prompt, [t for t, _, _ in entries])
+    for j, (token, logprob, alternatives) in enumerate(entries):
+        assert abs(logprob - want[j, token].item()) < 1e-4
+        values, ids = want[j].topk(top)
+        assert [i for i, _ in alternatives] == ids.tolist()
+        assert all(abs(v - w) < 1e-4 for (_, v), w in zip(alternatives, values.tolist()))
+
+
+def test_engine_logprobs_equal_the_model(model, monkeypatch):
+    """`generate` and `BatchedGenerator`, sampled, plain and with speculative steps (drafts of the plain answer,
+    partly right): every token's log probability and its top 3 equal the full forward's."""
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (40,), generator=gen).tolist()
+    got = []
+    res, _ = generate(model, [prompt], max_new_tokens=12, logprobs=3, seed=1,
+                      sampling=SamplingParams(temperature=0.9),
+                      on_logprobs=lambda b, lp, top: got.append((lp, top)))
+    check_entries(model, prompt, [(t, lp, top) for t, (lp, top) in zip(res[0].tokens, got)], 3)
+    plain, _ = generate(model, [prompt], max_new_tokens=12)
+    answer = plain[0].tokens
+
+    def drafts(tokens, k, _config):
+        done = len(tokens) - len(prompt)
+        d = answer[done:done + k] + [5] * max(0, k - len(answer[done:]))
+        d[-1] = (d[-1] + 1) % model.config.vocab_size  # the last draft of each step is wrong
+        return d
+
+    monkeypatch.setattr(speculative, "ngram_drafts", drafts)
+    for spec in (None, SpeculativeConfig(num_speculative_tokens=3)):
+        got, tokens = [], []
+        res, stats = generate(model, [prompt], max_new_tokens=12, logprobs=2, speculative=spec,
+                              on_logprobs=lambda b, lp, top: got.append((lp, top)))
+        assert res[0].tokens == answer and (spec is None or stats.accepted_tokens > 0)
+        check_entries(model, prompt, [(t, lp, top) for t, (lp, top) in zip(answer, got)], 2)
+        batcher = BatchedGenerator(model, token_budget=256, speculative=spec)
+        got = []
+        batcher(prompt, max_new_tokens=12, logprobs=0, on_token=tokens.append,
+                on_logprobs=lambda lp, top: got.append((lp, top)))
+        batcher.close()
+        assert tokens == answer and (spec is None or batcher.accepted_tokens > 0)
+        check_entries(model, prompt, [(t, lp, top) for t, (lp, top) in zip(answer, got)], 0)
+    with pytest.raises(ValueError, match="logprobs must be an int in \\[0, 20\\]"):
+        generate(model, [prompt], logprobs=21, on_logprobs=lambda *a: None)
+
+
+def test_chat_and_completion_logprobs(model, tok):
+    """Greedy answers (the chosen token is the top one): the Completions format (tokens, token_logprobs,
+    top_logprobs, text_offset) and the Chat format (token, logprob, bytes, top_logprobs), streamed and not, hold
+    one entry per answer token (the end-of-turn token left out) with the model's values."""
+    client = TestClient(create_app(ModelBackend(model), tok, model_name=NAME, max_total_tokens=96))
+    body = {"model": NAME, "prompt": "hello world", "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    n = len(lp["tokens"])
+    assert n == r.json()["usage"]["completion_tokens"] == 10
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(n)]
+    assert all(len(top) == 2 and max(top.values()) == pytest.approx(v, abs=1e-5)
+               for top, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    streamed = events(client.post("/v1/completions", json={**body, "stream": True}))
+    parts = [c["choices"][0]["logprobs"] for c in streamed if c["choices"]]
+    assert sum((p["tokens"] for p in parts), []) == lp["tokens"]
+    assert sum((p["token_logprobs"] for p in parts), []) == lp["token_logprobs"]
+    assert sum((p["text_offset"] for p in parts), []) == lp["text_offset"]
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = {"model": NAME, "messages": messages, "max_tokens": 8, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == r.json()["usage"]["completion_tokens"] - (r.json()["choices"][0]["finish_reason"] == "stop")
+    for item in content:
+        assert item["bytes"] == list(item["token"].encode()) and len(item["top_logprobs"]) == 3
+        assert item["top_logprobs"][0]["logprob"] == pytest.approx(item["logprob"], abs=1e-5)
+    streamed = events(client.post("/v1/chat/completions", json={**chat, "stream": True}))
+    items = sum((c["choices"][0]["logprobs"]["content"] for c in streamed if c["choices"]), [])
+    assert [i["token"] for i in items] == [i["token"] for i in content]
+    assert [i["logprob"] for i in items] == pytest.approx([i["logprob"] for i in content], abs=1e-6)
+    plain = client.post("/v1/chat/completions", json={**chat, "logprobs": False, "top_logprobs": None})
+    assert "logprobs" not in plain.json()["choices"][0]
+
+
+def test_completion_logprobs_match_the_model(model, tok):
+    """The served values are the engine's: those of a full forward over the prompt and the greedy answer."""
+    client = TestClient(create_app(ModelBackend(model), tok, model_name=NAME, max_total_tokens=96))
+    ids = tok.encode("the cat sat")
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 6, "temperature": 0,
+                                             "logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    answer = generate(model, [ids], max_new_tokens=6)[0][0].tokens
+    want = model_logprobs(model, ids, answer)
+    assert lp["token_logprobs"] == pytest.approx([want[j, t].item() for j, t in enumerate(answer)], abs=1e-4)
+
+
+def test_a_backend_without_logprobs_gets_a_400(tok):
+    def scripted(prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token):
+        on_token(5)
+        return "length"
+
+    client = TestClient(create_app(scripted, tok, model_name=NAME, max_total_tokens=96))
+    r = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                                  "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert "does not return log probabilities" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
