@@ -13,7 +13,8 @@ accuracy next to the best accuracy a model that sees only the question can reach
 
 `--set FIELD=VALUE` changes a TrainConfig field in every run, for ablations (`--set aux_loss_weight=0`).
 `--blind` keeps the vision rows' text (questions, answers, captions) and drops their pixels: a control for what
-the images add beyond that text.
+the images add beyond that text. `--mismatched` keeps the pixels but gives each vision example those of another
+example (same shape): a control for whether what the images show matters, or only that visual tokens pass.
 
 Writes to `--out`: `runs/<recipe>_s<seed>.json` (one per run, written atomically as it finishes: a rerun skips
 the runs already there, and refuses ones made with other settings), `summary.json` (every run, plus mean and
@@ -58,8 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                    help="TrainConfig fields for every run, for ablations (e.g. aux_loss_weight=0 kl_weight=0); "
                         "values are JSON, else strings")
-    p.add_argument("--blind", action="store_true",
-                   help="vision rows without their pixels (their text only): what do the images add?")
+    control = p.add_mutually_exclusive_group()
+    control.add_argument("--blind", action="store_true",
+                         help="vision rows without their pixels (their text only): what do the images add?")
+    control.add_argument("--mismatched", action="store_true",
+                         help="vision rows with another example's pixels: does what the images show matter?")
     args = p.parse_args(argv)
     args.overrides = _overrides(p, args.set)
     for name in ("steps", "windows", "jobs", "image_rows", "lr"):
@@ -120,7 +124,7 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
     tokenizer = get_tokenizer()
     cfg = run_config(args, recipe, seed, out / "train" / name)
     source = MixtureRows(tokenizer, cfg.seq_len, seed=seed, weights=DEMO_WEIGHTS, image_size=84, video_size=56,
-                         blind=args.blind)
+                         blind=args.blind, mismatched=args.mismatched)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)
     history = trainer.fit()
@@ -152,7 +156,8 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
 def _settings(args: argparse.Namespace, cfg) -> dict:
     """What decides a run's numbers: its training config and the evaluation's sizes (JSON-normalised)."""
     evaluation = {"windows": args.windows, "image_qa": args.image_qa, "video_qa": args.video_qa}
-    data = {"blind": True} if args.blind else {}  # absent for the default, so earlier runs still match
+    # absent for the default, so earlier runs still match
+    data = {"blind": True} if args.blind else {"mismatched": True} if args.mismatched else {}
     return json.loads(json.dumps({"config": cfg.to_dict(), "evaluation": evaluation, **data}))
 
 

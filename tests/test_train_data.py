@@ -75,6 +75,32 @@ def test_blind_rows_keep_the_text_and_drop_the_pixels(tokenizer, kind):
     assert blind.rows("text", 3, 1)[0].input_ids.equal(seeing.rows("text", 3, 1)[0].input_ids)
 
 
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_mismatched_rows_keep_the_text_and_carry_other_pixels(tokenizer, kind):
+    """The second control: every example keeps its segments (so its tokens and trained answers) but carries the
+    pixels of the example before it of the same shape; the stream's first example only seeds the pool, so no
+    example keeps its own pixels."""
+    seeing = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56)
+    other = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56, mismatched=True)
+    own = _take(seeing.examples(kind, 3), 12)
+    swapped = _take(other.examples(kind, 3), 4)
+    pixels = (lambda ex: ex.images) if kind == "image" else (lambda ex: [v.frames for v in ex.videos])
+    same = lambda a, b: len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
+    k = 0
+    for ex in swapped:  # a subsequence of the same stream (the first of each shape only seeds the pool)
+        k = next(i for i in range(k + 1, len(own)) if own[i].segments == ex.segments)
+        assert ex.source == own[k].source and not same(pixels(ex), pixels(own[k]))
+        assert any(same(pixels(ex), pixels(own[i])) for i in range(k))  # an earlier example's pixels
+    for row in other.rows(kind, 3, 2):
+        assert row.vision  # the visual tokens stay
+    with pytest.raises(ValueError, match="choose one"):
+        MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, blind=True, mismatched=True)
+
+
+def _take(stream, n: int) -> list:
+    return [next(stream) for _ in range(n)]
+
+
 def test_processor_layout_matches_processor():
     from openm3.models.processor import M3ImageProcessor
 

@@ -77,6 +77,24 @@ def _without_media(example):
     return Example([seg for seg in example.segments if seg.kind == "text"], source=example.source)
 
 
+def _with_other_pixels(example, pool: dict):
+    """The example with each image and video replaced by the last one of the same shape seen before it in the
+    stream (`pool`: shape -> pixels, updated with this example's own): its pixels no longer match its text. None
+    when one of them has no earlier match yet (the example only fills the pool, so no pair stays matched)."""
+    from ..data.packing import Example
+
+    def swap(media, key):
+        earlier = pool.get(key)
+        pool[key] = media
+        return earlier
+
+    images = [swap(im, ("image", im.shape)) for im in example.images]
+    videos = [swap(v, ("video", v.frames.shape, v.fps)) for v in example.videos]
+    if any(m is None for m in images + videos):
+        return None
+    return Example(example.segments, images, videos, source=example.source)
+
+
 def source_kind(name: str) -> str:
     from .tasks import TASKS
 
@@ -93,10 +111,14 @@ class MixtureRows:
     `weights`: source name -> relative weight (all kinds together; each kind draws among its own sources).
     `blind`: image and video examples keep their text (questions, answers, captions) but lose their pixels and
     placeholders, a control for what the pixels add beyond that text (experiments; the rows keep their kind).
+    `mismatched`: image and video examples keep everything but carry the pixels of an earlier example of the same
+    shape, so visual tokens pass through the model but say nothing about the text (a control for whether the
+    images' content matters or only their presence).
     """
 
     def __init__(self, tokenizer, seq_len: int, *, seed: int = 0, weights: dict[str, float] | None = None,
-                 split: str = "train", image_size: int = 112, video_size: int = 56, blind: bool = False):
+                 split: str = "train", image_size: int = 112, video_size: int = 56, blind: bool = False,
+                 mismatched: bool = False):
         from ..data import DEFAULT_WEIGHTS, MixtureConfig, Mixture
         from .tasks import TASKS
 
@@ -107,7 +129,9 @@ class MixtureRows:
             raise ValueError(f"weights: unknown sources {unknown}; expected names from "
                              f"{sorted(DEFAULT_WEIGHTS) + sorted(TASKS)}")
         self.tokenizer, self.seq_len, self.seed, self.split = tokenizer, seq_len, seed, split
-        self.blind = blind
+        if blind and mismatched:
+            raise ValueError("blind and mismatched are two different controls: choose one")
+        self.blind, self.mismatched = blind, mismatched
         self.builders: dict[str, list[tuple[str, float, Callable[[np.random.Generator], object]]]] = {
             k: [] for k in KIND_IDS}
         for name, w in weights.items():
@@ -134,15 +158,20 @@ class MixtureRows:
         w = np.array([b[1] for b in builders], dtype=np.float64)
         cdf = np.cumsum(w / w.sum())
         j = 0
+        pool: dict = {}  # mismatched: earlier pixels by shape, for this stream only (deterministic per step)
         while True:
             rng = np.random.default_rng([self.seed, KIND_IDS[kind], step, j])
             name, _, build = builders[min(int(np.searchsorted(cdf, rng.random(), side="right")), len(builders) - 1)]
             example = build(rng)
             example.source = name
+            j += 1
             if self.blind and kind != "text":
                 example = _without_media(example)
+            elif self.mismatched and kind != "text":
+                example = _with_other_pixels(example, pool)
+                if example is None:
+                    continue
             yield example
-            j += 1
 
     def rows(self, kind: str, step: int, count: int) -> list[Row]:
         from ..data.packing import pack, tokenize_example
