@@ -49,21 +49,11 @@ import torch
 from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cache
 from .generate import check_prompts
 from .graphs import DecodeGraphs
-from .sampling import MAX_TOP_LOGPROBS, SamplingParams, sample, token_logprobs
+from .sampling import SamplingParams, check_logprobs, sample, token_logprobs
 from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
 from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
 
-__all__ = ["BatchedGenerator", "check_logprobs"]
-
-
-def check_logprobs(logprobs, on_logprobs) -> None:
-    """logprobs: None, or the number of top alternatives (0-20) reported with each token to `on_logprobs`."""
-    if logprobs is None and on_logprobs is None:
-        return
-    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS \
-            or on_logprobs is None:
-        raise ValueError(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] given with on_logprobs, got "
-                         f"{logprobs!r} and {'a callback' if on_logprobs else 'no callback'}")
+__all__ = ["BatchedGenerator"]
 
 
 @dataclasses.dataclass(eq=False)

@@ -24,7 +24,7 @@ import torch
 
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import SamplingParams, check_logprobs, sample, token_logprobs
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
 from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
 
@@ -179,8 +179,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
-    from .batching import check_logprobs
-
     check_logprobs(logprobs, on_logprobs)
     lm = text_model(model)
     config = lm.config

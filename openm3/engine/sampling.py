@@ -1,4 +1,4 @@
-"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus)."""
+"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus); the log probabilities of sampled tokens."""
 
 from __future__ import annotations
 
@@ -72,3 +72,12 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, l
         return picked[0], list(zip(ids.tolist(), picked[1:]))
     return float(lp[token]), []
 
+
+def check_logprobs(logprobs, on_logprobs) -> None:
+    """logprobs: None, or the number of top alternatives (0-20) reported with each token to `on_logprobs`."""
+    if logprobs is None and on_logprobs is None:
+        return
+    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS \
+            or on_logprobs is None:
+        raise ValueError(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] given with on_logprobs, got "
+                         f"{logprobs!r} and {'a callback' if on_logprobs else 'no callback'}")
