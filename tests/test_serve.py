@@ -369,7 +369,7 @@ BAD = [
     ("unknown-model", "/v1/completions", {"prompt": "x", "model": "gpt-4o"}, "model"),
     ("n-2", "/v1/completions", {"prompt": "x", "n": 2}, "n"),
     ("logprobs-21", "/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
-    ("echo", "/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("batch-of-2", "/v1/completions", {"prompt": ["x", "y"]}, "prompt"),
     ("top_logprobs-alone", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                     "top_logprobs": 2}, "top_logprobs"),
     ("empty-stop", "/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),

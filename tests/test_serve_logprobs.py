@@ -138,3 +138,58 @@ def test_a_backend_without_logprobs_gets_a_400(tok):
     assert "does not return log probabilities" in r.json()["error"]["message"]
     r = client.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_engine_prompt_logprobs_equal_the_model(model, monkeypatch):
+    """Every prompt token's log probability (after the first) from `generate` and `BatchedGenerator`, with the
+    rows kept at most 7 per forward (so a prompt's rows span several chunks, beside a prompt without them): the
+    full forward's values; a prompt the prefix cache holds is computed again for them."""
+    import openm3.engine.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "all_logits_rows", lambda _vocab: 7)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (30, 19)]
+    want = [model_logprobs(model, p[:1], p[1:]) for p in prompts]
+    got = {}
+    res, _ = generate(model, prompts, max_new_tokens=3, chunk_size=16, prompt_logprobs=2,
+                      on_prompt_logprobs=lambda b, entries: got.setdefault(b, entries))
+    plain, _ = generate(model, prompts, max_new_tokens=3, chunk_size=16)
+    assert [r.tokens for r in res] == [r.tokens for r in plain]
+    for b, p in enumerate(prompts):
+        check_entries(model, p[:1], [(t, lp, top) for t, (lp, top) in zip(p[1:], got[b])], 2)
+        assert len(got[b]) == len(p) - 1
+    batcher = BatchedGenerator(model, token_budget=512, chunk_size=16)
+    for _ in range(2):  # the second time the prompt's pages are cached
+        entries = []
+        batcher(prompts[0], max_new_tokens=2, prompt_logprobs=0, on_prompt_logprobs=entries.extend)
+        assert len(entries) == len(prompts[0]) - 1
+        assert max(abs(lp - want[0][j, t].item()) for j, ((lp, _), t) in enumerate(zip(entries, prompts[0][1:]))) \
+            < 1e-4
+    batcher.close()
+
+
+def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(model, tok):
+    """lm-evaluation-harness's loglikelihood request: a one-element batch of token ids, echo, logprobs 1,
+    max_tokens 1. The answer's tokens are the prompt's and one more; the first has no log probability, the
+    others the model's; its text starts with the prompt; streamed chunks add up to the same."""
+    client = TestClient(create_app(ModelBackend(model), tok, model_name=NAME, max_total_tokens=96))
+    ids = tok.encode("the cat sat on the mat")
+    body = {"model": NAME, "prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = model_logprobs(model, ids[:1], ids[1:])
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx([want[j, t].item() for j, t in enumerate(ids[1:])],
+                                                              abs=1e-4)
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    assert choice["text"].startswith(tok.decode(ids)) and lp["text_offset"][0] == 0
+    streamed = events(client.post("/v1/completions", json={**body, "stream": True}))
+    parts = [c["choices"][0] for c in streamed if c["choices"]]
+    assert "".join(p["text"] for p in parts) == choice["text"]
+    assert sum((p["logprobs"]["token_logprobs"] for p in parts), []) == lp["token_logprobs"]
+    r = client.post("/v1/completions", json={**body, "logprobs": None, "prompt": "hello"})
+    assert r.json()["choices"][0]["text"].startswith("hello") and r.json()["choices"][0]["logprobs"] is None
+    r = client.post("/v1/completions", json={**body, "prompt": [ids, ids]})
+    assert r.status_code == 400 and "one prompt per request" in r.json()["error"]["message"]

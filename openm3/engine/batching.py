@@ -49,7 +49,7 @@ import torch
 from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cache
 from .generate import check_prompts
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, check_logprobs, sample, token_logprobs
+from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
 from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
 from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
 
@@ -70,6 +70,9 @@ class _Request:
     on_cached: Callable[[int], None] | None = None
     logprobs: int | None = None  # top alternatives per token for on_logprobs (None: no log probabilities)
     on_logprobs: Callable[[float, list], None] | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt token for on_prompt_logprobs
+    on_prompt_logprobs: Callable[[list], None] | None = None
+    prompt_entries: list = dataclasses.field(default_factory=list)  # (logprob, top) of prompt tokens 1..L-1
     outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
     history: TokenHistory | None = None  # prompt + outputs, where speculative drafts are looked up
     prefilled: bool = False
@@ -157,16 +160,21 @@ class BatchedGenerator:
     def __call__(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  stop_tokens: Sequence[int] = (), seed: int = 0, on_token: Callable[[int], None] = lambda _t: None,
                  images: PromptImages | tuple | None = None, on_cached: Callable[[int], None] | None = None,
-                 logprobs: int | None = None, on_logprobs: Callable[[float, list], None] | None = None) -> str:
+                 logprobs: int | None = None, on_logprobs: Callable[[float, list], None] | None = None,
+                 prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[list], None] | None = None
+                 ) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
         returns 'stop' or 'length' when it ends. images: `(pixel_values, grid_thw)` of the prompt's image
         placeholders (VL models only). on_cached(n): called once, before the first token, with the number of
         prompt tokens the prefix cache held. logprobs (0-20) and on_logprobs(logprob, top): before each
         `on_token`, the token's log probability under the model and the `logprobs` most likely tokens as [(id,
-        logprob)] (`sampling.token_logprobs`). ValueError for a bad request or one that can never fit the cache;
-        an exception raised by a callback ends the request and is re-raised here."""
+        logprob)] (`sampling.token_logprobs`). prompt_logprobs (0-20) and on_prompt_logprobs(entries): once, before
+        the first token, (logprob, top) of every prompt token after the first (the whole prompt is then computed,
+        not read from the prefix cache). ValueError for a bad request or one that can never fit the cache; an
+        exception raised by a callback ends the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
         check_logprobs(logprobs, on_logprobs)
+        check_logprobs(prompt_logprobs, on_prompt_logprobs)
         (vision,) = check_images(self.model, [ids], None if images is None else [images])
         pages = self.cache.pages_for(ids.numel() + max_new_tokens)
         if pages > self.plan.num_pages:
@@ -175,7 +183,8 @@ class BatchedGenerator:
                              f"({self.plan.token_capacity} tokens); raise the token budget")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen, vision,
-                       on_cached=on_cached, logprobs=logprobs, on_logprobs=on_logprobs)
+                       on_cached=on_cached, logprobs=logprobs, on_logprobs=on_logprobs,
+                       prompt_logprobs=prompt_logprobs, on_prompt_logprobs=on_prompt_logprobs)
         if self.prefix_caching:  # hashed here, in the caller's thread, not in the worker's
             req.salt = b"" if vision is None else vision.digest()
             req.keys = page_keys(ids, self.cache.layout.page_size, req.salt)
@@ -242,7 +251,8 @@ class BatchedGenerator:
         while self._waiting and len(new) < room:
             req = self._waiting.popleft()
             length = req.prompt.numel()
-            reusable = req.keys[:(length - 1) // page_size]  # the page of the prompt's last token is computed
+            # the page of the prompt's last token is computed; all of it when its log probabilities are asked for
+            reusable = [] if req.on_prompt_logprobs else req.keys[:(length - 1) // page_size]
             hit = self.cache.cached_prefix(reusable) if reusable else 0
             if hit < len(reusable) and reusable[hit] in computing:
                 deferred.append(req)
@@ -269,7 +279,7 @@ class BatchedGenerator:
         if new:
             self._groups.append(_Group(new, prefill_chunks(
                 self.model, self.cache, [r.id for r in new], [r.prompt for r in new], chunk_size=self.chunk_size,
-                images=[r.images for r in new])))
+                images=[r.images for r in new], all_logits=[r.on_prompt_logprobs is not None for r in new])))
 
     def _prefill_round(self) -> None:
         """The prefill work before the next decode step: with requests decoding (and interleaving), at most
@@ -291,18 +301,22 @@ class BatchedGenerator:
         the batch (and its CUDA graph) changes once per group while the running requests decode between chunks."""
         while True:
             try:
-                finished, logits, _ = next(group.chunks)
+                chunk = next(group.chunks)
             except Exception as e:  # noqa: BLE001 - the group's unfinished requests fail, the worker goes on
                 for req in group.requests:
                     if not req.prefilled:
                         self._end(req, error=e)
                 break
-            done = [group.requests[b] for b in finished]
+            for b, (position, rows) in chunk.rows.items():  # row i predicts prompt token position + i + 1
+                req = group.requests[b]
+                targets = req.prompt[position + 1:position + 1 + rows.shape[0]]
+                req.prompt_entries += rows_logprobs(rows[:targets.numel()], targets, req.prompt_logprobs)
+            done = [group.requests[b] for b in chunk.finished]
             for req in done:
                 req.prefilled, req.images = True, None  # embedded: the pixels are not needed any more
                 if self.prefix_caching:
                     self.cache.register(req.id, req.keys)
-            self._emit(done, logits)
+            self._emit(done, chunk.logits)
             if all(req.prefilled for req in group.requests):
                 break
             if self.interleave_prefill:
@@ -346,7 +360,15 @@ class BatchedGenerator:
                     break
 
     def _emit(self, batch: list[_Request], logits: torch.Tensor) -> None:
-        """Samples one token per request of `batch` from its logits row and hands it over."""
+        """Samples one token per request of `batch` from its logits row and hands it over (after its prompt's log
+        probabilities, at its first token, when it asked for them)."""
+        for req in [r for r in batch if r.on_prompt_logprobs is not None and not r.outputs]:
+            try:
+                req.on_prompt_logprobs(req.prompt_entries)
+            except BaseException as e:  # noqa: BLE001 - as for on_token
+                self._end(req, error=e)
+                logits = logits[[i for i, r in enumerate(batch) if r is not req]]
+                batch = [r for r in batch if r is not req]
         tokens: list[int | None] = [None] * len(batch)
         greedy = [i for i, req in enumerate(batch) if req.sampling.greedy]
         if greedy:  # one argmax and one host read for all greedy rows

@@ -24,7 +24,7 @@ import torch
 
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, check_logprobs, sample, token_logprobs
+from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
 from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
 
@@ -156,7 +156,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              seed: int = 0, on_token: Callable[[int, int], None] | None = None,
              on_prefill: Callable[[int], None] | None = None, cuda_graphs: bool | None = None,
              images: Sequence | None = None, speculative: SpeculativeConfig | None = None,
-             logprobs: int | None = None, on_logprobs: Callable[[int, float, list], None] | None = None
+             logprobs: int | None = None, on_logprobs: Callable[[int, float, list], None] | None = None,
+             prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[int, list], None] | None = None
              ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates continuations of a batch of token-id prompts.
 
@@ -174,12 +175,14 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     speculative: n-gram speculative decoding (`openm3.engine.speculative`): greedy outputs equal plain decoding's
     (up to float rounding), sampled ones have its distribution but other draws. logprobs (0-20) and
     on_logprobs(b, logprob, top): before each `on_token`, the token's log probability under the model and the
-    `logprobs` most likely tokens as [(id, logprob)] (`openm3.engine.sampling.token_logprobs`).
+    `logprobs` most likely tokens as [(id, logprob)] (`openm3.engine.sampling.token_logprobs`). prompt_logprobs
+    and on_prompt_logprobs(b, entries): after the prefill, (logprob, top) of every prompt token after the first.
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
     check_logprobs(logprobs, on_logprobs)
+    check_logprobs(prompt_logprobs, on_prompt_logprobs)
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings
@@ -210,8 +213,18 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     histories = [TokenHistory(p, max_new_tokens) for p in ids] if speculative else None
 
     t0 = time.perf_counter()
+    entries: list[list] = [[] for _ in ids]
+
+    def on_rows(b: int, position: int, rows: torch.Tensor) -> None:  # row i predicts token position + i + 1
+        targets = ids[b][position + 1:position + 1 + rows.shape[0]]
+        entries[b] += rows_logprobs(rows[:targets.numel()], targets, prompt_logprobs)
+
+    every = [on_prompt_logprobs is not None] * len(ids)
     logits = prefill(model, cache, list(range(len(ids))), ids, chunk_size=chunk_size, on_chunk=on_prefill,
-                     images=vision)
+                     images=vision, on_rows=on_rows, all_logits=every)
+    if on_prompt_logprobs is not None:
+        for b, e in enumerate(entries):
+            on_prompt_logprobs(b, e)
     tokens = sample(logits, sampling, gen)
     report = None if on_logprobs is None else (logprobs, on_logprobs)
     running = _emit(results, list(range(len(ids))), [[t] for t in tokens.tolist()], stop, max_new_tokens, on_token,

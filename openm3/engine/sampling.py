@@ -65,12 +65,18 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, l
     """The model's log probability of `token` under one logits row [V] (log-softmax of the raw logits, before
     temperature, top-k or top-p: what vLLM returns by default), and the `top` most likely tokens with theirs
     (most likely first; [] for top = 0). One host read."""
+    return rows_logprobs(logits[None], [token], top)[0]
+
+
+def rows_logprobs(logits: torch.Tensor, tokens, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """`token_logprobs` for each row of logits [n, V] and its token (tokens: n ids), in two host reads."""
     lp = logits.float().log_softmax(dim=-1)
-    if top:
-        values, ids = lp.topk(top)
-        picked = torch.cat([lp[token].reshape(1), values]).tolist()
-        return picked[0], list(zip(ids.tolist(), picked[1:]))
-    return float(lp[token]), []
+    index = torch.as_tensor(tokens, dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, index[:, None])[:, 0].tolist()
+    if not top:
+        return [(v, []) for v in chosen]
+    values, ids = lp.topk(top, dim=-1)
+    return [(v, list(zip(i, w))) for v, i, w in zip(chosen, ids.tolist(), values.tolist())]
 
 
 def check_logprobs(logprobs, on_logprobs) -> None:

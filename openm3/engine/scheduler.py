@@ -181,10 +181,29 @@ def _forward(model, cache: PagedCache, seq_ids: list[int], pieces: list[torch.Te
         return model(**inputs, position_ids=pos, cu_seqlens=cu.to(device), logits_index=rows, cache=cache).logits
 
 
+class Chunk(NamedTuple):
+    """What one prefill forward gives (`prefill_chunks`): `finished` indices b of the prompts whose last token it
+    held, their next-token logits [len(finished), V] fp32, the prompt tokens it `consumed`, and for the prompts
+    asked for every row (`all_logits`), `rows[b] = (position of the piece's first token, its rows' logits [n, V]
+    fp32)`: row i predicts the token after position + i."""
+
+    finished: list[int]
+    logits: torch.Tensor
+    consumed: int
+    rows: dict
+
+
+def all_logits_rows(vocab_size: int, budget_bytes: int = 1 << 30) -> int:
+    """Tokens of a prompt whose every logits row is kept that one forward takes (fp32 rows in `budget_bytes`)."""
+    return max(1, budget_bytes // (4 * vocab_size))
+
+
 @torch.no_grad()
 def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[torch.Tensor], *,
             chunk_size: int = 8192, on_chunk: Callable[[int], None] | None = None,
-            images: Sequence[PromptImages | None] | None = None) -> torch.Tensor:
+            images: Sequence[PromptImages | None] | None = None,
+            on_rows: Callable[[int, int, torch.Tensor], None] | None = None,
+            all_logits: Sequence[bool] | None = None) -> torch.Tensor:
     """Runs the prompts through the model in chunks; returns the last prompt token's logits [B, V] (fp32).
 
     model: an `M3TextModel` or a VL `M3ForConditionalGeneration`; seq_ids: admitted cache sequences, each holding
@@ -193,23 +212,27 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
     `PromptImages` (VL models only; see `check_images`): such a prompt's visual tokens are computed once
     (`prompt_visual`) and each chunk scatters its share of them over its ids' embeddings.
     on_chunk(n) is called after each forward with the number of prompt tokens it consumed (for progress bars).
+    all_logits[b]: keep every logits row of prompt b, handed to on_rows(b, position, rows) after each forward
+    (`Chunk.rows`; prompt log probabilities).
     """
     last: list[torch.Tensor | None] = [None] * len(prompts)
-    for finished, logits, consumed in prefill_chunks(model, cache, seq_ids, prompts, chunk_size=chunk_size,
-                                                     images=images):
-        for b, lg in zip(finished, logits):
+    for chunk in prefill_chunks(model, cache, seq_ids, prompts, chunk_size=chunk_size, images=images,
+                                all_logits=all_logits):
+        for b, lg in zip(chunk.finished, chunk.logits):
             last[b] = lg
+        for b, (position, rows) in chunk.rows.items():
+            on_rows(b, position, rows)
         if on_chunk is not None:
-            on_chunk(consumed)
+            on_chunk(chunk.consumed)
     return torch.stack(last)
 
 
 def prefill_chunks(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[torch.Tensor], *,
-                   chunk_size: int = 8192, images: Sequence[PromptImages | None] | None = None
-                   ) -> Iterator[tuple[list[int], torch.Tensor, int]]:
+                   chunk_size: int = 8192, images: Sequence[PromptImages | None] | None = None,
+                   all_logits: Sequence[bool] | None = None) -> Iterator[Chunk]:
     """`prefill` one forward at a time (a server decodes its running requests between them): checks the arguments
-    and embeds the images when first advanced, then yields after each forward (indices b of the prompts whose last
-    token it held, their logits [n, V] fp32, prompt tokens it consumed). Arguments as `prefill`'s."""
+    and embeds the images when first advanced, then yields a `Chunk` after each forward. Arguments as `prefill`'s;
+    a prompt with `all_logits[b]` takes at most `all_logits_rows` tokens per forward (its rows' memory)."""
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if len(seq_ids) != len(prompts):
@@ -224,28 +247,40 @@ def prefill_chunks(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Se
         visual = [None if im is None else prompt_visual(model, p, im, start=d)
                   for p, im, d in zip(host, check_images(model, host, images), done)]
     lm = text_model(model)
+    every = list(all_logits) if all_logits is not None else [False] * len(prompts)
+    if len(every) != len(prompts):
+        raise ValueError(f"all_logits ({len(every)}) and prompts ({len(prompts)}) must match")
+    cap = all_logits_rows(lm.config.vocab_size)
     while any(d < p.numel() for d, p in zip(done, prompts)):
         batch, pieces, starts, rows, owners, slices = [], [], [], [], [], []
+        kept: dict[int, tuple[int, int, int]] = {}  # b -> (position, first row, rows) of the kept rows
+        last: list[int] = []  # the finished prompts' next-token rows, as indices into `rows`
         budget, row = chunk_size, 0
         for b, prompt in enumerate(prompts):
-            n = min(prompt.numel() - done[b], budget)
+            n = min(prompt.numel() - done[b], budget, cap if every[b] else budget)
             if n <= 0:
                 continue
+            if every[b]:
+                kept[b] = (done[b], len(rows), n)
+                rows.extend(range(row, row + n))
             batch.append(seq_ids[b])
             pieces.append(prompt[done[b]:done[b] + n])
             slices.append(None if visual[b] is None else visual[b].chunk(done[b], done[b] + n))
             starts.append(done[b])
             row += n
-            if done[b] + n == prompt.numel():
-                rows.append(row - 1)
+            if done[b] + n == prompt.numel():  # its next-token row: the last of its kept rows, or its own
+                if not every[b]:
+                    rows.append(row - 1)
                 owners.append(b)
+                last.append(len(rows) - 1 if not every[b] else kept[b][1] + n - 1)
             done[b] += n
             budget -= n
             if budget == 0:
                 break
         with torch.no_grad():
             logits = _forward(lm, cache, batch, pieces, starts, rows, slices).float()
-        yield owners, logits, sum(p.numel() for p in pieces)
+        yield Chunk(owners, logits[last], sum(p.numel() for p in pieces),
+                    {b: (pos, logits[first:first + n]) for b, (pos, first, n) in kept.items()})
 
 
 @torch.no_grad()

@@ -16,8 +16,9 @@ tokens it found cached: the usage reports them as OpenAI's `cached_tokens` and A
 `cache_read_input_tokens`.
 
 A backend whose `supports_logprobs` is true (both of openm3's) also takes `logprobs=n` and
-`on_logprobs(logprob, top)`, called before each `on_token`: Chat Completions' `logprobs` / `top_logprobs` and
-Completions' `logprobs` return them (`logprobs.py`); for any other backend asking for them is a 400.
+`on_logprobs(logprob, top)`, called before each `on_token`, and `prompt_logprobs=n` with
+`on_prompt_logprobs(entries)` for the prompt's tokens: Chat Completions' `logprobs` / `top_logprobs` and
+Completions' `logprobs` (and `echo`) return them (`logprobs.py`); for any other backend asking for them is a 400.
 
 A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`)
 takes images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded
@@ -77,15 +78,18 @@ class ModelBackend:
 
     def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token,
                  images: PromptImages | None = None, logprobs: int | None = None,
-                 on_logprobs: Callable[[float, list], None] | None = None) -> str:
+                 on_logprobs: Callable[[float, list], None] | None = None, prompt_logprobs: int | None = None,
+                 on_prompt_logprobs: Callable[[list], None] | None = None) -> str:
         from ..engine.generate import generate
 
         report = None if on_logprobs is None else (lambda _b, lp, top: on_logprobs(lp, top))
+        report_prompt = None if on_prompt_logprobs is None else (lambda _b, entries: on_prompt_logprobs(entries))
         results, _ = generate(self.model, [prompt], max_new_tokens=max_new_tokens, sampling=sampling,
                               stop_tokens=stop_tokens, seed=seed, on_token=lambda _b, tok: on_token(tok),
                               max_total_tokens=len(prompt) + max_new_tokens,
                               images=None if images is None else [images], speculative=self.speculative,
-                              logprobs=logprobs, on_logprobs=report)
+                              logprobs=logprobs, on_logprobs=report, prompt_logprobs=prompt_logprobs,
+                              on_prompt_logprobs=report_prompt)
         return results[0].finish_reason
 
 
@@ -310,12 +314,13 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
             on_part: Callable[[str, str], None], cancelled: threading.Event | None = None, *,
             images: PromptImages | None = None, on_start: Callable[[], None] | None = None,
-            logprobs: TokenLogprobs | None = None) -> str:
+            logprobs: TokenLogprobs | None = None, prompt_logprobs: bool = False) -> str:
         """Generates (under the lock unless the backend is concurrent), feeding `stream` and calling
         `on_part(kind, text)` with its routed deltas (`TextStream.parts`); returns the finish reason ('stop' |
         'length'). `images` go to the backend only when there are some. on_start(): called once, when the
         request's prompt is known to be admitted (`stream.cached` is then set) or at its first token, whichever
-        the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it).
+        the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it), and
+        with prompt_logprobs those of the prompt's tokens too.
 
         The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
@@ -349,6 +354,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             extra["on_cached"] = on_cached
         if logprobs is not None:
             extra.update(logprobs=logprobs.top, on_logprobs=logprobs.on_logprobs)
+            if prompt_logprobs:
+                extra.update(prompt_logprobs=logprobs.top, on_prompt_logprobs=logprobs.on_prompt)
         with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
             try:
                 return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=[eos], seed=seed,
@@ -426,18 +433,30 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
         stream = TextStream(tokenizer, req.stop)
         lp = logprobs_for(req.logprobs, "logprobs")
+        echo: list[str] = []  # the prompt's text, while it is still to be sent (echo)
+        if req.echo:
+            echo.append(req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt))
 
         def choice(text: str, finish: str | None) -> dict:
-            return {"index": 0, "text": text, "logprobs": lp.completion(lp.take()) if lp else None,
-                    "finish_reason": finish}
+            """A choice (or a streamed chunk's) with `text`, after the echoed prompt if it is not sent yet."""
+            logprobs = None
+            if echo and lp:
+                logprobs = lp.prompt(prompt, lp.prompt_entries)
+            if lp:
+                new = lp.completion(lp.take())
+                logprobs = new if logprobs is None else {k: logprobs[k] + new[k] if logprobs[k] is not None else None
+                                                         for k in new}
+            if echo:
+                text = echo.pop() + text
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if not req.stream:
-            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, logprobs=lp)
+            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, logprobs=lp, prompt_logprobs=req.echo)
             return {**head, "choices": [choice(stream.text, finish)], "usage": usage(prompt, stream)}
 
         def produce(put, cancelled) -> None:
             finish = run(req, prompt, max_new, stream, lambda _k, d: put({**head, "choices": [choice(d, None)]}),
-                         cancelled, logprobs=lp)
+                         cancelled, logprobs=lp, prompt_logprobs=req.echo)
             put({**head, "choices": [choice(stream.finish(), finish)]})
             if req.stream_options and req.stream_options.include_usage:
                 put({**head, "choices": [], "usage": usage(prompt, stream)})

@@ -1,5 +1,6 @@
 """Log probabilities of an answer's tokens in OpenAI's two formats (Chat Completions' `logprobs.content`, and the
-legacy Completions' `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`).
+legacy Completions' `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`, with `echo` the prompt's tokens
+first: its first token has none, null).
 
 The values are the model's own (log-softmax of its logits before temperature, top-k or top-p, as vLLM returns by
 default: `openm3.engine.sampling.token_logprobs`), one entry per sampled token of the answer (the end-of-turn token
@@ -17,6 +18,7 @@ class TokenLogprobs:
     def __init__(self, tokenizer, top: int):
         self.tokenizer, self.top = tokenizer, top
         self.entries: list[tuple[int, float, list[tuple[int, float]]]] = []
+        self.prompt_entries: list = []  # (logprob, top) of the prompt's tokens after the first (echo)
         self._pending: tuple[float, list] | None = None
         self._sent = 0
         self._offset = 0  # characters of the completion text before the next entry (Completions' text_offset)
@@ -24,10 +26,25 @@ class TokenLogprobs:
     def on_logprobs(self, logprob: float, top: list[tuple[int, float]]) -> None:
         self._pending = (logprob, top)
 
+    def on_prompt(self, entries: list) -> None:
+        self.prompt_entries = entries
+
     def on_token(self, token: int, eos: int) -> None:
         if self._pending is not None and token != eos:
             self.entries.append((token, *self._pending))
         self._pending = None
+
+    def prompt(self, prompt: list[int], entries: list) -> dict:
+        """The legacy Completions' `logprobs` of an echoed prompt: its first token has none (null), the others
+        `entries` [(logprob, top)] (the backend's `on_prompt_logprobs`); text offsets start at 0."""
+        tokens = [self._text(t) for t in prompt]
+        offsets = []
+        for text in tokens:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        top = [None] + [{self._text(i): v for i, v in alt} for _, alt in entries] if self.top else None
+        return {"tokens": tokens, "token_logprobs": [None] + [lp for lp, _ in entries], "top_logprobs": top,
+                "text_offset": offsets}
 
     def take(self) -> list:
         new = self.entries[self._sent:]

@@ -42,24 +42,23 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`: prompt is text or token ids (one prompt per request)."""
+    """`POST /v1/completions`: prompt is text or token ids, one prompt per request (a list holding one text or one
+    list of ids, as batching clients such as lm-evaluation-harness send it, is taken as that prompt). echo: the
+    answer starts with the prompt (and, with logprobs, the prompt tokens' log probabilities: a scoring request)."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20, description="top alternatives per token (0: the "
                                  "sampled token's alone); null: no log probabilities")
     echo: bool = False
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo (the prompt returned with its log probabilities) is not supported")
-        return v
-
     @field_validator("prompt")
     @classmethod
-    def _not_empty(cls, v: str | list[int]) -> str | list[int]:
+    def _one_prompt(cls, v: str | list) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"one prompt per request, got a batch of {len(v)}")
+            v = v[0]
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
         return v
