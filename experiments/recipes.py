@@ -15,6 +15,7 @@ accuracy next to the best accuracy a model that sees only the question can reach
 `--blind` keeps the vision rows' text (questions, answers, captions) and drops their pixels: a control for what
 the images add beyond that text. `--mismatched` keeps the pixels but gives each vision example those of another
 example (same shape): a control for whether what the images show matters, or only that visual tokens pass.
+`--noise` gives them uniform noise of the same shape: do natural images matter at all?
 
 Writes to `--out`: `runs/<recipe>_s<seed>.json` (one per run, written atomically as it finishes: a rerun skips
 the runs already there, and refuses ones made with other settings), `summary.json` (every run, plus mean and
@@ -64,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          help="vision rows without their pixels (their text only): what do the images add?")
     control.add_argument("--mismatched", action="store_true",
                          help="vision rows with another example's pixels: does what the images show matter?")
+    control.add_argument("--noise", action="store_true",
+                         help="vision rows with uniform-noise pixels: do natural images matter at all?")
     args = p.parse_args(argv)
     args.overrides = _overrides(p, args.set)
     for name in ("steps", "windows", "jobs", "image_rows", "lr"):
@@ -124,7 +127,7 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
     tokenizer = get_tokenizer()
     cfg = run_config(args, recipe, seed, out / "train" / name)
     source = MixtureRows(tokenizer, cfg.seq_len, seed=seed, weights=DEMO_WEIGHTS, image_size=84, video_size=56,
-                         blind=args.blind, mismatched=args.mismatched)
+                         control=_control(args))
     t0 = time.perf_counter()
     trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)
     history = trainer.fit()
@@ -153,11 +156,15 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
     return record
 
 
+def _control(args: argparse.Namespace) -> str | None:
+    return next((c for c in ("blind", "mismatched", "noise") if getattr(args, c)), None)
+
+
 def _settings(args: argparse.Namespace, cfg) -> dict:
     """What decides a run's numbers: its training config and the evaluation's sizes (JSON-normalised)."""
     evaluation = {"windows": args.windows, "image_qa": args.image_qa, "video_qa": args.video_qa}
-    # absent for the default, so earlier runs still match
-    data = {"blind": True} if args.blind else {"mismatched": True} if args.mismatched else {}
+    control = _control(args)
+    data = {control: True} if control else {}  # absent for the default, so earlier runs still match
     return json.loads(json.dumps({"config": cfg.to_dict(), "evaluation": evaluation, **data}))
 
 

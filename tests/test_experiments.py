@@ -57,7 +57,8 @@ def test_recipes_share_the_text_budget_and_a_rerun_trains_nothing(tmp_path, caps
     assert recipes.main(argv) == 0
     assert "0 runs to train (2 already in" in capsys.readouterr().out
     assert json.loads((tmp_path / "summary.json").read_text())["runs"] == first["runs"]
-    for changed in (["--windows", "2"], ["--set", "aux_loss_weight=0"], ["--blind"], ["--mismatched"]):
+    for changed in (["--windows", "2"], ["--set", "aux_loss_weight=0"], ["--blind"], ["--mismatched"],
+                    ["--noise"]):
         with pytest.raises(SystemExit, match="made with other settings"):
             recipes.main(argv + changed)
 

@@ -64,7 +64,7 @@ def test_blind_rows_keep_the_text_and_drop_the_pixels(tokenizer, kind):
     """The experiments' control: the same examples as the default source, without pixels, placeholders or their
     markers; the trained tokens (the answers) are the same."""
     seeing = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56)
-    blind = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56, blind=True)
+    blind = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56, control="blind")
     example, text = next(seeing.examples(kind, 3)), next(blind.examples(kind, 3))
     assert example.images or example.videos
     assert not text.images and not text.videos and text.source == example.source
@@ -81,7 +81,7 @@ def test_mismatched_rows_keep_the_text_and_carry_other_pixels(tokenizer, kind):
     pixels of the example before it of the same shape; the stream's first example only seeds the pool, so no
     example keeps its own pixels."""
     seeing = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56)
-    other = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56, mismatched=True)
+    other = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56, control="mismatched")
     own = _take(seeing.examples(kind, 3), 12)
     swapped = _take(other.examples(kind, 3), 4)
     pixels = (lambda ex: ex.images) if kind == "image" else (lambda ex: [v.frames for v in ex.videos])
@@ -93,8 +93,20 @@ def test_mismatched_rows_keep_the_text_and_carry_other_pixels(tokenizer, kind):
         assert any(same(pixels(ex), pixels(own[i])) for i in range(k))  # an earlier example's pixels
     for row in other.rows(kind, 3, 2):
         assert row.vision  # the visual tokens stay
-    with pytest.raises(ValueError, match="choose one"):
-        MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, blind=True, mismatched=True)
+    with pytest.raises(ValueError, match="control: expected None or one of"):
+        MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, control="shuffled")
+
+
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_noise_rows_keep_the_text_and_carry_noise(tokenizer, kind):
+    """The third control: the same examples, each image or video replaced by uniform noise of its shape."""
+    seeing = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56)
+    noisy = MixtureRows(tokenizer, 256, seed=0, weights=WEIGHTS, image_size=56, video_size=56, control="noise")
+    pixels = (lambda ex: ex.images) if kind == "image" else (lambda ex: [v.frames for v in ex.videos])
+    for own, noise in zip(_take(seeing.examples(kind, 3), 3), _take(noisy.examples(kind, 3), 3)):
+        assert noise.segments == own.segments and [p.shape for p in pixels(noise)] == [p.shape for p in pixels(own)]
+        for p in pixels(noise):  # uniform over 0..255, unlike the rendered scenes
+            assert p.dtype == np.uint8 and abs(float(p.mean()) - 127.5) < 8 and p.std() > 65
 
 
 def _take(stream, n: int) -> list:

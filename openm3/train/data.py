@@ -95,6 +95,18 @@ def _with_other_pixels(example, pool: dict):
     return Example(example.segments, images, videos, source=example.source)
 
 
+def _with_noise_pixels(example, rng: np.random.Generator):
+    """The example with each image and video replaced by uniform noise of its shape (seeded by the stream)."""
+    from ..data.packing import Example, Video
+
+    images = [rng.integers(0, 256, im.shape, dtype=np.uint8) for im in example.images]
+    videos = [Video(rng.integers(0, 256, v.frames.shape, dtype=np.uint8), v.fps) for v in example.videos]
+    return Example(example.segments, images, videos, source=example.source)
+
+
+CONTROLS = ("blind", "mismatched", "noise")
+
+
 def source_kind(name: str) -> str:
     from .tasks import TASKS
 
@@ -109,16 +121,16 @@ class MixtureRows:
     """A `RowSource` over `openm3.data` (see the module docstring).
 
     `weights`: source name -> relative weight (all kinds together; each kind draws among its own sources).
-    `blind`: image and video examples keep their text (questions, answers, captions) but lose their pixels and
-    placeholders, a control for what the pixels add beyond that text (experiments; the rows keep their kind).
-    `mismatched`: image and video examples keep everything but carry the pixels of an earlier example of the same
-    shape, so visual tokens pass through the model but say nothing about the text (a control for whether the
-    images' content matters or only their presence).
+    `control` (experiments; the rows keep their kind), for image and video examples:
+    - 'blind': they keep their text (questions, answers, captions) but lose their pixels and placeholders: what do
+      the pixels add beyond that text?
+    - 'mismatched': they keep everything but carry the pixels of an earlier example of the same shape, so visual
+      tokens pass through the model but say nothing about the text: does what the images show matter?
+    - 'noise': their pixels are uniform noise of the same shape: do natural images matter at all?
     """
 
     def __init__(self, tokenizer, seq_len: int, *, seed: int = 0, weights: dict[str, float] | None = None,
-                 split: str = "train", image_size: int = 112, video_size: int = 56, blind: bool = False,
-                 mismatched: bool = False):
+                 split: str = "train", image_size: int = 112, video_size: int = 56, control: str | None = None):
         from ..data import DEFAULT_WEIGHTS, MixtureConfig, Mixture
         from .tasks import TASKS
 
@@ -129,9 +141,9 @@ class MixtureRows:
             raise ValueError(f"weights: unknown sources {unknown}; expected names from "
                              f"{sorted(DEFAULT_WEIGHTS) + sorted(TASKS)}")
         self.tokenizer, self.seq_len, self.seed, self.split = tokenizer, seq_len, seed, split
-        if blind and mismatched:
-            raise ValueError("blind and mismatched are two different controls: choose one")
-        self.blind, self.mismatched = blind, mismatched
+        if control is not None and control not in CONTROLS:
+            raise ValueError(f"control: expected None or one of {CONTROLS}, got {control!r}")
+        self.control = control
         self.builders: dict[str, list[tuple[str, float, Callable[[np.random.Generator], object]]]] = {
             k: [] for k in KIND_IDS}
         for name, w in weights.items():
@@ -165,12 +177,14 @@ class MixtureRows:
             example = build(rng)
             example.source = name
             j += 1
-            if self.blind and kind != "text":
+            if kind != "text" and self.control == "blind":
                 example = _without_media(example)
-            elif self.mismatched and kind != "text":
+            elif kind != "text" and self.control == "mismatched":
                 example = _with_other_pixels(example, pool)
                 if example is None:
                     continue
+            elif kind != "text" and self.control == "noise":
+                example = _with_noise_pixels(example, rng)
             yield example
 
     def rows(self, kind: str, step: int, count: int) -> list[Row]:
