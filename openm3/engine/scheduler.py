@@ -215,6 +215,8 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
     all_logits[b]: keep every logits row of prompt b, handed to on_rows(b, position, rows) after each forward
     (`Chunk.rows`; prompt log probabilities).
     """
+    if all_logits is not None and any(all_logits) and on_rows is None:
+        raise ValueError("all_logits: the kept rows need an on_rows callback")
     last: list[torch.Tensor | None] = [None] * len(prompts)
     for chunk in prefill_chunks(model, cache, seq_ids, prompts, chunk_size=chunk_size, images=images,
                                 all_logits=all_logits):
