@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from openm3.train.config import TrainConfig  # noqa: E402
+from openm3.train.distributed import shutdown_distributed  # noqa: E402
 from openm3.train.trainer import Trainer  # noqa: E402
 from test_train_toy import ToyLM, ToySource  # noqa: E402
 
@@ -29,3 +30,4 @@ if __name__ == "__main__":
     if trainer.info.is_main:
         Path(out, f"history_{trainer.info.world_size}.json").write_text(json.dumps(history))
     trainer.close()
+    shutdown_distributed()

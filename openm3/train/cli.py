@@ -141,6 +141,7 @@ def main(argv=None) -> int:
         print(f"done: step {trainer.step}/{cfg.steps}, loss {last.get('loss', float('nan')):.4f}; "
               f"logs in {cfg.out_dir}")
     trainer.close()
+    D.shutdown_distributed()
     return 0
 
 

@@ -57,6 +57,14 @@ def init_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group before the process exits (idempotent). Left to the interpreter's teardown, gloo's
+    threads can be destroyed while running and abort a rank after its work is done ("terminate called without an
+    active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()
