@@ -50,7 +50,7 @@ from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cach
 from .generate import check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
-from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
+from .speculative import SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
 
 __all__ = ["BatchedGenerator"]
@@ -346,15 +346,12 @@ class BatchedGenerator:
             self._emit(batch, logits)
             return
         self.spec_steps += 1
-        greedy = [i for i, req in enumerate(batch) if req.sampling.greedy]
-        best = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}  # one host read
-        for i, req in enumerate(batch):
-            tokens = verify(logits[i], drafts[i], req.sampling, req.gen, argmax=best.get(i))
-            self.draft_tokens += len(drafts[i])
-            self.accepted_tokens += len(tokens) - 1
-            kept, _ = cut_at_end(tokens, req.stop_tokens, req.max_new_tokens - req.produced)
-            # the cache keeps the fed tokens the answer keeps: the last one and the kept drafts before the new one
-            self.cache.truncate(req.id, lengths[i] + len(kept))
+        kept_lists, accepted = keep_verified(self.cache, ids, lengths, logits, drafts,
+                                             [(r.sampling, r.gen, r.stop_tokens, r.max_new_tokens - r.produced)
+                                              for r in batch])
+        self.draft_tokens += sum(len(d) for d in drafts)
+        self.accepted_tokens += accepted
+        for i, (req, kept) in enumerate(zip(batch, kept_lists)):
             for j, token in enumerate(kept):
                 if not self._give(req, token, logits[i, j]):
                     break

@@ -26,7 +26,7 @@ from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
-from .speculative import SpeculativeConfig, TokenHistory, cut_at_end, step_drafts, verify
+from .speculative import SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -251,15 +251,11 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         if drafts is None:
             tokens = [[t] for t in sample(logits, sampling, gen).tolist()]  # a host read: the step is complete
         else:
-            best = logits.argmax(dim=-1).tolist() if sampling.greedy else [None] * len(running)
-            tokens = []
-            for i, b in enumerate(running):
-                out = verify(logits[i], drafts[i], sampling, gen, argmax=best[i])
-                kept, _ = cut_at_end(out, stop, max_new_tokens - len(results[b].tokens))
-                cache.truncate(b, lengths[i] + len(kept))  # the fed tokens the answer keeps
-                tokens.append(kept)
-                stats.draft_tokens += len(drafts[i])
-                stats.accepted_tokens += len(out) - 1
+            tokens, accepted = keep_verified(cache, running, lengths, logits, drafts,
+                                             [(sampling, gen, stop, max_new_tokens - len(results[b].tokens))
+                                              for b in running])
+            stats.draft_tokens += sum(len(d) for d in drafts)
+            stats.accepted_tokens += accepted
             stats.spec_steps += 1
         produced = sum(len(t) for t in tokens)
         if stats.decode_tokens == 0:

@@ -37,7 +37,8 @@ import torch
 from .cache import MAX_DECODE_QUERIES
 from .sampling import SamplingParams, filter_logits
 
-__all__ = ["SpeculativeConfig", "TokenHistory", "ngram_drafts", "step_drafts", "verify", "cut_at_end"]
+__all__ = ["SpeculativeConfig", "TokenHistory", "ngram_drafts", "step_drafts", "verify", "cut_at_end",
+           "keep_verified"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,3 +198,21 @@ def cut_at_end(tokens: Sequence[int], stop_tokens, room: int) -> tuple[list[int]
         if t in stop_tokens:
             return out, "stop"
     return out, "length" if len(out) == room else None
+
+
+def keep_verified(cache, seq_ids: Sequence[int], lengths: Sequence[int], logits: torch.Tensor,
+                  drafts: Sequence[Sequence[int]], requests: Sequence[tuple]) -> tuple[list[list[int]], int]:
+    """After a speculative step's forward: each sequence's kept tokens (`verify`, then `cut_at_end`), its cache
+    truncated to the fed tokens those keep (`lengths`: cached tokens before the step), and the drafts confirmed in
+    all. logits: [B, 1 + K, V]; requests: per sequence (SamplingParams, generator, stop tokens, tokens it may
+    still take). Greedy rows' argmax is read in one host read."""
+    greedy = [i for i, r in enumerate(requests) if r[0].greedy]
+    best = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
+    out, accepted = [], 0
+    for i, (seq_id, (sampling, generator, stop, room)) in enumerate(zip(seq_ids, requests)):
+        tokens = verify(logits[i], drafts[i], sampling, generator, argmax=best.get(i))
+        accepted += len(tokens) - 1
+        kept, _ = cut_at_end(tokens, stop, room)
+        cache.truncate(seq_id, lengths[i] + len(kept))  # the last token and the drafts before the new one
+        out.append(kept)
+    return out, accepted
