@@ -439,13 +439,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         def choice(text: str, finish: str | None) -> dict:
             """A choice (or a streamed chunk's) with `text`, after the echoed prompt if it is not sent yet."""
-            logprobs = None
-            if echo and lp:
-                logprobs = lp.prompt(prompt, lp.prompt_entries)
-            if lp:
-                new = lp.completion(lp.take())
-                logprobs = new if logprobs is None else {k: logprobs[k] + new[k] if logprobs[k] is not None else None
-                                                         for k in new}
+            logprobs = lp.completion((lp.echoed(prompt) if echo else []) + lp.take()) if lp else None
             if echo:
                 text = echo.pop() + text
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -34,17 +34,10 @@ class TokenLogprobs:
             self.entries.append((token, *self._pending))
         self._pending = None
 
-    def prompt(self, prompt: list[int], entries: list) -> dict:
-        """The legacy Completions' `logprobs` of an echoed prompt: its first token has none (null), the others
-        `entries` [(logprob, top)] (the backend's `on_prompt_logprobs`); text offsets start at 0."""
-        tokens = [self._text(t) for t in prompt]
-        offsets = []
-        for text in tokens:
-            offsets.append(self._offset)
-            self._offset += len(text)
-        top = [None] + [{self._text(i): v for i, v in alt} for _, alt in entries] if self.top else None
-        return {"tokens": tokens, "token_logprobs": [None] + [lp for lp, _ in entries], "top_logprobs": top,
-                "text_offset": offsets}
+    def echoed(self, prompt: list[int]) -> list:
+        """Entries for an echoed prompt, to go before the answer's in `completion`: its first token has no log
+        probability (null), the others those `on_prompt` received."""
+        return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], self.prompt_entries)]
 
     def take(self) -> list:
         new = self.entries[self._sent:]
@@ -63,12 +56,13 @@ class TokenLogprobs:
         return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, lp, top in entries]}
 
     def completion(self, entries: list) -> dict:
-        """The legacy Completions' `logprobs` of a choice; text offsets continue from the previous call's."""
+        """The legacy Completions' `logprobs` of a choice (entries [(token, logprob, top)]; a None top stays null);
+        text offsets continue from the previous call's."""
         tokens = [self._text(t) for t, _, _ in entries]
         offsets = []
         for text in tokens:
             offsets.append(self._offset)
             self._offset += len(text)
+        tops = [None if top is None else {self._text(i): v for i, v in top} for _, _, top in entries]
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self._text(i): v for i, v in top} for _, _, top in entries] if self.top else None,
-                "text_offset": offsets}
+                "top_logprobs": tops if self.top else None, "text_offset": offsets}
