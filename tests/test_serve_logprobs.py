@@ -191,5 +191,5 @@ def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(model, tok):
     assert sum((p["logprobs"]["token_logprobs"] for p in parts), []) == lp["token_logprobs"]
     r = client.post("/v1/completions", json={**body, "logprobs": None, "prompt": "hello"})
     assert r.json()["choices"][0]["text"].startswith("hello") and r.json()["choices"][0]["logprobs"] is None
-    r = client.post("/v1/completions", json={**body, "prompt": [ids, ids]})
-    assert r.status_code == 400 and "one prompt per request" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={**body, "prompt": [ids, ids]})  # a batch: a choice per prompt
+    assert [c["logprobs"]["token_logprobs"] for c in r.json()["choices"]] == [lp["token_logprobs"]] * 2

@@ -33,6 +33,7 @@ concatenated deltas of a stream equal the non-streamed text. Stop strings end ge
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import json
 import queue
@@ -51,7 +52,7 @@ from . import anthropic, responses
 from .images import data_url_part
 from .logprobs import TokenLogprobs
 from .reasoning import ReasoningSplitter, split_reasoning
-from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
 
 
 class Backend(Protocol):
@@ -314,17 +315,19 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
             on_part: Callable[[str, str], None], cancelled: threading.Event | None = None, *,
             images: PromptImages | None = None, on_start: Callable[[], None] | None = None,
-            logprobs: TokenLogprobs | None = None, prompt_logprobs: bool = False) -> str:
+            logprobs: TokenLogprobs | None = None, prompt_logprobs: bool = False, seed: int | None = None) -> str:
         """Generates (under the lock unless the backend is concurrent), feeding `stream` and calling
         `on_part(kind, text)` with its routed deltas (`TextStream.parts`); returns the finish reason ('stop' |
         'length'). `images` go to the backend only when there are some. on_start(): called once, when the
         request's prompt is known to be admitted (`stream.cached` is then set) or at its first token, whichever
         the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it), and
-        with prompt_logprobs those of the prompt's tokens too.
+        with prompt_logprobs those of the prompt's tokens too. seed: the sampler's (default: the request's, else
+        a random one).
 
         The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
-        seed = req.seed if req.seed is not None else random.getrandbits(31)
+        if seed is None:
+            seed = req.seed if req.seed is not None else random.getrandbits(31)
         eos = tokenizer.eos_id
 
         started: list[bool] = []
@@ -382,10 +385,42 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             splitter = ReasoningSplitter(started=tokenizer.decode(prompt[-3:]).rstrip().endswith(THINK_START))
         return TextStream(tokenizer, stop, hold=hold, reasoning=splitter)
 
-    def usage(prompt: list[int], stream: TextStream) -> dict:
-        n = stream.sampled
-        return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
-                "prompt_tokens_details": {"cached_tokens": stream.cached}}
+    def usage(prompts: list[list[int]], streams: list[TextStream]) -> dict:
+        """OpenAI's usage of a request whose prompts got `len(streams) // len(prompts)` choices each (prompt i's are
+        streams i*n .. i*n+n-1): each prompt counts once, every choice's tokens count; a prompt's cached tokens are
+        its choices' most."""
+        n = len(streams) // len(prompts)
+        sampled = sum(stream.sampled for stream in streams)
+        given = sum(len(prompt) for prompt in prompts)
+        cached = sum(max(stream.cached for stream in streams[i * n:(i + 1) * n]) for i in range(len(prompts)))
+        return {"prompt_tokens": given, "completion_tokens": sampled, "total_tokens": given + sampled,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def choice_seeds(req: SamplingFields, count: int) -> list[int]:
+        """Each choice's sampler seed: the request's seed plus the choice's index (so choices differ, and the
+        same request with its seed gets the same choices again), else random ones."""
+        if req.seed is None:
+            return [random.getrandbits(31) for _ in range(count)]
+        return [req.seed + k for k in range(count)]
+
+    def each_choice(jobs: list[Callable[[threading.Event], str]], cancelled: threading.Event | None = None) -> list:
+        """Runs one job per choice, `job(cancelled)`: all at once on a concurrent backend (the engine decodes them
+        together), one after another otherwise; returns their results in order. When one fails the others are
+        cancelled, and its exception is raised once they have ended."""
+        cancelled = threading.Event() if cancelled is None else cancelled
+
+        def guarded(job):
+            try:
+                return job(cancelled)
+            except BaseException:
+                cancelled.set()
+                raise
+
+        if len(jobs) == 1 or not getattr(backend, "concurrent", False):
+            return [guarded(job) for job in jobs]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs), thread_name_prefix="openm3-choice") as pool:
+            futures = [pool.submit(guarded, job) for job in jobs]
+        return [future.result() for future in futures]
 
     def sse(produce: Callable[[Callable[[dict], None], threading.Event], None], named_events: bool = False,
             error_chunk: Callable[[str], dict] | None = None) -> StreamingResponse:
@@ -420,40 +455,52 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def completion_ids(prompt: str | list[int], param: str) -> list[int]:
+        """A Completions prompt's ids (text is encoded); a 400 naming `param` for ids outside the vocabulary."""
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise APIError(f"{param}: token ids must lie in [0, {vocab})", param)
+        return list(prompt)
+
     @app.post("/v1/completions")
     def completions(req: CompletionRequest):
-        if isinstance(req.prompt, str):
-            prompt = tokenizer.encode(req.prompt)
-        else:
-            prompt = list(req.prompt)
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                raise APIError(f"prompt token ids must lie in [0, {vocab})", "prompt")
-        max_new = check(req, prompt, "prompt")
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
-        stream = TextStream(tokenizer, req.stop)
-        lp = logprobs_for(req.logprobs, "logprobs")
-        echo: list[str] = []  # the prompt's text, while it is still to be sent (echo)
-        if req.echo:
-            echo.append(req.prompt if isinstance(req.prompt, str) else tokenizer.decode(prompt))
+        batch = len(req.prompts)
+        if req.n * batch > MAX_CHOICES:
+            raise APIError(f"n={req.n} choices for each of {batch} prompts make {req.n * batch} generations; at "
+                           f"most {MAX_CHOICES} per request", "n")
+        prompts = [completion_ids(p, "prompt" if batch == 1 else f"prompt[{i}]") for i, p in enumerate(req.prompts)]
+        max_news = [check(req, prompt, "prompt" if batch == 1 else f"prompt[{i}]") for i, prompt in enumerate(prompts)]
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model_name}
+        choices = [CompletionChoice(k, prompts[k // req.n], req.prompts[k // req.n], TextStream(tokenizer, req.stop),
+                                    logprobs_for(req.logprobs, "logprobs"), req.echo)
+                   for k in range(req.n * batch)]
+        seeds = choice_seeds(req, len(choices))
 
-        def choice(text: str, finish: str | None) -> dict:
-            """A choice (or a streamed chunk's) with `text`, after the echoed prompt if it is not sent yet."""
-            logprobs = lp.completion((lp.echoed(prompt) if echo else []) + lp.take()) if lp else None
-            if echo:
-                text = echo.pop() + text
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        def job(c: CompletionChoice, on_part: Callable[[str, str], None]) -> Callable[[threading.Event], str]:
+            return lambda cancelled: run(req, c.prompt, max_news[c.index // req.n], c.stream, on_part, cancelled,
+                                         logprobs=c.logprobs, prompt_logprobs=req.echo, seed=seeds[c.index])
 
         if not req.stream:
-            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, logprobs=lp, prompt_logprobs=req.echo)
-            return {**head, "choices": [choice(stream.text, finish)], "usage": usage(prompt, stream)}
+            finishes = each_choice([job(c, lambda _k, _t: None) for c in choices])
+            return {**head, "choices": [c.body(c.stream.text, finish) for c, finish in zip(choices, finishes)],
+                    "usage": usage(prompts, [c.stream for c in choices])}
 
         def produce(put, cancelled) -> None:
-            finish = run(req, prompt, max_new, stream, lambda _k, d: put({**head, "choices": [choice(d, None)]}),
-                         cancelled, logprobs=lp, prompt_logprobs=req.echo)
-            put({**head, "choices": [choice(stream.finish(), finish)]})
+            def streamed(c: CompletionChoice) -> Callable[[threading.Event], str]:
+                run_it = job(c, lambda _k, delta: put({**head, "choices": [c.body(delta, None)]}))
+
+                def whole(cancelled: threading.Event) -> str:
+                    finish = run_it(cancelled)
+                    put({**head, "choices": [c.body(c.stream.finish(), finish)]})
+                    return finish
+
+                return whole
+
+            each_choice([streamed(c) for c in choices], cancelled)
             if req.stream_options and req.stream_options.include_usage:
-                put({**head, "choices": [], "usage": usage(prompt, stream)})
+                put({**head, "choices": [], "usage": usage(prompts, [c.stream for c in choices])})
 
         return sse(produce)
 
@@ -472,14 +519,16 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             raise APIError(str(e), "messages") from None
         prompt, images = prompt_of(messages, tools, "messages")
         max_new = check(req, prompt, "messages")
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": model_name}
         parse_calls = req.tool_choice != "none"
-        stream = text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt)
-        lp = logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs")
+        streams = [text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt) for _ in range(req.n)]
+        lps = [logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs") for _ in range(req.n)]
+        seeds = choice_seeds(req, req.n)
 
-        def answer(finish: str) -> tuple[str, list[dict], str]:
-            """(the answer's whole text, OpenAI tool_calls, finish_reason) of the finished generation."""
+        def answer(k: int, finish: str) -> tuple[str, list[dict], str]:
+            """(choice k's whole text, OpenAI tool_calls, finish_reason) once its generation has finished."""
+            stream = streams[k]
             tail = stream.text[len(stream.visible()):]
             calls = parse_tool_calls(tail) if parse_calls and not stream.stopped else []
             if not calls:
@@ -488,42 +537,58 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
             return stream.visible(), tool_calls, "tool_calls"
 
-        if not req.stream:
-            whole, tool_calls, finish = answer(run(req, prompt, max_new, stream, lambda _k, _t: None, images=images,
-                                                   logprobs=lp))
-            reasoning, content = stream.split(whole)
+        def job(k: int, on_part: Callable[[str, str], None]) -> Callable[[threading.Event], str]:
+            return lambda cancelled: run(req, prompt, max_new, streams[k], on_part, cancelled, images=images,
+                                         logprobs=lps[k], seed=seeds[k])
+
+        def message_choice(k: int, finish: str) -> dict:
+            whole, tool_calls, finish = answer(k, finish)
+            reasoning, content = streams[k].split(whole)
             message = {"role": "assistant", "content": content or (None if tool_calls else "")}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": 0, "message": message, "finish_reason": finish}
-            if lp is not None:
-                choice["logprobs"] = lp.chat(lp.take())
-            return {**head, "choices": [choice], "usage": usage(prompt, stream)}
+            choice = {"index": k, "message": message, "finish_reason": finish}
+            if lps[k] is not None:
+                choice["logprobs"] = lps[k].chat(lps[k].take())
+            return choice
+
+        if not req.stream:
+            finishes = each_choice([job(k, lambda _k, _t: None) for k in range(req.n)])
+            return {**head, "choices": [message_choice(k, finish) for k, finish in enumerate(finishes)],
+                    "usage": usage([prompt], streams)}
 
         head = {**head, "object": "chat.completion.chunk"}
 
-        def chunk(delta: dict, finish: str | None = None) -> dict:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            if lp is not None:  # the tokens sampled since the last chunk
-                choice["logprobs"] = lp.chat(lp.take())
+        def chunk(k: int, delta: dict, finish: str | None = None) -> dict:
+            choice = {"index": k, "delta": delta, "finish_reason": finish}
+            if lps[k] is not None:  # the tokens sampled since the choice's last chunk
+                choice["logprobs"] = lps[k].chat(lps[k].take())
             return {**head, "choices": [choice]}
 
         def produce(put, cancelled) -> None:
-            def part(kind: str, text: str) -> None:
-                put(chunk({"reasoning_content" if kind == "reasoning" else "content": text}))
+            def streamed(k: int) -> Callable[[threading.Event], str]:
+                def part(kind: str, text: str) -> None:
+                    put(chunk(k, {"reasoning_content" if kind == "reasoning" else "content": text}))
 
-            put(chunk({"role": "assistant", "content": ""}))
-            finish = run(req, prompt, max_new, stream, part, cancelled, images=images, logprobs=lp)
-            whole, tool_calls, finish = answer(finish)
-            for kind, text in stream.end_parts(whole):
-                part(kind, text)
-            if tool_calls:
-                put(chunk({"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}))
-            put(chunk({}, finish))
+                run_it = job(k, part)
+
+                def whole(cancelled: threading.Event) -> str:
+                    put(chunk(k, {"role": "assistant", "content": ""}))
+                    text, tool_calls, finish = answer(k, run_it(cancelled))
+                    for kind, piece in streams[k].end_parts(text):
+                        part(kind, piece)
+                    if tool_calls:
+                        put(chunk(k, {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}))
+                    put(chunk(k, {}, finish))
+                    return finish
+
+                return whole
+
+            each_choice([streamed(k) for k in range(req.n)], cancelled)
             if req.stream_options and req.stream_options.include_usage:
-                put({**head, "choices": [], "usage": usage(prompt, stream)})
+                put({**head, "choices": [], "usage": usage([prompt], streams)})
 
         return sse(produce)
 
@@ -533,6 +598,24 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     anthropic.add_messages_routes(app, **shared)
     responses.add_responses_routes(app, **shared)
     return app
+
+
+class CompletionChoice:
+    """One choice of a Completions request: its index, prompt (ids, and as sent), text stream, log probabilities
+    (None: not asked for) and, with echo, the prompt text still to be sent before its first text."""
+
+    def __init__(self, index: int, prompt: list[int], sent: str | list[int], stream: TextStream,
+                 logprobs: TokenLogprobs | None, echo: bool):
+        self.index, self.prompt, self.stream, self.logprobs = index, prompt, stream, logprobs
+        self.echo = [sent if isinstance(sent, str) else stream.tokenizer.decode(prompt)] if echo else []
+
+    def body(self, text: str, finish: str | None) -> dict:
+        """The choice (or a streamed chunk's) with `text`, after the echoed prompt if it is not sent yet."""
+        lp = self.logprobs
+        logprobs = lp.completion((lp.echoed(self.prompt) if self.echo else []) + lp.take()) if lp else None
+        if self.echo:
+            text = self.echo.pop() + text
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 def prometheus_text(rows) -> str:

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the error body.
 
 Only the fields the server honours are declared; unknown fields are ignored, as OpenAI clients send many
-(`user`, `metadata`, ...). Asking for what it cannot give (`echo`, several choices) is refused with a 400 naming
-the field rather than answered without it. Responses are plain dicts built in `app.py`: their shapes are OpenAI's.
+(`user`, `metadata`, ...). Asking for what it cannot give (a forced tool call, `best_of`) is refused with a 400
+naming the field rather than answered without it. Responses are plain dicts built in `app.py`: their shapes are OpenAI's.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completions batch): each is a generation
 
 
 class StreamOptions(BaseModel):
@@ -30,7 +31,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
-    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
 
     @field_validator("stop")
     @classmethod
@@ -42,26 +43,36 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`: prompt is text or token ids, one prompt per request (a list holding one text or one
-    list of ids, as batching clients such as lm-evaluation-harness send it, is taken as that prompt). echo: the
-    answer starts with the prompt (and, with logprobs, the prompt tokens' log probabilities: a scoring request)."""
+    """`POST /v1/completions`: prompt is text or token ids, or a batch of them (a list of texts or of id lists, as
+    lm-evaluation-harness sends it); each prompt gets `n` choices, indexed prompt by prompt (choice `i * n + j` is
+    prompt i's j-th). echo: each choice starts with its prompt (and, with logprobs, the prompt tokens' log
+    probabilities: a scoring request)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20, description="top alternatives per token (0: the "
                                  "sampled token's alone); null: no log probabilities")
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=1, description="candidates ranked per choice: not "
+                                "supported beyond 1 (use n)")
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError(f"one prompt per request, got a batch of {len(v)}")
-            v = v[0]
-        if len(v) == 0:
-            raise ValueError("prompt must not be empty")
+    def _no_empty_prompt(cls, v: str | list) -> str | list:
+        prompts = _batch(v)
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError("prompt must not be empty" if len(prompts) == 1 else f"prompt {i} is empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one unless it sent a batch."""
+        return _batch(self.prompt)
+
+
+def _batch(prompt: str | list) -> list:
+    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
 class TextPart(BaseModel):
