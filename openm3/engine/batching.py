@@ -47,7 +47,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cache
-from .generate import check_prompts
+from .constrained import GrammarConstraint
+from .generate import check_constraints, check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
 from .speculative import SpeculativeConfig, TokenHistory, keep_verified, step_drafts
@@ -73,6 +74,7 @@ class _Request:
     prompt_logprobs: int | None = None  # top alternatives per prompt token for on_prompt_logprobs
     on_prompt_logprobs: Callable[[list], None] | None = None
     prompt_entries: list = dataclasses.field(default_factory=list)  # (logprob, top) of prompt tokens 1..L-1
+    constraint: GrammarConstraint | None = None  # constrained decoding: picks its tokens
     outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
     history: TokenHistory | None = None  # prompt + outputs, where speculative drafts are looked up
     prefilled: bool = False
@@ -108,6 +110,7 @@ class BatchedGenerator:
 
     concurrent = True
     supports_logprobs = True
+    supports_constraints = True
 
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
                  cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True,
@@ -161,8 +164,8 @@ class BatchedGenerator:
                  stop_tokens: Sequence[int] = (), seed: int = 0, on_token: Callable[[int], None] = lambda _t: None,
                  images: PromptImages | tuple | None = None, on_cached: Callable[[int], None] | None = None,
                  logprobs: int | None = None, on_logprobs: Callable[[float, list], None] | None = None,
-                 prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[list], None] | None = None
-                 ) -> str:
+                 prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[list], None] | None = None,
+                 constraint: GrammarConstraint | None = None) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
         returns 'stop' or 'length' when it ends. images: `(pixel_values, grid_thw)` of the prompt's image
         placeholders (VL models only). on_cached(n): called once, before the first token, with the number of
@@ -170,11 +173,14 @@ class BatchedGenerator:
         `on_token`, the token's log probability under the model and the `logprobs` most likely tokens as [(id,
         logprob)] (`sampling.token_logprobs`). prompt_logprobs (0-20) and on_prompt_logprobs(entries): once, before
         the first token, (logprob, top) of every prompt token after the first (the whole prompt is then computed,
-        not read from the prefix cache). ValueError for a bad request or one that can never fit the cache; an
-        exception raised by a callback ends the request and is re-raised here."""
+        not read from the prefix cache). constraint: a `GrammarConstraint` (`openm3.engine.constrained`) that picks
+        this request's tokens (structured outputs; speculation pauses while a constrained request runs).
+        ValueError for a bad request or one that can never fit the cache; an exception raised by a callback ends
+        the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
         check_logprobs(logprobs, on_logprobs)
         check_logprobs(prompt_logprobs, on_prompt_logprobs)
+        check_constraints([constraint], 1)
         (vision,) = check_images(self.model, [ids], None if images is None else [images])
         pages = self.cache.pages_for(ids.numel() + max_new_tokens)
         if pages > self.plan.num_pages:
@@ -184,7 +190,8 @@ class BatchedGenerator:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen, vision,
                        on_cached=on_cached, logprobs=logprobs, on_logprobs=on_logprobs,
-                       prompt_logprobs=prompt_logprobs, on_prompt_logprobs=on_prompt_logprobs)
+                       prompt_logprobs=prompt_logprobs, on_prompt_logprobs=on_prompt_logprobs,
+                       constraint=constraint)
         if self.prefix_caching:  # hashed here, in the caller's thread, not in the worker's
             req.salt = b"" if vision is None else vision.digest()
             req.keys = page_keys(ids, self.cache.layout.page_size, req.salt)
@@ -328,7 +335,7 @@ class BatchedGenerator:
         batch = list(self._running)
         ids = [r.id for r in batch]
         drafts = None
-        if self.speculative is not None:
+        if self.speculative is not None and not any(r.constraint for r in batch):
             rooms = [self.cache.capacity(r.id) - self.cache.length(r.id) - 1 for r in batch]
             drafts = step_drafts([r.history for r in batch], rooms, self.speculative)
         fed = [[r.last] + (drafts[i] if drafts else []) for i, r in enumerate(batch)]
@@ -367,13 +374,15 @@ class BatchedGenerator:
                 logits = logits[[i for i, r in enumerate(batch) if r is not req]]
                 batch = [r for r in batch if r is not req]
         tokens: list[int | None] = [None] * len(batch)
-        greedy = [i for i, req in enumerate(batch) if req.sampling.greedy]
+        greedy = [i for i, req in enumerate(batch) if req.sampling.greedy and req.constraint is None]
         if greedy:  # one argmax and one host read for all greedy rows
             rows = torch.tensor(greedy, device=logits.device)
             for i, token in zip(greedy, logits.index_select(0, rows).argmax(dim=-1).tolist()):
                 tokens[i] = token
         for req, row, token in zip(batch, logits, tokens):
-            if token is None:  # its own generator: the draws `generate` would make for it alone
+            if req.constraint is not None:
+                token = req.constraint.pick(row, req.sampling, req.gen)
+            elif token is None:  # its own generator: the draws `generate` would make for it alone
                 token = int(sample(row[None], req.sampling, req.gen)[0])
             self._give(req, token, row)
 

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
+from .constrained import GrammarConstraint
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
@@ -157,8 +158,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              on_prefill: Callable[[int], None] | None = None, cuda_graphs: bool | None = None,
              images: Sequence | None = None, speculative: SpeculativeConfig | None = None,
              logprobs: int | None = None, on_logprobs: Callable[[int, float, list], None] | None = None,
-             prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[int, list], None] | None = None
-             ) -> tuple[list[GenerationResult], GenerationStats]:
+             prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[int, list], None] | None = None,
+             constraints: Sequence | None = None) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates continuations of a batch of token-id prompts.
 
     model: an `M3TextModel`, or an `M3ForConditionalGeneration` (its text decoder's dtype and device are the
@@ -177,12 +178,19 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     on_logprobs(b, logprob, top): before each `on_token`, the token's log probability under the model and the
     `logprobs` most likely tokens as [(id, logprob)] (`openm3.engine.sampling.token_logprobs`). prompt_logprobs
     and on_prompt_logprobs(b, entries): after the prefill, (logprob, top) of every prompt token after the first.
+    constraints: None, or one entry per prompt, None or a `GrammarConstraint` (`openm3.engine.constrained`) that
+    picks that sequence's tokens (structured outputs; no speculation while one is given).
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
     check_logprobs(logprobs, on_logprobs)
     check_logprobs(prompt_logprobs, on_prompt_logprobs)
+    check_constraints(constraints, len(prompts))
+    if constraints is not None and not any(constraints):
+        constraints = None
+    if constraints is not None:
+        speculative = None  # drafts are verified by the plain sampling rule
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings
@@ -225,9 +233,10 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     if on_prompt_logprobs is not None:
         for b, e in enumerate(entries):
             on_prompt_logprobs(b, e)
-    tokens = sample(logits, sampling, gen)
+    tokens = _constrained(sample(logits, sampling, gen).tolist(), list(range(len(ids))), logits, constraints, sampling,
+                          gen)
     report = None if on_logprobs is None else (logprobs, on_logprobs)
-    running = _emit(results, list(range(len(ids))), [[t] for t in tokens.tolist()], stop, max_new_tokens, on_token,
+    running = _emit(results, list(range(len(ids))), [[t] for t in tokens], stop, max_new_tokens, on_token,
                     histories, logits[:, None], report)
     stats.ttft_s = time.perf_counter() - t0
 
@@ -249,7 +258,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         logits = graphs.step(running, feed) if graphs else decode_step(lm, cache, running, feed)
         rows = logits[:, None] if drafts is None else logits  # [B, tokens fed, V]
         if drafts is None:
-            tokens = [[t] for t in sample(logits, sampling, gen).tolist()]  # a host read: the step is complete
+            tokens = sample(logits, sampling, gen).tolist()  # a host read: the step is complete
+            tokens = [[t] for t in _constrained(tokens, running, logits, constraints, sampling, gen)]
         else:
             tokens, accepted = keep_verified(cache, running, lengths, logits, drafts,
                                              [(sampling, gen, stop, max_new_tokens - len(results[b].tokens))
@@ -273,6 +283,25 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     if graphs is not None:
         stats.graph_captures, stats.graph_replays = graphs.captures, graphs.replays
     return results, stats
+
+
+def check_constraints(constraints, batch: int) -> None:
+    """constraints: None, or `batch` entries, each None or a `GrammarConstraint`."""
+    if constraints is None:
+        return
+    if len(constraints) != batch or any(c is not None and not isinstance(c, GrammarConstraint)
+                                        for c in constraints):
+        raise ValueError(f"constraints: expected None or {batch} entries, each None or a GrammarConstraint, got "
+                         f"{[type(c).__name__ for c in constraints]}")
+
+
+def _constrained(tokens: list[int], seqs: list[int], logits, constraints, sampling, gen) -> list[int]:
+    """tokens (one per sequence of `seqs`, sampled from logits [len(seqs), V]) with each constrained sequence's
+    replaced by its constraint's pick from the same row."""
+    if constraints is None:
+        return tokens
+    return [constraints[b].pick(logits[i], sampling, gen) if constraints[b] is not None else t
+            for i, (b, t) in enumerate(zip(seqs, tokens))]
 
 
 def _emit(results, seqs, tokens, stop, max_new_tokens, on_token, histories=None, rows=None, report=None

@@ -22,11 +22,12 @@ import json
 import uuid
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .images import base64_part, content_of
+from .schemas import JsonSchemaSpec, ResponseFormat
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -52,9 +53,23 @@ class CountTokensRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
 
 
+class OutputFormat(BaseModel):
+    """Structured outputs: the answer's text is JSON following `schema`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    format: OutputFormat | None = None  # other settings (effort) are accepted and ignored
+
+
 class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages`. max_tokens is required, as in Anthropic's API; temperature lies in [0, 1] (0 =
-    greedy); `seed` is an extension. Unknown fields (metadata, thinking, ...) are ignored."""
+    greedy); `seed` is an extension. Structured outputs: `output_config.format` (or the beta's `output_format`)
+    `{"type": "json_schema", "schema": ...}`. Unknown fields (metadata, thinking, ...) are ignored."""
 
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = Field(default=None, validate_default=True)
@@ -63,6 +78,8 @@ class MessagesRequest(CountTokensRequest):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
+    output_format: OutputFormat | None = None
+    output_config: OutputConfig | None = None
 
     @field_validator("stop_sequences")
     @classmethod
@@ -188,14 +205,16 @@ def _parse_calls(req: CountTokensRequest) -> bool:
 
 
 def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
-                        text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool) -> None:
+                        text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool,
+                        constraint_maker: Callable) -> None:
     """Registers the Messages endpoints on `app`, sharing `create_app`'s validation (`check`), generation
     (`run`), streaming (`sse`), `TextStream` factory, error type and prompt building (`prompt_of`; image blocks
     are accepted when `takes_images`)."""
 
     def prompt_and_images(req: CountTokensRequest):
-        """The prompt's token ids and images. A conversation ending with an assistant message of plain text is a
-        prefill: the answer continues that text (and holds only the continuation), as in Anthropic's API."""
+        """The prompt's token ids, its images and the prefill. A conversation ending with an assistant message of
+        plain text is a prefill: the answer continues that text (and holds only the continuation), as in
+        Anthropic's API."""
         try:
             messages = chat_messages(req, takes_images)
         except ValueError as e:
@@ -204,7 +223,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
         last = messages[-1] if messages else {}
         if last.get("role") == "assistant" and not last.get("tool_calls") and isinstance(last["content"], str):
             prefill = messages.pop()["content"]
-        return prompt_of(messages, _tools(req), "messages", prefill)
+        return *prompt_of(messages, _tools(req), "messages", prefill), prefill
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     def count_tokens(req: CountTokensRequest):
@@ -213,14 +232,31 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
                             status=404, code="model_not_found")
         return {"input_tokens": len(prompt_and_images(req)[0])}
 
+    def output_constraint(req: MessagesRequest, prompt: list[int], prefill: str):
+        """The answer's constraint for a structured-output request (None without one); a prefill is JSON the
+        answer continues, so the grammar reads it first."""
+        if req.output_format is not None and req.output_config is not None and req.output_config.format:
+            raise api_error("give output_config.format or output_format, not both", "output_format")
+        fmt = req.output_format or (req.output_config.format if req.output_config else None)
+        if fmt is None:
+            return None
+        response_format = ResponseFormat(type="json_schema", json_schema=JsonSchemaSpec(schema=fmt.schema_))
+        constraint = constraint_maker(response_format, "output_format", None if prefill else prompt)()
+        try:
+            constraint.read(prefill.encode("utf-8"))
+        except ValueError as e:
+            raise api_error(f"messages: the assistant prefill {e}", "messages") from None
+        return constraint
+
     @app.post(MESSAGES_PATH)
     def messages(req: MessagesRequest):
         try:
             parse_calls = _parse_calls(req)
         except ValueError as e:
             raise api_error(str(e), "tool_choice") from None
-        prompt, images = prompt_and_images(req)
+        prompt, images, prefill = prompt_and_images(req)
         max_new = check(req, prompt, "messages")
+        constraint = output_constraint(req, prompt, prefill)
         stream = text_stream(req.stop_sequences, [TOOL_CALL_START] if parse_calls else [], prompt)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
 
@@ -244,7 +280,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
 
         if not req.stream:
             whole, tool_uses, reason, stop_seq = answer(run(req, prompt, max_new, stream, lambda _k, _t: None,
-                                                            images=images))
+                                                            images=images, constraint=constraint))
             reasoning, text = stream.split(whole)
             content = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning is not None else [])
             content += ([{"type": "text", "text": text}] if text or not tool_uses else []) + tool_uses
@@ -274,7 +310,8 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
                     {"type": "text_delta", "text": delta}
                 put({"type": "content_block_delta", "index": len(opened) - 1, "delta": body})
 
-            finish = run(req, prompt, max_new, stream, part, cancelled, images=images, on_start=start)
+            finish = run(req, prompt, max_new, stream, part, cancelled, images=images, on_start=start,
+                         constraint=constraint)
             whole, tool_uses, reason, stop_seq = answer(finish)
             for kind, delta in stream.end_parts(whole):
                 part(kind, delta)

@@ -45,6 +45,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import THINK_START, TOOL_CALL_START
+from ..engine.constrained import GrammarConstraint
 from ..engine.media import chat_prompt
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
@@ -52,7 +53,8 @@ from . import anthropic, responses
 from .images import data_url_part
 from .logprobs import TokenLogprobs
 from .reasoning import ReasoningSplitter, split_reasoning
-from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, SamplingFields, error_body
+from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields, error_body
+from .structured import StructuredOutputs
 
 
 class Backend(Protocol):
@@ -70,6 +72,7 @@ class ModelBackend:
     model (`vl_config` set) that also takes images."""
 
     supports_logprobs = True
+    supports_constraints = True
 
     def __init__(self, model, speculative=None):
         self.model = model
@@ -80,7 +83,8 @@ class ModelBackend:
     def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token,
                  images: PromptImages | None = None, logprobs: int | None = None,
                  on_logprobs: Callable[[float, list], None] | None = None, prompt_logprobs: int | None = None,
-                 on_prompt_logprobs: Callable[[list], None] | None = None) -> str:
+                 on_prompt_logprobs: Callable[[list], None] | None = None,
+                 constraint: GrammarConstraint | None = None) -> str:
         from ..engine.generate import generate
 
         report = None if on_logprobs is None else (lambda _b, lp, top: on_logprobs(lp, top))
@@ -90,7 +94,7 @@ class ModelBackend:
                               max_total_tokens=len(prompt) + max_new_tokens,
                               images=None if images is None else [images], speculative=self.speculative,
                               logprobs=logprobs, on_logprobs=report, prompt_logprobs=prompt_logprobs,
-                              on_prompt_logprobs=report_prompt)
+                              on_prompt_logprobs=report_prompt, constraints=[constraint])
         return results[0].finish_reason
 
 
@@ -315,14 +319,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
             on_part: Callable[[str, str], None], cancelled: threading.Event | None = None, *,
             images: PromptImages | None = None, on_start: Callable[[], None] | None = None,
-            logprobs: TokenLogprobs | None = None, prompt_logprobs: bool = False, seed: int | None = None) -> str:
+            logprobs: TokenLogprobs | None = None, prompt_logprobs: bool = False, seed: int | None = None,
+            constraint: GrammarConstraint | None = None) -> str:
         """Generates (under the lock unless the backend is concurrent), feeding `stream` and calling
         `on_part(kind, text)` with its routed deltas (`TextStream.parts`); returns the finish reason ('stop' |
         'length'). `images` go to the backend only when there are some. on_start(): called once, when the
         request's prompt is known to be admitted (`stream.cached` is then set) or at its first token, whichever
         the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it), and
         with prompt_logprobs those of the prompt's tokens too. seed: the sampler's (default: the request's, else
-        a random one).
+        a random one). constraint: picks the tokens (structured outputs, `constraint_maker`).
 
         The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
@@ -355,6 +360,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         extra = {} if images is None else {"images": images}
         if getattr(backend, "prefix_caching", False):
             extra["on_cached"] = on_cached
+        if constraint is not None:
+            extra["constraint"] = constraint
         if logprobs is not None:
             extra.update(logprobs=logprobs.top, on_logprobs=logprobs.on_logprobs)
             if prompt_logprobs:
@@ -377,12 +384,34 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             raise APIError("this server's backend does not return log probabilities", param)
         return TokenLogprobs(tokenizer, top)
 
+    structured = StructuredOutputs(tokenizer)
+
+    def constraint_maker(fmt: ResponseFormat | None, param: str, chat_prompt_ids: list[int] | None = None
+                         ) -> Callable[[], GrammarConstraint | None]:
+        """Makes each choice's constraint for a response format (`structured.py`); for plain text, None. A chat
+        answer (`chat_prompt_ids` given) may open with its think block when the reasoning parser is on. A 400
+        naming `param` for a schema the grammar cannot honour or a backend that cannot constrain."""
+        try:
+            spec = fmt.grammar_spec() if fmt is not None else None
+            if spec is None:
+                return lambda: None
+            if not getattr(backend, "supports_constraints", False):
+                raise ValueError("this server's backend does not constrain decoding (structured outputs)")
+            think = reasoning_parser == "m3" and chat_prompt_ids is not None
+            return structured.factory(*spec, think=think, thinking=think and opens_think(chat_prompt_ids))
+        except ValueError as e:
+            raise APIError(f"{param}: {e}", param) from None
+
+    def opens_think(prompt: list[int]) -> bool:
+        """The prompt's generation prompt opens the think block (a checkpoint's template may)."""
+        return tokenizer.decode(prompt[-3:]).rstrip().endswith(THINK_START)
+
     def text_stream(stop: Sequence[str], hold: Sequence[str], prompt: list[int]) -> TextStream:
         """A chat answer's stream: its think block split off unless `reasoning_parser` is 'none'; a prompt whose
         generation prompt opens the block (a checkpoint's template may) starts inside it."""
         splitter = None
         if reasoning_parser == "m3":
-            splitter = ReasoningSplitter(started=tokenizer.decode(prompt[-3:]).rstrip().endswith(THINK_START))
+            splitter = ReasoningSplitter(started=opens_think(prompt))
         return TextStream(tokenizer, stop, hold=hold, reasoning=splitter)
 
     def usage(prompts: list[list[int]], streams: list[TextStream]) -> dict:
@@ -477,10 +506,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                                     logprobs_for(req.logprobs, "logprobs"), req.echo)
                    for k in range(req.n * batch)]
         seeds = choice_seeds(req, len(choices))
+        constrain = constraint_maker(req.response_format, "response_format")
 
         def job(c: CompletionChoice, on_part: Callable[[str, str], None]) -> Callable[[threading.Event], str]:
             return lambda cancelled: run(req, c.prompt, max_news[c.index // req.n], c.stream, on_part, cancelled,
-                                         logprobs=c.logprobs, prompt_logprobs=req.echo, seed=seeds[c.index])
+                                         logprobs=c.logprobs, prompt_logprobs=req.echo, seed=seeds[c.index],
+                                         constraint=constrain())
 
         if not req.stream:
             finishes = each_choice([job(c, lambda _k, _t: None) for c in choices])
@@ -525,6 +556,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         streams = [text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt) for _ in range(req.n)]
         lps = [logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs") for _ in range(req.n)]
         seeds = choice_seeds(req, req.n)
+        constrain = constraint_maker(req.response_format, "response_format", prompt)
 
         def answer(k: int, finish: str) -> tuple[str, list[dict], str]:
             """(choice k's whole text, OpenAI tool_calls, finish_reason) once its generation has finished."""
@@ -539,7 +571,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         def job(k: int, on_part: Callable[[str, str], None]) -> Callable[[threading.Event], str]:
             return lambda cancelled: run(req, prompt, max_new, streams[k], on_part, cancelled, images=images,
-                                         logprobs=lps[k], seed=seeds[k])
+                                         logprobs=lps[k], seed=seeds[k], constraint=constrain())
 
         def message_choice(k: int, finish: str) -> dict:
             whole, tool_calls, finish = answer(k, finish)
@@ -593,7 +625,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         return sse(produce)
 
     shared = dict(tokenizer=tokenizer, model_name=model_name, check=check, run=run, sse=sse, api_error=APIError,
-                  text_stream=text_stream, prompt_of=prompt_of,
+                  text_stream=text_stream, prompt_of=prompt_of, constraint_maker=constraint_maker,
                   takes_images=vl_config is not None)
     anthropic.add_messages_routes(app, **shared)
     responses.add_responses_routes(app, **shared)

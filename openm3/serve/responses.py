@@ -20,11 +20,12 @@ import time
 import uuid
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .images import content_of, data_url_part
+from .schemas import JsonSchemaSpec, ResponseFormat
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -36,10 +37,32 @@ class FunctionTool(BaseModel):
     parameters: dict[str, Any] | None = None
 
 
+class TextFormat(BaseModel):
+    """`text.format`: the Responses API's flat form of Chat Completions' `response_format`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        return ResponseFormat(type="json_schema", json_schema=JsonSchemaSpec(
+            name=self.name, description=self.description, schema=self.schema_, strict=self.strict))
+
+
+class ResponsesText(BaseModel):
+    format: TextFormat | None = None  # other settings (verbosity) are accepted and ignored
+
+
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`. max_output_tokens defaults to what the context limit leaves after the prompt;
-    `top_k` and `seed` are extensions; unknown fields (store, reasoning, text, parallel_tool_calls, ...) are
-    ignored."""
+    `top_k` and `seed` are extensions; `text.format` asks for JSON (structured outputs); unknown fields (store,
+    reasoning, parallel_tool_calls, ...) are ignored."""
 
     model: str
     input: str | list[dict[str, Any]]
@@ -53,6 +76,7 @@ class ResponsesRequest(BaseModel):
     tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     previous_response_id: str | None = None
+    text: ResponsesText | None = None
 
     @property
     def max_tokens(self) -> int | None:  # the name `check` reads
@@ -137,7 +161,8 @@ def _parse_calls(req: ResponsesRequest) -> bool:
 
 
 def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
-                         text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool) -> None:
+                         text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool,
+                         constraint_maker: Callable) -> None:
     """Registers `POST /v1/responses` on `app`, sharing `create_app`'s validation, prompt building (input_image
     parts are accepted when `takes_images`), generation and streaming."""
 
@@ -155,6 +180,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                  for t in req.tools] if req.tools else None
         prompt, images = prompt_of(messages, tools, "input")
         max_new = check(req, prompt, "input")
+        fmt = req.text.format if req.text is not None else None
+        constraint = constraint_maker(fmt.response_format() if fmt is not None else None, "text", prompt)()
         stream = text_stream([], [TOOL_CALL_START] if parse_calls else [], prompt)
         rid, mid, rsid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex[:24]}", f"rs_{uuid.uuid4().hex[:24]}"
         created = int(time.time())
@@ -188,7 +215,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
             return "incomplete" if finish == "length" else "completed"
 
         if not req.stream:
-            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, images=images)
+            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, images=images, constraint=constraint)
             whole, calls = answer(finish)
             reasoning, text_ = stream.split(whole)
             output = [reasoning_item(reasoning)] if reasoning is not None else []
@@ -237,7 +264,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                     emit("response.output_text.delta", item_id=mid, output_index=len(opened) - 1, content_index=0,
                          delta=d)
 
-            finish = run(req, prompt, max_new, stream, delta, cancelled, images=images)
+            finish = run(req, prompt, max_new, stream, delta, cancelled, images=images, constraint=constraint)
             whole, calls = answer(finish)
             for kind, d in stream.end_parts(whole):
                 delta(kind, d)

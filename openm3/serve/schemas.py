@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completions batch): each is a generation
@@ -17,6 +17,44 @@ MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completio
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaSpec(BaseModel):
+    """`response_format.json_schema`: the schema the answer must follow (`openm3.engine.json_grammar` lists the
+    keywords it enforces); strict: objects take no keys beyond their `properties` unless they say otherwise."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: plain text (the default), any JSON object (`json_object`) or JSON that follows a schema
+    (`json_schema`); the JSON kinds constrain decoding, as vLLM's structured outputs do."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_with_its_type(cls, v: JsonSchemaSpec | None, info) -> JsonSchemaSpec | None:
+        if v is not None and info.data.get("type") != "json_schema":
+            raise ValueError("json_schema is given only with type 'json_schema'")
+        return v
+
+    def grammar_spec(self) -> tuple[dict | bool | None, bool] | None:
+        """(schema, strict) for `openm3.engine.json_grammar.compile_schema` (schema None: any object), or None for
+        plain text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return None, False
+        if self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object holding the schema")
+        return self.json_schema.schema_, bool(self.json_schema.strict)
 
 
 class SamplingFields(BaseModel):
@@ -32,6 +70,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,410 @@
+"""Constrained decoding: sampling only tokens that keep the output inside a byte-level grammar.
+
+A grammar (`openm3.engine.json_grammar.JsonGrammar`, or anything with the same four members: `start`,
+`advance(state, data) -> state | None`, `complete(state)`, `can_continue(state)`) says which byte strings may come
+next. `GrammarConstraint(grammar, vocab, stop_tokens)` turns it into a per-request token constraint:
+
+    token = constraint.pick(logits_row, sampling, generator)   # sampled under the constraint; the state advances
+
+The semantics are vLLM's structured outputs: the tokens the grammar does not allow are masked out of the logits
+*before* temperature, top-k and top-p, so a constrained request samples from `sample(masked_logits, sampling)`;
+a stop token is allowed exactly when the output so far is a whole document, and is the only choice once nothing
+may follow.
+
+Checking every token of a 200K vocabulary against the grammar at every step would cost seconds in Python, so
+`pick` checks lazily, in the order the sampler would consider tokens, and stops as soon as the answer is known:
+- tokens whose first byte the grammar refuses are masked at once (256 byte checks and one gather over the vocab);
+- greedy: the most likely token that the grammar accepts;
+- temperature alone: the first accepted token in the order of logits / temperature + Gumbel noise (the Gumbel-max
+  trick: exactly a sample of the masked distribution);
+- top-k: the k most likely accepted tokens, then `sample` over them;
+- top-p: accepted tokens in order until the nucleus over all accepted tokens is settled (the mass not yet
+  checked could no longer change it), then `sample` over them.
+Each (state, token) transition is memoised in the grammar's `TransitionCache`, shared by every request with the
+same grammar, so a step inside a long string costs a few dictionary reads. When a pick has checked `lazy_checks`
+tokens (512) without an answer (a flat distribution under top-p, or a state that refuses most likely tokens), the
+state's full mask decides it: every candidate checked once, the mask kept for the state (strings and whitespace
+revisit the same states), then the plain sampler over the masked row.
+
+An answer may start with a reasoning block (`think=(start_id, end_id)`): the grammar then applies after its end
+token, as vLLM applies it after the reasoning parser's end (the block itself is free text).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Iterator, Sequence
+
+import torch
+
+from .sampling import SamplingParams, sample
+
+__all__ = ["GrammarConstraint", "TokenBytes", "TransitionCache"]
+
+_NO_BYTES = 256  # first-byte slot of tokens with no bytes (special tokens): never allowed by the grammar
+
+
+class TokenBytes:
+    """Each token's bytes in the output (None for special tokens, which a grammar never allows) and its first
+    byte as a tensor for masking (256 for special tokens)."""
+
+    def __init__(self, pieces: Sequence[bytes | None]):
+        self.pieces = list(pieces)
+        first = [piece[0] if piece else _NO_BYTES for piece in self.pieces]
+        self.first_byte = torch.tensor(first, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "TokenBytes":
+        """The bytes of an `M3Tokenizer`'s tokens (a byte-level BPE: each token's string maps back to bytes
+        through the byte-to-character table of its pre-tokenizer); special tokens get None."""
+        backend = tokenizer.backend
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        table = _byte_decoder()
+        pieces: list[bytes | None] = []
+        for i in range(tokenizer.vocab_size):
+            token = backend.id_to_token(i)
+            if i in special or token is None:
+                pieces.append(None)
+            elif all(c in table for c in token):
+                pieces.append(bytes(table[c] for c in token))
+            else:  # not a byte-level token (an added plain-text token): its decoding
+                pieces.append(tokenizer.decode([i]).encode("utf-8"))
+        return cls(pieces)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet: printable bytes stand for themselves, the others for code points from 256."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+class TransitionCache:
+    """A grammar with memoised transitions: `next(state, token)` is the state after the token's bytes (None: not
+    allowed), computed once per (state, token) and shared by every request over this grammar. Holds at most
+    `max_entries` transitions (cleared when full: a cache, not a record)."""
+
+    def __init__(self, grammar, vocab: TokenBytes, max_entries: int = 2_000_000, max_masks: int = 64):
+        self.grammar, self.vocab, self.max_entries, self.max_masks = grammar, vocab, max_entries, max_masks
+        self._next: dict = {}
+        self._first: dict = {}
+        self._full: dict = {}
+        self._order: dict = {}  # sorted token bytes for `full_mask`
+        self.plain: torch.Tensor | None = None  # bool [V]: tokens of plain string text (grammars that tell them)
+        if hasattr(grammar, "takes_plain_text"):
+            self.plain = torch.tensor([bool(p) and grammar.is_plain_text(p) for p in vocab.pieces])
+
+    def takes_plain_text(self, state) -> bool:
+        """Whether every plain-text token is allowed from `state` (a string's body: no check needed)."""
+        return self.plain is not None and self.grammar.takes_plain_text(state)
+
+    def next(self, state, token: int):
+        key = (state, token)
+        try:
+            return self._next[key]
+        except KeyError:
+            pass
+        piece = self.vocab.pieces[token]
+        after = None if piece is None else self.grammar.advance(state, piece)
+        if len(self._next) >= self.max_entries:
+            self._next.clear()
+        self._next[key] = after
+        return after
+
+    def full_mask(self, state) -> torch.Tensor:
+        """bool [V]: the tokens whose bytes the grammar accepts from `state`, kept for the last `max_masks` states
+        (strings and whitespace revisit the same ones). The tokens are walked as a trie (sorted bytes), so a
+        refused prefix rules out every token that starts with it at once; in a string's body the plain-text tokens
+        are taken whole and only the others are walked."""
+        mask = self._full.get(state)
+        if mask is None:
+            mask = torch.zeros(len(self.vocab), dtype=torch.bool)
+            plain = self.takes_plain_text(state)
+            if plain:
+                mask |= self.plain
+            pieces, ids = self._sorted(rest=plain)
+            accepted: list[int] = []
+            _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted)
+            mask[accepted] = True
+            if len(self._full) >= self.max_masks:
+                self._full.pop(next(iter(self._full)))
+            self._full[state] = mask
+        return mask
+
+    def _sorted(self, rest: bool) -> tuple[list[bytes], list[int]]:
+        """The tokens with bytes (only those not of plain text when `rest`), sorted by their bytes, and their ids."""
+        key = "rest" if rest else "all"
+        if key not in self._order:
+            keep = [(p, t) for t, p in enumerate(self.vocab.pieces)
+                    if p and not (rest and bool(self.plain[t]))]
+            keep.sort()
+            self._order[key] = ([p for p, _ in keep], [t for _, t in keep])
+        return self._order[key]
+
+    def first_bytes(self, state) -> torch.Tensor:
+        """bool [257]: which first bytes the grammar accepts from `state` (slot 256, special tokens: never)."""
+        mask = self._first.get(state)
+        if mask is None:
+            mask = torch.zeros(_NO_BYTES + 1, dtype=torch.bool)
+            for b in range(256):
+                mask[b] = self.grammar.advance(state, bytes((b,))) is not None
+            if len(self._first) >= 65536:
+                self._first.clear()
+            self._first[state] = mask
+        return mask
+
+
+def _walk(advance, state, pieces: list[bytes], ids: list[int], lo: int, hi: int, depth: int, out: list[int]) -> None:
+    """Appends to `out` the ids of pieces[lo:hi] (sorted; all share their first `depth` bytes, read into `state`)
+    that the grammar accepts, advancing one byte per trie edge and skipping the subtree of a refused byte."""
+    i = lo
+    while i < hi and len(pieces[i]) == depth:  # the shared prefix itself is a token
+        out.append(ids[i])
+        i += 1
+    while i < hi:
+        head = pieces[i][:depth + 1]
+        b = head[-1]
+        j = hi if b == 255 else bisect.bisect_left(pieces, head[:-1] + bytes((b + 1,)), i, hi)
+        after = advance(state, head[-1:])
+        if after is not None:
+            _walk(advance, after, pieces, ids, i, j, depth + 1, out)
+        i = j
+
+
+class GrammarConstraint:
+    """One request's constraint: its grammar state, advanced by each token `pick` returns.
+
+    transitions: the grammar with its memo (`TransitionCache`); stop_tokens: the request's stop tokens, allowed
+    once the output is a whole document; think: (start, end) token ids of a reasoning block the answer may open
+    with before the grammar applies (None: the grammar applies from the first token); thinking: the prompt has
+    opened that block already (the grammar applies after its end token); lazy_checks: tokens checked one by
+    one in a pick before the state's full mask decides it instead."""
+
+    def __init__(self, transitions: TransitionCache, stop_tokens: Sequence[int],
+                 think: tuple[int, int] | None = None, thinking: bool = False, lazy_checks: int = 512):
+        self.transitions = transitions
+        self.lazy_checks = lazy_checks
+        self.full_masks = 0  # picks that the full mask decided
+        self._plain_now = False  # the state takes every plain-text token (set by each pick)
+        self.grammar = transitions.grammar
+        self.stop_tokens = sorted(set(int(t) for t in stop_tokens))
+        self.think = think
+        self.state = self.grammar.start
+        self.phase = "start" if think is not None else "grammar"  # 'start' -> ('thinking' ->) 'grammar'
+        if not self.stop_tokens:
+            raise ValueError("stop_tokens: a constrained request needs a stop token to end on")
+        if thinking:
+            if think is None:
+                raise ValueError("thinking: a prompt that opened a think block needs think=(start, end) ids")
+            self.phase = "thinking"
+
+    def read(self, data: bytes) -> None:
+        """Advances over text the output already holds (an assistant prefill the answer continues); ValueError
+        when the grammar refuses it."""
+        if not data:
+            return
+        if self.phase == "thinking":
+            raise ValueError("cannot be read inside a think block")
+        after = self.grammar.advance(self.state, data)
+        if after is None:
+            raise ValueError(f"is not the beginning of a document the grammar allows: {data[:80]!r}")
+        self.state, self.phase = after, "grammar"
+
+    @property
+    def complete(self) -> bool:
+        """The output so far is a whole document (reasoning aside)."""
+        return self.phase != "thinking" and self.grammar.complete(self.state)
+
+    def pick(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
+        """Samples the next token from logits [V] under the constraint (see the module docstring) and advances."""
+        if self.phase == "thinking":
+            token = int(sample(logits[None], sampling, generator)[0])
+            if token == self.think[1]:
+                self.phase = "grammar"
+            return token
+        row = logits.float().cpu().masked_fill(~self._allowed_first(), float("-inf"))  # one host copy per step
+        self._plain_now = self.transitions.takes_plain_text(self.state)
+        token = self._choose(logits, row, sampling, generator)
+        if token is None:
+            raise RuntimeError("constrained decoding: no token of the vocabulary continues the output "
+                               f"({self.grammar!r} at state {self.state!r})")
+        if self.phase == "start" and token == self.think[0]:
+            self.phase = "thinking"
+            return token
+        self.phase = "grammar"
+        if token not in self.stop_tokens:
+            self.state = self.transitions.next(self.state, token)
+        return token
+
+    # ------------------------------------------------------------------ internals
+
+    def _allowed_first(self) -> torch.Tensor:
+        """bool [V]: the tokens that may be allowed (first byte accepted, or a stop / think token that is)."""
+        vocab = self.transitions.vocab
+        if self.grammar.can_continue(self.state):
+            ok = self.transitions.first_bytes(self.state)[vocab.first_byte]
+        else:
+            ok = torch.zeros(len(vocab), dtype=torch.bool)
+        if self.grammar.complete(self.state):
+            ok[self.stop_tokens] = True
+        if self.phase == "start":
+            ok[self.think[0]] = True
+        return ok
+
+    def _accepts(self, token: int) -> bool:
+        if self._plain_now and self.transitions.plain[token]:
+            return True
+        if token in self.stop_tokens:
+            return self.grammar.complete(self.state)
+        if self.phase == "start" and token == self.think[0]:
+            return True
+        return self.transitions.next(self.state, token) is not None
+
+    def _full_mask(self) -> torch.Tensor:
+        """bool [V]: every token allowed now (the grammar's full mask for this state, cached), with the stop and
+        think tokens that are."""
+        ok = self.transitions.full_mask(self.state) if self.grammar.can_continue(self.state) else \
+            torch.zeros(len(self.transitions.vocab), dtype=torch.bool)
+        ok = ok.clone()
+        if self.grammar.complete(self.state):
+            ok[self.stop_tokens] = True
+        if self.phase == "start":
+            ok[self.think[0]] = True
+        return ok
+
+    def _checked(self, order: Iterator[int]) -> Iterator[tuple[int, bool]]:
+        """(token, accepted) along `order`; raises _OverBudget after `lazy_checks` tokens."""
+        for n, token in enumerate(order):
+            if n == self.lazy_checks:
+                raise _OverBudget
+            yield token, self._accepts(token)
+
+    def _choose(self, logits: torch.Tensor, row: torch.Tensor, sampling: SamplingParams, generator) -> int | None:
+        """The pick: lazily over `row` (the logits on the host, first-byte candidates only; module docstring), or
+        over the full mask once `lazy_checks` tokens were checked (then a filtered sample is drawn on the logits'
+        own device, where the sort of a 200K-token row is cheap)."""
+        filtered = sampling.top_k or sampling.top_p < 1
+        scores = row
+        if not sampling.greedy and not filtered:  # Gumbel-max over the accepted tokens
+            u = torch.rand(row.shape, generator=_cpu(generator)).clamp_(1e-20, 1.0)
+            scores = row / sampling.temperature - torch.log(-torch.log(u))
+        try:
+            if not filtered:
+                return next((t for t, ok in self._checked(_descending(scores)) if ok), None)
+            kept = self._filter_set(row, sampling)
+        except _OverBudget:
+            self.full_masks += 1
+            mask = self._full_mask()
+            if not bool((mask & (row > float("-inf"))).any()):
+                return None
+            if not filtered:
+                return int(scores.masked_fill(~mask, float("-inf")).argmax())
+            index = mask.nonzero()[:, 0].to(logits.device)  # the allowed tokens alone, in id order
+            return int(index[draw(logits[index], sampling, generator)])
+        if not kept:
+            return None
+        index = torch.tensor(kept)  # a draw among the kept tokens alone: no sort of the whole row
+        return int(index[draw(row[index], sampling, generator)])
+
+    def _filter_set(self, row: torch.Tensor, sampling: SamplingParams) -> list[int]:
+        """Accepted tokens, most likely first, enough of them that top-k / top-p over them equals top-k / top-p
+        over every accepted token."""
+        kept: list[int] = []
+        if sampling.top_k:
+            for t, ok in self._checked(_descending(row)):
+                if ok:
+                    kept.append(t)
+                    if len(kept) == sampling.top_k:
+                        break
+            return kept
+        probs = (row / sampling.temperature).softmax(-1)  # over the first-byte candidates
+        if float(probs.topk(min(self.lazy_checks, probs.numel())).values.sum()) < sampling.top_p:
+            raise _OverBudget  # a flat row: even all of the budget's tokens accepted could not settle the nucleus
+        seen, found, masses = 0.0, 0.0, []
+        for t, ok in self._checked(_descending(row)):
+            mass = float(probs[t])
+            seen += mass
+            if ok:
+                kept.append(t)
+                masses.append(mass)
+                found += mass
+                unseen = max(0.0, 1.0 - seen)
+                if found >= sampling.top_p * (found + unseen) and _nucleus_settled(masses, unseen, sampling.top_p):
+                    break
+        return kept
+
+
+def draw(row: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    """A sample from logits row [n] after temperature, top-k and top-p (as `filter_logits` applies them, ties at
+    the k-th value aside), by inverse CDF over the tokens most likely first with one uniform draw: the same token
+    whether the row holds every allowed token or only the most likely ones that hold the filtered set (which
+    `torch.multinomial` does not promise). One sort of the row."""
+    values, order = (row.float() / sampling.temperature).sort(descending=True, stable=True)
+    if sampling.top_k and sampling.top_k < values.numel():
+        values[sampling.top_k:] = float("-inf")
+    probs = values.softmax(0)
+    if sampling.top_p < 1:  # drop a token when the tokens strictly more likely than it already reach top_p
+        drop = (probs.cumsum(0) - probs) >= sampling.top_p
+        drop[0] = False
+        probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(0)
+    u = float(torch.rand(1, generator=_cpu(generator)))
+    k = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], device=cdf.device, dtype=cdf.dtype)))
+    return int(order[min(k, order.numel() - 1)])
+
+
+class _OverBudget(Exception):
+    """The lazy checks reached their budget: the full mask decides."""
+
+
+def _nucleus_settled(masses: list[float], unseen: float, top_p: float) -> bool:
+    """Whether the top-p nucleus over all accepted tokens is known from the accepted masses so far (most likely
+    first) when at most `unseen` mass is left unchecked: the same tokens are kept whether that mass is accepted
+    or not, and none of it would be."""
+    found = sum(masses)
+    if found < top_p * (found + unseen):
+        return False  # an unchecked token could still belong to the nucleus
+
+    def kept(total: float) -> int:
+        before = 0.0
+        for j, m in enumerate(masses):
+            if before >= top_p * total:
+                return j
+            before += m
+        return len(masses)
+
+    return kept(found) == kept(found + unseen)
+
+
+def _descending(scores: torch.Tensor) -> Iterator[int]:
+    """Token ids in descending order of `scores` [V], stopping at the first -inf; sorts only as far as it is read
+    (top-k of growing sizes)."""
+    size, done = 32, 0
+    total = scores.numel()
+    while done < total:
+        size = min(size, total)
+        values, ids = scores.topk(size)
+        for v, t in zip(values[done:].tolist(), ids[done:].tolist()):
+            if v == -math.inf:
+                return
+            yield t
+        done, size = size, size * 8
+
+
+def _cpu(generator: torch.Generator | None) -> torch.Generator | None:
+    """The generator for draws made on the host: the request's own when it is a CPU generator; for a CUDA one, a
+    CPU generator seeded from it (one draw), so a request's tokens still follow from its seed."""
+    if generator is None or generator.device.type == "cpu":
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), device=generator.device, generator=generator))
+    return torch.Generator().manual_seed(seed)

@@ -1,0 +1,1064 @@
+"""Byte-level incremental matcher for JSON documents constrained by a JSON Schema, for constrained decoding
+(structured outputs: OpenAI `response_format: {"type": "json_schema" | "json_object"}`).
+
+    grammar = compile_schema(schema, strict=True)
+    state = grammar.start
+    for token in tokens:                       # each token: bytes
+        state = grammar.advance(state, token)  # None: no valid document continues this way
+    grammar.complete(state)                    # the bytes so far are a whole valid document
+
+The decoder tries candidate tokens in order of probability and keeps the first one `advance` accepts, so `advance`
+is the hot path: pure Python, with bulk paths for the common runs (string text, digits, whitespace, literal keys).
+States are immutable and hashable, so a caller may memoize `(state, token) -> next state`.
+
+States. A deterministic configuration is a tuple `(kind, ..., parent)`: the innermost thing being read (a value
+about to start, a string, a number, a literal, an object, an array, a key) with its counters, and `parent`, the
+configuration to return to when it is done (a linked stack; the outermost is `(_END, ws)`). Where the schema leaves
+several readings open (anyOf, an enum, a type list) the state is a frozenset of configurations; `advance` returns a
+single configuration again as soon as only one is left.
+
+Every live configuration can still reach a complete document: `compile_schema` refuses schemas where some value
+could be started but never finished (e.g. a property that requires itself forever, `minItems` beyond what `items:
+false` allows), so a decoder steered by this matcher never paints itself into a corner.
+
+Keywords
+- Enforced: `type` (a name or a list), `enum`, `const`, `properties`, `required`, `additionalProperties`,
+  `minProperties`, `maxProperties`, `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`, `maxLength`,
+  `anyOf`, `oneOf` (as anyOf: exclusivity between branches is NOT enforced), `allOf` (one subschema only), `$ref`
+  (local JSON pointers: `#`, `#/$defs/NAME`, `#/definitions/NAME`, ...; resolved lazily, so recursive schemas
+  work). `$defs` / `definitions` hold subschemas.
+- Ignored annotations: `title`, `description`, `default`, `examples`, `$schema`, `$id`, `$comment`, `deprecated`,
+  `readOnly`, `writeOnly`.
+- Accepted but NOT enforced (documents may violate them): `pattern`, `format`, `minimum`, `maximum`,
+  `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, `uniqueItems`.
+- Refused (ValueError; honouring them by halves would accept invalid documents or block valid ones):
+  `patternProperties`, `propertyNames`, `dependentRequired`, `dependentSchemas`, `dependencies`, `if`, `then`,
+  `else`, `not`, `contains`, `minContains`, `maxContains`, `unevaluatedProperties`, `unevaluatedItems`,
+  `additionalItems`, `items` as a list, `$anchor`, `$dynamicRef`, `$dynamicAnchor`, and any unknown keyword.
+
+Spelling rules (what the matcher accepts beyond plain JSON syntax)
+- `enum` / `const` values match only their compact serialization, `json.dumps(v, ensure_ascii=False,
+  separators=(",", ":"))` in UTF-8: no escapes for characters that need none, no spaces inside objects/arrays,
+  keys in the order given. A schema mixing `enum` with other keywords keeps only the values that satisfy them.
+- Declared keys of an object without additional properties must be written exactly that way too (no escapes).
+  Where additional properties are allowed a key may be any string; its decoded text picks the property schema.
+- Strings must be valid UTF-8 (no control bytes, no lone continuation or invalid lead bytes, no surrogate code
+  points); a `\\uD8xx` high-surrogate escape must be followed by a `\\uDCxx` low one (lone surrogates would not
+  re-encode). Lengths count code points, an escape (or a surrogate pair) as one.
+- Integers are `-?(0|[1-9][0-9]*)`; numbers JSON's full grammar. Duplicate keys are refused.
+- Whitespace (space, \\n, \\r, \\t) comes in runs of at most `max_whitespace` bytes between tokens, before the
+  top-level value and after it.
+- `strict=True` (OpenAI strict mode): a schema that describes objects (it has `properties` or its `type` names
+  "object") and says nothing of `additionalProperties` takes no keys beyond its `properties`. `True` / `{}`
+  (any value) stays unrestricted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from urllib.parse import unquote
+
+__all__ = ["JsonGrammar", "compile_schema"]
+
+# ---------------------------------------------------------------------------------------------------------------
+# Keyword sets
+
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                          "deprecated", "readOnly", "writeOnly"})
+_CONTAINERS = frozenset({"$defs", "definitions"})
+_ENFORCED = frozenset({"type", "enum", "const", "properties", "required", "additionalProperties", "minProperties",
+                       "maxProperties", "items", "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
+                       "anyOf", "oneOf", "allOf", "$ref"})
+_UNENFORCED = frozenset({"pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                         "multipleOf", "uniqueItems"})
+_REFUSED = frozenset({"patternProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+                      "if", "then", "else", "not", "contains", "minContains", "maxContains",
+                      "unevaluatedProperties", "unevaluatedItems", "additionalItems", "$anchor", "$dynamicRef",
+                      "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"})
+_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration kinds (the first element of every configuration tuple) and their layouts:
+#   (_VAL, node, ws, parent)                               a value of `node` is about to start, after ws blanks
+#   (_STR, (min_len, max_len), count, utf8, esc, parent)   inside a string value; count = code points (capped)
+#   (_NUM, integer_only, phase, parent)                    inside a number (phases below)
+#   (_LIT, literal_info, prefix, parent)                   inside an enum/const/true/false/null literal
+#   (_OBJ, obj_info, phase, seen, ws, value_node, parent)  inside an object; seen = frozenset of keys so far
+#   (_ARR, arr_info, phase, count, ws, parent)             inside an array; count = items so far (capped)
+#   (_KEYX, obj_info, prefix, seen, parent)                inside a key that must be one declared name, exactly
+#   (_KEYA, obj_info, raw, utf8, esc, seen, parent)        inside a key that may be any string
+#   (_END, ws)                                             after the top-level value
+_VAL, _STR, _NUM, _LIT, _OBJ, _ARR, _KEYX, _KEYA, _END = range(9)
+
+_OBJ_OPEN, _OBJ_COMMA, _OBJ_KEY, _OBJ_VALUE = range(4)  # after `{`, after `,`, after a key, after a value
+_ARR_OPEN, _ARR_VALUE = range(2)  # after `[`, after an item
+_EMPTY = frozenset()
+_NO_LIMIT = 1 << 62
+
+_QUOTE, _BACKSLASH, _COMMA, _COLON = 0x22, 0x5C, 0x2C, 0x3A
+_LBRACE, _RBRACE, _LBRACKET, _RBRACKET = 0x7B, 0x7D, 0x5B, 0x5D
+
+_IS_WS = tuple(b in b" \t\n\r" for b in range(256))
+_WS_RUN = re.compile(rb"[ \t\n\r]*").match
+
+# String text that needs no state: printable ASCII other than `"` and `\`, and whole well-formed UTF-8 sequences
+# (no overlongs, no surrogates, nothing above U+10FFFF).
+_PLAIN_RUN = re.compile(
+    rb"(?:[\x20\x21\x23-\x5b\x5d-\x7f]"
+    rb"|[\xc2-\xdf][\x80-\xbf]"
+    rb"|\xe0[\xa0-\xbf][\x80-\xbf]"
+    rb"|[\xe1-\xec\xee\xef][\x80-\xbf]{2}"
+    rb"|\xed[\x80-\x9f][\x80-\xbf]"
+    rb"|\xf0[\x90-\xbf][\x80-\xbf]{2}"
+    rb"|[\xf1-\xf3][\x80-\xbf]{3}"
+    rb"|\xf4[\x80-\x8f][\x80-\xbf]{2})*").match
+_CONTINUATION = bytes(range(0x80, 0xC0))
+
+
+def _utf8_tables():
+    """UTF-8 state for a multi-byte sequence cut by a token boundary. `lead[b]` is the state after lead byte b (0:
+    b cannot start a sequence); `pending[s]` = (lo, hi, next): the next byte must lie in lo..hi, then state next."""
+    pending = [None, (0x80, 0xBF, 0), (0x80, 0xBF, 1), (0x80, 0xBF, 2),
+               (0xA0, 0xBF, 1), (0x80, 0x9F, 1), (0x90, 0xBF, 2), (0x80, 0x8F, 2)]
+    lead = [0] * 256
+    for b in range(0xC2, 0xE0):
+        lead[b] = 1
+    for b in range(0xE1, 0xF0):
+        lead[b] = 2
+    lead[0xE0], lead[0xED] = 4, 5
+    for b in range(0xF1, 0xF4):
+        lead[b] = 3
+    lead[0xF0], lead[0xF4] = 6, 7
+    return tuple(lead), tuple(pending)
+
+
+_UTF8_LEAD, _UTF8_PENDING = _utf8_tables()
+
+
+def _escape_table():
+    """Escape states inside a string: esc -> {next byte: next esc state}; 0 = not in an escape. After `\\u` the
+    first two hex digits tell a surrogate: a high one (D800-DBFF) must be followed by `\\u` and a low one."""
+    def any_hex(nxt):
+        return {b: nxt for b in b"0123456789abcdefABCDEF"}
+
+    return {
+        1: {**{b: 0 for b in b'"\\/bfnrt'}, ord("u"): 14},
+        14: {**any_hex(13), ord("d"): 23, ord("D"): 23},
+        13: any_hex(12), 12: any_hex(11), 11: any_hex(0),
+        23: {**{b: 12 for b in b"01234567"}, **{b: 32 for b in b"89abAB"}},
+        32: any_hex(31), 31: any_hex(40),
+        40: {_BACKSLASH: 41}, 41: {ord("u"): 42}, 42: {ord("d"): 43, ord("D"): 43},
+        43: {b: 12 for b in b"cdefCDEF"},
+    }
+
+
+_ESCAPES = _escape_table()
+
+
+def _lex_string(data: bytes, i: int, utf8: int, esc: int):
+    """Read string bytes from data[i:] -> (j, utf8, esc, chars, closed): j is where reading stopped (just after the
+    closing quote when closed), chars the code points started; j = -1 when a byte is not allowed."""
+    n = len(data)
+    chars = 0
+    while i < n:
+        if utf8:
+            lo, hi, utf8 = _UTF8_PENDING[utf8]
+            if not lo <= data[i] <= hi:
+                return -1, 0, 0, 0, False
+            i += 1
+            continue
+        if esc:
+            esc = _ESCAPES[esc].get(data[i], -1)
+            if esc < 0:
+                return -1, 0, 0, 0, False
+            i += 1
+            continue
+        j = _PLAIN_RUN(data, i).end()
+        if j > i:
+            chunk = data[i:j]
+            chars += j - i if chunk.isascii() else len(chunk.translate(None, _CONTINUATION))
+            i = j
+            if i == n:
+                break
+        b = data[i]
+        i += 1
+        if b == _QUOTE:
+            return i, 0, 0, chars, True
+        if b == _BACKSLASH:
+            esc = 1
+        else:
+            utf8 = _UTF8_LEAD[b]  # a control byte, a lone continuation byte or a bad lead byte gives 0
+            if not utf8:
+                return -1, 0, 0, 0, False
+        chars += 1
+    return i, utf8, esc, chars, False
+
+
+def _number_tables():
+    """Number phases: 0 after `-`, 1 after a leading `0`, 2 int digits, 3 after `.`, 4 fraction digits, 5 after
+    e/E, 6 after the exponent sign, 7 exponent digits. table[phase][byte] -> next phase, -1 = not part of it."""
+    def build(integer: bool):
+        table = [[-1] * 256 for _ in range(8)]
+        digits, nonzero = b"0123456789", b"123456789"
+        table[0][ord("0")] = 1
+        for b in nonzero:
+            table[0][b] = 2
+        for b in digits:
+            table[2][b] = 2
+        if not integer:
+            for phase in (1, 2):
+                table[phase][ord(".")] = 3
+            for phase in (1, 2, 4):
+                table[phase][ord("e")] = table[phase][ord("E")] = 5
+            for b in digits:
+                table[3][b] = table[4][b] = 4
+                table[5][b] = table[6][b] = table[7][b] = 7
+            table[5][ord("+")] = table[5][ord("-")] = 6
+        return tuple(tuple(row) for row in table)
+    return build(False), build(True)
+
+
+_NUMBER_TABLE, _INTEGER_TABLE = _number_tables()
+_NUMBER_DONE = frozenset({1, 2, 4, 7})  # phases where a number may end
+
+
+def _compact(value, where: str) -> bytes:
+    """The spelling an enum/const value must take: compact JSON, UTF-8."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"schema at {where}: {value!r} is not a JSON value ({e})") from None
+
+
+def _canonical(value) -> str:
+    """A key for JSON equality of enum/const values (object key order does not matter)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiled schema
+
+
+class _Literals:
+    """A set of literal spellings being matched byte by byte: all their prefixes, the whole ones, and the whole
+    ones no other one extends (reading one of those ends the value at once; `1` among [1, 12] waits a byte)."""
+
+    __slots__ = ("prefixes", "values", "final")
+
+    def __init__(self, spellings):
+        self.values = frozenset(spellings)
+        self.prefixes = frozenset(s[:k] for s in spellings for k in range(1, len(s) + 1))
+        self.final = frozenset(s for s in spellings if not any(t != s and t.startswith(s) for t in spellings))
+
+
+_TRUE, _FALSE, _NULL = _Literals([b"true"]), _Literals([b"false"]), _Literals([b"null"])
+
+
+class _Object:
+    """The object side of a schema: what keys may appear, what each key's value must be, when `}` may come."""
+
+    __slots__ = ("pointer", "props", "forbidden", "required", "additional", "min_props", "max_props", "exact",
+                 "key_limit", "key_full", "key_prefixes")
+
+    def __init__(self, pointer, props, forbidden, required, additional, min_props, max_props):
+        self.pointer = pointer
+        self.props = props                  # name -> node
+        self.forbidden = forbidden          # names whose schema is false
+        self.required = required            # frozenset of names
+        self.additional = additional        # node for undeclared keys, None: not allowed
+        self.min_props = min_props
+        self.max_props = max_props          # None: no limit
+        self.exact = additional is None     # keys must be declared names, spelled exactly
+        limit = _NO_LIMIT if max_props is None else max_props
+        self.key_limit = min(limit, len(props)) if self.exact else limit
+        # Exact spellings of the names a key may have to match (declared ones, and required ones that fall to
+        # additionalProperties): `"name"` -> name, and every prefix longer than `"` -> the names it may become.
+        names = set(props) | (set(required) if additional is not None else set())
+        self.key_full = {json.dumps(k, ensure_ascii=False).encode(): k for k in names}
+        self.key_prefixes = {}
+        for spelling, name in self.key_full.items():
+            for k in range(2, len(spelling) + 1):
+                self.key_prefixes.setdefault(spelling[:k], set()).add(name)
+        self.key_prefixes = {p: frozenset(s) for p, s in self.key_prefixes.items()}
+
+    def value_node(self, name):
+        return self.props.get(name, self.additional)
+
+    def only_required_left(self, seen) -> bool:
+        """Whether maxProperties leaves room only for the required keys not yet seen."""
+        return self.max_props is not None and len(seen) + 1 + len(self.required - seen) > self.max_props
+
+    def may_become(self, names, seen) -> bool:
+        """Whether a key that may still become one of `names` can lead somewhere, given the keys seen."""
+        left = names - seen
+        if not left:
+            return False
+        return not self.only_required_left(seen) or not left.isdisjoint(self.required)
+
+
+class _Array:
+    """The array side of a schema: the node of each item and how many items there may be."""
+
+    __slots__ = ("pointer", "prefix", "items", "min_items", "max_items", "cap")
+
+    def __init__(self, pointer, prefix, items, min_items, max_items):
+        self.pointer = pointer
+        self.prefix = prefix          # tuple of nodes for the first items
+        self.items = items            # node for the items after them, None: no more
+        self.min_items = min_items
+        self.max_items = max_items    # None: no limit
+        # Item counts above cap behave alike; capping them keeps states few (better memoization).
+        self.cap = max_items if max_items is not None else max(len(prefix), min_items)
+
+    def item(self, k: int):
+        """The node of item k (0-based), None when the array may not have it."""
+        if self.max_items is not None and k >= self.max_items:
+            return None
+        return self.prefix[k] if k < len(self.prefix) else self.items
+
+
+class _Node:
+    """One compiled subschema. A union (anyOf/oneOf) has `branches`; every node ends up with `basics`, the non-union
+    nodes it stands for, and `starts`: first byte of a value -> the configuration heads it opens (a head plus the
+    parent makes the configuration; a None head means that one byte was the whole value)."""
+
+    __slots__ = ("pointer", "branches", "basics", "types", "literals", "string", "obj", "arr", "starts")
+
+    def __init__(self, pointer):
+        self.pointer = pointer
+        self.branches = None
+        self.basics = None
+        self.types = frozenset(_TYPES)
+        self.literals = None   # enum/const: [(value, compact spelling)]
+        self.string = None     # (min_len, max_len or None)
+        self.obj = None
+        self.arr = None
+        self.starts = None
+
+    def admits(self, value) -> bool:
+        """Whether the Python value satisfies this schema's enforced keywords (used to filter enum values)."""
+        return any(b.admits_basic(value, check_literals=True) for b in self.basics)
+
+    def admits_basic(self, value, check_literals: bool) -> bool:
+        """`admits` for this non-union node; check_literals=False skips its own enum/const (to filter them)."""
+        if check_literals and self.literals is not None:
+            key = _canonical(value)
+            if not any(_canonical(v) == key for v, _ in self.literals):
+                return False
+        if value is None:
+            return "null" in self.types
+        if isinstance(value, bool):
+            return "boolean" in self.types
+        if isinstance(value, int):
+            return "integer" in self.types or "number" in self.types
+        if isinstance(value, float):
+            return "number" in self.types
+        if isinstance(value, str):
+            return self.string is not None and self.string[0] <= len(value) and (
+                self.string[1] is None or len(value) <= self.string[1])
+        if isinstance(value, list):
+            arr = self.arr
+            if arr is None or len(value) < arr.min_items:
+                return False
+            return all(arr.item(k) is not None and arr.item(k).admits(v) for k, v in enumerate(value))
+        if isinstance(value, dict):
+            obj = self.obj
+            if obj is None or not obj.min_props <= len(value) <= (obj.max_props or _NO_LIMIT):
+                return False
+            if not obj.required <= value.keys():
+                return False
+            return all(k not in obj.forbidden and obj.value_node(k) is not None and obj.value_node(k).admits(v)
+                       for k, v in value.items())
+        return False
+
+    def build_starts(self):
+        """Fill `starts` for a non-union node from its literals or its types."""
+        starts = {}
+
+        def add(byte, head):
+            starts.setdefault(byte, []).append(head)
+
+        if self.literals is not None:
+            info = _Literals([s for _, s in self.literals])
+            for first in sorted({s[:1] for s in info.values}):
+                add(first[0], None if first in info.final else (_LIT, info, first))
+        else:
+            if self.obj is not None:
+                add(_LBRACE, (_OBJ, self.obj, _OBJ_OPEN, _EMPTY, 0, None))
+            if self.arr is not None:
+                add(_LBRACKET, (_ARR, self.arr, _ARR_OPEN, 0, 0))
+            if self.string is not None:
+                add(_QUOTE, (_STR, self.string, 0, 0, 0))
+            if "number" in self.types or "integer" in self.types:
+                integer_only = "number" not in self.types
+                add(ord("-"), (_NUM, integer_only, 0))
+                add(ord("0"), (_NUM, integer_only, 1))
+                for b in b"123456789":
+                    add(b, (_NUM, integer_only, 2))
+            if "boolean" in self.types:
+                add(ord("t"), (_LIT, _TRUE, b"t"))
+                add(ord("f"), (_LIT, _FALSE, b"f"))
+            if "null" in self.types:
+                add(ord("n"), (_LIT, _NULL, b"n"))
+        self.starts = {b: tuple(heads) for b, heads in starts.items()}
+
+
+def _escape_pointer(part) -> str:
+    return str(part).replace("~", "~0").replace("/", "~1")
+
+
+def _strip(schema: dict) -> dict:
+    """The schema without annotations and subschema containers (a fresh dict)."""
+    return {k: v for k, v in schema.items() if k not in _ANNOTATIONS and k not in _CONTAINERS}
+
+
+def _type_set(value, where: str) -> set:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(t, str) and t in _TYPES for t in names):
+        raise ValueError(f"schema at {where}: 'type' must be one of {list(_TYPES)} or a non-empty list of them, "
+                         f"got {value!r}")
+    return set(names)
+
+
+def _merge_types(a, b, where: str):
+    """Both `type` keywords hold: their intersection (an integer is a number)."""
+    sa, sb = _type_set(a, where), _type_set(b, where)
+    both = (sa & sb) | ({"integer"} if ("integer" in sa and "number" in sb) or ("number" in sa and "integer" in sb)
+                        else set())
+    if not both:
+        raise ValueError(f"schema at {where}: 'type' {a!r} and {b!r} have no type in common")
+    return [t for t in _TYPES if t in both]
+
+
+class _Compiler:
+    """Turns a schema into a graph of `_Node`s (cycles allowed: `$ref` recursion), then checks and finishes it."""
+
+    def __init__(self, root, strict: bool):
+        self.root = root
+        self.strict = strict
+        self.memo = {}          # id(schema dict) -> node
+        self.keep = []          # merged dicts, kept alive so their ids stay unique
+        self.nodes = []         # every node made, for the finishing passes
+        self.resolving = set()  # ids of pure-$ref schemas being resolved (a cycle of those has no value)
+        self.any = self._any_node()
+
+    def _any_node(self) -> _Node:
+        node = _Node("#")
+        node.string = (0, None)
+        node.obj = _Object("#", {}, _EMPTY, _EMPTY, node, 0, None)
+        node.arr = _Array("#", (), node, 0, None)
+        self.nodes.append(node)
+        return node
+
+    def object_root(self) -> _Node:
+        """Any JSON object (json_object mode)."""
+        node = _Node("#")
+        node.types = frozenset({"object"})
+        node.obj = _Object("#", {}, _EMPTY, _EMPTY, self.any, 0, None)
+        self.nodes.append(node)
+        return node
+
+    # -- references ------------------------------------------------------------------------------------------
+
+    def resolve(self, ref, where: str):
+        """The subschema a local `$ref` points to, and its pointer."""
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise ValueError(f"schema at {where}: $ref {ref!r} is not supported (only local refs such as "
+                             f"'#/$defs/NAME')")
+        if ref in ("#", "#/"):
+            return self.root, "#"
+        if not ref.startswith("#/"):
+            raise ValueError(f"schema at {where}: $ref {ref!r} is not supported (anchors are not)")
+        target = self.root
+        for part in ref[2:].split("/"):
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                raise ValueError(f"schema at {where}: $ref {ref!r} not found")
+        return target, ref
+
+    def merge(self, a: dict, b: dict, where: str, keyword: str) -> dict:
+        """Both schemas hold (their keywords side by side): `type` intersects, `required` unites, any other
+        keyword given twice must be equal."""
+        out = dict(a)
+        for k, v in b.items():
+            if k not in out or out[k] == v:
+                out[k] = v
+            elif k == "type":
+                out[k] = _merge_types(out[k], v, where)
+            elif k == "required" and isinstance(v, list) and isinstance(out[k], list):
+                out[k] = list(dict.fromkeys(out[k] + v))
+            else:
+                raise ValueError(f"schema at {where}: keyword {k!r} appears both beside and inside '{keyword}' "
+                                 f"with different values; combining them is not supported")
+        return out
+
+    def normalize(self, schema: dict, where: str) -> dict:
+        """The schema's keywords with one-subschema `allOf` and `$ref`-with-siblings folded in."""
+        body = _strip(schema)
+        for _ in range(64):
+            if "allOf" in body:
+                subs = body.pop("allOf")
+                if not isinstance(subs, list) or len(subs) != 1:
+                    count = len(subs) if isinstance(subs, list) else type(subs).__name__
+                    raise ValueError(f"schema at {where}: 'allOf' with {count} subschemas is not supported "
+                                     f"(only one)")
+                sub = self.check_schema(subs[0], f"{where}/allOf/0")
+                if sub is not True:
+                    body = self.merge(body, _strip(sub), where, "allOf")
+            elif "$ref" in body and len(body) > 1:
+                target, _ = self.resolve(body.pop("$ref"), where)
+                target = self.check_schema(target, where)
+                if target is not True:
+                    body = self.merge(body, _strip(target), where, "$ref")
+            else:
+                return body
+        raise ValueError(f"schema at {where}: '$ref'/'allOf' beside other keywords nest too deep (a cycle?)")
+
+    @staticmethod
+    def check_schema(schema, where: str):
+        """A subschema must be a dict or a boolean; False admits nothing, so it cannot be honoured here."""
+        if schema is True or isinstance(schema, dict):
+            return schema
+        if schema is False:
+            raise ValueError(f"schema at {where} is false: no value can satisfy it")
+        raise ValueError(f"schema at {where} must be an object or a boolean, got {type(schema).__name__}")
+
+    # -- compiling -------------------------------------------------------------------------------------------
+
+    def compile(self, schema, where: str) -> _Node:
+        schema = self.check_schema(schema, where)
+        if schema is True:
+            return self.any
+        node = self.memo.get(id(schema))
+        if node is not None:
+            return node
+        body = self.normalize(schema, where)
+        if not body:
+            node = self.any
+        elif set(body) == {"$ref"}:
+            if id(schema) in self.resolving:
+                raise ValueError(f"schema at {where}: $ref {body['$ref']!r} refers back to itself through $refs "
+                                 f"alone, so no value can satisfy it")
+            self.resolving.add(id(schema))
+            node = self.compile(*self.resolve(body["$ref"], where))
+            self.resolving.discard(id(schema))
+        else:
+            node = _Node(where)
+            self.memo[id(schema)] = node  # before filling: a recursive $ref finds it
+            self.nodes.append(node)
+            outer, self.resolving = self.resolving, set()
+            if "anyOf" in body or "oneOf" in body:
+                self.fill_union(node, body, where)
+            else:
+                self.fill_basic(node, body, where)
+            self.resolving = outer
+        self.memo[id(schema)] = node
+        return node
+
+    def fill_union(self, node: _Node, body: dict, where: str):
+        """anyOf/oneOf: one branch per subschema, each with the sibling keywords folded in."""
+        keyword = "anyOf" if "anyOf" in body else "oneOf"
+        subs = body.pop(keyword)
+        if not isinstance(subs, list) or not subs:
+            raise ValueError(f"schema at {where}: '{keyword}' must be a non-empty list of schemas")
+        branches = []
+        for k, sub in enumerate(subs):
+            sub_where = f"{where}/{keyword}/{k}"
+            if sub is False:
+                continue
+            sub = {} if sub is True else self.check_schema(sub, sub_where)
+            if body:  # the siblings hold in every branch
+                sub = self.merge(body, _strip(sub), sub_where, keyword)
+                self.keep.append(sub)
+            branches.append(self.compile(sub, sub_where))
+        if not branches:
+            raise ValueError(f"schema at {where}: '{keyword}' has no satisfiable subschema")
+        node.branches = branches
+
+    def fill_basic(self, node: _Node, body: dict, where: str):
+        for k in body:
+            if k in _REFUSED:
+                raise ValueError(f"schema at {where}: keyword {k!r} is not supported")
+            if k not in _ENFORCED and k not in _UNENFORCED:
+                raise ValueError(f"schema at {where}: unknown keyword {k!r}")
+        types = _type_set(body["type"], where) if "type" in body else set(_TYPES)
+        node.types = frozenset(types)
+        if "enum" in body or "const" in body:
+            node.literals = self.literals(body, where)
+        if "string" in types:
+            node.string = self.string_side(body, where)
+        if "object" in types:
+            strict = self.strict and ("properties" in body or "type" in body)
+            node.obj = self.object_side(body, where, strict)
+        if "array" in types:
+            node.arr = self.array_side(body, where)
+
+    def literals(self, body: dict, where: str):
+        if "enum" in body:
+            values = body["enum"]
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"schema at {where}: 'enum' must be a non-empty list, got {values!r}")
+            if "const" in body:
+                key = _canonical(body["const"])
+                values = [v for v in values if _canonical(v) == key]
+                if not values:
+                    raise ValueError(f"schema at {where}: 'const' is not among the 'enum' values")
+        else:
+            values = [body["const"]]
+        out = {}
+        for v in values:
+            out.setdefault(_compact(v, where), v)
+        return [(v, s) for s, v in out.items()]
+
+    @staticmethod
+    def count(body: dict, keyword: str, where: str, default):
+        value = body.get(keyword, default)
+        if value is not default and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"schema at {where}: '{keyword}' must be an int >= 0, got {value!r}")
+        return value
+
+    @staticmethod
+    def check_range(lo: int, hi, lo_name: str, hi_name: str, where: str):
+        if hi is not None and lo > hi:
+            raise ValueError(f"schema at {where}: '{lo_name}' {lo} exceeds '{hi_name}' {hi}")
+
+    def string_side(self, body: dict, where: str):
+        lo = self.count(body, "minLength", where, 0)
+        hi = self.count(body, "maxLength", where, None)
+        self.check_range(lo, hi, "minLength", "maxLength", where)
+        return (lo, hi)
+
+    def object_side(self, body: dict, where: str, strict: bool) -> _Object:
+        declared = body.get("properties", {})
+        if not isinstance(declared, dict):
+            raise ValueError(f"schema at {where}: 'properties' must be an object, got {type(declared).__name__}")
+        props, forbidden = {}, set()
+        for name, sub in declared.items():
+            if sub is False:
+                forbidden.add(name)
+            else:
+                props[name] = self.compile(sub, f"{where}/properties/{_escape_pointer(name)}")
+        required = body.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError(f"schema at {where}: 'required' must be a list of strings, got {required!r}")
+        if "additionalProperties" not in body:
+            additional = None if strict else self.any
+        elif body["additionalProperties"] is False:
+            additional = None
+        else:
+            additional = self.compile(body["additionalProperties"], f"{where}/additionalProperties")
+        for name in required:
+            if name in forbidden:
+                raise ValueError(f"schema at {where}: 'required' names {name!r}, whose schema is false")
+            if name not in props and additional is None:
+                raise ValueError(f"schema at {where}: 'required' names {name!r}, which is not in 'properties' "
+                                 f"and additional properties are not allowed")
+        lo = self.count(body, "minProperties", where, 0)
+        hi = self.count(body, "maxProperties", where, None)
+        self.check_range(lo, hi, "minProperties", "maxProperties", where)
+        if hi is not None and len(set(required)) > hi:
+            raise ValueError(f"schema at {where}: 'required' names {len(set(required))} keys but 'maxProperties' "
+                             f"is {hi}")
+        return _Object(where, props, frozenset(forbidden), frozenset(required), additional, lo, hi)
+
+    def array_side(self, body: dict, where: str) -> _Array:
+        lo = self.count(body, "minItems", where, 0)
+        hi = self.count(body, "maxItems", where, None)
+        self.check_range(lo, hi, "minItems", "maxItems", where)
+        first = body.get("prefixItems", [])
+        if not isinstance(first, list):
+            raise ValueError(f"schema at {where}: 'prefixItems' must be a list of schemas")
+        prefix = []
+        for k, sub in enumerate(first):
+            if sub is False:  # no item k: the array stops before it
+                hi = k if hi is None else min(hi, k)
+                break
+            prefix.append(self.compile(sub, f"{where}/prefixItems/{k}"))
+        items = body.get("items", True)
+        if isinstance(items, list):
+            raise ValueError(f"schema at {where}: 'items' as a list is not supported (use 'prefixItems')")
+        items = None if items is False else self.compile(items, f"{where}/items")
+        most = hi if items is not None else min(len(prefix), _NO_LIMIT if hi is None else hi)
+        if most is not None and lo > most:
+            raise ValueError(f"schema at {where}: 'minItems' {lo} exceeds the {most} items the array may hold")
+        return _Array(where, tuple(prefix), items, lo, hi)
+
+    # -- finishing -------------------------------------------------------------------------------------------
+
+    def finish(self, root: _Node):
+        """Flatten unions, filter enum values by their sibling keywords, check every value can end, fill starts."""
+        for node in self.nodes:
+            self.flatten(node)
+        for node in self.nodes:
+            if node.literals is not None:
+                kept = [(v, s) for v, s in node.literals if node.admits_basic(v, check_literals=False)]
+                if not kept:
+                    raise ValueError(f"schema at {node.pointer}: no 'enum'/'const' value satisfies the other "
+                                     f"keywords")
+                node.literals = kept
+        self.check_finite(root)
+        for node in self.nodes:
+            if node.branches is None:
+                node.build_starts()
+        for node in self.nodes:
+            if node.branches is not None:
+                merged = {}
+                for basic in node.basics:
+                    for b, heads in basic.starts.items():
+                        merged.setdefault(b, {}).update(dict.fromkeys(heads))
+                node.starts = {b: tuple(heads) for b, heads in merged.items()}
+
+    @staticmethod
+    def flatten(node: _Node):
+        """Set `basics`: the non-union nodes a union stands for, through nested and recursive unions."""
+        if node.branches is None:
+            node.basics = (node,)
+            return
+        found, seen, todo = {}, {node}, list(node.branches)
+        while todo:
+            n = todo.pop(0)
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.branches is None:
+                found[n] = None
+            else:
+                todo.extend(n.branches)
+        if not found:
+            raise ValueError(f"schema at {node.pointer}: 'anyOf'/'oneOf' refers only to itself, so no value can "
+                             f"satisfy it")
+        node.basics = tuple(found)
+
+    def check_finite(self, root: _Node):
+        """Refuse schemas where a reachable kind of value can never be finished (e.g. an object that requires a
+        property of its own type): a decoder could start such a value and then never end the document."""
+        finishable = set()  # basic nodes with some finite value
+
+        def can_end(node):
+            return any(b in finishable for b in node.basics)
+
+        def side_ends(basic, side):
+            if side == "object":
+                obj = basic.obj
+                if not all(can_end(obj.value_node(r)) for r in obj.required):
+                    return False
+                optional = sum(1 for k, n in obj.props.items() if k not in obj.required and can_end(n))
+                unlimited = not obj.exact and can_end(obj.additional)
+                return unlimited or len(obj.required) + optional >= obj.min_props
+            if side == "array":
+                return all(can_end(basic.arr.item(k)) for k in range(basic.arr.min_items))
+            return True
+
+        def sides(basic):
+            return ["literal"] if basic.literals is not None else sorted(basic.types)
+
+        basics = [n for n in self.nodes if n.branches is None]
+        changed = True
+        while changed:
+            changed = False
+            for b in basics:
+                if b not in finishable and any(side_ends(b, s) for s in sides(b)):
+                    finishable.add(b)
+                    changed = True
+        seen, todo = set(), [root]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node.branches is not None:
+                todo.extend(node.branches)
+                continue
+            for side in sides(node):
+                if not side_ends(node, side):
+                    raise ValueError(f"schema at {node.pointer}: no finite {side} satisfies it (a required "
+                                     f"property or minItems recurses forever)")
+            if node.literals is None and node.obj is not None:
+                todo.extend(node.obj.props.values())
+                if node.obj.additional is not None:
+                    todo.append(node.obj.additional)
+            if node.literals is None and node.arr is not None:
+                todo.extend(node.arr.prefix)
+                if node.arr.items is not None:
+                    todo.append(node.arr.items)
+
+
+def compile_schema(schema, *, strict: bool = False, max_whitespace: int = 20) -> "JsonGrammar":
+    """Compile a JSON Schema into a byte-level matcher.
+
+    schema: a JSON Schema dict, or True / {} for any JSON value, or None for any JSON object (OpenAI json_object
+    mode). strict: OpenAI `strict: true` (see the module docstring). max_whitespace: the longest whitespace run
+    allowed between tokens, before the value and after it. Raises ValueError naming the JSON pointer of the
+    subschema and the keyword when the schema cannot be honoured.
+    """
+    if not isinstance(max_whitespace, int) or isinstance(max_whitespace, bool) or max_whitespace < 0:
+        raise ValueError(f"max_whitespace must be an int >= 0, got {max_whitespace!r}")
+    compiler = _Compiler(schema, bool(strict))
+    if schema is None:
+        root = compiler.object_root()
+    else:
+        root = compiler.compile(schema, "#")
+    compiler.finish(root)
+    return JsonGrammar(root, max_whitespace)
+
+
+class JsonGrammar:
+    """A compiled schema: feed bytes to `advance` from `start`. States are hashable; see the module docstring."""
+
+    def __init__(self, root: _Node, max_whitespace: int):
+        self._root = root
+        self._max_ws = max_whitespace
+        self.start = (_VAL, root, 0, (_END, 0))
+        self._steps = (self._value, self._string, self._number, self._literal, self._object, self._array,
+                       self._exact_key, self._any_key, self._end)
+
+    # -- public ----------------------------------------------------------------------------------------------
+
+    def advance(self, state, data: bytes):
+        """The state after `data` (bytes) from `state`, or None when no valid document continues that way."""
+        out = []
+        if type(state) is frozenset:
+            for config in state:
+                self._run(config, data, 0, out)
+        else:
+            self._run(state, data, 0, out)
+        if len(out) == 1:
+            return out[0]
+        if not out:
+            return None
+        states = frozenset(out)
+        return states if len(states) > 1 else out[0]
+
+    def complete(self, state) -> bool:
+        """Whether the bytes read so far form a whole valid document."""
+        for config in state if type(state) is frozenset else (state,):
+            kind = config[0]
+            if kind == _END:
+                return True
+            if kind == _NUM and config[2] in _NUMBER_DONE and config[3][0] == _END:
+                return True
+            if kind == _LIT and config[2] in config[1].values and config[3][0] == _END:
+                return True
+        return False
+
+    def can_continue(self, state) -> bool:
+        """Whether some byte may still follow (False: the document is complete and nothing more fits)."""
+        for config in state if type(state) is frozenset else (state,):
+            if config[0] != _END or config[1] < self._max_ws:
+                return True
+        return False
+
+    def takes_plain_text(self, state) -> bool:
+        """Whether every run of plain string text (`is_plain_text`) may follow `state`: it is inside a string value
+        without a length limit, or inside a key that may be any string, between characters (not in an escape or a
+        multi-byte character). A decoder may then accept such tokens without advancing over each."""
+        if type(state) is frozenset:
+            return False
+        kind = state[0]
+        if kind == _STR:
+            return state[1][1] is None and state[3] == 0 and state[4] == 0
+        return kind == _KEYA and state[3] == 0 and state[4] == 0
+
+    @staticmethod
+    def is_plain_text(data: bytes) -> bool:
+        """Whether `data` is plain string text: printable ASCII other than `"` and `\\`, and whole UTF-8
+        characters."""
+        return _PLAIN_RUN(data).end() == len(data)
+
+    # -- driving ---------------------------------------------------------------------------------------------
+
+    def _run(self, config, data: bytes, i: int, out: list):
+        """Feed data[i:] to one configuration; append what it becomes (several where it forks) to out."""
+        n = len(data)
+        steps = self._steps
+        while i < n:
+            config, i = steps[config[0]](config, data, i)
+            if config is None:
+                return
+            if type(config) is list:
+                for alternative in config:
+                    self._run(alternative, data, i, out)
+                return
+        out.append(config)
+
+    def _blanks(self, data: bytes, i: int, ws: int):
+        """Skip the whitespace at data[i:] -> (j, ws) with ws the run length so far; j = -1 past the limit."""
+        j = _WS_RUN(data, i).end()
+        ws += j - i
+        return (-1 if ws > self._max_ws else j), ws
+
+    # Each step reads from data[i] (i < len(data)) and returns (configuration, j): the next configuration and
+    # where reading goes on, (None, i) to reject, or (list of configurations, j) to fork.
+
+    def _value(self, config, data, i):
+        _, node, ws, parent = config
+        b = data[i]
+        if _IS_WS[b]:
+            i, ws = self._blanks(data, i, ws)
+            if i < 0:
+                return None, 0
+            if i == len(data):
+                return (_VAL, node, ws, parent), i
+            b = data[i]
+        heads = node.starts.get(b)
+        if heads is None:
+            return None, i
+        if len(heads) == 1:
+            head = heads[0]
+            return (parent if head is None else head + (parent,)), i + 1
+        return [parent if head is None else head + (parent,) for head in heads], i + 1
+
+    def _string(self, config, data, i):
+        _, bounds, count, utf8, esc, parent = config
+        j, utf8, esc, chars, closed = _lex_string(data, i, utf8, esc)
+        if j < 0:
+            return None, i
+        if chars:
+            lo, hi = bounds
+            count += chars
+            if hi is not None:
+                if count > hi:
+                    return None, i
+            elif count > lo:
+                count = lo
+        if closed:
+            return (parent if count >= bounds[0] else None), j
+        return (_STR, bounds, count, utf8, esc, parent), j
+
+    def _number(self, config, data, i):
+        _, integer_only, phase, parent = config
+        table = _INTEGER_TABLE if integer_only else _NUMBER_TABLE
+        n = len(data)
+        while i < n:
+            nxt = table[phase][data[i]]
+            if nxt < 0:  # the number ends here, if it may; the byte goes to the parent
+                return (parent if phase in _NUMBER_DONE else None), i
+            phase = nxt
+            i += 1
+        return (_NUM, integer_only, phase, parent), i
+
+    def _literal(self, config, data, i):
+        _, info, prefix, parent = config
+        whole = prefix + data[i:]
+        if whole in info.prefixes:
+            return (parent if whole in info.final else (_LIT, info, whole, parent)), len(data)
+        n = len(data)
+        while i < n:
+            p = prefix + data[i:i + 1]
+            if p not in info.prefixes:
+                return (parent if prefix in info.values else None), i
+            prefix = p
+            i += 1
+            if p in info.final:
+                return parent, i
+        return (_LIT, info, prefix, parent), i
+
+    def _object(self, config, data, i):
+        _, obj, phase, seen, ws, value_node, parent = config
+        b = data[i]
+        if _IS_WS[b]:
+            i, ws = self._blanks(data, i, ws)
+            if i < 0:
+                return None, 0
+            if i == len(data):
+                return (_OBJ, obj, phase, seen, ws, value_node, parent), i
+            b = data[i]
+        if phase == _OBJ_VALUE:
+            if b == _COMMA:
+                if len(seen) < obj.key_limit:
+                    return (_OBJ, obj, _OBJ_COMMA, seen, 0, None, parent), i + 1
+            elif b == _RBRACE:
+                if len(seen) >= obj.min_props and obj.required <= seen:
+                    return parent, i + 1
+            return None, i
+        if phase == _OBJ_KEY:
+            if b == _COLON:
+                return (_VAL, value_node, 0, (_OBJ, obj, _OBJ_VALUE, seen, 0, None, parent)), i + 1
+            return None, i
+        if b == _QUOTE and len(seen) < obj.key_limit:
+            if obj.exact or obj.only_required_left(seen):
+                return (_KEYX, obj, b'"', seen, parent), i + 1
+            return (_KEYA, obj, b'"', 0, 0, seen, parent), i + 1
+        if b == _RBRACE and phase == _OBJ_OPEN and obj.min_props == 0 and not obj.required:
+            return parent, i + 1
+        return None, i
+
+    @staticmethod
+    def _key_read(obj: _Object, name: str, seen, parent):
+        """The configuration after a whole key: wait for `:`, then a value of the key's schema."""
+        if name in seen or name in obj.forbidden:
+            return None
+        seen = seen.union((name,))
+        if obj.max_props is not None and len(seen) + len(obj.required - seen) > obj.max_props:
+            return None
+        node = obj.value_node(name)
+        if node is None:
+            return None
+        return (_OBJ, obj, _OBJ_KEY, seen, 0, node, parent)
+
+    def _exact_key(self, config, data, i):
+        _, obj, prefix, seen, parent = config
+        quote = data.find(b'"', i)
+        if quote >= 0:  # the likely end of the key: try it whole
+            name = obj.key_full.get(prefix + data[i:quote + 1])
+            if name is not None:
+                return self._key_read(obj, name, seen, parent), quote + 1
+        n = len(data)
+        check_seen = bool(seen) or obj.max_props is not None
+        while i < n:
+            p = prefix + data[i:i + 1]
+            names = obj.key_prefixes.get(p)
+            if names is None or (check_seen and not obj.may_become(names, seen)):
+                return None, i
+            prefix = p
+            i += 1
+            name = obj.key_full.get(p)
+            if name is not None:
+                return self._key_read(obj, name, seen, parent), i
+        return (_KEYX, obj, prefix, seen, parent), i
+
+    def _any_key(self, config, data, i):
+        _, obj, raw, utf8, esc, seen, parent = config
+        j, utf8, esc, _, closed = _lex_string(data, i, utf8, esc)
+        if j < 0:
+            return None, i
+        raw += data[i:j]
+        if not closed:
+            return (_KEYA, obj, raw, utf8, esc, seen, parent), j
+        name = json.loads(raw) if b"\\" in raw else raw[1:-1].decode()
+        return self._key_read(obj, name, seen, parent), j
+
+    def _array(self, config, data, i):
+        _, arr, phase, count, ws, parent = config
+        b = data[i]
+        if _IS_WS[b]:
+            i, ws = self._blanks(data, i, ws)
+            if i < 0:
+                return None, 0
+            if i == len(data):
+                return (_ARR, arr, phase, count, ws, parent), i
+            b = data[i]
+        if b == _RBRACKET:
+            return (parent if count >= arr.min_items else None), i + 1
+        if phase == _ARR_OPEN:  # the first item starts here: hand the byte (and the blanks so far) to it
+            node = arr.item(0)
+            if node is None:
+                return None, i
+            return (_VAL, node, ws, (_ARR, arr, _ARR_VALUE, min(1, arr.cap), 0, parent)), i
+        if b == _COMMA:
+            node = arr.item(count)
+            if node is None:
+                return None, i
+            return (_VAL, node, 0, (_ARR, arr, _ARR_VALUE, min(count + 1, arr.cap), 0, parent)), i + 1
+        return None, i
+
+    def _end(self, config, data, i):
+        j, ws = self._blanks(data, i, config[1])
+        if j != len(data):
+            return None, i
+        return (_END, ws), j

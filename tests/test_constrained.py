@@ -1,0 +1,193 @@
+"""Constrained decoding (`openm3.engine.constrained`): each pick is the sampler's choice over the logits with every
+token the grammar refuses masked out, checked against a brute-force mask of the whole vocabulary: the same
+tokens for greedy, top-k and top-p (same generator, same draws), the same distribution for temperature alone
+(Gumbel-max, counted); stop tokens only at a whole document; a reasoning block before the grammar; the token
+bytes of the trained tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openm3.data.tokenizer import THINK_END, THINK_START, TokenizerSettings, get_tokenizer
+from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionCache, draw
+from openm3.engine.sampling import SamplingParams, filter_logits
+
+EOS, T0, T1 = 0, 1, 2  # the toy vocabulary's special tokens: end, think start, think end
+PIECES = [None, None, None, b"0", b"1", b"12", b"a", b"3a", b"45", b"6", b" ", b"789", b"9", b"x9", b"00000"]
+
+
+class Digits:
+    """A toy grammar: 1 to `most` ASCII digits. State: how many were read."""
+
+    def __init__(self, most: int):
+        self.most, self.start = most, 0
+
+    def advance(self, state: int, data: bytes) -> int | None:
+        n = state + len(data)
+        return n if data.isdigit() and n <= self.most else None
+
+    def complete(self, state: int) -> bool:
+        return state >= 1
+
+    def can_continue(self, state: int) -> bool:
+        return state < self.most
+
+
+def constraint(most: int = 5, think: bool = False, lazy_checks: int = 512) -> GrammarConstraint:
+    return GrammarConstraint(TransitionCache(Digits(most), TokenBytes(PIECES)), [EOS],
+                             think=(T1 - 1, T1) if think else None, lazy_checks=lazy_checks)
+
+
+def brute_mask(c: GrammarConstraint) -> torch.Tensor:
+    """bool [V]: every token checked against the grammar."""
+    ok = torch.zeros(len(PIECES), dtype=torch.bool)
+    for t, piece in enumerate(PIECES):
+        if t == EOS:
+            ok[t] = c.grammar.complete(c.state)
+        elif piece is not None:
+            ok[t] = c.grammar.advance(c.state, piece) is not None
+    return ok
+
+
+def oracle_pick(masked: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
+    """The pick from a row with every refused token masked: argmax, or `draw` over the whole row."""
+    return int(masked.argmax()) if sampling.greedy else draw(masked, sampling, gen)
+
+
+def test_draw_samples_the_filtered_distribution():
+    """(And under top-k, rows beyond the k most likely change nothing; under top-p that takes the settled nucleus
+    of `GrammarConstraint`, tested by the picks below.)"""
+    row = torch.randn(40, generator=torch.Generator().manual_seed(0)) * 2
+    for sampling in (SamplingParams(0.9, top_p=0.8), SamplingParams(1.2, top_k=5)):
+        want = filter_logits(row[None], sampling).softmax(-1)[0]
+        gen = torch.Generator().manual_seed(1)
+        counts = torch.bincount(torch.tensor([draw(row, sampling, gen) for _ in range(20_000)]), minlength=40)
+        assert (counts / 20_000 - want).abs().sum() < 0.03
+        if not sampling.top_k:
+            continue
+        top = row.argsort(descending=True)[:sampling.top_k + 3]  # the filtered set and a few more
+        for seed in range(50):
+            a = draw(row, sampling, torch.Generator().manual_seed(seed))
+            b = int(top[draw(row[top], sampling, torch.Generator().manual_seed(seed))])
+            assert a == b
+
+
+MODES = {"greedy": SamplingParams(), "top_k-3": SamplingParams(0.9, top_k=3),
+         "top_p-0.7": SamplingParams(1.3, top_p=0.7), "top_k-top_p": SamplingParams(0.7, top_p=0.8, top_k=4)}
+
+
+@pytest.mark.parametrize("lazy_checks", [512, 1], ids=["lazy", "full-mask"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_picks_equal_sampling_from_the_brute_force_mask(mode, lazy_checks):
+    sampling, full_masks = MODES[mode], 0
+    for trial in range(150):
+        c = constraint(most=5, lazy_checks=lazy_checks)
+        gen_a, gen_b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        logits = torch.randn(8, len(PIECES), generator=torch.Generator().manual_seed(1000 + trial)) * 3
+        for step in range(8):
+            masked = logits[step].masked_fill(~brute_mask(c), float("-inf"))
+            want = oracle_pick(masked, sampling, gen_b)
+            got = c.pick(logits[step], sampling, gen_a)
+            assert got == want, (trial, step)
+            if got == EOS:
+                break
+        assert c.complete or got != EOS
+        full_masks += c.full_masks
+    assert (full_masks > 20) if lazy_checks == 1 else full_masks == 0  # which path decided the picks
+
+
+@pytest.mark.parametrize("lazy_checks", [512, 1], ids=["lazy", "full-mask"])
+def test_temperature_alone_samples_the_masked_distribution(lazy_checks):
+    sampling = SamplingParams(0.8)
+    logits = torch.randn(len(PIECES), generator=torch.Generator().manual_seed(3)) * 2
+    c = constraint(most=5, lazy_checks=lazy_checks)
+    c.state = 3  # two more digits at most: '45', '0', '1', '12', '6', '9' and the end are allowed
+    want = filter_logits(logits.masked_fill(~brute_mask(c), float("-inf"))[None], sampling).softmax(-1)[0]
+    gen, draws = torch.Generator().manual_seed(0), 20_000
+    counts = torch.zeros(len(PIECES))
+    for _ in range(draws):
+        c.state = 3
+        counts[c.pick(logits, sampling, gen)] += 1
+    assert (counts / draws - want).abs().sum() < 0.03  # total variation
+    assert counts[brute_mask(c) == 0].sum() == 0 or c.state != 3
+
+
+def test_the_end_comes_only_with_a_whole_document_and_then_must_come():
+    logits = torch.zeros(len(PIECES))
+    logits[EOS] = 50.0  # the model wants to stop at once
+    c = constraint(most=3)
+    assert c.pick(logits, SamplingParams()) != EOS  # nothing read yet: not a document
+    logits = torch.zeros(len(PIECES))
+    logits[PIECES.index(b"12")] = 50.0  # then wants more digits than allowed
+    tokens = [c.pick(logits, SamplingParams()) for _ in range(3)]
+    assert c.grammar.complete(c.state) and tokens[-1] == EOS
+
+
+def test_a_reasoning_block_comes_before_the_grammar():
+    sampling = SamplingParams()
+    c = constraint(think=True)
+    want = [T0, PIECES.index(b"a"), T1, PIECES.index(b"6")]  # 'a' is free text inside the block
+    picks = []
+    for token in want:
+        logits = torch.zeros(len(PIECES))
+        logits[token] = 10.0
+        picks.append(c.pick(logits, sampling))
+    assert picks == want and c.state == 1
+    c = constraint(think=True)
+    logits = torch.zeros(len(PIECES))
+    logits[PIECES.index(b"a")] = 10.0  # outside the block 'a' is refused
+    assert c.pick(logits, sampling) != PIECES.index(b"a")
+
+
+def test_a_constraint_needs_a_stop_token():
+    with pytest.raises(ValueError, match="stop_tokens"):
+        GrammarConstraint(TransitionCache(Digits(2), TokenBytes(PIECES)), [])
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return get_tokenizer(TokenizerSettings(vocab_size=1024, chars_per_corpus=150_000), tmp_path_factory.mktemp("tok"))
+
+
+SCHEMA = {"type": "object", "required": ["name", "n"], "additionalProperties": False,
+          "properties": {"name": {"type": "string"}, "n": {"type": "integer"}, "kind": {"enum": ["a", "bc"]},
+                         "notes": {"type": "array", "items": {"type": "string", "maxLength": 6}}}}
+
+
+@pytest.mark.parametrize("lazy_checks", [512, 4], ids=["lazy", "full-mask"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_json_picks_over_a_real_vocabulary_equal_the_brute_force_mask(tok, mode, lazy_checks):
+    """The JSON grammar over the trained tokenizer's 1,024 tokens (plain-text tokens inside strings taken
+    without checks): every pick equals sampling from a mask that checks each token."""
+    from openm3.engine.json_grammar import compile_schema
+
+    vocab, sampling = TokenBytes.from_tokenizer(tok), MODES[mode]
+    transitions = TransitionCache(compile_schema(SCHEMA, max_whitespace=2), vocab)
+    plain_steps = 0
+    for trial in range(6):
+        c = GrammarConstraint(transitions, [tok.eos_id], lazy_checks=lazy_checks)
+        gen_a, gen_b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        noise = torch.Generator().manual_seed(100 + trial)
+        for _ in range(40):
+            logits = torch.randn(len(vocab), generator=noise) * 4
+            grammar = c.grammar
+            ok = torch.tensor([(t == tok.eos_id and grammar.complete(c.state)) or
+                               (p is not None and grammar.advance(c.state, p) is not None)
+                               for t, p in enumerate(vocab.pieces)])
+            plain_steps += transitions.takes_plain_text(c.state)
+            want = oracle_pick(logits.masked_fill(~ok, float("-inf")), sampling, gen_b)
+            assert c.pick(logits, sampling, gen_a) == want
+            if want == tok.eos_id:
+                break
+    assert plain_steps > 5
+
+
+def test_token_bytes_of_the_trained_tokenizer(tok):
+    vocab = TokenBytes.from_tokenizer(tok)
+    assert len(vocab) == tok.vocab_size
+    assert all(vocab.pieces[tok.token_id(s)] is None for s in (THINK_START, THINK_END))
+    assert vocab.pieces[tok.eos_id] is None and int(vocab.first_byte[tok.eos_id]) == 256
+    text = 'def f(x):\n    return {"naïve": [1, 2.5e-3, null], "€": "\\u00e9"}  # 😀\t'
+    ids = tok.encode(text)
+    assert b"".join(vocab.pieces[t] for t in ids) == text.encode("utf-8")

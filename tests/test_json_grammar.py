@@ -1,0 +1,544 @@
+"""Tests for openm3.engine.json_grammar, with `jsonschema` as the independent oracle: valid documents in several
+spellings and chunkings are accepted and complete exactly at their end; invalid ones are rejected at the first byte
+no valid document can continue; random walks over the accepted bytes end in documents that validate; schemas the
+matcher cannot honour raise ValueError naming the pointer and the keyword."""
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import jsonschema
+import pytest
+
+from openm3.engine.json_grammar import JsonGrammar, compile_schema
+
+# ---------------------------------------------------------------------------------------------------------------
+# Schemas, each with valid instances (`literal` ones only in the compact unicode spelling, which is the only one an
+# enum/const or an exactly-spelled key accepts) and the schema the oracle validates against.
+
+
+@dataclass
+class Case:
+    name: str
+    schema: object
+    valid: list
+    literal: list = field(default_factory=list)
+    strict: bool = False
+    oracle: object = None
+
+    def __post_init__(self):
+        if self.oracle is None:
+            self.oracle = {"type": "object"} if self.schema is None else self.schema
+
+
+def strict_oracle(schema):
+    """The schema strict mode means: objects that declare properties take no others unless they say so."""
+    if isinstance(schema, dict):
+        out = {k: strict_oracle(v) for k, v in schema.items()}
+        if ("properties" in schema or schema.get("type") == "object") and "additionalProperties" not in schema:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict_oracle(v) for v in schema]
+    return schema
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"],
+         "additionalProperties": False}
+STRICT_SCHEMA = {"type": "object", "required": ["a"], "properties": {
+    "a": {"type": "integer"}, "o": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+
+CASES = [
+    Case("flat", {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}, "score": {"type": "number"},
+        "ok": {"type": "boolean"}, "note": {"type": ["string", "null"]}}},
+        [{"name": "Ann", "age": 31}, {"age": 0, "name": "", "score": -1.5e-3, "ok": True, "note": None},
+         {"name": "x", "age": -7, "note": "n", "extra": [1, {"y": 2}]}]),
+    Case("nested", {"type": "object", "required": ["user"], "properties": {"user": {
+        "type": "object", "required": ["id", "address"], "properties": {
+            "id": {"type": "integer"},
+            "address": {"type": "object", "required": ["city"], "additionalProperties": False,
+                        "properties": {"city": {"type": "string"}, "zip": {"type": "string"}}}}}}},
+        [{"user": {"id": 1, "address": {"city": "Oslo"}}},
+         {"user": {"address": {"zip": "0150", "city": "Bergen"}, "id": 22, "more": False}}]),
+    Case("array", {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+         [[1, 2], [0, -1, 20, 300], [5, 6, 7]]),
+    Case("prefix", {"type": "array", "prefixItems": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}],
+                    "items": False, "minItems": 1},
+         [["a"], ["a", 1.5], ["é", 2, False]]),
+    Case("prefix_then_items", {"type": "array", "prefixItems": [{"type": "string"}], "items": {"type": "null"}},
+         [[], ["x"], ["x", None, None]]),
+    Case("enum", {"enum": ["red", "grün", 1, 12, 2.5, True, None, {"a": [1]}, [1, "x"]]},
+         ["red", 1, 12, 2.5, True, None], literal=["grün", {"a": [1]}, [1, "x"]]),
+    Case("enum_in_object", {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "greenish"]}, "n": {"enum": [1, 12, 123]}}},
+        [{"color": "green", "n": 12}, {"n": 1}, {"n": 123, "color": "greenish"}]),
+    Case("const", {"type": "object", "required": ["kind", "r"], "properties": {
+        "kind": {"const": "circle"}, "r": {"type": "number"}}},
+        [{"kind": "circle", "r": 2}, {"r": 0.5, "kind": "circle"}]),
+    Case("any_of_shapes", {"anyOf": [
+        {"type": "object", "required": ["kind", "r"], "additionalProperties": False,
+         "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}}},
+        {"type": "object", "required": ["kind", "w", "h"], "additionalProperties": False,
+         "properties": {"kind": {"const": "rect"}, "w": {"type": "number"}, "h": {"type": "number"}}},
+        {"type": "null"}]},
+        [{"kind": "circle", "r": 1}, {"w": 2, "kind": "rect", "h": 3}, None]),
+    Case("defs_refs", {"$defs": {"point": POINT}, "definitions": {"point2": {"allOf": [{"$ref": "#/$defs/point"}],
+                                                                             "description": "the same"}},
+                       "type": "object", "required": ["a"], "properties": {
+                           "a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/definitions/point2"},
+                           "path": {"type": "array", "items": {"$ref": "#/$defs/point"}}}},
+         [{"a": {"x": 1, "y": 2}}, {"b": {"y": 0, "x": -1}, "a": {"x": 1.5, "y": 2}, "path": [{"x": 0, "y": 0}]}]),
+    Case("tree", {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}}},
+        [{"name": "root"}, {"name": "r", "children": [{"name": "a", "children": []},
+                                                      {"name": "b", "children": [{"name": "c"}]}]}]),
+    Case("strings", {"type": "object", "additionalProperties": False, "properties": {
+        "short": {"type": "string", "maxLength": 3}, "long": {"type": "string", "minLength": 2, "maxLength": 6},
+        "any": {"type": "string"}}},
+        [{"short": "né", "long": "日本語"}, {"short": "😀ab", "long": "a\"\\b"}, {"long": "😀😀"},
+         {"any": "tab\t new\n ☃ \u0001 \U0001F600 \\u / \u2028"}]),
+    Case("numbers", {"type": "object", "additionalProperties": False, "properties": {
+        "i": {"type": "integer"}, "n": {"type": "number"}}},
+        [{"i": 0, "n": 0}, {"i": -12, "n": 1.25e-7}, {"i": 10 ** 20, "n": -0.0}, {"n": 1e300}, {"n": 12.5}]),
+    Case("additional_false", {"type": "object", "additionalProperties": False, "properties": {
+        "a": {"type": "integer"}, "ab": {"type": "string"}}},
+        [{}, {"a": 1}, {"ab": "x", "a": 2}]),
+    Case("additional_schema", {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}},
+                               "additionalProperties": {"type": "string"}},
+         [{"a": 1, "b": "x", "é": "y"}, {"a": 2}]),
+    Case("strict", STRICT_SCHEMA, [{"a": 1}, {"a": 1, "o": {"x": "y"}}, {"o": {}, "a": 2}], strict=True,
+         oracle=strict_oracle(STRICT_SCHEMA)),
+    Case("property_counts", {"type": "object", "required": ["c"], "minProperties": 2, "maxProperties": 2,
+                             "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                                            "c": {"type": "integer"}}},
+         [{"a": 1, "c": 2}, {"c": 1, "b": 2}, {"c": 1, "z": None}]),
+    Case("json_object", None, [{}, {"a": [1, 2, {"b": None}]}]),
+    Case("any", True, [1, "x", [], {"a": {"b": [True, None, -1.5]}}, -0.5e10, 0]),
+]
+CASE = {c.name: c for c in CASES}
+
+STYLES = {
+    "compact": dict(separators=(",", ":"), ensure_ascii=False),
+    "compact_ascii": dict(separators=(",", ":")),
+    "default": {},
+    "default_unicode": dict(ensure_ascii=False),
+    "indent": dict(indent=2, ensure_ascii=False),
+    "indent_ascii": dict(indent=2),
+}
+
+
+def grammar(case: Case, **kwargs):
+    return compile_schema(case.schema, strict=case.strict, **kwargs)
+
+
+def is_valid_document(doc: bytes, case: Case) -> bool:
+    """Per the oracle (a key given twice counts as invalid: the matcher refuses it)."""
+    try:
+        value = json.loads(doc, object_pairs_hook=no_duplicate_keys)
+    except (ValueError, AssertionError):
+        return False
+    return jsonschema.Draft202012Validator(case.oracle).is_valid(value)
+
+
+def feed_bytes(g, doc: bytes):
+    """States after each byte of doc, fed one at a time (stops at the first rejection: the list is shorter)."""
+    states, state = [], g.start
+    for k in range(len(doc)):
+        state = g.advance(state, doc[k:k + 1])
+        if state is None:
+            break
+        states.append(state)
+    return states
+
+
+def feed_chunks(g, doc: bytes, rng: random.Random):
+    state, k = g.start, 0
+    while k < len(doc) and state is not None:
+        step = rng.randint(1, 8)
+        state = g.advance(state, doc[k:k + step])
+        k += step
+    return state
+
+
+def first_rejection(g, doc: bytes):
+    """Index of the first byte of doc that no valid document can have there (None if all are accepted)."""
+    states = feed_bytes(g, doc)
+    return None if len(states) == len(doc) else len(states)
+
+
+def documents():
+    for case in CASES:
+        for value in case.valid:
+            for style, kwargs in STYLES.items():
+                yield case, value, style, json.dumps(value, **kwargs).encode()
+        for value in case.literal:
+            yield case, value, "compact", json.dumps(value, **STYLES["compact"]).encode()
+
+
+DOCUMENTS = list(documents())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Valid documents
+
+
+def test_oracle_agrees_the_instances_are_valid():
+    for case, value, _, _ in DOCUMENTS:
+        jsonschema.validate(value, case.oracle, cls=jsonschema.Draft202012Validator)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_valid_documents_are_accepted_byte_by_byte_and_complete_only_at_the_end(name):
+    case = CASE[name]
+    g = grammar(case)
+    for _, value, style, doc in DOCUMENTS:
+        if _ is not case:
+            continue
+        states = feed_bytes(g, doc)
+        assert len(states) == len(doc), f"{style}: rejected at byte {len(states)} of {doc!r}"
+        for k, state in enumerate(states[:-1]):
+            # a strict prefix is complete only where it is itself a valid document (a top-level number)
+            assert g.complete(state) == is_valid_document(doc[:k + 1], case), (style, doc[:k + 1])
+            assert g.can_continue(state)
+        assert g.complete(states[-1]), (style, doc)
+        hash(states[-1])
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_valid_documents_are_accepted_in_random_chunks(name):
+    case = CASE[name]
+    g = grammar(case)
+    rng = random.Random(name)
+    for _, value, style, doc in DOCUMENTS:
+        if _ is not case:
+            continue
+        by_bytes = feed_bytes(g, doc)[-1]
+        for _ in range(4):
+            state = feed_chunks(g, doc, rng)
+            assert state is not None and g.complete(state), (style, doc)
+            assert state == by_bytes, "the state must not depend on how the bytes were cut"
+        assert g.advance(g.start, doc) == by_bytes
+
+
+def test_whitespace_around_the_document_and_its_limit():
+    g = compile_schema({"type": "object"}, max_whitespace=3)
+    state = g.advance(g.start, b'   {"a" :\t1 }\n\r ')
+    assert g.complete(state) and not g.can_continue(state)
+    assert g.advance(state, b" ") is None
+    state = g.advance(g.start, b"{}")
+    assert g.complete(state) and g.can_continue(state)
+    g0 = compile_schema(True, max_whitespace=0)
+    state = g0.advance(g0.start, b"[1,2]")
+    assert g0.complete(state) and not g0.can_continue(state)
+    assert g0.advance(g0.start, b"[ 1]") is None
+
+
+def test_top_level_number_is_complete_and_may_continue():
+    g = compile_schema({"type": "number"})
+    for prefix, complete in [(b"-", False), (b"-1", True), (b"-1.", False), (b"-1.5", True), (b"-1.5e", False),
+                             (b"-1.5e+", False), (b"-1.5e+3", True), (b"-1.5e+3 ", True)]:
+        state = g.advance(g.start, prefix)
+        assert state is not None and g.complete(state) == complete and g.can_continue(state), prefix
+    g = compile_schema({"enum": [1, 12]})
+    state = g.advance(g.start, b"1")
+    assert g.complete(state) and g.can_continue(state)
+    state = g.advance(state, b"2")
+    assert g.complete(state)
+
+
+def test_key_spelled_with_escapes_takes_the_declared_schema():
+    g = grammar(CASE["additional_schema"])
+    assert g.complete(g.advance(g.start, b'{"\\u0061":1}'))
+    assert first_rejection(g, b'{"\\u0061":"x"}') == len(b'{"\\u0061":')
+    doc = b'{"a":1,"\\u0061":2}'
+    assert first_rejection(g, doc) == doc.index(b'":2')  # the same key twice: refused at its closing quote
+
+
+def test_states_are_hashable_and_alternatives_collapse():
+    g = grammar(CASE["any_of_shapes"])
+    state = g.advance(g.start, b"{")
+    assert isinstance(state, frozenset) and len(state) == 2
+    memo = {(state, b'"kind":"c'): g.advance(state, b'"kind":"c')}
+    narrowed = g.advance(state, b'"kind":"c')
+    assert isinstance(narrowed, tuple) and memo[(state, b'"kind":"c')] == narrowed
+    assert g.advance(g.start, b"n") == g.advance(g.start, b"n")
+    assert g.advance(g.start, b"") == g.start
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Invalid documents: rejected at the first byte no valid document can continue (marked by `at`)
+
+RULE = "valid JSON for the schema, refused by a documented rule"
+REJECTIONS = [
+    # (case, document, the bytes that start at the first rejected byte[, RULE])
+    ("flat", b'{"name":"x"}', b"}"),                                          # missing required key
+    ("flat", b'{"name":1}', b"1}"),                                           # wrong type
+    ("flat", b'{"name":"x","age":1.5}', b".5}"),                              # integer, not number
+    ("flat", b'{"name":"x","age":1}x', b"x"),                                 # trailing garbage
+    ("flat", b'{"name":"x","age":1} {', b"{"),
+    ("flat", b'{"name":"x","name":"y","age":1}', b'":"y"'),                   # duplicate key
+    # "city" was given, so no key may start with "c" any more
+    ("nested", b'{"user":{"id":1,"address":{"city":"a","country":"b"}}}', b'country'),
+    ("array", b"[1,2,3,4,5]", b",5]"),                                        # too many items
+    ("array", b"[1]", b"]"),                                                  # too few
+    ("array", b'[1,"2"]', b'"2"]'),
+    ("prefix", b'["a",1,true,null]', b",null]"),
+    ("prefix", b"[]", b"]"),
+    ("prefix", b'[1]', b"1]"),
+    ("enum", b'"rex"', b'x"'),
+    ("enum", b"13", b"3"),
+    ("enum", b'{"a": [1]}', b" [1]}", RULE),                                  # valid, but enum values must be compact
+    ("enum_in_object", b'{"color":"greenish","n":124}', b"4}"),
+    ("const", b'{"kind":"circlx","r":1}', b'x"'),
+    ("any_of_shapes", b'{"kind":"circle","w":1}', b'w"'),
+    ("any_of_shapes", b'{"kind":"rect","w":1}', b"}"),
+    ("tree", b'{"name":"r","children":[{"children":[]}]}', b"}]}"),
+    ("tree", b'{"name":"r","children":[1]}', b"1]}"),
+    ("strings", b'{"long":"a"}', b'"}'),                                      # too short
+    ("strings", b'{"short":"abcd"}', b'd"}'),                                 # too long
+    ("strings", b'{"short":"\xc3\xa9\xc3\xa9\xc3\xa9\xc3\xa9"}', b'\xc3\xa9"}'),
+    ("strings", b'{"short":"\\n\\n\\n\\n"}', b'\\n"}'),
+    ("strings", b'{"any":"\\x"}', b'x"}'),                                    # bad escape
+    ("strings", b'{"any":"\\u12g4"}', b'g4"}'),
+    ("strings", b'{"any":"\\udc00"}', b'c00"}', RULE),                        # lone low surrogate
+    ("strings", b'{"any":"\\ud83dx"}', b'x"}', RULE),                         # high surrogate without its low one
+    ("strings", b'{"any":"\xff"}', b'\xff"}'),                                # invalid UTF-8
+    ("strings", b'{"any":"\x80"}', b'\x80"}'),
+    ("strings", b'{"any":"\xc3\x28"}', b'\x28"}'),
+    ("strings", b'{"any":"\xed\xa0\x80"}', b'\xa0\x80"}', RULE),              # an encoded surrogate
+    ("strings", b'{"any":"\xe6\x97"}', b'"}'),                                # cut short
+    ("strings", b'{"any":"a\nb"}', b'\nb"}'),                                 # raw control byte
+    ("numbers", b'{"i":01}', b"1}"),
+    ("numbers", b'{"n":1.}', b"}"),
+    ("numbers", b'{"n":-}', b"}"),
+    ("numbers", b'{"n":.5}', b".5}"),
+    ("numbers", b'{"n":1e}', b"}"),
+    ("additional_false", b'{"ac":1}', b'c":1}'),                              # extra key
+    ("additional_false", b'{"b":1}', b'b":1}'),
+    ("additional_false", b'{"a":1,"a":2}', b'":2}'),
+    ("additional_false", b'{"a":1,"ab":"x",}', b",}"),                        # no key left to give
+    ("additional_schema", b'{"a":1,"b":2}', b"2}"),
+    ("strict", b'{"a":1,"z":1}', b'z":1}'),
+    ("strict", b'{"a":1,"o":{"y":1}}', b'y":1}}'),
+    ("property_counts", b'{"a":1,"b":2}', b'b":2}'),
+    ("property_counts", b'{"c":1}', b"}"),
+    ("property_counts", b'{"c":1,"a":2,', b","),
+    ("json_object", b"[1]", b"[1]"),
+    ("json_object", b'"x"', b'"x"'),
+    ("any", b"[1,]", b"]"),
+    ("any", b"{,}", b",}"),
+    ("any", b"tru ", b" "),
+    ("any", b"12a", b"a"),
+    ("any", b" " * 21 + b"1", b" 1", RULE),                                   # whitespace run over the limit (20)
+    ("any", b"[1," + b"\n" * 21 + b"2]", b"\n2]", RULE),
+    ("any", b"1" + b"\t" * 21, b"\t", RULE),
+]
+
+
+@pytest.mark.parametrize("name,doc,at,why", [r + (None,) * (4 - len(r)) for r in REJECTIONS],
+                         ids=[f"{r[0]}-{i}" for i, r in enumerate(REJECTIONS)])
+def test_invalid_documents_are_rejected_at_the_first_bad_byte(name, doc, at, why):
+    case = CASE[name]
+    g = grammar(case)
+    assert is_valid_document(doc, case) == (why == RULE)
+    assert first_rejection(g, doc) == doc.rindex(at), doc
+    assert g.advance(g.start, doc) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Random walks over the accepted bytes end in documents the oracle validates
+
+CANDIDATES = ([bytes([b]) for b in range(256)]
+              + ["é".encode(), "中".encode(), "😀".encode()]
+              + [b'{"', b'":', b'",', b'": "', b"},", b"],", b"true", b"null", b"  ", b"\\u00e9", b"\\ud83d\\ude00",
+                 b"\\n", b"12", b"-0.5e3"])
+FINISHERS = [b'"', b"}", b"]", b",", b"0", b"n", b"f", b"t"]
+
+
+def key_tokens(schema) -> list:
+    """Every property name the schema declares, as a quoted key: random bytes would seldom spell a required one."""
+    names = set()
+
+    def visit(node):
+        if isinstance(node, dict):
+            names.update(node.get("properties", {}) if isinstance(node.get("properties"), dict) else ())
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, list):
+            for v in node:
+                visit(v)
+
+    visit(schema)
+    return [json.dumps(n, ensure_ascii=False).encode() for n in sorted(names)]
+
+
+def random_walk(g, rng: random.Random, keys: list) -> bytes:
+    """A document built by picking, each step, a random candidate the grammar accepts; past a few dozen bytes the
+    walk prefers declared keys and bytes that close things, and it stops at a complete document when a coin says
+    so."""
+    state, doc = g.start, b""
+    while True:
+        if g.complete(state) and (not g.can_continue(state) or rng.random() < 0.3):
+            return doc
+        assert g.can_continue(state), doc
+        order = rng.sample(CANDIDATES, len(CANDIDATES))
+        if rng.random() < min(0.95, len(doc) / 60):
+            order = rng.sample(keys, len(keys)) + FINISHERS + order
+        for token in order:
+            nxt = g.advance(state, token)
+            if nxt is not None:
+                break
+        else:
+            raise AssertionError(f"stuck after {doc!r}")
+        state, doc = nxt, doc + token
+        assert len(doc) < 4000, doc
+
+
+def no_duplicate_keys(pairs):
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), keys
+    return dict(pairs)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_random_walks_validate(name):
+    case = CASE[name]
+    g = grammar(case)
+    validator = jsonschema.Draft202012Validator(case.oracle)
+    rng = random.Random(f"walk-{name}")
+    keys = key_tokens(case.schema)
+    for _ in range(25):
+        doc = random_walk(g, rng, keys)
+        value = json.loads(doc, object_pairs_hook=no_duplicate_keys)
+        errors = list(validator.iter_errors(value))
+        assert not errors, (doc, errors[0].message)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Schemas the matcher cannot honour
+
+BAD_SCHEMAS = [
+    ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"minLength": 1}]}}},
+     ["#/properties/a", "'allOf' with 2 subschemas is not supported"]),
+    ({"$ref": "#/definitions/X"}, ["schema at #", "$ref '#/definitions/X' not found"]),
+    ({"properties": {"a": {"$ref": "other.json#/x"}}}, ["#/properties/a", "$ref 'other.json#/x'"]),
+    ({"patternProperties": {"^a": {}}}, ["schema at #", "'patternProperties' is not supported"]),
+    ({"properties": {"a~b/c": {"not": {"type": "null"}}}}, ["#/properties/a~0b~1c", "'not'"]),
+    ({"items": {"if": {}, "then": {}}}, ["#/items", "'if'"]),
+    ({"type": "array", "contains": {"type": "null"}}, ["'contains'"]),
+    ({"dependentRequired": {"a": ["b"]}}, ["'dependentRequired'"]),
+    ({"properties": {"a": {"type": "string", "foo": 1}}}, ["#/properties/a", "unknown keyword 'foo'"]),
+    (False, ["schema at # is false"]),
+    ({"properties": {"a": {"items": False, "minItems": 1}}}, ["#/properties/a", "'minItems'"]),
+    ({"anyOf": [False, False]}, ["'anyOf' has no satisfiable subschema"]),
+    ({"type": "strin"}, ["schema at #", "'type'"]),
+    ({"enum": []}, ["'enum'"]),
+    ({"type": "string", "enum": [1, 2]}, ["'enum'"]),
+    ({"enum": [1], "const": 2}, ["'const'"]),
+    ({"enum": [float("nan")]}, ["not a JSON value"]),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, ["'minLength' 5 exceeds 'maxLength' 2"]),
+    ({"minLength": -1}, ["'minLength' must be an int >= 0"]),
+    ({"type": "object", "required": ["b"], "properties": {"a": {}}, "additionalProperties": False},
+     ["'required' names 'b'"]),
+    ({"type": "object", "required": ["a"], "properties": {"a": False}}, ["'required' names 'a'"]),
+    ({"$defs": {"A": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}, ["refers back to itself"]),
+    ({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}, ["no finite object"]),
+    ({"items": [{}]}, ["'items' as a list"]),
+    ({"type": "object", "required": ["a", "b"], "maxProperties": 1}, ["'maxProperties'"]),
+    ({"type": "integer", "allOf": [{"type": "string"}]}, ["'type'", "no type in common"]),
+    ({"properties": {"a": 3}}, ["#/properties/a", "must be an object or a boolean"]),
+]
+
+
+@pytest.mark.parametrize("schema,needles", BAD_SCHEMAS, ids=[str(i) for i in range(len(BAD_SCHEMAS))])
+def test_bad_schemas_raise_with_pointer_and_keyword(schema, needles):
+    with pytest.raises(ValueError) as err:
+        compile_schema(schema)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("value", [-1, 2.0, "3", True, None])
+def test_bad_max_whitespace(value):
+    with pytest.raises(ValueError, match="max_whitespace"):
+        compile_schema(True, max_whitespace=value)
+
+
+def test_unenforced_and_annotation_keywords_are_accepted():
+    g = compile_schema({"title": "t", "description": "d", "$schema": "x", "$comment": "c", "type": "object",
+                        "properties": {"s": {"type": "string", "pattern": "^a", "format": "date", "default": "a"},
+                                       "n": {"type": "number", "minimum": 0, "multipleOf": 2, "examples": [2]},
+                                       "l": {"type": "array", "uniqueItems": True, "deprecated": True}}})
+    assert g.complete(g.advance(g.start, b'{"s":"b","n":-1,"l":[1,1]}'))  # not enforced, as documented
+
+
+def test_any_of_siblings_and_single_all_of_are_folded_in():
+    g = compile_schema({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                        "additionalProperties": False, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]})
+    assert g.complete(g.advance(g.start, b'{"b":1}'))
+    assert g.advance(g.start, b"{}") is None
+    g = compile_schema({"allOf": [{"$ref": "#/$defs/s"}], "$defs": {"s": {"type": "string", "maxLength": 1}}})
+    assert g.complete(g.advance(g.start, b'"x"')) and g.advance(g.start, b'"xy') is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Throughput
+
+
+def test_advance_throughput():
+    """Decoder-like workload: each document cut into 1-4 byte tokens; at each step three other candidates (most of
+    them refused) are tried before the right one, four advances per step, as a decoder going down its probability
+    order does."""
+    rng = random.Random(0)
+    work = []
+    for case in (CASE["flat"], CASE["tree"], CASE["strings"], CASE["any_of_shapes"]):
+        g = grammar(case)
+        for value in case.valid:
+            doc = json.dumps(value, indent=2, ensure_ascii=False).encode()
+            cuts, k = [], 0
+            while k < len(doc):
+                step = rng.randint(1, 4)
+                cuts.append(doc[k:k + step])
+                k += step
+            work.append((g, cuts))
+    wrong = [b"}", b"xyz", b"\x01"]
+    advances = 0
+    begin = time.perf_counter()
+    for _ in range(20):
+        for g, cuts in work:
+            state = g.start
+            for token in cuts:
+                for candidate in wrong:
+                    g.advance(state, candidate)
+                state = g.advance(state, token)
+                advances += 4
+            assert g.complete(state)
+    rate = advances / (time.perf_counter() - begin)
+    print(f"\njson_grammar: {rate:,.0f} advances/s ({advances} advances, tokens of 1-4 bytes)")
+    assert rate > 5_000  # loose: the measured figure is printed above
+
+
+PLAIN = [b"a", b"abc def", "é漢😀".encode(), b"~!#", b" "]
+NOT_PLAIN = [b'"', b"a\\", b"\n", "é".encode()[:1], b"\x01"]
+
+
+def test_plain_text_is_taken_wherever_the_grammar_says_so():
+    """Wherever `takes_plain_text` holds along the valid documents, every plain run is accepted; it holds inside
+    unbounded strings and any-string keys, not inside bounded strings (where the length decides)."""
+    assert all(JsonGrammar.is_plain_text(p) for p in PLAIN)
+    assert not any(JsonGrammar.is_plain_text(p) for p in NOT_PLAIN)
+    said = 0
+    for case, _, _, doc in DOCUMENTS:
+        g = grammar(case)
+        for state in feed_bytes(g, doc):
+            if g.takes_plain_text(state):
+                said += 1
+                assert all(g.advance(state, p) is not None for p in PLAIN), (case.name, doc)
+    assert said > 100
+    bounded = compile_schema({"type": "string", "maxLength": 40})
+    assert not bounded.takes_plain_text(bounded.advance(bounded.start, b'"ab'))
+    free = compile_schema({"type": "string"})
+    assert free.takes_plain_text(free.advance(free.start, b'"ab'))
+    assert not free.takes_plain_text(free.advance(free.start, b'"a\\'))
