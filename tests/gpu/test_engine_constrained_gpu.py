@@ -1,0 +1,83 @@
+"""Constrained decoding on the GPU: `BatchedGenerator` (CUDA graphs) and `generate` with bf16 logits on the device,
+the request's CUDA generator and the full-mask draw on the device.
+
+    .venv/bin/python -m pytest -q -m gpu tests/gpu/test_engine_constrained_gpu.py
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+EOS = 2
+ALPHABET = [b"0", b"1", b"2", b"34", b"5", b"a", b"b", b" ", b"x9", b"\"", b"99"]
+
+
+class Digits:
+    """1 to 12 ASCII digits. State: how many were read."""
+
+    start = 0
+
+    def advance(self, state, data):
+        n = state + len(data)
+        return n if data.isdigit() and n <= 12 else None
+
+    def complete(self, state):
+        return state >= 1
+
+    def can_continue(self, state):
+        return state < 12
+
+
+def _setup():
+    from openm3.engine.constrained import TokenBytes, TransitionCache
+    from openm3.models import M3TextConfig, M3TextModel
+
+    torch.manual_seed(0)
+    model = M3TextModel(M3TextConfig.from_name("m3-tiny", index_topk_blocks=2)).to("cuda", torch.bfloat16).eval()
+    pieces = [None] * 16 + [ALPHABET[t % len(ALPHABET)] for t in range(16, model.config.vocab_size)]
+    return model, TransitionCache(Digits(), TokenBytes(pieces))
+
+
+def _digits(tokens, transitions) -> str:
+    assert tokens[-1] == EOS, tokens
+    text = b"".join(transitions.vocab.pieces[t] for t in tokens[:-1])
+    assert text.isdigit() and 1 <= len(text) <= 12, text
+    return text.decode()
+
+
+@pytest.mark.parametrize("lazy_checks", [512, 1], ids=["lazy", "full-mask"])
+def test_batched_constrained_requests_on_cuda(lazy_checks):
+    from openm3.engine import generate
+    from openm3.engine.batching import BatchedGenerator
+    from openm3.engine.constrained import GrammarConstraint
+    from openm3.engine.sampling import SamplingParams
+
+    model, transitions = _setup()
+    prompts = [list(range(20, 90)), list(range(40, 75)), list(range(100, 230))]
+    batcher = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=64)
+    outs = [[] for _ in prompts]
+    asks = [dict(constraint=GrammarConstraint(transitions, [EOS], lazy_checks=lazy_checks)), {},
+            dict(constraint=GrammarConstraint(transitions, [EOS], lazy_checks=lazy_checks), seed=3,
+                 sampling=SamplingParams(1.0, top_p=0.9))]
+    threads = [threading.Thread(target=batcher, args=(p,), kwargs=dict(
+        max_new_tokens=20 if ask else 10, stop_tokens=[EOS], on_token=out.append, **ask))
+        for p, out, ask in zip(prompts, outs, asks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    batcher.close()
+    _digits(outs[0], transitions)
+    _digits(outs[2], transitions)
+    assert len(outs[1]) == 10 or outs[1][-1] == EOS  # the plain request beside them ran as usual
+    assert batcher.graphs is not None and batcher.graphs.replays > 0
+
+    results, _ = generate(model, prompts, max_new_tokens=20, stop_tokens=[EOS], sampling=SamplingParams(0.8, top_k=5),
+                          constraints=[GrammarConstraint(transitions, [EOS], lazy_checks=lazy_checks) for _ in prompts])
+    for r in results:
+        _digits(r.tokens, transitions)
