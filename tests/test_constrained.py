@@ -191,3 +191,15 @@ def test_token_bytes_of_the_trained_tokenizer(tok):
     text = 'def f(x):\n    return {"naïve": [1, 2.5e-3, null], "€": "\\u00e9"}  # 😀\t'
     ids = tok.encode(text)
     assert b"".join(vocab.pieces[t] for t in ids) == text.encode("utf-8")
+
+
+def test_choice_grammar():
+    from openm3.engine.constrained import ChoiceGrammar
+
+    g = ChoiceGrammar(["yes", "no", "no way"])
+    s = g.advance(g.start, b"no")
+    assert g.complete(s) and g.can_continue(s) and g.advance(s, b" w") == b"no w"
+    assert g.advance(g.start, b"ye") == b"ye" and not g.complete(b"ye") and g.advance(b"ye", b"p") is None
+    assert not g.can_continue(b"yes")
+    with pytest.raises(ValueError, match="choices"):
+        ChoiceGrammar(["a", ""])

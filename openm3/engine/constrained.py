@@ -40,7 +40,7 @@ import torch
 
 from .sampling import SamplingParams, sample
 
-__all__ = ["GrammarConstraint", "TokenBytes", "TransitionCache"]
+__all__ = ["ChoiceGrammar", "GrammarConstraint", "TokenBytes", "TransitionCache", "draw"]
 
 _NO_BYTES = 256  # first-byte slot of tokens with no bytes (special tokens): never allowed by the grammar
 
@@ -87,6 +87,27 @@ def _byte_decoder() -> dict[str, int]:
             table[chr(256 + extra)] = b
             extra += 1
     return table
+
+
+class ChoiceGrammar:
+    """A byte grammar whose documents are exactly the given strings (vLLM's guided choice). State: the bytes read."""
+
+    def __init__(self, choices: Sequence[str]):
+        if not choices or any(not isinstance(c, str) or not c for c in choices):
+            raise ValueError(f"choices: expected non-empty strings, got {list(choices)!r}")
+        self.choices = frozenset(c.encode("utf-8") for c in choices)
+        self.prefixes = frozenset(c[:n] for c in self.choices for n in range(len(c) + 1))
+        self.start = b""
+
+    def advance(self, state: bytes, data: bytes) -> bytes | None:
+        after = state + data
+        return after if after in self.prefixes else None
+
+    def complete(self, state: bytes) -> bool:
+        return state in self.choices
+
+    def can_continue(self, state: bytes) -> bool:
+        return any(len(c) > len(state) and c.startswith(state) for c in self.choices)
 
 
 class TransitionCache:

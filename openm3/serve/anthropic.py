@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .images import base64_part, content_of
-from .schemas import JsonSchemaSpec, ResponseFormat
+from .schemas import OutputSpec
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -240,8 +240,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
         fmt = req.output_format or (req.output_config.format if req.output_config else None)
         if fmt is None:
             return None
-        response_format = ResponseFormat(type="json_schema", json_schema=JsonSchemaSpec(schema=fmt.schema_))
-        constraint = constraint_maker(response_format, "output_format", None if prefill else prompt)()
+        constraint = constraint_maker(OutputSpec(fmt.schema_), "output_format", None if prefill else prompt)()
         try:
             constraint.read(prefill.encode("utf-8"))
         except ValueError as e:

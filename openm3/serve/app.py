@@ -53,7 +53,8 @@ from . import anthropic, responses
 from .images import data_url_part
 from .logprobs import TokenLogprobs
 from .reasoning import ReasoningSplitter, split_reasoning
-from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields, error_body
+from .schemas import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, ResponseFormat, SamplingFields,
+                      error_body)
 from .structured import StructuredOutputs
 
 
@@ -386,19 +387,24 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     structured = StructuredOutputs(tokenizer)
 
-    def constraint_maker(fmt: ResponseFormat | None, param: str, chat_prompt_ids: list[int] | None = None
-                         ) -> Callable[[], GrammarConstraint | None]:
-        """Makes each choice's constraint for a response format (`structured.py`); for plain text, None. A chat
-        answer (`chat_prompt_ids` given) may open with its think block when the reasoning parser is on. A 400
-        naming `param` for a schema the grammar cannot honour or a backend that cannot constrain."""
+    def constraint_maker(spec: OutputSpec | ResponseFormat | Callable[[], OutputSpec | None] | None, param: str,
+                         chat_prompt_ids: list[int] | None = None) -> Callable[[], GrammarConstraint | None]:
+        """Makes each choice's constraint for what the answer must be (`structured.py`): an `OutputSpec`, a
+        `ResponseFormat`, or a callable giving the spec (its ValueError becomes the 400); None or plain text: no
+        constraint. A chat answer (`chat_prompt_ids` given) may open with its think block when the reasoning
+        parser is on. A 400 naming `param` for a spec the grammar cannot honour or a backend that cannot
+        constrain."""
         try:
-            spec = fmt.grammar_spec() if fmt is not None else None
+            if isinstance(spec, ResponseFormat):
+                spec = spec.grammar_spec()
+            elif callable(spec):
+                spec = spec()
             if spec is None:
                 return lambda: None
             if not getattr(backend, "supports_constraints", False):
                 raise ValueError("this server's backend does not constrain decoding (structured outputs)")
             think = reasoning_parser == "m3" and chat_prompt_ids is not None
-            return structured.factory(*spec, think=think, thinking=think and opens_think(chat_prompt_ids))
+            return structured.factory(spec, think=think, thinking=think and opens_think(chat_prompt_ids))
         except ValueError as e:
             raise APIError(f"{param}: {e}", param) from None
 
@@ -506,7 +512,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                                     logprobs_for(req.logprobs, "logprobs"), req.echo)
                    for k in range(req.n * batch)]
         seeds = choice_seeds(req, len(choices))
-        constrain = constraint_maker(req.response_format, "response_format")
+        constrain = constraint_maker(req.output_spec, "response_format")
 
         def job(c: CompletionChoice, on_part: Callable[[str, str], None]) -> Callable[[threading.Event], str]:
             return lambda cancelled: run(req, c.prompt, max_news[c.index // req.n], c.stream, on_part, cancelled,
@@ -556,7 +562,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         streams = [text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt) for _ in range(req.n)]
         lps = [logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs") for _ in range(req.n)]
         seeds = choice_seeds(req, req.n)
-        constrain = constraint_maker(req.response_format, "response_format", prompt)
+        constrain = constraint_maker(req.output_spec, "response_format", prompt)
 
         def answer(k: int, finish: str) -> tuple[str, list[dict], str]:
             """(choice k's whole text, OpenAI tool_calls, finish_reason) once its generation has finished."""

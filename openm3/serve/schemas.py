@@ -7,6 +7,7 @@ naming the field rather than answered without it. Responses are plain dicts buil
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -17,6 +18,16 @@ MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completio
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """What an answer must be: JSON following `schema` (None: any object; `strict`: OpenAI's strict mode), or
+    exactly one of `choices` (vLLM's guided choice)."""
+
+    schema: Any = None
+    strict: bool = False
+    choices: tuple[str, ...] | None = None
 
 
 class JsonSchemaSpec(BaseModel):
@@ -45,16 +56,22 @@ class ResponseFormat(BaseModel):
             raise ValueError("json_schema is given only with type 'json_schema'")
         return v
 
-    def grammar_spec(self) -> tuple[dict | bool | None, bool] | None:
-        """(schema, strict) for `openm3.engine.json_grammar.compile_schema` (schema None: any object), or None for
-        plain text."""
+    def grammar_spec(self) -> OutputSpec | None:
+        """The answer's `OutputSpec` (None: plain text)."""
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return None, False
+            return OutputSpec()
         if self.json_schema is None:
             raise ValueError("type 'json_schema' needs a json_schema object holding the schema")
-        return self.json_schema.schema_, bool(self.json_schema.strict)
+        return OutputSpec(self.json_schema.schema_, bool(self.json_schema.strict))
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs` request field (the parts this server honours: `json`, `choice`)."""
+
+    json_: dict[str, Any] | bool | None = Field(default=None, alias="json")
+    choice: list[str] | None = Field(default=None, min_length=1)
 
 
 class SamplingFields(BaseModel):
@@ -71,7 +88,24 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
+    guided_json: dict[str, Any] | bool | None = None  # vLLM's older names for the same
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
 
+    def output_spec(self) -> OutputSpec | None:
+        """The answer's constraint from whichever of response_format, structured_outputs, guided_json or
+        guided_choice the request gives (ValueError for more than one, or for none that constrains)."""
+        so = self.structured_outputs
+        given = {"response_format": self.response_format.grammar_spec() if self.response_format else None,
+                 "structured_outputs.json": None if so is None or so.json_ is None else OutputSpec(so.json_),
+                 "structured_outputs.choice": None if so is None or not so.choice else OutputSpec(
+                     choices=tuple(so.choice)),
+                 "guided_json": None if self.guided_json is None else OutputSpec(self.guided_json),
+                 "guided_choice": None if not self.guided_choice else OutputSpec(choices=tuple(self.guided_choice))}
+        named = [k for k, v in given.items() if v is not None]
+        if len(named) > 1:
+            raise ValueError(f"give one output constraint, got {', '.join(named)}")
+        return given[named[0]] if named else None
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v: str | list[str] | None) -> list[str]:

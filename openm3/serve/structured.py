@@ -1,7 +1,8 @@
 """Structured outputs for `openm3 serve`: `response_format` (Chat Completions, Completions) and `text.format`
-(Responses) of type `json_object` or `json_schema` turn into a token constraint per choice
-(`openm3.engine.constrained.GrammarConstraint` over `openm3.engine.json_grammar`), so the answer is JSON that
-follows the schema, as with vLLM's structured outputs. A chat answer may still open with its think block: the
+(Responses) of type `json_object` or `json_schema`, Anthropic's `output_config.format`, and vLLM's
+`structured_outputs` / `guided_json` / `guided_choice` turn into a token constraint per choice
+(`openm3.engine.constrained.GrammarConstraint` over `openm3.engine.json_grammar`, or `ChoiceGrammar`), so the
+answer is JSON that follows the schema, or one of the given strings, as with vLLM's structured outputs. A chat answer may still open with its think block: the
 grammar applies after it (the reasoning parser splits it off as usual).
 
 Compiling a schema and the memo of its token transitions are kept for the last `max_grammars` schemas, so an agent
@@ -16,8 +17,9 @@ import threading
 from typing import Callable
 
 from ..data.tokenizer import THINK_END, THINK_START
-from ..engine.constrained import GrammarConstraint, TokenBytes, TransitionCache
+from ..engine.constrained import ChoiceGrammar, GrammarConstraint, TokenBytes, TransitionCache
 from ..engine.json_grammar import compile_schema
+from .schemas import OutputSpec
 
 
 class StructuredOutputs:
@@ -30,24 +32,27 @@ class StructuredOutputs:
         self._grammars: collections.OrderedDict[str, TransitionCache] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def factory(self, schema, strict: bool, *, think: bool = False, thinking: bool = False
+    def factory(self, spec: OutputSpec, *, think: bool = False, thinking: bool = False
                 ) -> Callable[[], GrammarConstraint]:
-        """A maker of fresh constraints (one per choice) for JSON following `schema` (None: any JSON object).
-        think: the answer may open with a think block before the JSON; thinking: the prompt opened it already.
-        ValueError naming the problem for a schema the grammar cannot honour."""
-        transitions = self._transitions(schema, strict)
+        """A maker of fresh constraints (one per choice) for answers that `spec` allows. think: the answer may open
+        with a think block first; thinking: the prompt opened it already. ValueError naming the problem for a
+        schema the grammar cannot honour."""
+        transitions = self._transitions(spec)
         ids = self.tokenizer.special_ids
         pair = (ids[THINK_START], ids[THINK_END]) if think else None
         eos = self.tokenizer.eos_id
         return lambda: GrammarConstraint(transitions, [eos], think=pair, thinking=thinking)
 
-    def _transitions(self, schema, strict: bool) -> TransitionCache:
-        key = json.dumps([schema, strict], sort_keys=True)
+    def _transitions(self, spec: OutputSpec) -> TransitionCache:
+        key = json.dumps([spec.schema, spec.strict, spec.choices], sort_keys=True)
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
-        grammar = compile_schema(schema, strict=strict)  # ValueError for what it cannot honour
+        if spec.choices is not None:
+            grammar = ChoiceGrammar(spec.choices)
+        else:
+            grammar = compile_schema(spec.schema, strict=spec.strict)  # ValueError for what it cannot honour
         with self._lock:
             if self._vocab is None:
                 self._vocab = TokenBytes.from_tokenizer(self.tokenizer)
