@@ -191,6 +191,10 @@ def test_token_bytes_of_the_trained_tokenizer(tok):
     text = 'def f(x):\n    return {"naïve": [1, 2.5e-3, null], "€": "\\u00e9"}  # 😀\t'
     ids = tok.encode(text)
     assert b"".join(vocab.pieces[t] for t in ids) == text.encode("utf-8")
+    assert all(p is None or max(p) < 0xF8 for p in vocab.pieces)  # no token can write a marker byte...
+    start = tok.token_id("<minimax:tool_call>")
+    marked = TokenBytes.from_tokenizer(tok, markers={start: b"\xff\x01"})
+    assert marked.pieces[start] == b"\xff\x01" and int(marked.first_byte[start]) == 0xFF  # ...but its own token
 
 
 def test_choice_grammar():

@@ -9,6 +9,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from openm3.engine.batching import BatchedGenerator
@@ -155,3 +156,101 @@ def test_two_output_constraints_are_refused(model, tok):
     r = app.post("/v1/chat/completions", json={**ASK, "response_format": FORMAT, "guided_choice": ["a"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     assert "response_format, guided_choice" in r.json()["error"]["message"]
+
+
+TOOL_SCHEMA = {"type": "object", "required": ["on"], "additionalProperties": False,
+               "properties": {"on": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}}}
+OPENAI_TOOLS = [{"type": "function", "function": {"name": "set_flag", "parameters": TOOL_SCHEMA}},
+                {"type": "function", "function": {"name": "ping", "parameters": {"type": "object",
+                                                                                 "properties": {}}}}]
+
+
+def called(arguments: dict) -> dict:
+    jsonschema.validate(arguments, TOOL_SCHEMA)
+    return arguments
+
+
+@pytest.fixture(scope="module", params=["model", "batched"])
+def tools_client(request, tok):
+    """A model with room for the tools' descriptions in its prompts (their JSON takes ~340 tokens here), served
+    without the reasoning parser (with it, a random model may open a think block first and never close it)."""
+    from openm3.models import M3TextConfig, M3TextModel
+
+    torch.manual_seed(0)
+    config = M3TextConfig.from_name("m3-tiny", vocab_size=tok.vocab_size, num_hidden_layers=2,
+                                    layer_types=["full_attention", "minimax_m3_sparse"],
+                                    mlp_layer_types=["dense", "sparse"], index_topk_blocks=2,
+                                    max_position_embeddings=1024)
+    model = M3TextModel(config).eval()
+    if request.param == "model":
+        yield TestClient(create_app(ModelBackend(model), tok, model_name=NAME, max_total_tokens=1024,
+                                    reasoning_parser="none"))
+        return
+    backend = BatchedGenerator(model, token_budget=4096, max_batch=4, chunk_size=256)
+    yield TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=1024, reasoning_parser="none"))
+    backend.close()
+
+
+def test_forced_tool_calls_through_every_api(tools_client):
+    """A random model forced to call a tool writes a well-formed call: parsed into each API's tool-call form,
+    with arguments that follow the tool's schema."""
+    client = tools_client
+    named = {"type": "function", "function": {"name": "set_flag"}}
+    for stream in (False, True):
+        body = {**ASK, "temperature": 0, "tools": OPENAI_TOOLS, "tool_choice": named, "stream": stream}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = events(r)
+            calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = r.json()["choices"][0]
+            calls, finish = choice["message"]["tool_calls"], choice["finish_reason"]
+        assert finish == "tool_calls" and [c["function"]["name"] for c in calls] == ["set_flag"]
+        called(json.loads(calls[0]["function"]["arguments"]))
+    r = client.post("/v1/chat/completions", json={**ASK, "temperature": 1.0, "seed": 7, "n": 2, "tools": OPENAI_TOOLS,
+                                                  "tool_choice": "required"})
+    for choice in r.json()["choices"]:
+        if choice["finish_reason"] == "tool_calls":  # several calls may run past max_tokens
+            for call in choice["message"]["tool_calls"]:
+                if call["function"]["name"] == "set_flag":
+                    called(json.loads(call["function"]["arguments"]))
+                else:
+                    assert json.loads(call["function"]["arguments"]) == {}
+
+    flat = [{"type": "function", **t["function"]} for t in OPENAI_TOOLS]
+    r = client.post("/v1/responses", json={"model": NAME, "input": "x", "max_output_tokens": 200, "temperature": 0,
+                                           "tools": flat, "tool_choice": {"type": "function", "name": "set_flag"}})
+    items = [i for i in r.json()["output"] if i["type"] == "function_call"]
+    assert [i["name"] for i in items] == ["set_flag"]
+    called(json.loads(items[0]["arguments"]))
+
+    anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                       for t in OPENAI_TOOLS]
+    r = client.post("/v1/messages", json={"model": NAME, "max_tokens": 200, "temperature": 0,
+                                          "messages": ASK["messages"], "tools": anthropic_tools,
+                                          "tool_choice": {"type": "tool", "name": "set_flag"}})
+    assert r.status_code == 200, r.text
+    assert r.json()["stop_reason"] == "tool_use"
+    uses = [b for b in r.json()["content"] if b["type"] == "tool_use"]
+    assert [u["name"] for u in uses] == ["set_flag"]
+    called(uses[0]["input"])
+
+
+FORCED_BAD = [
+    ("no-tools", "/v1/chat/completions", {"messages": ASK["messages"], "tool_choice": "required"}, "tool_choice"),
+    ("unknown-name", "/v1/chat/completions", {"messages": ASK["messages"], "tools": OPENAI_TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("with-a-format", "/v1/chat/completions", {"messages": ASK["messages"], "tools": OPENAI_TOOLS,
+                                               "tool_choice": "required", "response_format": FORMAT}, "tool_choice"),
+    ("responses-no-tools", "/v1/responses", {"input": "x", "tool_choice": "required"}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", [b[1:] for b in FORCED_BAD], ids=[b[0] for b in FORCED_BAD])
+def test_bad_forced_calls_name_the_field(model, tok, path, body, param):
+    app = TestClient(create_app(ModelBackend(model), tok, model_name=NAME, max_total_tokens=1024))  # refused first
+    r = app.post(path, json={"model": NAME, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

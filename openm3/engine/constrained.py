@@ -43,11 +43,13 @@ from .sampling import SamplingParams, sample
 __all__ = ["ChoiceGrammar", "GrammarConstraint", "TokenBytes", "TransitionCache", "draw"]
 
 _NO_BYTES = 256  # first-byte slot of tokens with no bytes (special tokens): never allowed by the grammar
+_NOT_UTF8 = 0xF8  # bytes from here on occur in no UTF-8 text: the byte tokens holding them are never allowed
 
 
 class TokenBytes:
-    """Each token's bytes in the output (None for special tokens, which a grammar never allows) and its first
-    byte as a tensor for masking (256 for special tokens)."""
+    """Each token's bytes in the output (None for special tokens, which a grammar never allows, and for the byte
+    tokens of bytes 0xF8-0xFF, which no UTF-8 text holds) and its first byte as a tensor for masking (256 for
+    None)."""
 
     def __init__(self, pieces: Sequence[bytes | None]):
         self.pieces = list(pieces)
@@ -58,19 +60,24 @@ class TokenBytes:
         return len(self.pieces)
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> "TokenBytes":
+    def from_tokenizer(cls, tokenizer, markers: dict[int, bytes] | None = None) -> "TokenBytes":
         """The bytes of an `M3Tokenizer`'s tokens (a byte-level BPE: each token's string maps back to bytes
-        through the byte-to-character table of its pre-tokenizer); special tokens get None."""
+        through the byte-to-character table of its pre-tokenizer); special tokens get None, except those in
+        `markers` ({id: bytes}, bytes no text holds, e.g. `tool_grammar.START`), which a grammar may then take."""
         backend = tokenizer.backend
+        markers = markers or {}
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         table = _byte_decoder()
         pieces: list[bytes | None] = []
         for i in range(tokenizer.vocab_size):
             token = backend.id_to_token(i)
-            if i in special or token is None:
+            if i in markers:
+                pieces.append(markers[i])
+            elif i in special or token is None:
                 pieces.append(None)
             elif all(c in table for c in token):
-                pieces.append(bytes(table[c] for c in token))
+                piece = bytes(table[c] for c in token)
+                pieces.append(None if max(piece) >= _NOT_UTF8 else piece)  # no text holds them (marker bytes)
             else:  # not a byte-level token (an added plain-text token): its decoding
                 pieces.append(tokenizer.decode([i]).encode("utf-8"))
         return cls(pieces)

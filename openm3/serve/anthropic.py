@@ -9,7 +9,8 @@ streamed, its named server-sent events. Errors use Anthropic's body, `{"type": "
 "message"}}`, with the field named in the message. Image blocks with a base64 source go to a vision-language model
 (`images.py`), in user messages and inside `tool_result` content (a screenshot a tool returned); what the server
 cannot do is refused with a 400 naming the block: image blocks for a text-only model, images by URL, document
-blocks, and forcing a tool call (`tool_choice` `any` / `tool`: nothing constrains the sampler). The model's think
+blocks. A forced tool call (`tool_choice` `any` / `tool`) constrains decoding to a tool-call block
+(`openm3.engine.tool_grammar`), and `output_config.format` to JSON (`structured.py`). The model's think
 block comes back as a `thinking` block before the text (streamed as `thinking_delta` events; its `signature` is
 empty: nothing is signed here), and thinking blocks a client sends back are rendered into the prompt as that
 turn's reasoning (redacted ones are dropped). A final assistant message of text is continued (Anthropic's
@@ -195,13 +196,13 @@ def _tools(req: CountTokensRequest) -> list[dict] | None:
 
 
 def _parse_calls(req: CountTokensRequest) -> bool:
-    """Whether tool calls in the answer become tool_use blocks (False: they stay text). Refuses forced calls."""
+    """Whether tool calls in the answer become tool_use blocks (False: they stay text)."""
     kind = (req.tool_choice or {}).get("type", "auto")
-    if kind in ("any", "tool"):
-        raise ValueError("tool_choice: forcing a tool call ('any' or 'tool') is not supported; use 'auto' or 'none'")
-    if kind not in ("auto", "none"):
+    if kind == "tool" and not isinstance(req.tool_choice.get("name"), str):
+        raise ValueError("tool_choice.name: a 'tool' choice names the tool")
+    if kind not in ("auto", "none", "any", "tool"):
         raise ValueError(f"tool_choice.type: expected 'auto', 'none', 'any' or 'tool', got {kind!r}")
-    return kind == "auto"
+    return kind != "none"
 
 
 def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
@@ -238,9 +239,20 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
         if req.output_format is not None and req.output_config is not None and req.output_config.format:
             raise api_error("give output_config.format or output_format, not both", "output_format")
         fmt = req.output_format or (req.output_config.format if req.output_config else None)
-        if fmt is None:
+        kind = (req.tool_choice or {}).get("type", "auto")
+        if kind in ("any", "tool"):
+            if fmt is not None:
+                raise api_error("give a forced tool call (tool_choice) or an output format, not both", "tool_choice")
+            tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
+                     for t in _tools(req) or []]
+            def spec() -> OutputSpec:
+                return OutputSpec.forced_call(tools, req.tool_choice.get("name") if kind == "tool" else None)
+
+            constraint = constraint_maker(spec, "tool_choice", None if prefill else prompt)()
+        elif fmt is None:
             return None
-        constraint = constraint_maker(OutputSpec(fmt.schema_), "output_format", None if prefill else prompt)()
+        else:
+            constraint = constraint_maker(OutputSpec(fmt.schema_), "output_format", None if prefill else prompt)()
         try:
             constraint.read(prefill.encode("utf-8"))
         except ValueError as e:

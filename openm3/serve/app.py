@@ -562,7 +562,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         streams = [text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt) for _ in range(req.n)]
         lps = [logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs") for _ in range(req.n)]
         seeds = choice_seeds(req, req.n)
-        constrain = constraint_maker(req.output_spec, "response_format", prompt)
+        constrain = constraint_maker(req.output_spec, "tool_choice" if req.tool_choice not in (None, "auto", "none")
+                                     else "response_format", prompt)
 
         def answer(k: int, finish: str) -> tuple[str, list[dict], str]:
             """(choice k's whole text, OpenAI tool_calls, finish_reason) once its generation has finished."""

@@ -6,7 +6,8 @@ translated into the chat format `render_chat` writes for `/v1/chat/completions`,
 same prompt through either endpoint; the answer comes back as `output` items (a `message` with `output_text`, then
 one `function_call` per call the model wrote), streamed as the API's `response.*` events when asked. The server
 keeps no state: `previous_response_id` is refused (send the whole conversation, as `store: false` clients do), and
-so are forced tool calls, files, images by URL or file id, and any image when the model is text-only;
+so are files, images by URL or file id, and any image when the model is text-only; a forced tool call
+(`tool_choice` 'required' or a named function) constrains decoding to a tool-call block;
 `input_image` parts with a base64 data URL go to a vision-language model (`images.py`). The model's think block
 comes back as a `reasoning` item (its `reasoning_text`) before the message, streamed as `response.reasoning_text.*`
 events; reasoning items a client sends back are rendered into the prompt as the next assistant turn's reasoning.
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .images import content_of, data_url_part
-from .schemas import JsonSchemaSpec, ResponseFormat
+from .schemas import JsonSchemaSpec, OutputSpec, ResponseFormat
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -153,11 +154,29 @@ def chat_messages(req: ResponsesRequest, images: bool = False) -> list[dict]:
 
 
 def _parse_calls(req: ResponsesRequest) -> bool:
+    """Whether tool calls in the answer become function_call items ('none': they stay text)."""
     choice = req.tool_choice if req.tool_choice is not None else "auto"
-    if choice not in ("auto", "none"):
-        raise ValueError("tool_choice: forcing a tool call ('required' or a named function) is not supported; "
-                         "use 'auto' or 'none'")
-    return choice == "auto"
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or not choice["name"]:
+            raise ValueError('tool_choice: expected "auto", "none", "required" or {"type": "function", "name": ...}')
+        return True
+    if choice not in ("auto", "none", "required"):
+        raise ValueError(f'tool_choice: expected "auto", "none", "required" or a named function, got {choice!r}')
+    return choice != "none"
+
+
+def _output_spec(req: ResponsesRequest) -> OutputSpec | None:
+    """What the answer must be: `text.format`, or a forced tool call (`tool_choice` 'required' or a named
+    function); ValueError for both, or for a forced call without tools."""
+    fmt = req.text.format if req.text is not None else None
+    spec = fmt.response_format().grammar_spec() if fmt is not None else None
+    choice = req.tool_choice
+    if choice in (None, "auto", "none"):
+        return spec
+    if spec is not None:
+        raise ValueError("give a forced tool call (tool_choice) or text.format, not both")
+    tools = [{"name": t.name, "parameters": t.parameters} for t in req.tools or []]
+    return OutputSpec.forced_call(tools, choice["name"] if isinstance(choice, dict) else None)
 
 
 def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
@@ -180,8 +199,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                  for t in req.tools] if req.tools else None
         prompt, images = prompt_of(messages, tools, "input")
         max_new = check(req, prompt, "input")
-        fmt = req.text.format if req.text is not None else None
-        constraint = constraint_maker(fmt.response_format() if fmt is not None else None, "text", prompt)()
+        forced = req.tool_choice not in (None, "auto", "none")
+        constraint = constraint_maker(lambda: _output_spec(req), "tool_choice" if forced else "text", prompt)()
         stream = text_stream([], [TOOL_CALL_START] if parse_calls else [], prompt)
         rid, mid, rsid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex[:24]}", f"rs_{uuid.uuid4().hex[:24]}"
         created = int(time.time())

@@ -8,6 +8,7 @@ naming the field rather than answered without it. Responses are plain dicts buil
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -22,12 +23,22 @@ class StreamOptions(BaseModel):
 
 @dataclasses.dataclass(frozen=True)
 class OutputSpec:
-    """What an answer must be: JSON following `schema` (None: any object; `strict`: OpenAI's strict mode), or
-    exactly one of `choices` (vLLM's guided choice)."""
+    """What an answer must be: JSON following `schema` (None: any object; `strict`: OpenAI's strict mode), exactly
+    one of `choices` (vLLM's guided choice), or a tool-call block (`tools`: the tools as JSON, [{"name",
+    "parameters"}]; `tool_name`: that one tool, else any)."""
 
     schema: Any = None
     strict: bool = False
     choices: tuple[str, ...] | None = None
+    tools: str | None = None
+    tool_name: str | None = None
+
+    @classmethod
+    def forced_call(cls, tools: list[dict] | None, name: str | None) -> "OutputSpec":
+        """A forced tool call over `tools` ([{"name", "parameters"}]); ValueError without tools."""
+        if not tools:
+            raise ValueError("forcing a tool call needs tools")
+        return cls(tools=json.dumps(tools, sort_keys=True), tool_name=name)
 
 
 class JsonSchemaSpec(BaseModel):
@@ -218,15 +229,24 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
+class NamedFunction(BaseModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`; max_tokens (or its newer name max_completion_tokens) defaults to what the
     context limit leaves after the prompt. tool_choice: 'auto' (default) lets the model decide; 'none' returns
-    any tool call the model writes as plain content; forcing a call ('required' or a named function) is refused,
-    since nothing constrains the sampler."""
+    any tool call the model writes as plain content; 'required' (one or more calls) and a named function (one call
+    of it) constrain decoding to a tool-call block (`openm3.engine.tool_grammar`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -237,6 +257,18 @@ class ChatCompletionRequest(SamplingFields):
         if v and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
         return v
+
+    def output_spec(self) -> OutputSpec | None:
+        """As `SamplingFields.output_spec`, and a forced tool call for tool_choice 'required' or a named function
+        (ValueError beside another output constraint, or without tools)."""
+        spec = super().output_spec()
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return spec
+        if spec is not None:
+            raise ValueError("give a forced tool call (tool_choice) or an output format, not both")
+        tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools or []]
+        return OutputSpec.forced_call(tools, None if choice == "required" else choice.function.name)
 
 
 def error_body(message: str, param: str | None, code: str | None = None,

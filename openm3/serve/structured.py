@@ -2,7 +2,9 @@
 (Responses) of type `json_object` or `json_schema`, Anthropic's `output_config.format`, and vLLM's
 `structured_outputs` / `guided_json` / `guided_choice` turn into a token constraint per choice
 (`openm3.engine.constrained.GrammarConstraint` over `openm3.engine.json_grammar`, or `ChoiceGrammar`), so the
-answer is JSON that follows the schema, or one of the given strings, as with vLLM's structured outputs. A chat answer may still open with its think block: the
+answer is JSON that follows the schema, or one of the given strings, as with vLLM's structured outputs. A forced
+tool call (`tool_choice` 'required' or a named function; Anthropic's `any` / `tool`) constrains the answer to a
+tool-call block in M3's markup (`openm3.engine.tool_grammar`). A chat answer may still open with its think block: the
 grammar applies after it (the reasoning parser splits it off as usual).
 
 Compiling a schema and the memo of its token transitions are kept for the last `max_grammars` schemas, so an agent
@@ -16,9 +18,10 @@ import json
 import threading
 from typing import Callable
 
-from ..data.tokenizer import THINK_END, THINK_START
+from ..data.tokenizer import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 from ..engine.constrained import ChoiceGrammar, GrammarConstraint, TokenBytes, TransitionCache
 from ..engine.json_grammar import compile_schema
+from ..engine.tool_grammar import END, START, ToolCallGrammar
 from .schemas import OutputSpec
 
 
@@ -44,18 +47,22 @@ class StructuredOutputs:
         return lambda: GrammarConstraint(transitions, [eos], think=pair, thinking=thinking)
 
     def _transitions(self, spec: OutputSpec) -> TransitionCache:
-        key = json.dumps([spec.schema, spec.strict, spec.choices], sort_keys=True)
+        key = json.dumps([spec.schema, spec.strict, spec.choices, spec.tools, spec.tool_name], sort_keys=True)
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
-        if spec.choices is not None:
+        if spec.tools is not None:
+            grammar = ToolCallGrammar(json.loads(spec.tools), spec.tool_name)
+        elif spec.choices is not None:
             grammar = ChoiceGrammar(spec.choices)
         else:
             grammar = compile_schema(spec.schema, strict=spec.strict)  # ValueError for what it cannot honour
         with self._lock:
-            if self._vocab is None:
-                self._vocab = TokenBytes.from_tokenizer(self.tokenizer)
+            if self._vocab is None:  # the tool-call tokens as the tool grammar's marker bytes
+                ids = self.tokenizer.special_ids
+                self._vocab = TokenBytes.from_tokenizer(self.tokenizer, markers={ids[TOOL_CALL_START]: START,
+                                                                                 ids[TOOL_CALL_END]: END})
             transitions = self._grammars.setdefault(key, TransitionCache(grammar, self._vocab))
             while len(self._grammars) > self.max_grammars:
                 self._grammars.popitem(last=False)

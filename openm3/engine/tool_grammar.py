@@ -1,0 +1,176 @@
+"""A byte grammar for M3's tool-call markup, for forced tool calls (OpenAI's `tool_choice: "required"` or a named
+function, Anthropic's `any` / `tool`): the answer is one tool-call block as `openm3.data.chat.render_tool_calls`
+writes it,
+
+    <minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="KEY">VALUE</parameter>\\n...</invoke>\\n</minimax:tool_call>
+
+with NAME one of the allowed tools, KEY one of that tool's declared parameters (each at most once, the required
+ones all present before `</invoke>`; any name when the tool has no `properties`), and VALUE, as `render_tool_calls`
+writes it: one of the strings of an enum of strings, JSON that follows the parameter's schema for a single
+non-string type or an enum of other values (`json_grammar`), else raw text that does not contain `</parameter>`
+(strings, schemas of several types, schemas the matcher cannot compile).
+`<minimax:tool_call>` and `</minimax:tool_call>` are special tokens: the grammar reads them as the marker bytes
+`START` and `END`, which `TokenBytes.from_tokenizer(..., markers=)` gives them (bytes 0xF8-0xFF never occur in
+UTF-8 text, and `TokenBytes` leaves the byte tokens that hold them out of every grammar).
+
+States are hashable tuples; `advance` reads byte by byte (tool calls are short next to the strings JSON allows).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .constrained import ChoiceGrammar
+from .json_grammar import compile_schema
+
+START, END = b"\xff\x01", b"\xff\x02"
+_END_TAG = b"</parameter>"
+_NAME_BYTES = frozenset(range(0x20, 0x7F)) - frozenset(b'"<>')
+
+
+class _Tool:
+    def __init__(self, name: str, parameters: dict | None):
+        self.name = name
+        props = (parameters or {}).get("properties")
+        self.free = not isinstance(props, dict)  # no `properties`: any parameter names
+        self.props = dict(props) if isinstance(props, dict) else {}
+        self.required = frozenset(r for r in (parameters or {}).get("required", []) if r in self.props)
+        self.values = {}  # parameter -> JsonGrammar (None: raw text)
+        for key, schema in self.props.items():
+            self.values[key] = _value_grammar(schema)
+
+
+def _value_grammar(schema):
+    """How a parameter's value is written (`render_tool_calls`: strings raw, anything else as JSON): one of its
+    strings for an enum of strings, JSON for a schema of one non-string type or an enum of other values, raw text
+    (None) otherwise or when the schema does not compile."""
+    if not isinstance(schema, dict):
+        return None
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) and v for v in enum):
+        return ChoiceGrammar(enum)
+    kind = schema.get("type")
+    if (isinstance(kind, str) and kind != "string") or (isinstance(enum, list) and enum and not any(
+            isinstance(v, str) for v in enum)):
+        try:
+            return compile_schema(schema)
+        except ValueError:
+            return None  # left raw text: the call is still well formed
+    return None
+
+
+class ToolCallGrammar:
+    """Tool-call blocks for `tools` ([{"name", "parameters"}], parameters a JSON Schema object); `name`: only that
+    tool (one call), else one or more calls of any of them."""
+
+    def __init__(self, tools: Sequence[dict], name: str | None = None):
+        self.tools = {t["name"]: _Tool(t["name"], t.get("parameters")) for t in tools}
+        if not self.tools:
+            raise ValueError("tools: a forced tool call needs at least one tool")
+        if name is not None and name not in self.tools:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({sorted(self.tools)})")
+        self.allowed = [name] if name is not None else sorted(self.tools)
+        self.single = name is not None
+        self.start = ("lits", b"", ("start",))
+        self._cache: dict = {}
+
+    # -- the grammar's interface ----------------------------------------------------------------------------
+
+    def advance(self, state, data: bytes):
+        for b in data:
+            state = self._step(state, b)
+            if state is None:
+                return None
+        return state
+
+    def complete(self, state) -> bool:
+        return state[0] == "done"
+
+    def can_continue(self, state) -> bool:
+        return state[0] != "done"
+
+    # -- internals ------------------------------------------------------------------------------------------
+
+    def _literals(self, ctx) -> dict[bytes, tuple]:
+        """The literals that may come in `ctx`, each with the state after it (computed once per ctx)."""
+        out = self._cache.get(ctx)
+        if out is None:
+            out = self._cache[ctx] = self._make_literals(ctx)
+        return out
+
+    def _make_literals(self, ctx) -> dict[bytes, tuple]:
+        kind = ctx[0]
+        if kind in ("start", "after"):
+            count = 0 if kind == "start" else ctx[1]
+            out = {}
+            if kind == "start" or not self.single:
+                head = START + b"\n" if kind == "start" else b""
+                for name in self.allowed:
+                    out[head + b'<invoke name="' + name.encode() + b'">\n'] = ("lits", b"", ("params", name,
+                                                                                             frozenset(), count))
+            if kind == "after":
+                out[END] = ("done",)
+            return out
+        _, name, seen, count = ctx[:4]
+        lead = b"\n" if kind == "nlparams" else b""
+        tool = self.tools[name]
+        out = {}
+        if tool.free:
+            out[lead + b'<parameter name="'] = ("pname", name, seen, count, b"")
+        for key in tool.props:
+            if key not in seen:
+                grammar = tool.values[key]
+                after = ("raw", name, seen | {key}, count, 0) if grammar is None else \
+                    ("json", name, seen | {key}, count, grammar.start, key)
+                out[lead + b'<parameter name="' + key.encode() + b'">'] = after
+        if tool.required <= seen:
+            out[lead + b"</invoke>\n"] = ("lits", b"", ("after", count + 1))
+        return out
+
+    def _step(self, state, b: int):
+        kind = state[0]
+        if kind == "lits":
+            _, prefix, ctx = state
+            prefix += bytes((b,))
+            literals = self._literals(ctx)
+            done = literals.get(prefix)  # no literal is a prefix of another (names hold no `"`)
+            if done is not None:
+                return done
+            return ("lits", prefix, ctx) if any(lit.startswith(prefix) for lit in literals) else None
+        if kind == "pname":  # a free parameter name, then `">`
+            _, name, seen, count, key = state
+            if b == 0x22 and key:
+                return ("pclose", name, seen, count, key)
+            return ("pname", name, seen, count, key + bytes((b,))) if b in _NAME_BYTES else None
+        if kind == "pclose":
+            _, name, seen, count, key = state
+            return ("raw", name, seen | {key.decode()}, count, 0) if b == 0x3E else None
+        if kind == "raw":
+            _, name, seen, count, k = state
+            return self._end_tag(name, seen, count, k, b)
+        if kind == "json":
+            _, name, seen, count, inner, key = state
+            grammar = self.tools[name].values[key]
+            if b == 0x3C and grammar.complete(inner):  # JSON has no `<` outside strings: the end tag begins
+                return ("jend", name, seen, count, 1)
+            inner = grammar.advance(inner, bytes((b,)))
+            return None if inner is None else ("json", name, seen, count, inner, key)
+        if kind == "jend":  # after a JSON value only the end tag may come
+            _, name, seen, count, k = state
+            if b != _END_TAG[k]:
+                return None
+            return ("lits", b"", ("nlparams", name, seen, count)) if k + 1 == len(_END_TAG) else \
+                ("jend", name, seen, count, k + 1)
+        return None  # done: nothing may follow
+
+    @staticmethod
+    def _end_tag(name, seen, count, k: int, b: int):
+        """Raw text (or a JSON value's end) with `k` bytes of `</parameter>` matched, then byte b."""
+        if b >= 0xF5:  # not UTF-8 (the marker bytes among them)
+            return None
+        if b == _END_TAG[k]:
+            k += 1
+            if k == len(_END_TAG):
+                return ("lits", b"", ("nlparams", name, seen, count))
+            return ("raw", name, seen, count, k)
+        return ("raw", name, seen, count, 1 if b == 0x3C else 0)
