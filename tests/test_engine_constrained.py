@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import threading
 
+import pytest
 import torch
 
 from openm3.engine import generate
@@ -93,3 +94,11 @@ def test_batched_constrained_and_plain_requests_decode_together(model, tok):
         assert outs[1] == want_plain
         assert re.fullmatch(r"[a-z ]{1,24}", tok.decode([t for t in outs[2] if t != tok.eos_id]))
         assert batcher.cache.free_pages == batcher.plan.num_pages
+
+
+def test_a_constraint_must_end_on_a_stop_token_of_the_generation(model, tok):
+    vocab = TokenBytes.from_tokenizer(tok)
+    with pytest.raises(ValueError, match="must be among stop_tokens"):
+        generate(model, [[5, 6]], max_new_tokens=4, stop_tokens=[], constraints=[make(tok, vocab)])
+    with pytest.raises(ValueError, match="expected None or 1 entries"):
+        generate(model, [[5, 6]], max_new_tokens=4, stop_tokens=[tok.eos_id], constraints=["json"])

@@ -180,7 +180,7 @@ class BatchedGenerator:
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
         check_logprobs(logprobs, on_logprobs)
         check_logprobs(prompt_logprobs, on_prompt_logprobs)
-        check_constraints([constraint], 1)
+        check_constraints([constraint], 1, stop_tokens)
         (vision,) = check_images(self.model, [ids], None if images is None else [images])
         pages = self.cache.pages_for(ids.numel() + max_new_tokens)
         if pages > self.plan.num_pages:

@@ -186,7 +186,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
     check_logprobs(logprobs, on_logprobs)
     check_logprobs(prompt_logprobs, on_prompt_logprobs)
-    check_constraints(constraints, len(prompts))
+    check_constraints(constraints, len(prompts), stop_tokens)
     if constraints is not None and not any(constraints):
         constraints = None
     if constraints is not None:
@@ -285,14 +285,20 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     return results, stats
 
 
-def check_constraints(constraints, batch: int) -> None:
-    """constraints: None, or `batch` entries, each None or a `GrammarConstraint`."""
+def check_constraints(constraints, batch: int, stop_tokens) -> None:
+    """constraints: None, or `batch` entries, each None or a `GrammarConstraint` whose stop tokens (what it ends a
+    document with) are among the generation's `stop_tokens`."""
     if constraints is None:
         return
     if len(constraints) != batch or any(c is not None and not isinstance(c, GrammarConstraint)
                                         for c in constraints):
         raise ValueError(f"constraints: expected None or {batch} entries, each None or a GrammarConstraint, got "
                          f"{[type(c).__name__ for c in constraints]}")
+    stop = {int(t) for t in stop_tokens}
+    for c in constraints:
+        if c is not None and not set(c.stop_tokens) <= stop:
+            raise ValueError(f"constraints: a constraint ends its documents with tokens {c.stop_tokens}, which "
+                             f"must be among stop_tokens {sorted(stop)}")
 
 
 def _constrained(tokens: list[int], seqs: list[int], logits, constraints, sampling, gen) -> list[int]:
