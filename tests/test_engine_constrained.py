@@ -5,7 +5,6 @@ refuses; constrained and plain requests decoded in one batch; speculation pausin
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionC
 from openm3.engine.sampling import SamplingParams
 from openm3.engine.speculative import SpeculativeConfig
 
+from batching_utils import run_concurrently
 from test_serve import model, tok  # noqa: F401 - the fixtures: the same tokenizer and model
 
 
@@ -82,13 +82,11 @@ def test_batched_constrained_and_plain_requests_decode_together(model, tok):
         outs = [[] for _ in prompts]
         asks = [dict(constraint=make(tok, vocab)), {},
                 dict(constraint=make(tok, vocab), sampling=SamplingParams(1.0, top_p=0.9), seed=5)]
-        threads = [threading.Thread(target=batcher, args=(p,), kwargs=dict(
-            max_new_tokens=30 if ask else 12, stop_tokens=[tok.eos_id], on_token=out.append, **ask))
-            for p, out, ask in zip(prompts, outs, asks)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        finishes = run_concurrently([
+            lambda p=p, out=out, ask=ask: batcher(p, max_new_tokens=30 if ask else 12, stop_tokens=[tok.eos_id],
+                                                  on_token=out.append, **ask)
+            for p, out, ask in zip(prompts, outs, asks)])
+        assert all(f in ("stop", "length") for f in finishes), finishes
         batcher.close()
         assert outs[0] == oracle(model, tok, vocab, prompts[0], 30)
         assert outs[1] == want_plain

@@ -368,7 +368,7 @@ class GrammarConstraint:
                 masses.append(mass)
                 found += mass
                 unseen = max(0.0, 1.0 - seen)
-                if found >= sampling.top_p * (found + unseen) and _nucleus_settled(masses, unseen, sampling.top_p):
+                if _nucleus_settled(masses, found, unseen, sampling.top_p):
                     break
         return kept
 
@@ -396,11 +396,10 @@ class _OverBudget(Exception):
     """The lazy checks reached their budget: the full mask decides."""
 
 
-def _nucleus_settled(masses: list[float], unseen: float, top_p: float) -> bool:
+def _nucleus_settled(masses: list[float], found: float, unseen: float, top_p: float) -> bool:
     """Whether the top-p nucleus over all accepted tokens is known from the accepted masses so far (most likely
-    first) when at most `unseen` mass is left unchecked: the same tokens are kept whether that mass is accepted
-    or not, and none of it would be."""
-    found = sum(masses)
+    first; `found` their sum) when at most `unseen` mass is left unchecked: the same tokens are kept whether that
+    mass is accepted or not, and none of it would be."""
     if found < top_p * (found + unseen):
         return False  # an unchecked token could still belong to the nucleus
 

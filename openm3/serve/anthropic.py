@@ -252,7 +252,8 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
         elif fmt is None:
             return None
         else:
-            constraint = constraint_maker(OutputSpec(fmt.schema_), "output_format", None if prefill else prompt)()
+            constraint = constraint_maker(lambda: OutputSpec(fmt.schema_), "output_format",
+                                          None if prefill else prompt)()
         try:
             constraint.read(prefill.encode("utf-8"))
         except ValueError as e:

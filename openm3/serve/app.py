@@ -53,8 +53,7 @@ from . import anthropic, responses
 from .images import data_url_part
 from .logprobs import TokenLogprobs
 from .reasoning import ReasoningSplitter, split_reasoning
-from .schemas import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, ResponseFormat, SamplingFields,
-                      error_body)
+from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, SamplingFields, error_body
 from .structured import StructuredOutputs
 
 
@@ -387,18 +386,14 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     structured = StructuredOutputs(tokenizer)
 
-    def constraint_maker(spec: OutputSpec | ResponseFormat | Callable[[], OutputSpec | None] | None, param: str,
+    def constraint_maker(spec_of: Callable[[], OutputSpec | None], param: str,
                          chat_prompt_ids: list[int] | None = None) -> Callable[[], GrammarConstraint | None]:
-        """Makes each choice's constraint for what the answer must be (`structured.py`): an `OutputSpec`, a
-        `ResponseFormat`, or a callable giving the spec (its ValueError becomes the 400); None or plain text: no
-        constraint. A chat answer (`chat_prompt_ids` given) may open with its think block when the reasoning
-        parser is on. A 400 naming `param` for a spec the grammar cannot honour or a backend that cannot
-        constrain."""
+        """Makes each choice's constraint for what the answer must be (`structured.py`): `spec_of()` gives the
+        `OutputSpec` (its ValueError becomes the 400; None: plain text, no constraint). A chat answer
+        (`chat_prompt_ids` given) may open with its think block when the reasoning parser is on. A 400 naming
+        `param` for a spec the grammar cannot honour or a backend that cannot constrain."""
         try:
-            if isinstance(spec, ResponseFormat):
-                spec = spec.grammar_spec()
-            elif callable(spec):
-                spec = spec()
+            spec = spec_of()
             if spec is None:
                 return lambda: None
             if not getattr(backend, "supports_constraints", False):

@@ -6,10 +6,9 @@ the request's CUDA generator and the full-mask draw on the device.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from batching_utils import run_concurrently  # tests/: the shared helper, not a test module
 
 pytestmark = pytest.mark.gpu
 
@@ -64,13 +63,11 @@ def test_batched_constrained_requests_on_cuda(lazy_checks):
     asks = [dict(constraint=GrammarConstraint(transitions, [EOS], lazy_checks=lazy_checks)), {},
             dict(constraint=GrammarConstraint(transitions, [EOS], lazy_checks=lazy_checks), seed=3,
                  sampling=SamplingParams(1.0, top_p=0.9))]
-    threads = [threading.Thread(target=batcher, args=(p,), kwargs=dict(
-        max_new_tokens=20 if ask else 10, stop_tokens=[EOS], on_token=out.append, **ask))
-        for p, out, ask in zip(prompts, outs, asks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    finishes = run_concurrently([
+        lambda p=p, out=out, ask=ask: batcher(p, max_new_tokens=20 if ask else 10, stop_tokens=[EOS],
+                                              on_token=out.append, **ask)
+        for p, out, ask in zip(prompts, outs, asks)])
+    assert all(f in ("stop", "length") for f in finishes), finishes
     batcher.close()
     _digits(outs[0], transitions)
     _digits(outs[2], transitions)
