@@ -207,3 +207,42 @@ def test_choice_grammar():
     assert not g.can_continue(b"yes")
     with pytest.raises(ValueError, match="choices"):
         ChoiceGrammar(["a", ""])
+
+
+TWIN_DOCS = ['{"naïve": ["a\\"b", {"k\\u00e9y": "v €", "": 1}], "k2": "x\\\\y", "n": "😀"}',
+             '{"name": "a\\nb", "n": 3, "extra": {"deep": ["s", "t\\"u"]}, "kind": "bc"}']
+TWIN_SCHEMA = {"type": "object", "required": ["name"],
+               "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}},
+               "additionalProperties": {"type": ["string", "object", "array", "integer"]}}
+
+
+@pytest.mark.parametrize("schema,docs", [(None, TWIN_DOCS), (TWIN_SCHEMA, TWIN_DOCS[1:])], ids=["json_object", "schema"])
+def test_full_masks_through_quote_free_twins_equal_the_brute_force_mask(tok, schema, docs):
+    """Inside strings and any-string keys the tokens without a `"` take a twin state's shared mask: at every byte
+    of documents with escapes, multi-byte characters and nested keys, the full mask equals checking each token
+    (a vocabulary with quotes inside tokens added), also when the masks are evicted (max_masks 2), and the twin
+    refuses exactly the quote-free byte strings the state refuses."""
+    from openm3.engine.json_grammar import compile_schema
+
+    extra = [b'a"', b'":', b'\\"', b'"}', b'x":{"', b'", "', b'e"]', b'\xc3', b'\xa9"', b'\\u00', b'\\\\', b'\n"']
+    vocab = TokenBytes([*TokenBytes.from_tokenizer(tok).pieces, *extra])
+    grammar = compile_schema(schema, max_whitespace=2)
+    transitions = TransitionCache(grammar, vocab, max_masks=2)
+    probes = [b"a", b"\\", b"\\u", b"\\u00e9", b"\xc3", b"\xa9", b"\n", b"\xe2\x82", b"ab c", b"\\n}"]
+    twins = 0
+    for doc in docs:
+        data = doc.encode()
+        state = grammar.start
+        for i in range(len(data)):
+            twin = grammar.quote_free_twin(state)
+            if twin is not None:
+                twins += 1
+                for probe in probes:
+                    assert (grammar.advance(state, probe) is None) == (grammar.advance(twin, probe) is None)
+                if i % 3 == 0:  # the masks (walks of the 1K vocabulary) at a third of the bytes
+                    want = torch.tensor([p is not None and grammar.advance(state, p) is not None
+                                         for p in vocab.pieces])
+                    assert torch.equal(transitions.full_mask(state), want), (doc, i)
+            state = grammar.advance(state, data[i:i + 1])
+            assert state is not None, (doc, i)
+    assert twins > 15 * len(docs) and transitions._twin_masks

@@ -1,6 +1,7 @@
 """Constrained decoding through the engine: `generate(constraints=)` and `BatchedGenerator(constraint=)` on a tiny
 random model, against an oracle that runs the full forward at every step and masks every token the grammar
-refuses; constrained and plain requests decoded in one batch; speculation pausing for a constrained request."""
+refuses; constrained and plain requests decoded in one batch; speculative steps verifying a constrained request's
+drafts against its picks (the tokens of plain constrained decoding, greedy and sampled with a seed)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from openm3.engine.sampling import SamplingParams
 from openm3.engine.speculative import SpeculativeConfig
 
 from batching_utils import run_concurrently
+from test_engine_speculative import _oracle as scripted_drafts  # the drafts from known answers, some wrong
 from test_serve import model, tok  # noqa: F401 - the fixtures: the same tokenizer and model
 
 
@@ -100,3 +102,99 @@ def test_a_constraint_must_end_on_a_stop_token_of_the_generation(model, tok):
         generate(model, [[5, 6]], max_new_tokens=4, stop_tokens=[], constraints=[make(tok, vocab)])
     with pytest.raises(ValueError, match="expected None or 1 entries"):
         generate(model, [[5, 6]], max_new_tokens=4, stop_tokens=[tok.eos_id], constraints=["json"])
+
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+TOP_P = SamplingParams(1.0, top_p=0.9)
+
+
+def words_state(tok, vocab, tokens):
+    """The toy grammar's state after `tokens` (the end token aside)."""
+    return sum(len(vocab.pieces[t]) for t in tokens if t != tok.eos_id)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(1e-3, top_p=0.9)], ids=["greedy", "top_p"])
+def test_generate_speculation_on_a_constrained_request_gives_plain_constrained_tokens(model, tok, monkeypatch,
+                                                                                       sampling):
+    """Drafts scripted from the plain constrained answer (some wrong, a made-up tail past its end) are verified
+    against the constraint's picks: greedy, the same tokens as plain constrained decoding; sampled, answers the
+    grammar allows (`generate` shares one generator across the batch and draws a plain sample for every row
+    first, so its random stream differs: the BatchedGenerator test below compares sampled tokens; a low
+    temperature here, as the random model's logits are flat, so that drafts from a plain run are often right);
+    drafts kept;
+    the constraint's state where the kept tokens leave it (no pick past `max_new_tokens` or the end advanced
+    it)."""
+    vocab = TokenBytes.from_tokenizer(tok)
+    prompts = [tok.encode("The answer, in words:"), tok.encode("def f(x):")]
+    for max_new in (30, 7):
+        plain, _ = generate(model, prompts, max_new_tokens=max_new, stop_tokens=[tok.eos_id], sampling=sampling,
+                            seed=3, constraints=[make(tok, vocab), make(tok, vocab)])
+        calls = scripted_drafts(monkeypatch, {tuple(p): r.tokens for p, r in zip(prompts, plain)})
+        spec_cs = [make(tok, vocab), make(tok, vocab)]
+        spec, stats = generate(model, prompts, max_new_tokens=max_new, stop_tokens=[tok.eos_id], sampling=sampling,
+                               seed=3, constraints=spec_cs, speculative=SPEC)
+        monkeypatch.undo()
+        if sampling.greedy:
+            assert [r.tokens for r in spec] == [r.tokens for r in plain]
+        for r in spec:
+            assert re.fullmatch(r"[a-z ]{1,24}", tok.decode([t for t in r.tokens if t != tok.eos_id]))
+        assert calls and stats.spec_steps > 0 and stats.accepted_tokens > 0
+        assert stats.decode_steps < sum(len(r.tokens) for r in spec) - 1
+        for c, r in zip(spec_cs, spec):
+            assert c.state == words_state(tok, vocab, r.tokens)
+        if max_new == 30:
+            assert all(r.tokens[-1] == tok.eos_id for r in spec)  # 24 bytes at most: the end came inside a step
+
+
+def test_batched_speculation_on_constrained_requests(model, tok, monkeypatch):
+    """BatchedGenerator with scripted drafts: a greedy constrained request gives the masked full forward's
+    tokens, a sampled one with a seed the tokens it gives without speculation, a plain request beside them its
+    own; drafts were kept."""
+    vocab = TokenBytes.from_tokenizer(tok)
+    prompts = [tok.encode("one two"), tok.encode("def f(x):"), tok.encode("Three words:")]
+    asks = [dict(max_new_tokens=30, constraint=make(tok, vocab)), dict(max_new_tokens=12),
+            dict(max_new_tokens=30, constraint=make(tok, vocab), sampling=TOP_P, seed=5)]
+    results = {}
+    for spec in (None, SPEC):
+        if spec is not None:
+            scripted_drafts(monkeypatch, {tuple(p): out for p, out in zip(prompts, results[None])})
+            asks = [dict(a, constraint=make(tok, vocab)) if "constraint" in a else a for a in asks]
+        batcher = BatchedGenerator(model, token_budget=512, max_batch=4, chunk_size=8, speculative=spec)
+        outs = [[] for _ in prompts]
+        finishes = run_concurrently([
+            lambda p=p, out=out, ask=ask: batcher(p, stop_tokens=[tok.eos_id], on_token=out.append, **ask)
+            for p, out, ask in zip(prompts, outs, asks)])
+        batcher.close()
+        assert all(f in ("stop", "length") for f in finishes), finishes
+        results[spec] = outs
+        if spec is not None:
+            assert batcher.accepted_tokens > 0
+    assert results[SPEC] == results[None]
+    assert results[None][0] == oracle(model, tok, vocab, prompts[0], 30)
+    assert re.fullmatch(r"[a-z ]{1,24}", tok.decode([t for t in results[SPEC][2] if t != tok.eos_id]))
+
+
+def test_verify_constrained_picks_only_the_tokens_kept():
+    """`verify_constrained` on made-up rows: drafts kept while they equal the picks (a refused draft never is),
+    no pick past `room` or after the end token, and the constraint advanced over exactly the returned tokens."""
+    from openm3.engine.speculative import verify_constrained
+
+    vocab = TokenBytes([None, b"ab", b"c", b"1", b"d e"])  # 0: the end token; b"1" the grammar refuses
+    rows = torch.zeros(4, len(vocab))
+    for r, best in enumerate([1, 2, 4, 0]):
+        rows[r, best] = 5.0
+    rows[:, 3] = 9.0  # the most likely token everywhere, always refused
+
+    def run(drafts, room):
+        c = GrammarConstraint(TransitionCache(Words(), vocab), [0])
+        out = verify_constrained(rows[:len(drafts) + 1], drafts, c, SamplingParams(), None, [0], room)
+        assert c.state == sum(len(vocab.pieces[t]) for t in out if t != 0)
+        return out
+
+    assert run([1, 2, 4], room=9) == [1, 2, 4, 0]  # all kept, then the end
+    assert run([1, 2, 4], room=2) == [1, 2]  # the room ends it: the third pick is never made
+    assert run([1, 3, 4], room=9) == [1, 2]  # the refused draft is replaced by the pick
+    assert run([1, 2], room=9) == [1, 2, 4]  # one more pick after the last draft
+    assert run([1, 2, 4], room=9)[-1] == 0
+    with pytest.raises(ValueError, match="len\\(drafts\\) \\+ 1"):
+        run([1, 2, 4, 0], room=9)

@@ -174,7 +174,7 @@ class BatchedGenerator:
         logprob)] (`sampling.token_logprobs`). prompt_logprobs (0-20) and on_prompt_logprobs(entries): once, before
         the first token, (logprob, top) of every prompt token after the first (the whole prompt is then computed,
         not read from the prefix cache). constraint: a `GrammarConstraint` (`openm3.engine.constrained`) that picks
-        this request's tokens (structured outputs; speculation pauses while a constrained request runs).
+        this request's tokens (structured outputs; speculative drafts are kept while they equal its picks).
         ValueError for a bad request or one that can never fit the cache; an exception raised by a callback ends
         the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
@@ -335,7 +335,7 @@ class BatchedGenerator:
         batch = list(self._running)
         ids = [r.id for r in batch]
         drafts = None
-        if self.speculative is not None and not any(r.constraint for r in batch):
+        if self.speculative is not None:
             rooms = [self.cache.capacity(r.id) - self.cache.length(r.id) - 1 for r in batch]
             drafts = step_drafts([r.history for r in batch], rooms, self.speculative)
         fed = [[r.last] + (drafts[i] if drafts else []) for i, r in enumerate(batch)]
@@ -354,8 +354,8 @@ class BatchedGenerator:
             return
         self.spec_steps += 1
         kept_lists, accepted = keep_verified(self.cache, ids, lengths, logits, drafts,
-                                             [(r.sampling, r.gen, r.stop_tokens, r.max_new_tokens - r.produced)
-                                              for r in batch])
+                                             [(r.sampling, r.gen, r.stop_tokens, r.max_new_tokens - r.produced,
+                                               r.constraint) for r in batch])
         self.draft_tokens += sum(len(d) for d in drafts)
         self.accepted_tokens += accepted
         for i, (req, kept) in enumerate(zip(batch, kept_lists)):

@@ -43,6 +43,7 @@ from .sampling import SamplingParams, sample
 __all__ = ["ChoiceGrammar", "GrammarConstraint", "TokenBytes", "TransitionCache", "draw"]
 
 _NO_BYTES = 256  # first-byte slot of tokens with no bytes (special tokens): never allowed by the grammar
+_QUOTE = 0x22  # `"`: a grammar's `quote_free_twin` answers for the tokens without it
 _NOT_UTF8 = 0xF8  # bytes from here on occur in no UTF-8 text: the byte tokens holding them are never allowed
 
 
@@ -121,14 +122,16 @@ class TransitionCache:
     """A grammar with memoised transitions: `next(state, token)` is the state after the token's bytes (None: not
     allowed), computed once per (state, token) and shared by every request over this grammar. Holds at most
     `max_entries` transitions (cleared when full: a cache, not a record; ~120 bytes each, measured, so the default
-    bounds it near 25 MB) and `max_masks` full masks (V bools each)."""
+    bounds it near 25 MB) and `max_masks` full masks (V bools each), and as many of quote-free twins' masks."""
 
     def __init__(self, grammar, vocab: TokenBytes, max_entries: int = 200_000, max_masks: int = 64):
         self.grammar, self.vocab, self.max_entries, self.max_masks = grammar, vocab, max_entries, max_masks
         self._next: dict = {}
         self._first: dict = {}
         self._full: dict = {}
+        self._twin_masks: dict = {}  # quote-free twin state -> its mask over the tokens without a `"`
         self._order: dict = {}  # sorted token bytes for `full_mask`
+        self._twins = hasattr(grammar, "quote_free_twin")
         self.plain: torch.Tensor | None = None  # bool [V]: tokens of plain string text (grammars that tell them)
         if hasattr(grammar, "takes_plain_text"):
             self.plain = torch.tensor([bool(p) and grammar.is_plain_text(p) for p in vocab.pieces])
@@ -154,31 +157,57 @@ class TransitionCache:
         """bool [V]: the tokens whose bytes the grammar accepts from `state`, kept for the last `max_masks` states
         (strings and whitespace revisit the same ones). The tokens are walked as a trie (sorted bytes), so a
         refused prefix rules out every token that starts with it at once; in a string's body the plain-text tokens
-        are taken whole and only the others are walked."""
+        are taken whole and only the others are walked. Where the grammar names a quote-free twin of the state
+        (`quote_free_twin`: inside a string or key, what lies outside it matters only once a `"` byte closes it),
+        the tokens without a `"` take the twin's mask, computed once for every string sharing it, and only the
+        tokens holding a `"` are walked from the state itself."""
         mask = self._full.get(state)
         if mask is None:
-            mask = torch.zeros(len(self.vocab), dtype=torch.bool)
-            plain = self.takes_plain_text(state)
-            if plain:
-                mask |= self.plain
-            pieces, ids = self._sorted(rest=plain)
-            accepted: list[int] = []
-            _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted)
-            mask[accepted] = True
-            if len(self._full) >= self.max_masks:
-                self._full.pop(next(iter(self._full)))
-            self._full[state] = mask
+            twin = self.grammar.quote_free_twin(state) if self._twins else None
+            if twin is None:
+                mask = self._walked(state, "all")
+            else:
+                mask = self._twin_masks.get(twin)
+                if mask is None:
+                    mask = self._walked(twin, "free")
+                    self._keep(self._twin_masks, twin, mask)
+                mask = mask.clone()
+                pieces, ids = self._sorted("quote")
+                accepted: list[int] = []
+                _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted)
+                mask[accepted] = True
+            self._keep(self._full, state, mask)
         return mask
 
-    def _sorted(self, rest: bool) -> tuple[list[bytes], list[int]]:
-        """The tokens with bytes (only those not of plain text when `rest`), sorted by their bytes, and their ids."""
-        key = "rest" if rest else "all"
-        if key not in self._order:
+    def _walked(self, state, tokens: str) -> torch.Tensor:
+        """bool [V]: which of the tokens in the set `tokens` ("all", or "free": those without a `"`) the grammar
+        accepts from `state`; plain-text tokens are taken whole where the state takes plain text."""
+        mask = torch.zeros(len(self.vocab), dtype=torch.bool)
+        plain = self.takes_plain_text(state)
+        if plain:
+            mask |= self.plain
+        pieces, ids = self._sorted(tokens + ("-rest" if plain else ""))
+        accepted: list[int] = []
+        _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted)
+        mask[accepted] = True
+        return mask
+
+    def _keep(self, masks: dict, key, mask: torch.Tensor) -> None:
+        if len(masks) >= self.max_masks:
+            masks.pop(next(iter(masks)))
+        masks[key] = mask
+
+    def _sorted(self, tokens: str) -> tuple[list[bytes], list[int]]:
+        """The tokens of a set, sorted by their bytes, and their ids. Sets: "all" (every token with bytes),
+        "free" (no `"` byte), "quote" (a `"` byte); "-rest" appended leaves out the plain-text tokens."""
+        if tokens not in self._order:
+            kind, _, rest = tokens.partition("-")
             keep = [(p, t) for t, p in enumerate(self.vocab.pieces)
-                    if p and not (rest and bool(self.plain[t]))]
+                    if p and not (rest and bool(self.plain[t]))
+                    and (kind == "all" or (_QUOTE in p) == (kind == "quote"))]
             keep.sort()
-            self._order[key] = ([p for p, _ in keep], [t for _, t in keep])
-        return self._order[key]
+            self._order[tokens] = ([p for p, _ in keep], [t for _, t in keep])
+        return self._order[tokens]
 
     def first_bytes(self, state) -> torch.Tensor:
         """bool [257]: which first bytes the grammar accepts from `state` (slot 256, special tokens: never)."""

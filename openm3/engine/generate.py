@@ -179,7 +179,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     `logprobs` most likely tokens as [(id, logprob)] (`openm3.engine.sampling.token_logprobs`). prompt_logprobs
     and on_prompt_logprobs(b, entries): after the prefill, (logprob, top) of every prompt token after the first.
     constraints: None, or one entry per prompt, None or a `GrammarConstraint` (`openm3.engine.constrained`) that
-    picks that sequence's tokens (structured outputs; no speculation while one is given).
+    picks that sequence's tokens (structured outputs; with `speculative`, its drafts are kept while they equal its
+    picks).
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -189,8 +190,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     check_constraints(constraints, len(prompts), stop_tokens)
     if constraints is not None and not any(constraints):
         constraints = None
-    if constraints is not None:
-        speculative = None  # drafts are verified by the plain sampling rule
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings
@@ -262,7 +261,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
             tokens = [[t] for t in _constrained(tokens, running, logits, constraints, sampling, gen)]
         else:
             tokens, accepted = keep_verified(cache, running, lengths, logits, drafts,
-                                             [(sampling, gen, stop, max_new_tokens - len(results[b].tokens))
+                                             [(sampling, gen, stop, max_new_tokens - len(results[b].tokens),
+                                               constraints[b] if constraints is not None else None)
                                               for b in running])
             stats.draft_tokens += sum(len(d) for d in drafts)
             stats.accepted_tokens += accepted

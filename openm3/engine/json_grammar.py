@@ -864,6 +864,20 @@ class JsonGrammar:
             return state[1][1] is None and state[3] == 0 and state[4] == 0
         return kind == _KEYA and state[3] == 0 and state[4] == 0
 
+    def quote_free_twin(self, state):
+        """A state that accepts exactly the byte strings without a `"` that `state` accepts, shared by every string
+        value (or any-string key) in the same lexing position: inside one, what lies outside the string (the keys
+        read so far, the parents) matters only once a `"` closes it. None where no such twin is known (outside
+        strings; several configurations at once)."""
+        if type(state) is frozenset:
+            return None
+        kind = state[0]
+        if kind == _STR:
+            return state[:5] + (None,)
+        if kind == _KEYA:
+            return (_KEYA, None, b'"', state[3], state[4], _EMPTY, None)
+        return None
+
     @staticmethod
     def is_plain_text(data: bytes) -> bool:
         """Whether `data` is plain string text: printable ASCII other than `"` and `\\`, and whole UTF-8

@@ -15,7 +15,10 @@ verify them (`verify`):
   probability p(d); the first one rejected is replaced by a draw from p with d removed (renormalised), and when
   all are kept one more token is drawn from the last position. A draft is one token with probability 1, so this
   is the speculative-sampling rule with q = delta(d): every output token has exactly the distribution plain
-  sampling gives (a different random stream, so not the same tokens for a seed).
+  sampling gives (a different random stream, so not the same tokens for a seed);
+- a constrained sequence (structured outputs): each position's token is the constraint's pick from its row, and
+  the drafts are kept while the picks equal them (`verify_constrained`): the tokens and random stream of plain
+  constrained decoding, up to the float rounding of the forward.
 
 The keys and values the rejected drafts wrote are dropped with `PagedCache.truncate`. A batch's step feeds every
 sequence the same number of tokens (what the decode kernels and one CUDA graph take), so a sequence without a
@@ -37,8 +40,8 @@ import torch
 from .cache import MAX_DECODE_QUERIES
 from .sampling import SamplingParams, filter_logits
 
-__all__ = ["SpeculativeConfig", "TokenHistory", "ngram_drafts", "step_drafts", "verify", "cut_at_end",
-           "keep_verified"]
+__all__ = ["SpeculativeConfig", "TokenHistory", "ngram_drafts", "step_drafts", "verify", "verify_constrained",
+           "cut_at_end", "keep_verified"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +192,26 @@ def verify(logits: torch.Tensor, drafts: Sequence[int], sampling: SamplingParams
     return list(drafts[:kept]) + [int(last)]
 
 
+def verify_constrained(logits: torch.Tensor, drafts: Sequence[int], constraint, sampling: SamplingParams,
+                       generator: torch.Generator | None, stop_tokens, room: int) -> list[int]:
+    """`verify` for a constrained sequence (structured outputs: `openm3.engine.constrained.GrammarConstraint`):
+    each position's token is the constraint's pick from its row, the token plain constrained decoding would give
+    there, and the drafts are kept while the picks equal them. A pick is drawn from the masked distribution, so
+    this is the point-mass rule of `verify` in the form "sample, then compare": every output token has the
+    distribution (greedy: the token) plain constrained decoding gives, and with the same draws per token the same
+    random stream. Only tokens the sequence keeps are picked (the constraint's state advances with each): at most
+    `room`, up to a stop token."""
+    if logits.shape[0] != len(drafts) + 1:
+        raise ValueError(f"logits must have len(drafts) + 1 = {len(drafts) + 1} rows, got {tuple(logits.shape)}")
+    out: list[int] = []
+    for j in range(min(len(drafts) + 1, room)):
+        token = constraint.pick(logits[j], sampling, generator)
+        out.append(token)
+        if token in stop_tokens or j == len(drafts) or token != drafts[j]:
+            break
+    return out
+
+
 def cut_at_end(tokens: Sequence[int], stop_tokens, room: int) -> tuple[list[int], str | None]:
     """The tokens of a step a sequence keeps, and why it ends ('stop', 'length' or None): at most `room` (its
     max_new_tokens left), up to and including the first stop token."""
@@ -202,15 +225,19 @@ def cut_at_end(tokens: Sequence[int], stop_tokens, room: int) -> tuple[list[int]
 
 def keep_verified(cache, seq_ids: Sequence[int], lengths: Sequence[int], logits: torch.Tensor,
                   drafts: Sequence[Sequence[int]], requests: Sequence[tuple]) -> tuple[list[list[int]], int]:
-    """After a speculative step's forward: each sequence's kept tokens (`verify`, then `cut_at_end`), its cache
-    truncated to the fed tokens those keep (`lengths`: cached tokens before the step), and the drafts confirmed in
-    all. logits: [B, 1 + K, V]; requests: per sequence (SamplingParams, generator, stop tokens, tokens it may
-    still take). Greedy rows' argmax is read in one host read."""
-    greedy = [i for i, r in enumerate(requests) if r[0].greedy]
+    """After a speculative step's forward: each sequence's kept tokens (`verify`, or `verify_constrained` for a
+    constrained one, then `cut_at_end`), its cache truncated to the fed tokens those keep (`lengths`: cached
+    tokens before the step), and the drafts confirmed in all. logits: [B, 1 + K, V]; requests: per sequence
+    (SamplingParams, generator, stop tokens, tokens it may still take, GrammarConstraint or None). Plain greedy
+    rows' argmax is read in one host read."""
+    greedy = [i for i, r in enumerate(requests) if r[0].greedy and r[4] is None]
     best = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
     out, accepted = [], 0
-    for i, (seq_id, (sampling, generator, stop, room)) in enumerate(zip(seq_ids, requests)):
-        tokens = verify(logits[i], drafts[i], sampling, generator, argmax=best.get(i))
+    for i, (seq_id, (sampling, generator, stop, room, constraint)) in enumerate(zip(seq_ids, requests)):
+        if constraint is not None:
+            tokens = verify_constrained(logits[i], drafts[i], constraint, sampling, generator, stop, room)
+        else:
+            tokens = verify(logits[i], drafts[i], sampling, generator, argmax=best.get(i))
         accepted += len(tokens) - 1
         kept, _ = cut_at_end(tokens, stop, room)
         cache.truncate(seq_id, lengths[i] + len(kept))  # the last token and the drafts before the new one

@@ -49,16 +49,24 @@ def _digits(tokens, transitions) -> str:
     return text.decode()
 
 
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
 @pytest.mark.parametrize("lazy_checks", [512, 1], ids=["lazy", "full-mask"])
-def test_batched_constrained_requests_on_cuda(lazy_checks):
+def test_batched_constrained_requests_on_cuda(lazy_checks, speculate):
+    """Constrained requests beside a plain one in CUDA-graph steps, also with n-gram speculation (prompts of
+    repeated runs, so lookups find drafts; the constrained requests' drafts are verified against their picks)."""
     from openm3.engine import generate
     from openm3.engine.batching import BatchedGenerator
     from openm3.engine.constrained import GrammarConstraint
     from openm3.engine.sampling import SamplingParams
+    from openm3.engine.speculative import SpeculativeConfig
 
     model, transitions = _setup()
     prompts = [list(range(20, 90)), list(range(40, 75)), list(range(100, 230))]
-    batcher = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=64)
+    spec = None
+    if speculate:
+        prompts = [p * 3 for p in prompts]
+        spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    batcher = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=64, speculative=spec)
     outs = [[] for _ in prompts]
     asks = [dict(constraint=GrammarConstraint(transitions, [EOS], lazy_checks=lazy_checks)), {},
             dict(constraint=GrammarConstraint(transitions, [EOS], lazy_checks=lazy_checks), seed=3,
@@ -73,6 +81,7 @@ def test_batched_constrained_requests_on_cuda(lazy_checks):
     _digits(outs[2], transitions)
     assert len(outs[1]) == 10 or outs[1][-1] == EOS  # the plain request beside them ran as usual
     assert batcher.graphs is not None and batcher.graphs.replays > 0
+    assert batcher.spec_steps > 0 if speculate else batcher.spec_steps == 0
 
     results, _ = generate(model, prompts, max_new_tokens=20, stop_tokens=[EOS], sampling=SamplingParams(0.8, top_k=5),
                           constraints=[GrammarConstraint(transitions, [EOS], lazy_checks=lazy_checks) for _ in prompts])

@@ -86,7 +86,8 @@ def bf16_reference_error(x, want_o, seq_lens, q_len, block_idx):
     return torch.stack(errs).max().item()
 
 
-CASES = [([131072], 1), ([300, 9000, 70000], 1), ([5000, 20000], 2)]
+CASES = [([131072], 1), ([300, 9000, 70000], 1), ([5000, 20000], 2),
+         ([16384] * 8, 5)]  # speculative steps: 4 drafts per sequence at batch 8
 # the batch-1 knobs (benchmarks/msa_decode.py times them): hoisted page ids / TMA key loads, the shrink folded
 # into the scoring kernel, programmatic dependent launch, the 2-launch step; merge_direct_max=16 makes every row
 # here fold or shrink
@@ -144,20 +145,23 @@ def test_decode_kernels_match_reference(seq_lens, q_len, index_fp8):
         torch.testing.assert_close(lse2, lse3, atol=1e-4, rtol=0)
 
 
-def test_dense_decode_matches_sdpa():
+@pytest.mark.parametrize("seq_lens,q_len", [([4000, 70000], 1), ([16384] * 8, 5)], ids=["Q1", "B8-Q5"])
+def test_dense_decode_matches_sdpa(seq_lens, q_len):
     from openm3.ops.msa import decode, triton_decode
 
-    seq_lens = [4000, 70000]
-    x = paged_inputs(seq_lens, 1, index_fp8=False)
-    o, _ = triton_decode.decode_attention(x["q"], x["k"], x["v"], x["table"], x["lens"], None, q_len=1)
+    x = paged_inputs(seq_lens, q_len, index_fp8=False)
+    o, _ = triton_decode.decode_attention(x["q"], x["k"], x["v"], x["table"], x["lens"], None, q_len=q_len)
     k = decode.gather_pages(x["k"], x["table"], seq_lens, BLOCK)
     v = decode.gather_pages(x["v"], x["table"], seq_lens, BLOCK)
     start = 0
     for b, n in enumerate(seq_lens):
-        kk, vv = k[start:start + n].transpose(0, 1)[None], v[start:start + n].transpose(0, 1)[None]
-        want = torch.nn.functional.scaled_dot_product_attention(x["q"][b][None, :, None].float(), kk.float(),
-                                                                vv.float(), enable_gqa=True)[0, :, 0]
-        assert (o[b].float() - want).abs().max().item() < 2e-2
+        for i in range(q_len):  # query i sits at position n - q_len + i: it sees the keys up to there
+            r, pos = b * q_len + i, n - q_len + i
+            kk = k[start:start + pos + 1].transpose(0, 1)[None]
+            vv = v[start:start + pos + 1].transpose(0, 1)[None]
+            want = torch.nn.functional.scaled_dot_product_attention(x["q"][r][None, :, None].float(), kk.float(),
+                                                                    vv.float(), enable_gqa=True)[0, :, 0]
+            assert (o[r].float() - want).abs().max().item() < 2e-2, (b, i)
         start += n
 
 
