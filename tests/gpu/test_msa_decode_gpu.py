@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 HQ, HKV, D, HI, DI, BLOCK, TOPK = 64, 4, 128, 4, 128, 128, 16
 
 
-def paged_inputs(seq_lens, q_len, *, index_fp8, seed=0):
+def paged_inputs(seq_lens, q_len, *, index_fp8, seed=0, hq=HQ):
     """A shuffled page pool holding sequences of `seq_lens` tokens and the new queries."""
     from openm3.ops.msa import decode
 
@@ -38,7 +38,7 @@ def paged_inputs(seq_lens, q_len, *, index_fp8, seed=0):
         table[b, :n] = perm[start:start + n]
         start += n
     rows = len(seq_lens) * q_len
-    q = torch.randn(rows, HQ, D, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(rows, hq, D, device="cuda", generator=gen).bfloat16()
     # index queries correlated with a few cached keys so selections are not a sea of near-ties
     qi = torch.randn(rows, HI, DI, device="cuda", generator=gen)
     for r in range(rows):
@@ -69,7 +69,7 @@ def bf16_reference_error(x, want_o, seq_lens, q_len, block_idx):
     k = decode.gather_pages(x["k"], x["table"], lens, BLOCK)
     v = decode.gather_pages(x["v"], x["table"], lens, BLOCK)
     errs, start = [], 0
-    g = HQ // HKV
+    g = x["q"].shape[1] // HKV
     for b, n in enumerate(lens):
         for i in range(q_len):
             r = b * q_len + i
@@ -86,8 +86,9 @@ def bf16_reference_error(x, want_o, seq_lens, q_len, block_idx):
     return torch.stack(errs).max().item()
 
 
-CASES = [([131072], 1), ([300, 9000, 70000], 1), ([5000, 20000], 2),
-         ([16384] * 8, 5)]  # speculative steps: 4 drafts per sequence at batch 8
+CASES = [([131072], 1, HQ), ([300, 9000, 70000], 1, HQ), ([5000, 20000], 2, HQ),
+         ([16384] * 8, 5, HQ), ([16384] * 8, 5, 16)]  # speculative steps: 4 drafts per sequence at batch 8, M3's
+# 16 query heads per KV head and m3-small's 4
 # the batch-1 knobs (benchmarks/msa_decode.py times them): hoisted page ids / TMA key loads, the shrink folded
 # into the scoring kernel, programmatic dependent launch, the 2-launch step; merge_direct_max=16 makes every row
 # here fold or shrink
@@ -107,12 +108,12 @@ BATCH1_KNOBS = {
 
 
 @pytest.mark.parametrize("index_fp8", [False, True], ids=["idx-bf16", "idx-fp8"])
-@pytest.mark.parametrize("seq_lens,q_len", CASES,
-                         ids=[f"L{'-'.join(map(str, c[0]))}-Q{c[1]}-Hq64-Hkv4-D128-bs128-k16" for c in CASES])
-def test_decode_kernels_match_reference(seq_lens, q_len, index_fp8):
+@pytest.mark.parametrize("seq_lens,q_len,hq", CASES,
+                         ids=[f"L{'-'.join(map(str, c[0]))}-Q{c[1]}-Hq{c[2]}-Hkv4-D128-bs128-k16" for c in CASES])
+def test_decode_kernels_match_reference(seq_lens, q_len, hq, index_fp8):
     from openm3.ops.msa import decode, triton_decode
 
-    x = paged_inputs(seq_lens, q_len, index_fp8=index_fp8)
+    x = paged_inputs(seq_lens, q_len, index_fp8=index_fp8, hq=hq)
     cu_q = cu([q_len] * len(seq_lens))
     want_idx = decode.paged_select_blocks(x["qi"], x["ki"], x["table"], cu_q, seq_lens, block_size=BLOCK, topk=TOPK,
                                           ki_scale=x["ki_scale"])
