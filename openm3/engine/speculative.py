@@ -17,8 +17,9 @@ verify them (`verify`):
   is the speculative-sampling rule with q = delta(d): every output token has exactly the distribution plain
   sampling gives (a different random stream, so not the same tokens for a seed);
 - a constrained sequence (structured outputs): each position's token is the constraint's pick from its row, and
-  the drafts are kept while the picks equal them (`verify_constrained`): the tokens and random stream of plain
-  constrained decoding, up to the float rounding of the forward.
+  the drafts are kept while the picks equal them (`verify_constrained`): greedy, the tokens of plain constrained
+  decoding up to the float rounding of the forward; sampled, its distribution, and with a generator of the
+  sequence's own (`BatchedGenerator`) its random stream too.
 
 The keys and values the rejected drafts wrote are dropped with `PagedCache.truncate`. A batch's step feeds every
 sequence the same number of tokens (what the decode kernels and one CUDA graph take), so a sequence without a
@@ -198,8 +199,8 @@ def verify_constrained(logits: torch.Tensor, drafts: Sequence[int], constraint, 
     each position's token is the constraint's pick from its row, the token plain constrained decoding would give
     there, and the drafts are kept while the picks equal them. A pick is drawn from the masked distribution, so
     this is the point-mass rule of `verify` in the form "sample, then compare": every output token has the
-    distribution (greedy: the token) plain constrained decoding gives, and with the same draws per token the same
-    random stream. Only tokens the sequence keeps are picked (the constraint's state advances with each): at most
+    distribution (greedy: the token) plain constrained decoding gives, drawn with one pick per token as plain
+    decoding draws it. Only tokens the sequence keeps are picked (the constraint's state advances with each): at most
     `room`, up to a stop token."""
     if logits.shape[0] != len(drafts) + 1:
         raise ValueError(f"logits must have len(drafts) + 1 = {len(drafts) + 1} rows, got {tuple(logits.shape)}")
