@@ -20,6 +20,7 @@ import torch
 
 from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
+from benchmarks.speculative_decode import scripted_drafts
 
 
 def run(model, prompts, new: int, drafts_from=None, k: int = 4, eager: bool = False):
@@ -30,17 +31,9 @@ def run(model, prompts, new: int, drafts_from=None, k: int = 4, eager: bool = Fa
 
     real = speculative.ngram_drafts
     cfg = None
-    if drafts_from is not None:
-        n = len(prompts[0])
-        answers = {tuple(p[:64]): a for p, a in zip(prompts, drafts_from)}  # random prompts: distinct starts
-
-        def drafts(tokens, want, _config):
-            answer = answers[tuple(tokens[:64].tolist())]
-            done = len(tokens) - n
-            d = list(answer[done:done + want])
-            return d + [answer[-1]] * (want - len(d))
-
-        speculative.ngram_drafts = drafts
+    if drafts_from is not None:  # the speculative benchmark's scripted drafts, every one right
+        answers = {tuple(p): a for p, a in zip(prompts, drafts_from)}
+        speculative.ngram_drafts = scripted_drafts(answers, len(prompts[0]), 1.0, model.config.vocab_size, seed=0)
         cfg = SpeculativeConfig(num_speculative_tokens=k)
     try:
         for _ in range(2):
@@ -76,7 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--drafts", type=int, default=4)
     p.add_argument("--eager", action="store_true", help="also run both without CUDA graphs")
     args = p.parse_args(argv)
-    model, device = random_text_model(args.preset, args.device)
+    model, _ = random_text_model(args.preset, args.device)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.config.vocab_size, (args.prompt,), generator=gen).tolist()
                for _ in range(args.batch)]
