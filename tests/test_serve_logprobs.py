@@ -1,7 +1,8 @@
 """Log probabilities through `openm3 serve` and the engine: each answer token's log probability and top
 alternatives equal the model's log-softmax at that position (a full forward over prompt + answer), in the
-Chat Completions and Completions formats, streamed and not, through `generate`, `BatchedGenerator` and its
-speculative steps; a backend without them gets a 400."""
+Chat Completions, Completions and Responses formats, streamed and not, through `generate`, `BatchedGenerator` and
+its speculative steps; the chat formats hold the message text's tokens alone (not the think block's or the tool
+calls' markup); a backend without them gets a 400."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from openm3.engine import generate
 from openm3.engine.batching import BatchedGenerator
 from openm3.engine.sampling import SamplingParams
 from openm3.engine.speculative import SpeculativeConfig
+from openm3.data.tokenizer import EOS, THINK_END, THINK_START
 from openm3.serve import ModelBackend, create_app
 
-from test_serve import events, model, tok  # noqa: F401 - the fixtures: the same tokenizer and model
+from test_serve import CALL_TEXT, TOOLS, Scripted, events, named_events, model, tok  # noqa: F401 - fixtures too
 
 NAME = "tiny"
 
@@ -112,6 +114,14 @@ def test_chat_and_completion_logprobs(model, tok):
     assert [i["logprob"] for i in items] == pytest.approx([i["logprob"] for i in content], abs=1e-6)
     plain = client.post("/v1/chat/completions", json={**chat, "logprobs": False, "top_logprobs": None})
     assert "logprobs" not in plain.json()["choices"][0]
+    # the Responses API: the same conversation's message text, the same items
+    r = client.post("/v1/responses", json={"model": NAME, "input": "hi", "max_output_tokens": 8, "temperature": 0,
+                                           "include": ["message.output_text.logprobs"], "top_logprobs": 3})
+    message = [item for item in r.json()["output"] if item["type"] == "message"][0]
+    items = message["content"][0]["logprobs"]
+    assert [i["token"] for i in items] == [i["token"] for i in content]
+    assert [i["logprob"] for i in items] == pytest.approx([i["logprob"] for i in content], abs=1e-6)
+    assert [len(i["top_logprobs"]) for i in items] == [3] * len(items)
 
 
 def test_completion_logprobs_match_the_model(model, tok):
@@ -193,3 +203,91 @@ def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(model, tok):
     assert r.json()["choices"][0]["text"].startswith("hello") and r.json()["choices"][0]["logprobs"] is None
     r = client.post("/v1/completions", json={**body, "prompt": [ids, ids]})  # a batch: a choice per prompt
     assert [c["logprobs"]["token_logprobs"] for c in r.json()["choices"]] == [lp["token_logprobs"]] * 2
+
+
+THOUGHT = "The user wants a file.\n\nRead it first."
+SPLIT_ANSWERS = [  # (answer, the message text it returns, tools parsed)
+    (f"{THINK_START}\n{THOUGHT}\n{THINK_END}\n\n{CALL_TEXT}", "Let me look.", True),
+    (f"{THINK_START}\n{THOUGHT}\n{THINK_END}\n\nHere it is.", "Here it is.", False),
+    (f"{THINK_START}\nan unfinished thought", "", False),
+    ("No thinking here.", "No thinking here.", False),
+    (CALL_TEXT, CALL_TEXT, False),  # tool_choice none: the markup is message text
+]
+
+
+class ScriptedLogprobs(Scripted):
+    """`Scripted` with log probabilities: token j's is -(j + 1) / 100, its one alternative itself."""
+
+    supports_logprobs = True
+
+    def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token, logprobs=None,
+                 on_logprobs=None):
+        self.prompts.append(list(prompt))
+        for j, token in enumerate(self.tokens[:max_new_tokens]):
+            if on_logprobs is not None:
+                on_logprobs(-(j + 1) / 100, [(token, -(j + 1) / 100)][:logprobs])
+            on_token(token)
+            if token in stop_tokens:
+                return "stop"
+        return "length"
+
+
+def message_entries(tok, answer: str, text: str, calls: bool) -> list[tuple[str, float]]:
+    """(token text, logprob) the message text should get: the answer's tokens whose text reaches into `text`
+    (found in the answer), up to the end (or, with parsed calls, to the text's end)."""
+    ids = tok.encode(answer)
+    start = answer.rindex(text) if text else len(answer)
+    stop = start + len(text) if calls else len(answer) + 1
+    out, begin = [], 0
+    for j, i in enumerate(ids):
+        end = begin + len(tok.decode([i]))
+        if end > start and begin < stop:
+            out.append((tok.decode([i]), -(j + 1) / 100))
+        begin = end
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(SPLIT_ANSWERS)))
+def test_logprobs_hold_the_message_text_alone(tok, case):
+    """With the think block split off and the tool calls parsed out, Chat Completions' `logprobs.content` and the
+    Responses API's output_text `logprobs` (streamed and not) hold the tokens of the message text alone, each
+    with its own value; streamed chat chunks of reasoning carry none."""
+    answer, text, calls = SPLIT_ANSWERS[case]
+    want = message_entries(tok, answer, text, calls)
+    assert "".join(t for t, _ in want) == text  # this tokenizer cuts at the format's edges
+    client = TestClient(create_app(ScriptedLogprobs(tok.encode(answer + EOS), tok.vocab_size), tok,
+                                   model_name=NAME, max_total_tokens=4096))
+    choice = "none" if answer == CALL_TEXT else "auto"
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Show src/a.py"}], "tools": TOOLS,
+            "tool_choice": choice, "logprobs": True, "top_logprobs": 1}
+    body = client.post("/v1/chat/completions", json=chat).json()
+    got = body["choices"][0]["logprobs"]["content"]
+    assert [(i["token"], i["logprob"]) for i in got] == want
+    assert all(i["top_logprobs"] == [{k: i[k] for k in ("token", "logprob", "bytes")}] for i in got)
+    chunks = [c["choices"][0] for c in events(client.post("/v1/chat/completions", json={**chat, "stream": True}))]
+    assert sum((c["logprobs"]["content"] for c in chunks), []) == got
+    assert all(not c["logprobs"]["content"] for c in chunks if c["delta"].get("reasoning_content"))
+
+    req = {"model": NAME, "input": "Show src/a.py", "tools": [t["function"] | {"type": "function"} for t in TOOLS],
+           "tool_choice": choice, "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
+           "top_logprobs": 1}
+    out = client.post("/v1/responses", json=req).json()["output"]
+    parts = [p for item in out if item["type"] == "message" for p in item["content"]]
+    if parts:
+        assert [p["logprobs"] for p in parts] == [got]
+    else:  # an answer of calls alone has no message
+        assert calls and not got
+    evs = named_events(client.post("/v1/responses", json={**req, "stream": True}))
+    assert sum((e["logprobs"] for e in evs if e["type"] == "response.output_text.delta"), []) == got
+    assert [e["logprobs"] for e in evs if e["type"] == "response.output_text.done"] == ([got] if parts else [])
+    plain = client.post("/v1/responses", json={**req, "include": None}).json()["output"]
+    assert all(p["logprobs"] == [] for item in plain if item["type"] == "message" for p in item["content"])
+
+
+def test_responses_logprobs_need_a_backend_with_them(tok):
+    client = TestClient(create_app(Scripted(tok.encode("hi" + EOS), tok.vocab_size), tok, model_name=NAME,
+                                   max_total_tokens=96))
+    r = client.post("/v1/responses", json={"model": NAME, "input": "x", "include": ["message.output_text.logprobs"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include"
+    r = client.post("/v1/responses", json={"model": NAME, "input": "x", "top_logprobs": 21})
+    assert r.status_code == 400 and "top_logprobs" in r.text

@@ -37,10 +37,19 @@ def test_streamed_pieces_add_up_to_the_whole_split(text, started, reasoning, ans
         cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 8))))
         deltas = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
         splitter = ReasoningSplitter(started)
-        pieces = [p for d in deltas for p in splitter.feed(d)] + splitter.finish()
+        pieces, starts = [], []
+        for d in deltas:
+            new = splitter.feed(d)
+            pieces += new
+            starts.append(splitter.content_start)
+            assert starts[-1] is not None or all(k == "reasoning" for k, _ in new)  # known once content flows
+        pieces += splitter.finish()
         got = {kind: "".join(t for k, t in pieces if k == kind) for kind in ("reasoning", "content")}
         assert got["reasoning"] == (reasoning or "") and got["content"] == answer, deltas
         assert all(t for _k, t in pieces)  # no empty pieces
+        # the answer's offset, once known, is the whole split's
+        known = [s for s in starts if s is not None] + [splitter.content_start]
+        assert set(known) == {len(text) - len(answer)}, (deltas, starts)
 
 
 ANSWER = f"{THINK_START}\n{THOUGHT}\n{THINK_END}\n\n{CALL_TEXT}"

@@ -58,7 +58,7 @@ def test_responses_answer_equals_the_chat_endpoint(client, stream, form):
         body = r.json()
     assert body["object"] == "response" and body["id"].startswith("resp_") and body["model"] == NAME
     assert [item["type"] for item in body["output"]] == ["message"]
-    assert body["output"][0]["content"][0] == {"type": "output_text", "text": want, "annotations": []}
+    assert body["output"][0]["content"][0] == {"type": "output_text", "text": want, "annotations": [], "logprobs": []}
     finish = chat["choices"][0]["finish_reason"]
     assert body["status"] == ("incomplete" if finish == "length" else "completed")
     assert body["incomplete_details"] == ({"reason": "max_output_tokens"} if finish == "length" else None)

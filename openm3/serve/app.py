@@ -121,7 +121,9 @@ class TextStream:
 
     reasoning: a `ReasoningSplitter` when the answer's think block is split off (`reasoning.py`; None: it is
     text like the rest). `parts(delta)` and `end_parts(final)` route the deltas to ("reasoning" | "content",
-    text) pieces, and `split(text)` splits a whole answer the same way.
+    text) pieces, and `split(text)` splits a whole answer the same way. `content_span()` says which part of the
+    decoded text is the message text (`TokenLogprobs.take`): as far as known while streaming, and exactly once
+    `settle` has the final answer.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), hold: Sequence[str] = (),
@@ -135,10 +137,13 @@ class TextStream:
         self.stop_found: str | None = None  # the stop string that ended the text
         self.sampled = 0
         self.cached = 0
+        self.decoded = 0  # characters of the decoded tokens, before any cut
+        self._span: tuple[int, int | None] | None = None  # the message text's, once settled
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens)
+        self.decoded = len(text)
         found = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
         if found:
             cut, self.stop_found = min(found)
@@ -178,6 +183,24 @@ class TextStream:
             return None, text
         reasoning, answer = split_reasoning(text, self.reasoning.started)
         return reasoning or None, answer
+
+    def content_span(self) -> tuple[int | None, int | None]:
+        """(start, end) of the message text in the decoded answer: start None while a think block may still be
+        running, end None while no tool call has begun (its markup is not message text)."""
+        if self._span is not None:
+            return self._span
+        start = 0 if self.reasoning is None else self.reasoning.content_start
+        held = len(self.visible())
+        return start, (held if held < len(self.text) else None)
+
+    def settle(self, whole: str, calls: bool) -> tuple[int, int | None]:
+        """Fixes the message text's span once the answer is known: `whole` as the endpoint returns it (with or
+        without its tool-call markup), `calls`: the markup was parsed into calls (so it ends the text)."""
+        start = 0
+        if self.reasoning is not None:
+            start = len(whole) - len(split_reasoning(whole, self.reasoning.started)[1])
+        self._span = (start, len(whole) if calls else None)
+        return self._span
 
     def _emit(self, end: int) -> str:
         end = min(end, len(self.visible()))
@@ -349,11 +372,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         def on_token(tok: int) -> None:
             start()
             stream.sampled += 1
-            if logprobs is not None:
-                logprobs.on_token(tok, eos)
-            if tok != eos:
-                for kind, text in stream.parts(stream.push(tok)):
-                    on_part(kind, text)
+            pieces = stream.parts(stream.push(tok)) if tok != eos else []
+            if logprobs is not None:  # before the pieces go out: a streamed chunk takes the token's entry
+                logprobs.on_token(tok, eos, stream.decoded)
+            for kind, text in pieces:
+                on_part(kind, text)
             if stream.stopped or (cancelled is not None and cancelled.is_set()):
                 raise _Stop
 
@@ -584,8 +607,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             if tool_calls:
                 message["tool_calls"] = tool_calls
             choice = {"index": k, "message": message, "finish_reason": finish}
-            if lps[k] is not None:
-                choice["logprobs"] = lps[k].chat(lps[k].take())
+            if lps[k] is not None:  # the message text's tokens (not the reasoning's or the calls' markup)
+                choice["logprobs"] = lps[k].chat(lps[k].take(streams[k].settle(whole, bool(tool_calls))))
             return choice
 
         if not req.stream:
@@ -597,8 +620,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         def chunk(k: int, delta: dict, finish: str | None = None) -> dict:
             choice = {"index": k, "delta": delta, "finish_reason": finish}
-            if lps[k] is not None:  # the tokens sampled since the choice's last chunk
-                choice["logprobs"] = lps[k].chat(lps[k].take())
+            if lps[k] is not None:  # the message text's tokens sampled since the choice's last chunk
+                choice["logprobs"] = lps[k].chat(lps[k].take(streams[k].content_span()))
             return {**head, "choices": [choice]}
 
         def produce(put, cancelled) -> None:
@@ -611,6 +634,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 def whole(cancelled: threading.Event) -> str:
                     put(chunk(k, {"role": "assistant", "content": ""}))
                     text, tool_calls, finish = answer(k, run_it(cancelled))
+                    streams[k].settle(text, bool(tool_calls))
                     for kind, piece in streams[k].end_parts(text):
                         part(kind, piece)
                     if tool_calls:
@@ -630,7 +654,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                   text_stream=text_stream, prompt_of=prompt_of, constraint_maker=constraint_maker,
                   takes_images=vl_config is not None)
     anthropic.add_messages_routes(app, **shared)
-    responses.add_responses_routes(app, **shared)
+    responses.add_responses_routes(app, **shared, logprobs_for=logprobs_for)
     return app
 
 

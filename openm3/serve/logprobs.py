@@ -6,6 +6,12 @@ The values are the model's own (log-softmax of its logits before temperature, to
 default: `openm3.engine.sampling.token_logprobs`), one entry per sampled token of the answer (the end-of-turn token
 excluded), up to and including the token that completed a stop string. A token's text is its own decoding, so a
 character split over two tokens shows as U+FFFD in each (its `bytes` in the chat format are those of that text).
+
+The chat formats hold the tokens of the message text alone, as OpenAI's reference does: when the answer's think
+block is split off (its `reasoning_content` / `reasoning` item) or its tool calls are parsed out, the tokens that
+wrote them are left out. Each entry keeps where its text ends in the decoded answer, and a *span* (start, end) of
+that text (`TextStream.content_span`) picks the entries whose text reaches into it; a token that holds both the
+last of the format and the first of the text (`\n\nHello`) counts as text.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ class TokenLogprobs:
     def __init__(self, tokenizer, top: int):
         self.tokenizer, self.top = tokenizer, top
         self.entries: list[tuple[int, float, list[tuple[int, float]]]] = []
+        self.ends: list[int] = []  # characters of the decoded answer up to and including each entry's token
         self.prompt_entries: list = []  # (logprob, top) of the prompt's tokens after the first (echo)
         self._pending: tuple[float, list] | None = None
         self._sent = 0
@@ -29,9 +36,11 @@ class TokenLogprobs:
     def on_prompt(self, entries: list) -> None:
         self.prompt_entries = entries
 
-    def on_token(self, token: int, eos: int) -> None:
+    def on_token(self, token: int, eos: int, end: int = 0) -> None:
+        """`end`: the decoded answer's length with this token (`TextStream.decoded`)."""
         if self._pending is not None and token != eos:
             self.entries.append((token, *self._pending))
+            self.ends.append(end)
         self._pending = None
 
     def echoed(self, prompt: list[int]) -> list:
@@ -39,10 +48,35 @@ class TokenLogprobs:
         probability (null), the others those `on_prompt` received."""
         return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], self.prompt_entries)]
 
-    def take(self) -> list:
-        new = self.entries[self._sent:]
-        self._sent = len(self.entries)
+    def take(self, span: tuple[int | None, int | None] = (0, None)) -> list:
+        """The entries not returned before that are in `span` (start, end) of the answer's text: a start of None
+        (not known yet) returns none and keeps them; an entry wholly before the start is dropped; one that begins
+        at or after the end (None: no end) is kept for a later call, whose span may reach further."""
+        start, end = span
+        if start is None:
+            return []
+        new = []
+        while self._sent < len(self.entries):
+            i = self._sent
+            if end is not None and self._begin(i) >= end:
+                break
+            if self._reaches(i, start):
+                new.append(self.entries[i])
+            self._sent += 1
         return new
+
+    def select(self, span: tuple[int, int | None]) -> list:
+        """All entries in `span` (see `take`), whatever was returned before."""
+        start, end = span
+        return [e for i, e in enumerate(self.entries)
+                if self._reaches(i, start) and (end is None or self._begin(i) < end)]
+
+    def _begin(self, i: int) -> int:
+        return self.ends[i - 1] if i else 0
+
+    def _reaches(self, i: int, start: int) -> bool:
+        """Entry i's text reaches past `start` (a token that decodes to nothing: it is at or after it)."""
+        return self.ends[i] > start or self.ends[i] == self._begin(i) >= start
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])

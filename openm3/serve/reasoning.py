@@ -36,17 +36,22 @@ def split_reasoning(text: str, started: bool = False) -> tuple[str | None, str]:
 class ReasoningSplitter:
     """Routes the text deltas of one answer, in order: `feed(delta)` and, at the end, `finish()` return
     [("reasoning" | "content", text), ...]. Text that may still turn out to be format (leading whitespace before
-    `<think>`, a newline that may precede `</think>`, the newlines after it) is held until it is known."""
+    `<think>`, a newline that may precede `</think>`, the newlines after it) is held until it is known.
+    `content_start`: the answer's first character's offset in the text fed, once known (at the latest after
+    `finish()`), as `split_reasoning` puts it: its answer is the whole text's end from there."""
 
     def __init__(self, started: bool = False):
         self.started = started
         self._state = "reasoning" if started else "start"  # start -> (reasoning -> after ->) content
         self._buf = ""
         self._first = True  # the reasoning's first text: its leading newline is format
+        self._fed = 0  # characters fed so far
+        self.content_start: int | None = None  # where the answer begins in the fed text, once known
 
     def feed(self, delta: str) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         self._buf += delta
+        self._fed += len(delta)
         while self._buf:
             if self._state == "start":
                 head = self._buf.lstrip()
@@ -55,7 +60,7 @@ class ReasoningSplitter:
                 if head.startswith(THINK_START):
                     self._buf, self._state = head[len(THINK_START):], "reasoning"
                 else:
-                    self._state = "content"
+                    self._to_content()
             elif self._state == "reasoning":
                 end = self._buf.find(THINK_END)
                 if end >= 0:
@@ -72,7 +77,7 @@ class ReasoningSplitter:
             elif self._state == "after":
                 self._buf = self._buf.lstrip("\n")
                 if self._buf:
-                    self._state = "content"
+                    self._to_content()
             else:
                 out.append(("content", self._buf))
                 self._buf = ""
@@ -85,8 +90,13 @@ class ReasoningSplitter:
             self._emit_reasoning(out, self._buf.removesuffix("\n"))
         elif self._state == "start" and self._buf:
             out.append(("content", self._buf))
+        if self.content_start is None:  # an answer that is empty, or only what was held at the start
+            self.content_start = self._fed - len(self._buf) if self._state == "start" else self._fed
         self._buf = ""
         return out
+
+    def _to_content(self) -> None:
+        self._state, self.content_start = "content", self._fed - len(self._buf)
 
     def _emit_reasoning(self, out: list, text: str) -> None:
         if self._first and text:

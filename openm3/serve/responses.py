@@ -29,6 +29,7 @@ from .images import content_of, data_url_part
 from .schemas import JsonSchemaSpec, OutputSpec, ResponseFormat
 
 RESPONSES_PATH = "/v1/responses"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class FunctionTool(BaseModel):
@@ -62,8 +63,10 @@ class ResponsesText(BaseModel):
 
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`. max_output_tokens defaults to what the context limit leaves after the prompt;
-    `top_k` and `seed` are extensions; `text.format` asks for JSON (structured outputs); unknown fields (store,
-    reasoning, parallel_tool_calls, ...) are ignored."""
+    `top_k` and `seed` are extensions; `text.format` asks for JSON (structured outputs); `include` with
+    "message.output_text.logprobs" returns the message text's log probabilities (each token's, with
+    `top_logprobs` alternatives); unknown fields (store, reasoning, parallel_tool_calls, ...) and other `include`
+    values (reasoning.encrypted_content: the reasoning comes back as plain text) are ignored."""
 
     model: str
     input: str | list[dict[str, Any]]
@@ -78,6 +81,13 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     previous_response_id: str | None = None
     text: ResponsesText | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" is honoured; others are ignored
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per token when the message text's log probabilities are asked for (None: not asked)."""
+        return (self.top_logprobs or 0) if LOGPROBS_INCLUDE in (self.include or []) else None
 
     @property
     def max_tokens(self) -> int | None:  # the name `check` reads
@@ -181,9 +191,9 @@ def _output_spec(req: ResponsesRequest) -> OutputSpec | None:
 
 def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
                          text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool,
-                         constraint_maker: Callable) -> None:
+                         constraint_maker: Callable, logprobs_for: Callable) -> None:
     """Registers `POST /v1/responses` on `app`, sharing `create_app`'s validation, prompt building (input_image
-    parts are accepted when `takes_images`), generation and streaming."""
+    parts are accepted when `takes_images`), generation, log probabilities and streaming."""
 
     @app.post(RESPONSES_PATH)
     def responses(req: ResponsesRequest):
@@ -202,6 +212,11 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
         forced = req.tool_choice not in (None, "auto", "none")
         constraint = constraint_maker(lambda: _output_spec(req), "tool_choice" if forced else "text", prompt)()
         stream = text_stream([], [TOOL_CALL_START] if parse_calls else [], prompt)
+        lp = logprobs_for(req.logprobs, "include")
+
+        def logprobs(entries: list) -> list[dict]:
+            """An output_text part's `logprobs` (the chat format's items); none when not asked for."""
+            return lp.chat(entries)["content"] if lp is not None else []
         rid, mid, rsid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex[:24]}", f"rs_{uuid.uuid4().hex[:24]}"
         created = int(time.time())
 
@@ -214,9 +229,16 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                     "usage": {"input_tokens": len(prompt), "output_tokens": n, "total_tokens": len(prompt) + n,
                               "input_tokens_details": {"cached_tokens": stream.cached}}}
 
-        def message(text_: str, status: str = "completed") -> dict:
+        def text_part(text_: str, entries: list) -> dict:
+            return {"type": "output_text", "text": text_, "annotations": [], "logprobs": logprobs(entries)}
+
+        def message(text_: str, status: str = "completed", entries: list = ()) -> dict:
             return {"type": "message", "id": mid, "status": status, "role": "assistant",
-                    "content": [{"type": "output_text", "text": text_, "annotations": []}]}
+                    "content": [text_part(text_, list(entries))]}
+
+        def message_entries() -> list:
+            """The log-probability entries of the message text (once `answer` settled the stream)."""
+            return lp.select(stream.content_span()) if lp is not None else []
 
         def reasoning_item(text_: str) -> dict:
             return {"type": "reasoning", "id": rsid, "summary": [], "content": [{"type": "reasoning_text",
@@ -228,17 +250,20 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
             items = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
                       "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": c["name"],
                       "arguments": json.dumps(c["arguments"]), "status": "completed"} for c in calls]
-            return (stream.visible() if items else stream.text), items
+            whole = stream.visible() if items else stream.text
+            stream.settle(whole, bool(items))
+            return whole, items
 
         def status_of(finish: str) -> str:
             return "incomplete" if finish == "length" else "completed"
 
         if not req.stream:
-            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, images=images, constraint=constraint)
+            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, images=images, constraint=constraint,
+                         logprobs=lp)
             whole, calls = answer(finish)
             reasoning, text_ = stream.split(whole)
             output = [reasoning_item(reasoning)] if reasoning is not None else []
-            output += ([message(text_)] if text_ or not calls else []) + calls
+            output += ([message(text_, entries=message_entries())] if text_ or not calls else []) + calls
             return response(status_of(finish), output, finish)
 
         def produce(put, cancelled) -> None:
@@ -270,8 +295,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                     {**message("", "in_progress"), "content": []}
                 emit("response.output_item.added", output_index=index, item=item)
                 emit("response.content_part.added", item_id=iid, output_index=index, content_index=0,
-                     part={"type": "reasoning_text", "text": ""} if kind == "reasoning" else
-                     {"type": "output_text", "text": "", "annotations": []})
+                     part={"type": "reasoning_text", "text": ""} if kind == "reasoning" else text_part("", []))
 
             def delta(kind: str, d: str) -> None:
                 if kind == "reasoning":
@@ -281,9 +305,10 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                 else:
                     open_item("message")
                     emit("response.output_text.delta", item_id=mid, output_index=len(opened) - 1, content_index=0,
-                         delta=d)
+                         delta=d, logprobs=logprobs(lp.take(stream.content_span()) if lp is not None else []))
 
-            finish = run(req, prompt, max_new, stream, delta, cancelled, images=images, constraint=constraint)
+            finish = run(req, prompt, max_new, stream, delta, cancelled, images=images, constraint=constraint,
+                         logprobs=lp)
             whole, calls = answer(finish)
             for kind, d in stream.end_parts(whole):
                 delta(kind, d)
@@ -294,12 +319,13 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                 close_reasoning()
             output = [reasoning_item(reasoning or "")] if "reasoning" in opened else []
             if "message" in opened:
-                index = len(output)
-                part = {"type": "output_text", "text": text_, "annotations": []}
-                emit("response.output_text.done", item_id=mid, output_index=index, content_index=0, text=text_)
+                index, entries = len(output), message_entries()
+                part = text_part(text_, entries)
+                emit("response.output_text.done", item_id=mid, output_index=index, content_index=0, text=text_,
+                     logprobs=part["logprobs"])
                 emit("response.content_part.done", item_id=mid, output_index=index, content_index=0, part=part)
-                emit("response.output_item.done", output_index=index, item=message(text_))
-                output.append(message(text_))
+                emit("response.output_item.done", output_index=index, item=message(text_, entries=entries))
+                output.append(message(text_, entries=entries))
             for item in calls:
                 index = len(output)
                 emit("response.output_item.added", output_index=index,
