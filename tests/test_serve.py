@@ -184,6 +184,37 @@ CALL_TEXT = ('Let me look.<minimax:tool_call>\n<invoke name="read_file">\n<param
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_parallel_tool_calls_false_keeps_the_first_call(tok, stream):
+    """An answer with two calls: every API returns both by default, the first alone with OpenAI's
+    `parallel_tool_calls: false` or Anthropic's `disable_parallel_tool_use`."""
+    second = '<invoke name="read_file">\n<parameter name="path">b.py</parameter>\n</invoke>\n'
+    text = CALL_TEXT.replace("</minimax:tool_call>", second + "</minimax:tool_call>")
+    client = TestClient(create_app(Scripted(tok.encode(text + EOS), tok.vocab_size), tok, model_name=NAME,
+                                   max_total_tokens=4096))
+    messages = [{"role": "user", "content": "Read two files."}]
+    for parallel, want in ((True, ["src/a.py", "b.py"]), (False, ["src/a.py"])):
+        r = client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "tools": TOOLS,
+                                                      "stream": stream, "parallel_tool_calls": parallel})
+        if stream:
+            calls = [tc for c in events(r) for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+        else:
+            calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert [json.loads(c["function"]["arguments"])["path"] for c in calls] == want
+        flat = [{"type": "function", **t["function"]} for t in TOOLS]
+        body = {"model": NAME, "input": "Read two files.", "tools": flat, "stream": stream,
+                "parallel_tool_calls": parallel}
+        r = client.post("/v1/responses", json=body)
+        output = [e["response"] for e in named_events(r) if e["type"] == "response.completed"][0]["output"] \
+            if stream else r.json()["output"]
+        assert [json.loads(i["arguments"])["path"] for i in output if i["type"] == "function_call"] == want
+        tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+        body = {"model": NAME, "max_tokens": 500, "messages": messages, "tools": tools,
+                "tool_choice": {"type": "auto", "disable_parallel_tool_use": not parallel}}
+        r = client.post("/v1/messages", json=body)
+        assert [b["input"]["path"] for b in r.json()["content"] if b["type"] == "tool_use"] == want
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_tool_call_round_trip(tok, stream):
     backend = Scripted(tok.encode(CALL_TEXT + EOS), tok.vocab_size)
     client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096))

@@ -13,7 +13,11 @@ import torch
 from fastapi.testclient import TestClient
 
 from openm3.engine.batching import BatchedGenerator
+from openm3.engine.tool_grammar import END, START
 from openm3.serve import ModelBackend, create_app
+from openm3.serve.responses import ResponsesRequest, _output_spec
+from openm3.serve.schemas import ChatCompletionRequest
+from openm3.serve.structured import StructuredOutputs
 
 from test_serve import NAME, Slow, events, model, named_events, tok  # noqa: F401 - fixtures and helpers
 
@@ -191,6 +195,26 @@ def tools_client(request, tok):
     backend.close()
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_bounds_a_forced_call(tok, parallel):
+    """`parallel_tool_calls: false` on a forced call: its grammar takes one call and then only the block's end."""
+    req = ChatCompletionRequest(**ASK, tools=OPENAI_TOOLS, tool_choice="required", parallel_tool_calls=parallel)
+    constraint = StructuredOutputs(tok).factory(req.output_spec())()
+    ping = b'<invoke name="ping">\n</invoke>\n'
+    constraint.read(START + b"\n" + ping)
+    if parallel:
+        constraint.read(ping + END)
+    else:
+        with pytest.raises(ValueError, match="not the beginning"):
+            constraint.read(ping)
+        constraint.read(END)
+    assert constraint.complete
+    flat = [{"type": "function", **t["function"]} for t in OPENAI_TOOLS]
+    responses_req = ResponsesRequest(model=NAME, input="x", tools=flat, tool_choice="required",
+                                     parallel_tool_calls=parallel)
+    assert _output_spec(responses_req) == req.output_spec()
+
+
 def test_forced_tool_calls_through_every_api(tools_client):
     """A random model forced to call a tool writes a well-formed call: parsed into each API's tool-call form,
     with arguments that follow the tool's schema."""
@@ -218,6 +242,12 @@ def test_forced_tool_calls_through_every_api(tools_client):
                     called(json.loads(call["function"]["arguments"]))
                 else:
                     assert json.loads(call["function"]["arguments"]) == {}
+
+    # parallel_tool_calls false: the grammar allows one call (the sampled answers end after it)
+    r = client.post("/v1/chat/completions", json={**ASK, "temperature": 1.0, "seed": 3, "n": 4, "tools": OPENAI_TOOLS,
+                                                  "tool_choice": "required", "parallel_tool_calls": False})
+    finished = [c for c in r.json()["choices"] if c["finish_reason"] == "tool_calls"]
+    assert finished and all(len(c["message"]["tool_calls"]) == 1 for c in finished)
 
     flat = [{"type": "function", **t["function"]} for t in OPENAI_TOOLS]
     r = client.post("/v1/responses", json={"model": NAME, "input": "x", "max_output_tokens": 200, "temperature": 0,

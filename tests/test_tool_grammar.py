@@ -43,6 +43,8 @@ CALLS = [
     [{"name": "read_file", "arguments": {"flags": ["a"], "path": "x</param"}}],
     [{"name": "read", "arguments": {}}, {"name": "anything", "arguments": {"q": "why?", "n": "3"}}],
     [{"name": "read", "arguments": {"verbose": True}}],
+    [{"name": "read", "arguments": {}}, {"name": "read_file", "arguments": {"path": "b"}},
+     {"name": "read", "arguments": {"verbose": False}}],
 ]
 
 
@@ -57,6 +59,10 @@ def test_rendered_calls_are_accepted_and_parse_back(calls):
         for c in calls]
     single = ToolCallGrammar(TOOLS, name=calls[0]["name"])
     assert (feed(single, as_bytes(text))[0] is not None) == (len(calls) == 1)
+    for bound in (1, 2):  # parallel_tool_calls false is 1
+        g = ToolCallGrammar(TOOLS, max_calls=bound)
+        state, _ = feed(g, as_bytes(text))
+        assert (state is not None and g.complete(state)) == (len(calls) <= bound)
 
 
 REFUSED = [
@@ -116,3 +122,5 @@ def test_bad_tool_choices():
         ToolCallGrammar(TOOLS, name="write")
     with pytest.raises(ValueError, match="at least one tool"):
         ToolCallGrammar([])
+    with pytest.raises(ValueError, match="max_calls must be a positive int"):
+        ToolCallGrammar(TOOLS, max_calls=0)

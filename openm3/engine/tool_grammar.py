@@ -61,16 +61,19 @@ def _value_grammar(schema):
 
 class ToolCallGrammar:
     """Tool-call blocks for `tools` ([{"name", "parameters"}], parameters a JSON Schema object); `name`: only that
-    tool (one call), else one or more calls of any of them."""
+    tool (one call), else one or more calls of any of them, at most `max_calls` (None: no bound; 1 is OpenAI's
+    `parallel_tool_calls: false`, Anthropic's `disable_parallel_tool_use`)."""
 
-    def __init__(self, tools: Sequence[dict], name: str | None = None):
+    def __init__(self, tools: Sequence[dict], name: str | None = None, max_calls: int | None = None):
         self.tools = {t["name"]: _Tool(t["name"], t.get("parameters")) for t in tools}
         if not self.tools:
             raise ValueError("tools: a forced tool call needs at least one tool")
         if name is not None and name not in self.tools:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({sorted(self.tools)})")
+        if max_calls is not None and (not isinstance(max_calls, int) or max_calls < 1):
+            raise ValueError(f"max_calls must be a positive int or None, got {max_calls!r}")
         self.allowed = [name] if name is not None else sorted(self.tools)
-        self.single = name is not None
+        self.max_calls = 1 if name is not None else max_calls
         self.start = ("lits", b"", ("start",))
         self._cache: dict = {}
 
@@ -103,7 +106,7 @@ class ToolCallGrammar:
         if kind in ("start", "after"):
             count = 0 if kind == "start" else ctx[1]
             out = {}
-            if kind == "start" or not self.single:
+            if kind == "start" or self.max_calls is None or count < self.max_calls:
                 head = START + b"\n" if kind == "start" else b""
                 for name in self.allowed:
                     out[head + b'<invoke name="' + name.encode() + b'">\n'] = ("lits", b"", ("params", name,

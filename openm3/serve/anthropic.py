@@ -205,6 +205,12 @@ def _parse_calls(req: CountTokensRequest) -> bool:
     return kind != "none"
 
 
+def _one_call(req: CountTokensRequest) -> bool:
+    """`tool_choice.disable_parallel_tool_use`: at most one tool_use block (a forced call's grammar allows one;
+    otherwise the calls after the first are dropped)."""
+    return bool((req.tool_choice or {}).get("disable_parallel_tool_use"))
+
+
 def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
                         text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool,
                         constraint_maker: Callable) -> None:
@@ -246,7 +252,8 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
             tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
                      for t in _tools(req) or []]
             def spec() -> OutputSpec:
-                return OutputSpec.forced_call(tools, req.tool_choice.get("name") if kind == "tool" else None)
+                return OutputSpec.forced_call(tools, req.tool_choice.get("name") if kind == "tool" else None,
+                                              parallel=not _one_call(req))
 
             constraint = constraint_maker(spec, "tool_choice", None if prefill else prompt)()
         elif fmt is None:
@@ -266,6 +273,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
             parse_calls = _parse_calls(req)
         except ValueError as e:
             raise api_error(str(e), "tool_choice") from None
+        single = _one_call(req)
         prompt, images, prefill = prompt_and_images(req)
         max_new = check(req, prompt, "messages")
         constraint = output_constraint(req, prompt, prefill)
@@ -276,7 +284,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
             """(the answer's whole text, tool_use blocks, stop_reason, stop_sequence) of the finished generation."""
             calls = []
             if parse_calls and not stream.stopped:
-                calls = parse_tool_calls(stream.text[len(stream.visible()):])
+                calls = parse_tool_calls(stream.text[len(stream.visible()):])[:1 if single else None]
             if calls:
                 blocks = [{"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": c["name"],
                            "input": c["arguments"]} for c in calls]

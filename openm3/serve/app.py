@@ -588,6 +588,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             stream = streams[k]
             tail = stream.text[len(stream.visible()):]
             calls = parse_tool_calls(tail) if parse_calls and not stream.stopped else []
+            calls = calls if req.parallel_tool_calls else calls[:1]
             if not calls:
                 return stream.text, [], finish
             tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",

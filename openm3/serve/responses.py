@@ -65,7 +65,7 @@ class ResponsesRequest(BaseModel):
     """`POST /v1/responses`. max_output_tokens defaults to what the context limit leaves after the prompt;
     `top_k` and `seed` are extensions; `text.format` asks for JSON (structured outputs); `include` with
     "message.output_text.logprobs" returns the message text's log probabilities (each token's, with
-    `top_logprobs` alternatives); unknown fields (store, reasoning, parallel_tool_calls, ...) and other `include`
+    `top_logprobs` alternatives); unknown fields (store, reasoning, ...) and other `include`
     values (reasoning.encrypted_content: the reasoning comes back as plain text) are ignored."""
 
     model: str
@@ -79,6 +79,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # false: at most one function_call (as on Chat Completions)
     previous_response_id: str | None = None
     text: ResponsesText | None = None
     include: list[str] | None = None  # "message.output_text.logprobs" is honoured; others are ignored
@@ -186,7 +187,8 @@ def _output_spec(req: ResponsesRequest) -> OutputSpec | None:
     if spec is not None:
         raise ValueError("give a forced tool call (tool_choice) or text.format, not both")
     tools = [{"name": t.name, "parameters": t.parameters} for t in req.tools or []]
-    return OutputSpec.forced_call(tools, choice["name"] if isinstance(choice, dict) else None)
+    return OutputSpec.forced_call(tools, choice["name"] if isinstance(choice, dict) else None,
+                                  req.parallel_tool_calls)
 
 
 def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
@@ -247,6 +249,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
         def answer(finish: str) -> tuple[str, list[dict]]:
             """(the answer's whole text, function_call items) of the finished generation."""
             calls = parse_tool_calls(stream.text[len(stream.visible()):]) if parse_calls else []
+            calls = calls if req.parallel_tool_calls else calls[:1]
             items = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
                       "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": c["name"],
                       "arguments": json.dumps(c["arguments"]), "status": "completed"} for c in calls]

@@ -25,20 +25,22 @@ class StreamOptions(BaseModel):
 class OutputSpec:
     """What an answer must be: JSON following `schema` (None: any object; `strict`: OpenAI's strict mode), exactly
     one of `choices` (vLLM's guided choice), or a tool-call block (`tools`: the tools as JSON, [{"name",
-    "parameters"}]; `tool_name`: that one tool, else any)."""
+    "parameters"}]; `tool_name`: that one tool, else any; `max_calls`: most calls in it, None: no bound)."""
 
     schema: Any = None
     strict: bool = False
     choices: tuple[str, ...] | None = None
     tools: str | None = None
     tool_name: str | None = None
+    max_calls: int | None = None
 
     @classmethod
-    def forced_call(cls, tools: list[dict] | None, name: str | None) -> "OutputSpec":
-        """A forced tool call over `tools` ([{"name", "parameters"}]); ValueError without tools."""
+    def forced_call(cls, tools: list[dict] | None, name: str | None, parallel: bool = True) -> "OutputSpec":
+        """A forced tool call over `tools` ([{"name", "parameters"}]), one call unless `parallel`; ValueError
+        without tools."""
         if not tools:
             raise ValueError("forcing a tool call needs tools")
-        return cls(tools=json.dumps(tools, sort_keys=True), tool_name=name)
+        return cls(tools=json.dumps(tools, sort_keys=True), tool_name=name, max_calls=None if parallel else 1)
 
 
 class JsonSchemaSpec(BaseModel):
@@ -242,11 +244,13 @@ class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`; max_tokens (or its newer name max_completion_tokens) defaults to what the
     context limit leaves after the prompt. tool_choice: 'auto' (default) lets the model decide; 'none' returns
     any tool call the model writes as plain content; 'required' (one or more calls) and a named function (one call
-    of it) constrain decoding to a tool-call block (`openm3.engine.tool_grammar`)."""
+    of it) constrain decoding to a tool-call block (`openm3.engine.tool_grammar`). parallel_tool_calls false: at
+    most one call (a forced call's grammar allows one; with 'auto' the calls after the first are dropped)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -268,7 +272,8 @@ class ChatCompletionRequest(SamplingFields):
         if spec is not None:
             raise ValueError("give a forced tool call (tool_choice) or an output format, not both")
         tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools or []]
-        return OutputSpec.forced_call(tools, None if choice == "required" else choice.function.name)
+        return OutputSpec.forced_call(tools, None if choice == "required" else choice.function.name,
+                                      self.parallel_tool_calls)
 
 
 def error_body(message: str, param: str | None, code: str | None = None,

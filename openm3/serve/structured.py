@@ -47,13 +47,14 @@ class StructuredOutputs:
         return lambda: GrammarConstraint(transitions, [eos], think=pair, thinking=thinking)
 
     def _transitions(self, spec: OutputSpec) -> TransitionCache:
-        key = json.dumps([spec.schema, spec.strict, spec.choices, spec.tools, spec.tool_name], sort_keys=True)
+        key = json.dumps([spec.schema, spec.strict, spec.choices, spec.tools, spec.tool_name, spec.max_calls],
+                         sort_keys=True)
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
         if spec.tools is not None:
-            grammar = ToolCallGrammar(json.loads(spec.tools), spec.tool_name)
+            grammar = ToolCallGrammar(json.loads(spec.tools), spec.tool_name, spec.max_calls)
         elif spec.choices is not None:
             grammar = ChoiceGrammar(spec.choices)
         else:
