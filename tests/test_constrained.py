@@ -214,35 +214,56 @@ TWIN_DOCS = ['{"naïve": ["a\\"b", {"k\\u00e9y": "v €", "": 1}], "k2": "x\\\\y
 TWIN_SCHEMA = {"type": "object", "required": ["name"],
                "properties": {"name": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}},
                "additionalProperties": {"type": ["string", "object", "array", "integer"]}}
+# keys closed into: a forbidden name, a declared one, a required one falling to additionalProperties, a limit
+CLOSE_SCHEMA = {"type": "object", "required": ["k", "must"], "maxProperties": 4,
+                "properties": {"bad": False, "n": {"type": "integer"}, "k": {"type": "string"}},
+                "additionalProperties": {"type": ["string", "integer", "object"]}}
+CLOSE_DOCS = ['{"k": "a\\"b", "n": 1, "must": "y", "x": {"ki": 2, "k": "z"}}',
+              '{"kk": 1, "k": "\\u00e9", "must": {"must": "m", "mu": 3}, "n": 2}']
+# tokens that close a key or string: into names seen before, declared, required or forbidden, then what may follow
+CLOSING = [b'k":', b'k": "', b'k" : 1', b'i": 2', b'ust": "', b'ad":', b'bad": 1', b'": 1}', b'":{"', b'": [',
+           b'" :', b'":  ', b'",', b'"]', b'", ', b'"  ,', b'":1,', b'xtra": {"', b'ind"', b'ame": "', b'2":', b'"',
+           b'k2"}', b'e":{}}']
 
 
-@pytest.mark.parametrize("schema,docs", [(None, TWIN_DOCS), (TWIN_SCHEMA, TWIN_DOCS[1:])], ids=["json_object", "schema"])
+@pytest.mark.parametrize("schema,docs", [(None, TWIN_DOCS), (TWIN_SCHEMA, TWIN_DOCS[1:]), (CLOSE_SCHEMA, CLOSE_DOCS),
+                                         (None, CLOSE_DOCS)], ids=["json_object", "schema", "closing", "closing-any"])
 def test_full_masks_through_quote_free_twins_equal_the_brute_force_mask(tok, schema, docs):
-    """Inside strings and any-string keys the tokens without a `"` take a twin state's shared mask: at every byte
-    of documents with escapes, multi-byte characters and nested keys, the full mask equals checking each token
-    (a vocabulary with quotes inside tokens added), also when the masks are evicted (max_masks 2), and the twin
-    refuses exactly the quote-free byte strings the state refuses."""
+    """Inside strings and any-string keys the tokens without a `"` take a twin state's shared mask, and the tokens
+    that close the string (plain text, `"`, no other `"`) the mask of what may follow the quote: at every byte of
+    documents with escapes, multi-byte characters, nested and repeated keys, declared, required and forbidden
+    names, the full mask equals checking each token (a vocabulary with quotes inside tokens added), also when the
+    masks are evicted (max_masks 2); the twin refuses exactly the quote-free byte strings the state refuses, and
+    `quote_close` answers for closing byte strings as it says."""
     from openm3.engine.json_grammar import compile_schema
 
     extra = [b'a"', b'":', b'\\"', b'"}', b'x":{"', b'", "', b'e"]', b'\xc3', b'\xa9"', b'\\u00', b'\\\\', b'\n"']
-    vocab = TokenBytes([*TokenBytes.from_tokenizer(tok).pieces, *extra])
+    vocab = TokenBytes([*TokenBytes.from_tokenizer(tok).pieces, *extra, *CLOSING])
     grammar = compile_schema(schema, max_whitespace=2)
     transitions = TransitionCache(grammar, vocab, max_masks=2)
     probes = [b"a", b"\\", b"\\u", b"\\u00e9", b"\xc3", b"\xa9", b"\n", b"\xe2\x82", b"ab c", b"\\n}"]
-    twins = 0
+    twins = closes = 0
     for doc in docs:
         data = doc.encode()
         state = grammar.start
         for i in range(len(data)):
             twin = grammar.quote_free_twin(state)
+            close = grammar.quote_close(state)
             if twin is not None:
                 twins += 1
                 for probe in probes:
                     assert (grammar.advance(state, probe) is None) == (grammar.advance(twin, probe) is None)
-                if i % 3 == 0:  # the masks (walks of the 1K vocabulary) at a third of the bytes
-                    want = torch.tensor([p is not None and grammar.advance(state, p) is not None
-                                         for p in vocab.pieces])
-                    assert torch.equal(transitions.full_mask(state), want), (doc, i)
+            if close is not None:
+                closes += 1
+                after, tails = close
+                for piece in CLOSING:
+                    head, _, tail = piece.partition(b'"')
+                    if head not in tails and b'"' not in tail:
+                        assert (grammar.advance(state, piece) is None) == \
+                            (after is None or grammar.advance(after, tail) is None), (doc, i, piece)
+            if twin is not None and (close is not None or i % 3 == 0):  # walks of the 1K vocabulary
+                want = torch.tensor([p is not None and grammar.advance(state, p) is not None for p in vocab.pieces])
+                assert torch.equal(transitions.full_mask(state), want), (doc, i)
             state = grammar.advance(state, data[i:i + 1])
             assert state is not None, (doc, i)
-    assert twins > 15 * len(docs) and transitions._twin_masks
+    assert twins > 15 * len(docs) and transitions._twin_masks and closes > 10 * len(docs)

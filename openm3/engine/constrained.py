@@ -130,8 +130,11 @@ class TransitionCache:
         self._first: dict = {}
         self._full: dict = {}
         self._twin_masks: dict = {}  # quote-free twin state -> its mask over the tokens without a `"`
+        self._close_masks: dict = {}  # `quote_close` state -> its mask over the closing tokens (`_Closing`)
         self._order: dict = {}  # sorted token bytes for `full_mask`
         self._twins = hasattr(grammar, "quote_free_twin")
+        self._closes = hasattr(grammar, "quote_close")
+        self._closing: _Closing | None = None
         self.plain: torch.Tensor | None = None  # bool [V]: tokens of plain string text (grammars that tell them)
         if hasattr(grammar, "takes_plain_text"):
             self.plain = torch.tensor([bool(p) and grammar.is_plain_text(p) for p in vocab.pieces])
@@ -160,7 +163,10 @@ class TransitionCache:
         are taken whole and only the others are walked. Where the grammar names a quote-free twin of the state
         (`quote_free_twin`: inside a string or key, what lies outside it matters only once a `"` byte closes it),
         the tokens without a `"` take the twin's mask, computed once for every string sharing it, and only the
-        tokens holding a `"` are walked from the state itself."""
+        tokens holding a `"` are walked from the state itself. Where it also names what a closing quote leads to
+        (`quote_close`), the tokens written as plain text, `"`, then bytes without a `"` take that state's mask of
+        what may follow the quote (one per key's or string's position, shared by all its steps), and only the
+        other tokens with a `"` are walked."""
         mask = self._full.get(state)
         if mask is None:
             twin = self.grammar.quote_free_twin(state) if self._twins else None
@@ -172,11 +178,43 @@ class TransitionCache:
                     mask = self._walked(twin, "free")
                     self._keep(self._twin_masks, twin, mask)
                 mask = mask.clone()
-                pieces, ids = self._sorted("quote")
+                close = self.grammar.quote_close(state) if self._closes else None
+                if close is None:
+                    pieces, ids = self._sorted("quote")
+                else:
+                    closing = self._closing_tokens()
+                    after, tails = close
+                    if after is not None:
+                        mask |= self._closed(after)
+                    for tail in tails:  # names the shared rule does not stand for: checked one by one
+                        for t in closing.by_head.get(tail, ()):
+                            mask[t] = self.grammar.advance(state, self.vocab.pieces[t]) is not None
+                    pieces, ids = closing.others
                 accepted: list[int] = []
                 _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted)
                 mask[accepted] = True
             self._keep(self._full, state, mask)
+        return mask
+
+    def _closing_tokens(self) -> "_Closing":
+        if self._closing is None:
+            self._closing = _Closing(self.vocab, self.grammar.is_plain_text)
+        return self._closing
+
+    def _closed(self, after) -> torch.Tensor:
+        """bool [V]: the closing tokens (`_Closing`) whose bytes after their `"` the grammar accepts from `after`,
+        kept for the last `max_masks` such states."""
+        mask = self._close_masks.get(after)
+        if mask is None:
+            closing = self._closing_tokens()
+            accepted: list[int] = []
+            _walk(self.grammar.advance, after, closing.tails, list(range(len(closing.tails))), 0,
+                  len(closing.tails), 0, accepted)
+            tail_ok = torch.zeros(len(closing.tails), dtype=torch.bool)
+            tail_ok[accepted] = True
+            mask = torch.zeros(len(self.vocab), dtype=torch.bool)
+            mask[closing.ids[tail_ok[closing.tail_of]]] = True
+            self._keep(self._close_masks, after, mask)
         return mask
 
     def _walked(self, state, tokens: str) -> torch.Tensor:
@@ -220,6 +258,32 @@ class TransitionCache:
                 self._first.clear()
             self._first[state] = mask
         return mask
+
+
+class _Closing:
+    """The tokens with a `"` split as head `"` tail: those whose head is plain string text (`is_plain`) and whose
+    tail holds no `"` (`ids`, each with its tail's index in the sorted distinct `tails`: `tail_of`; `by_head`: head
+    bytes -> their ids), and the others, sorted by their bytes with their ids (`others`, for `_walk`)."""
+
+    def __init__(self, vocab: TokenBytes, is_plain):
+        rows, others = [], []
+        for t, piece in enumerate(vocab.pieces):
+            if not piece or _QUOTE not in piece:
+                continue
+            head, _, tail = piece.partition(b'"')
+            if b'"' not in tail and is_plain(head):
+                rows.append((head, tail, t))
+            else:
+                others.append((piece, t))
+        self.tails = sorted({tail for _, tail, _ in rows})
+        index = {tail: k for k, tail in enumerate(self.tails)}
+        self.ids = torch.tensor([t for _, _, t in rows], dtype=torch.long)
+        self.tail_of = torch.tensor([index[tail] for _, tail, _ in rows], dtype=torch.long)
+        self.by_head: dict[bytes, list[int]] = {}
+        for head, _, t in rows:
+            self.by_head.setdefault(head, []).append(t)
+        others.sort()
+        self.others = ([p for p, _ in others], [t for _, t in others])
 
 
 def _walk(advance, state, pieces: list[bytes], ids: list[int], lo: int, hi: int, depth: int, out: list[int]) -> None:

@@ -878,6 +878,33 @@ class JsonGrammar:
             return (_KEYA, None, b'"', state[3], state[4], _EMPTY, None)
         return None
 
+    def quote_close(self, state):
+        """(after, tails) for a string value without a length limit or an any-string key, between characters: for
+        every plain text A (`is_plain_text`) whose bytes are not in `tails` and every B without a `"`,
+        `advance(state, A + b'"' + B)` is None exactly when `advance(after, B)` is (after None: it always is).
+        Tokens written A `"` B then share one check of B for every string (or key) closing into `after`. A key
+        closed by A is read as a name, and `tails` are the A that make a name this rule cannot stand for (one seen
+        already, forbidden, declared, or required); their tokens are checked on their own. None where no such rule
+        is known (see `quote_free_twin`; also where a length limit or minimum counts A's characters)."""
+        if type(state) is frozenset:
+            return None
+        kind = state[0]
+        if kind == _STR:
+            _, (lo, hi), count, utf8, esc, parent = state
+            if hi is not None or count < lo or utf8 or esc:
+                return None
+            return parent, frozenset()
+        if kind != _KEYA or state[3] or state[4]:
+            return None
+        _, obj, raw, _, _, seen, parent = state
+        text = json.loads(raw + b'"') if b"\\" in raw else raw[1:].decode()
+        special = set(seen) | set(obj.forbidden) | set(obj.props) | set(obj.required)
+        tails = frozenset(name[len(text):].encode() for name in special if name.startswith(text))
+        stand_in = "\x00"  # any name outside `special` stands for them all
+        while stand_in in special:
+            stand_in += "\x00"
+        return self._key_read(obj, stand_in, seen, parent), tails
+
     @staticmethod
     def is_plain_text(data: bytes) -> bool:
         """Whether `data` is plain string text: printable ASCII other than `"` and `\\`, and whole UTF-8
