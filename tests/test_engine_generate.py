@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from openm3.engine.cache import CacheFullError
-from openm3.engine.generate import generate, main
+from openm3.engine.generate import build_parser, device_and_dtype, generate, load_model, main
 from openm3.engine.sampling import SamplingParams, filter_logits, sample
 from openm3.models import M3TextConfig, M3TextModel
 
@@ -105,6 +105,25 @@ def test_cli_preset_prompt_ids(capsys):
     assert "time to first token" in err and "decode:" in err and "cache plan" not in out
 
 
+def test_cli_penalties(capsys):
+    """--repetition-penalty and --presence-penalty: the tokens of `generate` with the same picker (the preset's
+    random weights come from the CLI's own seeding: its plain answer is read first)."""
+    from openm3.engine.penalties import Penalties, PenalizedPicker
+
+    base = ["--preset", "m3-tiny", "--prompt-ids", "5,6,7,5,6,7", "--max-new-tokens", "8", "--device", "cpu",
+            "--no-stream"]
+    outputs = []
+    for extra in ([], ["--repetition-penalty", "1.8", "--presence-penalty", "1.0"]):
+        assert main(base + extra) == 0
+        outputs.append([int(t) for t in capsys.readouterr().out.strip().split(",")])
+    assert outputs[0] != outputs[1]
+    args = build_parser().parse_args(base)
+    model = load_model(args, *device_and_dtype(args))
+    prompt = [5, 6, 7, 5, 6, 7]
+    picker = PenalizedPicker(Penalties(repetition=1.8, presence=1.0), prompt)
+    assert generate(model, [prompt], max_new_tokens=8, constraints=[picker])[0][0].tokens == outputs[1]
+
+
 def test_cli_text_prompt_with_tokenizer(tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3}
@@ -126,7 +145,9 @@ def test_cli_text_prompt_with_tokenizer(tmp_path, capsys):
     (["--preset", "m3-tiny", "--prompt-ids", ""], "prompt 0 is empty"),
     (["--preset", "m3-tiny", "--prompt-ids", "1,x"], "comma-separated ints"),
     (["--preset", "m3-tiny", "--random-prompt", "9000"], "configured maximum"),
-], ids=["unknown-preset", "missing-checkpoint", "top-p", "text-without-tokenizer", "empty", "bad-ids", "too-long"])
+    (["--preset", "m3-tiny", "--prompt-ids", "1", "--presence-penalty", "3"], "presence penalty"),
+], ids=["unknown-preset", "missing-checkpoint", "top-p", "text-without-tokenizer", "empty", "bad-ids", "too-long",
+        "penalty"])
 def test_cli_bad_requests(argv, match):
     with pytest.raises(SystemExit, match=match):
         main(argv + ["--device", "cpu"])

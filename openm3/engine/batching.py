@@ -48,6 +48,7 @@ import torch
 
 from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cache
 from .constrained import GrammarConstraint
+from .penalties import PenalizedPicker
 from .generate import check_constraints, check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
@@ -74,7 +75,7 @@ class _Request:
     prompt_logprobs: int | None = None  # top alternatives per prompt token for on_prompt_logprobs
     on_prompt_logprobs: Callable[[list], None] | None = None
     prompt_entries: list = dataclasses.field(default_factory=list)  # (logprob, top) of prompt tokens 1..L-1
-    constraint: GrammarConstraint | None = None  # constrained decoding: picks its tokens
+    constraint: GrammarConstraint | PenalizedPicker | None = None  # picks its tokens (grammar, penalties)
     outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
     history: TokenHistory | None = None  # prompt + outputs, where speculative drafts are looked up
     prefilled: bool = False
@@ -165,7 +166,7 @@ class BatchedGenerator:
                  images: PromptImages | tuple | None = None, on_cached: Callable[[int], None] | None = None,
                  logprobs: int | None = None, on_logprobs: Callable[[float, list], None] | None = None,
                  prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[list], None] | None = None,
-                 constraint: GrammarConstraint | None = None) -> str:
+                 constraint: GrammarConstraint | PenalizedPicker | None = None) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
         returns 'stop' or 'length' when it ends. images: `(pixel_values, grid_thw)` of the prompt's image
         placeholders (VL models only). on_cached(n): called once, before the first token, with the number of
@@ -173,8 +174,9 @@ class BatchedGenerator:
         `on_token`, the token's log probability under the model and the `logprobs` most likely tokens as [(id,
         logprob)] (`sampling.token_logprobs`). prompt_logprobs (0-20) and on_prompt_logprobs(entries): once, before
         the first token, (logprob, top) of every prompt token after the first (the whole prompt is then computed,
-        not read from the prefix cache). constraint: a `GrammarConstraint` (`openm3.engine.constrained`) that picks
-        this request's tokens (structured outputs; speculative drafts are kept while they equal its picks).
+        not read from the prefix cache). constraint: a `GrammarConstraint` (`openm3.engine.constrained`) or a
+        `PenalizedPicker` (`openm3.engine.penalties`) that picks this request's tokens (structured outputs, logit
+        bias and penalties; speculative drafts are kept while they equal its picks).
         ValueError for a bad request or one that can never fit the cache; an exception raised by a callback ends
         the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)

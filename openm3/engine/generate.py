@@ -27,6 +27,7 @@ from .constrained import GrammarConstraint
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
+from .penalties import Penalties, PenalizedPicker
 from .speculative import SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -178,9 +179,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     on_logprobs(b, logprob, top): before each `on_token`, the token's log probability under the model and the
     `logprobs` most likely tokens as [(id, logprob)] (`openm3.engine.sampling.token_logprobs`). prompt_logprobs
     and on_prompt_logprobs(b, entries): after the prefill, (logprob, top) of every prompt token after the first.
-    constraints: None, or one entry per prompt, None or a `GrammarConstraint` (`openm3.engine.constrained`) that
-    picks that sequence's tokens (structured outputs; with `speculative`, its drafts are kept while they equal its
-    picks).
+    constraints: None, or one entry per prompt, None or a `GrammarConstraint` (`openm3.engine.constrained`) or a
+    `PenalizedPicker` (`openm3.engine.penalties`: logit bias, penalties, min_tokens, min_p) that picks that
+    sequence's tokens (structured outputs; with `speculative`, its drafts are kept while they equal its picks).
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -286,14 +287,15 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
 
 
 def check_constraints(constraints, batch: int, stop_tokens) -> None:
-    """constraints: None, or `batch` entries, each None or a `GrammarConstraint` whose stop tokens (what it ends a
-    document with) are among the generation's `stop_tokens`."""
+    """constraints: None, or `batch` entries, each None, a `GrammarConstraint` or a `PenalizedPicker`
+    (`openm3.engine.penalties`) whose stop tokens (what it ends a document with) are among the generation's
+    `stop_tokens`."""
     if constraints is None:
         return
-    if len(constraints) != batch or any(c is not None and not isinstance(c, GrammarConstraint)
+    if len(constraints) != batch or any(c is not None and not isinstance(c, (GrammarConstraint, PenalizedPicker))
                                         for c in constraints):
-        raise ValueError(f"constraints: expected None or {batch} entries, each None or a GrammarConstraint, got "
-                         f"{[type(c).__name__ for c in constraints]}")
+        raise ValueError(f"constraints: expected None or {batch} entries, each None, a GrammarConstraint or a "
+                         f"PenalizedPicker, got {[type(c).__name__ for c in constraints]}")
     stop = {int(t) for t in stop_tokens}
     for c in constraints:
         if c is not None and not set(c.stop_tokens) <= stop:
@@ -360,6 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the top one")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides (multiplies when negative) the logits of the prompt's and the output's tokens; 1 = "
+                   "off (openm3.engine.penalties)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from output tokens' logits")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="times each token's count in the output, subtracted from its logit")
     p.add_argument("--stop", default="", help="comma-separated stop token ids")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
@@ -502,6 +511,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --chat / --system need --prompt text (the user turn)")
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+        penalties = Penalties(presence=args.presence_penalty, frequency=args.frequency_penalty,
+                              repetition=args.repetition_penalty, min_p=args.min_p)
         stop = [int(s) for s in args.stop.split(",") if s.strip()]
         speculative = speculative_option(args.speculative_config)
     except ValueError as e:
@@ -558,7 +569,8 @@ def run(args: argparse.Namespace) -> int:
                                   index_dtype=args.index_dtype, max_total_tokens=args.max_total_tokens,
                                   seed=args.seed, on_token=stream, on_prefill=bar.update if bar else None,
                                   cuda_graphs=False if args.eager else None, images=images,
-                                  speculative=speculative)
+                                  speculative=speculative,
+                                  constraints=[PenalizedPicker(penalties, prompt)] if penalties.active else None)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     finally:

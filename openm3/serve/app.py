@@ -47,6 +47,7 @@ from ..data.chat import parse_tool_calls
 from ..data.tokenizer import THINK_START, TOOL_CALL_START
 from ..engine.constrained import GrammarConstraint
 from ..engine.media import chat_prompt
+from ..engine.penalties import PenalizedPicker
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses
@@ -209,6 +210,13 @@ class TextStream:
         return delta
 
 
+def _first_adjustment(req: SamplingFields) -> str:
+    """The name of the first logits-adjusting field a request sets (for an error naming it)."""
+    defaults = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "repetition_penalty": 1,
+                "min_p": 0, "min_tokens": 0}
+    return next(name for name, off in defaults.items() if getattr(req, name) not in (off, {}))
+
+
 def _partial_suffix(text: str, s: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `s`."""
     for n in range(min(len(s) - 1, len(text)), 0, -1):
@@ -327,7 +335,35 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if max_new > room:
             raise APIError(f"max_tokens={max_new} with a {len(prompt)}-token {prompt_param} exceeds the configured "
                            f"maximum of {max_total_tokens} tokens", "max_tokens")
+        if isinstance(req, SamplingFields):
+            check_adjustments(req)
         return max_new
+
+    def check_adjustments(req: SamplingFields) -> None:
+        """A 400 naming the field for logit_bias / stop_token_ids ids outside the vocabulary, adjustments a
+        backend cannot make, and ignore_eos or min_p beside a grammar (structured outputs, a forced call)."""
+        try:
+            penalties = req.penalties()
+        except ValueError as e:
+            raise APIError(str(e), "logit_bias") from None
+        for param, ids in (("logit_bias", [t for t, _ in penalties.logit_bias]), ("stop_token_ids",
+                                                                                 req.stop_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+            if bad:
+                raise APIError(f"{param}: token ids {bad} are outside the vocabulary (0..{tokenizer.vocab_size - 1})",
+                               param)
+        if penalties.active and not getattr(backend, "supports_constraints", False):
+            raise APIError("this server's backend does not adjust logits (penalties, logit_bias, min_tokens, "
+                           "min_p)", _first_adjustment(req))
+        if req.ignore_eos or req.min_p:
+            try:
+                spec = req.output_spec()
+            except ValueError:
+                spec = None  # the constraint's own 400 names it
+            if spec is not None:
+                param = "ignore_eos" if req.ignore_eos else "min_p"
+                raise APIError(f"{param} cannot be combined with structured outputs or a forced tool call (the "
+                               f"grammar decides where the answer ends and which tokens it may take)", param)
 
     def prompt_of(messages: list[dict], tools: list[dict] | None, param: str,
                   prefill: str = "") -> tuple[list[int], PromptImages | None]:
@@ -352,11 +388,19 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         with prompt_logprobs those of the prompt's tokens too. seed: the sampler's (default: the request's, else
         a random one). constraint: picks the tokens (structured outputs, `constraint_maker`).
 
-        The end-of-turn token `[e~[` is the stop token of both endpoints; it is counted but not decoded."""
+        The end-of-turn token `[e~[` is the stop token of every endpoint (not with `ignore_eos`), and so are a
+        request's `stop_token_ids`; they are counted but not decoded. A request's logits adjustments
+        (`SamplingFields.penalties`) pick its tokens around its constraint, if any (`PenalizedPicker`)."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
         if seed is None:
             seed = req.seed if req.seed is not None else random.getrandbits(31)
         eos = tokenizer.eos_id
+        stop_ids = [] if getattr(req, "ignore_eos", False) else [eos]
+        stop_ids += [t for t in getattr(req, "stop_token_ids", None) or [] if t not in stop_ids]
+        hidden = set(stop_ids) | {eos}
+        penalties = req.penalties() if isinstance(req, SamplingFields) else None
+        if penalties is not None and penalties.active:
+            constraint = PenalizedPicker(penalties, prompt, sorted(hidden), inner=constraint)
 
         started: list[bool] = []
 
@@ -372,9 +416,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         def on_token(tok: int) -> None:
             start()
             stream.sampled += 1
-            pieces = stream.parts(stream.push(tok)) if tok != eos else []
+            pieces = stream.parts(stream.push(tok)) if tok not in hidden else []
             if logprobs is not None:  # before the pieces go out: a streamed chunk takes the token's entry
-                logprobs.on_token(tok, eos, stream.decoded)
+                logprobs.on_token(tok, hidden, stream.decoded)
             for kind, text in pieces:
                 on_part(kind, text)
             if stream.stopped or (cancelled is not None and cancelled.is_set()):
@@ -391,7 +435,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 extra.update(prompt_logprobs=logprobs.top, on_prompt_logprobs=logprobs.on_prompt)
         with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
             try:
-                return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=[eos], seed=seed,
+                return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=stop_ids, seed=seed,
                                on_token=on_token, **extra)
             except _Stop:
                 return "stop"

@@ -2,10 +2,11 @@
 legacy Completions' `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`, with `echo` the prompt's tokens
 first: its first token has none, null).
 
-The values are the model's own (log-softmax of its logits before temperature, top-k or top-p, as vLLM returns by
-default: `openm3.engine.sampling.token_logprobs`), one entry per sampled token of the answer (the end-of-turn token
-excluded), up to and including the token that completed a stop string. A token's text is its own decoding, so a
-character split over two tokens shows as U+FFFD in each (its `bytes` in the chat format are those of that text).
+The values are the model's own (log-softmax of its logits before temperature, top-k, top-p, penalties or logit
+bias, as vLLM returns by default: `openm3.engine.sampling.token_logprobs`), one entry per sampled token of the
+answer (the end-of-turn token and stop token ids excluded), up to and including the token that completed a stop
+string. A token's text is its own decoding, so a character split over two tokens shows as U+FFFD in each (its
+`bytes` in the chat format are those of that text).
 
 The chat formats hold the tokens of the message text alone, as OpenAI's reference does: when the answer's think
 block is split off (its `reasoning_content` / `reasoning` item) or its tool calls are parsed out, the tokens that
@@ -15,6 +16,8 @@ last of the format and the first of the text (`\n\nHello`) counts as text.
 """
 
 from __future__ import annotations
+
+from typing import Container
 
 
 class TokenLogprobs:
@@ -36,9 +39,10 @@ class TokenLogprobs:
     def on_prompt(self, entries: list) -> None:
         self.prompt_entries = entries
 
-    def on_token(self, token: int, eos: int, end: int = 0) -> None:
-        """`end`: the decoded answer's length with this token (`TextStream.decoded`)."""
-        if self._pending is not None and token != eos:
+    def on_token(self, token: int, hidden: Container[int], end: int = 0) -> None:
+        """hidden: the tokens that are not text (end-of-turn, stop token ids: no entry); `end`: the decoded answer's
+        length with this token (`TextStream.decoded`)."""
+        if self._pending is not None and token not in hidden:
             self.entries.append((token, *self._pending))
             self.ends.append(end)
         self._pending = None

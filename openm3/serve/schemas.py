@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..engine.penalties import MAX_BIAS, Penalties
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completions batch): each is a generation
 
@@ -88,7 +90,10 @@ class StructuredOutputsParams(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """What both endpoints share. `top_k` is an extension (0 = off); temperature 0 = greedy."""
+    """What both endpoints share. `top_k` is an extension (0 = off); temperature 0 = greedy. OpenAI's
+    `presence_penalty`, `frequency_penalty` and `logit_bias` (token id -> bias) and vLLM's `repetition_penalty`,
+    `min_p`, `min_tokens`, `ignore_eos` and `stop_token_ids` adjust the sampling as they do there
+    (`openm3.engine.penalties`)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -104,6 +109,27 @@ class SamplingFields(BaseModel):
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
     guided_json: dict[str, Any] | bool | None = None  # vLLM's older names for the same
     guided_choice: list[str] | None = Field(default=None, min_length=1)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
+    repetition_penalty: float = Field(default=1.0, gt=0)  # vLLM's extensions from here on
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    def penalties(self) -> Penalties:
+        """The logits adjustments asked for (`Penalties.active` false when none); ValueError for a logit_bias key
+        that is not a token id."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias.append((int(key), value))
+            except ValueError:
+                raise ValueError(f"logit_bias: keys are token ids, got {key!r}") from None
+        return Penalties(presence=self.presence_penalty, frequency=self.frequency_penalty,
+                         repetition=self.repetition_penalty, logit_bias=tuple(bias), min_tokens=self.min_tokens,
+                         min_p=self.min_p)
 
     def output_spec(self) -> OutputSpec | None:
         """The answer's constraint from whichever of response_format, structured_outputs, guided_json or

@@ -1,0 +1,136 @@
+"""Logits adjustments per request, as OpenAI's and vLLM's sampling parameters define them: `logit_bias`,
+`presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens` and `min_p`.
+
+`Penalties` holds a request's settings; `PenalizedPicker(penalties, prompt, stop_tokens, inner)` picks that
+request's tokens from raw logits rows, in order, the way a `GrammarConstraint` does (the engine takes either as a
+sequence's `constraint`), so every decoding path (`generate`, `BatchedGenerator`, speculative verification, which
+keeps drafts while they equal the picks) applies them, each token seeing the tokens picked before it. A row goes
+through, in vLLM's order:
+1. `logit_bias` added to its tokens, and the stop tokens masked while fewer than `min_tokens` were picked;
+2. `repetition_penalty` on the tokens of the prompt and the output so far (a positive logit divided by it, a
+   negative one multiplied), then `frequency_penalty` times each token's count in the output and
+   `presence_penalty` for each token present in it subtracted;
+3. `min_p`: after temperature, the tokens less likely than `min_p` times the most likely one are dropped;
+then the plain sampler (temperature, top-k, top-p), or the `inner` grammar constraint's pick. Log probabilities
+stay the model's own (the raw rows: vLLM's default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+
+from .sampling import SamplingParams, sample
+
+__all__ = ["Penalties", "PenalizedPicker"]
+
+MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+
+
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """presence / frequency: in [-2, 2] (OpenAI's bounds), 0 = off; repetition > 0, 1 = off; logit_bias: (token
+    id, bias in [-100, 100]) pairs; min_tokens >= 0; min_p in [0, 1], 0 = off."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("presence", "frequency"):
+            value = getattr(self, name)
+            if not _number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} penalty must be a number in [-2, 2], got {value!r}")
+        if not _number(self.repetition) or not 0 < self.repetition < math.inf:
+            raise ValueError(f"repetition penalty must be a number > 0 (1 = off), got {self.repetition!r}")
+        for pair in self.logit_bias:
+            if len(pair) != 2 or not isinstance(pair[0], int) or pair[0] < 0 or not _number(pair[1]) \
+                    or not -MAX_BIAS <= pair[1] <= MAX_BIAS:
+                raise ValueError(f"logit_bias: expected (token id >= 0, bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}]) "
+                                 f"pairs, got {pair!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether any setting changes a row."""
+        return bool(self.presence or self.frequency or self.repetition != 1 or self.logit_bias or self.min_tokens
+                    or self.min_p)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class PenalizedPicker:
+    """One sequence's token picks under `penalties` (see the module docstring): `pick(row, sampling, generator)`
+    adjusts the raw logits row [V], picks a token (the plain sampler, or `inner`'s pick: a `GrammarConstraint`)
+    and counts it. prompt: the sequence's prompt ids (for `repetition`); hold: the stop tokens `min_tokens` holds
+    back (with `inner`, its own too). A constraint for one request, as a `GrammarConstraint` is; `stop_tokens`
+    (the tokens it ends a document with) are `inner`'s, none without one."""
+
+    def __init__(self, penalties: Penalties, prompt: Sequence[int] | torch.Tensor, hold: Sequence[int] = (),
+                 inner=None):
+        if not isinstance(penalties, Penalties):
+            raise ValueError(f"penalties must be a Penalties, got {type(penalties).__name__}")
+        if inner is not None and penalties.min_p:
+            raise ValueError("min_p cannot be combined with a grammar constraint (structured outputs) here")
+        self.penalties, self.inner = penalties, inner
+        self.stop_tokens = list(inner.stop_tokens) if inner is not None else []
+        self._held = sorted({int(t) for t in hold} | set(self.stop_tokens))
+        self._prompt = torch.as_tensor(prompt, dtype=torch.int64).flatten().cpu()
+        self.picked = 0
+        self._counts: torch.Tensor | None = None  # float [V] on the rows' device: each token's count in the output
+        self._seen: torch.Tensor | None = None  # bool [V]: in the prompt or the output (repetition)
+
+    def pick(self, row: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
+        adjusted = self.adjust(row, sampling)
+        if self.inner is not None:
+            token = self.inner.pick(adjusted, sampling, generator)
+        else:
+            token = int(sample(adjusted[None], sampling, generator)[0])
+        self._count(token)
+        return token
+
+    def adjust(self, row: torch.Tensor, sampling: SamplingParams = SamplingParams()) -> torch.Tensor:
+        """The row [V] (fp32) with the adjustments for the next token (nothing is counted)."""
+        p = self.penalties
+        out = row.float().clone()
+        vocab = out.shape[-1]
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=out.device)
+            self._seen = torch.zeros(vocab, dtype=torch.bool, device=out.device)
+            prompt = self._prompt[self._prompt < vocab]
+            self._seen[prompt.to(out.device)] = True
+        if p.logit_bias:
+            ids = [t for t, _ in p.logit_bias if t < vocab]
+            bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=torch.float32)
+            out[torch.tensor(ids, dtype=torch.int64, device=out.device)] += bias.to(out.device)
+        if self.picked < p.min_tokens:
+            held = [t for t in self._held if t < vocab]
+            out[torch.tensor(held, dtype=torch.int64, device=out.device)] = -math.inf
+        if p.repetition != 1:
+            scaled = torch.where(out > 0, out / p.repetition, out * p.repetition)
+            out = torch.where(self._seen, scaled, out)
+        if p.frequency:
+            out -= p.frequency * self._counts
+        if p.presence:
+            out -= p.presence * (self._counts > 0).float()
+        if p.min_p and not sampling.greedy:
+            # p_i < min_p * p_max  <=>  logit_i < max + temperature * log(min_p)
+            out = out.masked_fill(out < out.max() + sampling.temperature * math.log(p.min_p), -math.inf)
+        return out
+
+    def _count(self, token: int) -> None:
+        self.picked += 1
+        if 0 <= token < self._counts.numel():
+            self._counts[token] += 1
+            self._seen[token] = True

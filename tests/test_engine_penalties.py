@@ -1,0 +1,149 @@
+"""Logit bias, penalties, min_tokens and min_p (`openm3.engine.penalties`): each adjustment against its formula
+written out token by token, and greedy decoding under them through `generate` (with and without speculative
+steps), `BatchedGenerator` (beside a plain request) and a grammar constraint, against an oracle that runs the
+full forward at every step."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from openm3.engine import generate
+from openm3.engine.batching import BatchedGenerator
+from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionCache
+from openm3.engine.penalties import Penalties, PenalizedPicker
+from openm3.engine.sampling import SamplingParams
+from openm3.engine.speculative import SpeculativeConfig
+
+from batching_utils import run_concurrently
+from test_engine_constrained import Words
+from test_engine_speculative import _oracle as scripted_drafts, _prompts, model  # noqa: F401 - the fixture
+from test_serve import tok  # noqa: F401 - the fixture
+
+
+def reference(row: list[float], prompt: list[int], out: list[int], p: Penalties, stop: list[int]) -> list[float]:
+    """The adjusted row, one token at a time (vLLM's order: bias and min_tokens, repetition, frequency, presence)."""
+    row = list(row)
+    for t, b in p.logit_bias:
+        row[t] += b
+    if len(out) < p.min_tokens:
+        for t in stop:
+            row[t] = -math.inf
+    counts = collections.Counter(out)
+    for t in range(len(row)):
+        if t in counts or t in prompt:
+            row[t] = row[t] / p.repetition if row[t] > 0 else row[t] * p.repetition
+        row[t] -= p.frequency * counts[t] + p.presence * (counts[t] > 0)
+    return row
+
+
+SETTINGS = [Penalties(presence=1.5), Penalties(frequency=0.7), Penalties(repetition=1.8),
+            Penalties(logit_bias=((3, 5.0), (9, -100.0)), min_tokens=2),
+            Penalties(presence=-0.5, frequency=0.3, repetition=0.7, logit_bias=((4, 2.5),), min_tokens=1)]
+
+
+@pytest.mark.parametrize("penalties", SETTINGS, ids=range(len(SETTINGS)))
+def test_adjustments_follow_their_formulas(penalties):
+    gen = torch.Generator().manual_seed(0)
+    prompt, stop = [1, 2, 2, 5], [0, 7]
+    picker = PenalizedPicker(penalties, prompt, stop)
+    out = []
+    for _ in range(6):
+        row = torch.randn(12, generator=gen) * 3
+        want = reference(row.tolist(), prompt, out, penalties, stop)
+        assert picker.adjust(row).tolist() == pytest.approx(want, abs=1e-5)
+        token = picker.pick(row, SamplingParams())  # greedy: the adjusted row's argmax
+        assert token == max(range(12), key=lambda t: want[t])
+        out.append(token)
+
+
+def test_min_p_drops_the_unlikely_tokens():
+    row = torch.tensor([2.0, 1.0, 0.0, -1.0, 2.0])
+    picker = PenalizedPicker(Penalties(min_p=0.3), [], [])
+    for temperature in (0.5, 1.0, 2.0):
+        probs = (row / temperature).softmax(-1)
+        kept = picker.adjust(row, SamplingParams(temperature)) > -math.inf
+        assert kept.tolist() == (probs >= 0.3 * probs.max()).tolist()
+    assert (picker.adjust(row, SamplingParams()) > -math.inf).all()  # greedy: nothing to drop
+    gen = torch.Generator().manual_seed(0)
+    assert {picker.pick(row, SamplingParams(1.0), gen) for _ in range(200)} == {0, 1, 4}
+
+
+def test_bad_settings_name_the_field():
+    for kwargs, match in (({"presence": 2.5}, "presence penalty"), ({"frequency": float("nan")}, "frequency"),
+                          ({"repetition": 0}, "repetition"), ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+                          ({"logit_bias": ((1, 101.0),)}, "logit_bias"), ({"min_tokens": -1}, "min_tokens"),
+                          ({"min_p": 1.5}, "min_p")):
+        with pytest.raises(ValueError, match=match):
+            Penalties(**kwargs)
+    with pytest.raises(ValueError, match="min_p cannot be combined"):
+        PenalizedPicker(Penalties(min_p=0.1), [], [], inner=object())
+
+
+def oracle(model, prompt: list[int], penalties: Penalties, stop: list[int], steps: int) -> list[int]:
+    """Greedy tokens under the adjustments, each step a full forward over prompt + answer."""
+    out: list[int] = []
+    for _ in range(steps):
+        ids = torch.tensor(prompt + out)
+        with torch.no_grad():
+            row = model(ids, cu_seqlens=torch.tensor([0, len(ids)], dtype=torch.int32)).logits[-1].float()
+        adjusted = reference(row.tolist(), prompt, out, penalties, stop)
+        out.append(max(range(len(adjusted)), key=lambda t: adjusted[t]))
+        if out[-1] in stop:
+            break
+    return out
+
+
+def test_greedy_decoding_under_penalties_equals_the_oracle(model, monkeypatch):
+    """A random model repeats itself when greedy: the penalties change its answers, and `generate` (plain and with
+    speculative steps) and `BatchedGenerator` (beside a plain request) give the oracle's tokens; min_tokens holds a
+    stop token back that a large bias would pick at once."""
+    prompts = _prompts(model, [30, 45])
+    stop = [11]
+    cases = [Penalties(repetition=1.6, frequency=0.4), Penalties(presence=1.2, logit_bias=((11, 60.0),), min_tokens=5)]
+    plain, _ = generate(model, prompts, max_new_tokens=14, stop_tokens=stop)
+    want = [oracle(model, p, c, stop, 14) for p, c in zip(prompts, cases)]
+    assert want[0] != plain[0].tokens and want[1] == want[1][:5] + [11] and len(want[1]) == 6
+    answers = {tuple(p): w for p, w in zip(prompts, want)}
+    for spec in (None, SpeculativeConfig(num_speculative_tokens=3)):
+        if spec is not None:
+            scripted_drafts(monkeypatch, answers)
+        pickers = [PenalizedPicker(c, p, stop) for p, c in zip(prompts, cases)]
+        got, stats = generate(model, prompts, max_new_tokens=14, stop_tokens=stop, constraints=pickers,
+                              speculative=spec)
+        assert [r.tokens for r in got] == want
+        assert spec is None or 0 < stats.accepted_tokens < stats.draft_tokens
+    batcher = BatchedGenerator(model, token_budget=1024, max_batch=3)
+    outputs: list[list[int]] = [[], [], []]
+
+    def job(k: int, prompt: list[int], picker):
+        return lambda: batcher(prompt, max_new_tokens=14, stop_tokens=stop, on_token=outputs[k].append,
+                               constraint=picker)
+
+    finishes = run_concurrently([job(k, p, PenalizedPicker(c, p, stop)) for k, (p, c) in enumerate(zip(prompts, cases))]
+                                + [job(2, prompts[0], None)])
+    batcher.close()
+    assert finishes == ["length", "stop", "length"] and outputs == want + [plain[0].tokens]
+
+
+def test_penalties_around_a_grammar_constraint(model, tok):
+    """A grammar constraint inside the picker picks from the adjusted row: the tokens of greedy constrained
+    decoding of the adjusted rows (a bias towards a refused token changes nothing; one towards an allowed token
+    wins)."""
+    vocab = TokenBytes(TokenBytes.from_tokenizer(tok).pieces + [None] * (model.config.vocab_size - tok.vocab_size))
+    prompt = _prompts(model, [20])[0]
+    space = tok.encode(" ")[0]
+    refused = next(t for t, p in enumerate(vocab.pieces) if p and p[:1].isupper())
+    for bias in (((refused, 90.0),), ((space, 90.0),)):
+        picker = PenalizedPicker(Penalties(logit_bias=bias), prompt, [tok.eos_id],
+                                 inner=GrammarConstraint(TransitionCache(Words(), vocab), [tok.eos_id]))
+        got, _ = generate(model, [prompt], max_new_tokens=6, stop_tokens=[tok.eos_id], constraints=[picker])
+        tokens = got[0].tokens
+        assert refused not in tokens
+        text = b"".join(vocab.pieces[t] for t in tokens if t != tok.eos_id)
+        assert text and set(text) <= Words.ALLOWED
+        if bias[0][0] == space:
+            assert tokens[:5] == [space] * 5  # the grammar takes spaces; the bias wins each step
