@@ -162,6 +162,18 @@ def test_text_stream_holds_partial_characters_and_stop_prefixes(tok):
     assert len(ids) > len("naïve café → ok STOP") // 4  # several tokens, so the holding was exercised
 
 
+def test_min_tokens_ignores_the_stop_strings_its_tokens_complete(tok):
+    """vLLM's rule: a stop string completed by one of the first min_tokens - 1 tokens ends nothing; one completed
+    later does, the first after that point (and an earlier one does not come back)."""
+    text = "ab STOP cd STOP ef"
+    ids = tok.encode(text)
+    first = next(k for k in range(1, len(ids) + 1) if "STOP" in tok.decode(ids[:k]))  # token k completes it
+    for min_tokens, want in ((0, "ab "), (first, "ab "), (first + 1, "ab STOP cd ")):
+        stream = TextStream(tok, stop=["STOP"], min_tokens=min_tokens)
+        deltas = [stream.push(t) for t in ids]
+        assert "".join(deltas) + stream.finish() == want and stream.text == want and stream.stopped
+
+
 class Scripted:
     """A backend that 'samples' fixed tokens and records the prompts it was given."""
 

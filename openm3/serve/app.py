@@ -118,7 +118,8 @@ class TextStream:
     U+FFFD) and any tail that could begin a stop string or marker. `text` is the whole text, cut before the
     first stop string; `stopped` says whether one was found. `finish()` returns what is left to emit.
     `sampled` counts every sampled token, including the end token that is never decoded; `cached` the prompt
-    tokens a prefix-caching backend read from its cache (the usage's `cached_tokens`).
+    tokens a prefix-caching backend read from its cache (the usage's `cached_tokens`). min_tokens: as vLLM, a stop
+    string that the first `min_tokens - 1` tokens complete does not end the text (nor count later).
 
     reasoning: a `ReasoningSplitter` when the answer's think block is split off (`reasoning.py`; None: it is
     text like the rest). `parts(delta)` and `end_parts(final)` route the deltas to ("reasoning" | "content",
@@ -128,8 +129,10 @@ class TextStream:
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), hold: Sequence[str] = (),
-                 reasoning: ReasoningSplitter | None = None):
+                 reasoning: ReasoningSplitter | None = None, min_tokens: int = 0):
         self.tokenizer, self.stop, self.hold = tokenizer, list(stop), list(hold)
+        self.min_tokens = min_tokens  # vLLM's rule: no stop string ends the text before this many tokens
+        self._stop_after = 0  # characters within which stop strings are ignored (those ending before min_tokens)
         self.reasoning = reasoning
         self.tokens: list[int] = []
         self.text = ""
@@ -145,7 +148,9 @@ class TextStream:
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens)
         self.decoded = len(text)
-        found = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+        if len(self.tokens) < self.min_tokens:
+            self._stop_after = len(text)
+        found = [(i, s) for s in self.stop if (i := text.find(s, max(0, self._stop_after - len(s) + 1))) >= 0]
         if found:
             cut, self.stop_found = min(found)
             self.text, self.stopped = text[:cut], True
@@ -474,13 +479,13 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         """The prompt's generation prompt opens the think block (a checkpoint's template may)."""
         return tokenizer.decode(prompt[-3:]).rstrip().endswith(THINK_START)
 
-    def text_stream(stop: Sequence[str], hold: Sequence[str], prompt: list[int]) -> TextStream:
+    def text_stream(stop: Sequence[str], hold: Sequence[str], prompt: list[int], min_tokens: int = 0) -> TextStream:
         """A chat answer's stream: its think block split off unless `reasoning_parser` is 'none'; a prompt whose
         generation prompt opens the block (a checkpoint's template may) starts inside it."""
         splitter = None
         if reasoning_parser == "m3":
             splitter = ReasoningSplitter(started=opens_think(prompt))
-        return TextStream(tokenizer, stop, hold=hold, reasoning=splitter)
+        return TextStream(tokenizer, stop, hold=hold, reasoning=splitter, min_tokens=min_tokens)
 
     def usage(prompts: list[list[int]], streams: list[TextStream]) -> dict:
         """OpenAI's usage of a request whose prompts got `len(streams) // len(prompts)` choices each (prompt i's are
@@ -570,7 +575,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         max_news = [check(req, prompt, "prompt" if batch == 1 else f"prompt[{i}]") for i, prompt in enumerate(prompts)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
-        choices = [CompletionChoice(k, prompts[k // req.n], req.prompts[k // req.n], TextStream(tokenizer, req.stop),
+        choices = [CompletionChoice(k, prompts[k // req.n], req.prompts[k // req.n],
+                                    TextStream(tokenizer, req.stop, min_tokens=req.min_tokens),
                                     logprobs_for(req.logprobs, "logprobs"), req.echo)
                    for k in range(req.n * batch)]
         seeds = choice_seeds(req, len(choices))
@@ -621,7 +627,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": model_name}
         parse_calls = req.tool_choice != "none"
-        streams = [text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt) for _ in range(req.n)]
+        streams = [text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt, req.min_tokens)
+                   for _ in range(req.n)]
         lps = [logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs") for _ in range(req.n)]
         seeds = choice_seeds(req, req.n)
         constrain = constraint_maker(req.output_spec, "tool_choice" if req.tool_choice not in (None, "auto", "none")
