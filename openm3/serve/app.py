@@ -1,6 +1,7 @@
 """The HTTP app: `GET /health`, `/version` and `/metrics` (Prometheus), OpenAI's `GET /v1/models`,
-`POST /v1/chat/completions` and `POST /v1/responses` (`responses.py`), and Anthropic's `POST /v1/messages`
-(+ `/count_tokens`; `anthropic.py`), over one engine.
+`POST /v1/completions`, `/v1/chat/completions` and `/v1/responses` (`responses.py`), Anthropic's
+`POST /v1/messages` (+ `/count_tokens`; `anthropic.py`) and vLLM's `POST /tokenize` / `/detokenize`
+(`tokens.py`), over one engine.
 
     app = create_app(ModelBackend(model), tokenizer, model_name="m3-tiny", max_total_tokens=4096)
 
@@ -50,7 +51,7 @@ from ..engine.media import chat_prompt
 from ..engine.penalties import PenalizedPicker
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
-from . import anthropic, responses
+from . import anthropic, responses, tokens
 from .images import data_url_part
 from .logprobs import TokenLogprobs
 from .reasoning import ReasoningSplitter, split_reasoning
@@ -353,10 +354,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             raise APIError(str(e), "logit_bias") from None
         for param, ids in (("logit_bias", [t for t, _ in penalties.logit_bias]), ("stop_token_ids",
                                                                                  req.stop_token_ids or [])):
-            bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise APIError(f"{param}: token ids {bad} are outside the vocabulary (0..{tokenizer.vocab_size - 1})",
-                               param)
+                raise APIError(f"{param}: token ids {bad} are outside the vocabulary (0..{vocab - 1})", param)
         if penalties.active and not getattr(backend, "supports_constraints", False):
             raise APIError("this server's backend does not adjust logits (penalties, logit_bias, min_tokens, "
                            "min_p)", _first_adjustment(req))
@@ -371,14 +371,22 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                                f"grammar decides where the answer ends and which tokens it may take)", param)
 
     def prompt_of(messages: list[dict], tools: list[dict] | None, param: str,
-                  prefill: str = "") -> tuple[list[int], PromptImages | None]:
+                  prefill: str = "", generation_prompt: bool = True) -> tuple[list[int], PromptImages | None]:
         """The conversation's prompt ids and images (`openm3.engine.media.chat_prompt`); a 400 naming `param` if it
         is bad."""
         try:
             return chat_prompt(tokenizer, messages, tools, prefill=prefill, vl_config=vl_config,
-                               template=chat_template)
+                               template=chat_template, generation_prompt=generation_prompt)
         except ValueError as e:
             raise APIError(str(e), param) from None
+
+    def chat_media(messages: list[dict]) -> None:
+        """Chat Completions' image and video parts as the chat template's, in place; a 400 naming messages for a
+        bad one or for any when the model takes none."""
+        try:
+            _image_url_parts(messages, vl_config is not None)
+        except ValueError as e:
+            raise APIError(str(e), "messages") from None
 
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
             on_part: Callable[[str, str], None], cancelled: threading.Event | None = None, *,
@@ -618,10 +626,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             req.max_tokens = req.max_completion_tokens
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        try:
-            _image_url_parts(messages, vl_config is not None)
-        except ValueError as e:
-            raise APIError(str(e), "messages") from None
+        chat_media(messages)
         prompt, images = prompt_of(messages, tools, "messages")
         max_new = check(req, prompt, "messages")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -707,6 +712,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                   takes_images=vl_config is not None)
     anthropic.add_messages_routes(app, **shared)
     responses.add_responses_routes(app, **shared, logprobs_for=logprobs_for)
+    tokens.add_token_routes(app, tokenizer=tokenizer, model_name=model_name, max_total_tokens=max_total_tokens,
+                            vocab=vocab, prompt_of=prompt_of, api_error=APIError, check_images=chat_media)
     return app
 
 
