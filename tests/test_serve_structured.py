@@ -6,6 +6,7 @@ the batching backends; a bad schema or a backend that cannot constrain is a 400 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -153,6 +154,18 @@ def test_vllm_guided_fields(client, model, tok):
     for field in ({"guided_json": SCHEMA}, {"structured_outputs": {"json": SCHEMA}}):
         r = plain.post("/v1/chat/completions", json={**ASK, "temperature": 0.9, "seed": 5, **field})
         valid(r.json()["choices"][0]["message"]["content"])
+    pattern = r"[0-9]{3}-[a-c]{2,4}( ok)?"
+    for field in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
+        r = plain.post("/v1/chat/completions", json={**ASK, "temperature": 1.0, "top_p": 0.9, "seed": 3, "n": 3,
+                                                     **field})
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            assert re.fullmatch(pattern, c["message"]["content"]) and c["finish_reason"] == "stop", c
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": "Id:", "max_tokens": 12, "temperature": 0,
+                                             "guided_regex": pattern})
+    assert re.fullmatch(pattern, r.json()["choices"][0]["text"])
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": "Id:", "guided_regex": "[a-"})
+    assert r.status_code == 400 and "does not compile" in r.json()["error"]["message"]
 
 
 def test_two_output_constraints_are_refused(model, tok):

@@ -1,0 +1,61 @@
+"""Regex-constrained outputs (`openm3.engine.regex_grammar`): the grammar's states against the prefixes of the
+pattern's (finite) language, written out, whole UTF-8 characters only, and decoding through `generate` with
+`GrammarConstraint`, greedy and sampled under top-p (the full mask), ending in texts the pattern matches."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from openm3.engine import generate
+from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionCache
+from openm3.engine.regex_grammar import RegexGrammar
+from openm3.engine.sampling import SamplingParams
+
+from test_serve import model, tok  # noqa: F401 - the fixtures
+
+PATTERN = r"(yes|no|maybe) [0-9]{2,3}(\.[0-9])?é?"
+LANGUAGE = {f"{w} {n}{f}{e}" for w in ("yes", "no", "maybe") for n in [f"{k:02d}" for k in range(100)] +
+            [f"{k:03d}" for k in range(1000)] for f in ["", *(f".{d}" for d in range(10))] for e in ("", "é")}
+PREFIXES = {s[:i] for s in LANGUAGE for i in range(len(s) + 1)}
+
+
+@pytest.mark.parametrize("text", ["yes 12", "maybe 123.4é", "no 999.0", "yes 1", "yes 1234", "nope", "maybe 12é!"])
+def test_states_follow_the_pattern(text):
+    """Character by character: a state exists exactly for the prefixes of the (finite) language, and is complete
+    exactly for its members; half a character is refused."""
+    g = RegexGrammar(PATTERN)
+    state = g.start
+    for i, char in enumerate(text):
+        data = char.encode()
+        if len(data) > 1:
+            assert g.advance(state, data[:1]) is None
+        state = g.advance(state, data)
+        assert (state is not None) == (text[:i + 1] in PREFIXES), text[:i + 1]
+        if state is None:
+            break
+        assert g.complete(state) == (text[:i + 1] in LANGUAGE)
+
+
+def test_multibyte_characters_and_bad_patterns():
+    g = RegexGrammar("é+")
+    assert g.advance(g.start, "é".encode()[:1]) is None and g.advance(g.start, "éé".encode()) == "éé".encode()
+    assert g.complete("é".encode()) and not g.complete(b"")
+    with pytest.raises(ValueError, match="does not compile"):
+        RegexGrammar("[a-")
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(1.0, top_p=0.9)], ids=["greedy", "top-p"])
+def test_decoding_ends_in_a_match(model, tok, sampling):
+    vocab = TokenBytes(TokenBytes.from_tokenizer(tok).pieces + [None] * (model.config.vocab_size - tok.vocab_size))
+    transitions = TransitionCache(RegexGrammar(PATTERN), vocab)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, tok.vocab_size, (n,), generator=gen).tolist() for n in (12, 30, 7)]
+    results, _ = generate(model, prompts, max_new_tokens=24, sampling=sampling, stop_tokens=[tok.eos_id], seed=4,
+                          constraints=[GrammarConstraint(transitions, [tok.eos_id]) for _ in prompts])
+    for r in results:
+        assert r.tokens[-1] == tok.eos_id and r.finish_reason == "stop", r.tokens
+        text = b"".join(vocab.pieces[t] for t in r.tokens[:-1]).decode()
+        assert re.fullmatch(PATTERN, text), text
