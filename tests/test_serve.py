@@ -78,6 +78,7 @@ def greedy_ids(model, tok, prompt: list[int], n: int) -> list[int]:
 def test_models_list(client):
     body = client.get("/v1/models").json()
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [NAME]
+    assert body["data"][0]["max_model_len"] == LIMIT  # vLLM's field: clients size their requests by it
 
 
 def test_health_and_version(client):

@@ -326,7 +326,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             return {"data": [{"type": "model", "id": model_name, "display_name": model_name, "created_at": stamp}],
                     "has_more": False, "first_id": model_name, "last_id": model_name}
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "openm3"}]}
+                                            "owned_by": "openm3", "root": model_name, "parent": None,
+                                            "max_model_len": max_total_tokens}]}
 
     def check(req: SamplingFields, prompt: list[int], prompt_param: str) -> int:
         """Validates the model name and the lengths; returns max_new_tokens (default: all the room left)."""
