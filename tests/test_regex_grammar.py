@@ -59,3 +59,28 @@ def test_decoding_ends_in_a_match(model, tok, sampling):
         assert r.tokens[-1] == tok.eos_id and r.finish_reason == "stop", r.tokens
         text = b"".join(vocab.pieces[t] for t in r.tokens[:-1]).decode()
         assert re.fullmatch(PATTERN, text), text
+
+
+def test_full_masks_equal_checking_each_token(tok):
+    """The full mask (a walk of the sorted tokens by whole characters) equals checking each token whole, with
+    tokens of non-ASCII characters and tokens that end inside one; a greedy pick takes a non-ASCII token the pattern
+    allows."""
+    cut = ["é".encode()[:1], "日".encode()[:2], "😀".encode()[:3], b"1" + "é".encode()[:1]]
+    whole = ["é".encode(), "éb".encode(), "日".encode(), "日本".encode(), "b日".encode(), "😀".encode()]
+    vocab = TokenBytes(TokenBytes.from_tokenizer(tok).pieces + cut + whole)
+    g = RegexGrammar(r"(yes|no|maybe) [0-9]{2,3}(\.[0-9])?(é|日本|😀)?")
+    transitions = TransitionCache(g, vocab)
+    for text in ["", "y", "yes", "yes ", "yes 12", "yes 12.5", "yes 123é", "maybe 12日", "no 99😀"]:
+        state = g.advance(g.start, text.encode())
+        assert state is not None, text
+        want = torch.tensor([p is not None and g.advance(state, p) is not None for p in vocab.pieces])
+        assert torch.equal(transitions.full_mask(state), want), text
+    state = g.advance(g.start, b"yes 12")
+    ids = {p: t for t, p in enumerate(vocab.pieces)}
+    assert transitions.full_mask(state)[[ids["é".encode()], ids["日本".encode()]]].all()
+    for piece in ("é", "日本"):
+        c = GrammarConstraint(transitions, [tok.eos_id])
+        c.read(b"yes 12")
+        row = torch.zeros(len(vocab))
+        row[ids[piece.encode()]] = 5.0
+        assert c.pick(row, SamplingParams()) == ids[piece.encode()]

@@ -133,6 +133,7 @@ class TransitionCache:
         self._close_masks: dict = {}  # `quote_close` state -> its mask over the closing tokens (`_Closing`)
         self._order: dict = {}  # sorted token bytes for `full_mask`
         self._twins = hasattr(grammar, "quote_free_twin")
+        self._chars = bool(getattr(grammar, "whole_characters", False))  # states only between UTF-8 characters
         self._closes = hasattr(grammar, "quote_close")
         self._closing: _Closing | None = None
         self.plain: torch.Tensor | None = None  # bool [V]: tokens of plain string text (grammars that tell them)
@@ -226,7 +227,7 @@ class TransitionCache:
             mask |= self.plain
         pieces, ids = self._sorted(tokens + ("-rest" if plain else ""))
         accepted: list[int] = []
-        _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted)
+        _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted, self._chars)
         mask[accepted] = True
         return mask
 
@@ -248,12 +249,14 @@ class TransitionCache:
         return self._order[tokens]
 
     def first_bytes(self, state) -> torch.Tensor:
-        """bool [257]: which first bytes the grammar accepts from `state` (slot 256, special tokens: never)."""
+        """bool [257]: which first bytes the grammar accepts from `state` (slot 256, special tokens: never). For a
+        grammar of whole characters (`whole_characters`), the lead bytes of multi-byte characters all pass (a
+        pre-filter: the token's own check decides)."""
         mask = self._first.get(state)
         if mask is None:
             mask = torch.zeros(_NO_BYTES + 1, dtype=torch.bool)
             for b in range(256):
-                mask[b] = self.grammar.advance(state, bytes((b,))) is not None
+                mask[b] = (self._chars and 0xC2 <= b <= 0xF4) or self.grammar.advance(state, bytes((b,))) is not None
             if len(self._first) >= 65536:
                 self._first.clear()
             self._first[state] = mask
@@ -286,21 +289,33 @@ class _Closing:
         self.others = ([p for p, _ in others], [t for _, t in others])
 
 
-def _walk(advance, state, pieces: list[bytes], ids: list[int], lo: int, hi: int, depth: int, out: list[int]) -> None:
+def _walk(advance, state, pieces: list[bytes], ids: list[int], lo: int, hi: int, depth: int, out: list[int],
+          chars: bool = False) -> None:
     """Appends to `out` the ids of pieces[lo:hi] (sorted; all share their first `depth` bytes, read into `state`)
-    that the grammar accepts, advancing one byte per trie edge and skipping the subtree of a refused byte."""
+    that the grammar accepts, advancing one byte per trie edge (one UTF-8 character with `chars`: a grammar whose
+    states lie between characters; a piece that ends inside one is refused) and skipping the subtree of a refused
+    edge."""
     i = lo
     while i < hi and len(pieces[i]) == depth:  # the shared prefix itself is a token
         out.append(ids[i])
         i += 1
     while i < hi:
-        head = pieces[i][:depth + 1]
+        step = _char_length(pieces[i][depth]) if chars else 1
+        if len(pieces[i]) < depth + step:  # ends inside a character (the shorter pieces of a group sort first)
+            i += 1
+            continue
+        head = pieces[i][:depth + step]
         b = head[-1]
         j = hi if b == 255 else bisect.bisect_left(pieces, head[:-1] + bytes((b + 1,)), i, hi)
-        after = advance(state, head[-1:])
+        after = advance(state, head[depth:])
         if after is not None:
-            _walk(advance, after, pieces, ids, i, j, depth + 1, out)
+            _walk(advance, after, pieces, ids, i, j, depth + step, out, chars)
         i = j
+
+
+def _char_length(lead: int) -> int:
+    """Bytes of the UTF-8 character that `lead` starts (1 for a byte that starts none: the grammar refuses it)."""
+    return 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4 if lead < 0xF8 else 1
 
 
 class GrammarConstraint:

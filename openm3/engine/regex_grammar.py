@@ -7,10 +7,11 @@
 
 The pattern is Python's `regex` syntax and must match the whole output. A state is the output's bytes; `advance`
 asks `regex`'s partial matching whether some match starts with the text so far, so every live state can still be
-completed and decoding never paints itself into a corner. The text grows by whole UTF-8 characters: a token that
-ends inside a multi-byte character is refused (its completion could not be checked), so a character the
-tokenizer splits over tokens cannot be written. Each check reads the whole text: meant for short outputs (ids,
-dates, phone numbers, a choice of forms), as regex-constrained outputs usually are.
+completed and decoding never paints itself into a corner. The text grows by whole UTF-8 characters
+(`whole_characters`): a token that ends inside a multi-byte character is refused (whether some completion of it
+could match is not asked), so a character the tokenizer splits over tokens cannot be written; tokens of whole
+characters, non-ASCII ones included, can. Each check reads the whole text: meant for short outputs (ids, dates,
+phone numbers, a choice of forms), as regex-constrained outputs usually are.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class RegexGrammar:
         except regex.error as e:
             raise ValueError(f"regex {pattern!r} does not compile: {e}") from None
         self.start = b""
+        self.whole_characters = True  # states lie between UTF-8 characters (`TransitionCache` walks by them)
 
     def advance(self, state: bytes, data: bytes) -> bytes | None:
         out = state + data
