@@ -81,6 +81,25 @@ def test_models_list(client):
     assert body["data"][0]["max_model_len"] == LIMIT  # vLLM's field: clients size their requests by it
 
 
+def test_api_key(model, tok):
+    """With an API key, requests under /v1 need it as a Bearer token or Anthropic's x-api-key (401 in each API's
+    error format otherwise); /health and /metrics stay open, as vLLM's do."""
+    client = TestClient(create_app(Scripted(tok.encode("hi" + EOS), tok.vocab_size), tok, model_name=NAME,
+                                   max_total_tokens=LIMIT, api_key="s3cret"))
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"x-api-key": "s3cre"}):
+        r = client.post("/v1/chat/completions", json=chat, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+    assert client.post("/v1/chat/completions", json=chat, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/v1/models", headers={"x-api-key": "s3cret"}).status_code == 200
+    r = client.post("/v1/messages", json={**chat, "max_tokens": 2})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert client.post("/v1/messages", json=chat, headers={"x-api-key": "s3cret"}).status_code == 200
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(Scripted([], tok.vocab_size), tok, model_name=NAME, max_total_tokens=LIMIT, api_key="")
+
+
 def test_health_and_version(client):
     import openm3
 
@@ -478,7 +497,7 @@ def test_cli_compile_serves_the_same_tokens(tok, tmp_path, monkeypatch):
     assert texts[0] == texts[1]
 
 
-def test_cli_builds_an_app_from_a_preset(tok, tmp_path):
+def test_cli_builds_an_app_from_a_preset(tok, tmp_path, monkeypatch):
     path = tok.save(tmp_path / "tok")
     args = build_parser().parse_args(["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64"])
     client = TestClient(build_app(args))
@@ -499,6 +518,11 @@ def test_cli_builds_an_app_from_a_preset(tok, tmp_path):
     serial = TestClient(build_app(build_parser().parse_args(base + ["--max-batch", "1"])))  # one at a time
     r = serial.post("/v1/completions", json={"model": "m3-tiny", "prompt": "x", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200
+    monkeypatch.setenv("OPENM3_API_KEY", "k1")  # the option's default; the flag wins over it
+    for extra, key in (([], "k1"), (["--api-key", "k2"], "k2")):
+        keyed = TestClient(build_app(build_parser().parse_args(base + ["--max-batch", "1"] + extra)))
+        assert keyed.get("/v1/models").status_code == 401
+        assert keyed.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     with pytest.raises(ValueError, match="--checkpoint"):
         build_app(build_parser().parse_args(["--checkpoint", str(tmp_path / "missing"), "--tokenizer", str(path)]))
 

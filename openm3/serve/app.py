@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import hmac
 import json
 import queue
 import random
@@ -232,11 +233,12 @@ def _partial_suffix(text: str, s: str) -> int:
 
 
 def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int, chat_template=None,
-               reasoning_parser: str = "m3"):
+               reasoning_parser: str = "m3", api_key: str | None = None):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
     chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
     None renders with openm3's built-in M3 template. reasoning_parser: 'm3' splits the think block off the chat
-    endpoints' answers (`reasoning.py`), 'none' leaves it in the text."""
+    endpoints' answers (`reasoning.py`), 'none' leaves it in the text. api_key: as vLLM's `--api-key`, requests
+    under `/v1` must carry it (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`), else a 401."""
     from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -284,6 +286,22 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if _anthropic(request):
             return JSONResponse(anthropic.error_body(message), status_code=400)
         return JSONResponse(error_body(message, param), status_code=400)
+
+    if api_key is not None and not (isinstance(api_key, str) and api_key):
+        raise ValueError("api_key: expected a non-empty string or None")
+
+    @app.middleware("http")
+    async def _authorized(request: Request, call_next):
+        if api_key is None or request.method == "OPTIONS" or not request.url.path.startswith("/v1"):
+            return await call_next(request)
+        bearer = request.headers.get("authorization", "")
+        given = bearer[len("Bearer "):] if bearer.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        if hmac.compare_digest(given.encode(), api_key.encode()):
+            return await call_next(request)
+        message = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)"
+        if _anthropic(request):
+            return JSONResponse(anthropic.error_body(message, "authentication_error"), status_code=401)
+        return JSONResponse(error_body(message, None, "invalid_api_key"), status_code=401)
 
     @app.get("/health")
     def health():

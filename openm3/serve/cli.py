@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "openm3.data, trained on first use)")
     add_chat_template_argument(p)
     p.add_argument("--model-name", default=None, help="the model id clients send (default: preset or directory name)")
+    p.add_argument("--api-key", default=os.environ.get("OPENM3_API_KEY"),
+                   help="requests under /v1 must carry this key (Authorization: Bearer KEY, or x-api-key: KEY), as "
+                   "vLLM's --api-key (default: $OPENM3_API_KEY; none: no check)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -114,7 +117,7 @@ def build_app(args: argparse.Namespace):
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative)
     return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template,
-                      reasoning_parser=args.reasoning_parser)
+                      reasoning_parser=args.reasoning_parser, api_key=args.api_key or None)
 
 
 def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):
