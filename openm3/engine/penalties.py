@@ -105,18 +105,19 @@ class PenalizedPicker:
         p = self.penalties
         out = row.float().clone()
         vocab = out.shape[-1]
-        if self._counts is None:
-            self._counts = torch.zeros(vocab, dtype=torch.float32, device=out.device)
-            self._seen = torch.zeros(vocab, dtype=torch.bool, device=out.device)
-            prompt = self._prompt[self._prompt < vocab]
-            self._seen[prompt.to(out.device)] = True
+        if self._counts is None:  # the per-sequence tensors, on the rows' device, made once
+            device = out.device
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self._seen[self._prompt[self._prompt < vocab].to(device)] = True
+            pairs = [(t, b) for t, b in p.logit_bias if t < vocab]
+            self._bias_ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=device)
+            self._bias = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
+            self._held_ids = torch.tensor([t for t in self._held if t < vocab], dtype=torch.int64, device=device)
         if p.logit_bias:
-            ids = [t for t, _ in p.logit_bias if t < vocab]
-            bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=torch.float32)
-            out[torch.tensor(ids, dtype=torch.int64, device=out.device)] += bias.to(out.device)
+            out.index_add_(0, self._bias_ids, self._bias)
         if self.picked < p.min_tokens:
-            held = [t for t in self._held if t < vocab]
-            out[torch.tensor(held, dtype=torch.int64, device=out.device)] = -math.inf
+            out[self._held_ids] = -math.inf
         if p.repetition != 1:
             scaled = torch.where(out > 0, out / p.repetition, out * p.repetition)
             out = torch.where(self._seen, scaled, out)
