@@ -114,6 +114,12 @@ CASES = [
                              "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
                                             "c": {"type": "integer"}}},
          [{"a": 1, "c": 2}, {"c": 1, "b": 2}, {"c": 1, "z": None}]),
+    Case("patterns", {"type": "object", "additionalProperties": False, "properties": {
+        "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+        "ab": {"type": "string", "pattern": "^[aé]b?$"}, "tab": {"type": "string", "pattern": "^x\\t[😀\\\\]$"},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]*$"}}},
+        [{"date": "2024-01-31", "ab": "éb"}, {"ab": "a", "tab": "x\t😀"}, {"tab": "x\t\\", "code": "AB"},
+         {"date": "0000-00-00", "code": "XY0123"}]),
     Case("json_object", None, [{}, {"a": [1, 2, {"b": None}]}]),
     Case("any", True, [1, "x", [], {"a": {"b": [True, None, -1.5]}}, -0.5e10, 0]),
 ]
@@ -143,22 +149,32 @@ def is_valid_document(doc: bytes, case: Case) -> bool:
 
 
 def feed_bytes(g, doc: bytes):
-    """States after each byte of doc, fed one at a time (stops at the first rejection: the list is shorter)."""
-    states, state = [], g.start
-    for k in range(len(doc)):
-        state = g.advance(state, doc[k:k + 1])
+    """States after each byte of doc, fed one at a time, but a whole character at a time where the state lies
+    between whole characters (`whole_characters_at`: inside a string with a pattern), the state after it then
+    standing for each of its bytes (stops at the first rejection: the list is shorter)."""
+    states, state, k = [], g.start, 0
+    between = getattr(g, "whole_characters_at", None)
+    while k < len(doc):
+        step = g.character_length(doc, k) if between is not None and between(state) else 1
+        state = g.advance(state, doc[k:k + step]) if step else None
         if state is None:
             break
-        states.append(state)
+        states += [state] * step
+        k += step
     return states
 
 
 def feed_chunks(g, doc: bytes, rng: random.Random):
+    """The state after doc fed in random chunks of 1-8 bytes (a cut inside a pattern string's character moves to
+    its end)."""
     state, k = g.start, 0
     while k < len(doc) and state is not None:
         step = rng.randint(1, 8)
-        state = g.advance(state, doc[k:k + step])
-        k += step
+        nxt = g.advance(state, doc[k:k + step])
+        while nxt is None and hasattr(g, "whole_characters_at") and k + step < len(doc) and step < 20:
+            step += 1
+            nxt = g.advance(state, doc[k:k + step])
+        state, k = nxt, k + step
     return state
 
 
@@ -310,6 +326,13 @@ REJECTIONS = [
     ("strings", b'{"any":"\xed\xa0\x80"}', b'\xa0\x80"}', RULE),              # an encoded surrogate
     ("strings", b'{"any":"\xe6\x97"}', b'"}'),                                # cut short
     ("strings", b'{"any":"a\nb"}', b'\nb"}'),                                 # raw control byte
+    ("patterns", b'{"date":"2024-1x"}', b'x"}'),                              # no match can begin this way
+    ("patterns", b'{"date":"2024-01"}', b'"}'),                                 # a match not reached yet
+    ("patterns", b'{"ab":"abb"}', b'b"}'),
+    ("patterns", b'{"ab":"b"}', b'b"}'),
+    ("patterns", b'{"ab":"\\u00e9bb"}', b'b"}'),                               # escapes are read as their text
+    ("patterns", b'{"tab":"x\\t\\ud83d\\ude00!"}', b'!"}'),
+    ("patterns", b'{"code":"A\xc3\xa9"}', b'\xc3\xa9"}'),
     ("numbers", b'{"i":01}', b"1}"),
     ("numbers", b'{"n":1.}', b"}"),
     ("numbers", b'{"n":-}', b"}"),
@@ -353,7 +376,7 @@ def test_invalid_documents_are_rejected_at_the_first_bad_byte(name, doc, at, why
 CANDIDATES = ([bytes([b]) for b in range(256)]
               + ["é".encode(), "中".encode(), "😀".encode()]
               + [b'{"', b'":', b'",', b'": "', b"},", b"],", b"true", b"null", b"  ", b"\\u00e9", b"\\ud83d\\ude00",
-                 b"\\n", b"12", b"-0.5e3"])
+                 b"\\n", b"\\t", b"12", b"-0.5e3"])
 FINISHERS = [b'"', b"}", b"]", b",", b"0", b"n", b"f", b"t"]
 
 
@@ -468,7 +491,8 @@ def test_bad_max_whitespace(value):
 
 def test_unenforced_and_annotation_keywords_are_accepted():
     g = compile_schema({"title": "t", "description": "d", "$schema": "x", "$comment": "c", "type": "object",
-                        "properties": {"s": {"type": "string", "pattern": "^a", "format": "date", "default": "a"},
+                        "properties": {"s": {"type": "string", "pattern": "^a", "maxLength": 9, "format": "date",
+                                             "default": "a"},
                                        "n": {"type": "number", "minimum": 0, "multipleOf": 2, "examples": [2]},
                                        "l": {"type": "array", "uniqueItems": True, "deprecated": True}}})
     assert g.complete(g.advance(g.start, b'{"s":"b","n":-1,"l":[1,1]}'))  # not enforced, as documented

@@ -166,6 +166,11 @@ def test_vllm_guided_fields(client, model, tok):
     assert re.fullmatch(pattern, r.json()["choices"][0]["text"])
     r = client.post("/v1/completions", json={"model": NAME, "prompt": "Id:", "guided_regex": "[a-"})
     assert r.status_code == 400 and "does not compile" in r.json()["error"]["message"]
+    keyed = {"type": "object", "required": ["id"], "additionalProperties": False,
+             "properties": {"id": {"type": "string", "pattern": "^[a-c]{2}-[0-9]é?$"}}}  # a JSON string's pattern
+    r = plain.post("/v1/chat/completions", json={**ASK, "temperature": 1.0, "seed": 4, "n": 3, "guided_json": keyed})
+    for c in r.json()["choices"]:
+        assert re.fullmatch(r"[a-c]{2}-[0-9]é?", json.loads(c["message"]["content"])["id"]), c
 
 
 def test_two_output_constraints_are_refused(model, tok):

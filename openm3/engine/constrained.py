@@ -133,7 +133,9 @@ class TransitionCache:
         self._close_masks: dict = {}  # `quote_close` state -> its mask over the closing tokens (`_Closing`)
         self._order: dict = {}  # sorted token bytes for `full_mask`
         self._twins = hasattr(grammar, "quote_free_twin")
-        self._chars = bool(getattr(grammar, "whole_characters", False))  # states only between UTF-8 characters
+        # grammars whose states (some of them) lie between whole characters: walked a character per trie edge
+        self._chars_at = getattr(grammar, "whole_characters_at", None)
+        self._char_length = getattr(grammar, "character_length", None)
         self._closes = hasattr(grammar, "quote_close")
         self._closing: _Closing | None = None
         self.plain: torch.Tensor | None = None  # bool [V]: tokens of plain string text (grammars that tell them)
@@ -227,7 +229,8 @@ class TransitionCache:
             mask |= self.plain
         pieces, ids = self._sorted(tokens + ("-rest" if plain else ""))
         accepted: list[int] = []
-        _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted, self._chars)
+        _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted, self._chars_at,
+              self._char_length)
         mask[accepted] = True
         return mask
 
@@ -249,14 +252,17 @@ class TransitionCache:
         return self._order[tokens]
 
     def first_bytes(self, state) -> torch.Tensor:
-        """bool [257]: which first bytes the grammar accepts from `state` (slot 256, special tokens: never). For a
-        grammar of whole characters (`whole_characters`), the lead bytes of multi-byte characters all pass (a
-        pre-filter: the token's own check decides)."""
+        """bool [257]: which first bytes the grammar accepts from `state` (slot 256, special tokens: never). Where
+        the state lies between whole characters (`whole_characters_at`), the bytes that start a character of
+        several bytes (lead bytes, the backslash of an escape) all pass: a pre-filter, the token's own check
+        decides."""
         mask = self._first.get(state)
         if mask is None:
             mask = torch.zeros(_NO_BYTES + 1, dtype=torch.bool)
+            whole = self._chars_at is not None and self._chars_at(state)
             for b in range(256):
-                mask[b] = (self._chars and 0xC2 <= b <= 0xF4) or self.grammar.advance(state, bytes((b,))) is not None
+                mask[b] = (whole and (0xC2 <= b <= 0xF4 or b == 0x5C)) or \
+                    self.grammar.advance(state, bytes((b,))) is not None
             if len(self._first) >= 65536:
                 self._first.clear()
             self._first[state] = mask
@@ -290,18 +296,19 @@ class _Closing:
 
 
 def _walk(advance, state, pieces: list[bytes], ids: list[int], lo: int, hi: int, depth: int, out: list[int],
-          chars: bool = False) -> None:
+          chars_at=None, char_length=None) -> None:
     """Appends to `out` the ids of pieces[lo:hi] (sorted; all share their first `depth` bytes, read into `state`)
-    that the grammar accepts, advancing one byte per trie edge (one UTF-8 character with `chars`: a grammar whose
-    states lie between characters; a piece that ends inside one is refused) and skipping the subtree of a refused
-    edge."""
+    that the grammar accepts, advancing one byte per trie edge and skipping the subtree of a refused edge. Where
+    `chars_at(state)` says the state lies between whole characters, an edge is one character
+    (`char_length(piece, depth)`, 0 for a piece that ends inside it: refused)."""
     i = lo
     while i < hi and len(pieces[i]) == depth:  # the shared prefix itself is a token
         out.append(ids[i])
         i += 1
+    whole = chars_at is not None and chars_at(state)
     while i < hi:
-        step = _char_length(pieces[i][depth]) if chars else 1
-        if len(pieces[i]) < depth + step:  # ends inside a character (the shorter pieces of a group sort first)
+        step = char_length(pieces[i], depth) if whole else 1
+        if step == 0:  # ends inside a character (the shorter pieces of a group sort first)
             i += 1
             continue
         head = pieces[i][:depth + step]
@@ -309,13 +316,8 @@ def _walk(advance, state, pieces: list[bytes], ids: list[int], lo: int, hi: int,
         j = hi if b == 255 else bisect.bisect_left(pieces, head[:-1] + bytes((b + 1,)), i, hi)
         after = advance(state, head[depth:])
         if after is not None:
-            _walk(advance, after, pieces, ids, i, j, depth + step, out, chars)
+            _walk(advance, after, pieces, ids, i, j, depth + step, out, chars_at, char_length)
         i = j
-
-
-def _char_length(lead: int) -> int:
-    """Bytes of the UTF-8 character that `lead` starts (1 for a byte that starts none: the grammar refuses it)."""
-    return 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4 if lead < 0xF8 else 1
 
 
 class GrammarConstraint:

@@ -26,11 +26,14 @@ Keywords
   `minProperties`, `maxProperties`, `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`, `maxLength`,
   `anyOf`, `oneOf` (as anyOf: exclusivity between branches is NOT enforced), `allOf` (one subschema only), `$ref`
   (local JSON pointers: `#`, `#/$defs/NAME`, `#/definitions/NAME`, ...; resolved lazily, so recursive schemas
-  work). `$defs` / `definitions` hold subschemas.
+  work), and `pattern` on strings without `minLength` / `maxLength` (the `regex` package's syntax, which agrees
+  with ECMA-262 on the usual patterns; the text must contain a match, as JSON Schema says: anchor it with `^...$`
+  for a whole-string form). `$defs` / `definitions` hold subschemas.
 - Ignored annotations: `title`, `description`, `default`, `examples`, `$schema`, `$id`, `$comment`, `deprecated`,
   `readOnly`, `writeOnly`.
-- Accepted but NOT enforced (documents may violate them): `pattern`, `format`, `minimum`, `maximum`,
-  `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, `uniqueItems`.
+- Accepted but NOT enforced (documents may violate them): `format`, `minimum`, `maximum`, `exclusiveMinimum`,
+  `exclusiveMaximum`, `multipleOf`, `uniqueItems`, and `pattern` on a string with a length bound (a bound could
+  leave a started string no way to a match, and that is not checked).
 - Refused (ValueError; honouring them by halves would accept invalid documents or block valid ones):
   `patternProperties`, `propertyNames`, `dependentRequired`, `dependentSchemas`, `dependencies`, `if`, `then`,
   `else`, `not`, `contains`, `minContains`, `maxContains`, `unevaluatedProperties`, `unevaluatedItems`,
@@ -45,6 +48,9 @@ Spelling rules (what the matcher accepts beyond plain JSON syntax)
 - Strings must be valid UTF-8 (no control bytes, no lone continuation or invalid lead bytes, no surrogate code
   points); a `\\uD8xx` high-surrogate escape must be followed by a `\\uDCxx` low one (lone surrogates would not
   re-encode). Lengths count code points, an escape (or a surrogate pair) as one.
+- Inside a string with a pattern the text grows by whole characters (an escape is one): the state after each is
+  checked (some longer text must still contain a match), so data that ends inside a character or an escape is
+  refused there (`whole_characters_at` tells a token walk to step by characters in such states).
 - Integers are `-?(0|[1-9][0-9]*)`; numbers JSON's full grammar. Duplicate keys are refused.
 - Whitespace (space, \\n, \\r, \\t) comes in runs of at most `max_whitespace` bytes between tokens, before the
   top-level value and after it.
@@ -59,7 +65,7 @@ import json
 import re
 from urllib.parse import unquote
 
-__all__ = ["JsonGrammar", "compile_schema"]
+__all__ = ["JsonGrammar", "compile_schema", "utf8_length"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # Keyword sets
@@ -69,8 +75,8 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schem
 _CONTAINERS = frozenset({"$defs", "definitions"})
 _ENFORCED = frozenset({"type", "enum", "const", "properties", "required", "additionalProperties", "minProperties",
                        "maxProperties", "items", "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
-                       "anyOf", "oneOf", "allOf", "$ref"})
-_UNENFORCED = frozenset({"pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                       "anyOf", "oneOf", "allOf", "$ref", "pattern"})
+_UNENFORCED = frozenset({"format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                          "multipleOf", "uniqueItems"})
 _REFUSED = frozenset({"patternProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
                       "if", "then", "else", "not", "contains", "minContains", "maxContains",
@@ -89,7 +95,8 @@ _TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 #   (_KEYX, obj_info, prefix, seen, parent)                inside a key that must be one declared name, exactly
 #   (_KEYA, obj_info, raw, utf8, esc, seen, parent)        inside a key that may be any string
 #   (_END, ws)                                             after the top-level value
-_VAL, _STR, _NUM, _LIT, _OBJ, _ARR, _KEYX, _KEYA, _END = range(9)
+#   (_PSTR, pattern, text, parent)                         inside a string value with a `pattern`: its text so far
+_VAL, _STR, _NUM, _LIT, _OBJ, _ARR, _KEYX, _KEYA, _END, _PSTR = range(10)
 
 _OBJ_OPEN, _OBJ_COMMA, _OBJ_KEY, _OBJ_VALUE = range(4)  # after `{`, after `,`, after a key, after a value
 _ARR_OPEN, _ARR_VALUE = range(2)  # after `[`, after an item
@@ -114,6 +121,14 @@ _PLAIN_RUN = re.compile(
     rb"|[\xf1-\xf3][\x80-\xbf]{3}"
     rb"|\xf4[\x80-\x8f][\x80-\xbf]{2})*").match
 _CONTINUATION = bytes(range(0x80, 0xC0))
+
+
+def utf8_length(data: bytes, i: int) -> int:
+    """Bytes of the UTF-8 character that data[i] starts; 0 when data ends inside it (a byte that starts none counts
+    as one: a grammar refuses it)."""
+    b = data[i]
+    n = 1 if b < 0xC0 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4 if b < 0xF8 else 1
+    return n if i + n <= len(data) else 0
 
 
 def _utf8_tables():
@@ -323,7 +338,7 @@ class _Node:
     nodes it stands for, and `starts`: first byte of a value -> the configuration heads it opens (a head plus the
     parent makes the configuration; a None head means that one byte was the whole value)."""
 
-    __slots__ = ("pointer", "branches", "basics", "types", "literals", "string", "obj", "arr", "starts")
+    __slots__ = ("pointer", "branches", "basics", "types", "literals", "string", "pattern", "obj", "arr", "starts")
 
     def __init__(self, pointer):
         self.pointer = pointer
@@ -332,6 +347,7 @@ class _Node:
         self.types = frozenset(_TYPES)
         self.literals = None   # enum/const: [(value, compact spelling)]
         self.string = None     # (min_len, max_len or None)
+        self.pattern = None    # a compiled `pattern` the string must contain a match of (`regex`), or None
         self.obj = None
         self.arr = None
         self.starts = None
@@ -356,7 +372,8 @@ class _Node:
             return "number" in self.types
         if isinstance(value, str):
             return self.string is not None and self.string[0] <= len(value) and (
-                self.string[1] is None or len(value) <= self.string[1])
+                self.string[1] is None or len(value) <= self.string[1]) and (
+                self.pattern is None or self.pattern.search(value) is not None)
         if isinstance(value, list):
             arr = self.arr
             if arr is None or len(value) < arr.min_items:
@@ -388,7 +405,9 @@ class _Node:
                 add(_LBRACE, (_OBJ, self.obj, _OBJ_OPEN, _EMPTY, 0, None))
             if self.arr is not None:
                 add(_LBRACKET, (_ARR, self.arr, _ARR_OPEN, 0, 0))
-            if self.string is not None:
+            if self.string is not None and self.pattern is not None:
+                add(_QUOTE, (_PSTR, self.pattern, ""))
+            elif self.string is not None:
                 add(_QUOTE, (_STR, self.string, 0, 0, 0))
             if "number" in self.types or "integer" in self.types:
                 integer_only = "number" not in self.types
@@ -441,6 +460,7 @@ class _Compiler:
         self.keep = []          # merged dicts, kept alive so their ids stay unique
         self.nodes = []         # every node made, for the finishing passes
         self.resolving = set()  # ids of pure-$ref schemas being resolved (a cycle of those has no value)
+        self.patterns = False   # some string has an enforced `pattern`
         self.any = self._any_node()
 
     def _any_node(self) -> _Node:
@@ -592,6 +612,7 @@ class _Compiler:
             node.literals = self.literals(body, where)
         if "string" in types:
             node.string = self.string_side(body, where)
+            node.pattern = self.pattern(body, node.string, where)
         if "object" in types:
             strict = self.strict and ("properties" in body or "type" in body)
             node.obj = self.object_side(body, where, strict)
@@ -632,6 +653,30 @@ class _Compiler:
         hi = self.count(body, "maxLength", where, None)
         self.check_range(lo, hi, "minLength", "maxLength", where)
         return (lo, hi)
+
+    def pattern(self, body: dict, bounds, where: str):
+        """A string's `pattern`, compiled (Python's `regex` syntax, close to ECMA-262's for the usual patterns;
+        the text must contain a match: JSON Schema's unanchored rule). Enforced on strings without minLength /
+        maxLength only (None then: a length bound could leave a started string no way to a match, which this
+        matcher must never allow)."""
+        if "pattern" not in body or bounds != (0, None):
+            return None
+        source = body["pattern"]
+        if not isinstance(source, str):
+            raise ValueError(f"schema at {where}: 'pattern' must be a string, got {source!r}")
+        try:
+            import regex
+        except ImportError:
+            raise ValueError(f"schema at {where}: 'pattern' needs the regex package (pip install regex, or the "
+                             f"serve extra)") from None
+        try:
+            compiled = regex.compile(source)
+        except regex.error as e:
+            raise ValueError(f"schema at {where}: 'pattern' {source!r} does not compile: {e}") from None
+        if compiled.search("", partial=True) is None:
+            raise ValueError(f"schema at {where}: 'pattern' {source!r} matches no string")
+        self.patterns = True
+        return compiled
 
     def object_side(self, body: dict, where: str, strict: bool) -> _Object:
         declared = body.get("properties", {})
@@ -804,18 +849,20 @@ def compile_schema(schema, *, strict: bool = False, max_whitespace: int = 20) ->
     else:
         root = compiler.compile(schema, "#")
     compiler.finish(root)
-    return JsonGrammar(root, max_whitespace)
+    return JsonGrammar(root, max_whitespace, compiler.patterns)
 
 
 class JsonGrammar:
     """A compiled schema: feed bytes to `advance` from `start`. States are hashable; see the module docstring."""
 
-    def __init__(self, root: _Node, max_whitespace: int):
+    def __init__(self, root: _Node, max_whitespace: int, patterns: bool = False):
         self._root = root
         self._max_ws = max_whitespace
         self.start = (_VAL, root, 0, (_END, 0))
         self._steps = (self._value, self._string, self._number, self._literal, self._object, self._array,
-                       self._exact_key, self._any_key, self._end)
+                       self._exact_key, self._any_key, self._end, self._pattern_string)
+        if patterns:  # where a walk over tokens must step by whole characters (`whole_characters_at`)
+            self.whole_characters_at = self._in_pattern
 
     # -- public ----------------------------------------------------------------------------------------------
 
@@ -906,6 +953,27 @@ class JsonGrammar:
         return self._key_read(obj, stand_in, seen, parent), tails
 
     @staticmethod
+    def _in_pattern(state) -> bool:
+        """Whether `state` is inside a string with a pattern, whose states lie between whole characters (an escape
+        is one): a token that ends inside one is refused there."""
+        return type(state) is tuple and state[0] == _PSTR
+
+    @staticmethod
+    def character_length(data: bytes, i: int) -> int:
+        """Bytes of the string character at data[i] (a UTF-8 character, or an escape: `\\x`, `\\uXXXX`, a
+        surrogate pair as one); 0 when data ends inside it. An invalid byte counts as one (it is refused)."""
+        if data[i] != _BACKSLASH:
+            return utf8_length(data, i)
+        if i + 1 >= len(data):
+            return 0
+        if data[i + 1] != ord("u"):
+            return 2
+        if i + 6 > len(data):
+            return 0
+        high = data[i + 2:i + 4].lower() in (b"d8", b"d9", b"da", b"db")
+        return (12 if i + 12 <= len(data) else 0) if high else 6
+
+    @staticmethod
     def is_plain_text(data: bytes) -> bool:
         """Whether `data` is plain string text: printable ASCII other than `"` and `\\`, and whole UTF-8
         characters."""
@@ -970,6 +1038,29 @@ class JsonGrammar:
         if closed:
             return (parent if count >= bounds[0] else None), j
         return (_STR, bounds, count, utf8, esc, parent), j
+
+    @staticmethod
+    def _pattern_string(config, data, i):
+        """A string with a pattern: its text grows by whole characters (escapes decoded), each time some extension
+        must still contain a match (partial search); the closing quote needs a match. Data that ends inside a
+        character (or an escape) is refused."""
+        _, pattern, text, parent = config
+        n = len(data)
+        while i < n:
+            if data[i] == _QUOTE:
+                return (parent if pattern.search(text) is not None else None), i + 1
+            k = JsonGrammar.character_length(data, i)
+            if k == 0:
+                return None, i
+            j, utf8, esc, _, closed = _lex_string(data[i:i + k], 0, 0, 0)
+            if j != k or utf8 or esc or closed:
+                return None, i
+            char = data[i:i + k]
+            text += json.loads(b'"' + char + b'"') if k > 1 and char[0] == _BACKSLASH else char.decode()
+            if pattern.search(text, partial=True) is None:
+                return None, i
+            i += k
+        return (_PSTR, pattern, text, parent), i
 
     def _number(self, config, data, i):
         _, integer_only, phase, parent = config

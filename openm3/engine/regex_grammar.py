@@ -8,7 +8,7 @@
 The pattern is Python's `regex` syntax and must match the whole output. A state is the output's bytes; `advance`
 asks `regex`'s partial matching whether some match starts with the text so far, so every live state can still be
 completed and decoding never paints itself into a corner. The text grows by whole UTF-8 characters
-(`whole_characters`): a token that ends inside a multi-byte character is refused (whether some completion of it
+(`whole_characters_at`): a token that ends inside a multi-byte character is refused (whether some completion of it
 could match is not asked), so a character the tokenizer splits over tokens cannot be written; tokens of whole
 characters, non-ASCII ones included, can. Each check reads the whole text: meant for short outputs (ids, dates,
 phone numbers, a choice of forms), as regex-constrained outputs usually are.
@@ -17,6 +17,8 @@ phone numbers, a choice of forms), as regex-constrained outputs usually are.
 from __future__ import annotations
 
 import regex
+
+from .json_grammar import utf8_length
 
 __all__ = ["RegexGrammar"]
 
@@ -33,7 +35,6 @@ class RegexGrammar:
         except regex.error as e:
             raise ValueError(f"regex {pattern!r} does not compile: {e}") from None
         self.start = b""
-        self.whole_characters = True  # states lie between UTF-8 characters (`TransitionCache` walks by them)
 
     def advance(self, state: bytes, data: bytes) -> bytes | None:
         out = state + data
@@ -45,6 +46,13 @@ class RegexGrammar:
 
     def complete(self, state: bytes) -> bool:
         return self.pattern.fullmatch(state.decode("utf-8")) is not None
+
+    @staticmethod
+    def whole_characters_at(state: bytes) -> bool:
+        """Every state lies between whole UTF-8 characters (`TransitionCache` walks tokens a character at a time)."""
+        return True
+
+    character_length = staticmethod(utf8_length)  # a character's bytes at data[i] (0: data ends inside it)
 
     def can_continue(self, state: bytes) -> bool:
         """True: whether some longer match exists is not asked (where none does, every token is refused and the
