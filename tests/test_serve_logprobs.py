@@ -181,7 +181,8 @@ def test_engine_prompt_logprobs_equal_the_model(model, monkeypatch):
 def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(model, tok):
     """lm-evaluation-harness's loglikelihood request: a one-element batch of token ids, echo, logprobs 1,
     max_tokens 1. The answer's tokens are the prompt's and one more; the first has no log probability, the
-    others the model's; its text starts with the prompt; streamed chunks add up to the same."""
+    others the model's; its text starts with the prompt; streamed chunks add up to the same. With max_tokens 0
+    (the older form of the request) the prompt's part alone."""
     client = TestClient(create_app(ModelBackend(model), tok, model_name=NAME, max_total_tokens=96))
     ids = tok.encode("the cat sat on the mat")
     body = {"model": NAME, "prompt": [ids], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
@@ -203,6 +204,21 @@ def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(model, tok):
     assert r.json()["choices"][0]["text"].startswith("hello") and r.json()["choices"][0]["logprobs"] is None
     r = client.post("/v1/completions", json={**body, "prompt": [ids, ids]})  # a batch: a choice per prompt
     assert [c["logprobs"]["token_logprobs"] for c in r.json()["choices"]] == [lp["token_logprobs"]] * 2
+    # OpenAI's legacy scoring form, max_tokens 0: the prompt's entries alone, no text after it, no tokens counted
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={**body, "max_tokens": 0, "stream": stream})
+        if stream:
+            parts = [c["choices"][0] for c in events(r) if c["choices"]]
+            got = {"text": "".join(p["text"] for p in parts), "finish_reason": parts[-1]["finish_reason"],
+                   "logprobs": {k: sum((p["logprobs"][k] for p in parts), []) for k in ("tokens", "token_logprobs")}}
+        else:
+            got = r.json()["choices"][0]
+            assert r.json()["usage"]["completion_tokens"] == 0
+        assert got["text"] == tok.decode(ids) and got["finish_reason"] == "length"
+        assert got["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
+        assert got["logprobs"]["tokens"] == lp["tokens"][:len(ids)]
+    r = client.post("/v1/completions", json={**body, "max_tokens": 0, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 THOUGHT = "The user wants a file.\n\nRead it first."

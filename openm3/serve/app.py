@@ -598,6 +598,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if req.n * batch > MAX_CHOICES:
             raise APIError(f"n={req.n} choices for each of {batch} prompts make {req.n * batch} generations; at "
                            f"most {MAX_CHOICES} per request", "n")
+        scoring = req.max_tokens == 0  # the prompt scored, nothing generated (OpenAI's legacy form)
+        if scoring and not req.echo:
+            raise APIError("max_tokens: 0 scores the prompt alone and needs echo: true", "max_tokens")
         prompts = [completion_ids(p, "prompt" if batch == 1 else f"prompt[{i}]") for i, p in enumerate(req.prompts)]
         max_news = [check(req, prompt, "prompt" if batch == 1 else f"prompt[{i}]") for i, prompt in enumerate(prompts)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -610,9 +613,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         constrain = constraint_maker(req.output_spec, "response_format")
 
         def job(c: CompletionChoice, on_part: Callable[[str, str], None]) -> Callable[[threading.Event], str]:
-            return lambda cancelled: run(req, c.prompt, max_news[c.index // req.n], c.stream, on_part, cancelled,
-                                         logprobs=c.logprobs, prompt_logprobs=req.echo, seed=seeds[c.index],
-                                         constraint=constrain())
+            def go(cancelled: threading.Event) -> str:
+                finish = run(req, c.prompt, max(1, max_news[c.index // req.n]), c.stream,
+                             (lambda _k, _t: None) if scoring else on_part, cancelled, logprobs=c.logprobs,
+                             prompt_logprobs=req.echo, seed=seeds[c.index], constraint=constrain())
+                if not scoring:
+                    return finish
+                c.drop_answer()  # the engine's one new token is not part of a scoring answer
+                return "length"
+            return go
 
         if not req.stream:
             finishes = each_choice([job(c, lambda _k, _t: None) for c in choices])
@@ -744,6 +753,12 @@ class CompletionChoice:
                  logprobs: TokenLogprobs | None, echo: bool):
         self.index, self.prompt, self.stream, self.logprobs = index, prompt, stream, logprobs
         self.echo = [sent if isinstance(sent, str) else stream.tokenizer.decode(prompt)] if echo else []
+
+    def drop_answer(self) -> None:
+        """Forgets what was generated (a scoring request, `max_tokens: 0`): no text, no entries, no tokens counted."""
+        self.stream = TextStream(self.stream.tokenizer)
+        if self.logprobs is not None:
+            self.logprobs.take()
 
     def body(self, text: str, finish: str | None) -> dict:
         """The choice (or a streamed chunk's) with `text`, after the echoed prompt if it is not sent yet."""

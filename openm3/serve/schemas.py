@@ -164,10 +164,10 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions`: prompt is text or token ids, or a batch of them (a list of texts or of id lists, as
     lm-evaluation-harness sends it); each prompt gets `n` choices, indexed prompt by prompt (choice `i * n + j` is
     prompt i's j-th). echo: each choice starts with its prompt (and, with logprobs, the prompt tokens' log
-    probabilities: a scoring request)."""
+    probabilities: a scoring request); with `max_tokens: 0` (OpenAI's legacy scoring form) nothing follows it."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0, description="0 with echo: the prompt scored, nothing generated")
     logprobs: int | None = Field(default=None, ge=0, le=20, description="top alternatives per token (0: the "
                                  "sampled token's alone); null: no log probabilities")
     echo: bool = False
