@@ -166,6 +166,7 @@ def test_stop_string_cuts_the_text_and_ends_generation(client):
     want = full[:full.find(stop)]
     body = client.post("/v1/completions", json={**req, "stop": ["\x00never", stop]}).json()
     assert body["choices"][0]["text"] == want and body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["stop_reason"] == stop  # vLLM's field: the stop string found
     assert body["usage"]["completion_tokens"] < 16
     chunks = events(client.post("/v1/completions", json={**req, "stop": stop, "stream": True}))
     assert "".join(c["choices"][0]["text"] for c in chunks) == want

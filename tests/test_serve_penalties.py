@@ -51,7 +51,9 @@ def test_stop_rules(client, tok):
     assert body["choices"][0]["text"] == ""
     body = complete(client, prompt, max_tokens=5, logit_bias={"17": 100}, stop_token_ids=[17])
     assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "stop"
-    assert body["choices"][0]["text"] == ""
+    assert body["choices"][0]["text"] == "" and body["choices"][0]["stop_reason"] == 17  # vLLM's field
+    body = complete(client, prompt, max_tokens=10, logit_bias={eos: 100}, min_tokens=3)
+    assert body["choices"][0]["stop_reason"] is None  # the end token
 
 
 BAD = [

@@ -141,6 +141,7 @@ class TextStream:
         self.sent = 0
         self.stopped = False
         self.stop_found: str | None = None  # the stop string that ended the text
+        self.stop_token: int | None = None  # the stop token id (`stop_token_ids`, not end-of-turn) that ended it
         self.sampled = 0
         self.cached = 0
         self.decoded = 0  # characters of the decoded tokens, before any cut
@@ -191,6 +192,12 @@ class TextStream:
             return None, text
         reasoning, answer = split_reasoning(text, self.reasoning.started)
         return reasoning or None, answer
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended the answer (None: the end-of-turn
+        token, the length, or a tool call)."""
+        return self.stop_found if self.stopped else self.stop_token
 
     def content_span(self) -> tuple[int | None, int | None]:
         """(start, end) of the message text in the decoded answer: start None while a think block may still be
@@ -448,6 +455,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         def on_token(tok: int) -> None:
             start()
             stream.sampled += 1
+            if tok in hidden and tok != eos:
+                stream.stop_token = tok
             pieces = stream.parts(stream.push(tok)) if tok not in hidden else []
             if logprobs is not None:  # before the pieces go out: a streamed chunk takes the token's entry
                 logprobs.on_token(tok, hidden, stream.decoded)
@@ -691,7 +700,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
-            choice = {"index": k, "message": message, "finish_reason": finish}
+            choice = {"index": k, "message": message, "finish_reason": finish,
+                      "stop_reason": None if tool_calls else streams[k].stop_reason}
             if lps[k] is not None:  # the message text's tokens (not the reasoning's or the calls' markup)
                 choice["logprobs"] = lps[k].chat(lps[k].take(streams[k].settle(whole, bool(tool_calls))))
             return choice
@@ -705,6 +715,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         def chunk(k: int, delta: dict, finish: str | None = None) -> dict:
             choice = {"index": k, "delta": delta, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = None if finish == "tool_calls" else streams[k].stop_reason
             if lps[k] is not None:  # the message text's tokens sampled since the choice's last chunk
                 choice["logprobs"] = lps[k].chat(lps[k].take(streams[k].content_span()))
             return {**head, "choices": [choice]}
@@ -766,7 +778,10 @@ class CompletionChoice:
         logprobs = lp.completion((lp.echoed(self.prompt) if self.echo else []) + lp.take()) if lp else None
         if self.echo:
             text = self.echo.pop() + text
-        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        out = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            out["stop_reason"] = self.stream.stop_reason
+        return out
 
 
 def prometheus_text(rows) -> str:
