@@ -29,6 +29,8 @@ def reference(row: list[float], prompt: list[int], out: list[int], p: Penalties,
     row = list(row)
     for t, b in p.logit_bias:
         row[t] += b
+    if p.allowed is not None:
+        row = [v if t in p.allowed else -math.inf for t, v in enumerate(row)]
     if len(out) < p.min_tokens:
         for t in stop:
             row[t] = -math.inf
@@ -42,7 +44,8 @@ def reference(row: list[float], prompt: list[int], out: list[int], p: Penalties,
 
 SETTINGS = [Penalties(presence=1.5), Penalties(frequency=0.7), Penalties(repetition=1.8),
             Penalties(logit_bias=((3, 5.0), (9, -100.0)), min_tokens=2),
-            Penalties(presence=-0.5, frequency=0.3, repetition=0.7, logit_bias=((4, 2.5),), min_tokens=1)]
+            Penalties(presence=-0.5, frequency=0.3, repetition=0.7, logit_bias=((4, 2.5),), min_tokens=1),
+            Penalties(allowed=(0, 3, 4, 9), repetition=1.3)]
 
 
 @pytest.mark.parametrize("penalties", SETTINGS, ids=range(len(SETTINGS)))
@@ -76,7 +79,8 @@ def test_bad_settings_name_the_field():
     for kwargs, match in (({"presence": 2.5}, "presence penalty"), ({"frequency": float("nan")}, "frequency"),
                           ({"repetition": 0}, "repetition"), ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
                           ({"logit_bias": ((1, 101.0),)}, "logit_bias"), ({"min_tokens": -1}, "min_tokens"),
-                          ({"min_p": 1.5}, "min_p")):
+                          ({"min_p": 1.5}, "min_p"), ({"allowed": ()}, "allowed_token_ids"),
+                          ({"allowed": (1, -2)}, "allowed_token_ids")):
         with pytest.raises(ValueError, match=match):
             Penalties(**kwargs)
     with pytest.raises(ValueError, match="min_p cannot be combined"):

@@ -54,6 +54,10 @@ def test_stop_rules(client, tok):
     assert body["choices"][0]["text"] == "" and body["choices"][0]["stop_reason"] == 17  # vLLM's field
     body = complete(client, prompt, max_tokens=10, logit_bias={eos: 100}, min_tokens=3)
     assert body["choices"][0]["stop_reason"] is None  # the end token
+    allowed = tok.encode(" cat dog")
+    body = complete(client, prompt, max_tokens=6, temperature=1.0, seed=3, allowed_token_ids=allowed, logprobs=0)
+    assert body["usage"]["completion_tokens"] == 6
+    assert set(body["choices"][0]["logprobs"]["tokens"]) <= {tok.decode([t]) for t in allowed}
 
 
 BAD = [
@@ -61,6 +65,8 @@ BAD = [
     ({"logit_bias": {"5000": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"stop_token_ids": [5000]}, "stop_token_ids"),
+    ({"allowed_token_ids": [5, 5000]}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_p": 1.5}, "min_p"),

@@ -6,7 +6,8 @@ request's tokens from raw logits rows, in order, the way a `GrammarConstraint` d
 sequence's `constraint`), so every decoding path (`generate`, `BatchedGenerator`, speculative verification, which
 keeps drafts while they equal the picks) applies them, each token seeing the tokens picked before it. A row goes
 through, in vLLM's order:
-1. `logit_bias` added to its tokens, and the stop tokens masked while fewer than `min_tokens` were picked;
+1. `logit_bias` added to its tokens, every token outside vLLM's `allowed_token_ids` (when given) masked, and the
+   stop tokens masked while fewer than `min_tokens` were picked;
 2. `repetition_penalty` on the tokens of the prompt and the output so far (a positive logit divided by it, a
    negative one multiplied), then `frequency_penalty` times each token's count in the output and
    `presence_penalty` for each token present in it subtracted;
@@ -33,7 +34,8 @@ MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 @dataclasses.dataclass(frozen=True)
 class Penalties:
     """presence / frequency: in [-2, 2] (OpenAI's bounds), 0 = off; repetition > 0, 1 = off; logit_bias: (token
-    id, bias in [-100, 100]) pairs; min_tokens >= 0; min_p in [0, 1], 0 = off."""
+    id, bias in [-100, 100]) pairs; min_tokens >= 0; min_p in [0, 1], 0 = off; allowed: the only token ids that may
+    be picked (None: any)."""
 
     presence: float = 0.0
     frequency: float = 0.0
@@ -41,6 +43,7 @@ class Penalties:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     min_p: float = 0.0
+    allowed: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("presence", "frequency"):
@@ -58,12 +61,15 @@ class Penalties:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if not _number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if self.allowed is not None and (not self.allowed or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed)):
+            raise ValueError(f"allowed_token_ids: expected a non-empty list of token ids >= 0, got {self.allowed!r}")
 
     @property
     def active(self) -> bool:
         """Whether any setting changes a row."""
         return bool(self.presence or self.frequency or self.repetition != 1 or self.logit_bias or self.min_tokens
-                    or self.min_p)
+                    or self.min_p or self.allowed is not None)
 
 
 def _number(value) -> bool:
@@ -114,8 +120,14 @@ class PenalizedPicker:
             self._bias_ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=device)
             self._bias = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
             self._held_ids = torch.tensor([t for t in self._held if t < vocab], dtype=torch.int64, device=device)
+            if p.allowed is not None:
+                self._refused = torch.ones(vocab, dtype=torch.bool, device=device)
+                allowed = [t for t in p.allowed if t < vocab]
+                self._refused[torch.tensor(allowed, dtype=torch.int64, device=device)] = False
         if p.logit_bias:
             out.index_add_(0, self._bias_ids, self._bias)
+        if p.allowed is not None:
+            out.masked_fill_(self._refused, -math.inf)
         if self.picked < p.min_tokens:
             out[self._held_ids] = -math.inf
         if p.repetition != 1:

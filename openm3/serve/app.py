@@ -227,7 +227,7 @@ class TextStream:
 def _first_adjustment(req: SamplingFields) -> str:
     """The name of the first logits-adjusting field a request sets (for an error naming it)."""
     defaults = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "repetition_penalty": 1,
-                "min_p": 0, "min_tokens": 0}
+                "min_p": 0, "min_tokens": 0, "allowed_token_ids": None}
     return next(name for name, off in defaults.items() if getattr(req, name) not in (off, {}))
 
 
@@ -378,8 +378,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             penalties = req.penalties()
         except ValueError as e:
             raise APIError(str(e), "logit_bias") from None
-        for param, ids in (("logit_bias", [t for t, _ in penalties.logit_bias]), ("stop_token_ids",
-                                                                                 req.stop_token_ids or [])):
+        for param, ids in (("logit_bias", [t for t, _ in penalties.logit_bias]),
+                           ("stop_token_ids", req.stop_token_ids or []),
+                           ("allowed_token_ids", penalties.allowed or [])):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise APIError(f"{param}: token ids {bad} are outside the vocabulary (0..{vocab - 1})", param)

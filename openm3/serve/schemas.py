@@ -95,7 +95,7 @@ class StructuredOutputsParams(BaseModel):
 class SamplingFields(BaseModel):
     """What both endpoints share. `top_k` is an extension (0 = off); temperature 0 = greedy. OpenAI's
     `presence_penalty`, `frequency_penalty` and `logit_bias` (token id -> bias) and vLLM's `repetition_penalty`,
-    `min_p`, `min_tokens`, `ignore_eos` and `stop_token_ids` adjust the sampling as they do there
+    `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids` and `allowed_token_ids` adjust the sampling as there
     (`openm3.engine.penalties`)."""
 
     model: str
@@ -121,6 +121,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
 
     def penalties(self) -> Penalties:
         """The logits adjustments asked for (`Penalties.active` false when none); ValueError for a logit_bias key
@@ -133,7 +134,8 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias: keys are token ids, got {key!r}") from None
         return Penalties(presence=self.presence_penalty, frequency=self.frequency_penalty,
                          repetition=self.repetition_penalty, logit_bias=tuple(bias), min_tokens=self.min_tokens,
-                         min_p=self.min_p)
+                         min_p=self.min_p,
+                         allowed=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids))
 
     def output_spec(self) -> OutputSpec | None:
         """The answer's constraint from whichever of response_format, structured_outputs, guided_json,
