@@ -254,6 +254,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         raise ValueError(f"reasoning_parser: expected 'm3' or 'none', got {reasoning_parser!r}")
     if not isinstance(max_total_tokens, int) or max_total_tokens < 2:
         raise ValueError(f"max_total_tokens must be an int >= 2, got {max_total_tokens!r}")
+    if api_key is not None and not (isinstance(api_key, str) and api_key):
+        raise ValueError("api_key: expected a non-empty string or None")
     vocab = getattr(backend, "vocab_size", tokenizer.vocab_size)
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
@@ -293,9 +295,6 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if _anthropic(request):
             return JSONResponse(anthropic.error_body(message), status_code=400)
         return JSONResponse(error_body(message, param), status_code=400)
-
-    if api_key is not None and not (isinstance(api_key, str) and api_key):
-        raise ValueError("api_key: expected a non-empty string or None")
 
     @app.middleware("http")
     async def _authorized(request: Request, call_next):
