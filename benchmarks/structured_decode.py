@@ -1,5 +1,6 @@
 """What constrained decoding (structured outputs) costs per token on the host, with no model: `GrammarConstraint.pick`
-over logits rows of an M3-sized vocabulary (200,064 tokens), for a JSON schema and for `json_object`.
+over logits rows of an M3-sized vocabulary (200,064 tokens), for a JSON schema, the same with a `pattern` on one
+string, and `json_object`.
 
     python -m benchmarks.structured_decode --out DIR
     python -m benchmarks.structured_decode --docs 2 --vocab 50000   # smoke
@@ -36,6 +37,11 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["path", 
           "properties": {"path": {"type": "string"}, "line": {"type": "integer"},
                          "mode": {"enum": ["read", "write", "append"]},
                          "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}}}
+
+
+# the same schema with the path's form as a pattern (a string whose every step is checked against it)
+PATTERNED = {**SCHEMA, "properties": {**SCHEMA["properties"],
+                                      "path": {"type": "string", "pattern": "^[a-z0-9_]+(/[a-z0-9_]+)*\\.py$"}}}
 
 
 def target(rng: random.Random) -> dict:
@@ -126,7 +132,7 @@ def main(argv=None) -> int:
             times.append((time.perf_counter() - t0) * 1e3)
         baseline[mode] = statistics.median(times)
         print(f"unconstrained {mode:13s} sample(): median {baseline[mode]:6.2f} ms", flush=True)
-    for fmt, schema in (("json_schema", SCHEMA), ("json_object", None)):
+    for fmt, schema in (("json_schema", SCHEMA), ("json_object", None), ("json_pattern", PATTERNED)):
         grammar = compile_schema(schema, strict=True)
         for kind in ("teacher", "random"):
             for mode, sampling in modes.items():
