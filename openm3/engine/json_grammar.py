@@ -1047,16 +1047,21 @@ class JsonGrammar:
         _, pattern, text, parent = config
         n = len(data)
         while i < n:
-            if data[i] == _QUOTE:
+            b = data[i]
+            if b == _QUOTE:
                 return (parent if pattern.search(text) is not None else None), i + 1
-            k = JsonGrammar.character_length(data, i)
-            if k == 0:
-                return None, i
-            j, utf8, esc, _, closed = _lex_string(data[i:i + k], 0, 0, 0)
-            if j != k or utf8 or esc or closed:
-                return None, i
-            char = data[i:i + k]
-            text += json.loads(b'"' + char + b'"') if k > 1 and char[0] == _BACKSLASH else char.decode()
+            if 0x20 <= b < 0x7F and b != _BACKSLASH:  # printable ASCII: the common case, no lexing needed
+                k, char = 1, chr(b)
+            else:
+                k = JsonGrammar.character_length(data, i)
+                if k == 0:
+                    return None, i
+                j, utf8, esc, _, closed = _lex_string(data[i:i + k], 0, 0, 0)
+                if j != k or utf8 or esc or closed:
+                    return None, i
+                raw = data[i:i + k]
+                char = json.loads(b'"' + raw + b'"') if b == _BACKSLASH else raw.decode()
+            text += char
             if pattern.search(text, partial=True) is None:
                 return None, i
             i += k
