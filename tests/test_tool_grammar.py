@@ -18,7 +18,7 @@ from openm3.engine.tool_grammar import END, START, ToolCallGrammar
 TOOLS = [
     {"name": "read_file", "parameters": {"type": "object", "required": ["path"], "properties": {
         "path": {"type": "string"}, "lines": {"type": "integer"}, "flags": {"type": "array", "items": {"enum": [
-            "a", "b"]}, "maxItems": 2}}}},
+            "a", "b"]}, "maxItems": 2}, "tag": {"type": "string", "minLength": 2, "maxLength": 4}}}},
     {"name": "read", "parameters": {"type": "object", "properties": {"verbose": {"type": "boolean"}}}},
     {"name": "anything"},
 ]
@@ -45,6 +45,7 @@ CALLS = [
     [{"name": "read", "arguments": {"verbose": True}}],
     [{"name": "read", "arguments": {}}, {"name": "read_file", "arguments": {"path": "b"}},
      {"name": "read", "arguments": {"verbose": False}}],
+    [{"name": "read_file", "arguments": {"tag": "é<</", "path": "x"}}],  # 4 characters, the `<`s held then text
 ]
 
 
@@ -66,6 +67,8 @@ def test_rendered_calls_are_accepted_and_parse_back(calls):
 
 
 REFUSED = [
+    ("too-long", '<invoke name="read_file">\n<parameter name="tag">ab<c/d</parameter>\n'),
+    ("too-short", '<invoke name="read_file">\n<parameter name="tag">é</parameter>\n'),
     ("unknown-tool", '<invoke name="write">\n</invoke>\n'),
     ("missing-required", '<invoke name="read_file">\n<parameter name="lines">2</parameter>\n</invoke>\n'),
     ("unknown-parameter", '<invoke name="read_file">\n<parameter name="size">2</parameter>\n'),
@@ -115,6 +118,8 @@ def test_random_walks_end_in_calls_that_follow_the_schemas():
                          if schema["properties"][k].get("type") != "string"}
                 jsonschema.validate(typed, {**schema, "required": []})
                 assert set(schema.get("required", [])) <= set(call["arguments"])
+                if "tag" in call["arguments"]:  # a raw string's length bounds (characters)
+                    assert 2 <= len(call["arguments"]["tag"]) <= 4, call
 
 
 def test_bad_tool_choices():

@@ -8,7 +8,8 @@ with NAME one of the allowed tools, KEY one of that tool's declared parameters (
 ones all present before `</invoke>`; any name when the tool has no `properties`), and VALUE, as `render_tool_calls`
 writes it: one of the strings of an enum of strings, JSON that follows the parameter's schema for a single
 non-string type or an enum of other values (`json_grammar`), else raw text that does not contain `</parameter>`
-(strings, schemas of several types, schemas the matcher cannot compile).
+(strings, within their `minLength` / `maxLength` in characters; schemas of several types, schemas the matcher
+cannot compile).
 `<minimax:tool_call>` and `</minimax:tool_call>` are special tokens: the grammar reads them as the marker bytes
 `START` and `END`, which `TokenBytes.from_tokenizer(..., markers=)` gives them (bytes 0xF8-0xFF never occur in
 UTF-8 text, and `TokenBytes` leaves the byte tokens that hold them out of every grammar).
@@ -36,8 +37,22 @@ class _Tool:
         self.props = dict(props) if isinstance(props, dict) else {}
         self.required = frozenset(r for r in (parameters or {}).get("required", []) if r in self.props)
         self.values = {}  # parameter -> JsonGrammar (None: raw text)
+        self.lengths = {}  # raw-text parameter -> (minLength, maxLength or None) of a string schema
         for key, schema in self.props.items():
             self.values[key] = _value_grammar(schema)
+            if self.values[key] is None:
+                self.lengths[key] = _length_bounds(schema)
+
+
+def _length_bounds(schema) -> tuple[int, int | None]:
+    """(minLength, maxLength or None) of a raw-text parameter whose schema is a plain string one; (0, None)
+    otherwise (bad or absent bounds, or other types in the schema: not enforced)."""
+    if not isinstance(schema, dict) or schema.get("type") != "string":
+        return 0, None
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    valid = isinstance(lo, int) and not isinstance(lo, bool) and lo >= 0 and (
+        hi is None or (isinstance(hi, int) and not isinstance(hi, bool) and hi >= lo))
+    return (lo, hi) if valid else (0, None)
 
 
 def _value_grammar(schema):
@@ -123,7 +138,7 @@ class ToolCallGrammar:
         for key in tool.props:
             if key not in seen:
                 grammar = tool.values[key]
-                after = ("raw", name, seen | {key}, count, 0) if grammar is None else \
+                after = ("raw", name, seen | {key}, count, 0, 0, key) if grammar is None else \
                     ("json", name, seen | {key}, count, grammar.start, key)
                 out[lead + b'<parameter name="' + key.encode() + b'">'] = after
         if tool.required <= seen:
@@ -147,10 +162,11 @@ class ToolCallGrammar:
             return ("pname", name, seen, count, key + bytes((b,))) if b in _NAME_BYTES else None
         if kind == "pclose":
             _, name, seen, count, key = state
-            return ("raw", name, seen | {key.decode()}, count, 0) if b == 0x3E else None
+            return ("raw", name, seen | {key.decode()}, count, 0, 0, None) if b == 0x3E else None
         if kind == "raw":
-            _, name, seen, count, k = state
-            return self._end_tag(name, seen, count, k, b)
+            _, name, seen, count, k, chars, key = state
+            lo, hi = self.tools[name].lengths.get(key, (0, None))
+            return self._end_tag(name, seen, count, k, b, chars, key, lo, hi)
         if kind == "json":
             _, name, seen, count, inner, key = state
             grammar = self.tools[name].values[key]
@@ -167,13 +183,25 @@ class ToolCallGrammar:
         return None  # done: nothing may follow
 
     @staticmethod
-    def _end_tag(name, seen, count, k: int, b: int):
-        """Raw text (or a JSON value's end) with `k` bytes of `</parameter>` matched, then byte b."""
+    def _end_tag(name, seen, count, k: int, b: int, chars: int, key, lo: int, hi: int | None):
+        """Raw text with `k` bytes of `</parameter>` matched (held: they are text if the tag breaks off) and
+        `chars` characters before them, then byte b; the text's length in characters lies in lo..hi."""
         if b >= 0xF5:  # not UTF-8 (the marker bytes among them)
             return None
         if b == _END_TAG[k]:
             k += 1
             if k == len(_END_TAG):
-                return ("lits", b"", ("nlparams", name, seen, count))
-            return ("raw", name, seen, count, k)
-        return ("raw", name, seen, count, 1 if b == 0x3C else 0)
+                return ("lits", b"", ("nlparams", name, seen, count)) if chars >= lo else None
+            pending = k
+        else:
+            chars += k  # the held bytes were text after all
+            if b == 0x3C:  # a new `<` may begin the tag
+                pending = 1
+            else:
+                pending, chars = 0, chars + (not 0x80 <= b <= 0xBF)  # a continuation byte starts no character
+        if hi is None:
+            chars = min(chars, lo)  # counts above the minimum behave alike: fewer states, better memoization
+        elif chars + (pending if chars < lo else 0) > hi:
+            # too long, or held bytes that cannot end the text yet (too short) and would make it too long as text
+            return None
+        return ("raw", name, seen, count, pending, chars, key)
