@@ -272,8 +272,9 @@ def test_full_masks_through_quote_free_twins_equal_the_brute_force_mask(tok, sch
 PATTERN_SCHEMA = {"type": "object", "additionalProperties": False, "properties": {
     "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"},
     "word": {"type": "string", "pattern": "^[a-zé日]+$"},
-    "esc": {"type": "string", "pattern": "^\\t?[😀\\\\x]*$"}, "free": {"type": "string"}}}
-PATTERN_DOCS = ['{"date": "2024-06", "word": "abé日", "esc": "\\t😀\\\\x", "free": "é"}',
+    "esc": {"type": "string", "pattern": "^\\t?[😀\\\\x]*$"}, "free": {"type": "string"},
+    "ci": {"type": "string", "pattern": "(?i)^[a-cé]+$"}}}  # outside the automaton's syntax: the regex package
+PATTERN_DOCS = ['{"date": "2024-06", "word": "abé日", "esc": "\\t😀\\\\x", "free": "é", "ci": "aÉB"}',
                 '{"word": "\\u00e9t\\u00e9", "esc": "\\ud83d\\ude00x"}']
 
 
@@ -281,7 +282,7 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
     """Strings with a `pattern` are walked a character (or an escape) per trie edge: at every character of
     documents with multi-byte characters and escapes, the full mask equals checking each token whole (a vocabulary
     with whole and split characters and escapes added), and a greedy pick takes a multi-byte token there."""
-    from openm3.engine.json_grammar import compile_schema
+    from openm3.engine.json_grammar import _NSTR, _PSTR, compile_schema
 
     extra = ["é".encode(), "é".encode()[:1], "日".encode(), "日".encode()[:2], "😀".encode(), "😀".encode()[:3],
              b"\\t", b"\\", b"\\u00", b"\\u00e9", b"\\ud83d", b"\\ud83d\\ude00", b'\\\\x"', b'06"', "é\"".encode(),
@@ -289,13 +290,14 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
     vocab = TokenBytes([*TokenBytes.from_tokenizer(tok).pieces, *extra])
     grammar = compile_schema(PATTERN_SCHEMA)
     transitions = TransitionCache(grammar, vocab)
-    checked = 0
+    checked, kinds = 0, set()
     for doc in PATTERN_DOCS:
         data, state, k = doc.encode(), grammar.start, 0
         while k < len(data):
             inside = grammar.whole_characters_at(state)
             step = grammar.character_length(data, k) if inside else 1
             if inside:
+                kinds.add(state[0])
                 want = torch.tensor([p is not None and grammar.advance(state, p) is not None for p in vocab.pieces])
                 assert torch.equal(transitions.full_mask(state), want), (doc, k)
                 checked += 1
@@ -303,7 +305,7 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
             assert state is not None, (doc, k)
             k += step
         assert grammar.complete(state)
-    assert checked > 20
+    assert checked > 20 and kinds == {_NSTR, _PSTR}  # patterns as automata, and through the regex package
     ids = {p: t for t, p in enumerate(vocab.pieces)}
     c = GrammarConstraint(transitions, [tok.eos_id])
     c.read(b'{"word": "a')

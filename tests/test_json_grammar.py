@@ -117,9 +117,10 @@ CASES = [
     Case("patterns", {"type": "object", "additionalProperties": False, "properties": {
         "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
         "ab": {"type": "string", "pattern": "^[aé]b?$"}, "tab": {"type": "string", "pattern": "^x\\t[😀\\\\]$"},
-        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]*$"}}},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]*$"},
+        "ci": {"type": "string", "pattern": "(?i)^ab+$"}}},  # flags: the regex package's search, not an automaton
         [{"date": "2024-01-31", "ab": "éb"}, {"ab": "a", "tab": "x\t😀"}, {"tab": "x\t\\", "code": "AB"},
-         {"date": "0000-00-00", "code": "XY0123"}]),
+         {"date": "0000-00-00", "code": "XY0123", "ci": "aBb"}]),
     Case("json_object", None, [{}, {"a": [1, 2, {"b": None}]}]),
     Case("any", True, [1, "x", [], {"a": {"b": [True, None, -1.5]}}, -0.5e10, 0]),
 ]
@@ -333,6 +334,7 @@ REJECTIONS = [
     ("patterns", b'{"ab":"\\u00e9bb"}', b'b"}'),                               # escapes are read as their text
     ("patterns", b'{"tab":"x\\t\\ud83d\\ude00!"}', b'!"}'),
     ("patterns", b'{"code":"A\xc3\xa9"}', b'\xc3\xa9"}'),
+    ("patterns", b'{"ci":"Abc"}', b'c"}'),
     ("numbers", b'{"i":01}', b"1}"),
     ("numbers", b'{"n":1.}', b"}"),
     ("numbers", b'{"n":-}', b"}"),

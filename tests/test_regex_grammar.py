@@ -39,10 +39,13 @@ def test_states_follow_the_pattern(text):
         assert g.complete(state) == (text[:i + 1] in LANGUAGE)
 
 
-def test_multibyte_characters_and_bad_patterns():
-    g = RegexGrammar("é+")
-    assert g.advance(g.start, "é".encode()[:1]) is None and g.advance(g.start, "éé".encode()) == "éé".encode()
-    assert g.complete("é".encode()) and not g.complete(b"")
+@pytest.mark.parametrize("pattern", ["é+", "(?i)é+"], ids=["automaton", "regex-package"])
+def test_multibyte_characters_and_bad_patterns(pattern):
+    g = RegexGrammar(pattern)
+    assert (g.nfa is None) == pattern.startswith("(?i)")
+    assert g.advance(g.start, "é".encode()[:1]) is None
+    assert g.complete(g.advance(g.start, "éé".encode())) and g.complete(g.advance(g.start, "é".encode()))
+    assert not g.complete(g.start) and g.advance(g.start, b"e") is None
     with pytest.raises(ValueError, match="does not compile"):
         RegexGrammar("[a-")
 
@@ -61,14 +64,16 @@ def test_decoding_ends_in_a_match(model, tok, sampling):
         assert re.fullmatch(PATTERN, text), text
 
 
-def test_full_masks_equal_checking_each_token(tok):
+@pytest.mark.parametrize("flags", ["", "(?i)"], ids=["automaton", "regex-package"])
+def test_full_masks_equal_checking_each_token(tok, flags):
     """The full mask (a walk of the sorted tokens by whole characters) equals checking each token whole, with
     tokens of non-ASCII characters and tokens that end inside one; a greedy pick takes a non-ASCII token the pattern
     allows."""
     cut = ["é".encode()[:1], "日".encode()[:2], "😀".encode()[:3], b"1" + "é".encode()[:1]]
     whole = ["é".encode(), "éb".encode(), "日".encode(), "日本".encode(), "b日".encode(), "😀".encode()]
     vocab = TokenBytes(TokenBytes.from_tokenizer(tok).pieces + cut + whole)
-    g = RegexGrammar(r"(yes|no|maybe) [0-9]{2,3}(\.[0-9])?(é|日本|😀)?")
+    g = RegexGrammar(flags + r"(yes|no|maybe) [0-9]{2,3}(\.[0-9])?(é|日本|😀)?")
+    assert (g.nfa is None) == bool(flags)
     transitions = TransitionCache(g, vocab)
     for text in ["", "y", "yes", "yes ", "yes 12", "yes 12.5", "yes 123é", "maybe 12日", "no 99😀"]:
         state = g.advance(g.start, text.encode())

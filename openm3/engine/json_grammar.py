@@ -26,9 +26,11 @@ Keywords
   `minProperties`, `maxProperties`, `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`, `maxLength`,
   `anyOf`, `oneOf` (as anyOf: exclusivity between branches is NOT enforced), `allOf` (one subschema only), `$ref`
   (local JSON pointers: `#`, `#/$defs/NAME`, `#/definitions/NAME`, ...; resolved lazily, so recursive schemas
-  work), and `pattern` on strings without `minLength` / `maxLength` (the `regex` package's syntax, which agrees
-  with ECMA-262 on the usual patterns; the text must contain a match, as JSON Schema says: anchor it with `^...$`
-  for a whole-string form). `$defs` / `definitions` hold subschemas.
+  work), and `pattern` on strings without `minLength` / `maxLength` (Python's `re` meaning, which `jsonschema`
+  gives it and which agrees with ECMA-262 on the usual patterns; the text must contain a match, as JSON Schema
+  says: anchor it with `^...$` for a whole-string form). The common syntax runs as an automaton
+  (`openm3.engine.regex_nfa`: the state holds its state set); the rest through the `regex` package's partial
+  search of the text so far. `$defs` / `definitions` hold subschemas.
 - Ignored annotations: `title`, `description`, `default`, `examples`, `$schema`, `$id`, `$comment`, `deprecated`,
   `readOnly`, `writeOnly`.
 - Accepted but NOT enforced (documents may violate them): `format`, `minimum`, `maximum`, `exclusiveMinimum`,
@@ -65,6 +67,8 @@ import json
 import re
 from urllib.parse import unquote
 
+from .regex_nfa import Nfa, compile_nfa
+
 __all__ = ["JsonGrammar", "compile_schema", "utf8_length"]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -96,7 +100,8 @@ _TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 #   (_KEYA, obj_info, raw, utf8, esc, seen, parent)        inside a key that may be any string
 #   (_END, ws)                                             after the top-level value
 #   (_PSTR, pattern, text, parent)                         inside a string value with a `pattern`: its text so far
-_VAL, _STR, _NUM, _LIT, _OBJ, _ARR, _KEYX, _KEYA, _END, _PSTR = range(10)
+#   (_NSTR, nfa, states, parent)                           the same, the pattern as an automaton: its state set
+_VAL, _STR, _NUM, _LIT, _OBJ, _ARR, _KEYX, _KEYA, _END, _PSTR, _NSTR = range(11)
 
 _OBJ_OPEN, _OBJ_COMMA, _OBJ_KEY, _OBJ_VALUE = range(4)  # after `{`, after `,`, after a key, after a value
 _ARR_OPEN, _ARR_VALUE = range(2)  # after `[`, after an item
@@ -121,6 +126,18 @@ _PLAIN_RUN = re.compile(
     rb"|[\xf1-\xf3][\x80-\xbf]{3}"
     rb"|\xf4[\x80-\x8f][\x80-\xbf]{2})*").match
 _CONTINUATION = bytes(range(0x80, 0xC0))
+
+
+def _pattern_admits(pattern, value: str) -> bool:
+    """Whether a string value holds a match of a node's pattern (an `Nfa` or a `regex` pattern)."""
+    if not isinstance(pattern, Nfa):
+        return pattern.search(value) is not None
+    states = pattern.start
+    for ch in value:
+        states = pattern.step(states, ch)
+        if not states:
+            return False
+    return pattern.matched(states)
 
 
 def utf8_length(data: bytes, i: int) -> int:
@@ -347,7 +364,7 @@ class _Node:
         self.types = frozenset(_TYPES)
         self.literals = None   # enum/const: [(value, compact spelling)]
         self.string = None     # (min_len, max_len or None)
-        self.pattern = None    # a compiled `pattern` the string must contain a match of (`regex`), or None
+        self.pattern = None    # the string's `pattern`: an `Nfa`, or compiled by `regex` (syntax the Nfa lacks)
         self.obj = None
         self.arr = None
         self.starts = None
@@ -373,7 +390,7 @@ class _Node:
         if isinstance(value, str):
             return self.string is not None and self.string[0] <= len(value) and (
                 self.string[1] is None or len(value) <= self.string[1]) and (
-                self.pattern is None or self.pattern.search(value) is not None)
+                self.pattern is None or _pattern_admits(self.pattern, value))
         if isinstance(value, list):
             arr = self.arr
             if arr is None or len(value) < arr.min_items:
@@ -405,7 +422,9 @@ class _Node:
                 add(_LBRACE, (_OBJ, self.obj, _OBJ_OPEN, _EMPTY, 0, None))
             if self.arr is not None:
                 add(_LBRACKET, (_ARR, self.arr, _ARR_OPEN, 0, 0))
-            if self.string is not None and self.pattern is not None:
+            if self.string is not None and isinstance(self.pattern, Nfa):
+                add(_QUOTE, (_NSTR, self.pattern, self.pattern.start))
+            elif self.string is not None and self.pattern is not None:
                 add(_QUOTE, (_PSTR, self.pattern, ""))
             elif self.string is not None:
                 add(_QUOTE, (_STR, self.string, 0, 0, 0))
@@ -664,11 +683,15 @@ class _Compiler:
         source = body["pattern"]
         if not isinstance(source, str):
             raise ValueError(f"schema at {where}: 'pattern' must be a string, got {source!r}")
+        nfa = compile_nfa(source, search=True)  # the common syntax, as an automaton
+        if nfa is not None:
+            self.patterns = True
+            return nfa
         try:
             import regex
         except ImportError:
-            raise ValueError(f"schema at {where}: 'pattern' needs the regex package (pip install regex, or the "
-                             f"serve extra)") from None
+            raise ValueError(f"schema at {where}: 'pattern' {source!r} needs the regex package (pip install regex, "
+                             f"or the serve extra)") from None
         try:
             compiled = regex.compile(source)
         except regex.error as e:
@@ -860,7 +883,7 @@ class JsonGrammar:
         self._max_ws = max_whitespace
         self.start = (_VAL, root, 0, (_END, 0))
         self._steps = (self._value, self._string, self._number, self._literal, self._object, self._array,
-                       self._exact_key, self._any_key, self._end, self._pattern_string)
+                       self._exact_key, self._any_key, self._end, self._pattern_string, self._nfa_string)
         if patterns:  # where a walk over tokens must step by whole characters (`whole_characters_at`)
             self.whole_characters_at = self._in_pattern
 
@@ -956,7 +979,7 @@ class JsonGrammar:
     def _in_pattern(state) -> bool:
         """Whether `state` is inside a string with a pattern, whose states lie between whole characters (an escape
         is one): a token that ends inside one is refused there."""
-        return type(state) is tuple and state[0] == _PSTR
+        return type(state) is tuple and (state[0] == _PSTR or state[0] == _NSTR)
 
     @staticmethod
     def character_length(data: bytes, i: int) -> int:
@@ -1040,6 +1063,40 @@ class JsonGrammar:
         return (_STR, bounds, count, utf8, esc, parent), j
 
     @staticmethod
+    def _nfa_string(config, data, i):
+        """`_pattern_string` with the pattern as an automaton: the state set moves a character at a time."""
+        _, nfa, states, parent = config
+        n = len(data)
+        while i < n:
+            b = data[i]
+            if b == _QUOTE:
+                return (parent if nfa.matched(states) else None), i + 1
+            if 0x20 <= b < 0x7F and b != _BACKSLASH:
+                k, char = 1, chr(b)
+            else:
+                k, char = JsonGrammar._string_character(data, i)
+                if k == 0:
+                    return None, i
+            states = nfa.step(states, char)
+            if not nfa.live(states):
+                return None, i
+            i += k
+        return (_NSTR, nfa, states, parent), i
+
+    @staticmethod
+    def _string_character(data, i) -> tuple[int, str]:
+        """(bytes, text) of the string character (a UTF-8 character or an escape) at data[i]; (0, "") when it is
+        not a whole, valid one."""
+        k = JsonGrammar.character_length(data, i)
+        if k == 0:
+            return 0, ""
+        j, utf8, esc, _, closed = _lex_string(data[i:i + k], 0, 0, 0)
+        if j != k or utf8 or esc or closed:
+            return 0, ""
+        raw = data[i:i + k]
+        return k, (json.loads(b'"' + raw + b'"') if raw[0] == _BACKSLASH else raw.decode())
+
+    @staticmethod
     def _pattern_string(config, data, i):
         """A string with a pattern: its text grows by whole characters (escapes decoded), each time some extension
         must still contain a match (partial search); the closing quote needs a match. Data that ends inside a
@@ -1053,14 +1110,9 @@ class JsonGrammar:
             if 0x20 <= b < 0x7F and b != _BACKSLASH:  # printable ASCII: the common case, no lexing needed
                 k, char = 1, chr(b)
             else:
-                k = JsonGrammar.character_length(data, i)
+                k, char = JsonGrammar._string_character(data, i)
                 if k == 0:
                     return None, i
-                j, utf8, esc, _, closed = _lex_string(data[i:i + k], 0, 0, 0)
-                if j != k or utf8 or esc or closed:
-                    return None, i
-                raw = data[i:i + k]
-                char = json.loads(b'"' + raw + b'"') if b == _BACKSLASH else raw.decode()
             text += char
             if pattern.search(text, partial=True) is None:
                 return None, i

@@ -2,16 +2,17 @@
 `structured_outputs.regex`), for `GrammarConstraint`:
 
     grammar = RegexGrammar(r"\\d{3}-\\d{4}")
-    grammar.advance(grammar.start, b"555-")   # b"555-": some match still begins this way
-    grammar.advance(b"555-", b"x")            # None
+    state = grammar.advance(grammar.start, b"555-")   # not None: some match still begins this way
+    grammar.advance(state, b"x")                      # None
 
-The pattern is Python's `regex` syntax and must match the whole output. A state is the output's bytes; `advance`
-asks `regex`'s partial matching whether some match starts with the text so far, so every live state can still be
-completed and decoding never paints itself into a corner. The text grows by whole UTF-8 characters
-(`whole_characters_at`): a token that ends inside a multi-byte character is refused (whether some completion of it
-could match is not asked), so a character the tokenizer splits over tokens cannot be written; tokens of whole
-characters, non-ASCII ones included, can. Each check reads the whole text: meant for short outputs (ids, dates,
-phone numbers, a choice of forms), as regex-constrained outputs usually are.
+The pattern is Python's `regex` syntax and must match the whole output. Where it keeps to the syntax
+`openm3.engine.regex_nfa` covers, a state is the automaton's state set after the output (a step costs a few set
+operations, and texts that lead to the same set share it, and the masks memoised for it); otherwise the output's
+bytes, and `advance` asks `regex`'s partial matching whether some match starts with the text so far (each check
+reads the whole text). Either way every live state can still be completed and decoding never paints itself into a
+corner. The text grows by whole UTF-8 characters (`whole_characters_at`): a token that ends inside a multi-byte
+character is refused (whether some completion of it could match is not asked), so a character the tokenizer
+splits over tokens cannot be written; tokens of whole characters, non-ASCII ones included, can.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import regex
 
 from .json_grammar import utf8_length
+from .regex_nfa import compile_nfa
 
 __all__ = ["RegexGrammar"]
 
@@ -34,17 +36,32 @@ class RegexGrammar:
             self.pattern = regex.compile(pattern)
         except regex.error as e:
             raise ValueError(f"regex {pattern!r} does not compile: {e}") from None
-        self.start = b""
+        # the common syntax as an automaton: a state is then its state set (texts that lead to the same set share
+        # it, and with it the memoised masks); otherwise the text's bytes, searched anew at each step
+        self.nfa = compile_nfa(pattern, search=False)
+        self.start = b"" if self.nfa is None else self.nfa.start
 
-    def advance(self, state: bytes, data: bytes) -> bytes | None:
+    def advance(self, state, data: bytes):
+        if self.nfa is not None:
+            try:
+                text = data.decode("utf-8")  # strict: an incomplete or invalid character is refused
+            except UnicodeDecodeError:
+                return None
+            for ch in text:
+                state = self.nfa.step(state, ch)
+                if not self.nfa.live(state):
+                    return None
+            return state
         out = state + data
         try:
-            text = out.decode("utf-8")  # strict: an incomplete or invalid character is refused
+            text = out.decode("utf-8")
         except UnicodeDecodeError:
             return None
         return out if self.pattern.fullmatch(text, partial=True) is not None else None
 
-    def complete(self, state: bytes) -> bool:
+    def complete(self, state) -> bool:
+        if self.nfa is not None:
+            return self.nfa.matched(state)
         return self.pattern.fullmatch(state.decode("utf-8")) is not None
 
     @staticmethod

@@ -1,0 +1,241 @@
+"""Regular expressions as automata over characters, for constrained decoding: the state after a text is a set of
+automaton states, a character moves it in a few set operations, and whether some longer text can still match is
+a table lookup, so a grammar's state inside a pattern no longer holds (and re-searches) the whole text.
+
+    nfa = compile_nfa(r"^[0-9]{4}-[0-9]{2}$", search=True)   # None: syntax this module does not cover
+    states = nfa.start
+    for ch in "2024-":
+        states = nfa.step(states, ch)                        # the empty set: no match can come any more
+    nfa.live(states), nfa.matched(states)                    # True, False
+
+Python's `re` syntax and meaning (what `jsonschema` checks a `pattern` with), for the common part of it: literals,
+`.`, classes (ranges, negation, `\\d` `\\w` `\\s` and their negations), groups, alternation, `? * + {m,n}` (greedy or
+lazy: the same set of matches), `^` / `\\A` first and `$` / `\\Z` last. Anything else (flags, backreferences,
+lookaround, anchors elsewhere, repeat counts above 256) gives None, and the caller keeps `regex`'s partial search.
+`search=True` is JSON Schema's rule (a match anywhere in the text), `search=False` a whole-text match.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable
+
+try:  # Python 3.11+
+    from re import _constants as _c, _parser
+except ImportError:  # pragma: no cover - older Pythons
+    import sre_constants as _c
+    import sre_parse as _parser
+
+__all__ = ["Nfa", "compile_nfa"]
+
+_MAX_COUNT = 256  # a repeat bound above this is not expanded (None: the caller falls back)
+_CATEGORIES = {_c.CATEGORY_DIGIT: r"\d", _c.CATEGORY_NOT_DIGIT: r"\D", _c.CATEGORY_SPACE: r"\s",
+               _c.CATEGORY_NOT_SPACE: r"\S", _c.CATEGORY_WORD: r"\w", _c.CATEGORY_NOT_WORD: r"\W"}
+
+
+class _Unsupported(Exception):
+    pass
+
+
+class Nfa:
+    """A Thompson automaton (see the module docstring). States are ints; `start` and the results of `step` are
+    frozensets of them, closed under empty moves."""
+
+    def __init__(self):
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple[Callable[[str], bool], int]]] = []
+        self.start: frozenset = frozenset()
+        self._final: frozenset = frozenset()
+        self._live: frozenset = frozenset()
+        self._restart: frozenset = frozenset()  # search: a match may begin at every character
+        self._found = -1  # search with no `$`: once matched, matched whatever follows
+
+    def new(self) -> int:
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def closure(self, states) -> frozenset:
+        out, todo = set(states), list(states)
+        while todo:
+            for t in self.eps[todo.pop()]:
+                if t not in out:
+                    out.add(t)
+                    todo.append(t)
+        return frozenset(out)
+
+    def step(self, states: frozenset, ch: str) -> frozenset:
+        """The states after one more character (the empty set: no match can come any more)."""
+        nxt = {t for s in states for test, t in self.edges[s] if test(ch)}
+        return self.closure(nxt) | self._restart if (nxt or self._restart) else frozenset()
+
+    def live(self, states: frozenset) -> bool:
+        """Whether some text that starts with the text read so far matches."""
+        return not self._live.isdisjoint(states)
+
+    def matched(self, states: frozenset) -> bool:
+        """Whether the text read so far matches."""
+        return not self._final.isdisjoint(states)
+
+
+def compile_nfa(pattern: str, *, search: bool) -> Nfa | None:
+    """The automaton of `pattern` (Python `re` syntax), or None where it uses syntax this module does not cover
+    (or does not compile)."""
+    try:
+        tree = _parser.parse(pattern)
+    except (re.error, TypeError, OverflowError, RecursionError):
+        return None
+    if tree.state.flags & ~_c.SRE_FLAG_UNICODE:
+        return None
+    items = list(tree)
+    begin = bool(items) and items[0] == (_c.AT, _c.AT_BEGINNING) or items[:1] == [(_c.AT, _c.AT_BEGINNING_STRING)]
+    if begin:
+        items = items[1:]
+    end = None
+    if items and items[-1][0] is _c.AT and items[-1][1] in (_c.AT_END, _c.AT_END_STRING):
+        end = items.pop()[1]
+    nfa = Nfa()
+    try:
+        first, last = _sequence(nfa, items)
+    except (_Unsupported, RecursionError):
+        return None
+    final = {last}
+    if end is _c.AT_END and search:  # `$`: at the end, or before a newline that ends the text
+        after_newline = nfa.new()
+        nfa.edges[last].append((_literal("\n"), after_newline))
+        final.add(after_newline)
+    elif end is None and search:  # the match is found; whatever follows
+        nfa._found = nfa.new()
+        nfa.edges[nfa._found].append((_any_char, nfa._found))
+        nfa.eps[last].append(nfa._found)
+        final = {nfa._found}
+    if not search and not begin:
+        begin = True  # a whole-text match starts at the start
+    nfa.start = nfa.closure([first])
+    nfa._restart = frozenset() if begin else nfa.start
+    nfa._final = frozenset(final)
+    nfa._live = _reaching(nfa, final)
+    if not nfa.live(nfa.start):
+        return None  # nothing matches (the caller's own check reports it)
+    return nfa
+
+
+def _reaching(nfa: Nfa, final) -> frozenset:
+    """The states from which a final state can be reached (every edge passes some character: classes that pass
+    none are not built)."""
+    back: list[list[int]] = [[] for _ in nfa.eps]
+    for s in range(len(nfa.eps)):
+        for t in nfa.eps[s]:
+            back[t].append(s)
+        for _, t in nfa.edges[s]:
+            back[t].append(s)
+    seen, todo = set(final), list(final)
+    while todo:
+        for s in back[todo.pop()]:
+            if s not in seen:
+                seen.add(s)
+                todo.append(s)
+    return frozenset(seen)
+
+
+def _sequence(nfa: Nfa, items) -> tuple[int, int]:
+    first = cur = nfa.new()
+    for op, av in items:
+        a, b = _item(nfa, op, av)
+        nfa.eps[cur].append(a)
+        cur = b
+    return first, cur
+
+
+def _item(nfa: Nfa, op, av) -> tuple[int, int]:
+    if op is _c.LITERAL:
+        return _edge(nfa, _literal(chr(av)))
+    if op is _c.NOT_LITERAL:
+        ch = chr(av)
+        return _edge(nfa, lambda c: c != ch)
+    if op is _c.ANY:
+        return _edge(nfa, _not_newline)
+    if op is _c.IN:
+        return _edge(nfa, _in_class(tuple(av)))
+    if op is _c.SUBPATTERN:
+        _, add_flags, del_flags, sub = av
+        if add_flags or del_flags:
+            raise _Unsupported
+        return _sequence(nfa, sub)
+    if op is _c.BRANCH:
+        first, last = nfa.new(), nfa.new()
+        for alt in av[1]:
+            a, b = _sequence(nfa, alt)
+            nfa.eps[first].append(a)
+            nfa.eps[b].append(last)
+        return first, last
+    if op in (_c.MAX_REPEAT, _c.MIN_REPEAT):
+        low, high, sub = av
+        unbounded = high is _c.MAXREPEAT
+        if low > _MAX_COUNT or (not unbounded and high > _MAX_COUNT):
+            raise _Unsupported
+        first = cur = nfa.new()
+        for _ in range(low):
+            a, b = _sequence(nfa, sub)
+            nfa.eps[cur].append(a)
+            cur = b
+        if unbounded:
+            a, b = _sequence(nfa, sub)
+            nfa.eps[cur].append(a)
+            nfa.eps[b].append(cur)
+            return first, cur
+        last = nfa.new()
+        nfa.eps[cur].append(last)
+        for _ in range(high - low):
+            a, b = _sequence(nfa, sub)
+            nfa.eps[cur].append(a)
+            nfa.eps[b].append(last)
+            cur = b
+        return first, last
+    raise _Unsupported  # anchors inside, backreferences, lookaround, atomic groups, ...
+
+
+def _edge(nfa: Nfa, test) -> tuple[int, int]:
+    a, b = nfa.new(), nfa.new()
+    nfa.edges[a].append((test, b))
+    return a, b
+
+
+def _literal(ch: str):
+    return lambda c: c == ch
+
+
+def _any_char(_c: str) -> bool:
+    return True
+
+
+def _not_newline(c: str) -> bool:
+    return c != "\n"
+
+
+@functools.lru_cache(maxsize=256)
+def _in_class(items: tuple):
+    """A character class's test: its ranges, literals and categories, negated if it says so (`re`'s meaning);
+    _Unsupported for a class that no character passes (`[^\\d\\D]`: an automaton edge must lead somewhere)."""
+    negate, singles, ranges, categories = False, set(), [], []
+    for op, av in items:
+        if op is _c.NEGATE:
+            negate = True
+        elif op is _c.LITERAL:
+            singles.add(chr(av))
+        elif op is _c.RANGE:
+            ranges.append((chr(av[0]), chr(av[1])))
+        elif op is _c.CATEGORY and av in _CATEGORIES:
+            categories.append(re.compile(_CATEGORIES[av]).fullmatch)
+        else:
+            raise _Unsupported
+
+    @functools.lru_cache(maxsize=4096)
+    def test(c: str) -> bool:
+        hit = c in singles or any(lo <= c <= hi for lo, hi in ranges) or any(f(c) for f in categories)
+        return hit != negate
+
+    if not any(test(chr(c)) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF):
+        raise _Unsupported
+    return test
