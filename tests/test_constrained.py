@@ -274,6 +274,7 @@ PATTERN_SCHEMA = {"type": "object", "additionalProperties": False, "properties":
     "word": {"type": "string", "pattern": "^[a-zé日]+$"},
     "esc": {"type": "string", "pattern": "^\\t?[😀\\\\x]*$"}, "free": {"type": "string"},
     "ci": {"type": "string", "pattern": "(?i)^[a-cé]+$"}}}  # outside the automaton's syntax: the regex package
+ANY_KEY_PATTERN = {"type": "object", "additionalProperties": {"type": "string", "pattern": "^[a-zé日]+$"}}
 PATTERN_DOCS = ['{"date": "2024-06", "word": "abé日", "esc": "\\t😀\\\\x", "free": "é", "ci": "aÉB"}',
                 '{"word": "\\u00e9t\\u00e9", "esc": "\\ud83d\\ude00x"}']
 
@@ -286,27 +287,30 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
 
     extra = ["é".encode(), "é".encode()[:1], "日".encode(), "日".encode()[:2], "😀".encode(), "😀".encode()[:3],
              b"\\t", b"\\", b"\\u00", b"\\u00e9", b"\\ud83d", b"\\ud83d\\ude00", b'\\\\x"', b'06"', "é\"".encode(),
-             b"20", b"24-", b'abc"', "日é".encode()]
+             b"20", b"24-", b'abc"', "日é".encode(), b'": "2', '": "é'.encode(), '": "日本'.encode(),
+             '": "aé'.encode()[:-1], b'ord": "a', b', "word": "', b'", "esc": "\\t']  # into a pattern string
     vocab = TokenBytes([*TokenBytes.from_tokenizer(tok).pieces, *extra])
-    grammar = compile_schema(PATTERN_SCHEMA)
-    transitions = TransitionCache(grammar, vocab)
     checked, kinds = 0, set()
-    for doc in PATTERN_DOCS:
+    for schema, doc in [(PATTERN_SCHEMA, d) for d in PATTERN_DOCS] + [(ANY_KEY_PATTERN, '{"k": "aé", "kk": "日"}')]:
+        grammar = compile_schema(schema)
+        transitions = TransitionCache(grammar, vocab)
         data, state, k = doc.encode(), grammar.start, 0
         while k < len(data):
             inside = grammar.whole_characters_at(state)
             step = grammar.character_length(data, k) if inside else 1
             if inside:
                 kinds.add(state[0])
-                want = torch.tensor([p is not None and grammar.advance(state, p) is not None for p in vocab.pieces])
-                assert torch.equal(transitions.full_mask(state), want), (doc, k)
-                checked += 1
+            # every state, those whose tokens walk into a pattern string (closing a key first) included
+            want = torch.tensor([p is not None and grammar.advance(state, p) is not None for p in vocab.pieces])
+            assert torch.equal(transitions.full_mask(state), want), (doc, k)
+            checked += 1
             state = grammar.advance(state, data[k:k + step])
             assert state is not None, (doc, k)
             k += step
         assert grammar.complete(state)
     assert checked > 20 and kinds == {_NSTR, _PSTR}  # patterns as automata, and through the regex package
     ids = {p: t for t, p in enumerate(vocab.pieces)}
+    transitions = TransitionCache(compile_schema(PATTERN_SCHEMA), vocab)
     c = GrammarConstraint(transitions, [tok.eos_id])
     c.read(b'{"word": "a')
     row = torch.zeros(len(vocab))

@@ -194,7 +194,8 @@ class TransitionCache:
                             mask[t] = self.grammar.advance(state, self.vocab.pieces[t]) is not None
                     pieces, ids = closing.others
                 accepted: list[int] = []
-                _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted)
+                _walk(self.grammar.advance, state, pieces, ids, 0, len(pieces), 0, accepted, self._chars_at,
+                      self._char_length)
                 mask[accepted] = True
             self._keep(self._full, state, mask)
         return mask
@@ -212,7 +213,7 @@ class TransitionCache:
             closing = self._closing_tokens()
             accepted: list[int] = []
             _walk(self.grammar.advance, after, closing.tails, list(range(len(closing.tails))), 0,
-                  len(closing.tails), 0, accepted)
+                  len(closing.tails), 0, accepted, self._chars_at, self._char_length)
             tail_ok = torch.zeros(len(closing.tails), dtype=torch.bool)
             tail_ok[accepted] = True
             mask = torch.zeros(len(self.vocab), dtype=torch.bool)

@@ -1,7 +1,7 @@
 """Logits adjustments per request, as OpenAI's and vLLM's sampling parameters define them: `logit_bias`,
 `presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens` and `min_p`.
 
-`Penalties` holds a request's settings; `PenalizedPicker(penalties, prompt, stop_tokens, inner)` picks that
+`Penalties` holds a request's settings; `PenalizedPicker(penalties, prompt, hold, inner)` picks that
 request's tokens from raw logits rows, in order, the way a `GrammarConstraint` does (the engine takes either as a
 sequence's `constraint`), so every decoding path (`generate`, `BatchedGenerator`, speculative verification, which
 keeps drafts while they equal the picks) applies them, each token seeing the tokens picked before it. A row goes
