@@ -674,10 +674,10 @@ class _Compiler:
         return (lo, hi)
 
     def pattern(self, body: dict, bounds, where: str):
-        """A string's `pattern`, compiled (Python's `regex` syntax, close to ECMA-262's for the usual patterns;
-        the text must contain a match: JSON Schema's unanchored rule). Enforced on strings without minLength /
-        maxLength only (None then: a length bound could leave a started string no way to a match, which this
-        matcher must never allow)."""
+        """A string's `pattern` as an automaton (`regex_nfa`, Python `re`'s meaning), or compiled by the `regex`
+        package where it uses syntax the automaton lacks; the text must contain a match (JSON Schema's unanchored
+        rule). Enforced on strings without minLength / maxLength only (None then: a length bound could leave a
+        started string no way to a match, which this matcher must never allow)."""
         if "pattern" not in body or bounds != (0, None):
             return None
         source = body["pattern"]
@@ -1068,15 +1068,11 @@ class JsonGrammar:
         _, nfa, states, parent = config
         n = len(data)
         while i < n:
-            b = data[i]
-            if b == _QUOTE:
+            if data[i] == _QUOTE:
                 return (parent if nfa.matched(states) else None), i + 1
-            if 0x20 <= b < 0x7F and b != _BACKSLASH:
-                k, char = 1, chr(b)
-            else:
-                k, char = JsonGrammar._string_character(data, i)
-                if k == 0:
-                    return None, i
+            k, char = JsonGrammar._string_character(data, i)
+            if k == 0:
+                return None, i
             states = nfa.step(states, char)
             if not nfa.live(states):
                 return None, i
@@ -1085,8 +1081,11 @@ class JsonGrammar:
 
     @staticmethod
     def _string_character(data, i) -> tuple[int, str]:
-        """(bytes, text) of the string character (a UTF-8 character or an escape) at data[i]; (0, "") when it is
-        not a whole, valid one."""
+        """(bytes, text) of the string character (a UTF-8 character or an escape) at data[i] (not the closing
+        quote); (0, "") when it is not a whole, valid one."""
+        b = data[i]
+        if 0x20 <= b < 0x7F and b != _BACKSLASH:  # printable ASCII: the common case, no lexing needed
+            return 1, chr(b)
         k = JsonGrammar.character_length(data, i)
         if k == 0:
             return 0, ""
@@ -1104,15 +1103,11 @@ class JsonGrammar:
         _, pattern, text, parent = config
         n = len(data)
         while i < n:
-            b = data[i]
-            if b == _QUOTE:
+            if data[i] == _QUOTE:
                 return (parent if pattern.search(text) is not None else None), i + 1
-            if 0x20 <= b < 0x7F and b != _BACKSLASH:  # printable ASCII: the common case, no lexing needed
-                k, char = 1, chr(b)
-            else:
-                k, char = JsonGrammar._string_character(data, i)
-                if k == 0:
-                    return None, i
+            k, char = JsonGrammar._string_character(data, i)
+            if k == 0:
+                return None, i
             text += char
             if pattern.search(text, partial=True) is None:
                 return None, i
