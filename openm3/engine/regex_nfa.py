@@ -49,7 +49,6 @@ class Nfa:
         self._final: frozenset = frozenset()
         self._live: frozenset = frozenset()
         self._restart: frozenset = frozenset()  # search: a match may begin at every character
-        self._found = -1  # search with no `$`: once matched, matched whatever follows
 
     def new(self) -> int:
         self.eps.append([])
@@ -105,13 +104,12 @@ def compile_nfa(pattern: str, *, search: bool) -> Nfa | None:
         after_newline = nfa.new()
         nfa.edges[last].append((_literal("\n"), after_newline))
         final.add(after_newline)
-    elif end is None and search:  # the match is found; whatever follows
-        nfa._found = nfa.new()
-        nfa.edges[nfa._found].append((_any_char, nfa._found))
-        nfa.eps[last].append(nfa._found)
-        final = {nfa._found}
-    if not search and not begin:
-        begin = True  # a whole-text match starts at the start
+    elif end is None and search:  # once a match is found, it stays found whatever follows
+        found = nfa.new()
+        nfa.edges[found].append((_any_char, found))
+        nfa.eps[last].append(found)
+        final = {found}
+    begin = begin or not search  # a whole-text match starts at the start
     nfa.start = nfa.closure([first])
     nfa._restart = frozenset() if begin else nfa.start
     nfa._final = frozenset(final)
