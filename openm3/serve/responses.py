@@ -327,8 +327,9 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                 emit("response.output_text.done", item_id=mid, output_index=index, content_index=0, text=text_,
                      logprobs=part["logprobs"])
                 emit("response.content_part.done", item_id=mid, output_index=index, content_index=0, part=part)
-                emit("response.output_item.done", output_index=index, item=message(text_, entries=entries))
-                output.append(message(text_, entries=entries))
+                item = message(text_, entries=entries)
+                emit("response.output_item.done", output_index=index, item=item)
+                output.append(item)
             for item in calls:
                 index = len(output)
                 emit("response.output_item.added", output_index=index,
