@@ -49,6 +49,7 @@ class Nfa:
         self._final: frozenset = frozenset()
         self._live: frozenset = frozenset()
         self._restart: frozenset = frozenset()  # search: a match may begin at every character
+        self._steps: dict = {}  # (states, character) -> states: a token walk asks the same steps again and again
 
     def new(self) -> int:
         self.eps.append([])
@@ -65,9 +66,17 @@ class Nfa:
         return frozenset(out)
 
     def step(self, states: frozenset, ch: str) -> frozenset:
-        """The states after one more character (the empty set: no match can come any more)."""
-        nxt = {t for s in states for test, t in self.edges[s] if test(ch)}
-        return self.closure(nxt) | self._restart if (nxt or self._restart) else frozenset()
+        """The states after one more character (the empty set: no match can come any more); memoised (at most
+        2**16 steps, then cleared)."""
+        key = (states, ch)
+        out = self._steps.get(key)
+        if out is None:
+            nxt = {t for s in states for test, t in self.edges[s] if test(ch)}
+            out = self.closure(nxt) | self._restart if (nxt or self._restart) else frozenset()
+            if len(self._steps) >= 1 << 16:
+                self._steps.clear()
+            self._steps[key] = out
+        return out
 
     def live(self, states: frozenset) -> bool:
         """Whether some text that starts with the text read so far matches."""
