@@ -7,6 +7,12 @@ number of concurrent requests, on one device.
 For each max batch B it submits B requests at once from B threads (random prompts of `--prompt-len` tokens, greedy,
 `--new` tokens each) and reports the wall time, the aggregate tokens/s over the whole run (prefill included) and the
 decode steps per batch size the generator ran. One untimed round at the largest B compiles the kernels first.
+
+`--requests-per-batch R --new-min N` makes the batch change often, as a server's does: R x B requests at once,
+each with its own number of new tokens drawn from [N, --new], so requests finish one by one and queued ones join
+(`--prompt-len-min` also varies the prompts' lengths, hence the batches' page-table widths)
+(each change is a new batch of sequences for the decode step's CUDA graphs; the report counts the graphs'
+captures, eager steps and replays of a graph recorded for other sequences).
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 
 
-def run_round(gen, prompts, new: int) -> float:
-    threads = [threading.Thread(target=lambda p=p: gen(p, max_new_tokens=new)) for p in prompts]
+def run_round(gen, prompts, news: list[int]) -> float:
+    threads = [threading.Thread(target=lambda p=p, n=n: gen(p, max_new_tokens=n)) for p, n in zip(prompts, news)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -40,35 +46,50 @@ def main(argv=None) -> int:
     p.add_argument("--index-dtype", default=None)
     p.add_argument("--whole-prefill", action="store_true",
                    help="prefill each admitted group whole before decoding (interleave_prefill=False)")
+    p.add_argument("--requests-per-batch", type=int, default=1, help="requests per round = this x the max batch")
+    p.add_argument("--prompt-len-min", type=int, default=None,
+                   help="each prompt's length drawn from [prompt-len-min, prompt-len] (default: all --prompt-len)")
+    p.add_argument("--new-min", type=int, default=None,
+                   help="each request's new tokens drawn from [new-min, new] (default: all --new)")
     args = p.parse_args(argv)
+    if args.requests_per_batch < 1 or not 1 <= (args.new_min or args.new) <= args.new \
+            or not 1 <= (args.prompt_len_min or args.prompt_len) <= args.prompt_len:
+        p.error("--requests-per-batch must be >= 1, --new-min in [1, --new], --prompt-len-min in [1, --prompt-len]")
 
     from openm3.engine.batching import BatchedGenerator
 
     model, device = random_text_model(args.preset, args.device)
     config = model.config
     gen = torch.Generator().manual_seed(1)
-    most = max(args.batch)
-    prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(most)]
-    budget = most * (args.prompt_len + args.new)
+    most = max(args.batch) * args.requests_per_batch
+    lengths = torch.randint(args.prompt_len_min or args.prompt_len, args.prompt_len + 1, (most,), generator=gen)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths.tolist()]
+    news = torch.randint(args.new_min or args.new, args.new + 1, (most,), generator=gen).tolist()
+    budget = max(args.batch) * (args.prompt_len + args.new)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "preset": args.preset, "prompt_len": args.prompt_len, "new": args.new, "index_dtype": args.index_dtype,
-           "interleave_prefill": not args.whole_prefill,
-           "rounds": {}}
+           "preset": args.preset, "prompt_len": args.prompt_len, "prompt_len_min": args.prompt_len_min, "new": args.new, "new_min": args.new_min,
+           "requests_per_batch": args.requests_per_batch, "index_dtype": args.index_dtype,
+           "interleave_prefill": not args.whole_prefill, "rounds": {}}
     options = dict(index_dtype=args.index_dtype, interleave_prefill=not args.whole_prefill)
-    warm = BatchedGenerator(model, token_budget=budget, max_batch=most, **options)
-    run_round(warm, prompts, args.new)  # compiles the kernels for these shapes
+    warm = BatchedGenerator(model, token_budget=budget, max_batch=max(args.batch), **options)
+    run_round(warm, prompts[:max(args.batch)], [args.new] * max(args.batch))  # compiles the kernels first
     warm.close()
     del warm
     for b in args.batch:
         batcher = BatchedGenerator(model, token_budget=budget, max_batch=b, **options)
-        wall = run_round(batcher, prompts[:b], args.new)
+        n = b * args.requests_per_batch
+        wall = run_round(batcher, prompts[:n], news[:n])
         batcher.close()
-        tokens = b * args.new
-        res["rounds"][b] = dict(wall_s=wall, tokens_per_s=tokens / wall, decode_steps=batcher.steps,
-                                batch_sizes=dict(batcher.batch_sizes),
-                                graph_captures=batcher.graphs.captures if batcher.graphs else None)
-        print(f"max batch {b:3d}: {tokens} new tokens in {wall:.3f} s = {tokens / wall:9.1f} tokens/s "
-              f"(prefill included; {batcher.steps} decode steps, batch sizes {dict(batcher.batch_sizes)})", flush=True)
+        tokens = sum(news[:n])
+        graphs = batcher.graphs
+        counts = {k: getattr(graphs, k, None) if graphs else None
+                  for k in ("captures", "eager_steps", "replays", "rebinds")}
+        res["rounds"][b] = dict(wall_s=wall, tokens_per_s=tokens / wall, requests=n, new_tokens=tokens,
+                                decode_steps=batcher.steps, batch_sizes=dict(batcher.batch_sizes),
+                                graph_captures=counts["captures"], graphs=counts)
+        print(f"max batch {b:3d}: {n} requests, {tokens} new tokens in {wall:.3f} s = {tokens / wall:9.1f} tokens/s "
+              f"(prefill included; {batcher.steps} decode steps, batch sizes {dict(batcher.batch_sizes)}; graphs "
+              f"{counts})", flush=True)
         del batcher
     if args.out:
         print(f"wrote {write_result(args.out, 'serve_batching', res)}")

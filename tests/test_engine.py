@@ -194,3 +194,50 @@ def test_step_buffers_give_the_same_logits_and_are_reused():
             pass
     with pytest.raises(ValueError, match="CUDA graphs need a cache on a CUDA device"):
         DecodeGraphs(model, cache)
+
+
+def test_padded_widths_are_coarse_and_never_narrower():
+    from openm3.engine.graphs import padded_width
+
+    widths = [padded_width(n) for n in range(1, 5000)]
+    assert all(w >= n for n, w in zip(range(1, 5000), widths)) and widths[:16] == list(range(1, 17))
+    assert all(w - n < max(1, n / 16) for n, w in zip(range(1, 5000), widths))  # at most 1/16 more columns
+    assert widths == sorted(widths) and len(set(widths[16:])) <= 16 * 9  # 16 per octave from 17 to 4999
+    assert padded_width(65) == padded_width(68) == 68 and padded_width(7813) == 7936
+
+
+def test_step_buffers_rebound_to_another_batch_give_the_full_forward():
+    """Buffers made for one batch (a page table wider than it needs) and then `bind`-ed to another batch of as
+    many sequences: each step's logits equal the full forward's, through the same device tensors."""
+    from openm3.engine.cache import StepBuffers
+
+    model = tiny_model()
+    lens, steps = [21, 40, 33], 3
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, model.config.vocab_size, (n + steps,), generator=gen).tolist() for n in lens]
+    full = full_logits(model, seqs)
+    cache = PagedCache(plan_cache(CacheLayout.from_config(model.config), 256, kv_dtype=torch.float32))
+    cache.admit({b: len(s) for b, s in enumerate(seqs)})
+    prefill(model, cache, [0, 1, 2], [torch.tensor(s[:n]) for s, n in zip(seqs, lens)], chunk_size=16)
+    width = cache.table_width([0, 1]) + 3
+    bufs = StepBuffers(cache, [0, 1], q_len=1, width=width)
+    assert bufs.block_table.shape == (2, width) and bufs.width == width
+    seen = (bufs.block_table.data_ptr(), bufs.cu_seqlens.data_ptr(), bufs.cu_seqlens._version)
+    done = {0: 0, 1: 0, 2: 0}
+    for batch in ([0, 1], [2, 0], [2, 0], [1, 2]):
+        bufs.bind(cache, batch)
+        assert bufs.seq_ids == tuple(batch)
+        assert bufs.block_table.tolist() == cache.host_table(batch, width).tolist()
+        feed = torch.tensor([seqs[b][lens[b] + done[b]] for b in batch])
+        pos = torch.tensor([cache.length(b) for b in batch])
+        with torch.no_grad(), cache.step(batch, [1] * len(batch), buffers=bufs):
+            logits = model(inputs_embeds=model.embed_tokens(feed), position_ids=pos, cu_seqlens=bufs.cu_seqlens,
+                           cache=cache).logits
+        for row, b in zip(logits, batch):
+            done[b] += 1
+            assert (row - full[b][lens[b] + done[b] - 1]).abs().max().item() < 1e-4, (batch, b)
+    assert (bufs.block_table.data_ptr(), bufs.cu_seqlens.data_ptr(), bufs.cu_seqlens._version) == seen
+    with pytest.raises(ValueError, match="made for 2 sequences"):
+        bufs.bind(cache, [0, 1, 2])
+    with pytest.raises(ValueError, match="width must be at least"):
+        StepBuffers(cache, [0, 1], q_len=1, width=1)

@@ -222,22 +222,37 @@ class StepBuffers:
     """Device tensors that `PagedCache.step(..., buffers=)` fills in place for one batch of sequences with a fixed
     number of new tokens each: slots int64 [T], seq_lens int32 [B], cu_seqlens int32 [B+1], block_table int32 [B, W].
 
-    cu_seqlens and the page table are written once, when the buffers are made (a fixed batch never changes them;
-    a step that would is refused), so host reads of them cached per tensor version (`openm3.ops.host.host_list`)
-    stay valid and no step needs a device sync.
+    cu_seqlens depends only on the shape (B sequences of q_len tokens) and is written once, when the buffers are
+    made, so host reads of it cached per tensor version (`openm3.ops.host.host_list`) stay valid and no step needs
+    a device sync. The page table is written when the buffers are made and again by `bind`, which hands them to
+    another batch of B sequences whose pages fit in W columns (a CUDA graph recorded over these buffers then serves
+    that batch too); between binds a step whose table would change is refused. width: W (at least the batch's
+    widest table; the columns past a sequence's pages are zero, and the kernels never read past its length).
     """
 
-    def __init__(self, cache: "PagedCache", seq_ids: Sequence[int], q_len: int):
+    def __init__(self, cache: "PagedCache", seq_ids: Sequence[int], q_len: int, width: int | None = None):
         dev = cache.device
-        self.seq_ids = tuple(seq_ids)
         self.q_len = q_len
-        batch = len(self.seq_ids)
+        batch = len(seq_ids)
         self.slots = torch.zeros(batch * q_len, dtype=torch.int64, device=dev)
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
-        self._table_host = cache.host_table(self.seq_ids)
-        self._releases = cache.releases  # the table can only change after a release (a reused sequence id)
+        self._table_host = cache.host_table(seq_ids, width)
+        self.width = self._table_host.shape[1]
         self.block_table = self._table_host.to(dev)
+        self.seq_ids = tuple(seq_ids)
+        self._releases = cache.releases  # the table can only change after a release (a reused sequence id)
+
+    def bind(self, cache: "PagedCache", seq_ids: Sequence[int]) -> None:
+        """Hands the buffers to another batch of as many sequences (same q_len, pages within `width`): writes its
+        page table into `block_table` in place (ordered after the work already queued on the device)."""
+        if len(seq_ids) != len(self.seq_ids):
+            raise ValueError(f"buffers were made for {len(self.seq_ids)} sequences, got {len(seq_ids)}")
+        if tuple(seq_ids) == self.seq_ids and cache.releases == self._releases:
+            return
+        table = cache.host_table(seq_ids, self.width)
+        self.block_table.copy_(table.pin_memory() if self.block_table.is_cuda else table, non_blocking=True)
+        self._table_host, self.seq_ids, self._releases = table, tuple(seq_ids), cache.releases
 
     def fill(self, cache: "PagedCache", seq_ids: Sequence[int], q_lens: Sequence[int], slots: torch.Tensor,
              seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -246,7 +261,7 @@ class StepBuffers:
             raise ValueError(f"buffers were made for sequences {list(self.seq_ids)} with {self.q_len} new tokens "
                              f"each, got sequences {list(seq_ids)} with {list(q_lens)}")
         if cache.releases != self._releases:  # a sequence id may have been released and reused: compare once
-            if not torch.equal(cache.host_table(seq_ids), self._table_host):
+            if not torch.equal(cache.host_table(seq_ids, self.width), self._table_host):
                 raise ValueError("the batch's page table changed since its buffers were made")
             self._releases = cache.releases
         self.slots.copy_(slots, non_blocking=True)
@@ -483,13 +498,22 @@ class PagedCache:
             self._table, self._table_key = self.host_table(seq_ids).to(self.device), key
         return self._table
 
-    def host_table(self, seq_ids: Sequence[int]) -> torch.Tensor:
-        """int32 [B, max reserved pages] page table of a batch on the host (zero-padded)."""
-        width = max(len(self._seqs[s].pages) for s in seq_ids)
+    def host_table(self, seq_ids: Sequence[int], width: int | None = None) -> torch.Tensor:
+        """int32 [B, width] page table of a batch on the host (zero-padded); width: at least the most pages any of
+        the sequences holds (the default)."""
+        need = self.table_width(seq_ids)
+        if width is None:
+            width = need
+        elif width < need:
+            raise ValueError(f"width must be at least the batch's {need} pages, got {width}")
         table = torch.zeros(len(seq_ids), width, dtype=torch.int32)
         for b, seq_id in enumerate(seq_ids):
             table[b, :len(self._seqs[seq_id].pages)] = self._seqs[seq_id].page_ids
         return table
+
+    def table_width(self, seq_ids: Sequence[int]) -> int:
+        """The most pages any of the sequences holds: the batch's page-table width."""
+        return max(len(self._seqs[s].pages) for s in seq_ids)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qi: torch.Tensor | None,
                ki: torch.Tensor | None, *, cu_seqlens: torch.Tensor, scale: float, block_size: int | None = None,

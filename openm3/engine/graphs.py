@@ -6,17 +6,23 @@ records the whole forward of one decode step (embedding, every layer with its ca
 kernels, the logits) as one CUDA graph and replays it, after writing the step's inputs (token ids, positions,
 cache slots, sequence lengths) into fixed device buffers (`PagedCache.step(..., buffers=)`).
 
-Per batch of running sequences and tokens per sequence (a graph's shapes are theirs: one token, or a token and
-its speculative drafts): the first step runs eagerly through the buffers (kernels compile, per-tensor host caches
-fill), the second captures the graph and replays it, and every later step only replays. A batch keeps a graph per
-shape, so speculative and plain steps alternate without new captures; when the batch changes (a sequence
-finished) its graphs are dropped and the new batch starts over. If a capture fails, the remaining steps run
-eagerly, with a warning.
+A graph serves a shape, not a batch: B sequences of q_len tokens each (one token, or a token and its speculative
+drafts) whose page tables fit in W columns. For two or more sequences W is the batch's widest table rounded up to
+one of 16 widths per octave (at most 1/16 more columns, which the kernels skip past each sequence's length), so
+batches of similar reservations share it; a lone sequence keeps its exact width (its long-context step reads every
+column's worth of segments: padding measured ~2% slower at a 128K prompt, and a batch of one changes rarely). The first step of a new shape runs eagerly through the buffers (kernels compile,
+per-tensor host caches fill), the second captures the graph and replays it, and every later step of that shape
+only replays, whichever sequences it holds: when the batch changes (a sequence finished, another joined) to a
+shape seen before, the new batch's page table is written into that graph's buffers and the graph replays at once.
+Graphs share one memory pool (they never run at the same time; each step's logits are copied out before the next
+replay) and the `max_graphs` shapes used last are kept. If a capture fails, the remaining steps run eagerly, with
+a warning.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -24,14 +30,23 @@ import torch
 from .cache import PagedCache, StepBuffers
 from .scheduler import decode_step
 
-__all__ = ["DecodeGraphs"]
+__all__ = ["DecodeGraphs", "padded_width"]
+
+
+def padded_width(pages: int) -> int:
+    """A page-table width of at least `pages` columns from a coarse set (exact up to 16; then 16 widths per
+    octave: multiples of 2^(floor(log2(pages)) - 4)), so batches of similar reservations share a graph."""
+    if pages <= 16:
+        return max(pages, 1)
+    step = 1 << (pages.bit_length() - 5)
+    return -(-pages // step) * step
 
 
 class _Batch:
-    """Buffers, graph and output of one decode batch and shape (q_len tokens per sequence)."""
+    """Buffers, graph and output of one decode shape: B sequences of q_len tokens, page tables of `width` columns."""
 
-    def __init__(self, cache: PagedCache, seq_ids: Sequence[int], q_len: int):
-        self.buffers = StepBuffers(cache, seq_ids, q_len=q_len)
+    def __init__(self, cache: PagedCache, seq_ids: Sequence[int], q_len: int, width: int):
+        self.buffers = StepBuffers(cache, seq_ids, q_len=q_len, width=width)
         self.q_len = q_len
         self.ids = torch.zeros(len(seq_ids) * q_len, dtype=torch.int64, device=cache.device)
         self.positions = torch.zeros(len(seq_ids) * q_len, dtype=torch.int64, device=cache.device)
@@ -51,19 +66,26 @@ class DecodeGraphs:
     """Decode steps of `model` over `cache` through CUDA graphs (see the module docstring).
 
     `step(seq_ids, tokens)` is a drop-in for `scheduler.decode_step(model, cache, seq_ids, tokens)`. Counters:
-    `captures` (graphs recorded), `replays` (steps that ran a graph), `eager_steps`.
+    `captures` (graphs recorded), `replays` (steps that ran a graph), `eager_steps`, `rebinds` (steps that
+    replayed a graph recorded for other sequences). max_graphs: shapes whose graphs are kept (least recently used
+    dropped first).
     """
 
-    def __init__(self, model, cache: PagedCache):
+    def __init__(self, model, cache: PagedCache, *, max_graphs: int = 32):
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a cache on a CUDA device, got {cache.device}")
+        if not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
         self.model = model
         self.cache = cache
+        self.max_graphs = max_graphs
         self.enabled = True
         self.captures = 0
         self.replays = 0
         self.eager_steps = 0
-        self._batches: dict[int, _Batch] = {}  # by q_len, all for the same sequences
+        self.rebinds = 0
+        self._batches: OrderedDict[tuple[int, int, int], _Batch] = OrderedDict()  # by (B, q_len, width)
+        self._pool = None  # the graphs' shared memory pool, made at the first capture
 
     @torch.no_grad()
     def step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
@@ -78,11 +100,18 @@ class DecodeGraphs:
             self.eager_steps += 1
             return decode_step(self.model, self.cache, seq_ids, tokens)
         q_len = 1 if tokens.dim() == 1 else tokens.shape[1]
-        batch = self._batches.get(q_len)
-        if batch is None or batch.buffers.seq_ids != tuple(seq_ids):
-            if batch is not None or any(b.buffers.seq_ids != tuple(seq_ids) for b in self._batches.values()):
-                self._batches.clear()  # frees the previous batch's graphs before the next one is recorded
-            batch = self._batches[q_len] = _Batch(self.cache, seq_ids, q_len)
+        width = self.cache.table_width(seq_ids)
+        key = (len(seq_ids), q_len, padded_width(width) if len(seq_ids) > 1 else width)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = _Batch(self.cache, seq_ids, q_len, key[2])
+            while len(self._batches) > self.max_graphs:
+                self._batches.popitem(last=False)
+        else:
+            self._batches.move_to_end(key)
+            if batch.buffers.seq_ids != tuple(seq_ids):
+                self.rebinds += batch.graph is not None
+            batch.buffers.bind(self.cache, seq_ids)
         self._set_inputs(batch, seq_ids, tokens)
         if batch.warm and batch.graph is None:
             try:
@@ -119,7 +148,10 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # recorded, not run: the cache's lengths stay; the replay below is the step itself
         with self.cache.step(seq_ids, [batch.q_len] * len(seq_ids), buffers=batch.buffers, advance=False):
-            with torch.cuda.device(self.cache.device), torch.cuda.graph(graph):  # on the cache's GPU
-                batch.logits = batch.forward(self.model, self.cache)
+            with torch.cuda.device(self.cache.device):  # on the cache's GPU
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    batch.logits = batch.forward(self.model, self.cache)
         batch.graph = graph
         self.captures += 1

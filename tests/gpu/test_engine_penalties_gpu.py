@@ -1,6 +1,6 @@
 """Logit bias and penalties on the GPU (`openm3.engine.penalties`): the pickers adjust bf16 logits rows on the
-device; greedy answers through `generate` with CUDA graphs equal those of eager steps, `BatchedGenerator`'s
-(graphs, beside a plain request) and those of speculative steps, and min_tokens holds a biased stop token back.
+device; greedy answers through `generate` with CUDA graphs equal those of eager steps and of speculative steps,
+`BatchedGenerator`'s (graphs, beside a plain request) equal them up to a bf16 near-tie, and min_tokens holds a biased stop token back.
 
     .venv/bin/python -m pytest -q -m gpu tests/gpu/test_engine_penalties_gpu.py
 """
@@ -53,4 +53,33 @@ def test_penalized_greedy_answers_agree_on_every_path():
 
     run_concurrently([job(k, p, c) for k, (p, c) in enumerate(zip(prompts, pickers()))] + [job(2, prompts[0], None)])
     batcher.close()
-    assert outputs[:2] == runs["graphs"] and outputs[2] == plain[0].tokens
+    # A batch of three rounds its matmuls differently from generate's two rows: each answer equals the
+    # unbatched one up to where they part, and they may part only at a near-tie of the adjusted row there.
+    for got, want, prompt, case in zip(outputs, runs["graphs"] + [plain[0].tokens], prompts + prompts[:1],
+                                       cases + [None]):
+        _agree_up_to_a_near_tie(model, prompt, got, want, case)
+
+
+def _agree_up_to_a_near_tie(model, prompt, got, want, penalties, tol=0.1):
+    """got == want, or they part at a step where both tokens' (adjusted) logits from a full forward over
+    prompt + the common answer lie within tol of that row's best (bf16 rounding can pick either; a wrong
+    computation parts at a clear winner)."""
+    from openm3.engine.penalties import PenalizedPicker
+
+    common = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if common is None:
+        assert len(got) == len(want), (got, want)
+        return
+    ids = torch.tensor(prompt + want[:common], device="cuda")
+    with torch.no_grad():
+        row = model(ids, cu_seqlens=torch.tensor([0, len(ids)], dtype=torch.int32, device="cuda")).logits[-1]
+    if penalties is not None:
+        picker = PenalizedPicker(penalties, prompt, [STOP])
+        picker.adjust(row)  # makes the per-sequence tensors, then counts the common answer
+        for token in want[:common]:
+            picker._count(token)
+        row = picker.adjust(row)
+    row = row.float()
+    best = float(row.max())
+    gaps = [best - float(row[t]) for t in (got[common], want[common])]
+    assert max(gaps) <= tol, f"answers part at step {common} with logit gaps {gaps} to the best"
