@@ -206,6 +206,63 @@ def test_padded_widths_are_coarse_and_never_narrower():
     assert padded_width(65) == padded_width(68) == 68 and padded_width(7813) == 7936
 
 
+def test_padded_rows_are_few_and_never_fewer():
+    from openm3.engine.graphs import padded_rows
+
+    rows = [padded_rows(b) for b in range(1, 130)]
+    assert all(r >= b for b, r in zip(range(1, 130), rows)) and rows[:8] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert sorted(set(rows)) == [1, 2, 4] + list(range(8, 137, 8))
+
+
+def test_step_buffers_with_padding_rows_touch_only_the_scratch_page():
+    """Buffers of 4 rows serving batches of 2 and 3 sequences: the real rows' logits equal the full forward's, the
+    padding rows write only into the scratch page, and every other page holds what the same steps without padding
+    leave there."""
+    from openm3.engine.cache import StepBuffers
+
+    model = tiny_model()
+    lens, steps = [21, 40, 33], 2
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, model.config.vocab_size, (n + steps,), generator=gen).tolist() for n in lens]
+    full = full_logits(model, seqs)
+    caches = []
+    for _ in range(2):
+        cache = PagedCache(plan_cache(CacheLayout.from_config(model.config), 256, kv_dtype=torch.float32))
+        cache.admit({b: len(s) for b, s in enumerate(seqs)})
+        prefill(model, cache, [0, 1, 2], [torch.tensor(s[:n]) for s, n in zip(seqs, lens)], chunk_size=16)
+        caches.append(cache)
+    padded, plain = caches
+    scratch = padded.scratch_page
+    assert scratch == padded.plan.num_pages and padded.k[0].shape[0] == padded.plan.num_pages + 1
+    bufs = StepBuffers(padded, [0, 1], q_len=1, rows=4)
+    assert bufs.padding == 2 and bufs.block_table[2:, 0].tolist() == [scratch, scratch]
+    done = {0: 0, 1: 0, 2: 0}
+    for batch in ([0, 1], [2, 0, 1], [2]):
+        bufs.bind(padded, batch)
+        assert bufs.padding == 4 - len(batch)
+        feed = torch.tensor([seqs[b][lens[b] + done[b]] for b in batch])
+        pos = torch.tensor([padded.length(b) for b in batch])
+        pad = bufs.padding
+        with torch.no_grad(), padded.step(batch, [1] * len(batch), buffers=bufs):
+            logits = model(inputs_embeds=model.embed_tokens(torch.cat([feed, feed.new_zeros(pad)])),
+                           position_ids=torch.cat([pos, pos.new_zeros(pad)]), cu_seqlens=bufs.cu_seqlens,
+                           cache=padded).logits
+        with torch.no_grad(), plain.step(batch, [1] * len(batch)):
+            cu = torch.arange(len(batch) + 1, dtype=torch.int32)
+            model(feed, position_ids=pos, cu_seqlens=cu, cache=plain)
+        assert logits.shape[0] == 4
+        for row, b in zip(logits, batch):
+            done[b] += 1
+            assert (row - full[b][lens[b] + done[b] - 1]).abs().max().item() < 1e-4, (batch, b)
+        assert [padded.length(b) for b in range(3)] == [lens[b] + done[b] for b in range(3)]
+    for mine, theirs in zip(padded.k + padded.v, plain.k + plain.v):
+        # every sequence page as without padding (to fp32 rounding: a batch of 4 rows rounds apart from one of 3)
+        assert (mine[:scratch] - theirs[:scratch]).abs().max().item() < 1e-5
+    assert padded.k[0][scratch].abs().sum() > 0  # the padding rows wrote there
+    with pytest.raises(ValueError, match="at most 4 sequences"):
+        bufs.bind(padded, [0, 1, 2, 3, 4])
+
+
 def test_step_buffers_rebound_to_another_batch_give_the_full_forward():
     """Buffers made for one batch (a page table wider than it needs) and then `bind`-ed to another batch of as
     many sequences: each step's logits equal the full forward's, through the same device tensors."""
@@ -237,7 +294,7 @@ def test_step_buffers_rebound_to_another_batch_give_the_full_forward():
             done[b] += 1
             assert (row - full[b][lens[b] + done[b] - 1]).abs().max().item() < 1e-4, (batch, b)
     assert (bufs.block_table.data_ptr(), bufs.cu_seqlens.data_ptr(), bufs.cu_seqlens._version) == seen
-    with pytest.raises(ValueError, match="made for 2 sequences"):
+    with pytest.raises(ValueError, match="at most 2 sequences"):
         bufs.bind(cache, [0, 1, 2])
     with pytest.raises(ValueError, match="width must be at least"):
         StepBuffers(cache, [0, 1], q_len=1, width=1)

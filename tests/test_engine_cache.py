@@ -18,11 +18,11 @@ LAYOUT = CacheLayout(sparse=(False, True, True), num_kv_heads=2, head_dim=16, in
 
 def test_plan_bytes_and_summary():
     plan = plan_cache(LAYOUT, 10, kv_dtype=torch.bfloat16)
-    assert plan.num_pages == 3 and plan.token_capacity == 12
-    assert plan.kv_bytes == 3 * 2 * 12 * 2 * 16 * 2  # layers * (k, v) * tokens * heads * dim * bf16
-    assert plan.index_bytes == 2 * 12 * 8 * 2  # MSA layers * tokens * Di * bf16
+    assert plan.num_pages == 3 and plan.token_capacity == 12 and plan.physical_pages == 4  # + the scratch page
+    assert plan.kv_bytes == 3 * 2 * 16 * 2 * 16 * 2  # layers * (k, v) * tokens (4 pages) * heads * dim * bf16
+    assert plan.index_bytes == 2 * 16 * 8 * 2  # MSA layers * tokens * Di * bf16
     fp8 = plan_cache(LAYOUT, 10, kv_dtype=torch.bfloat16, index_dtype="fp8")
-    assert fp8.index_bytes == 2 * 12 * (8 + 1)  # one byte per entry + an e8m0 scale byte per token
+    assert fp8.index_bytes == 2 * 16 * (8 + 1)  # one byte per entry + an e8m0 scale byte per token
     assert "12 tokens" in plan.summary() and "GiB" in plan.summary()
     cache = PagedCache(fp8)
     real = sum(t.numel() * t.element_size() for t in cache.k + cache.v)

@@ -101,16 +101,22 @@ class CachePlan:
         return self.num_pages * self.layout.page_size
 
     @property
+    def physical_pages(self) -> int:
+        """Pages in memory: `num_pages` for sequences and one scratch page no sequence holds (the padding rows
+        of a CUDA-graph decode batch write their keys there; `PagedCache.scratch_page`)."""
+        return self.num_pages + 1
+
+    @property
     def kv_bytes(self) -> int:
         lay = self.layout
-        per_layer = 2 * self.token_capacity * lay.num_kv_heads * lay.head_dim * _dtype_size(self.kv_dtype)
-        return per_layer * lay.num_layers
+        tokens = self.physical_pages * lay.page_size
+        return 2 * tokens * lay.num_kv_heads * lay.head_dim * _dtype_size(self.kv_dtype) * lay.num_layers
 
     @property
     def index_bytes(self) -> int:
         scale = 1 if self.index_dtype == FP8 else 0  # fp8 keys: + one e8m0 scale byte per token
         per_token = self.layout.index_head_dim * _dtype_size(self.index_dtype) + scale
-        return per_token * self.token_capacity * sum(self.layout.sparse)
+        return per_token * self.physical_pages * self.layout.page_size * sum(self.layout.sparse)
 
     @property
     def total_bytes(self) -> int:
@@ -209,8 +215,8 @@ class _Step:
     """Per-forward state shared by all layers: which sequences, where the new tokens go."""
 
     seq_ids: list[int]
-    q_lens: list[int]
-    lens: list[int]  # cached tokens after this step
+    q_lens: list[int]  # per row: seq_ids' sequences, then any padding rows of the step's buffers
+    lens: list[int]  # cached tokens after this step, per row
     slots: torch.Tensor  # int64 [T_new]: flat pool position of each new token
     block_table: torch.Tensor  # int32 [B, max reserved pages] on the cache device
     seq_lens: torch.Tensor  # int32 [B] on the cache device
@@ -220,50 +226,73 @@ class _Step:
 
 class StepBuffers:
     """Device tensors that `PagedCache.step(..., buffers=)` fills in place for one batch of sequences with a fixed
-    number of new tokens each: slots int64 [T], seq_lens int32 [B], cu_seqlens int32 [B+1], block_table int32 [B, W].
+    number of new tokens each: slots int64 [T], seq_lens int32 [R], cu_seqlens int32 [R+1], block_table int32 [R, W]
+    for R rows: the batch's sequences, then `rows - B` padding rows (a CUDA graph recorded for R rows serves a
+    batch of fewer sequences). A padding row's tokens are written into the cache's scratch page and attend to
+    themselves alone; its outputs are left out by the caller.
 
-    cu_seqlens depends only on the shape (B sequences of q_len tokens) and is written once, when the buffers are
-    made, so host reads of it cached per tensor version (`openm3.ops.host.host_list`) stay valid and no step needs
-    a device sync. The page table is written when the buffers are made and again by `bind`, which hands them to
-    another batch of B sequences whose pages fit in W columns (a CUDA graph recorded over these buffers then serves
+    cu_seqlens depends only on the shape (R rows of q_len tokens) and is written once, when the buffers are made, so
+    host reads of it cached per tensor version (`openm3.ops.host.host_list`) stay valid and no step needs a device
+    sync. The page table is written when the buffers are made and again by `bind`, which hands them to another
+    batch of at most R sequences whose pages fit in W columns (a CUDA graph recorded over these buffers then serves
     that batch too); between binds a step whose table would change is refused. width: W (at least the batch's
     widest table; the columns past a sequence's pages are zero, and the kernels never read past its length).
     """
 
-    def __init__(self, cache: "PagedCache", seq_ids: Sequence[int], q_len: int, width: int | None = None):
+    def __init__(self, cache: "PagedCache", seq_ids: Sequence[int], q_len: int, width: int | None = None,
+                 rows: int | None = None):
         dev = cache.device
         self.q_len = q_len
-        batch = len(seq_ids)
-        self.slots = torch.zeros(batch * q_len, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
-        self.cu_seqlens = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
-        self._table_host = cache.host_table(seq_ids, width)
-        self.width = self._table_host.shape[1]
+        self.rows = len(seq_ids) if rows is None else rows
+        if self.rows < len(seq_ids) or q_len > cache.layout.page_size:
+            raise ValueError(f"rows must be at least the batch's {len(seq_ids)} sequences and q_len at most a page "
+                             f"({cache.layout.page_size}), got rows={rows}, q_len={q_len}")
+        self.slots = torch.zeros(self.rows * q_len, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(self.rows, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.arange(0, self.rows * q_len + 1, q_len, dtype=torch.int32, device=dev)
+        self.width = cache.table_width(seq_ids) if width is None else width
+        self._table_host = self._host_table(cache, seq_ids)
         self.block_table = self._table_host.to(dev)
         self.seq_ids = tuple(seq_ids)
         self._releases = cache.releases  # the table can only change after a release (a reused sequence id)
 
+    @property
+    def padding(self) -> int:
+        """Padding rows after the bound batch's sequences."""
+        return self.rows - len(self.seq_ids)
+
+    def _host_table(self, cache: "PagedCache", seq_ids: Sequence[int]) -> torch.Tensor:
+        table = torch.zeros(self.rows, self.width, dtype=torch.int32)
+        table[:len(seq_ids)] = cache.host_table(seq_ids, self.width)
+        table[len(seq_ids):, 0] = cache.scratch_page
+        return table
+
     def bind(self, cache: "PagedCache", seq_ids: Sequence[int]) -> None:
-        """Hands the buffers to another batch of as many sequences (same q_len, pages within `width`): writes its
-        page table into `block_table` in place (ordered after the work already queued on the device)."""
-        if len(seq_ids) != len(self.seq_ids):
-            raise ValueError(f"buffers were made for {len(self.seq_ids)} sequences, got {len(seq_ids)}")
+        """Hands the buffers to another batch of at most `rows` sequences (same q_len, pages within `width`):
+        writes its page table into `block_table` in place (ordered after the work already queued on the device)."""
+        if not 0 < len(seq_ids) <= self.rows:
+            raise ValueError(f"buffers were made for at most {self.rows} sequences, got {len(seq_ids)}")
         if tuple(seq_ids) == self.seq_ids and cache.releases == self._releases:
             return
-        table = cache.host_table(seq_ids, self.width)
+        table = self._host_table(cache, seq_ids)
         self.block_table.copy_(table.pin_memory() if self.block_table.is_cuda else table, non_blocking=True)
         self._table_host, self.seq_ids, self._releases = table, tuple(seq_ids), cache.releases
 
     def fill(self, cache: "PagedCache", seq_ids: Sequence[int], q_lens: Sequence[int], slots: torch.Tensor,
              seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Writes one step's values -> (slots, block_table, seq_lens, cu_seqlens), the buffers themselves."""
+        """Writes one step's values (the padding rows' too) -> (slots, block_table, seq_lens, cu_seqlens), the
+        buffers themselves."""
         if tuple(seq_ids) != self.seq_ids or any(n != self.q_len for n in q_lens):
             raise ValueError(f"buffers were made for sequences {list(self.seq_ids)} with {self.q_len} new tokens "
                              f"each, got sequences {list(seq_ids)} with {list(q_lens)}")
         if cache.releases != self._releases:  # a sequence id may have been released and reused: compare once
-            if not torch.equal(cache.host_table(seq_ids, self.width), self._table_host):
+            if not torch.equal(self._host_table(cache, seq_ids), self._table_host):
                 raise ValueError("the batch's page table changed since its buffers were made")
             self._releases = cache.releases
+        if self.padding:
+            pad = cache.scratch_page * cache.layout.page_size + torch.arange(self.q_len)
+            slots = torch.cat([slots, pad.repeat(self.padding)])
+            seq_lens = torch.cat([seq_lens, torch.full((self.padding,), self.q_len, dtype=seq_lens.dtype)])
         self.slots.copy_(slots, non_blocking=True)
         self.seq_lens.copy_(seq_lens, non_blocking=True)
         return self.slots, self.block_table, self.seq_lens, self.cu_seqlens
@@ -276,15 +305,16 @@ class PagedCache:
         self.plan = plan
         self.layout = lay = plan.layout
         self.device = torch.device(device)
-        shape = (plan.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        shape = (plan.physical_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
         self.k = [torch.zeros(shape, dtype=plan.kv_dtype, device=self.device) for _ in lay.sparse]
         self.v = [torch.zeros(shape, dtype=plan.kv_dtype, device=self.device) for _ in lay.sparse]
-        ishape = (plan.num_pages, lay.page_size, lay.index_head_dim)
+        ishape = (plan.physical_pages, lay.page_size, lay.index_head_dim)
         self.ki = [torch.zeros(ishape, dtype=plan.index_dtype, device=self.device) if s else None for s in lay.sparse]
         fp8 = plan.index_dtype == FP8
         self.ki_scale = [torch.zeros(ishape[:2], dtype=decode.SCALE_E8M0, device=self.device) if s and fp8
                          else None for s in lay.sparse]
         self._free = list(range(plan.num_pages))  # kept sorted: allocation takes the lowest ids
+        self.scratch_page = plan.num_pages  # never allocated: padding rows of graph batches write here
         self._holders = [0] * plan.num_pages  # sequences holding each page (more than one: a shared prefix)
         self.prefix_caching = prefix_caching
         self._prefix = _PrefixIndex()
@@ -480,8 +510,10 @@ class PagedCache:
             cu[1:] = torch.tensor(q_lens).cumsum(0)
             step = _Step(list(seq_ids), list(q_lens), lens, slots.to(dev), self._batch_table(seq_ids), lens_t.to(dev),
                          cu.to(dev), set())
-        else:
-            step = _Step(list(seq_ids), list(q_lens), lens, *buffers.fill(self, seq_ids, q_lens, slots, lens_t), set())
+        else:  # the buffers' padding rows join q_lens and lens (seq_ids holds the real sequences alone)
+            pads = buffers.rows - len(seq_ids)
+            step = _Step(list(seq_ids), list(q_lens) + [buffers.q_len] * pads, lens + [buffers.q_len] * pads,
+                         *buffers.fill(self, seq_ids, q_lens, slots, lens_t), set())
         self._step = step
         try:
             yield self

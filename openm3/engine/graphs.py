@@ -1,4 +1,4 @@
-"""CUDA-graph decode steps: the forward of a decode step captured once per batch and replayed every step.
+"""CUDA-graph decode steps: the forward of a decode step captured once per shape and replayed every step.
 
 An eager decode step of a small model is bound by launching kernels from Python, not by the GPU: m3-small at a
 128K-token prompt took ~41 ms per step on an H200 (24 tokens/s) for a few ms of kernel time. `DecodeGraphs`
@@ -6,17 +6,20 @@ records the whole forward of one decode step (embedding, every layer with its ca
 kernels, the logits) as one CUDA graph and replays it, after writing the step's inputs (token ids, positions,
 cache slots, sequence lengths) into fixed device buffers (`PagedCache.step(..., buffers=)`).
 
-A graph serves a shape, not a batch: B sequences of q_len tokens each (one token, or a token and its speculative
-drafts) whose page tables fit in W columns. For two or more sequences W is the batch's widest table rounded up to
-one of 16 widths per octave (at most 1/16 more columns, which the kernels skip past each sequence's length), so
-batches of similar reservations share it; a lone sequence keeps its exact width (its long-context step reads every
-column's worth of segments: padding measured ~2% slower at a 128K prompt, and a batch of one changes rarely). The first step of a new shape runs eagerly through the buffers (kernels compile,
-per-tensor host caches fill), the second captures the graph and replays it, and every later step of that shape
-only replays, whichever sequences it holds: when the batch changes (a sequence finished, another joined) to a
-shape seen before, the new batch's page table is written into that graph's buffers and the graph replays at once.
-Graphs share one memory pool (they never run at the same time; each step's logits are copied out before the next
-replay) and the `max_graphs` shapes used last are kept. If a capture fails, the remaining steps run eagerly, with
-a warning.
+A graph serves a shape, not a batch: R rows of q_len tokens each (one token, or a token and its speculative
+drafts) whose page tables fit in W columns. R is the batch's size B rounded up to 1, 2, 4, 8 or a multiple of 8
+(`padded_rows`; the R - B padding rows write into the cache's scratch page and their logits are dropped). For two
+or more sequences W is the batch's widest table rounded up to one of 16 widths per octave (`padded_width`: at
+most 1/16 more columns, which the kernels skip past each sequence's length), so batches of similar reservations
+share it; a lone sequence keeps its exact width (its long-context step works on every column's segments: padded,
+it measured ~2% slower at a 128K prompt, and a batch of one changes rarely).
+
+The first step of a new shape runs eagerly through the buffers (kernels compile, per-tensor host caches fill),
+the second captures the graph and replays it, and every later step of that shape only replays, whichever
+sequences it holds: when the batch changes (a sequence finished, another joined) to a shape seen before, the new
+batch's page table is written into that graph's buffers and the graph replays at once. Graphs share one memory
+pool (they never run at the same time; each step's logits are copied out before the next replay) and the
+`max_graphs` shapes used last are kept. If a capture fails, the remaining steps run eagerly, with a warning.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ import torch
 from .cache import PagedCache, StepBuffers
 from .scheduler import decode_step
 
-__all__ = ["DecodeGraphs", "padded_width"]
+__all__ = ["DecodeGraphs", "padded_rows", "padded_width"]
+
+
+def padded_rows(batch: int) -> int:
+    """The rows of the graph that serves a batch of `batch` sequences: 1, 2, 4, 8, then multiples of 8."""
+    return batch if batch <= 2 else 4 if batch <= 4 else -(-batch // 8) * 8
 
 
 def padded_width(pages: int) -> int:
@@ -43,13 +51,13 @@ def padded_width(pages: int) -> int:
 
 
 class _Batch:
-    """Buffers, graph and output of one decode shape: B sequences of q_len tokens, page tables of `width` columns."""
+    """Buffers, graph and output of one decode shape: `rows` rows of q_len tokens, page tables of `width` columns."""
 
-    def __init__(self, cache: PagedCache, seq_ids: Sequence[int], q_len: int, width: int):
-        self.buffers = StepBuffers(cache, seq_ids, q_len=q_len, width=width)
+    def __init__(self, cache: PagedCache, seq_ids: Sequence[int], q_len: int, width: int, rows: int):
+        self.buffers = StepBuffers(cache, seq_ids, q_len=q_len, width=width, rows=rows)
         self.q_len = q_len
-        self.ids = torch.zeros(len(seq_ids) * q_len, dtype=torch.int64, device=cache.device)
-        self.positions = torch.zeros(len(seq_ids) * q_len, dtype=torch.int64, device=cache.device)
+        self.ids = torch.zeros(rows * q_len, dtype=torch.int64, device=cache.device)
+        self.positions = torch.zeros(rows * q_len, dtype=torch.int64, device=cache.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output, overwritten by each replay
         self.warm = False
@@ -101,10 +109,10 @@ class DecodeGraphs:
             return decode_step(self.model, self.cache, seq_ids, tokens)
         q_len = 1 if tokens.dim() == 1 else tokens.shape[1]
         width = self.cache.table_width(seq_ids)
-        key = (len(seq_ids), q_len, padded_width(width) if len(seq_ids) > 1 else width)
+        key = (padded_rows(len(seq_ids)), q_len, padded_width(width) if len(seq_ids) > 1 else width)
         batch = self._batches.get(key)
         if batch is None:
-            batch = self._batches[key] = _Batch(self.cache, seq_ids, q_len, key[2])
+            batch = self._batches[key] = _Batch(self.cache, seq_ids, q_len, key[2], key[0])
             while len(self._batches) > self.max_graphs:
                 self._batches.popitem(last=False)
         else:
@@ -131,7 +139,7 @@ class DecodeGraphs:
                 batch.graph.replay()
                 logits = batch.logits
                 self.replays += 1
-        logits = logits.to(torch.float32, copy=True)
+        logits = logits[:len(seq_ids) * q_len].to(torch.float32, copy=True)  # without the padding rows'
         return logits if tokens.dim() == 1 else logits.view(len(seq_ids), q_len, -1)
 
     def _set_inputs(self, batch: _Batch, seq_ids: list[int], tokens: torch.Tensor) -> None:
@@ -139,8 +147,10 @@ class DecodeGraphs:
         host = tokens.reshape(-1).tolist()
         if any(not 0 <= t < vocab for t in host):
             raise ValueError(f"tokens must lie in [0, vocab_size={vocab}), got {host}")
-        batch.ids.copy_(tokens.reshape(-1), non_blocking=True)
-        starts = torch.tensor([self.cache.length(s) for s in seq_ids], dtype=torch.int64)
+        pads = batch.buffers.rows - len(seq_ids)  # padding rows: token 0 at positions 0..q_len-1
+        ids = tokens.reshape(-1).to(batch.ids.device)
+        batch.ids.copy_(torch.cat([ids, ids.new_zeros(pads * batch.q_len)]) if pads else ids, non_blocking=True)
+        starts = torch.tensor([self.cache.length(s) for s in seq_ids] + [0] * pads, dtype=torch.int64)
         positions = (starts[:, None] + torch.arange(batch.q_len)).reshape(-1)
         batch.positions.copy_(positions, non_blocking=True)
 

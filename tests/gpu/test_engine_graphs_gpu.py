@@ -63,23 +63,23 @@ def test_graph_decode_steps_equal_eager_steps(index_dtype):
 
 
 def test_a_batch_of_a_shape_seen_before_replays_its_graph_at_once():
-    """Graphs serve shapes: after batches [0, 1, 2] (eager step, capture, replays) and [0, 2], the batch [3, 0, 2]
-    (three sequences again, page tables of the same padded width) replays the first graph from its first step,
-    with its own page table written into the graph's buffers: no eager step, no capture, logits equal to eager
-    steps on a twin cache; and [2, 0] replays [0, 2]'s graph likewise."""
+    """Graphs serve shapes: after batches [0, 1, 2] (3 sequences in a graph of 4 rows: eager step, capture,
+    replays) and [0, 2], the batch [3, 0, 2, 4] (4 sequences, page tables of the same padded width) replays the
+    first graph from its first step, with its own page table written into the graph's buffers and no padding row:
+    no eager step, no capture, logits equal to eager steps on a twin cache; and [2, 0] replays [0, 2]'s graph."""
     from openm3.engine.graphs import DecodeGraphs
     from openm3.engine.scheduler import decode_step, prefill
 
     model = _model(torch.bfloat16)
-    lens, steps = [70, 33, 150, 90], 12
+    lens, steps = [70, 33, 150, 90, 60], 12
     gen = torch.Generator().manual_seed(4)
     seqs = [torch.randint(0, model.config.vocab_size, (n + steps,), generator=gen).tolist() for n in lens]
     caches = [_cache(model, seqs, "fp8") for _ in range(2)]
     for cache in caches:
-        prefill(model, cache, [0, 1, 2, 3], [torch.tensor(s[:n]) for s, n in zip(seqs, lens)], chunk_size=64)
+        prefill(model, cache, list(range(5)), [torch.tensor(s[:n]) for s, n in zip(seqs, lens)], chunk_size=64)
     graphs = DecodeGraphs(model, caches[1])
-    done = [0] * 4
-    plan = [[0, 1, 2]] * 3 + [[0, 2]] * 2 + [[3, 0, 2]] * 3 + [[2, 0]] * 2
+    done = [0] * 5
+    plan = [[0, 1, 2]] * 3 + [[0, 2]] * 2 + [[3, 0, 2, 4]] * 3 + [[2, 0]] * 2
     for s, running in enumerate(plan):
         if s == 3:
             for cache in caches:
@@ -89,13 +89,14 @@ def test_a_batch_of_a_shape_seen_before_replays_its_graph_at_once():
         got = graphs.step(running, feed)
         for b in running:
             done[b] += 1
+        assert got.shape == want.shape
         assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item(), s
         assert torch.equal(got.argmax(-1), want.argmax(-1)), s
-        if s == 5:  # [3, 0, 2]'s first step
+        if s == 5:  # [3, 0, 2, 4]'s first step
             assert graphs.captures == 2 and graphs.eager_steps == 2 and graphs.rebinds == 1
     assert graphs.captures == 2 and graphs.eager_steps == 2 and graphs.replays == len(plan) - 2
-    assert graphs.rebinds == 2  # [3, 0, 2] onto [0, 1, 2]'s graph, then [2, 0] onto [0, 2]'s
-    for b in (0, 2, 3):
+    assert graphs.rebinds == 2  # [3, 0, 2, 4] onto [0, 1, 2]'s graph, then [2, 0] onto [0, 2]'s
+    for b in (0, 2, 3, 4):
         assert caches[1].length(b) == caches[0].length(b) == lens[b] + done[b]
 
 
