@@ -214,14 +214,17 @@ def test_padded_rows_are_few_and_never_fewer():
     assert sorted(set(rows)) == [1, 2, 4] + list(range(8, 137, 8))
 
 
-def test_step_buffers_with_padding_rows_touch_only_the_scratch_page():
-    """Buffers of 4 rows serving batches of 2 and 3 sequences: the real rows' logits equal the full forward's, the
-    padding rows write only into the scratch page, and every other page holds what the same steps without padding
-    leave there."""
+@pytest.mark.parametrize("backend,q_len", [(None, 1), ("triton", 1), ("triton", 2)],
+                         ids=["reference", "triton-Q1", "triton-Q2"])
+def test_step_buffers_with_padding_rows_touch_only_the_scratch_page(backend, q_len):
+    """Buffers of 4 rows serving batches of 2, 3 and 1 sequences (q_len new tokens each; the reference path and
+    the Triton decode kernels, which CUDA graphs run): the real rows' logits equal the full forward's, the padding
+    rows write only into the scratch page, and every other page holds what the same steps without padding leave
+    there."""
     from openm3.engine.cache import StepBuffers
 
     model = tiny_model()
-    lens, steps = [21, 40, 33], 2
+    lens, steps = [21, 40, 33], 2 * q_len
     gen = torch.Generator().manual_seed(6)
     seqs = [torch.randint(0, model.config.vocab_size, (n + steps,), generator=gen).tolist() for n in lens]
     full = full_logits(model, seqs)
@@ -234,26 +237,28 @@ def test_step_buffers_with_padding_rows_touch_only_the_scratch_page():
     padded, plain = caches
     scratch = padded.scratch_page
     assert scratch == padded.plan.num_pages and padded.k[0].shape[0] == padded.plan.num_pages + 1
-    bufs = StepBuffers(padded, [0, 1], q_len=1, rows=4)
+    bufs = StepBuffers(padded, [0, 1], q_len=q_len, rows=4)
     assert bufs.padding == 2 and bufs.block_table[2:, 0].tolist() == [scratch, scratch]
     done = {0: 0, 1: 0, 2: 0}
     for batch in ([0, 1], [2, 0, 1], [2]):
         bufs.bind(padded, batch)
         assert bufs.padding == 4 - len(batch)
-        feed = torch.tensor([seqs[b][lens[b] + done[b]] for b in batch])
-        pos = torch.tensor([padded.length(b) for b in batch])
-        pad = bufs.padding
-        with torch.no_grad(), padded.step(batch, [1] * len(batch), buffers=bufs):
-            logits = model(inputs_embeds=model.embed_tokens(torch.cat([feed, feed.new_zeros(pad)])),
-                           position_ids=torch.cat([pos, pos.new_zeros(pad)]), cu_seqlens=bufs.cu_seqlens,
-                           cache=padded).logits
-        with torch.no_grad(), plain.step(batch, [1] * len(batch)):
-            cu = torch.arange(len(batch) + 1, dtype=torch.int32)
-            model(feed, position_ids=pos, cu_seqlens=cu, cache=plain)
-        assert logits.shape[0] == 4
-        for row, b in zip(logits, batch):
-            done[b] += 1
-            assert (row - full[b][lens[b] + done[b] - 1]).abs().max().item() < 1e-4, (batch, b)
+        feed = torch.tensor([seqs[b][lens[b] + done[b]:lens[b] + done[b] + q_len] for b in batch]).flatten()
+        pos = (torch.tensor([padded.length(b) for b in batch])[:, None] + torch.arange(q_len)).flatten()
+        pad = bufs.padding * q_len  # padding rows: token 0 at positions 0..q_len-1, as DecodeGraphs feeds them
+        with use_backend(backend), torch.no_grad():
+            with padded.step(batch, [q_len] * len(batch), buffers=bufs):
+                logits = model(inputs_embeds=model.embed_tokens(torch.cat([feed, feed.new_zeros(pad)])),
+                               position_ids=torch.cat([pos, torch.arange(q_len).repeat(bufs.padding)]),
+                               cu_seqlens=bufs.cu_seqlens, cache=padded).logits
+            with plain.step(batch, [q_len] * len(batch)):
+                cu = torch.arange(0, len(batch) * q_len + 1, q_len, dtype=torch.int32)
+                model(feed, position_ids=pos, cu_seqlens=cu, cache=plain)
+        assert logits.shape[0] == 4 * q_len
+        for rows, b in zip(logits.view(4, q_len, -1), batch):
+            want = full[b][lens[b] + done[b]:lens[b] + done[b] + q_len]
+            done[b] += q_len
+            assert (rows - want).abs().max().item() < 1e-4, (batch, b)
         assert [padded.length(b) for b in range(3)] == [lens[b] + done[b] for b in range(3)]
     for mine, theirs in zip(padded.k + padded.v, plain.k + plain.v):
         # every sequence page as without padding (to fp32 rounding: a batch of 4 rows rounds apart from one of 3)
