@@ -1,7 +1,7 @@
 """The first full mask of a state inside a pattern (what top-p pays the first time a string with a `pattern`, or a
 `guided_regex` answer, reaches a new automaton state): a walk of the vocabulary's tokens by characters, timed on
-fresh grammars (nothing memoised), for the `structured_decode` benchmark's path pattern as a JSON string and as a
-regex.
+fresh grammars (nothing memoised), for the `structured_decode` benchmark's path pattern as a JSON string (also with
+a maxLength, where each character position is a state of its own) and as a regex.
 
     python -m benchmarks.pattern_walk --out DIR
     python -m benchmarks.pattern_walk --vocab 20000 --repeats 1   # smoke
@@ -32,7 +32,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     vocab, _ = vocabulary(args.vocab, 0)
     pattern = PATTERNED["properties"]["path"]["pattern"]
+    bounded = {**PATTERNED, "properties": {**PATTERNED["properties"],
+                                           "path": {**PATTERNED["properties"]["path"], "maxLength": 64}}}
     cases = {"json_string_pattern": (lambda: compile_schema(PATTERNED, strict=True), b'{"path": "src/op'),
+             "json_string_pattern_maxlength": (lambda: compile_schema(bounded, strict=True), b'{"path": "src/op'),
              "guided_regex": (lambda: RegexGrammar(pattern.strip("^$")), b"src/op")}
     rows = {}
     for name, (make, prefix) in cases.items():

@@ -273,17 +273,18 @@ PATTERN_SCHEMA = {"type": "object", "additionalProperties": False, "properties":
     "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"},
     "word": {"type": "string", "pattern": "^[a-zé日]+$"},
     "esc": {"type": "string", "pattern": "^\\t?[😀\\\\x]*$"}, "free": {"type": "string"},
-    "ci": {"type": "string", "pattern": "(?i)^[a-cé]+$"}}}  # outside the automaton's syntax: the regex package
+    "ci": {"type": "string", "pattern": "(?i)^[a-cé]+$"},  # outside the automaton's syntax: the regex package
+    "short": {"type": "string", "pattern": "é|日", "minLength": 2, "maxLength": 3}}}  # with lengths: automaton
 ANY_KEY_PATTERN = {"type": "object", "additionalProperties": {"type": "string", "pattern": "^[a-zé日]+$"}}
-PATTERN_DOCS = ['{"date": "2024-06", "word": "abé日", "esc": "\\t😀\\\\x", "free": "é", "ci": "aÉB"}',
-                '{"word": "\\u00e9t\\u00e9", "esc": "\\ud83d\\ude00x"}']
+PATTERN_DOCS = ['{"date": "2024-06", "word": "abé日", "esc": "\\t😀\\\\x", "free": "é", "ci": "aÉB", "short": "a日b"}',
+                '{"word": "\\u00e9t\\u00e9", "esc": "\\ud83d\\ude00x", "short": "\\u00e9x"}']
 
 
 def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
     """Strings with a `pattern` are walked a character (or an escape) per trie edge: at every character of
     documents with multi-byte characters and escapes, the full mask equals checking each token whole (a vocabulary
     with whole and split characters and escapes added), and a greedy pick takes a multi-byte token there."""
-    from openm3.engine.json_grammar import _NSTR, _PSTR, compile_schema
+    from openm3.engine.json_grammar import _LSTR, _NSTR, _PSTR, compile_schema
 
     extra = ["é".encode(), "é".encode()[:1], "日".encode(), "日".encode()[:2], "😀".encode(), "😀".encode()[:3],
              b"\\t", b"\\", b"\\u00", b"\\u00e9", b"\\ud83d", b"\\ud83d\\ude00", b'\\\\x"', b'06"', "é\"".encode(),
@@ -308,7 +309,7 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
             assert state is not None, (doc, k)
             k += step
         assert grammar.complete(state)
-    assert checked > 20 and kinds == {_NSTR, _PSTR}  # patterns as automata, and through the regex package
+    assert checked > 20 and kinds == {_NSTR, _PSTR, _LSTR}  # automata (with lengths too), the regex package
     ids = {p: t for t, p in enumerate(vocab.pieces)}
     transitions = TransitionCache(compile_schema(PATTERN_SCHEMA), vocab)
     c = GrammarConstraint(transitions, [tok.eos_id])

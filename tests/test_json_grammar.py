@@ -121,6 +121,14 @@ CASES = [
         "ci": {"type": "string", "pattern": "(?i)^ab+$"}}},  # flags: the regex package's search, not an automaton
         [{"date": "2024-01-31", "ab": "éb"}, {"ab": "a", "tab": "x\t😀"}, {"tab": "x\t\\", "code": "AB"},
          {"date": "0000-00-00", "code": "XY0123", "ci": "aBb"}]),
+    Case("bounded_patterns", {"type": "object", "additionalProperties": False, "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]*$", "maxLength": 5},
+        "word": {"type": "string", "pattern": "ab", "minLength": 4, "maxLength": 6},
+        "tail": {"type": "string", "pattern": "}$", "minLength": 3},     # `$` also before a final newline
+        "even": {"type": "string", "pattern": "^(aa)+$", "maxLength": 5},  # 2 or 4 characters
+        "emoji": {"type": "string", "pattern": "^😀+é$", "minLength": 3, "maxLength": 3}}},
+        [{"code": "AB12", "word": "xaby", "tail": "ab}", "even": "aaaa"}, {"code": "AB", "even": "aa"},
+         {"word": "abab12", "tail": "}}\n", "emoji": "😀😀é"}, {"word": "\u00e9\u00e9ab", "tail": "}\u00e9}"}]),
     Case("json_object", None, [{}, {"a": [1, 2, {"b": None}]}]),
     Case("any", True, [1, "x", [], {"a": {"b": [True, None, -1.5]}}, -0.5e10, 0]),
 ]
@@ -328,6 +336,16 @@ REJECTIONS = [
     ("strings", b'{"any":"\xe6\x97"}', b'"}'),                                # cut short
     ("strings", b'{"any":"a\nb"}', b'\nb"}'),                                 # raw control byte
     ("patterns", b'{"date":"2024-1x"}', b'x"}'),                              # no match can begin this way
+    ("bounded_patterns", b'{"code":"AB1234"}', b'4"}'),                       # maxLength
+    ("bounded_patterns", b'{"code":"A1"}', b'1"}'),
+    ("bounded_patterns", b'{"even":"aaa"}', b'"}'),                           # a match not reached yet
+    ("bounded_patterns", b'{"even":"aaaaa"}', b'a"}'),                        # the only longer match is too long
+    ("bounded_patterns", b'{"word":"xxxxx"}', b'x"}'),                        # "ab" no longer fits in 6
+    ("bounded_patterns", b'{"word":"xxxxa"}', b'"}'),                           # "ab" needs the sixth
+    ("bounded_patterns", b'{"word":"ab"}', b'"}'),                            # minLength
+    ("bounded_patterns", b'{"tail":"}}"}', b'"}'),
+    ("bounded_patterns", b'{"tail":"}}a"}', b'"}'),                           # long enough, no match
+    ("bounded_patterns", b'{"emoji":"\xf0\x9f\x98\x80\xf0\x9f\x98\x80\xf0\x9f\x98\x80"}', b'\xf0\x9f\x98\x80"}'),
     ("patterns", b'{"date":"2024-01"}', b'"}'),                                 # a match not reached yet
     ("patterns", b'{"ab":"abb"}', b'b"}'),
     ("patterns", b'{"ab":"b"}', b'b"}'),
@@ -445,6 +463,8 @@ def test_random_walks_validate(name):
 # 4. Schemas the matcher cannot honour
 
 BAD_SCHEMAS = [
+    ({"type": "string", "pattern": "^(aa)+\\Z", "minLength": 3, "maxLength": 3},
+     ["schema at #", "matches no string of 3 to 3 characters"]),
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"minLength": 1}]}}},
      ["#/properties/a", "'allOf' with 2 subschemas is not supported"]),
     ({"$ref": "#/definitions/X"}, ["schema at #", "$ref '#/definitions/X' not found"]),
@@ -493,11 +513,19 @@ def test_bad_max_whitespace(value):
 
 def test_unenforced_and_annotation_keywords_are_accepted():
     g = compile_schema({"title": "t", "description": "d", "$schema": "x", "$comment": "c", "type": "object",
-                        "properties": {"s": {"type": "string", "pattern": "^a", "maxLength": 9, "format": "date",
+                        "properties": {"s": {"type": "string", "pattern": "(?=a)", "maxLength": 9, "format": "date",
                                              "default": "a"},
                                        "n": {"type": "number", "minimum": 0, "multipleOf": 2, "examples": [2]},
                                        "l": {"type": "array", "uniqueItems": True, "deprecated": True}}})
     assert g.complete(g.advance(g.start, b'{"s":"b","n":-1,"l":[1,1]}'))  # not enforced, as documented
+
+
+def test_a_bounded_pattern_takes_python_s_dollar():
+    """`$` also matches before a final newline (Python's `re`, as `jsonschema` checks): with exactly 3 characters
+    `^(aa)+$` takes "aa\\n" and nothing else."""
+    g = compile_schema({"type": "string", "pattern": "^(aa)+$", "minLength": 3, "maxLength": 3})
+    assert g.complete(g.advance(g.start, b'"aa\\n"'))
+    assert g.advance(g.start, b'"aaa') is None and g.advance(g.start, b'"aa"') is None
 
 
 def test_any_of_siblings_and_single_all_of_are_folded_in():

@@ -26,16 +26,19 @@ Keywords
   `minProperties`, `maxProperties`, `items`, `prefixItems`, `minItems`, `maxItems`, `minLength`, `maxLength`,
   `anyOf`, `oneOf` (as anyOf: exclusivity between branches is NOT enforced), `allOf` (one subschema only), `$ref`
   (local JSON pointers: `#`, `#/$defs/NAME`, `#/definitions/NAME`, ...; resolved lazily, so recursive schemas
-  work), and `pattern` on strings without `minLength` / `maxLength` (Python's `re` meaning, which `jsonschema`
-  gives it and which agrees with ECMA-262 on the usual patterns; the text must contain a match, as JSON Schema
-  says: anchor it with `^...$` for a whole-string form). The common syntax runs as an automaton
-  (`openm3.engine.regex_nfa`: the state holds its state set); the rest through the `regex` package's partial
-  search of the text so far. `$defs` / `definitions` hold subschemas.
+  work), and `pattern` (Python's `re` meaning, which `jsonschema` gives it and which agrees with ECMA-262 on the
+  usual patterns; the text must contain a match, as JSON Schema says: anchor it with `^...$` for a whole-string
+  form). The common syntax runs as an automaton (`openm3.engine.regex_nfa`: the state holds its state set and,
+  beside `minLength` / `maxLength`, the characters so far: a character is taken only while a match can still end
+  the string within the bounds); the rest through the `regex` package's partial search of the text so far, on
+  strings without a length bound. `$defs` / `definitions` hold subschemas.
 - Ignored annotations: `title`, `description`, `default`, `examples`, `$schema`, `$id`, `$comment`, `deprecated`,
   `readOnly`, `writeOnly`.
 - Accepted but NOT enforced (documents may violate them): `format`, `minimum`, `maximum`, `exclusiveMinimum`,
-  `exclusiveMaximum`, `multipleOf`, `uniqueItems`, and `pattern` on a string with a length bound (a bound could
-  leave a started string no way to a match, and that is not checked).
+  `exclusiveMaximum`, `multipleOf`, `uniqueItems`, and, on a string with a length bound, a `pattern` in syntax
+  the automaton lacks (flags, lookaround, backreferences: a bound could leave a started string no way to a match,
+  and that is not checked) or one whose lengths it cannot tabulate (a maxLength of 4096 or more over a pattern
+  whose exact-length sets do not repeat within that many characters).
 - Refused (ValueError; honouring them by halves would accept invalid documents or block valid ones):
   `patternProperties`, `propertyNames`, `dependentRequired`, `dependentSchemas`, `dependencies`, `if`, `then`,
   `else`, `not`, `contains`, `minContains`, `maxContains`, `unevaluatedProperties`, `unevaluatedItems`,
@@ -67,7 +70,7 @@ import json
 import re
 from urllib.parse import unquote
 
-from .regex_nfa import Nfa, compile_nfa
+from .regex_nfa import Nfa, compile_nfa, nfa_lengths_limit
 
 __all__ = ["JsonGrammar", "compile_schema", "utf8_length"]
 
@@ -101,7 +104,9 @@ _TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 #   (_END, ws)                                             after the top-level value
 #   (_PSTR, pattern, text, parent)                         inside a string value with a `pattern`: its text so far
 #   (_NSTR, nfa, states, parent)                           the same, the pattern as an automaton: its state set
-_VAL, _STR, _NUM, _LIT, _OBJ, _ARR, _KEYX, _KEYA, _END, _PSTR, _NSTR = range(11)
+#   (_LSTR, (nfa, min_len, max_len), states, count, parent)  the same with a length bound: count = characters
+#                                                          (capped at min_len without a max_len)
+_VAL, _STR, _NUM, _LIT, _OBJ, _ARR, _KEYX, _KEYA, _END, _PSTR, _NSTR, _LSTR = range(12)
 
 _OBJ_OPEN, _OBJ_COMMA, _OBJ_KEY, _OBJ_VALUE = range(4)  # after `{`, after `,`, after a key, after a value
 _ARR_OPEN, _ARR_VALUE = range(2)  # after `[`, after an item
@@ -422,7 +427,9 @@ class _Node:
                 add(_LBRACE, (_OBJ, self.obj, _OBJ_OPEN, _EMPTY, 0, None))
             if self.arr is not None:
                 add(_LBRACKET, (_ARR, self.arr, _ARR_OPEN, 0, 0))
-            if self.string is not None and isinstance(self.pattern, Nfa):
+            if self.string is not None and isinstance(self.pattern, Nfa) and self.string != (0, None):
+                add(_QUOTE, (_LSTR, (self.pattern,) + self.string, self.pattern.start, 0))
+            elif self.string is not None and isinstance(self.pattern, Nfa):
                 add(_QUOTE, (_NSTR, self.pattern, self.pattern.start))
             elif self.string is not None and self.pattern is not None:
                 add(_QUOTE, (_PSTR, self.pattern, ""))
@@ -676,14 +683,22 @@ class _Compiler:
     def pattern(self, body: dict, bounds, where: str):
         """A string's `pattern` as an automaton (`regex_nfa`, Python `re`'s meaning), or compiled by the `regex`
         package where it uses syntax the automaton lacks; the text must contain a match (JSON Schema's unanchored
-        rule). Enforced on strings without minLength / maxLength only (None then: a length bound could leave a
-        started string no way to a match, which this matcher must never allow)."""
-        if "pattern" not in body or bounds != (0, None):
+        rule). With minLength / maxLength only the automaton enforces it (it knows how long a match can still
+        take); a pattern it lacks stays unenforced there (None: a length bound could leave a started string no way
+        to a match, which this matcher must never allow), as does one whose lengths it cannot tabulate."""
+        if "pattern" not in body:
             return None
         source = body["pattern"]
         if not isinstance(source, str):
             raise ValueError(f"schema at {where}: 'pattern' must be a string, got {source!r}")
         nfa = compile_nfa(source, search=True)  # the common syntax, as an automaton
+        if nfa is not None and bounds != (0, None):
+            lo, hi = bounds
+            if hi is not None and hi >= nfa_lengths_limit() and nfa.length_horizon() is None:
+                return None
+            if not nfa.completes(nfa.start, lo, hi):
+                raise ValueError(f"schema at {where}: 'pattern' {source!r} matches no string of {lo} to "
+                                 f"{'any number of' if hi is None else hi} characters")
         if nfa is not None:
             self.patterns = True
             return nfa
@@ -698,6 +713,8 @@ class _Compiler:
             raise ValueError(f"schema at {where}: 'pattern' {source!r} does not compile: {e}") from None
         if compiled.search("", partial=True) is None:
             raise ValueError(f"schema at {where}: 'pattern' {source!r} matches no string")
+        if bounds != (0, None):
+            return None
         self.patterns = True
         return compiled
 
@@ -883,7 +900,8 @@ class JsonGrammar:
         self._max_ws = max_whitespace
         self.start = (_VAL, root, 0, (_END, 0))
         self._steps = (self._value, self._string, self._number, self._literal, self._object, self._array,
-                       self._exact_key, self._any_key, self._end, self._pattern_string, self._nfa_string)
+                       self._exact_key, self._any_key, self._end, self._pattern_string, self._nfa_string,
+                       self._bounded_nfa_string)
         if patterns:  # where a walk over tokens must step by whole characters (`whole_characters_at`)
             self.whole_characters_at = self._in_pattern
 
@@ -979,7 +997,7 @@ class JsonGrammar:
     def _in_pattern(state) -> bool:
         """Whether `state` is inside a string with a pattern, whose states lie between whole characters (an escape
         is one): a token that ends inside one is refused there."""
-        return type(state) is tuple and (state[0] == _PSTR or state[0] == _NSTR)
+        return type(state) is tuple and (state[0] == _PSTR or state[0] == _NSTR or state[0] == _LSTR)
 
     @staticmethod
     def character_length(data: bytes, i: int) -> int:
@@ -1078,6 +1096,31 @@ class JsonGrammar:
                 return None, i
             i += k
         return (_NSTR, nfa, states, parent), i
+
+    @staticmethod
+    def _bounded_nfa_string(config, data, i):
+        """`_nfa_string` with minLength / maxLength: a character is taken only while some match can still end
+        the string within the bounds (`Nfa.completes`), and the closing quote needs a match of at least the
+        minimum."""
+        _, spec, states, count, parent = config
+        nfa, lo, hi = spec
+        n = len(data)
+        while i < n:
+            if data[i] == _QUOTE:
+                return (parent if count >= lo and nfa.matched(states) else None), i + 1
+            k, char = JsonGrammar._string_character(data, i)
+            if k == 0:
+                return None, i
+            states = nfa.step(states, char)
+            count += 1
+            if hi is None:
+                count = min(count, lo)  # past the minimum only "some match ahead" matters
+            elif count > hi:
+                return None, i
+            if not nfa.completes(states, lo - count, None if hi is None else hi - count):
+                return None, i
+            i += k
+        return (_LSTR, spec, states, count, parent), i
 
     @staticmethod
     def _string_character(data, i) -> tuple[int, str]:

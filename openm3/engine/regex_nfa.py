@@ -27,9 +27,10 @@ except ImportError:  # pragma: no cover - older Pythons
     import sre_constants as _c
     import sre_parse as _parser
 
-__all__ = ["Nfa", "compile_nfa"]
+__all__ = ["Nfa", "compile_nfa", "nfa_lengths_limit"]
 
 _MAX_COUNT = 256  # a repeat bound above this is not expanded (None: the caller falls back)
+_MAX_LENGTHS = 4096  # exact-length sets computed before giving up on finding their period
 _CATEGORIES = {_c.CATEGORY_DIGIT: r"\d", _c.CATEGORY_NOT_DIGIT: r"\D", _c.CATEGORY_SPACE: r"\s",
                _c.CATEGORY_NOT_SPACE: r"\S", _c.CATEGORY_WORD: r"\w", _c.CATEGORY_NOT_WORD: r"\W"}
 
@@ -50,6 +51,12 @@ class Nfa:
         self._live: frozenset = frozenset()
         self._restart: frozenset = frozenset()  # search: a match may begin at every character
         self._steps: dict = {}  # (states, character) -> states: a token walk asks the same steps again and again
+        self._by_length: list | None = None  # see `_exact`; made at the first length question
+        self._seen_sets: dict = {}
+        self._period: tuple[int, int] | None = None
+        self._succ: list = []
+        self._masks: dict = {}
+        self._least: list | None = None  # see `_at_least`
 
     def new(self) -> int:
         self.eps.append([])
@@ -85,6 +92,97 @@ class Nfa:
     def matched(self, states: frozenset) -> bool:
         """Whether the text read so far matches."""
         return not self._final.isdisjoint(states)
+
+    # -- lengths: whether a match can come within so many more characters (strings with minLength / maxLength)
+
+    def completes(self, states: frozenset, least: int, most: int | None) -> bool:
+        """Whether some text of k more characters, least <= k <= most (most None: no upper bound), leads from
+        `states` to a match. Needs `length_horizon()` not None when most is over `_MAX_LENGTHS`."""
+        least = max(least, 0)
+        if most is not None and most < least:
+            return False
+        if self._restart and (most is None or most >= max(least, self._restart_least())):
+            return True  # a match may begin at every character: any length from the shortest match on
+        if most is None:
+            return not self._at_least(least).isdisjoint(states)
+        mask = self._length_mask(states)
+        horizon = self.length_horizon()
+        top = most if horizon is None else min(most, horizon - 1)
+        if least <= top and mask >> least & ((1 << (top - least + 1)) - 1):
+            return True
+        if horizon is None or most < horizon:
+            return False
+        j, p = self._period  # from the horizon on, the exact-length sets repeat with period p
+        first = max(least, horizon)
+        for k in range(first, min(most, first + p - 1) + 1):
+            if mask >> (j + (k - j) % p) & 1:
+                return True
+        return False
+
+    def length_horizon(self) -> int | None:
+        """H such that the states from which a match lies exactly k characters ahead repeat with some period for
+        k >= H (the lengths' table is then complete), or None when none was found within `_MAX_LENGTHS`."""
+        self._exact(_MAX_LENGTHS)
+        if self._period is None:
+            return None
+        j, p = self._period
+        return j + p
+
+    def _exact(self, k: int) -> None:
+        """Extends `_by_length` (the states from which a match lies exactly 0, 1, ... characters ahead) to k."""
+        if self._by_length is None:
+            closures = [self.closure([s]) for s in range(len(self.eps))]
+            self._succ = [frozenset(t for u in c for _, t in self.edges[u]) for c in closures]
+            first = frozenset(s for s, c in enumerate(closures) if not c.isdisjoint(self._final))
+            self._by_length, self._seen_sets, self._period = [first], {first: 0}, None
+        sets = self._by_length
+        while self._period is None and len(sets) <= k:
+            last = sets[-1]
+            nxt = frozenset(s for s, succ in enumerate(self._succ) if not succ.isdisjoint(last))
+            if nxt in self._seen_sets:
+                j = self._seen_sets[nxt]
+                self._period = (j, len(sets) - j)
+                return
+            self._seen_sets[nxt] = len(sets)
+            sets.append(nxt)
+
+    def _length_mask(self, states: frozenset) -> int:
+        """Bit k set: a match lies exactly k characters ahead of `states`, for k below the horizon (or
+        `_MAX_LENGTHS`); memoised per state set."""
+        mask = self._masks.get(states)
+        if mask is None:
+            self._exact(_MAX_LENGTHS)
+            mask = 0
+            for k, at in enumerate(self._by_length):
+                if not at.isdisjoint(states):
+                    mask |= 1 << k
+            if len(self._masks) >= 1 << 16:
+                self._masks.clear()
+            self._masks[states] = mask
+        return mask
+
+    def _at_least(self, least: int) -> frozenset:
+        """The states from which a match lies `least` or more characters ahead: `least` steps back from the live
+        states (a shrinking sequence: once two agree it stays)."""
+        self._exact(0)
+        if self._least is None:
+            self._least = [self._live]
+        sets = self._least
+        while len(sets) <= least and (len(sets) < 2 or sets[-1] != sets[-2]):
+            last = sets[-1]
+            sets.append(frozenset(s for s, succ in enumerate(self._succ) if not succ.isdisjoint(last)))
+        return sets[min(least, len(sets) - 1)]
+
+    def _restart_least(self) -> int:
+        """The fewest characters from the start states to a match (`search`: a match may begin anywhere)."""
+        mask = self._length_mask(self.start)
+        return (mask & -mask).bit_length() - 1 if mask else _MAX_LENGTHS
+
+
+def nfa_lengths_limit() -> int:
+    """Lengths `Nfa.completes` answers for any automaton: below this; above it, where `length_horizon()` is
+    not None."""
+    return _MAX_LENGTHS
 
 
 def compile_nfa(pattern: str, *, search: bool) -> Nfa | None:
