@@ -52,10 +52,17 @@ def test_serve_batching_benchmark_runs_on_cpu(tmp_path, capsys):
     assert serve_batching.main(["--preset", "m3-tiny", "--device", "cpu", "--prompt-len", "32", "--new", "3",
                                 "--batch", "1", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "max batch   1: 3 new tokens" in out and "max batch   2: 6 new tokens" in out
+    assert "max batch   1: 1 requests, 3 new tokens" in out and "max batch   2: 2 requests, 6 new tokens" in out
     (path,) = tmp_path.glob("serve_batching_*.json")
     rounds = json.loads(path.read_text())["rounds"]
     assert set(rounds) == {"1", "2"} and all(r["tokens_per_s"] > 0 for r in rounds.values())
+    # staggered: 3 requests per batch slot, each with its own prompt length and new tokens
+    assert serve_batching.main(["--preset", "m3-tiny", "--device", "cpu", "--prompt-len", "32", "--prompt-len-min",
+                                "8", "--new", "4", "--new-min", "1", "--requests-per-batch", "3", "--batch", "2",
+                                "--out", str(tmp_path / "staggered")]) == 0
+    (path,) = (tmp_path / "staggered").glob("serve_batching_*.json")
+    row = json.loads(path.read_text())["rounds"]["2"]
+    assert row["requests"] == 6 and 6 <= row["new_tokens"] <= 24 and row["graphs"]["captures"] is None  # CPU
 
 
 def test_train_throughput_image_rows_train_the_vl_model_on_cpu(tmp_path):

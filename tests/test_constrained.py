@@ -274,10 +274,39 @@ PATTERN_SCHEMA = {"type": "object", "additionalProperties": False, "properties":
     "word": {"type": "string", "pattern": "^[a-zé日]+$"},
     "esc": {"type": "string", "pattern": "^\\t?[😀\\\\x]*$"}, "free": {"type": "string"},
     "ci": {"type": "string", "pattern": "(?i)^[a-cé]+$"},  # outside the automaton's syntax: the regex package
-    "short": {"type": "string", "pattern": "é|日", "minLength": 2, "maxLength": 3}}}  # with lengths: automaton
+    "short": {"type": "string", "pattern": "é|日", "minLength": 2, "maxLength": 3},  # with lengths: automaton
+    "long": {"type": "string", "pattern": "^[a-zé]+$", "minLength": 3, "maxLength": 300}}}  # length twins
 ANY_KEY_PATTERN = {"type": "object", "additionalProperties": {"type": "string", "pattern": "^[a-zé日]+$"}}
-PATTERN_DOCS = ['{"date": "2024-06", "word": "abé日", "esc": "\\t😀\\\\x", "free": "é", "ci": "aÉB", "short": "a日b"}',
+PATTERN_DOCS = ['{"date": "2024-06", "word": "abé日", "esc": "\\t😀\\\\x", "free": "é", "ci": "aÉB", "short": "a日b",'
+                ' "long": "abcdefghijéklmnopqrstuvwxyzabcdefghij"}',
                 '{"word": "\\u00e9t\\u00e9", "esc": "\\ud83d\\ude00x", "short": "\\u00e9x"}']
+
+
+def test_length_twins_share_masks_and_check_the_long_tokens(tok):
+    """A bounded pattern string's positions past its minimum take a shared twin's mask for the tokens of at most
+    `room` bytes (`length_twin`) and check the longer ones themselves: at every position up to the maximum the full
+    mask equals checking each token, with letter runs of every length among the tokens (a room that forgets the
+    five characters a match still needs lets a run take them)."""
+    from openm3.engine.json_grammar import compile_schema
+
+    base = TokenBytes.from_tokenizer(tok).pieces
+    longest = max(len(p) for p in base if p)
+    vocab = TokenBytes([*base, *(b"ab" * n for n in range(1, longest // 2 + 1)), b"abc" * 3])  # long letter runs
+    most = longest + 14
+    grammar = compile_schema({"type": "string", "pattern": "^[a-z]+x{5}$", "minLength": 6, "maxLength": most})
+    transitions = TransitionCache(grammar, vocab)
+    state, rooms = grammar.advance(grammar.start, b'"'), []
+    for k in range(most):
+        want = torch.tensor([p is not None and grammar.advance(state, p) is not None for p in vocab.pieces])
+        assert torch.equal(transitions.full_mask(state), want), k
+        found = grammar.length_twin(state)
+        rooms.append(None if found is None else found[1])
+        state = grammar.advance(state, b"a" if k < most - 5 else b"x")
+    assert grammar.complete(grammar.advance(state, b'"'))
+    assert rooms[:6] == [None] * 6 and rooms[6] >= longest and rooms[-1] is None
+    room = [r for r in rooms if r is not None]
+    assert room == list(range(room[0], room[0] - len(room), -1))  # one byte less per character
+    assert sum(key[1][2] is None for key in transitions._full) >= 1  # twins (hi None) served those positions
 
 
 def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
@@ -291,7 +320,7 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
              b"20", b"24-", b'abc"', "日é".encode(), b'": "2', '": "é'.encode(), '": "日本'.encode(),
              '": "aé'.encode()[:-1], b'ord": "a', b', "word": "', b'", "esc": "\\t']  # into a pattern string
     vocab = TokenBytes([*TokenBytes.from_tokenizer(tok).pieces, *extra])
-    checked, kinds = 0, set()
+    checked, kinds, twins = 0, set(), 0
     for schema, doc in [(PATTERN_SCHEMA, d) for d in PATTERN_DOCS] + [(ANY_KEY_PATTERN, '{"k": "aé", "kk": "日"}')]:
         grammar = compile_schema(schema)
         transitions = TransitionCache(grammar, vocab)
@@ -301,6 +330,7 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
             step = grammar.character_length(data, k) if inside else 1
             if inside:
                 kinds.add(state[0])
+                twins += grammar.length_twin(state) is not None
             # every state, those whose tokens walk into a pattern string (closing a key first) included
             want = torch.tensor([p is not None and grammar.advance(state, p) is not None for p in vocab.pieces])
             assert torch.equal(transitions.full_mask(state), want), (doc, k)
@@ -310,6 +340,7 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
             k += step
         assert grammar.complete(state)
     assert checked > 20 and kinds == {_NSTR, _PSTR, _LSTR}  # automata (with lengths too), the regex package
+    assert twins > 20  # positions of "long" that took a shared length twin's mask
     ids = {p: t for t, p in enumerate(vocab.pieces)}
     transitions = TransitionCache(compile_schema(PATTERN_SCHEMA), vocab)
     c = GrammarConstraint(transitions, [tok.eos_id])

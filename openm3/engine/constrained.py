@@ -137,6 +137,8 @@ class TransitionCache:
         self._chars_at = getattr(grammar, "whole_characters_at", None)
         self._char_length = getattr(grammar, "character_length", None)
         self._closes = hasattr(grammar, "quote_close")
+        self._length_twins = hasattr(grammar, "length_twin")  # bounded pattern strings: see `full_mask`
+        self._by_length: tuple | None = None  # (token ids longest first, minus their byte lengths), made when needed
         self._closing: _Closing | None = None
         self.plain: torch.Tensor | None = None  # bool [V]: tokens of plain string text (grammars that tell them)
         if hasattr(grammar, "takes_plain_text"):
@@ -169,8 +171,12 @@ class TransitionCache:
         tokens holding a `"` are walked from the state itself. Where it also names what a closing quote leads to
         (`quote_close`), the tokens written as plain text, `"`, then bytes without a `"` take that state's mask of
         what may follow the quote (one per key's or string's position, shared by all its steps), and only the
-        other tokens with a `"` are walked."""
+        other tokens with a `"` are walked. Where it names a length twin (`length_twin`: inside a bounded pattern
+        string, a state that agrees on every token of at most `room` bytes), the state takes the twin's mask and
+        only the longer tokens are checked from the state itself (when they are few)."""
         mask = self._full.get(state)
+        if mask is None and self._length_twins:
+            mask = self._from_length_twin(state)
         if mask is None:
             twin = self.grammar.quote_free_twin(state) if self._twins else None
             if twin is None:
@@ -198,6 +204,27 @@ class TransitionCache:
                       self._char_length)
                 mask[accepted] = True
             self._keep(self._full, state, mask)
+        return mask
+
+    def _from_length_twin(self, state) -> torch.Tensor | None:
+        """`state`'s full mask from its length twin's, the tokens longer than the twin's room checked one by one;
+        None where the grammar names no twin or more than 1/8 of the tokens are longer than its room."""
+        found = self.grammar.length_twin(state)
+        if found is None:
+            return None
+        twin, room = found
+        if self._by_length is None:
+            lengths = torch.tensor([len(p) if p else 0 for p in self.vocab.pieces])
+            order = torch.argsort(lengths, descending=True, stable=True)
+            self._by_length = (order.tolist(), (-lengths[order]).tolist())
+        order, negated = self._by_length
+        longer = bisect.bisect_left(negated, -room)  # tokens longer than room bytes (they come first)
+        if longer > len(order) // 8:
+            return None
+        mask = self.full_mask(twin).clone()
+        for t in order[:longer]:
+            mask[t] = self.next(state, t) is not None
+        self._keep(self._full, state, mask)
         return mask
 
     def _closing_tokens(self) -> "_Closing":

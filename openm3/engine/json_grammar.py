@@ -966,6 +966,22 @@ class JsonGrammar:
             return (_KEYA, None, b'"', state[3], state[4], _EMPTY, None)
         return None
 
+    def length_twin(self, state):
+        """(twin, room) for a bounded pattern string (`_LSTR`) past its minimum: every token of at most `room`
+        bytes is accepted from `state` exactly when it is from `twin`, a state shared by all such positions (no
+        such token reaches either bound, and whether a match can still end the string within the maximum is
+        whether one can end it at all: the lengths a match can take repeat below the automaton's horizon, so
+        room = maximum - count - horizon). None elsewhere (room < 0 included)."""
+        if type(state) is not tuple or state[0] != _LSTR:
+            return None
+        _, (nfa, lo, hi), states, count, parent = state
+        if hi is None or count < lo:
+            return None
+        horizon = nfa.length_horizon()
+        if horizon is None or hi - count < horizon:
+            return None
+        return (_LSTR, (nfa, lo, None), states, lo, parent), hi - count - horizon
+
     def quote_close(self, state):
         """(after, tails) for a string value without a length limit or an any-string key, between characters: for
         every plain text A (`is_plain_text`) whose bytes are not in `tails` and every B without a `"`,
