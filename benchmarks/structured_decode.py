@@ -1,9 +1,10 @@
 """What constrained decoding (structured outputs) costs per token on the host, with no model: `GrammarConstraint.pick`
 over logits rows of an M3-sized vocabulary (200,064 tokens), for a JSON schema, the same with a `pattern` on one
-string, and `json_object`.
+string (and with a `maxLength` beside it), and `json_object`.
 
     python -m benchmarks.structured_decode --out DIR
     python -m benchmarks.structured_decode --docs 2 --vocab 50000   # smoke
+    python -m benchmarks.structured_decode --formats json_pattern json_pattern_bounded
 
 The vocabulary: openm3's locally trained tokenizer (4,096 byte-level tokens) extended with tokens made of 2-3 of
 its tokens joined (M3's own tokenizer is not shipped here). Two kinds of logits rows per step:
@@ -42,6 +43,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["path", 
 # the same schema with the path's form as a pattern (a string whose every step is checked against it)
 PATTERNED = {**SCHEMA, "properties": {**SCHEMA["properties"],
                                       "path": {"type": "string", "pattern": "^[a-z0-9_]+(/[a-z0-9_]+)*\\.py$"}}}
+BOUNDED = {**PATTERNED, "properties": {**PATTERNED["properties"],
+                                       "path": {**PATTERNED["properties"]["path"], "maxLength": 64}}}
+FORMATS = {"json_schema": SCHEMA, "json_object": None, "json_pattern": PATTERNED, "json_pattern_bounded": BOUNDED}
 
 
 def target(rng: random.Random) -> dict:
@@ -107,6 +111,7 @@ def main(argv=None) -> int:
                    help="teacher: the target's next token's share of the probability (on average)")
     p.add_argument("--max-steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--formats", nargs="+", choices=sorted(FORMATS), default=list(FORMATS))
     p.add_argument("--out", default=None, help="directory for the JSON result")
     args = p.parse_args(argv)
     if not 0 < args.confidence < 1:
@@ -132,8 +137,8 @@ def main(argv=None) -> int:
             times.append((time.perf_counter() - t0) * 1e3)
         baseline[mode] = statistics.median(times)
         print(f"unconstrained {mode:13s} sample(): median {baseline[mode]:6.2f} ms", flush=True)
-    for fmt, schema in (("json_schema", SCHEMA), ("json_object", None), ("json_pattern", PATTERNED)):
-        grammar = compile_schema(schema, strict=True)
+    for fmt in args.formats:
+        grammar = compile_schema(FORMATS[fmt], strict=True)
         for kind in ("teacher", "random"):
             for mode, sampling in modes.items():
                 rng = random.Random(args.seed)

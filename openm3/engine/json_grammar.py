@@ -1129,11 +1129,12 @@ class JsonGrammar:
                 return None, i
             states = nfa.step(states, char)
             count += 1
-            if hi is None:
-                count = min(count, lo)  # past the minimum only "some match ahead" matters
-            elif count > hi:
-                return None, i
-            if not nfa.completes(states, lo - count, None if hi is None else hi - count):
+            if hi is None and count >= lo:  # past the minimum only "some match ahead" matters
+                count = lo
+                if not nfa.live(states):
+                    return None, i
+            elif (hi is not None and count > hi) or not nfa.completes(states, lo - count,
+                                                                     None if hi is None else hi - count):
                 return None, i
             i += k
         return (_LSTR, spec, states, count, parent), i
