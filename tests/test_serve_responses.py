@@ -94,7 +94,7 @@ def test_function_call_round_trip_renders_like_the_chat_endpoint(tok, stream):
 
 
 @pytest.mark.parametrize("body, param, match", [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "no stored response 'resp_1'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      r"input\[0\]\.content\[0\]: input_image parts are not supported"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice", "forcing a tool call"),
@@ -109,6 +109,64 @@ def test_bad_requests_name_the_field(client, body, param, match):
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert re.search(match, err["message"]), err
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_previous_response_id_continues_a_stored_conversation(tok, stream):
+    """Turn 1 answers with text and a function call; turn 2 names it as `previous_response_id` and sends only the
+    call's output: the prompt equals sending the whole conversation (turn 1's input and output items, then the
+    output) without the first turn's instructions, as OpenAI's API does; turn 3 continues turn 2. The stored
+    responses come back from GET (equal to what the POST answered), with their input items; DELETE drops one."""
+    backend = Scripted(tok.encode(CALL_TEXT + EOS), tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096))
+    question = {"type": "message", "role": "user", "content": "What is in src/a.py?"}
+    base = {"model": NAME, "tools": RESPONSE_TOOLS, "stream": stream}
+
+    def post(**fields) -> dict:
+        r = client.post("/v1/responses", json={**base, **fields})
+        assert r.status_code == 200, r.text
+        return streamed(sequenced(r))[1] if stream else r.json()
+
+    first = post(input=[question], instructions="Be terse.")
+    assert first["store"] is True and first["previous_response_id"] is None
+    call = first["output"][1]
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "print('hi')"}
+    second = post(input=[output], previous_response_id=first["id"])
+    assert second["previous_response_id"] == first["id"]
+    whole = post(input=[question, *first["output"], output], store=False)
+    assert backend.prompts[1] == backend.prompts[2]  # continued == sent whole (no earlier instructions)
+    third = post(input="Thanks.", previous_response_id=second["id"], instructions="Be brief.")
+    sent = post(input=[question, *first["output"], output, *second["output"],
+                       {"type": "message", "role": "user", "content": "Thanks."}], instructions="Be brief.")
+    assert backend.prompts[3] == backend.prompts[4]
+    assert client.get(f"/v1/responses/{first['id']}").json() == first
+    assert client.get(f"/v1/responses/{third['id']}").json() == third
+    items = client.get(f"/v1/responses/{second['id']}/input_items").json()
+    assert items["object"] == "list" and items["data"] == [question, *first["output"], output]
+    assert client.get(f"/v1/responses/{whole['id']}").status_code == 404  # store: false
+    r = client.post("/v1/responses", json={**base, "input": "x", "previous_response_id": whole["id"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    assert client.delete(f"/v1/responses/{first['id']}").json() == {"id": first["id"], "object": "response",
+                                                                     "deleted": True}
+    r = client.get(f"/v1/responses/{first['id']}")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
+    assert client.delete(f"/v1/responses/{first['id']}").status_code == 404
+    assert client.get(f"/v1/responses/{sent['id']}").status_code == 200
+
+
+def test_stored_responses_keep_the_last_ones(tok):
+    """`stored_responses=2`: a third stored response drops the least recently used; 0 keeps none."""
+    backend = Scripted(tok.encode("Hi." + EOS), tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096, stored_responses=2))
+    ids = [client.post("/v1/responses", json={"model": NAME, "input": f"q{k}"}).json()["id"] for k in range(2)]
+    assert client.get(f"/v1/responses/{ids[0]}").status_code == 200  # used: the second is now the oldest
+    ids.append(client.post("/v1/responses", json={"model": NAME, "input": "q2"}).json()["id"])
+    assert [client.get(f"/v1/responses/{i}").status_code for i in ids] == [200, 404, 200]
+    none = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096, stored_responses=0))
+    rid = none.post("/v1/responses", json={"model": NAME, "input": "q"}).json()["id"]
+    assert none.get(f"/v1/responses/{rid}").status_code == 404
+    with pytest.raises(ValueError, match="stored_responses"):
+        create_app(backend, tok, model_name=NAME, max_total_tokens=4096, stored_responses=-1)
 
 
 def test_a_failing_backend_reports_in_the_stream(tok):

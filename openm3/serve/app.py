@@ -122,12 +122,13 @@ def _first_adjustment(req: SamplingFields) -> str:
 
 
 def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int, chat_template=None,
-               reasoning_parser: str = "m3", api_key: str | None = None):
+               reasoning_parser: str = "m3", api_key: str | None = None, stored_responses: int = 1024):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
     chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
     None renders with openm3's built-in M3 template. reasoning_parser: 'm3' splits the think block off the chat
     endpoints' answers (`reasoning.py`), 'none' leaves it in the text. api_key: as vLLM's `--api-key`, requests
-    under `/v1` must carry it (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`), else a 401."""
+    under `/v1` must carry it (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`), else a 401.
+    stored_responses: Responses API responses kept in memory for `previous_response_id` (the last ones; 0: none)."""
     from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -138,6 +139,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         raise ValueError(f"max_total_tokens must be an int >= 2, got {max_total_tokens!r}")
     if api_key is not None and not (isinstance(api_key, str) and api_key):
         raise ValueError("api_key: expected a non-empty string or None")
+    if not isinstance(stored_responses, int) or isinstance(stored_responses, bool) or stored_responses < 0:
+        raise ValueError(f"stored_responses: expected an int >= 0, got {stored_responses!r}")
     vocab = getattr(backend, "vocab_size", tokenizer.vocab_size)
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
@@ -633,7 +636,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                   text_stream=text_stream, prompt_of=prompt_of, constraint_maker=constraint_maker,
                   takes_images=vl_config is not None)
     anthropic.add_messages_routes(app, **shared)
-    responses.add_responses_routes(app, **shared, logprobs_for=logprobs_for)
+    responses.add_responses_routes(app, **shared, logprobs_for=logprobs_for,
+                                   store=responses.ResponseStore(stored_responses))
     tokens.add_token_routes(app, tokenizer=tokenizer, model_name=model_name, max_total_tokens=max_total_tokens,
                             vocab=vocab, prompt_of=prompt_of, api_error=APIError, check_images=chat_media)
     return app

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "does, reads those tokens' cached pages and prefills only the rest)")
     p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
                    help="index-key cache dtype (default: the model dtype)")
+    p.add_argument("--stored-responses", type=int, default=1024,
+                   help="Responses API responses kept in memory for previous_response_id and GET /v1/responses/ID "
+                   "(the last ones; 0: none are kept)")
     add_speculative_argument(p)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (as `openm3 generate --compile`: decode steps ~1.9x "
@@ -117,7 +120,8 @@ def build_app(args: argparse.Namespace):
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative)
     return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template,
-                      reasoning_parser=args.reasoning_parser, api_key=args.api_key or None)
+                      reasoning_parser=args.reasoning_parser, api_key=args.api_key or None,
+                      stored_responses=args.stored_responses)
 
 
 def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):

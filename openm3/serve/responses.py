@@ -4,9 +4,11 @@ them, speak instead of Chat Completions).
 The request's `instructions` and `input` items (messages, `function_call` and `function_call_output` items) are
 translated into the chat format `render_chat` writes for `/v1/chat/completions`, so a conversation renders to the
 same prompt through either endpoint; the answer comes back as `output` items (a `message` with `output_text`, then
-one `function_call` per call the model wrote), streamed as the API's `response.*` events when asked. The server
-keeps no state: `previous_response_id` is refused (send the whole conversation, as `store: false` clients do), and
-so are files, images by URL or file id, and any image when the model is text-only; a forced tool call
+one `function_call` per call the model wrote), streamed as the API's `response.*` events when asked. Responses are
+stored (`store`, true by default as in OpenAI's API; in memory, the last `--stored-responses`, `response_store.py`):
+`previous_response_id` continues a stored one's conversation, `GET /v1/responses/{id}` returns it, `GET
+/v1/responses/{id}/input_items` its input items and `DELETE` drops it. Files, images by URL or file id, and any
+image when the model is text-only are refused; a forced tool call
 (`tool_choice` 'required' or a named function) constrains decoding to a tool-call block;
 `input_image` parts with a base64 data URL go to a vision-language model (`images.py`). The model's think block
 comes back as a `reasoning` item (its `reasoning_text`) before the message, streamed as `response.reasoning_text.*`
@@ -26,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .images import content_of, data_url_part
+from .response_store import ResponseStore
 from .schemas import JsonSchemaSpec, OutputSpec, ResponseFormat
 
 RESPONSES_PATH = "/v1/responses"
@@ -65,8 +68,9 @@ class ResponsesRequest(BaseModel):
     """`POST /v1/responses`. max_output_tokens defaults to what the context limit leaves after the prompt;
     `top_k` and `seed` are extensions; `text.format` asks for JSON (structured outputs); `include` with
     "message.output_text.logprobs" returns the message text's log probabilities (each token's, with
-    `top_logprobs` alternatives); unknown fields (store, reasoning, ...) and other `include`
-    values (reasoning.encrypted_content: the reasoning comes back as plain text) are ignored."""
+    `top_logprobs` alternatives); `store` keeps the response for `previous_response_id` (which continues a
+    stored response's conversation); unknown fields (reasoning, ...) and other `include` values
+    (reasoning.encrypted_content: the reasoning comes back as plain text) are ignored."""
 
     model: str
     input: str | list[dict[str, Any]]
@@ -81,6 +85,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # false: at most one function_call (as on Chat Completions)
     previous_response_id: str | None = None
+    store: bool = True
     text: ResponsesText | None = None
     include: list[str] | None = None  # "message.output_text.logprobs" is honoured; others are ignored
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -119,6 +124,13 @@ def _content(content: Any, where: str, images: bool) -> str | list[dict]:
         elif kind != "refusal":
             raise ValueError(f"{where}[{j}]: expected an input_text, input_image or output_text part, got {part!r}")
     return content_of(parts)
+
+
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's input as a list of items (a string input: one user message)."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return list(req.input)
 
 
 def chat_messages(req: ResponsesRequest, images: bool = False) -> list[dict]:
@@ -193,20 +205,52 @@ def _output_spec(req: ResponsesRequest) -> OutputSpec | None:
 
 def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
                          text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool,
-                         constraint_maker: Callable, logprobs_for: Callable) -> None:
-    """Registers `POST /v1/responses` on `app`, sharing `create_app`'s validation, prompt building (input_image
-    parts are accepted when `takes_images`), generation, log probabilities and streaming."""
+                         constraint_maker: Callable, logprobs_for: Callable, store: ResponseStore) -> None:
+    """Registers `POST /v1/responses` (and `GET` / `DELETE /v1/responses/{id}`, `GET .../input_items`) on `app`,
+    sharing `create_app`'s validation, prompt building (input_image parts are accepted when `takes_images`),
+    generation, log probabilities and streaming; stored responses go to `store`."""
+
+    def stored(response_id: str, what: Callable):
+        found = what(response_id)
+        if found is None:
+            raise api_error(f"response_id: no stored response {response_id!r} (this server keeps the last "
+                            f"{store.capacity} responses made with store: true, in memory)", "response_id", 404)
+        return found
+
+    @app.get(RESPONSES_PATH + "/{response_id}")
+    def get_response(response_id: str):
+        return stored(response_id, store.get)
+
+    @app.get(RESPONSES_PATH + "/{response_id}/input_items")
+    def get_input_items(response_id: str):
+        items = stored(response_id, store.items)
+        return {"object": "list", "data": items, "first_id": None, "last_id": None, "has_more": False}
+
+    @app.delete(RESPONSES_PATH + "/{response_id}")
+    def delete_response(response_id: str):
+        if not store.delete(response_id):
+            stored(response_id, lambda _rid: None)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post(RESPONSES_PATH)
     def responses(req: ResponsesRequest):
-        if req.previous_response_id is not None:
-            raise api_error("previous_response_id: this server keeps no responses; send the whole conversation "
-                            "in input", "previous_response_id")
+        items = input_items(req)
         try:
             parse_calls = _parse_calls(req)
-            messages = chat_messages(req, takes_images)
+            messages = chat_messages(req, takes_images)  # the new input checked on its own (its own indices)
         except ValueError as e:
             raise api_error(str(e), "tool_choice" if str(e).startswith("tool_choice") else "input") from None
+        if req.previous_response_id is not None:
+            earlier = store.conversation(req.previous_response_id)
+            if earlier is None:
+                raise api_error(f"previous_response_id: no stored response {req.previous_response_id!r} (this "
+                                f"server keeps the last {store.capacity} responses made with store: true, in "
+                                f"memory; or send the whole conversation in input)", "previous_response_id")
+            items = earlier + items
+            try:
+                messages = chat_messages(req.model_copy(update={"input": items}), takes_images)
+            except ValueError as e:
+                raise api_error(f"previous_response_id: {e}", "previous_response_id") from None
         tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                  for t in req.tools] if req.tools else None
         prompt, images = prompt_of(messages, tools, "input")
@@ -225,7 +269,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
         def response(status: str, output: list[dict], finish: str | None = None) -> dict:
             n = stream.sampled
             return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model_name,
-                    "output": output, "error": None,
+                    "output": output, "error": None, "instructions": req.instructions,
+                    "previous_response_id": req.previous_response_id, "store": req.store,
                     "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                     "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
                     "usage": {"input_tokens": len(prompt), "output_tokens": n, "total_tokens": len(prompt) + n,
@@ -260,6 +305,12 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
         def status_of(finish: str) -> str:
             return "incomplete" if finish == "length" else "completed"
 
+        def keep(final: dict) -> dict:
+            """The finished response, stored first when the request asked (`store`)."""
+            if req.store:
+                store.put(rid, items, final)
+            return final
+
         if not req.stream:
             finish = run(req, prompt, max_new, stream, lambda _k, _t: None, images=images, constraint=constraint,
                          logprobs=lp)
@@ -267,7 +318,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
             reasoning, text_ = stream.split(whole)
             output = [reasoning_item(reasoning)] if reasoning is not None else []
             output += ([message(text_, entries=message_entries())] if text_ or not calls else []) + calls
-            return response(status_of(finish), output, finish)
+            return keep(response(status_of(finish), output, finish))
 
         def produce(put, cancelled) -> None:
             seq = iter(range(1 << 62))
@@ -340,7 +391,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                      arguments=item["arguments"])
                 emit("response.output_item.done", output_index=index, item=item)
                 output.append(item)
-            final = response(status_of(finish), output, finish)
+            final = keep(response(status_of(finish), output, finish))
             emit("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
 
         return sse(produce, named_events=True,
