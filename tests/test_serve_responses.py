@@ -155,13 +155,21 @@ def test_previous_response_id_continues_a_stored_conversation(tok, stream):
 
 
 def test_stored_responses_keep_the_last_ones(tok):
-    """`stored_responses=2`: a third stored response drops the least recently used; 0 keeps none."""
+    """`stored_responses=2`: a third stored response drops the least recently used (continuing a conversation
+    uses each of its turns); 0 keeps none."""
     backend = Scripted(tok.encode("Hi." + EOS), tok.vocab_size)
     client = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096, stored_responses=2))
     ids = [client.post("/v1/responses", json={"model": NAME, "input": f"q{k}"}).json()["id"] for k in range(2)]
     assert client.get(f"/v1/responses/{ids[0]}").status_code == 200  # used: the second is now the oldest
     ids.append(client.post("/v1/responses", json={"model": NAME, "input": "q2"}).json()["id"])
     assert [client.get(f"/v1/responses/{i}").status_code for i in ids] == [200, 404, 200]
+    # each turn is kept once and a conversation is its chain of turns: one longer than the store breaks
+    r1 = client.post("/v1/responses", json={"model": NAME, "input": "a"}).json()["id"]
+    r2 = client.post("/v1/responses", json={"model": NAME, "input": "b", "previous_response_id": r1}).json()["id"]
+    r3 = client.post("/v1/responses", json={"model": NAME, "input": "c", "previous_response_id": r2}).json()["id"]
+    r = client.post("/v1/responses", json={"model": NAME, "input": "d", "previous_response_id": r3})
+    assert r.status_code == 400 and "earlier turn" in r.json()["error"]["message"]  # r1 made room for r3
+    assert client.get(f"/v1/responses/{r3}").status_code == 200
     none = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096, stored_responses=0))
     rid = none.post("/v1/responses", json={"model": NAME, "input": "q"}).json()["id"]
     assert none.get(f"/v1/responses/{rid}").status_code == 404

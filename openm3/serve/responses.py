@@ -240,12 +240,14 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
             messages = chat_messages(req, takes_images)  # the new input checked on its own (its own indices)
         except ValueError as e:
             raise api_error(str(e), "tool_choice" if str(e).startswith("tool_choice") else "input") from None
+        own = items  # what this turn stores: its own input (the earlier turns are stored already)
         if req.previous_response_id is not None:
             earlier = store.conversation(req.previous_response_id)
             if earlier is None:
-                raise api_error(f"previous_response_id: no stored response {req.previous_response_id!r} (this "
-                                f"server keeps the last {store.capacity} responses made with store: true, in "
-                                f"memory; or send the whole conversation in input)", "previous_response_id")
+                raise api_error(f"previous_response_id: no stored response {req.previous_response_id!r}, or an "
+                                f"earlier turn of its conversation is gone (this server keeps the last "
+                                f"{store.capacity} responses made with store: true, in memory; or send the whole "
+                                f"conversation in input)", "previous_response_id")
             items = earlier + items
             try:
                 messages = chat_messages(req.model_copy(update={"input": items}), takes_images)
@@ -308,7 +310,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
         def keep(final: dict) -> dict:
             """The finished response, stored first when the request asked (`store`)."""
             if req.store:
-                store.put(rid, items, final)
+                store.put(rid, own, final, req.previous_response_id)
             return final
 
         if not req.stream:
