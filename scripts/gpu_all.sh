@@ -89,6 +89,19 @@ for s in "${stages[@]}"; do
     prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off
       python3 -m benchmarks.serve_prefix --out "$OUT" ${PREFIX_ARGS:---parallel 4} 2>&1 | tee "$OUT/serve_prefix.log" \
         | tail -11 ;;
+    servegraphs)  # continuous batching with staggered requests (graphs by shape, padded rows): the graph GPU tests,
+      # then 2K prompts at max batch 4 / 16 and 4-8K prompts at 16 (BEFORE=DIR: an older commit's openm3, from
+      # git archive, with this benchmarks/ copied in, timed first in the same call)
+      python3 -m pytest -q -m gpu tests/gpu/test_engine_graphs_gpu.py -p no:cacheprovider 2>&1 | tail -3
+      for v in ${BEFORE:+before} after; do
+        root=$PWD; [ "$v" = before ] && root=$BEFORE
+        (cd "$root" && PYTHONPATH="$root" python3 -m benchmarks.serve_batching --preset m3-small --device cuda \
+           --prompt-len 2048 --new 128 --new-min 16 --requests-per-batch 4 --batch 4 16 --out "$OUT/$v" 2>&1 \
+           | tee "$OUT/serve_staggered_$v.log" | tail -2
+         PYTHONPATH="$root" python3 -m benchmarks.serve_batching --preset m3-small --device cuda --prompt-len 8192 \
+           --prompt-len-min 4096 --new 128 --new-min 16 --requests-per-batch 4 --batch 16 --out "$OUT/$v" 2>&1 \
+           | tee "$OUT/serve_varied_$v.log" | tail -1)
+      done ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
     routing) python3 -m benchmarks.moe_routing_ops --out "$OUT" 2>&1 | tee "$OUT/moe_routing_ops.log" | tail -4 ;;
     klcompact)  # the KL with its old work-list compaction (a host sync per call; off by default since session 5)
