@@ -235,3 +235,19 @@ def test_prefill_chunks_per_step_bounds_a_running_requests_gaps(model, monkeypat
         assert max(runs) == 1, events
     else:
         assert max(runs) >= 2, events
+
+
+def test_metrics_carry_the_decode_graphs_counters(model):
+    """With decode graphs (CUDA) the metrics carry their counters; without them (CPU) no graph metric shows."""
+    from types import SimpleNamespace
+
+    gen = BatchedGenerator(model, token_budget=256, max_batch=2)
+    try:
+        assert gen.graphs is None and not any(m[0].startswith("cuda_graph") for m in gen.metrics())
+        gen.graphs = SimpleNamespace(captures=2, replays=30, rebinds=5, eager_steps=3)  # what DecodeGraphs counts
+        got = {name: value for name, _, _, value in gen.metrics() if name.startswith("cuda_graph")}
+        assert got == {"cuda_graph_captures_total": 2, "cuda_graph_replays_total": 30,
+                       "cuda_graph_rebinds_total": 5, "cuda_graph_eager_steps_total": 3}
+    finally:
+        gen.graphs = None
+        gen.close()

@@ -446,4 +446,12 @@ class BatchedGenerator:
             ("cache_pages", "gauge", "pages of the paged cache", cache.plan.num_pages),
             ("cache_pages_used", "gauge", "pages held by admitted requests", cache.plan.num_pages - cache.free_pages),
             ("cache_pages_cached", "gauge", "pages filed in the prefix cache (held or idle)", cache.cached_pages),
-        ]
+        ] + ([] if self.graphs is None else [
+            ("cuda_graph_captures_total", "counter", "decode-step CUDA graphs recorded (one per new step shape)",
+             self.graphs.captures),
+            ("cuda_graph_replays_total", "counter", "decode steps that replayed a CUDA graph", self.graphs.replays),
+            ("cuda_graph_rebinds_total", "counter", "replays of a graph recorded for other sequences (a batch "
+             "change to a shape seen before)", self.graphs.rebinds),
+            ("cuda_graph_eager_steps_total", "counter", "decode steps run eagerly (a new shape's first step)",
+             self.graphs.eager_steps),
+        ])

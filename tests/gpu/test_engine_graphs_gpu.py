@@ -145,3 +145,5 @@ def test_batched_generator_on_cuda_equals_generate_alone():
     pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(g, w)]
     assert [len(g) for g in got] == new and sum(a == b for a, b in pairs) >= 0.8 * len(pairs)
     assert batcher.graphs is not None and batcher.graphs.replays > 0
+    metrics = {name: value for name, _, _, value in batcher.metrics()}
+    assert metrics["cuda_graph_replays_total"] == batcher.graphs.replays > 0
