@@ -1,7 +1,9 @@
 """Engine end to end on tiny random models: chunked prefill + decode through the paged cache equal one full forward,
 on the reference path and with the Triton decode kernels (TRITON_INTERPRET=1 on CPU)."""
 
+import contextlib
 import os
+import types
 
 import pytest
 import torch
@@ -303,3 +305,83 @@ def test_step_buffers_rebound_to_another_batch_give_the_full_forward():
         bufs.bind(cache, [0, 1, 2])
     with pytest.raises(ValueError, match="width must be at least"):
         StepBuffers(cache, [0, 1], q_len=1, width=1)
+
+
+class _FakeGraph:
+    """A stand-in for `torch.cuda.CUDAGraph` on the CPU: `replay` runs again the forward recorded at capture,
+    into the same output tensor (what a CUDA graph's replay does to its captured output)."""
+
+    capturing = None
+
+    def __init__(self):
+        self.forward = None
+
+    def replay(self):
+        out, forward = self.forward
+        out.copy_(forward())
+
+
+@contextlib.contextmanager
+def _fake_capture(graph, pool=None):
+    _FakeGraph.capturing = graph
+    try:
+        yield
+    finally:
+        _FakeGraph.capturing = None
+
+
+@pytest.mark.parametrize("backend", [None, "triton"], ids=["reference", "triton"])
+def test_decode_graphs_serve_shapes_on_the_cpu(monkeypatch, backend):
+    """`DecodeGraphs`' bookkeeping with graphs faked on the CPU (a replay reruns the captured forward through the
+    same buffers): batches [0, 1, 2] (a graph of 4 rows), [0, 2], then [3, 0, 2, 4] and [2, 0] replay the graphs
+    of their shapes from their first step with their own page tables; every step's logits equal eager steps on a
+    twin cache, and the counters say two captures, two eager steps, two rebinds."""
+    from openm3.engine import graphs as graphs_module
+    from openm3.engine.graphs import DecodeGraphs
+    from openm3.engine.scheduler import decode_step
+
+    forward = graphs_module._Batch.forward
+
+    def recorded_forward(batch, model, cache):
+        out = forward(batch, model, cache)
+        if _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.forward = (out, lambda: forward(batch, model, cache))
+        return out
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    monkeypatch.setattr(graphs_module._Batch, "forward", recorded_forward)
+    model = tiny_model()
+    lens, steps = [40, 17, 70, 45, 30], 12
+    gen = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(0, model.config.vocab_size, (n + steps,), generator=gen).tolist() for n in lens]
+    caches = []
+    for _ in range(2):
+        cache = PagedCache(plan_cache(CacheLayout.from_config(model.config), 512, kv_dtype=torch.float32))
+        cache.admit({b: len(s) for b, s in enumerate(seqs)})
+        prefill(model, cache, list(range(5)), [torch.tensor(s[:n]) for s, n in zip(seqs, lens)], chunk_size=32)
+        caches.append(cache)
+    device = caches[1].device
+    caches[1].device = types.SimpleNamespace(type="cuda")  # DecodeGraphs checks for a CUDA cache
+    graphs = DecodeGraphs(model, caches[1])
+    caches[1].device = device
+    done = [0] * 5
+    plan = [[0, 1, 2]] * 3 + [[0, 2]] * 2 + [[3, 0, 2, 4]] * 3 + [[2, 0]] * 2
+    with use_backend(backend):
+        for s, running in enumerate(plan):
+            if s == 3:
+                for cache in caches:
+                    cache.release(1)
+            feed = torch.tensor([seqs[b][lens[b] + done[b]] for b in running])
+            want = decode_step(model, caches[0], running, feed)
+            got = graphs.step(running, feed)
+            for b in running:
+                done[b] += 1
+            assert got.shape == want.shape and (got - want).abs().max().item() < 1e-4, s
+    assert (graphs.captures, graphs.eager_steps, graphs.replays, graphs.rebinds) == (2, 2, len(plan) - 2, 2)
+    width = caches[1].table_width([2])  # the widest sequence in every batch (at most 16 pages: exact)
+    assert sorted(graphs._batches) == [(2, 1, width), (4, 1, width)]  # (rows, tokens per sequence, width)
+    for b in (0, 2, 3, 4):
+        assert caches[1].length(b) == caches[0].length(b) == lens[b] + done[b]
