@@ -6,6 +6,8 @@ bytes of the trained tokenizer."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -50,9 +52,15 @@ def brute_mask(c: GrammarConstraint) -> torch.Tensor:
     return ok
 
 
-def oracle_pick(masked: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
-    """The pick from a row with every refused token masked: argmax, or `draw` over the whole row."""
-    return int(masked.argmax()) if sampling.greedy else draw(masked, sampling, gen)
+def oracle_pick(masked: torch.Tensor, sampling: SamplingParams, gen: torch.Generator, min_p: float = 0.0) -> int:
+    """The pick from a row with every refused token masked: argmax, or `draw` over the whole row (min_p: the
+    allowed tokens below the best one's logit + temperature x log(min_p) masked too, as vLLM does after a
+    grammar's mask)."""
+    if sampling.greedy:
+        return int(masked.argmax())
+    if min_p:
+        masked = masked.masked_fill(masked < masked.max() + sampling.temperature * math.log(min_p), float("-inf"))
+    return draw(masked, sampling, gen)
 
 
 def test_draw_samples_the_filtered_distribution():
@@ -74,41 +82,59 @@ def test_draw_samples_the_filtered_distribution():
 
 
 MODES = {"greedy": SamplingParams(), "top_k-3": SamplingParams(0.9, top_k=3),
-         "top_p-0.7": SamplingParams(1.3, top_p=0.7), "top_k-top_p": SamplingParams(0.7, top_p=0.8, top_k=4)}
+         "top_p-0.7": SamplingParams(1.3, top_p=0.7), "top_k-top_p": SamplingParams(0.7, top_p=0.8, top_k=4),
+         "top_k-min_p": (SamplingParams(0.9, top_k=4), 0.2), "top_p-min_p": (SamplingParams(1.3, top_p=0.95), 0.2),
+         "greedy-min_p": (SamplingParams(), 0.5)}
+
+
+def mode_of(name: str) -> tuple[SamplingParams, float]:
+    """(sampling, min_p) of a MODES entry."""
+    return MODES[name] if isinstance(MODES[name], tuple) else (MODES[name], 0.0)
 
 
 @pytest.mark.parametrize("lazy_checks", [512, 1], ids=["lazy", "full-mask"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_picks_equal_sampling_from_the_brute_force_mask(mode, lazy_checks):
-    sampling, full_masks = MODES[mode], 0
+    sampling, min_p = mode_of(mode)
+    full_masks, below = 0, 0
     for trial in range(150):
         c = constraint(most=5, lazy_checks=lazy_checks)
         gen_a, gen_b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
         logits = torch.randn(8, len(PIECES), generator=torch.Generator().manual_seed(1000 + trial)) * 3
         for step in range(8):
             masked = logits[step].masked_fill(~brute_mask(c), float("-inf"))
-            want = oracle_pick(masked, sampling, gen_b)
-            got = c.pick(logits[step], sampling, gen_a)
+            want = oracle_pick(masked, sampling, gen_b, min_p)
+            if min_p and not sampling.greedy:  # how often min_p leaves out a token top-k / top-p would keep
+                plain = oracle_pick(masked, sampling, torch.Generator().manual_seed(trial * 8 + step))
+                floor = float(masked.max()) + sampling.temperature * math.log(min_p)
+                below += float(masked[plain]) < floor
+            got = c.pick(logits[step], sampling, gen_a, min_p=min_p)
             assert got == want, (trial, step)
             if got == EOS:
                 break
         assert c.complete or got != EOS
         full_masks += c.full_masks
     assert (full_masks > 20) if lazy_checks == 1 else full_masks == 0  # which path decided the picks
+    assert below > 10 or not min_p or sampling.greedy  # min_p changed what would have been drawn
 
 
+@pytest.mark.parametrize("min_p", [0.0, 0.3], ids=["plain", "min_p"])
 @pytest.mark.parametrize("lazy_checks", [512, 1], ids=["lazy", "full-mask"])
-def test_temperature_alone_samples_the_masked_distribution(lazy_checks):
+def test_temperature_alone_samples_the_masked_distribution(lazy_checks, min_p):
     sampling = SamplingParams(0.8)
     logits = torch.randn(len(PIECES), generator=torch.Generator().manual_seed(3)) * 2
     c = constraint(most=5, lazy_checks=lazy_checks)
     c.state = 3  # two more digits at most: '45', '0', '1', '12', '6', '9' and the end are allowed
-    want = filter_logits(logits.masked_fill(~brute_mask(c), float("-inf"))[None], sampling).softmax(-1)[0]
+    masked = logits.masked_fill(~brute_mask(c), float("-inf"))
+    if min_p:
+        masked = masked.masked_fill(masked < masked.max() + sampling.temperature * math.log(min_p), float("-inf"))
+        assert 1 < int((masked > float("-inf")).sum()) < int(brute_mask(c).sum())  # it leaves some out
+    want = filter_logits(masked[None], sampling).softmax(-1)[0]
     gen, draws = torch.Generator().manual_seed(0), 20_000
     counts = torch.zeros(len(PIECES))
     for _ in range(draws):
         c.state = 3
-        counts[c.pick(logits, sampling, gen)] += 1
+        counts[c.pick(logits, sampling, gen, min_p=min_p)] += 1
     assert (counts / draws - want).abs().sum() < 0.03  # total variation
     assert counts[brute_mask(c) == 0].sum() == 0 or c.state != 3
 
@@ -162,7 +188,7 @@ def test_json_picks_over_a_real_vocabulary_equal_the_brute_force_mask(tok, mode,
     without checks): every pick equals sampling from a mask that checks each token."""
     from openm3.engine.json_grammar import compile_schema
 
-    vocab, sampling = TokenBytes.from_tokenizer(tok), MODES[mode]
+    vocab, (sampling, min_p) = TokenBytes.from_tokenizer(tok), mode_of(mode)
     transitions = TransitionCache(compile_schema(SCHEMA, max_whitespace=2), vocab)
     plain_steps = 0
     for trial in range(6):
@@ -176,8 +202,8 @@ def test_json_picks_over_a_real_vocabulary_equal_the_brute_force_mask(tok, mode,
                                (p is not None and grammar.advance(c.state, p) is not None)
                                for t, p in enumerate(vocab.pieces)])
             plain_steps += transitions.takes_plain_text(c.state)
-            want = oracle_pick(logits.masked_fill(~ok, float("-inf")), sampling, gen_b)
-            assert c.pick(logits, sampling, gen_a) == want
+            want = oracle_pick(logits.masked_fill(~ok, float("-inf")), sampling, gen_b, min_p)
+            assert c.pick(logits, sampling, gen_a, min_p=min_p) == want
             if want == tok.eos_id:
                 break
     assert plain_steps > 5

@@ -83,8 +83,6 @@ def test_bad_settings_name_the_field():
                           ({"allowed": (1, -2)}, "allowed_token_ids")):
         with pytest.raises(ValueError, match=match):
             Penalties(**kwargs)
-    with pytest.raises(ValueError, match="min_p cannot be combined"):
-        PenalizedPicker(Penalties(min_p=0.1), [], [], inner=object())
 
 
 def oracle(model, prompt: list[int], penalties: Penalties, stop: list[int], steps: int) -> list[int]:
@@ -151,3 +149,27 @@ def test_penalties_around_a_grammar_constraint(model, tok):
         assert text and set(text) <= Words.ALLOWED
         if bias[0][0] == space:
             assert tokens[:5] == [space] * 5  # the grammar takes spaces; the bias wins each step
+
+
+def test_min_p_around_a_grammar_applies_after_its_mask(tok):
+    """With a grammar inside, min_p keeps the allowed tokens within min_p of the best allowed one (vLLM applies it
+    after the grammar's mask): a refused token far more likely than every allowed one does not empty the choice,
+    and an allowed token much less likely than the best allowed one is never drawn."""
+    vocab = TokenBytes(TokenBytes.from_tokenizer(tok).pieces)
+    allowed = [t for t, p in enumerate(vocab.pieces) if p and set(p) <= Words.ALLOWED]
+    refused = next(t for t, p in enumerate(vocab.pieces) if p and p[:1].isupper())
+    best, weak = allowed[0], allowed[1]
+    row = torch.full((len(vocab),), -30.0)
+    row[refused], row[best], row[weak] = 20.0, 0.0, math.log(0.05)  # weak: 0.05 x best's probability
+    sampling, drawn = SamplingParams(1.0), set()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        picker = PenalizedPicker(Penalties(min_p=0.1), [], [tok.eos_id],
+                                 inner=GrammarConstraint(TransitionCache(Words(), vocab), [tok.eos_id]))
+        drawn.add(picker.pick(row, sampling, gen))
+    assert drawn == {best}  # weak is below 0.1 x best; the refused token never counts
+    for _ in range(300):
+        picker = PenalizedPicker(Penalties(min_p=0.01), [], [tok.eos_id],
+                                 inner=GrammarConstraint(TransitionCache(Words(), vocab), [tok.eos_id]))
+        drawn.add(picker.pick(row, sampling, gen))
+    assert weak in drawn  # at 0.01 it is kept (drawn ~5% of the time)

@@ -33,6 +33,7 @@ token, as vLLM applies it after the reasoning parser's end (the block itself is 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from typing import Iterator, Sequence
 
@@ -392,16 +393,24 @@ class GrammarConstraint:
         """The output so far is a whole document (reasoning aside)."""
         return self.phase != "thinking" and self.grammar.complete(self.state)
 
-    def pick(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
-        """Samples the next token from logits [V] under the constraint (see the module docstring) and advances."""
+    def pick(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None,
+             min_p: float = 0.0) -> int:
+        """Samples the next token from logits [V] under the constraint (see the module docstring) and advances.
+        min_p (vLLM's, after the grammar's mask as vLLM applies it): of the allowed tokens, those less likely than
+        min_p times the most likely allowed one are dropped before top-k / top-p (sampled picks only)."""
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must lie in [0, 1], got {min_p!r}")
         if self.phase == "thinking":
+            if min_p and not sampling.greedy:  # no grammar inside the think block: over the whole row
+                logits = logits.masked_fill(logits < logits.max() + sampling.temperature * math.log(min_p),
+                                            float("-inf"))
             token = int(sample(logits[None], sampling, generator)[0])
             if token == self.think[1]:
                 self.phase = "grammar"
             return token
         row = logits.float().cpu().masked_fill(~self._allowed_first(), float("-inf"))  # one host copy per step
         self._plain_now = self.transitions.takes_plain_text(self.state)
-        token = self._choose(logits, row, sampling, generator)
+        token = self._choose(logits, row, sampling, generator, min_p if not sampling.greedy else 0.0)
         if token is None:
             raise RuntimeError("constrained decoding: no token of the vocabulary continues the output "
                                f"({self.grammar!r} at state {self.state!r})")
@@ -456,24 +465,39 @@ class GrammarConstraint:
                 raise _OverBudget
             yield token, self._accepts(token)
 
-    def _choose(self, logits: torch.Tensor, row: torch.Tensor, sampling: SamplingParams, generator) -> int | None:
+    def _choose(self, logits: torch.Tensor, row: torch.Tensor, sampling: SamplingParams, generator,
+                min_p: float = 0.0) -> int | None:
         """The pick: lazily over `row` (the logits on the host, first-byte candidates only; module docstring), or
         over the full mask once `lazy_checks` tokens were checked (then a filtered sample is drawn on the logits'
-        own device, where the sort of a 200K-token row is cheap)."""
+        own device, where the sort of a 200K-token row is cheap). min_p: the allowed tokens below the most likely
+        allowed one's logit + temperature x log(min_p) are left out (found lazily too: the first accepted token
+        in the row's order is the most likely allowed one)."""
         filtered = sampling.top_k or sampling.top_p < 1
         scores = row
         if not sampling.greedy and not filtered:  # Gumbel-max over the accepted tokens
             u = torch.rand(row.shape, generator=_cpu(generator)).clamp_(1e-20, 1.0)
             scores = row / sampling.temperature - torch.log(-torch.log(u))
+        floor = None  # min_p's lowest kept logit
         try:
+            if min_p:
+                best = next((t for t, ok in self._checked(_descending(row)) if ok), None)
+                if best is None:
+                    return None
+                floor = float(row[best]) + sampling.temperature * math.log(min_p)
             if not filtered:
-                return next((t for t, ok in self._checked(_descending(scores)) if ok), None)
-            kept = self._filter_set(row, sampling)
+                order = _descending(scores)
+                if floor is not None:
+                    order = (t for t in order if row[t] >= floor)
+                return next((t for t, ok in self._checked(order) if ok), None)
+            kept = self._filter_set(row, sampling, floor)
         except _OverBudget:
             self.full_masks += 1
             mask = self._full_mask()
             if not bool((mask & (row > float("-inf"))).any()):
                 return None
+            if min_p:
+                allowed = row.masked_fill(~mask, float("-inf"))
+                mask &= row >= float(allowed.max()) + sampling.temperature * math.log(min_p)
             if not filtered:
                 return int(scores.masked_fill(~mask, float("-inf")).argmax())
             index = mask.nonzero()[:, 0].to(logits.device)  # the allowed tokens alone, in id order
@@ -483,22 +507,25 @@ class GrammarConstraint:
         index = torch.tensor(kept)  # a draw among the kept tokens alone: no sort of the whole row
         return int(index[draw(row[index], sampling, generator)])
 
-    def _filter_set(self, row: torch.Tensor, sampling: SamplingParams) -> list[int]:
+    def _filter_set(self, row: torch.Tensor, sampling: SamplingParams, floor: float | None = None) -> list[int]:
         """Accepted tokens, most likely first, enough of them that top-k / top-p over them equals top-k / top-p
-        over every accepted token."""
+        over every accepted token (at least `floor`: min_p's threshold)."""
         kept: list[int] = []
+        order = _descending(row)
+        if floor is not None:  # past the floor no token counts: the scan ends there
+            order = itertools.takewhile(lambda t: row[t] >= floor, order)
         if sampling.top_k:
-            for t, ok in self._checked(_descending(row)):
+            for t, ok in self._checked(order):
                 if ok:
                     kept.append(t)
                     if len(kept) == sampling.top_k:
                         break
             return kept
         probs = (row / sampling.temperature).softmax(-1)  # over the first-byte candidates
-        if float(probs.topk(min(self.lazy_checks, probs.numel())).values.sum()) < sampling.top_p:
+        if floor is None and float(probs.topk(min(self.lazy_checks, probs.numel())).values.sum()) < sampling.top_p:
             raise _OverBudget  # a flat row: even all of the budget's tokens accepted could not settle the nucleus
         seen, found, masses = 0.0, 0.0, []
-        for t, ok in self._checked(_descending(row)):
+        for t, ok in self._checked(order):
             mass = float(probs[t])
             seen += mass
             if ok:

@@ -11,7 +11,8 @@ through, in vLLM's order:
 2. `repetition_penalty` on the tokens of the prompt and the output so far (a positive logit divided by it, a
    negative one multiplied), then `frequency_penalty` times each token's count in the output and
    `presence_penalty` for each token present in it subtracted;
-3. `min_p`: after temperature, the tokens less likely than `min_p` times the most likely one are dropped;
+3. `min_p`: after temperature, the tokens less likely than `min_p` times the most likely one are dropped (with
+   an `inner` grammar constraint, of the tokens it allows: it applies min_p itself, after its mask, as vLLM does);
 then the plain sampler (temperature, top-k, top-p), or the `inner` grammar constraint's pick. Log probabilities
 stay the model's own (the raw rows: vLLM's default).
 """
@@ -87,8 +88,6 @@ class PenalizedPicker:
                  inner=None):
         if not isinstance(penalties, Penalties):
             raise ValueError(f"penalties must be a Penalties, got {type(penalties).__name__}")
-        if inner is not None and penalties.min_p:
-            raise ValueError("min_p cannot be combined with a grammar constraint (structured outputs) here")
         self.penalties, self.inner = penalties, inner
         self.stop_tokens = list(inner.stop_tokens) if inner is not None else []
         self._held = sorted({int(t) for t in hold} | set(self.stop_tokens))
@@ -100,7 +99,7 @@ class PenalizedPicker:
     def pick(self, row: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
         adjusted = self.adjust(row, sampling)
         if self.inner is not None:
-            token = self.inner.pick(adjusted, sampling, generator)
+            token = self.inner.pick(adjusted, sampling, generator, min_p=self.penalties.min_p)
         else:
             token = int(sample(adjusted[None], sampling, generator)[0])
         self._count(token)
@@ -137,7 +136,7 @@ class PenalizedPicker:
             out -= p.frequency * self._counts
         if p.presence:
             out -= p.presence * (self._counts > 0).float()
-        if p.min_p and not sampling.greedy:
+        if p.min_p and not sampling.greedy and self.inner is None:  # (a grammar applies it after its mask)
             # p_i < min_p * p_max  <=>  logit_i < max + temperature * log(min_p)
             out = out.masked_fill(out < out.max() + sampling.temperature * math.log(p.min_p), -math.inf)
         return out

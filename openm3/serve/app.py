@@ -257,7 +257,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     def check_adjustments(req: SamplingFields) -> None:
         """A 400 naming the field for logit_bias / stop_token_ids ids outside the vocabulary, adjustments a
-        backend cannot make, and ignore_eos or min_p beside a grammar (structured outputs, a forced call)."""
+        backend cannot make, and ignore_eos beside a grammar (structured outputs, a forced call)."""
         try:
             penalties = req.penalties()
         except ValueError as e:
@@ -271,15 +271,14 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if penalties.active and not getattr(backend, "supports_constraints", False):
             raise APIError("this server's backend does not adjust logits (penalties, logit_bias, min_tokens, "
                            "min_p)", _first_adjustment(req))
-        if req.ignore_eos or req.min_p:
+        if req.ignore_eos:
             try:
                 spec = req.output_spec()
             except ValueError:
                 spec = None  # the constraint's own 400 names it
             if spec is not None:
-                param = "ignore_eos" if req.ignore_eos else "min_p"
-                raise APIError(f"{param} cannot be combined with structured outputs or a forced tool call (the "
-                               f"grammar decides where the answer ends and which tokens it may take)", param)
+                raise APIError("ignore_eos cannot be combined with structured outputs or a forced tool call (the "
+                               "grammar decides where the answer ends)", "ignore_eos")
 
     def prompt_of(messages: list[dict], tools: list[dict] | None, param: str,
                   prefill: str = "", generation_prompt: bool = True) -> tuple[list[int], PromptImages | None]:
