@@ -246,3 +246,27 @@ def test_speculative_option_errors_name_the_flag():
         main(["--preset", "m3-tiny", "--prompt-ids", "1,2", "--speculative-config", '{"num_speculative_tokens": 0}'])
     with pytest.raises(ValueError, match="speculative must be a SpeculativeConfig"):
         BatchedGenerator(torch.nn.Linear(1, 1), token_budget=16, speculative={"num_speculative_tokens": 2})
+
+
+def test_a_predicted_output_is_a_draft_source(model):
+    """A request's predicted output (`draft_contexts` / `draft_context`: OpenAI's `prediction`) is looked up
+    for drafts too: with the plain answer as the prediction, the real n-gram lookup keeps far more drafts and
+    the greedy tokens stay plain decoding's, through `generate` and `BatchedGenerator`; a prediction that is
+    wrong changes nothing but the drafts."""
+    prompts = _prompts(model, [60, 25])
+    plain, _ = generate(model, prompts, max_new_tokens=30)
+    answers = [r.tokens for r in plain]
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+    alone, alone_stats = generate(model, prompts, max_new_tokens=30, speculative=cfg)
+    told, stats = generate(model, prompts, max_new_tokens=30, speculative=cfg, draft_contexts=answers)
+    wrong, _ = generate(model, prompts, max_new_tokens=30, speculative=cfg,
+                        draft_contexts=[list(reversed(a)) for a in answers])
+    assert [r.tokens for r in alone] == [r.tokens for r in told] == [r.tokens for r in wrong] == answers
+    assert stats.accepted_tokens >= 40 > alone_stats.accepted_tokens and stats.decode_steps < 20
+    with pytest.raises(ValueError, match="draft_contexts"):
+        generate(model, prompts, max_new_tokens=2, speculative=cfg, draft_contexts=[answers[0]])
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=2, speculative=cfg)
+    out: list[int] = []
+    assert gen(prompts[0], max_new_tokens=30, on_token=out.append, draft_context=answers[0]) == "length"
+    assert out == answers[0] and gen.accepted_tokens >= 20
+    gen.close()

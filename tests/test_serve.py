@@ -548,3 +548,35 @@ def test_cli_speculative_config_serves_the_same_greedy_text(tok, tmp_path):
     assert texts[0] == texts[1] == texts[2]
     with pytest.raises(ValueError, match="--speculative-config: speculative config: unknown keys"):
         build_app(build_parser().parse_args(base + ["--speculative-config", '{"num_speculative_tokens": 2, "k": 1}']))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_predicted_output_speeds_speculation_and_changes_nothing(model, tok, stream):
+    """OpenAI's `prediction` on a server running speculative decoding: the drafts are looked up in it too, so
+    an answer that repeats it keeps far more drafts per step; the greedy answer is the same as without it."""
+    from openm3.engine.batching import BatchedGenerator
+    from openm3.engine.speculative import SpeculativeConfig
+
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=2, speculative=cfg)
+    client = TestClient(create_app(gen, tok, model_name=NAME, max_total_tokens=LIMIT, reasoning_parser="none"))
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Edit the file."}], "max_tokens": 40,
+            "temperature": 0}
+
+    def answer(**extra) -> tuple[str, int]:
+        before = gen.accepted_tokens
+        r = client.post("/v1/chat/completions", json={**body, **extra, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events(r) if c["choices"])
+        else:
+            text = r.json()["choices"][0]["message"]["content"]
+        return text, gen.accepted_tokens - before
+
+    plain, kept_alone = answer()
+    told, kept = answer(prediction={"type": "content", "content": plain})
+    parts, kept_parts = answer(prediction={"type": "content", "content": [{"type": "text", "text": plain}]})
+    assert told == parts == plain and kept >= kept_alone + 15 and kept_parts == kept
+    r = client.post("/v1/chat/completions", json={**body, "prediction": {"type": "file", "content": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prediction"
+    gen.close()

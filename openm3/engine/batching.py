@@ -166,7 +166,8 @@ class BatchedGenerator:
                  images: PromptImages | tuple | None = None, on_cached: Callable[[int], None] | None = None,
                  logprobs: int | None = None, on_logprobs: Callable[[float, list], None] | None = None,
                  prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[list], None] | None = None,
-                 constraint: GrammarConstraint | PenalizedPicker | None = None) -> str:
+                 constraint: GrammarConstraint | PenalizedPicker | None = None,
+                 draft_context: Sequence[int] | None = None) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
         returns 'stop' or 'length' when it ends. images: `(pixel_values, grid_thw)` of the prompt's image
         placeholders (VL models only). on_cached(n): called once, before the first token, with the number of
@@ -176,7 +177,8 @@ class BatchedGenerator:
         the first token, (logprob, top) of every prompt token after the first (the whole prompt is then computed,
         not read from the prefix cache). constraint: a `GrammarConstraint` (`openm3.engine.constrained`) or a
         `PenalizedPicker` (`openm3.engine.penalties`) that picks this request's tokens (structured outputs, logit
-        bias and penalties; speculative drafts are kept while they equal its picks).
+        bias and penalties; speculative drafts are kept while they equal its picks). draft_context: token ids the
+        speculative drafts may also be looked up in (a predicted output; unused without speculation).
         ValueError for a bad request or one that can never fit the cache; an exception raised by a callback ends
         the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
@@ -198,7 +200,7 @@ class BatchedGenerator:
             req.salt = b"" if vision is None else vision.digest()
             req.keys = page_keys(ids, self.cache.layout.page_size, req.salt)
         if self.speculative is not None:
-            req.history = TokenHistory(ids, max_new_tokens)
+            req.history = TokenHistory(ids, max_new_tokens, draft_context or ())
         self._start()
         self._inbox.put(req)
         req.done.wait()

@@ -160,7 +160,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              images: Sequence | None = None, speculative: SpeculativeConfig | None = None,
              logprobs: int | None = None, on_logprobs: Callable[[int, float, list], None] | None = None,
              prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[int, list], None] | None = None,
-             constraints: Sequence | None = None) -> tuple[list[GenerationResult], GenerationStats]:
+             constraints: Sequence | None = None, draft_contexts: Sequence | None = None
+             ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates continuations of a batch of token-id prompts.
 
     model: an `M3TextModel`, or an `M3ForConditionalGeneration` (its text decoder's dtype and device are the
@@ -182,6 +183,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     constraints: None, or one entry per prompt, None or a `GrammarConstraint` (`openm3.engine.constrained`) or a
     `PenalizedPicker` (`openm3.engine.penalties`: logit bias, penalties, min_tokens, min_p) that picks that
     sequence's tokens (structured outputs; with `speculative`, its drafts are kept while they equal its picks).
+    draft_contexts: None, or one entry per prompt, token ids the speculative drafts may also be looked up in (a
+    predicted output: OpenAI's `prediction`); not the model's input, and unused without `speculative`.
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -218,7 +221,10 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     gen = torch.Generator(device=device).manual_seed(seed)
     stop = set(int(t) for t in stop_tokens)
     results = [GenerationResult(prompt_len=p.numel()) for p in ids]
-    histories = [TokenHistory(p, max_new_tokens) for p in ids] if speculative else None
+    if draft_contexts is not None and len(draft_contexts) != len(ids):
+        raise ValueError(f"draft_contexts: expected one entry per prompt ({len(ids)}), got {len(draft_contexts)}")
+    contexts = draft_contexts if draft_contexts is not None else [()] * len(ids)
+    histories = [TokenHistory(p, max_new_tokens, c or ()) for p, c in zip(ids, contexts)] if speculative else None
 
     t0 = time.perf_counter()
     entries: list[list] = [[] for _ in ids]

@@ -100,12 +100,16 @@ class SpeculativeConfig:
 
 
 class TokenHistory:
-    """A sequence's tokens (prompt, then sampled), in a buffer sized once: what the drafts are looked up in."""
+    """A sequence's tokens (prompt, then sampled), in a buffer sized once: what the drafts are looked up in.
+    context: tokens the drafts may also be looked up in, placed before the prompt (a request's predicted output,
+    OpenAI's `prediction`); they are not the model's input."""
 
-    def __init__(self, prompt: torch.Tensor, max_new_tokens: int):
-        self.tokens = np.empty(prompt.numel() + max_new_tokens, dtype=np.int32)  # ids < 2**31: half the bytes
-        self.tokens[:prompt.numel()] = prompt.cpu().numpy()
-        self.size = prompt.numel()
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, context: Sequence[int] = ()):
+        lead = len(context)
+        self.tokens = np.empty(lead + prompt.numel() + max_new_tokens, dtype=np.int32)  # ids < 2**31: half the bytes
+        self.tokens[:lead] = np.asarray(context, dtype=np.int32)
+        self.tokens[lead:lead + prompt.numel()] = prompt.cpu().numpy()
+        self.size = lead + prompt.numel()
 
     def append(self, token: int) -> None:
         self.tokens[self.size] = token

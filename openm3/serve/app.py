@@ -88,7 +88,7 @@ class ModelBackend:
                  images: PromptImages | None = None, logprobs: int | None = None,
                  on_logprobs: Callable[[float, list], None] | None = None, prompt_logprobs: int | None = None,
                  on_prompt_logprobs: Callable[[list], None] | None = None,
-                 constraint: GrammarConstraint | None = None) -> str:
+                 constraint: GrammarConstraint | None = None, draft_context: list[int] | None = None) -> str:
         from ..engine.generate import generate
 
         report = None if on_logprobs is None else (lambda _b, lp, top: on_logprobs(lp, top))
@@ -98,7 +98,8 @@ class ModelBackend:
                               max_total_tokens=len(prompt) + max_new_tokens,
                               images=None if images is None else [images], speculative=self.speculative,
                               logprobs=logprobs, on_logprobs=report, prompt_logprobs=prompt_logprobs,
-                              on_prompt_logprobs=report_prompt, constraints=[constraint])
+                              on_prompt_logprobs=report_prompt, constraints=[constraint],
+                              draft_contexts=[draft_context])
         return results[0].finish_reason
 
 
@@ -302,14 +303,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             on_part: Callable[[str, str], None], cancelled: threading.Event | None = None, *,
             images: PromptImages | None = None, on_start: Callable[[], None] | None = None,
             logprobs: TokenLogprobs | None = None, prompt_logprobs: bool = False, seed: int | None = None,
-            constraint: GrammarConstraint | None = None) -> str:
+            constraint: GrammarConstraint | None = None, prediction: list[int] | None = None) -> str:
         """Generates (under the lock unless the backend is concurrent), feeding `stream` and calling
         `on_part(kind, text)` with its routed deltas (`TextStream.parts`); returns the finish reason ('stop' |
         'length'). `images` go to the backend only when there are some. on_start(): called once, when the
         request's prompt is known to be admitted (`stream.cached` is then set) or at its first token, whichever
         the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it), and
         with prompt_logprobs those of the prompt's tokens too. seed: the sampler's (default: the request's, else
-        a random one). constraint: picks the tokens (structured outputs, `constraint_maker`).
+        a random one). constraint: picks the tokens (structured outputs, `constraint_maker`). prediction: a
+        predicted output's token ids (OpenAI's `prediction`), where a speculative backend looks drafts up too.
 
         The end-of-turn token `[e~[` is the stop token of every endpoint (not with `ignore_eos`), and so are a
         request's `stop_token_ids`; they are counted but not decoded. A request's logits adjustments
@@ -354,6 +356,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             extra["on_cached"] = on_cached
         if constraint is not None:
             extra["constraint"] = constraint
+        if prediction and getattr(backend, "speculative", None) is not None:
+            extra["draft_context"] = prediction
         if logprobs is not None:
             extra.update(logprobs=logprobs.top, on_logprobs=logprobs.on_logprobs)
             if prompt_logprobs:
@@ -559,6 +563,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         seeds = choice_seeds(req, req.n)
         constrain = constraint_maker(req.output_spec, "tool_choice" if req.tool_choice not in (None, "auto", "none")
                                      else "response_format", prompt)
+        prediction = tokenizer.encode(req.prediction.text()) if req.prediction is not None else None
 
         def answer(k: int, finish: str) -> tuple[str, list[dict], str]:
             """(choice k's whole text, OpenAI tool_calls, finish_reason) once its generation has finished."""
@@ -574,7 +579,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         def job(k: int, on_part: Callable[[str, str], None]) -> Callable[[threading.Event], str]:
             return lambda cancelled: run(req, prompt, max_new, streams[k], on_part, cancelled, images=images,
-                                         logprobs=lps[k], seed=seeds[k], constraint=constrain())
+                                         logprobs=lps[k], seed=seeds[k], constraint=constrain(),
+                                         prediction=prediction)
 
         def message_choice(k: int, finish: str) -> dict:
             whole, tool_calls, finish = answer(k, finish)

@@ -274,14 +274,28 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output (`{"type": "content", "content": ...}`): text the answer is expected to largely
+    repeat (a file being edited). A server running speculative decoding looks its drafts up in it too, so the
+    answer's tokens that follow it are confirmed several per step; the answer is the same either way."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`; max_tokens (or its newer name max_completion_tokens) defaults to what the
     context limit leaves after the prompt. tool_choice: 'auto' (default) lets the model decide; 'none' returns
     any tool call the model writes as plain content; 'required' (one or more calls) and a named function (one call
     of it) constrain decoding to a tool-call block (`openm3.engine.tool_grammar`). parallel_tool_calls false: at
-    most one call (a forced call's grammar allows one; with 'auto' the calls after the first are dropped)."""
+    most one call (a forced call's grammar allows one; with 'auto' the calls after the first are dropped).
+    prediction: a predicted output, a draft source for speculative decoding (`Prediction`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    prediction: Prediction | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
