@@ -92,7 +92,7 @@ class DecodeGraphs:
         self.replays = 0
         self.eager_steps = 0
         self.rebinds = 0
-        self._batches: OrderedDict[tuple[int, int, int], _Batch] = OrderedDict()  # by (B, q_len, width)
+        self._batches: OrderedDict[tuple[int, int, int], _Batch] = OrderedDict()  # by (rows, q_len, width)
         self._pool = None  # the graphs' shared memory pool, made at the first capture
 
     @torch.no_grad()

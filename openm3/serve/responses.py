@@ -210,11 +210,14 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
     sharing `create_app`'s validation, prompt building (input_image parts are accepted when `takes_images`),
     generation, log probabilities and streaming; stored responses go to `store`."""
 
+    def missing(response_id: str) -> Exception:
+        return api_error(f"response_id: no stored response {response_id!r} (this server keeps the last "
+                         f"{store.capacity} responses made with store: true, in memory)", "response_id", 404)
+
     def stored(response_id: str, what: Callable):
         found = what(response_id)
         if found is None:
-            raise api_error(f"response_id: no stored response {response_id!r} (this server keeps the last "
-                            f"{store.capacity} responses made with store: true, in memory)", "response_id", 404)
+            raise missing(response_id)
         return found
 
     @app.get(RESPONSES_PATH + "/{response_id}")
@@ -229,7 +232,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
     @app.delete(RESPONSES_PATH + "/{response_id}")
     def delete_response(response_id: str):
         if not store.delete(response_id):
-            stored(response_id, lambda _rid: None)
+            raise missing(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post(RESPONSES_PATH)
