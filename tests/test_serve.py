@@ -563,20 +563,54 @@ def test_a_predicted_output_speeds_speculation_and_changes_nothing(model, tok, s
     body = {"model": NAME, "messages": [{"role": "user", "content": "Edit the file."}], "max_tokens": 40,
             "temperature": 0}
 
-    def answer(**extra) -> tuple[str, int]:
+    def answer(**extra) -> tuple[str, int, dict]:
         before = gen.accepted_tokens
-        r = client.post("/v1/chat/completions", json={**body, **extra, "stream": stream})
+        r = client.post("/v1/chat/completions", json={**body, **extra, "stream": stream,
+                                                      **({"stream_options": {"include_usage": True}} if stream else {})})
         assert r.status_code == 200, r.text
         if stream:
-            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events(r) if c["choices"])
+            chunks = events(r)
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+            used = chunks[-1]["usage"]
         else:
-            text = r.json()["choices"][0]["message"]["content"]
-        return text, gen.accepted_tokens - before
+            text, used = r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+        return text, gen.accepted_tokens - before, used
 
-    plain, kept_alone = answer()
-    told, kept = answer(prediction={"type": "content", "content": plain})
-    parts, kept_parts = answer(prediction={"type": "content", "content": [{"type": "text", "text": plain}]})
+    plain, kept_alone, used = answer()
+    told, kept, told_used = answer(prediction={"type": "content", "content": plain})
+    parts, kept_parts, _ = answer(prediction={"type": "content", "content": [{"type": "text", "text": plain}]})
     assert told == parts == plain and kept >= kept_alone + 15 and kept_parts == kept
+    # usage: the predicted tokens the answer repeats are accepted; a prediction half unlike it is half rejected
+    predicted = len(tok.encode(plain))
+    assert "completion_tokens_details" not in used
+    assert told_used["completion_tokens_details"] == {"accepted_prediction_tokens": predicted,
+                                                      "rejected_prediction_tokens": 0}
+    assert told_used["completion_tokens"] == used["completion_tokens"]
+    head, filler = tok.decode(tok.encode(plain)[:predicted // 2]), " zq" * (predicted // 8)
+    _, _, half_used = answer(prediction={"type": "content", "content": head + filler})
+    details = half_used["completion_tokens_details"]
+    assert len(tok.encode(head)) - 1 <= details["accepted_prediction_tokens"] <= len(tok.encode(head)) + 1
+    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] == \
+        len(tok.encode(head + filler))
     r = client.post("/v1/chat/completions", json={**body, "prediction": {"type": "file", "content": "x"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prediction"
+    r = client.post("/v1/chat/completions", json={**body, "prediction": {"type": "content", "content": " zq" * LIMIT}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prediction", r.text
     gen.close()
+
+
+def test_prediction_tokens_are_the_predicted_tokens_the_answer_repeats_in_order():
+    """`prediction_tokens` against hand-counted cases: the same text, one token changed, tokens inserted, an
+    answer that repeats part of it, reordered blocks (only one of two swapped blocks is in order), none shared."""
+    from openm3.serve.stream import prediction_tokens
+
+    file = list(range(100, 400))
+    assert prediction_tokens(file, file) == (300, 0)
+    assert prediction_tokens(file, file[:150] + [7] + file[151:]) == (299, 1)
+    assert prediction_tokens(file, file[:150] + [7, 8, 9] + file[150:] + [5]) == (300, 0)
+    assert prediction_tokens(file, file[:40]) == (40, 260)
+    assert prediction_tokens(file, file[200:] + file[:200]) == (200, 100)
+    assert prediction_tokens(file, [1, 2, 3]) == (0, 300)
+    assert prediction_tokens([], [1, 2]) == (0, 0)
+    code = [1, 2, 1, 3] * 150  # tokens past difflib's 1% rule still count where a match runs through them
+    assert prediction_tokens(code, code[:300] + [9] + code[301:]) == (599, 1)

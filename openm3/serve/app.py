@@ -57,7 +57,7 @@ from .images import data_url_part
 from .logprobs import TokenLogprobs
 from .reasoning import ReasoningSplitter
 from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, SamplingFields, error_body
-from .stream import TextStream
+from .stream import TextStream, prediction_tokens
 from .structured import StructuredOutputs
 
 
@@ -411,16 +411,24 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             splitter = ReasoningSplitter(started=opens_think(prompt))
         return TextStream(tokenizer, stop, hold=hold, reasoning=splitter, min_tokens=min_tokens)
 
-    def usage(prompts: list[list[int]], streams: list[TextStream]) -> dict:
+    def usage(prompts: list[list[int]], streams: list[TextStream], prediction: list[int] | None = None) -> dict:
         """OpenAI's usage of a request whose prompts got `len(streams) // len(prompts)` choices each (prompt i's are
         streams i*n .. i*n+n-1): each prompt counts once, every choice's tokens count; a prompt's cached tokens are
-        its choices' most."""
+        its choices' most. prediction: a predicted output's tokens, whose accepted and rejected tokens
+        (`prediction_tokens`, against each choice's text encoded again, so sampled tokens that spell the same text
+        differently still match) are summed over the choices; unlike OpenAI, rejected ones are not billed as
+        completion tokens (they were never generated)."""
         n = len(streams) // len(prompts)
         sampled = sum(stream.sampled for stream in streams)
         given = sum(len(prompt) for prompt in prompts)
         cached = sum(max(stream.cached for stream in streams[i * n:(i + 1) * n]) for i in range(len(prompts)))
-        return {"prompt_tokens": given, "completion_tokens": sampled, "total_tokens": given + sampled,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        counts = {"prompt_tokens": given, "completion_tokens": sampled, "total_tokens": given + sampled,
+                  "prompt_tokens_details": {"cached_tokens": cached}}
+        if prediction is not None:
+            kept = [prediction_tokens(prediction, tokenizer.encode(stream.text)) for stream in streams]
+            counts["completion_tokens_details"] = {"accepted_prediction_tokens": sum(a for a, _ in kept),
+                                                   "rejected_prediction_tokens": sum(r for _, r in kept)}
+        return counts
 
     def choice_seeds(req: SamplingFields, count: int) -> list[int]:
         """Each choice's sampler seed: the request's seed plus the choice's index (so choices differ, and the
@@ -564,6 +572,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         constrain = constraint_maker(req.output_spec, "tool_choice" if req.tool_choice not in (None, "auto", "none")
                                      else "response_format", prompt)
         prediction = tokenizer.encode(req.prediction.text()) if req.prediction is not None else None
+        if prediction is not None and len(prediction) > max_total_tokens:
+            raise APIError(f"prediction has {len(prediction)} tokens; at most the configured maximum of "
+                           f"{max_total_tokens} tokens can be predicted", "prediction")
 
         def answer(k: int, finish: str) -> tuple[str, list[dict], str]:
             """(choice k's whole text, OpenAI tool_calls, finish_reason) once its generation has finished."""
@@ -599,7 +610,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if not req.stream:
             finishes = each_choice([job(k, lambda _k, _t: None) for k in range(req.n)])
             return {**head, "choices": [message_choice(k, finish) for k, finish in enumerate(finishes)],
-                    "usage": usage([prompt], streams)}
+                    "usage": usage([prompt], streams, prediction)}
 
         head = {**head, "object": "chat.completion.chunk"}
 
@@ -633,7 +644,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
             each_choice([streamed(k) for k in range(req.n)], cancelled)
             if req.stream_options and req.stream_options.include_usage:
-                put({**head, "choices": [], "usage": usage([prompt], streams)})
+                put({**head, "choices": [], "usage": usage([prompt], streams, prediction)})
 
         return sse(produce)
 
