@@ -5,6 +5,8 @@ are right.
     python -m benchmarks.speculative_decode --preset m3-small --prompt 16384 --batch 8 --out DIR
     python -m benchmarks.speculative_decode --preset m3-tiny --device cpu --prompt 256 --new 12 --drafts 2 \\
         --alphas 1.0   # smoke
+    python -m benchmarks.speculative_decode --preset m3-small --prompt 131072 --drafts 4 --alphas 0,0.25,0.5,1 \\
+        --adaptive --out DIR   # each setting also with the adaptive gate
     python -m benchmarks.speculative_decode --checkpoint DIR --corpus stdlib --prompt 512 --batch 8 --new 128 \\
         --device cpu   # a trained model on held-out text: how often the real lookup's drafts are right
 
@@ -119,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=256, help="new tokens per sequence")
     p.add_argument("--drafts", default="2,4,7", help="comma-separated drafts per step")
     p.add_argument("--alphas", default="0.5,0.8,1.0", help="comma-separated shares of right scripted drafts")
+    p.add_argument("--adaptive", action="store_true", help="also run every setting with the adaptive gate "
+                   "(`SpeculativeConfig(adaptive=True)`: speculate only where the drafts pay for the step)")
     p.add_argument("--checkpoint", default=None, help="a local checkpoint directory instead of --preset's random "
                    "weights (its text decoder; bf16 on CUDA, fp32 on a CPU)")
     p.add_argument("--corpus", default=None, help="with --checkpoint: prompts from this corpus's held-out "
@@ -153,19 +157,21 @@ def main(argv=None) -> int:
                    same_tokens=tokens == plain_tokens,
                    kept_share=fig["accepted_tokens"] / fig["draft_tokens"] if fig["draft_tokens"] else 0.0)
         res["settings"].append(fig)
-        print(f"{name:9s} K={k} alpha={alpha if alpha is not None else '-':>4}: {fig['tokens_per_s']:8.1f} tokens/s "
+        print(f"{name:14s} K={k} alpha={alpha if alpha is not None else '-':>4}: {fig['tokens_per_s']:8.1f} tokens/s "
               f"= {fig['speedup']:.2f}x plain, {fig['accepted_tokens']}/{fig['draft_tokens']} drafts kept, "
               f"{fig['tokens_per_step']:.2f} tokens/step, {fig['spec_steps']}/{fig['decode_steps']} speculative "
               f"steps, same tokens: {fig['same_tokens']}", flush=True)
 
     for k in [int(x) for x in args.drafts.split(",")]:
-        cfg = SpeculativeConfig(num_speculative_tokens=k)
-        tokens, fig = run(model, prompts, args.new, cfg)
-        record("ngram", k, None, tokens, fig)
-        for alpha in [float(x) for x in args.alphas.split(",")]:
-            lookup = scripted_drafts(answers, args.prompt, alpha, vocab, seed=k)
-            tokens, fig = run(model, prompts, args.new, cfg, lookup)
-            record("scripted", k, alpha, tokens, fig)
+        for adaptive in [False, True] if args.adaptive else [False]:
+            cfg = SpeculativeConfig(num_speculative_tokens=k, adaptive=adaptive)
+            tag = "+gate" if adaptive else ""
+            tokens, fig = run(model, prompts, args.new, cfg)
+            record("ngram" + tag, k, None, tokens, fig)
+            for alpha in [float(x) for x in args.alphas.split(",")]:
+                lookup = scripted_drafts(answers, args.prompt, alpha, vocab, seed=k)
+                tokens, fig = run(model, prompts, args.new, cfg, lookup)
+                record("scripted" + tag, k, alpha, tokens, fig)
     cfg = SpeculativeConfig(num_speculative_tokens=4)
     res["lookup_us_per_call"] = lookup_us(np.asarray(prompts[0] + plain_tokens[0], dtype=np.int64), cfg)
     print(f"n-gram lookup over {args.prompt + args.new} tokens: {res['lookup_us_per_call']:.1f} us per call")

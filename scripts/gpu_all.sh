@@ -86,6 +86,11 @@ for s in "${stages[@]}"; do
       python3 -m benchmarks.speculative_decode --out "$OUT" ${SPEC_ARGS:-} 2>&1 | tee "$OUT/speculative.log" | tail -12
       python3 -m benchmarks.speculative_decode --out "$OUT" --prompt 16384 --batch 8 --drafts 4 2>&1 \
         | tee "$OUT/speculative_b8.log" | tail -6 ;;
+    specgate)  # m3-small: speculation with and without the adaptive gate, drafts right at 0 / 25 / 50 / 100%
+      python3 -m benchmarks.speculative_decode --out "$OUT" --prompt 131072 --new 128 --drafts 4 --alphas 0,0.25,0.5,1 \
+        --adaptive 2>&1 | tee "$OUT/specgate_b1.log" | tail -11
+      python3 -m benchmarks.speculative_decode --out "$OUT" --prompt 16384 --batch 8 --new 128 --drafts 4 \
+        --alphas 0,0.25,0.5,1 --adaptive 2>&1 | tee "$OUT/specgate_b8.log" | tail -11 ;;
     prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off
       python3 -m benchmarks.serve_prefix --out "$OUT" ${PREFIX_ARGS:---parallel 4} 2>&1 | tee "$OUT/serve_prefix.log" \
         | tail -11 ;;

@@ -1,7 +1,10 @@
 """Speculative decoding with n-gram drafts (`openm3.engine.speculative`): the lookup, the configuration, the
 verification rule (greedy and sampled: the sampled rule's output distribution is checked by counting), and
 `generate` / `BatchedGenerator` with speculation giving plain decoding's greedy tokens while drafts are kept and
-rejected, stop tokens fall inside a step's drafts, and prefix caching files the pages such steps wrote."""
+rejected, stop tokens fall inside a step's drafts, and prefix caching files the pages such steps wrote; the
+adaptive gate (`openm3.engine.spec_gate`): its decision from the kept-draft rate and the step times, shadow drafts
+settled by the tokens plain steps give, and the engines speculating where the drafts are right and not where they
+never are."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import openm3.engine.speculative as speculative
 from openm3.engine import generate
 from openm3.engine.batching import BatchedGenerator
 from openm3.engine.sampling import SamplingParams, filter_logits
+from openm3.engine.spec_gate import SpeculationGate
 from openm3.engine.speculative import SpeculativeConfig, TokenHistory, ngram_drafts, step_drafts, verify
 from openm3.models import M3TextConfig, M3TextModel
 
@@ -269,4 +273,130 @@ def test_a_predicted_output_is_a_draft_source(model):
     out: list[int] = []
     assert gen(prompts[0], max_new_tokens=30, on_token=out.append, draft_context=answers[0]) == "length"
     assert out == answers[0] and gen.accepted_tokens >= 20
+    gen.close()
+
+
+# ---------------------------------------------------------------------------------------------------- the gate
+
+def test_the_gate_learns_the_kept_rate_from_shadow_drafts():
+    """Nothing known: plain, and the drafts become shadows; tokens that repeat a shadow's drafts settle it at the
+    number matched (over several steps, up to its length or the first miss). A shadow still matching counts
+    for its matches so far where that is enough to speculate."""
+    gate = SpeculationGate(prior_ratio=4.0)  # a speculative step costs 4 plain ones
+    assert not gate.speculate(["a"], [[5, 6, 7]]) and gate.kept_rate is None
+    gate.record(["a"], [[5]], None, speculative=False)
+    assert gate.kept_rate is None  # 1 matched, more may follow
+    assert not gate.speculate(["a"], [[9, 9, 9]])  # 1 + 1 < 4; a shadow is pending: these drafts are not taken
+    gate.record(["a"], [[6]], None, speculative=False)
+    gate.record(["a"], [[1]], None, speculative=False)  # the third draft missed: 2 kept
+    assert gate.kept_rate == 2.0
+    assert not gate.speculate(["a"], [[3, 4, 5]])  # 1 + 2 < 4
+    for token in (3, 4, 5):
+        gate.record(["a"], [[token]], None, speculative=False)
+    assert gate.kept_rate == pytest.approx(2.0 + (3.0 - 2.0) / 16)  # all 3 matched
+    gate.kept_rate = 3.5
+    assert gate.speculate(["a"], [[3, 4, 5]])  # 1 + 3.5 > 4
+    gate.record(["a"], [[3, 4, 8]], None, speculative=True, accepted=2)
+    assert gate.kept_rate == pytest.approx(3.5 + (2.0 - 3.5) / 16)
+
+    gate = SpeculationGate()  # the prior ratio, 1.5
+    assert not gate.speculate(["a"], [[5, 6, 7]])
+    gate.record(["a"], [[5]], None, speculative=False)
+    assert gate.speculate(["a"], [[6, 7, 8]]) and gate.kept_rate == 1.0  # settled early at 1: 1 + 1 > 1.5
+
+    gate = SpeculationGate(weight=1.0)
+    gate.speculate(["a", "b"], [[1, 2], [3, 4]])
+    gate.record(["a", "b"], [[7], [3, 4]], None, speculative=False)  # a missed at once; b matched both
+    assert gate.kept_rate == 2.0  # b last (weight 1: the latest observation)
+    gate.speculate(["b"], [[1]])  # a left the batch: its shadow is dropped
+    assert not gate.speculate(["b"], [[]]) and gate.said_yes == 1
+
+
+def test_the_gate_declines_drafts_that_do_not_pay_for_the_step():
+    """The decision: (B + m a) * t_plain > B * t_spec, with measured step times (the first of each kind and
+    batch size and untimed steps left out) or the prior ratio."""
+    gate = SpeculationGate(weight=1.0)
+    gate.speculate(["a"], [[1]])
+    gate.record(["a"], [[2]], None, speculative=False)
+    assert gate.kept_rate == 0.0 and not gate.speculate(["a"], [[1]])  # never right: plain
+    gate.kept_rate = 0.6
+    assert gate.ratio(1) == 1.5 and gate.speculate(["a"], [[1]])  # 1.6 > 1.5
+    for seconds in (9.0, 1.0, 1.0):  # the first plain step is left out
+        gate.record(["a"], [[4]], seconds, speculative=False)
+    gate.record(["a"], [[4, 5]], 0.5, speculative=True, accepted=0)  # the first speculative step is left out
+    gate.kept_rate = 0.6
+    gate.record(["a"], [[4, 5]], 1.8, speculative=True, accepted=0)
+    gate.kept_rate = 0.6
+    gate.record(["a"], [[4, 5]], None, speculative=True, accepted=0)  # untimed: a capture
+    assert gate.ratio(1) == pytest.approx(1.8) and gate.ratio(2) == 1.5  # batch sizes apart
+    gate.kept_rate = 0.6
+    assert not gate.speculate(["a"], [[1]])  # 1.6 < 1.8
+    gate.kept_rate = 0.9
+    assert gate.speculate(["a"], [[1]])
+    # a batch of 4 where one sequence has drafts: 4 + 0.9 tokens against 4 x 1.5
+    assert not gate.speculate(["a", "b", "c", "d"], [[1], [], [], []])
+    assert gate.speculate(["a", "b", "c", "d"], [[1], [2], [3], [4]])  # 4 + 3.6 > 6
+    with pytest.raises(ValueError, match="prior_ratio"):
+        SpeculationGate(prior_ratio=0.5)
+    with pytest.raises(ValueError, match="weight"):
+        SpeculationGate(weight=0.0)
+
+
+def test_adaptive_is_read_from_the_json_config():
+    assert SpeculativeConfig.parse('{"num_speculative_tokens": 3, "adaptive": true}').adaptive
+    assert not SpeculativeConfig.parse('{"num_speculative_tokens": 3}').adaptive
+    with pytest.raises(ValueError, match="adaptive must be true or false"):
+        SpeculativeConfig.parse('{"num_speculative_tokens": 3, "adaptive": "yes"}')
+    assert "adaptive" in SpeculativeConfig(adaptive=True).describe()
+
+
+# ------------------------------------------------------------------------------------------ gate in the engines
+
+def _scripted(monkeypatch, answers: dict[tuple, list[int]], right: bool):
+    """Drafts from the known greedy answers: each sequence's next answer tokens (right), or each of them plus
+    one (never right)."""
+    def drafts(tokens, k, config):
+        for prompt, answer in answers.items():
+            if tuple(tokens[:len(prompt)].tolist()) == prompt:
+                done = len(tokens) - len(prompt)
+                d = answer[done:done + k] + [7] * max(0, k - len(answer[done:]))
+                return d if right else [(t + 1) % 97 for t in d]
+        return []
+
+    monkeypatch.setattr(speculative, "ngram_drafts", drafts)
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["right", "wrong"])
+def test_generate_adaptive_speculates_only_on_drafts_that_are_right(model, monkeypatch, right):
+    """Right drafts: after the first plain steps (whose shadows show them right) every step speculates; drafts
+    that are never right: no speculative step at all. The greedy tokens are plain decoding's in both."""
+    prompts = _prompts(model, [70, 23])
+    plain, _ = generate(model, prompts, max_new_tokens=30)
+    _scripted(monkeypatch, {tuple(p): r.tokens for p, r in zip(prompts, plain)}, right)
+    got, stats = generate(model, prompts, max_new_tokens=30,
+                          speculative=SpeculativeConfig(num_speculative_tokens=4, adaptive=True))
+    assert [r.tokens for r in got] == [r.tokens for r in plain]
+    if right:
+        assert stats.spec_steps >= stats.decode_steps - 2 and stats.decode_steps <= 10
+    else:
+        assert stats.spec_steps == 0 and stats.decode_steps == 29
+    assert "speculation gate" in stats.summary()
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["right", "wrong"])
+def test_batched_generator_adaptive_speculates_only_on_drafts_that_are_right(model, monkeypatch, right):
+    prompts = _prompts(model, [40, 9])
+    plain = [generate(model, [p], max_new_tokens=20)[0][0].tokens for p in prompts]
+    _scripted(monkeypatch, {tuple(p): a for p, a in zip(prompts, plain)}, right)
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=2, chunk_size=64,
+                           speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=True))
+    for prompt, want in zip(prompts, plain):
+        out = []
+        assert gen(prompt, max_new_tokens=20, on_token=out.append) == "length"
+        assert out == want
+    metrics = {name: value for name, _, _, value in gen.metrics()}
+    if right:
+        assert gen.spec_steps >= gen.steps - 4 and gen.steps <= 16
+    else:
+        assert gen.spec_steps == 0 and metrics["spec_decode_gate_declined_total"] >= 30
     gen.close()

@@ -42,6 +42,7 @@ import dataclasses
 import itertools
 import queue
 import threading
+import time
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -52,6 +53,7 @@ from .penalties import PenalizedPicker
 from .generate import check_constraints, check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
+from .spec_gate import SpeculationGate
 from .speculative import SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
 
@@ -136,6 +138,7 @@ class BatchedGenerator:
         self.interleave_prefill = interleave_prefill
         self.prefill_chunks_per_step = prefill_chunks_per_step
         self.speculative = speculative
+        self.gate = SpeculationGate() if speculative is not None and speculative.adaptive else None
         self.cache = PagedCache(self.plan, self.device, prefix_caching=prefix_caching)
         self.max_batch, self.chunk_size = max_batch, chunk_size
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -341,10 +344,12 @@ class BatchedGenerator:
         drafts = None
         if self.speculative is not None:
             rooms = [self.cache.capacity(r.id) - self.cache.length(r.id) - 1 for r in batch]
-            drafts = step_drafts([r.history for r in batch], rooms, self.speculative)
+            drafts = step_drafts([r.history for r in batch], rooms, self.speculative, self.gate, ids)
         fed = [[r.last] + (drafts[i] if drafts else []) for i, r in enumerate(batch)]
         feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64, device=self.device)
         lengths = [self.cache.length(i) for i in ids]
+        t_step, had = time.perf_counter(), [len(r.outputs) for r in batch]
+        warm = (self.graphs.captures, self.graphs.eager_steps) if self.graphs else None
         try:
             logits = self.graphs.step(ids, feed) if self.graphs else decode_step(self.text, self.cache, ids, feed)
         except Exception as e:  # noqa: BLE001
@@ -353,19 +358,25 @@ class BatchedGenerator:
             return
         self.steps += 1
         self.batch_sizes[len(batch)] += 1
+        accepted = 0
         if drafts is None:
             self._emit(batch, logits)
-            return
-        self.spec_steps += 1
-        kept_lists, accepted = keep_verified(self.cache, ids, lengths, logits, drafts,
-                                             [(r.sampling, r.gen, r.stop_tokens, r.max_new_tokens - r.produced,
-                                               r.constraint) for r in batch])
-        self.draft_tokens += sum(len(d) for d in drafts)
-        self.accepted_tokens += accepted
-        for i, (req, kept) in enumerate(zip(batch, kept_lists)):
-            for j, token in enumerate(kept):
-                if not self._give(req, token, logits[i, j]):
-                    break
+        else:
+            self.spec_steps += 1
+            kept_lists, accepted = keep_verified(self.cache, ids, lengths, logits, drafts,
+                                                 [(r.sampling, r.gen, r.stop_tokens, r.max_new_tokens - r.produced,
+                                                   r.constraint) for r in batch])
+            self.draft_tokens += sum(len(d) for d in drafts)
+            self.accepted_tokens += accepted
+            for i, (req, kept) in enumerate(zip(batch, kept_lists)):
+                for j, token in enumerate(kept):
+                    if not self._give(req, token, logits[i, j]):
+                        break
+        if self.gate is not None:  # a step that ran eagerly or captured a graph tells nothing of the step's cost
+            timed = warm is None or warm == (self.graphs.captures, self.graphs.eager_steps)
+            self.gate.record(ids, [r.outputs[n:] for r, n in zip(batch, had)],
+                             time.perf_counter() - t_step if timed else None, speculative=drafts is not None,
+                             accepted=accepted)
 
     def _emit(self, batch: list[_Request], logits: torch.Tensor) -> None:
         """Samples one token per request of `batch` from its logits row and hands it over (after its prompt's log
@@ -456,4 +467,7 @@ class BatchedGenerator:
              "change to a shape seen before)", self.graphs.rebinds),
             ("cuda_graph_eager_steps_total", "counter", "decode steps run eagerly (a new shape's first step)",
              self.graphs.eager_steps),
+        ]) + ([] if self.gate is None else [
+            ("spec_decode_gate_declined_total", "counter", "decode steps with drafts that the adaptive gate ran "
+             "plainly (their drafts not expected to pay for a speculative step)", self.gate.said_no),
         ])

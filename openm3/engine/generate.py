@@ -28,6 +28,7 @@ from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
 from .penalties import Penalties, PenalizedPicker
+from .spec_gate import SpeculationGate
 from .speculative import SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -61,6 +62,7 @@ class GenerationStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     speculative: str = ""  # the speculative config, when on
+    spec_gate: str = ""  # what an adaptive config's gate did (`SpeculationGate.describe`)
     cache_bytes: int = 0
     weight_bytes: int = 0
     workspace_bytes: int = 0  # planned estimate
@@ -97,7 +99,8 @@ class GenerationStats:
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
         per_step = self.decode_tokens / self.decode_steps if self.decode_steps else float("nan")
         return (f"{self.speculative}: {self.accepted_tokens} of {self.draft_tokens} drafts kept ({rate:.1%}) in "
-                f"{self.spec_steps} of {self.decode_steps} steps; {per_step:.2f} tokens per sequence per step")
+                f"{self.spec_steps} of {self.decode_steps} steps; {per_step:.2f} tokens per sequence per step"
+                + (f" ({self.spec_gate})" if self.spec_gate else ""))
 
     def summary(self) -> str:
         gib = 2.0 ** 30
@@ -247,6 +250,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     stats.ttft_s = time.perf_counter() - t0
 
     graphs = DecodeGraphs(lm, cache) if (cuda if cuda_graphs is None else cuda_graphs) else None
+    gate = SpeculationGate() if speculative is not None and speculative.adaptive else None
     t1 = time.perf_counter()
     live = set(range(len(ids)))
     while running:
@@ -256,11 +260,12 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         drafts = None
         if speculative is not None:
             rooms = [cache.capacity(b) - cache.length(b) - 1 for b in running]
-            drafts = step_drafts([histories[b] for b in running], rooms, speculative)
+            drafts = step_drafts([histories[b] for b in running], rooms, speculative, gate, running)
         fed = [[results[b].tokens[-1]] + (drafts[i] if drafts else []) for i, b in enumerate(running)]
         feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64, device=device)
         lengths = [cache.length(b) for b in running]
         t_step, captures = time.perf_counter(), graphs.captures if graphs else 0
+        eager = graphs.eager_steps if graphs else 0
         logits = graphs.step(running, feed) if graphs else decode_step(lm, cache, running, feed)
         rows = logits[:, None] if drafts is None else logits  # [B, tokens fed, V]
         if drafts is None:
@@ -274,6 +279,10 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
             stats.draft_tokens += sum(len(d) for d in drafts)
             stats.accepted_tokens += accepted
             stats.spec_steps += 1
+        if gate is not None:  # a step that ran eagerly or captured a graph tells nothing of the step's cost
+            timed = graphs is None or (graphs.captures == captures and graphs.eager_steps == eager)
+            gate.record(running, tokens, time.perf_counter() - t_step if timed else None,
+                        speculative=drafts is not None, accepted=accepted if drafts is not None else 0)
         produced = sum(len(t) for t in tokens)
         if stats.decode_tokens == 0:
             stats.first_step_s, stats.first_step_tokens = time.perf_counter() - t1, produced
@@ -289,6 +298,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     stats.decode_s = time.perf_counter() - t1
     if graphs is not None:
         stats.graph_captures, stats.graph_replays = graphs.captures, graphs.replays
+    if gate is not None:
+        stats.spec_gate = gate.describe()
     return results, stats
 
 

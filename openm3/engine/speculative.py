@@ -49,12 +49,15 @@ __all__ = ["SpeculativeConfig", "TokenHistory", "ngram_drafts", "step_drafts", "
 class SpeculativeConfig:
     """method: 'ngram' (prompt lookup, the only one); num_speculative_tokens: drafts per step, 1 ..
     MAX_DECODE_QUERIES - 1 (a step feeds them and the last token); prompt_lookup_max / _min: the longest and
-    shortest suffix of a sequence's tokens looked up (the longest that occurs earlier wins)."""
+    shortest suffix of a sequence's tokens looked up (the longest that occurs earlier wins); adaptive (this
+    project's key, not vLLM's): a step speculates only when the drafts it is expected to keep pay for its longer
+    step (`spec_gate.SpeculationGate`: kept-draft rate and step times measured as it decodes)."""
 
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     method: str = "ngram"
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -66,12 +69,14 @@ class SpeculativeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < low or (high and value > high):
                 bound = f"in [{low}, {high}]" if high else f">= {low}"
                 raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
 
     @classmethod
     def parse(cls, text: str | dict) -> "SpeculativeConfig":
         """From vLLM's `--speculative-config` JSON (or its dict): 'method', 'num_speculative_tokens',
         'prompt_lookup_max', 'prompt_lookup_min' (the lookup bounds default to 4 and 2, or to each other when
-        only one is given). ValueError naming what is wrong."""
+        only one is given), and this project's 'adaptive'. ValueError naming what is wrong."""
         if isinstance(text, str):
             try:
                 text = json.loads(text)
@@ -96,7 +101,7 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         return (f"ngram speculation: {self.num_speculative_tokens} draft tokens per step, lookup of "
-                f"{self.prompt_lookup_max}..{self.prompt_lookup_min} tokens")
+                f"{self.prompt_lookup_max}..{self.prompt_lookup_min} tokens" + (", adaptive" if self.adaptive else ""))
 
 
 class TokenHistory:
@@ -150,17 +155,20 @@ def ngram_drafts(tokens: np.ndarray, k: int, config: SpeculativeConfig) -> list[
     return drafts
 
 
-def step_drafts(histories: Sequence[TokenHistory], rooms: Sequence[int], config: SpeculativeConfig
-                ) -> list[list[int]] | None:
+def step_drafts(histories: Sequence[TokenHistory], rooms: Sequence[int], config: SpeculativeConfig,
+                gate=None, keys: Sequence | None = None) -> list[list[int]] | None:
     """One step's drafts for a batch: `num_speculative_tokens` per sequence, a sequence without a match padded
     with its last token; None (a plain step) when no sequence has a match or one has no room in its cache
     reservation for that many (`rooms`: tokens each can take beyond its last one), so a batch's steps take two
-    shapes only, each captured once as a CUDA graph."""
+    shapes only, each captured once as a CUDA graph. gate: a `SpeculationGate` (`spec_gate.py`) that may turn
+    the step plain (keys: the sequences' keys for it)."""
     k = config.num_speculative_tokens
     if min(rooms) < k:
         return None
     drafts = [ngram_drafts(h.view(), k, config) for h in histories]
     if not any(drafts):
+        return None
+    if gate is not None and not gate.speculate(keys, drafts):
         return None
     return [d or [int(h.view()[-1])] * k for d, h in zip(drafts, histories)]
 

@@ -1,0 +1,132 @@
+"""Whether a decode step should speculate: only when the drafts it is expected to keep pay for its longer step.
+
+A speculative step feeds every sequence of the batch its last token and K drafts (`speculative.step_drafts`), so
+it costs more than a plain step: on an H100, m3-small at a 128K prompt took 6.33 ms for 1 + 7 tokens against
+4.40 ms for one (1.44x), and in a large batch, or on a CPU, the extra tokens cost more. Where the lookups are
+seldom right (a random model's answers, prose that repeats nothing) speculation is slower than plain decoding.
+
+`SpeculationGate` compares the expected tokens per second of the two kinds of step for the batch at hand:
+plain B / t_plain(B) against (B + m a) / t_spec(B), where B is the batch's size, m the sequences whose lookup
+found drafts, a the drafts a sequence keeps per step (a moving average) and t the step's wall time by batch size
+and kind (moving averages, from the steps themselves; the first step of each kind and size, and steps that
+compiled or captured a CUDA graph, are left out; a ratio of `prior_ratio` until both are measured).
+
+The kept-draft rate is learnt from speculative steps, and also where the gate says no: the drafts a sequence was
+offered at a plain step are kept aside ("shadow" drafts) and checked against the tokens the plain steps then
+give, which is how many a speculative step would have kept (exactly so for greedy decoding: a draft is kept
+when it equals the model's pick). So the gate follows a sequence that starts repeating its context without
+speculating blindly. Until anything is known it decodes plainly; shadows still matching count for their matches
+so far where that is enough to say yes, so right drafts are taken from the third step on.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+__all__ = ["SpeculationGate"]
+
+
+class SpeculationGate:
+    """The gate of one engine (see the module docstring). weight: each observation's share in the kept-draft
+    average (1/16: about the last 16 sequence-steps); time_weight: each step's share in the step-time averages.
+
+    Use: `speculate(keys, drafts)` before a step (keys: the batch's sequences, drafts: each one's lookup, [] for
+    none); then `record(keys, tokens, seconds, speculative=, accepted=)` after it (tokens: each sequence's new
+    tokens; seconds: the step's wall time, None to leave it out; accepted: the drafts a speculative step kept)."""
+
+    def __init__(self, prior_ratio: float = 1.5, weight: float = 1 / 16, time_weight: float = 0.25):
+        if not prior_ratio >= 1.0:
+            raise ValueError(f"prior_ratio must be >= 1 (a speculative step costs at least a plain one), "
+                             f"got {prior_ratio!r}")
+        for name, value in (("weight", weight), ("time_weight", time_weight)):
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        self.prior_ratio, self.weight, self.time_weight = prior_ratio, weight, time_weight
+        self.kept_rate: float | None = None  # drafts kept per sequence-step that had drafts
+        self.step_s: dict[tuple[int, bool], float] = {}  # (batch size, speculative) -> seconds per step
+        self._seen: set[tuple[int, bool]] = set()  # kinds whose first step was left out
+        self._shadows: dict[Hashable, list] = {}  # key -> [drafts, matched so far]
+        self._found = 0  # sequences with drafts at the last step the gate let speculate
+        self.said_yes = 0
+        self.said_no = 0
+
+    def ratio(self, batch: int) -> float:
+        """t_spec / t_plain for a batch of `batch` sequences: measured, else `prior_ratio`."""
+        spec, plain = self.step_s.get((batch, True)), self.step_s.get((batch, False))
+        return spec / plain if spec is not None and plain is not None else self.prior_ratio
+
+    def speculate(self, keys: Sequence[Hashable], drafts: Sequence[Sequence[int]]) -> bool:
+        """Whether the step of the sequences `keys`, whose lookups found `drafts`, should feed them. When not,
+        sequences without a shadow pending take these drafts as their shadow."""
+        for key in [k for k in self._shadows if k not in set(keys)]:  # sequences that left the batch
+            del self._shadows[key]
+        found = sum(1 for d in drafts if d)
+        yes = found > 0 and self._pays(len(keys), found, self.kept_rate)
+        started = [self._shadows[k] for k in keys if k in self._shadows and self._shadows[k][1] > 0]
+        if not yes and found > 0 and started:
+            # shadows still matching are worth their matches so far at least: settled at them where that says yes
+            # (a right shadow of K drafts would take K plain steps to settle in full)
+            rate = self.kept_rate
+            for _, matched in started:
+                rate = self._mean(rate, float(matched))
+            if self._pays(len(keys), found, rate):
+                self.kept_rate, yes = rate, True
+        if yes:
+            self.said_yes, self._found = self.said_yes + 1, found
+            self._shadows.clear()  # the step's own verification measures them now
+            return True
+        self.said_no += 1
+        for key, d in zip(keys, drafts):
+            if d and key not in self._shadows:
+                self._shadows[key] = [list(d), 0]
+        return False
+
+    def record(self, keys: Sequence[Hashable], tokens: Sequence[Sequence[int]], seconds: float | None, *,
+               speculative: bool, accepted: int = 0) -> None:
+        """After a step: its wall time (None: leave it out), the new tokens of each sequence (they settle the
+        shadows), and for a speculative step the drafts it kept (`accepted`, over the sequences whose lookup found
+        some)."""
+        kind = (len(keys), speculative)
+        if seconds is not None:
+            if kind not in self._seen:
+                self._seen.add(kind)  # the first step of a kind and size compiles or fills host caches
+            else:
+                old = self.step_s.get(kind)
+                self.step_s[kind] = seconds if old is None else old + self.time_weight * (seconds - old)
+        if speculative:
+            for _ in range(self._found):
+                self._observe(accepted / self._found)
+            return
+        for key, new in zip(keys, tokens):
+            shadow = self._shadows.get(key)
+            if shadow is None:
+                continue
+            offered, matched = shadow
+            settled = False
+            for token in new:
+                if token != offered[matched]:
+                    settled = True
+                    break
+                matched += 1
+                if matched == len(offered):
+                    settled = True
+                    break
+            if settled:
+                del self._shadows[key]
+                self._observe(float(matched))
+            else:  # every new token matched a draft; more may follow
+                shadow[1] = matched
+
+    def _pays(self, batch: int, found: int, rate: float | None) -> bool:
+        return rate is not None and batch + found * rate > batch * self.ratio(batch)
+
+    def _mean(self, rate: float | None, kept: float) -> float:
+        return kept if rate is None else rate + self.weight * (kept - rate)
+
+    def _observe(self, kept: float) -> None:
+        self.kept_rate = self._mean(self.kept_rate, kept)
+
+    def describe(self) -> str:
+        rate = "unknown" if self.kept_rate is None else f"{self.kept_rate:.2f}"
+        return (f"speculation gate: {self.said_yes} speculative steps, {self.said_no} plain; "
+                f"drafts kept per drafted sequence-step {rate}")
