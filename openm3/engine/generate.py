@@ -408,8 +408,9 @@ def add_speculative_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding with n-gram (prompt lookup) drafts, as vLLM\'s option: '
                    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                   '"prompt_lookup_min": 2}\' (drafts per step 1-7). Greedy outputs are unchanged; sampled ones keep '
-                   'their distribution. Default: off')
+                   '"prompt_lookup_min": 2}\' (drafts per step 1-7), plus this project\'s "adaptive": true (speculate only '
+                   'where the drafts are expected to pay for the longer step). Greedy outputs are unchanged; sampled '
+                   'ones keep their distribution. Default: off')
 
 
 def speculative_option(text: str | None) -> SpeculativeConfig | None:
