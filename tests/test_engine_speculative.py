@@ -276,6 +276,32 @@ def test_a_predicted_output_is_a_draft_source(model):
     gen.close()
 
 
+def test_a_predicted_output_speculates_without_a_speculative_config(model):
+    """Without `speculative`, a sequence with a predicted output looks drafts up with `PREDICTION_DRAFTS`
+    (adaptive) and one without looks nothing up: the greedy tokens stay plain decoding's, the predicted answer
+    is confirmed several tokens per step; through `BatchedGenerator` too, where `prediction_speculative=None`
+    turns it off."""
+    prompts = _prompts(model, [60, 25])
+    plain, _ = generate(model, prompts, max_new_tokens=30)
+    answers = [r.tokens for r in plain]
+    told, stats = generate(model, prompts, max_new_tokens=30, draft_contexts=[answers[0], None])
+    assert [r.tokens for r in told] == answers
+    assert stats.spec_steps > 0 and stats.accepted_tokens >= 20 and "predicted outputs" in stats.speculative
+    assert stats.draft_tokens == 2 * 4 * stats.spec_steps  # both sequences fed 4 tokens per speculative step
+    _, none = generate(model, prompts, max_new_tokens=30, draft_contexts=[None, []])
+    assert none.spec_steps == 0 and none.speculative == ""
+
+    for setting, kept in ((speculative.PREDICTION_DRAFTS, 20), (None, 0)):
+        gen = BatchedGenerator(model, token_budget=1024, max_batch=2, prediction_speculative=setting)
+        out: list[int] = []
+        assert gen(prompts[1], max_new_tokens=30, on_token=out.append) == "length"
+        assert out == answers[1] and gen.spec_steps == 0  # no prediction: no lookup
+        out = []
+        assert gen(prompts[0], max_new_tokens=30, on_token=out.append, draft_context=answers[0]) == "length"
+        assert out == answers[0] and (gen.accepted_tokens >= kept if kept else gen.accepted_tokens == 0)
+        gen.close()
+
+
 # ---------------------------------------------------------------------------------------------------- the gate
 
 def test_the_gate_learns_the_kept_rate_from_shadow_drafts():

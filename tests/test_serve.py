@@ -599,6 +599,22 @@ def test_a_predicted_output_speeds_speculation_and_changes_nothing(model, tok, s
     gen.close()
 
 
+def test_a_predicted_output_speeds_a_server_without_speculative_decoding(model, tok):
+    """A server run without `--speculative-config` still looks a request's predicted output up for drafts
+    (adaptive `PREDICTION_DRAFTS`), for that request only: the same greedy answer, drafts kept."""
+    from openm3.engine.batching import BatchedGenerator
+
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=2)
+    client = TestClient(create_app(gen, tok, model_name=NAME, max_total_tokens=LIMIT, reasoning_parser="none"))
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Edit the file."}], "max_tokens": 40,
+            "temperature": 0}
+    plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert gen.spec_steps == 0
+    r = client.post("/v1/chat/completions", json={**body, "prediction": {"type": "content", "content": plain}})
+    assert r.json()["choices"][0]["message"]["content"] == plain and gen.accepted_tokens >= 5
+    gen.close()
+
+
 def test_prediction_tokens_are_the_predicted_tokens_the_answer_repeats_in_order():
     """`prediction_tokens` against hand-counted cases: the same text, one token changed, tokens inserted, an
     answer that repeats part of it, reordered blocks (only one of two swapped blocks is in order), none shared."""

@@ -54,7 +54,7 @@ from .generate import check_constraints, check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
 from .spec_gate import SpeculationGate
-from .speculative import SpeculativeConfig, TokenHistory, keep_verified, step_drafts
+from .speculative import PREDICTION_DRAFTS, SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
 
 __all__ = ["BatchedGenerator"]
@@ -105,27 +105,33 @@ class BatchedGenerator:
     `generate`; cuda_graphs: decode steps through CUDA graphs (default: on when the model is on a CUDA device);
     prefix_caching: reuse cached pages of earlier requests' prompts and answers; interleave_prefill: decode steps
     between prefill chunks; prefill_chunks_per_step: prefill forwards between two decode steps while requests decode
-    (groups take turns); speculative: n-gram speculative decoding (see the module docstring).
+    (groups take turns); speculative: n-gram speculative decoding (see the module docstring);
+    prediction_speculative: where `speculative` is None, the speculation of requests with a predicted output
+    (`draft_context`; default `speculative.PREDICTION_DRAFTS`, adaptive), None: such requests decode plainly.
     model: an `M3TextModel` or an `M3ForConditionalGeneration` (`vl_config` is then its config, else None).
     The signature of a call is the `Backend` protocol of `openm3.serve`, `concurrent = True` tells the server not
-    to serialise calls, and `supports_logprobs` that it takes `logprobs=` / `on_logprobs=`.
+    to serialise calls, `supports_logprobs` that it takes `logprobs=` / `on_logprobs=`, and `takes_predictions`
+    that it takes `draft_context=`.
     """
 
     concurrent = True
+    takes_predictions = True  # `draft_context=`: a predicted output's tokens
     supports_logprobs = True
     supports_constraints = True
 
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
                  cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True,
-                 prefill_chunks_per_step: int = 1, speculative: SpeculativeConfig | None = None):
+                 prefill_chunks_per_step: int = 1, speculative: SpeculativeConfig | None = None,
+                 prediction_speculative: SpeculativeConfig | None = PREDICTION_DRAFTS):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         if not isinstance(prefill_chunks_per_step, int) or prefill_chunks_per_step < 1:
             raise ValueError(f"prefill_chunks_per_step must be a positive int, got {prefill_chunks_per_step!r}")
-        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
+        for name, value in (("speculative", speculative), ("prediction_speculative", prediction_speculative)):
+            if value is not None and not isinstance(value, SpeculativeConfig):
+                raise ValueError(f"{name} must be a SpeculativeConfig or None, got {type(value).__name__}")
         self.model = model
         self.text = text_model(model)
         self.config = self.text.config
@@ -139,6 +145,9 @@ class BatchedGenerator:
         self.prefill_chunks_per_step = prefill_chunks_per_step
         self.speculative = speculative
         self.gate = SpeculationGate() if speculative is not None and speculative.adaptive else None
+        self.prediction_speculative = None if speculative is not None else prediction_speculative
+        self.prediction_gate = SpeculationGate() if self.prediction_speculative is not None and \
+            self.prediction_speculative.adaptive else None
         self.cache = PagedCache(self.plan, self.device, prefix_caching=prefix_caching)
         self.max_batch, self.chunk_size = max_batch, chunk_size
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -181,7 +190,8 @@ class BatchedGenerator:
         not read from the prefix cache). constraint: a `GrammarConstraint` (`openm3.engine.constrained`) or a
         `PenalizedPicker` (`openm3.engine.penalties`) that picks this request's tokens (structured outputs, logit
         bias and penalties; speculative drafts are kept while they equal its picks). draft_context: token ids the
-        speculative drafts may also be looked up in (a predicted output; unused without speculation).
+        speculative drafts may also be looked up in (a predicted output; without `speculative`, this request
+        looks drafts up with `prediction_speculative`, the others beside it do not).
         ValueError for a bad request or one that can never fit the cache; an exception raised by a callback ends
         the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
@@ -202,7 +212,7 @@ class BatchedGenerator:
         if self.prefix_caching:  # hashed here, in the caller's thread, not in the worker's
             req.salt = b"" if vision is None else vision.digest()
             req.keys = page_keys(ids, self.cache.layout.page_size, req.salt)
-        if self.speculative is not None:
+        if self.speculative is not None or (draft_context and self.prediction_speculative is not None):
             req.history = TokenHistory(ids, max_new_tokens, draft_context or ())
         self._start()
         self._inbox.put(req)
@@ -341,10 +351,12 @@ class BatchedGenerator:
     def _decode(self) -> None:
         batch = list(self._running)
         ids = [r.id for r in batch]
-        drafts = None
-        if self.speculative is not None:
+        drafts, config, gate = None, self.speculative, self.gate
+        if config is None and self.prediction_speculative is not None and any(r.history is not None for r in batch):
+            config, gate = self.prediction_speculative, self.prediction_gate  # requests with a predicted output
+        if config is not None:
             rooms = [self.cache.capacity(r.id) - self.cache.length(r.id) - 1 for r in batch]
-            drafts = step_drafts([r.history for r in batch], rooms, self.speculative, self.gate, ids)
+            drafts = step_drafts([r.history for r in batch], rooms, config, gate, ids, [r.last for r in batch])
         fed = [[r.last] + (drafts[i] if drafts else []) for i, r in enumerate(batch)]
         feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64, device=self.device)
         lengths = [self.cache.length(i) for i in ids]
@@ -372,9 +384,9 @@ class BatchedGenerator:
                 for j, token in enumerate(kept):
                     if not self._give(req, token, logits[i, j]):
                         break
-        if self.gate is not None:  # a step that ran eagerly or captured a graph tells nothing of the step's cost
+        if gate is not None and config is not None:  # an eager or capturing step tells nothing of the step's cost
             timed = warm is None or warm == (self.graphs.captures, self.graphs.eager_steps)
-            self.gate.record(ids, [r.outputs[n:] for r, n in zip(batch, had)],
+            gate.record(ids, [r.outputs[n:] for r, n in zip(batch, had)],
                              time.perf_counter() - t_step if timed else None, speculative=drafts is not None,
                              accepted=accepted)
 
@@ -467,7 +479,8 @@ class BatchedGenerator:
              "change to a shape seen before)", self.graphs.rebinds),
             ("cuda_graph_eager_steps_total", "counter", "decode steps run eagerly (a new shape's first step)",
              self.graphs.eager_steps),
-        ]) + ([] if self.gate is None else [
+        ]) + ([] if self.gate is None and self.prediction_gate is None else [
             ("spec_decode_gate_declined_total", "counter", "decode steps with drafts that the adaptive gate ran "
-             "plainly (their drafts not expected to pay for a speculative step)", self.gate.said_no),
+             "plainly (their drafts not expected to pay for a speculative step)",
+             sum(g.said_no for g in (self.gate, self.prediction_gate) if g is not None)),
         ])

@@ -29,7 +29,7 @@ from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, tok
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
 from .penalties import Penalties, PenalizedPicker
 from .spec_gate import SpeculationGate
-from .speculative import SpeculativeConfig, TokenHistory, keep_verified, step_drafts
+from .speculative import PREDICTION_DRAFTS, SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -187,7 +187,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     `PenalizedPicker` (`openm3.engine.penalties`: logit bias, penalties, min_tokens, min_p) that picks that
     sequence's tokens (structured outputs; with `speculative`, its drafts are kept while they equal its picks).
     draft_contexts: None, or one entry per prompt, token ids the speculative drafts may also be looked up in (a
-    predicted output: OpenAI's `prediction`); not the model's input, and unused without `speculative`.
+    predicted output: OpenAI's `prediction`); not the model's input. Without `speculative`, the sequences with
+    a context look drafts up with `speculative.PREDICTION_DRAFTS` (adaptive: where they pay) and the others do not.
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -227,7 +228,11 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     if draft_contexts is not None and len(draft_contexts) != len(ids):
         raise ValueError(f"draft_contexts: expected one entry per prompt ({len(ids)}), got {len(draft_contexts)}")
     contexts = draft_contexts if draft_contexts is not None else [()] * len(ids)
-    histories = [TokenHistory(p, max_new_tokens, c or ()) for p, c in zip(ids, contexts)] if speculative else None
+    if speculative is None and any(contexts):  # predicted outputs without a configured speculation: they look up
+        speculative, stats.speculative = PREDICTION_DRAFTS, PREDICTION_DRAFTS.describe() + " (predicted outputs)"
+        histories = [TokenHistory(p, max_new_tokens, c) if c else None for p, c in zip(ids, contexts)]
+    else:
+        histories = [TokenHistory(p, max_new_tokens, c or ()) for p, c in zip(ids, contexts)] if speculative else None
 
     t0 = time.perf_counter()
     entries: list[list] = [[] for _ in ids]
@@ -260,7 +265,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         drafts = None
         if speculative is not None:
             rooms = [cache.capacity(b) - cache.length(b) - 1 for b in running]
-            drafts = step_drafts([histories[b] for b in running], rooms, speculative, gate, running)
+            drafts = step_drafts([histories[b] for b in running], rooms, speculative, gate, running,
+                                 [results[b].tokens[-1] for b in running])
         fed = [[results[b].tokens[-1]] + (drafts[i] if drafts else []) for i, b in enumerate(running)]
         feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64, device=device)
         lengths = [cache.length(b) for b in running]
@@ -338,7 +344,7 @@ def _emit(results, seqs, tokens, stop, max_new_tokens, on_token, histories=None,
     for i, (b, new) in enumerate(zip(seqs, tokens)):
         for j, tok in enumerate(new):
             results[b].tokens.append(tok)
-            if histories is not None:
+            if histories is not None and histories[b] is not None:
                 histories[b].append(tok)
             if report is not None:
                 report[1](b, *token_logprobs(rows[i, j], tok, report[0]))

@@ -42,7 +42,7 @@ from .cache import MAX_DECODE_QUERIES
 from .sampling import SamplingParams, filter_logits
 
 __all__ = ["SpeculativeConfig", "TokenHistory", "ngram_drafts", "step_drafts", "verify", "verify_constrained",
-           "cut_at_end", "keep_verified"]
+           "cut_at_end", "keep_verified", "PREDICTION_DRAFTS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,22 +155,32 @@ def ngram_drafts(tokens: np.ndarray, k: int, config: SpeculativeConfig) -> list[
     return drafts
 
 
-def step_drafts(histories: Sequence[TokenHistory], rooms: Sequence[int], config: SpeculativeConfig,
-                gate=None, keys: Sequence | None = None) -> list[list[int]] | None:
+def step_drafts(histories: Sequence[TokenHistory | None], rooms: Sequence[int], config: SpeculativeConfig,
+                gate=None, keys: Sequence | None = None, lasts: Sequence[int] | None = None
+                ) -> list[list[int]] | None:
     """One step's drafts for a batch: `num_speculative_tokens` per sequence, a sequence without a match padded
     with its last token; None (a plain step) when no sequence has a match or one has no room in its cache
     reservation for that many (`rooms`: tokens each can take beyond its last one), so a batch's steps take two
-    shapes only, each captured once as a CUDA graph. gate: a `SpeculationGate` (`spec_gate.py`) that may turn
-    the step plain (keys: the sequences' keys for it)."""
+    shapes only, each captured once as a CUDA graph. A sequence whose history is None looks nothing up (one
+    beside requests with a predicted output, where only they speculate; `lasts`: every sequence's last token,
+    needed then). gate: a `SpeculationGate` (`spec_gate.py`) that may turn the step plain (keys: the sequences'
+    keys for it)."""
     k = config.num_speculative_tokens
     if min(rooms) < k:
         return None
-    drafts = [ngram_drafts(h.view(), k, config) for h in histories]
+    drafts = [ngram_drafts(h.view(), k, config) if h is not None else [] for h in histories]
     if not any(drafts):
         return None
     if gate is not None and not gate.speculate(keys, drafts):
         return None
-    return [d or [int(h.view()[-1])] * k for d, h in zip(drafts, histories)]
+    if lasts is None:
+        lasts = [int(h.view()[-1]) for h in histories]
+    return [d or [int(last)] * k for d, last in zip(drafts, lasts)]
+
+
+PREDICTION_DRAFTS = SpeculativeConfig(num_speculative_tokens=4, adaptive=True)
+"""The speculation a request with a predicted output (OpenAI's `prediction`) gets where none is configured: the
+lookup also searches the prediction, and the gate speculates only where its drafts pay."""
 
 
 def verify(logits: torch.Tensor, drafts: Sequence[int], sampling: SamplingParams,

@@ -78,6 +78,8 @@ class ModelBackend:
     supports_logprobs = True
     supports_constraints = True
 
+    takes_predictions = True  # `draft_context=`: a predicted output's tokens (`generate`'s draft_contexts)
+
     def __init__(self, model, speculative=None):
         self.model = model
         self.speculative = speculative  # a SpeculativeConfig, or None
@@ -311,7 +313,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it), and
         with prompt_logprobs those of the prompt's tokens too. seed: the sampler's (default: the request's, else
         a random one). constraint: picks the tokens (structured outputs, `constraint_maker`). prediction: a
-        predicted output's token ids (OpenAI's `prediction`), where a speculative backend looks drafts up too.
+        predicted output's token ids (OpenAI's `prediction`), where a backend that `takes_predictions` looks
+        speculative drafts up too (with a speculative config of its own or, if none, just for this request).
 
         The end-of-turn token `[e~[` is the stop token of every endpoint (not with `ignore_eos`), and so are a
         request's `stop_token_ids`; they are counted but not decoded. A request's logits adjustments
@@ -356,7 +359,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             extra["on_cached"] = on_cached
         if constraint is not None:
             extra["constraint"] = constraint
-        if prediction and getattr(backend, "speculative", None) is not None:
+        if prediction and getattr(backend, "takes_predictions", False):
             extra["draft_context"] = prediction
         if logprobs is not None:
             extra.update(logprobs=logprobs.top, on_logprobs=logprobs.on_logprobs)
