@@ -276,11 +276,12 @@ def test_a_predicted_output_is_a_draft_source(model):
     gen.close()
 
 
-def test_a_predicted_output_speculates_without_a_speculative_config(model):
+def test_a_predicted_output_speculates_without_a_speculative_config(model, monkeypatch):
     """Without `speculative`, a sequence with a predicted output looks drafts up with `PREDICTION_DRAFTS`
     (adaptive) and one without looks nothing up: the greedy tokens stay plain decoding's, the predicted answer
     is confirmed several tokens per step; through `BatchedGenerator` too, where `prediction_speculative=None`
     turns it off."""
+    steady_gates(monkeypatch)
     prompts = _prompts(model, [60, 25])
     plain, _ = generate(model, prompts, max_new_tokens=30)
     answers = [r.tokens for r in plain]
@@ -366,6 +367,31 @@ def test_the_gate_declines_drafts_that_do_not_pay_for_the_step():
         SpeculationGate(prior_ratio=0.5)
     with pytest.raises(ValueError, match="weight"):
         SpeculationGate(weight=0.0)
+    with pytest.raises(ValueError, match="probe_every"):
+        SpeculationGate(probe_every=0)
+
+
+def test_the_gate_times_steps_by_their_median_and_probes_a_cost_measured_high():
+    """A step time is the median of the recent ones (one slow step on a busy host does not move it); where only
+    the measured cost says no, every probe_every-th such step speculates, and a lower cost measured then opens
+    the gate again."""
+    gate = SpeculationGate(weight=1.0, probe_every=4)
+    for seconds in (5.0, 1.0, 1.0, 1.1):
+        gate.record(["a"], [[1]], seconds, speculative=False)
+    for seconds in (5.0, 1.2, 1.2, 60.0):
+        gate.record(["a"], [[1, 2]], seconds, speculative=True, accepted=0)
+    assert gate.step_s(1, False) == 1.0 and gate.ratio(1) == pytest.approx(1.2)
+    for seconds in (3.0, 3.0, 3.0):
+        gate.record(["a"], [[1, 2]], seconds, speculative=True, accepted=0)
+    assert gate.ratio(1) == pytest.approx(3.0)  # now most recent steps were slow: 1 + 1 < 3
+    gate.kept_rate = 1.0
+    said = [gate.speculate(["a"], [[1]]) for _ in range(8)]
+    assert said == [False, False, False, True] * 2  # 1 + 1 > 1.5 (the prior): probed every 4th
+    for _ in range(5):
+        gate.record(["a"], [[1, 2]], 1.1, speculative=True, accepted=1)
+    assert gate.ratio(1) == pytest.approx(1.1) and gate.speculate(["a"], [[1]])
+    gate.kept_rate = 0.1  # 1.1 < 1.5: the kept rate says no, no probe
+    assert not any(gate.speculate(["a"], [[1]]) for _ in range(8))
 
 
 def test_adaptive_is_read_from_the_json_config():
@@ -377,6 +403,15 @@ def test_adaptive_is_read_from_the_json_config():
 
 
 # ------------------------------------------------------------------------------------------ gate in the engines
+
+def steady_gates(monkeypatch) -> None:
+    """The engines' gates keep the prior cost ratio whatever the steps took on this (maybe busy) host, so the
+    tests' decisions depend on the kept drafts only; the step times are still recorded (checked below)."""
+    import importlib
+
+    for module in (importlib.import_module("openm3.engine.batching"), importlib.import_module("openm3.engine.generate")):
+        monkeypatch.setattr(module, "SpeculationGate", lambda: SpeculationGate(use_times=False))
+
 
 def _scripted(monkeypatch, answers: dict[tuple, list[int]], right: bool):
     """Drafts from the known greedy answers: each sequence's next answer tokens (right), or each of them plus
@@ -396,6 +431,7 @@ def _scripted(monkeypatch, answers: dict[tuple, list[int]], right: bool):
 def test_generate_adaptive_speculates_only_on_drafts_that_are_right(model, monkeypatch, right):
     """Right drafts: after the first plain steps (whose shadows show them right) every step speculates; drafts
     that are never right: no speculative step at all. The greedy tokens are plain decoding's in both."""
+    steady_gates(monkeypatch)
     prompts = _prompts(model, [70, 23])
     plain, _ = generate(model, prompts, max_new_tokens=30)
     _scripted(monkeypatch, {tuple(p): r.tokens for p, r in zip(prompts, plain)}, right)
@@ -411,6 +447,7 @@ def test_generate_adaptive_speculates_only_on_drafts_that_are_right(model, monke
 
 @pytest.mark.parametrize("right", [True, False], ids=["right", "wrong"])
 def test_batched_generator_adaptive_speculates_only_on_drafts_that_are_right(model, monkeypatch, right):
+    steady_gates(monkeypatch)
     prompts = _prompts(model, [40, 9])
     plain = [generate(model, [p], max_new_tokens=20)[0][0].tokens for p in prompts]
     _scripted(monkeypatch, {tuple(p): a for p, a in zip(prompts, plain)}, right)
@@ -425,4 +462,5 @@ def test_batched_generator_adaptive_speculates_only_on_drafts_that_are_right(mod
         assert gen.spec_steps >= gen.steps - 4 and gen.steps <= 16
     else:
         assert gen.spec_steps == 0 and metrics["spec_decode_gate_declined_total"] >= 30
+    assert gen.gate.step_s(1, right) is not None  # the engine times its steps for the gate
     gen.close()

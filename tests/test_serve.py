@@ -599,10 +599,15 @@ def test_a_predicted_output_speeds_speculation_and_changes_nothing(model, tok, s
     gen.close()
 
 
-def test_a_predicted_output_speeds_a_server_without_speculative_decoding(model, tok):
+def test_a_predicted_output_speeds_a_server_without_speculative_decoding(model, tok, monkeypatch):
     """A server run without `--speculative-config` still looks a request's predicted output up for drafts
-    (adaptive `PREDICTION_DRAFTS`), for that request only: the same greedy answer, drafts kept."""
+    (adaptive `PREDICTION_DRAFTS`; its gate kept at the prior cost ratio, so the host's load does not decide),
+    for that request only: the same greedy answer, drafts kept."""
+    import openm3.engine.batching as batching
     from openm3.engine.batching import BatchedGenerator
+    from openm3.engine.spec_gate import SpeculationGate
+
+    monkeypatch.setattr(batching, "SpeculationGate", lambda: SpeculationGate(use_times=False))
 
     gen = BatchedGenerator(model, token_budget=1024, max_batch=2)
     client = TestClient(create_app(gen, tok, model_name=NAME, max_total_tokens=LIMIT, reasoning_parser="none"))

@@ -8,8 +8,10 @@ seldom right (a random model's answers, prose that repeats nothing) speculation 
 `SpeculationGate` compares the expected tokens per second of the two kinds of step for the batch at hand:
 plain B / t_plain(B) against (B + m a) / t_spec(B), where B is the batch's size, m the sequences whose lookup
 found drafts, a the drafts a sequence keeps per step (a moving average) and t the step's wall time by batch size
-and kind (moving averages, from the steps themselves; the first step of each kind and size, and steps that
-compiled or captured a CUDA graph, are left out; a ratio of `prior_ratio` until both are measured).
+and kind (the median of the last few such steps: a host hiccup does not move it; the first step of each kind and
+size, and steps that compiled or captured a CUDA graph, are left out; a ratio of `prior_ratio` until both are
+measured). Where only the measured ratio says no (the kept rate would pay at the prior one), every
+`probe_every`-th such step speculates anyway, so a cost measured once on a busy host is measured again.
 
 The kept-draft rate is learnt from speculative steps, and also where the gate says no: the drafts a sequence was
 offered at a plain step are kept aside ("shadow" drafts) and checked against the tokens the plain steps then
@@ -21,6 +23,8 @@ so far where that is enough to say yes, so right drafts are taken from the third
 
 from __future__ import annotations
 
+import collections
+import statistics
 from typing import Hashable, Sequence
 
 __all__ = ["SpeculationGate"]
@@ -28,32 +32,47 @@ __all__ = ["SpeculationGate"]
 
 class SpeculationGate:
     """The gate of one engine (see the module docstring). weight: each observation's share in the kept-draft
-    average (1/16: about the last 16 sequence-steps); time_weight: each step's share in the step-time averages.
+    average (1/16: about the last 16 sequence-steps); time_window: steps whose median is a step time;
+    probe_every: see the module docstring; use_times: False keeps `prior_ratio` whatever the steps took (a
+    decision that does not depend on the host's load: tests).
 
     Use: `speculate(keys, drafts)` before a step (keys: the batch's sequences, drafts: each one's lookup, [] for
     none); then `record(keys, tokens, seconds, speculative=, accepted=)` after it (tokens: each sequence's new
     tokens; seconds: the step's wall time, None to leave it out; accepted: the drafts a speculative step kept)."""
 
-    def __init__(self, prior_ratio: float = 1.5, weight: float = 1 / 16, time_weight: float = 0.25):
+    def __init__(self, prior_ratio: float = 1.5, weight: float = 1 / 16, time_window: int = 9,
+                 probe_every: int = 32, use_times: bool = True):
         if not prior_ratio >= 1.0:
             raise ValueError(f"prior_ratio must be >= 1 (a speculative step costs at least a plain one), "
                              f"got {prior_ratio!r}")
-        for name, value in (("weight", weight), ("time_weight", time_weight)):
-            if not 0.0 < value <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-        self.prior_ratio, self.weight, self.time_weight = prior_ratio, weight, time_weight
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"weight must be in (0, 1], got {weight!r}")
+        for name, value in (("time_window", time_window), ("probe_every", probe_every)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.prior_ratio, self.weight, self.probe_every = prior_ratio, weight, probe_every
+        self.use_times = use_times
         self.kept_rate: float | None = None  # drafts kept per sequence-step that had drafts
-        self.step_s: dict[tuple[int, bool], float] = {}  # (batch size, speculative) -> seconds per step
+        self._times: dict[tuple[int, bool], collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=time_window))  # (batch size, speculative) -> recent step seconds
+        self._costly = 0  # steps declined since the last speculative one where only the measured ratio said no
         self._seen: set[tuple[int, bool]] = set()  # kinds whose first step was left out
         self._shadows: dict[Hashable, list] = {}  # key -> [drafts, matched so far]
         self._found = 0  # sequences with drafts at the last step the gate let speculate
         self.said_yes = 0
         self.said_no = 0
 
+    def step_s(self, batch: int, speculative: bool) -> float | None:
+        """The median wall time of the recent timed steps of this batch size and kind (None: none yet)."""
+        times = self._times.get((batch, speculative))
+        return statistics.median(times) if times else None
+
     def ratio(self, batch: int) -> float:
         """t_spec / t_plain for a batch of `batch` sequences: measured, else `prior_ratio`."""
-        spec, plain = self.step_s.get((batch, True)), self.step_s.get((batch, False))
-        return spec / plain if spec is not None and plain is not None else self.prior_ratio
+        spec, plain = self.step_s(batch, True), self.step_s(batch, False)
+        if not self.use_times or spec is None or plain is None:
+            return self.prior_ratio
+        return spec / plain
 
     def speculate(self, keys: Sequence[Hashable], drafts: Sequence[Sequence[int]]) -> bool:
         """Whether the step of the sequences `keys`, whose lookups found `drafts`, should feed them. When not,
@@ -71,8 +90,11 @@ class SpeculationGate:
                 rate = self._mean(rate, float(matched))
             if self._pays(len(keys), found, rate):
                 self.kept_rate, yes = rate, True
+        if not yes and found > 0 and self._pays(len(keys), found, self.kept_rate, self.prior_ratio):
+            self._costly += 1  # only the measured cost says no
+            yes = self._costly >= self.probe_every
         if yes:
-            self.said_yes, self._found = self.said_yes + 1, found
+            self.said_yes, self._found, self._costly = self.said_yes + 1, found, 0
             self._shadows.clear()  # the step's own verification measures them now
             return True
         self.said_no += 1
@@ -91,8 +113,7 @@ class SpeculationGate:
             if kind not in self._seen:
                 self._seen.add(kind)  # the first step of a kind and size compiles or fills host caches
             else:
-                old = self.step_s.get(kind)
-                self.step_s[kind] = seconds if old is None else old + self.time_weight * (seconds - old)
+                self._times[kind].append(seconds)
         if speculative:
             for _ in range(self._found):
                 self._observe(accepted / self._found)
@@ -117,8 +138,8 @@ class SpeculationGate:
             else:  # every new token matched a draft; more may follow
                 shadow[1] = matched
 
-    def _pays(self, batch: int, found: int, rate: float | None) -> bool:
-        return rate is not None and batch + found * rate > batch * self.ratio(batch)
+    def _pays(self, batch: int, found: int, rate: float | None, ratio: float | None = None) -> bool:
+        return rate is not None and batch + found * rate > batch * (self.ratio(batch) if ratio is None else ratio)
 
     def _mean(self, rate: float | None, kept: float) -> float:
         return kept if rate is None else rate + self.weight * (kept - rate)
