@@ -406,13 +406,71 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         """The prompt's generation prompt opens the think block (a checkpoint's template may)."""
         return tokenizer.decode(prompt[-3:]).rstrip().endswith(THINK_START)
 
-    def text_stream(stop: Sequence[str], hold: Sequence[str], prompt: list[int], min_tokens: int = 0) -> TextStream:
+    def text_stream(stop: Sequence[str], hold: Sequence[str], prompt: list[int], min_tokens: int = 0,
+                    include_stop: bool = False) -> TextStream:
         """A chat answer's stream: its think block split off unless `reasoning_parser` is 'none'; a prompt whose
         generation prompt opens the block (a checkpoint's template may) starts inside it."""
         splitter = None
         if reasoning_parser == "m3":
             splitter = ReasoningSplitter(started=opens_think(prompt))
-        return TextStream(tokenizer, stop, hold=hold, reasoning=splitter, min_tokens=min_tokens)
+        return TextStream(tokenizer, stop, hold=hold, reasoning=splitter, min_tokens=min_tokens,
+                          include_stop=include_stop)
+
+    def truncated(req: SamplingFields, prompt: list[int], images: PromptImages | None = None) -> list[int]:
+        """The prompt cut to its last `truncate_prompt_tokens` tokens (-1: as many as the configured maximum
+        leaves beside max_tokens, or one new token); a 400 where the cut would drop part of a prompt with images
+        (their placeholders must stay whole)."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = max(1, max_total_tokens - (req.max_tokens or 1))
+        if keep >= len(prompt):
+            return prompt
+        if images is not None:
+            raise APIError(f"truncate_prompt_tokens={req.truncate_prompt_tokens} would cut a {len(prompt)}-token "
+                           f"prompt with images; send it without them or uncut", "truncate_prompt_tokens")
+        return prompt[len(prompt) - keep:]
+
+    def final_message_prefill(req: ChatCompletionRequest, messages: list[dict]) -> str:
+        """vLLM's continue_final_message: the final message (an assistant's text, taken off `messages`) the answer
+        continues; '' without it. A 400 naming the field for a final message of another kind, or beside an
+        explicit add_generation_prompt: true (vLLM refuses both)."""
+        if not req.continue_final_message:
+            return ""
+        if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise APIError("continue_final_message and add_generation_prompt cannot both be true",
+                           "continue_final_message")
+        last = messages[-1]
+        content = last.get("content")
+        if isinstance(content, list) and all(part.get("type") == "text" for part in content):
+            content = "".join(part["text"] for part in content)
+        if last["role"] != "assistant" or last.get("tool_calls") or not isinstance(content, str):
+            raise APIError("continue_final_message needs the final message to be an assistant's text",
+                           "continue_final_message")
+        messages.pop()
+        return content
+
+    def continuing(make: Callable[[], GrammarConstraint | None], prefill: str
+                   ) -> Callable[[], GrammarConstraint | None]:
+        """Each choice's constraint having read the answer's given start (`prefill`): a 400 naming messages now
+        if the grammar refuses it."""
+        if not prefill:
+            return make
+        probe = make()
+        if probe is None:
+            return make
+        try:
+            probe.read(prefill.encode("utf-8"))
+        except ValueError as e:
+            raise APIError(f"messages: the final message {e}", "messages") from None
+
+        def made() -> GrammarConstraint:
+            constraint = make()
+            constraint.read(prefill.encode("utf-8"))
+            return constraint
+
+        return made
 
     def usage(prompts: list[list[int]], streams: list[TextStream], prediction: list[int] | None = None) -> dict:
         """OpenAI's usage of a request whose prompts got `len(streams) // len(prompts)` choices each (prompt i's are
@@ -509,12 +567,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         scoring = req.max_tokens == 0  # the prompt scored, nothing generated (OpenAI's legacy form)
         if scoring and not req.echo:
             raise APIError("max_tokens: 0 scores the prompt alone and needs echo: true", "max_tokens")
-        prompts = [completion_ids(p, "prompt" if batch == 1 else f"prompt[{i}]") for i, p in enumerate(req.prompts)]
+        given = [completion_ids(p, "prompt" if batch == 1 else f"prompt[{i}]") for i, p in enumerate(req.prompts)]
+        prompts = [truncated(req, ids) for ids in given]
+        sent = [text if len(ids) == len(kept) else kept for text, ids, kept in zip(req.prompts, given, prompts)]
         max_news = [check(req, prompt, "prompt" if batch == 1 else f"prompt[{i}]") for i, prompt in enumerate(prompts)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
-        choices = [CompletionChoice(k, prompts[k // req.n], req.prompts[k // req.n],
-                                    TextStream(tokenizer, req.stop, min_tokens=req.min_tokens),
+        choices = [CompletionChoice(k, prompts[k // req.n], sent[k // req.n],
+                                    TextStream(tokenizer, req.stop, min_tokens=req.min_tokens,
+                                               include_stop=req.include_stop_str_in_output),
                                     logprobs_for(req.logprobs, "logprobs"), req.echo)
                    for k in range(req.n * batch)]
         seeds = choice_seeds(req, len(choices))
@@ -563,17 +624,21 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         chat_media(messages)
-        prompt, images = prompt_of(messages, tools, "messages")
+        prefill = final_message_prefill(req, messages)
+        prompt, images = prompt_of(messages, tools, "messages", prefill,
+                                   generation_prompt=req.add_generation_prompt or req.continue_final_message)
+        prompt = truncated(req, prompt, images)
         max_new = check(req, prompt, "messages")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": model_name}
         parse_calls = req.tool_choice != "none"
-        streams = [text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt, req.min_tokens)
-                   for _ in range(req.n)]
+        streams = [text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt, req.min_tokens,
+                               req.include_stop_str_in_output) for _ in range(req.n)]
         lps = [logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs") for _ in range(req.n)]
         seeds = choice_seeds(req, req.n)
-        constrain = constraint_maker(req.output_spec, "tool_choice" if req.tool_choice not in (None, "auto", "none")
-                                     else "response_format", prompt)
+        constraint_param = "tool_choice" if req.tool_choice not in (None, "auto", "none") else "response_format"
+        constrain = continuing(constraint_maker(req.output_spec, constraint_param, None if prefill else prompt),
+                               prefill)
         prediction = tokenizer.encode(req.prediction.text()) if req.prediction is not None else None
         if prediction is not None and len(prediction) > max_total_tokens:
             raise APIError(f"prediction has {len(prediction)} tokens; at most the configured maximum of "

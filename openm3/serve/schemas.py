@@ -96,7 +96,9 @@ class SamplingFields(BaseModel):
     """What both endpoints share. `top_k` is an extension (0 = off); temperature 0 = greedy. OpenAI's
     `presence_penalty`, `frequency_penalty` and `logit_bias` (token id -> bias) and vLLM's `repetition_penalty`,
     `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids` and `allowed_token_ids` adjust the sampling as there
-    (`openm3.engine.penalties`)."""
+    (`openm3.engine.penalties`). vLLM's `include_stop_str_in_output` keeps the stop string that ended the text;
+    `truncate_prompt_tokens` k keeps the prompt's last k tokens (-1: as many as the context limit leaves beside
+    max_tokens, or one new token)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -122,6 +124,15 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (as many as the context limit leaves) or >= 1")
+        return v
 
     def penalties(self) -> Penalties:
         """The logits adjustments asked for (`Penalties.active` false when none); ValueError for a logit_bias key
@@ -292,9 +303,14 @@ class ChatCompletionRequest(SamplingFields):
     any tool call the model writes as plain content; 'required' (one or more calls) and a named function (one call
     of it) constrain decoding to a tool-call block (`openm3.engine.tool_grammar`). parallel_tool_calls false: at
     most one call (a forced call's grammar allows one; with 'auto' the calls after the first are dropped).
-    prediction: a predicted output, a draft source for speculative decoding (`Prediction`)."""
+    prediction: a predicted output, a draft source for speculative decoding (`Prediction`). vLLM's
+    add_generation_prompt false leaves the assistant's opening off the prompt; continue_final_message true
+    (with add_generation_prompt false, as vLLM asks) makes the final assistant message's text the start of the
+    answer, which holds only what follows it."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True  # vLLM's: the assistant's opening after the conversation
+    continue_final_message: bool = False  # vLLM's: the answer continues the final (assistant) message
     prediction: Prediction | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None

@@ -20,7 +20,8 @@ class TextStream:
     first stop string; `stopped` says whether one was found. `finish()` returns what is left to emit.
     `sampled` counts every sampled token, including the end token that is never decoded; `cached` the prompt
     tokens a prefix-caching backend read from its cache (the usage's `cached_tokens`). min_tokens: as vLLM, a stop
-    string that the first `min_tokens - 1` tokens complete does not end the text (nor count later).
+    string that the first `min_tokens - 1` tokens complete does not end the text (nor count later). include_stop:
+    the text ends with the stop string that ended it (vLLM's `include_stop_str_in_output`).
 
     reasoning: a `ReasoningSplitter` when the answer's think block is split off (`reasoning.py`; None: it is
     text like the rest). `parts(delta)` and `end_parts(final)` route the deltas to ("reasoning" | "content",
@@ -30,8 +31,9 @@ class TextStream:
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), hold: Sequence[str] = (),
-                 reasoning: ReasoningSplitter | None = None, min_tokens: int = 0):
+                 reasoning: ReasoningSplitter | None = None, min_tokens: int = 0, include_stop: bool = False):
         self.tokenizer, self.stop, self.hold = tokenizer, list(stop), list(hold)
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the text keeps the stop string
         self.min_tokens = min_tokens  # vLLM's rule: no stop string ends the text before this many tokens
         self._stop_after = 0  # characters within which stop strings are ignored (those ending before min_tokens)
         self.reasoning = reasoning
@@ -55,7 +57,7 @@ class TextStream:
         found = [(i, s) for s in self.stop if (i := text.find(s, max(0, self._stop_after - len(s) + 1))) >= 0]
         if found:
             cut, self.stop_found = min(found)
-            self.text, self.stopped = text[:cut], True
+            self.text, self.stopped = text[:cut + (len(self.stop_found) if self.include_stop else 0)], True
             return self._emit(len(self.text))
         self.text = text
         end = len(text) - max([_partial_suffix(text, s) for s in self.stop + self.hold] + [0])

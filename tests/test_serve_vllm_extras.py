@@ -1,0 +1,96 @@
+"""vLLM's request extras through `openm3 serve`: `include_stop_str_in_output` (Completions and Chat Completions,
+whole and streamed), `truncate_prompt_tokens` (the prompt's last k tokens, -1: what the context limit leaves) and
+Chat Completions' `add_generation_prompt` / `continue_final_message`, each against an answer built another way
+(the engine on the cut prompt, a Completions request on the rendered text) and with a 400 naming the field for a
+request vLLM refuses too."""
+
+from __future__ import annotations
+
+import pytest
+
+from openm3.data.chat import render_chat
+
+from test_serve import LIMIT, NAME, client, events, greedy_ids, model, tok  # noqa: F401 - the fixtures
+
+
+def post(client, path: str, **fields):
+    return client.post(path, json={"model": NAME, "temperature": 0, **fields})
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"], ids=["completions", "chat"])
+def test_include_stop_str_in_output_keeps_the_stop_string(client, path):
+    """The text ends with the stop string that ended it, whole and streamed; without the flag it ends before."""
+    where = {"prompt": "The LORD said"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "The LORD said"}]}
+
+    def text_of(body: dict) -> str:
+        choice = body["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    full = text_of(post(client, path, max_tokens=16, **where).json())
+    assert len(full) >= 6, f"the random model's text is too short to pick a stop string from: {full!r}"
+    stop = full[3:5]
+    cut = full[:full.find(stop)]
+    plain = post(client, path, max_tokens=16, stop=stop, **where).json()
+    kept = post(client, path, max_tokens=16, stop=stop, include_stop_str_in_output=True, **where).json()
+    assert text_of(plain) == cut and text_of(kept) == cut + stop
+    assert kept["choices"][0]["finish_reason"] == "stop" and kept["choices"][0]["stop_reason"] == stop
+    chunks = events(post(client, path, max_tokens=16, stop=stop, include_stop_str_in_output=True, stream=True,
+                         **where))
+    deltas = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+              for c in chunks if c["choices"]]
+    assert "".join(deltas) == cut + stop
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, model, tok):
+    """k: the answer is the engine's greedy answer to the last k tokens alone, the usage counts k, echo shows the
+    kept prompt; -1: as many as the context limit leaves beside max_tokens; a prompt shorter than k is whole."""
+    prompt = tok.encode("In the beginning God created the heaven and the earth. And the earth was without form")
+    assert len(prompt) > 12
+    body = post(client, "/v1/completions", prompt=prompt, max_tokens=6, truncate_prompt_tokens=5, echo=True).json()
+    want = greedy_ids(model, tok, prompt[-5:], 6)
+    assert body["usage"]["prompt_tokens"] == 5
+    assert body["choices"][0]["text"] == tok.decode(prompt[-5:]) + tok.decode(want)
+    text = tok.decode(prompt)
+    by_text = post(client, "/v1/completions", prompt=text, max_tokens=6, truncate_prompt_tokens=5).json()
+    assert by_text["choices"][0]["text"] == tok.decode(want)
+    whole = post(client, "/v1/completions", prompt=prompt, max_tokens=6, truncate_prompt_tokens=1000).json()
+    assert whole["usage"]["prompt_tokens"] == len(prompt)
+
+    long = (prompt * 20)[:200]  # over the 96-token limit: a 400 uncut
+    assert post(client, "/v1/completions", prompt=long, max_tokens=10).status_code == 400
+    fit = post(client, "/v1/completions", prompt=long, max_tokens=10, truncate_prompt_tokens=-1).json()
+    assert fit["usage"]["prompt_tokens"] == LIMIT - 10
+    chat = post(client, "/v1/chat/completions", messages=[{"role": "user", "content": "word " * 300}],
+                max_tokens=4, truncate_prompt_tokens=-1).json()
+    assert chat["usage"]["prompt_tokens"] == LIMIT - 4
+    r = post(client, "/v1/completions", prompt=prompt, truncate_prompt_tokens=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_continue_final_message_continues_the_assistants_text(client, tok):
+    """The answer continues the final assistant message: it equals a Completions answer to the conversation
+    rendered with its generation prompt and that text after it, and holds only the continuation; with
+    add_generation_prompt false alone the prompt has no assistant opening."""
+    user = [{"role": "user", "content": "Name a colour."}]
+    start = "My favourite colour is"
+    body = post(client, "/v1/chat/completions", messages=user + [{"role": "assistant", "content": start}],
+                continue_final_message=True, add_generation_prompt=False, max_tokens=8).json()
+    rendered = render_chat(user, add_generation_prompt=True) + start
+    want = post(client, "/v1/completions", prompt=rendered, max_tokens=8, stop_token_ids=[tok.eos_id]).json()
+    assert body["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(rendered))
+    parts = post(client, "/v1/chat/completions", messages=user + [
+        {"role": "assistant", "content": [{"type": "text", "text": "My favourite "}, {"type": "text",
+                                                                                      "text": "colour is"}]}],
+        continue_final_message=True, max_tokens=8).json()  # add_generation_prompt left at its default
+    assert parts["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
+
+    bare = post(client, "/v1/chat/completions", messages=user, add_generation_prompt=False, max_tokens=2).json()
+    assert bare["usage"]["prompt_tokens"] == len(tok.encode(render_chat(user, add_generation_prompt=False)))
+    assert bare["usage"]["prompt_tokens"] < len(tok.encode(render_chat(user, add_generation_prompt=True)))
+
+    for messages, extra in ((user + [{"role": "assistant", "content": start}], {"add_generation_prompt": True}),
+                            (user, {})):
+        r = post(client, "/v1/chat/completions", messages=messages, continue_final_message=True, **extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
