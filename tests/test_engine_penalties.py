@@ -34,6 +34,9 @@ def reference(row: list[float], prompt: list[int], out: list[int], p: Penalties,
     if len(out) < p.min_tokens:
         for t in stop:
             row[t] = -math.inf
+    for word in p.bad_words:  # its last token, where the output ends with the rest
+        if len(word) == 1 or tuple(out[len(out) - len(word) + 1:]) == word[:-1]:
+            row[word[-1]] = -math.inf
     counts = collections.Counter(out)
     for t in range(len(row)):
         if t in counts or t in prompt:
@@ -45,7 +48,8 @@ def reference(row: list[float], prompt: list[int], out: list[int], p: Penalties,
 SETTINGS = [Penalties(presence=1.5), Penalties(frequency=0.7), Penalties(repetition=1.8),
             Penalties(logit_bias=((3, 5.0), (9, -100.0)), min_tokens=2),
             Penalties(presence=-0.5, frequency=0.3, repetition=0.7, logit_bias=((4, 2.5),), min_tokens=1),
-            Penalties(allowed=(0, 3, 4, 9), repetition=1.3)]
+            Penalties(allowed=(0, 3, 4, 9), repetition=1.3),
+            Penalties(bad_words=((3,), (4, 9), (9, 4), (2, 2, 5), (4, 4)), presence=-1.0)]
 
 
 @pytest.mark.parametrize("penalties", SETTINGS, ids=range(len(SETTINGS)))
@@ -80,7 +84,8 @@ def test_bad_settings_name_the_field():
                           ({"repetition": 0}, "repetition"), ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
                           ({"logit_bias": ((1, 101.0),)}, "logit_bias"), ({"min_tokens": -1}, "min_tokens"),
                           ({"min_p": 1.5}, "min_p"), ({"allowed": ()}, "allowed_token_ids"),
-                          ({"allowed": (1, -2)}, "allowed_token_ids")):
+                          ({"allowed": (1, -2)}, "allowed_token_ids"), ({"bad_words": ((),)}, "bad_words"),
+                          ({"bad_words": ((1, -1),)}, "bad_words")):
         with pytest.raises(ValueError, match=match):
             Penalties(**kwargs)
 
@@ -129,6 +134,24 @@ def test_greedy_decoding_under_penalties_equals_the_oracle(model, monkeypatch):
                                 + [job(2, prompts[0], None)])
     batcher.close()
     assert finishes == ["length", "stop", "length"] and outputs == want + [plain[0].tokens]
+
+
+def test_bad_words_are_never_completed(model, monkeypatch):
+    """A two-token word of the plain greedy answer as a bad word: the answer parts where it would complete it,
+    never holds it, and `generate` (plain and speculative) gives the full-forward oracle's tokens."""
+    prompts = _prompts(model, [40])
+    plain = generate(model, prompts, max_new_tokens=16)[0][0].tokens
+    word = (plain[5], plain[6])
+    cases = Penalties(bad_words=(word, (plain[0] + 1,)))
+    want = oracle(model, prompts[0], cases, [], 16)
+    assert want[:6] == plain[:6] and want[6] != plain[6]
+    assert all((a, b) != word for a, b in zip(want, want[1:])) and plain[0] + 1 not in want
+    for spec in (None, SpeculativeConfig(num_speculative_tokens=3)):
+        if spec is not None:
+            scripted_drafts(monkeypatch, {tuple(prompts[0]): plain})  # drafts that run into the bad word
+        got, _ = generate(model, prompts, max_new_tokens=16, constraints=[PenalizedPicker(cases, prompts[0])],
+                          speculative=spec)
+        assert got[0].tokens == want
 
 
 def test_penalties_around_a_grammar_constraint(model, tok):

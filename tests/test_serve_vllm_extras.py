@@ -1,6 +1,6 @@
 """vLLM's request extras through `openm3 serve`: `include_stop_str_in_output` (Completions and Chat Completions,
-whole and streamed), `truncate_prompt_tokens` (the prompt's last k tokens, -1: what the context limit leaves) and
-Chat Completions' `add_generation_prompt` / `continue_final_message`, each against an answer built another way
+whole and streamed), `truncate_prompt_tokens` (the prompt's last k tokens, -1: what the context limit leaves),
+`bad_words` and Chat Completions' `add_generation_prompt` / `continue_final_message`, each against an answer built another way
 (the engine on the cut prompt, a Completions request on the rendered text) and with a 400 naming the field for a
 request vLLM refuses too."""
 
@@ -94,3 +94,24 @@ def test_continue_final_message_continues_the_assistants_text(client, tok):
                             (user, {})):
         r = post(client, "/v1/chat/completions", messages=messages, continue_final_message=True, **extra)
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+def test_bad_words_are_kept_out_of_the_answer(client, model, tok):
+    """A word of the plain greedy answer as a bad word: the answer equals the engine's under a picker that bans
+    the word's tokens as written and after a space, and no longer holds those tokens in a row."""
+    from openm3.engine import generate
+    from openm3.engine.penalties import Penalties, PenalizedPicker
+
+    prompt = tok.encode("In the beginning God created")
+    plain = post(client, "/v1/completions", prompt=prompt, max_tokens=12).json()["choices"][0]["text"]
+    assert plain.split(), f"no word in {plain!r}"
+    word = plain.split()[0]
+    banned = tuple({tuple(tok.encode(word)), tuple(tok.encode(" " + word))})
+    picker = PenalizedPicker(Penalties(bad_words=banned), prompt, [tok.eos_id])
+    want = generate(model, [prompt], max_new_tokens=12, stop_tokens=[tok.eos_id], constraints=[picker])[0][0].tokens
+    body = post(client, "/v1/completions", prompt=prompt, max_tokens=12, bad_words=[word]).json()
+    assert body["choices"][0]["text"] == tok.decode([t for t in want if t != tok.eos_id]) != plain
+    for ids in banned:
+        assert all(tuple(want[i:i + len(ids)]) != ids for i in range(len(want)))
+    r = post(client, "/v1/completions", prompt=prompt, bad_words=[""])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"

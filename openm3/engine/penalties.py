@@ -1,13 +1,14 @@
 """Logits adjustments per request, as OpenAI's and vLLM's sampling parameters define them: `logit_bias`,
-`presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens` and `min_p`.
+`presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens`, `min_p` and `bad_words`.
 
 `Penalties` holds a request's settings; `PenalizedPicker(penalties, prompt, hold, inner)` picks that
 request's tokens from raw logits rows, in order, the way a `GrammarConstraint` does (the engine takes either as a
 sequence's `constraint`), so every decoding path (`generate`, `BatchedGenerator`, speculative verification, which
 keeps drafts while they equal the picks) applies them, each token seeing the tokens picked before it. A row goes
 through, in vLLM's order:
-1. `logit_bias` added to its tokens, every token outside vLLM's `allowed_token_ids` (when given) masked, and the
-   stop tokens masked while fewer than `min_tokens` were picked;
+1. `logit_bias` added to its tokens, every token outside vLLM's `allowed_token_ids` (when given) masked, the
+   stop tokens masked while fewer than `min_tokens` were picked, and each bad word's last token masked where the
+   output so far ends with the rest of it (vLLM's `bad_words`, as token sequences: a one-token word always);
 2. `repetition_penalty` on the tokens of the prompt and the output so far (a positive logit divided by it, a
    negative one multiplied), then `frequency_penalty` times each token's count in the output and
    `presence_penalty` for each token present in it subtracted;
@@ -36,7 +37,7 @@ MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 class Penalties:
     """presence / frequency: in [-2, 2] (OpenAI's bounds), 0 = off; repetition > 0, 1 = off; logit_bias: (token
     id, bias in [-100, 100]) pairs; min_tokens >= 0; min_p in [0, 1], 0 = off; allowed: the only token ids that may
-    be picked (None: any)."""
+    be picked (None: any); bad_words: token sequences the output may not complete."""
 
     presence: float = 0.0
     frequency: float = 0.0
@@ -45,6 +46,7 @@ class Penalties:
     min_tokens: int = 0
     min_p: float = 0.0
     allowed: tuple[int, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("presence", "frequency"):
@@ -65,12 +67,15 @@ class Penalties:
         if self.allowed is not None and (not self.allowed or any(
                 not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed)):
             raise ValueError(f"allowed_token_ids: expected a non-empty list of token ids >= 0, got {self.allowed!r}")
+        for word in self.bad_words:
+            if not word or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in word):
+                raise ValueError(f"bad_words: expected non-empty token id sequences, got {word!r}")
 
     @property
     def active(self) -> bool:
         """Whether any setting changes a row."""
         return bool(self.presence or self.frequency or self.repetition != 1 or self.logit_bias or self.min_tokens
-                    or self.min_p or self.allowed is not None)
+                    or self.min_p or self.allowed is not None or self.bad_words)
 
 
 def _number(value) -> bool:
@@ -93,6 +98,7 @@ class PenalizedPicker:
         self._held = sorted({int(t) for t in hold} | set(self.stop_tokens))
         self._prompt = torch.as_tensor(prompt, dtype=torch.int64).flatten().cpu()
         self.picked = 0
+        self._output: list[int] = []  # the tokens picked (bad words' prefixes are matched against its end)
         self._counts: torch.Tensor | None = None  # float [V] on the rows' device: each token's count in the output
         self._seen: torch.Tensor | None = None  # bool [V]: in the prompt or the output (repetition)
 
@@ -129,6 +135,11 @@ class PenalizedPicker:
             out.masked_fill_(self._refused, -math.inf)
         if self.picked < p.min_tokens:
             out[self._held_ids] = -math.inf
+        for word in p.bad_words:
+            head = len(word) - 1
+            if word[-1] < vocab and (head == 0 or (len(self._output) >= head
+                                                    and self._output[-head:] == list(word[:-1]))):
+                out[word[-1]] = -math.inf
         if p.repetition != 1:
             scaled = torch.where(out > 0, out / p.repetition, out * p.repetition)
             out = torch.where(self._seen, scaled, out)
@@ -143,6 +154,8 @@ class PenalizedPicker:
 
     def _count(self, token: int) -> None:
         self.picked += 1
+        if self.penalties.bad_words:
+            self._output.append(token)
         if 0 <= token < self._counts.numel():
             self._counts[token] += 1
             self._seen[token] = True

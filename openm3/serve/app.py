@@ -120,7 +120,7 @@ class _Stop(Exception):
 def _first_adjustment(req: SamplingFields) -> str:
     """The name of the first logits-adjusting field a request sets (for an error naming it)."""
     defaults = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "repetition_penalty": 1,
-                "min_p": 0, "min_tokens": 0, "allowed_token_ids": None}
+                "min_p": 0, "min_tokens": 0, "allowed_token_ids": None, "bad_words": None}
     return next(name for name, off in defaults.items() if getattr(req, name) not in (off, {}))
 
 
@@ -262,7 +262,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         """A 400 naming the field for logit_bias / stop_token_ids ids outside the vocabulary, adjustments a
         backend cannot make, and ignore_eos beside a grammar (structured outputs, a forced call)."""
         try:
-            penalties = req.penalties()
+            penalties = req.penalties(tokenizer.encode)
         except ValueError as e:
             raise APIError(str(e), "logit_bias") from None
         for param, ids in (("logit_bias", [t for t, _ in penalties.logit_bias]),
@@ -273,7 +273,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 raise APIError(f"{param}: token ids {bad} are outside the vocabulary (0..{vocab - 1})", param)
         if penalties.active and not getattr(backend, "supports_constraints", False):
             raise APIError("this server's backend does not adjust logits (penalties, logit_bias, min_tokens, "
-                           "min_p)", _first_adjustment(req))
+                           "min_p, bad_words)", _first_adjustment(req))
         if req.ignore_eos:
             try:
                 spec = req.output_spec()
@@ -326,7 +326,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         stop_ids = [] if getattr(req, "ignore_eos", False) else [eos]
         stop_ids += [t for t in getattr(req, "stop_token_ids", None) or [] if t not in stop_ids]
         hidden = set(stop_ids) | {eos}
-        penalties = req.penalties() if isinstance(req, SamplingFields) else None
+        penalties = req.penalties(tokenizer.encode) if isinstance(req, SamplingFields) else None
         if penalties is not None and penalties.active:
             constraint = PenalizedPicker(penalties, prompt, sorted(hidden), inner=constraint)
 

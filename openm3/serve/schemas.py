@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -98,7 +98,7 @@ class SamplingFields(BaseModel):
     `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids` and `allowed_token_ids` adjust the sampling as there
     (`openm3.engine.penalties`). vLLM's `include_stop_str_in_output` keeps the stop string that ended the text;
     `truncate_prompt_tokens` k keeps the prompt's last k tokens (-1: as many as the context limit leaves beside
-    max_tokens, or one new token)."""
+    max_tokens, or one new token); `bad_words`: words the answer may not write (`Penalties.bad_words`)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -126,6 +126,7 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -134,9 +135,10 @@ class SamplingFields(BaseModel):
             raise ValueError("truncate_prompt_tokens must be -1 (as many as the context limit leaves) or >= 1")
         return v
 
-    def penalties(self) -> Penalties:
+    def penalties(self, encode: Callable[[str], list[int]] | None = None) -> Penalties:
         """The logits adjustments asked for (`Penalties.active` false when none); ValueError for a logit_bias key
-        that is not a token id."""
+        that is not a token id. encode: the tokenizer's, for `bad_words`: each word's tokens as written (leading
+        spaces dropped) and after one space, as vLLM takes them (None: bad words left out)."""
         bias = []
         for key, value in (self.logit_bias or {}).items():
             try:
@@ -146,7 +148,8 @@ class SamplingFields(BaseModel):
         return Penalties(presence=self.presence_penalty, frequency=self.frequency_penalty,
                          repetition=self.repetition_penalty, logit_bias=tuple(bias), min_tokens=self.min_tokens,
                          min_p=self.min_p,
-                         allowed=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids))
+                         allowed=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+                         bad_words=_bad_word_ids(self.bad_words or [], encode) if encode is not None else ())
 
     def output_spec(self) -> OutputSpec | None:
         """The answer's constraint from whichever of response_format, structured_outputs, guided_json,
@@ -200,6 +203,17 @@ class CompletionRequest(SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one unless it sent a batch."""
         return _batch(self.prompt)
+
+
+def _bad_word_ids(words: list[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences: as written (leading spaces dropped) and after one space, once each."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(encode(text)) if text.strip() else ()
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)
 
 
 def _batch(prompt: str | list) -> list:
