@@ -76,7 +76,7 @@ def run(model, prompts, new: int, cfg=None, lookup=None) -> tuple[list[list[int]
                    spec_steps=stats.spec_steps, draft_tokens=stats.draft_tokens,
                    accepted_tokens=stats.accepted_tokens,
                    tokens_per_step=stats.decode_tokens / max(1, stats.decode_steps) / len(prompts),
-                   graph_captures=stats.graph_captures)
+                   graph_captures=stats.graph_captures, spec_gate=stats.spec_gate)
     return [r.tokens for r in results], figures
 
 
@@ -162,6 +162,8 @@ def main(argv=None) -> int:
               f"= {fig['speedup']:.2f}x plain, {fig['accepted_tokens']}/{fig['draft_tokens']} drafts kept, "
               f"{fig['tokens_per_step']:.2f} tokens/step, {fig['spec_steps']}/{fig['decode_steps']} speculative "
               f"steps, same tokens: {fig['same_tokens']}", flush=True)
+        if fig["spec_gate"]:
+            print(f"    {fig['spec_gate']}", flush=True)
 
     for k in [int(x) for x in args.drafts.split(",")]:
         for adaptive in [False, True] if args.adaptive else [False]:

@@ -149,5 +149,10 @@ class SpeculationGate:
 
     def describe(self) -> str:
         rate = "unknown" if self.kept_rate is None else f"{self.kept_rate:.2f}"
+        sizes = sorted({batch for batch, _ in self._times})
+        nan = float("nan")
+        costs = ", ".join(f"{b}: {self.step_s(b, True) or nan:.5f} / {self.step_s(b, False) or nan:.5f} s"
+                          for b in sizes)
         return (f"speculation gate: {self.said_yes} speculative steps, {self.said_no} plain; "
-                f"drafts kept per drafted sequence-step {rate}")
+                f"drafts kept per drafted sequence-step {rate}; step times (speculative / plain) by batch size "
+                f"{{{costs}}}")
