@@ -187,3 +187,39 @@ def test_a_failing_backend_reports_in_the_stream(tok):
     assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]
     chunks = sequenced(client.post("/v1/responses", json={**req, "stream": True}))
     assert chunks[-1]["type"] == "error" and "out of memory" in chunks[-1]["message"]
+
+
+def test_truncation_auto_drops_the_earliest_turns_to_fit(client, tok):
+    """A conversation over the 96-token limit: `truncation: disabled` (the default) is a 400; `auto` answers from
+    the earliest user turn (after the leading system item) from which the rendered prompt and max_output_tokens
+    fit, found here by trying each turn in order, and gives the chat endpoint's answer to those turns."""
+    from openm3.data.chat import render_chat
+
+    system = {"type": "message", "role": "system", "content": "Be brief."}
+    turns = []
+    for k in range(6):
+        turns += [{"type": "message", "role": "user", "content": f"Question {k}: tell me about the number {k}."},
+                  {"type": "message", "role": "assistant", "content": f"The number {k} is a number."}]
+    items = [system] + turns + [{"type": "message", "role": "user", "content": "And the last one?"}]
+    body = {"model": NAME, "input": items, "max_output_tokens": 6, "temperature": 0}
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+    def messages(kept):
+        return [{"role": i["role"], "content": i["content"]} for i in kept]
+
+    users = [i for i, item in enumerate(items) if item["role"] == "user"]
+    start = next(i for i in users if len(tok.encode(render_chat(messages([system] + items[i:]),
+                                                                add_generation_prompt=True))) + 6 <= 96)
+    assert start > users[0]  # something was dropped
+    want = client.post("/v1/chat/completions", json={"model": NAME, "messages": messages([system] + items[start:]),
+                                                     "max_tokens": 6, "temperature": 0}).json()
+    r = client.post("/v1/responses", json={**body, "truncation": "auto"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["truncation"] == "auto" and out["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+    assert out["output"][-1]["content"][0]["text"] == want["choices"][0]["message"]["content"]
+    alone = client.post("/v1/responses", json={**body, "input": [system, {"type": "message", "role": "user",
+                                                                           "content": "word " * 200}],
+                                               "truncation": "auto"})
+    assert alone.status_code == 400 and alone.json()["error"]["param"] == "input"  # the last turn alone is too long

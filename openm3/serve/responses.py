@@ -69,7 +69,8 @@ class ResponsesRequest(BaseModel):
     `top_k` and `seed` are extensions; `text.format` asks for JSON (structured outputs); `include` with
     "message.output_text.logprobs" returns the message text's log probabilities (each token's, with
     `top_logprobs` alternatives); `store` keeps the response for `previous_response_id` (which continues a
-    stored response's conversation); unknown fields (reasoning, ...) and other `include` values
+    stored response's conversation); `truncation: "auto"` drops the conversation's earliest turns where it would
+    not fit the context limit (`fitted`); unknown fields (reasoning, ...) and other `include` values
     (reasoning.encrypted_content: the reasoning comes back as plain text) are ignored."""
 
     model: str
@@ -88,6 +89,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     text: ResponsesText | None = None
     include: list[str] | None = None  # "message.output_text.logprobs" is honoured; others are ignored
+    truncation: Literal["auto", "disabled"] = "disabled"  # auto: the earliest turns dropped to fit the context
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @property
@@ -235,6 +237,37 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
             raise missing(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    def fits(req: ResponsesRequest, prompt: list[int]) -> bool:
+        try:
+            check(req, prompt, "input")
+        except Exception:  # noqa: BLE001 - too long (or another fault, which the final check reports)
+            return False
+        return True
+
+    def fitted(req: ResponsesRequest, items: list[dict], tools, prompt: list[int], images):
+        """`truncation: auto`: where the conversation and max_output_tokens do not fit the context limit, its
+        earliest turns are dropped: the input from the first user message after the leading system / developer
+        items that makes it fit (found by bisection; the leading items and instructions stay). When even the last
+        turn alone does not fit, the prompt is returned whole for the usual 400."""
+        if fits(req, prompt):
+            return prompt, images
+        lead = 0
+        while lead < len(items) and items[lead].get("type", "message") == "message" \
+                and items[lead].get("role") in ("system", "developer"):
+            lead += 1
+        starts = [i for i in range(lead + 1, len(items))
+                  if items[i].get("type", "message") == "message" and items[i].get("role") == "user"]
+        best, lo, hi = None, 0, len(starts) - 1
+        while lo <= hi:  # the smallest start that fits (fewer items fit no worse)
+            mid = (lo + hi) // 2
+            kept = req.model_copy(update={"input": items[:lead] + items[starts[mid]:]})
+            candidate = prompt_of(chat_messages(kept, takes_images), tools, "input")
+            if fits(req, candidate[0]):
+                best, hi = candidate, mid - 1
+            else:
+                lo = mid + 1
+        return best if best is not None else (prompt, images)
+
     @app.post(RESPONSES_PATH)
     def responses(req: ResponsesRequest):
         items = input_items(req)
@@ -259,6 +292,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
         tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                  for t in req.tools] if req.tools else None
         prompt, images = prompt_of(messages, tools, "input")
+        if req.truncation == "auto":
+            prompt, images = fitted(req, items, tools, prompt, images)
         max_new = check(req, prompt, "input")
         forced = req.tool_choice not in (None, "auto", "none")
         constraint = constraint_maker(lambda: _output_spec(req), "tool_choice" if forced else "text", prompt)()
@@ -274,7 +309,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
         def response(status: str, output: list[dict], finish: str | None = None) -> dict:
             n = stream.sampled
             return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model_name,
-                    "output": output, "error": None, "instructions": req.instructions,
+                    "output": output, "error": None, "instructions": req.instructions, "truncation": req.truncation,
                     "previous_response_id": req.previous_response_id, "store": req.store,
                     "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                     "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
