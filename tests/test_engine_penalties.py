@@ -154,6 +154,37 @@ def test_bad_words_are_never_completed(model, monkeypatch):
         assert got[0].tokens == want
 
 
+def test_a_thinking_budget_ends_the_think_block_and_keeps_it_shut():
+    """Think-block tokens (start 10, end 11) under a budget, greedy over random rows whose argmax is planted:
+    inside a block opened by the prompt, the first `budget` picks are the rows' own and the next is the end
+    token however unlikely; then the start token is masked; budget 0 masks the start from the first pick; a
+    block the output opens counts the same; picks outside a block are never touched before the budget is spent."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(argmaxes):
+        out = []
+        for t in argmaxes:
+            row = torch.randn(16, generator=gen)
+            row[t] = 10.0
+            row[11] = -50.0  # the end token, far less likely than any other
+            out.append(row)
+        return out
+
+    think = (10, 11)
+    picker = PenalizedPicker(Penalties(think=think, think_budget=3), [1, 2, 11, 10], [0])  # the prompt opens one
+    picks = [picker.pick(r, SamplingParams()) for r in rows([4, 5, 6, 7, 10, 8])]
+    assert picks[:4] == [4, 5, 6, 11] and picks[4] != 10 and picks[5] == 8  # 7's turn went to the end token
+    closed = PenalizedPicker(Penalties(think=think, think_budget=3), [1, 10, 2, 11], [0])  # the prompt's is shut
+    assert [closed.pick(r, SamplingParams()) for r in rows([4, 10, 5, 6, 7, 8])] == [4, 10, 5, 6, 7, 11]
+    off = PenalizedPicker(Penalties(think=think, think_budget=0), [1, 2], [0])
+    assert 10 not in [off.pick(r, SamplingParams()) for r in rows([10, 10, 3])]
+    opened = PenalizedPicker(Penalties(think=think, think_budget=0), [1, 10], [0])
+    assert opened.pick(rows([3])[0], SamplingParams()) == 11  # closed at once
+    for kwargs, match in (({"think_budget": -1, "think": think}, "think_budget"), ({"think_budget": 2}, "think")):
+        with pytest.raises(ValueError, match=match):
+            Penalties(**kwargs)
+
+
 def test_penalties_around_a_grammar_constraint(model, tok):
     """A grammar constraint inside the picker picks from the adjusted row: the tokens of greedy constrained
     decoding of the adjusted rows (a bias towards a refused token changes nothing; one towards an allowed token

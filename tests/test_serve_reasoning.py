@@ -15,7 +15,7 @@ from openm3.serve.reasoning import ReasoningSplitter, split_reasoning
 import test_serve
 from test_serve import CALL_TEXT, NAME, TOOLS, Scripted, events, named_events
 
-tok = test_serve.tok  # module-scoped fixture, shared
+tok, model = test_serve.tok, test_serve.model  # module-scoped fixtures, shared
 
 THOUGHT = "The user wants a file.\n\nRead it first."
 TEXTS = [  # (text, started, reasoning, answer)
@@ -171,3 +171,46 @@ def test_a_template_that_opens_the_think_block_starts_the_answer_inside_it(tok):
     message = r.json()["choices"][0]["message"]
     assert tok.decode(backend.prompts[0]).endswith(f"ai\n{THINK_START}\n")
     assert message["reasoning_content"] == THOUGHT and message["content"] == "Hello."
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_anthropic_thinking_budget_closes_the_think_block(tok, model, stream):
+    """Anthropic's `thinking` over the real engine, with a template that opens the think block (the random model
+    then thinks from its first token): enabled with budget_tokens 5, the answer is plain greedy decoding's first 5
+    tokens, then the end token, then greedy decoding with the start token masked, split into a thinking block of
+    those 5 tokens' text and a text block; disabled, the block is closed at once; enabled without a budget, a 400."""
+    from openm3.data.chat_template import ChatTemplate
+    from openm3.engine import generate
+    from openm3.engine.penalties import Penalties, PenalizedPicker
+    from openm3.serve import ModelBackend
+
+    template = ChatTemplate("{% for m in messages %}]~b]{{ m.role }}\n{{ m.content }}[e~[\n{% endfor %}"
+                            "{% if add_generation_prompt %}]~b]ai\n<think>\n{% endif %}")
+    client = _client(ModelBackend(model), tok, chat_template=template)
+    prompt = tok.encode(template([{"role": "user", "content": "Hi"}], None, add_generation_prompt=True))
+    start, end, eos = tok.token_id(THINK_START), tok.token_id(THINK_END), tok.token_id(EOS)
+
+    def expected(thought: int) -> tuple[str, str]:
+        """(thinking, text): `thought` plain greedy tokens, the end token, then greedy with the start masked."""
+        plain = generate(model, [prompt], max_new_tokens=thought)[0][0].tokens if thought else []
+        after = generate(model, [prompt + plain + [end]], max_new_tokens=11 - thought, stop_tokens=[eos],
+                         constraints=[PenalizedPicker(Penalties(bad_words=((start,),)), [], [eos])])[0][0].tokens
+        reasoning, answer = split_reasoning(tok.decode(plain + [end] + [t for t in after if t != eos]), True)
+        return reasoning or "", answer
+
+    def answer(thinking: dict, stream: bool) -> tuple[str, str]:
+        req = {"model": NAME, "max_tokens": 12, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
+               "thinking": thinking, "stream": stream}
+        r = client.post("/v1/messages", json=req)
+        if stream:
+            deltas = [c["delta"] for c in named_events(r) if c["type"] == "content_block_delta"]
+            return ("".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta"),
+                    "".join(d["text"] for d in deltas if d["type"] == "text_delta"))
+        blocks = {b["type"]: b for b in r.json()["content"]}
+        return blocks.get("thinking", {}).get("thinking", ""), blocks.get("text", {}).get("text", "")
+
+    assert answer({"type": "enabled", "budget_tokens": 5}, stream) == expected(5)
+    assert answer({"type": "disabled"}, stream) == expected(0)
+    r = client.post("/v1/messages", json={"model": NAME, "max_tokens": 4, "thinking": {"type": "enabled"},
+                                          "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and "budget_tokens" in r.json()["error"]["message"]

@@ -1,5 +1,6 @@
 """Logits adjustments per request, as OpenAI's and vLLM's sampling parameters define them: `logit_bias`,
-`presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens`, `min_p` and `bad_words`.
+`presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens`, `min_p` and `bad_words`, and a
+budget of thinking tokens (Anthropic's `thinking`).
 
 `Penalties` holds a request's settings; `PenalizedPicker(penalties, prompt, hold, inner)` picks that
 request's tokens from raw logits rows, in order, the way a `GrammarConstraint` does (the engine takes either as a
@@ -9,6 +10,9 @@ through, in vLLM's order:
 1. `logit_bias` added to its tokens, every token outside vLLM's `allowed_token_ids` (when given) masked, the
    stop tokens masked while fewer than `min_tokens` were picked, and each bad word's last token masked where the
    output so far ends with the rest of it (vLLM's `bad_words`, as token sequences: a one-token word always);
+   with a thinking budget, every token but the think block's end masked once the block has held `think_budget`
+   tokens (the output's blocks together), and its start masked once the budget is spent (budget 0: no
+   thinking; a prompt that opens the block is closed at once);
 2. `repetition_penalty` on the tokens of the prompt and the output so far (a positive logit divided by it, a
    negative one multiplied), then `frequency_penalty` times each token's count in the output and
    `presence_penalty` for each token present in it subtracted;
@@ -37,7 +41,8 @@ MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 class Penalties:
     """presence / frequency: in [-2, 2] (OpenAI's bounds), 0 = off; repetition > 0, 1 = off; logit_bias: (token
     id, bias in [-100, 100]) pairs; min_tokens >= 0; min_p in [0, 1], 0 = off; allowed: the only token ids that may
-    be picked (None: any); bad_words: token sequences the output may not complete."""
+    be picked (None: any); bad_words: token sequences the output may not complete; think: the (start, end) token
+    ids of the think block and think_budget the tokens it may hold (None: no budget)."""
 
     presence: float = 0.0
     frequency: float = 0.0
@@ -47,6 +52,8 @@ class Penalties:
     min_p: float = 0.0
     allowed: tuple[int, ...] | None = None
     bad_words: tuple[tuple[int, ...], ...] = ()
+    think: tuple[int, int] | None = None
+    think_budget: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("presence", "frequency"):
@@ -70,12 +77,17 @@ class Penalties:
         for word in self.bad_words:
             if not word or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in word):
                 raise ValueError(f"bad_words: expected non-empty token id sequences, got {word!r}")
+        if self.think_budget is not None:
+            if not isinstance(self.think_budget, int) or isinstance(self.think_budget, bool) or self.think_budget < 0:
+                raise ValueError(f"think_budget must be an int >= 0 or None, got {self.think_budget!r}")
+            if self.think is None or len(self.think) != 2 or any(not isinstance(t, int) or t < 0 for t in self.think):
+                raise ValueError(f"think_budget needs think: the (start, end) token ids, got {self.think!r}")
 
     @property
     def active(self) -> bool:
         """Whether any setting changes a row."""
         return bool(self.presence or self.frequency or self.repetition != 1 or self.logit_bias or self.min_tokens
-                    or self.min_p or self.allowed is not None or self.bad_words)
+                    or self.min_p or self.allowed is not None or self.bad_words or self.think_budget is not None)
 
 
 def _number(value) -> bool:
@@ -99,6 +111,12 @@ class PenalizedPicker:
         self._prompt = torch.as_tensor(prompt, dtype=torch.int64).flatten().cpu()
         self.picked = 0
         self._output: list[int] = []  # the tokens picked (bad words' prefixes are matched against its end)
+        self._thought = 0  # tokens picked inside think blocks
+        self._inside = False  # in a think block: one the prompt left open, or the output opened
+        if penalties.think is not None:
+            start, end = penalties.think
+            opened = [i for i, t in enumerate(self._prompt.tolist()) if t in (start, end)]
+            self._inside = bool(opened) and int(self._prompt[opened[-1]]) == start
         self._counts: torch.Tensor | None = None  # float [V] on the rows' device: each token's count in the output
         self._seen: torch.Tensor | None = None  # bool [V]: in the prompt or the output (repetition)
 
@@ -135,6 +153,15 @@ class PenalizedPicker:
             out.masked_fill_(self._refused, -math.inf)
         if self.picked < p.min_tokens:
             out[self._held_ids] = -math.inf
+        if p.think_budget is not None and self._thought >= p.think_budget:
+            start, end = p.think
+            if self._inside:  # the block is full: it ends here
+                kept = out[end].item() if end < vocab else None
+                out.fill_(-math.inf)
+                if kept is not None:
+                    out[end] = kept if math.isfinite(kept) else 0.0
+            elif start < vocab:
+                out[start] = -math.inf
         for word in p.bad_words:
             head = len(word) - 1
             if word[-1] < vocab and (head == 0 or (len(self._output) >= head
@@ -156,6 +183,14 @@ class PenalizedPicker:
         self.picked += 1
         if self.penalties.bad_words:
             self._output.append(token)
+        if self.penalties.think is not None:
+            start, end = self.penalties.think
+            if token == start:
+                self._inside = True
+            elif token == end:
+                self._inside = False
+            elif self._inside:
+                self._thought += 1
         if 0 <= token < self._counts.numel():
             self._counts[token] += 1
             self._seen[token] = True

@@ -67,10 +67,26 @@ class OutputConfig(BaseModel):
     format: OutputFormat | None = None  # other settings (effort) are accepted and ignored
 
 
+class ThinkingConfig(BaseModel):
+    """Anthropic's `thinking`: enabled with `budget_tokens` (the think block holds at most that many tokens; this
+    server takes any budget >= 1, Anthropic asks >= 1024), or disabled (no think block)."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1, validate_default=True)
+
+    @field_validator("budget_tokens")
+    @classmethod
+    def _budget(cls, v: int | None, info) -> int | None:
+        if info.data.get("type") == "enabled" and v is None:
+            raise ValueError("thinking of type enabled needs budget_tokens")
+        return v
+
+
 class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages`. max_tokens is required, as in Anthropic's API; temperature lies in [0, 1] (0 =
     greedy); `seed` is an extension. Structured outputs: `output_config.format` (or the beta's `output_format`)
-    `{"type": "json_schema", "schema": ...}`. Unknown fields (metadata, thinking, ...) are ignored."""
+    `{"type": "json_schema", "schema": ...}`. `thinking` bounds the model's think block (`thinking_budget`).
+    Unknown fields (metadata, ...) are ignored."""
 
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = Field(default=None, validate_default=True)
@@ -81,6 +97,14 @@ class MessagesRequest(CountTokensRequest):
     seed: int | None = None
     output_format: OutputFormat | None = None
     output_config: OutputConfig | None = None
+    thinking: ThinkingConfig | None = None
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """Think-block tokens allowed (0: no thinking), None: no bound (`thinking` not given)."""
+        if self.thinking is None:
+            return None
+        return self.thinking.budget_tokens if self.thinking.type == "enabled" else 0
 
     @field_validator("stop_sequences")
     @classmethod

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import json
 import queue
@@ -46,10 +47,10 @@ import uuid
 from typing import Callable, Iterator, Protocol, Sequence
 
 from ..data.chat import parse_tool_calls
-from ..data.tokenizer import THINK_START, TOOL_CALL_START
+from ..data.tokenizer import THINK_END, THINK_START, TOOL_CALL_START
 from ..engine.constrained import GrammarConstraint
 from ..engine.media import chat_prompt
-from ..engine.penalties import PenalizedPicker
+from ..engine.penalties import Penalties, PenalizedPicker
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses, tokens
@@ -117,6 +118,14 @@ class _Stop(Exception):
     """Raised from on_token to end a generation (a stop string was found, or the client went away)."""
 
 
+def _think_ids(tokenizer) -> tuple[int, int] | None:
+    """The think block's (start, end) token ids, None where the tokenizer has no single tokens for them."""
+    try:
+        return tokenizer.token_id(THINK_START), tokenizer.token_id(THINK_END)
+    except (AttributeError, ValueError):
+        return None
+
+
 def _first_adjustment(req: SamplingFields) -> str:
     """The name of the first logits-adjusting field a request sets (for an error naming it)."""
     defaults = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "repetition_penalty": 1,
@@ -148,6 +157,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
     vl_config = getattr(backend, "vl_config", None)
+    think_ids = _think_ids(tokenizer)
     if vl_config is not None and vl_config.image_token_index != tokenizer.image_id:
         raise ValueError(f"tokenizer: its image placeholder ]<]image[>[ is token {tokenizer.image_id} but the "
                          f"model's image_token_index is {vl_config.image_token_index}")
@@ -256,6 +266,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                            f"maximum of {max_total_tokens} tokens", "max_tokens")
         if isinstance(req, SamplingFields):
             check_adjustments(req)
+        if getattr(req, "thinking_budget", None) is not None:
+            if think_ids is None:
+                raise APIError(f"this tokenizer has no single {THINK_START} / {THINK_END} tokens, so a thinking "
+                               f"budget cannot be kept", "thinking")
+            if not getattr(backend, "supports_constraints", False):
+                raise APIError("this server's backend does not adjust logits (a thinking budget)", "thinking")
         return max_new
 
     def check_adjustments(req: SamplingFields) -> None:
@@ -327,6 +343,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         stop_ids += [t for t in getattr(req, "stop_token_ids", None) or [] if t not in stop_ids]
         hidden = set(stop_ids) | {eos}
         penalties = req.penalties(tokenizer.encode) if isinstance(req, SamplingFields) else None
+        budget = getattr(req, "thinking_budget", None)  # Anthropic's thinking (checked by `check`)
+        if budget is not None:
+            penalties = dataclasses.replace(penalties or Penalties(), think=think_ids, think_budget=budget)
         if penalties is not None and penalties.active:
             constraint = PenalizedPicker(penalties, prompt, sorted(hidden), inner=constraint)
 
