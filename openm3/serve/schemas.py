@@ -26,7 +26,8 @@ class StreamOptions(BaseModel):
 @dataclasses.dataclass(frozen=True)
 class OutputSpec:
     """What an answer must be: JSON following `schema` (None: any object; `strict`: OpenAI's strict mode), exactly
-    one of `choices` (vLLM's guided choice), text that `regex` matches whole (vLLM's guided regex), or a tool-call
+    one of `choices` (vLLM's guided choice), text that `regex` matches whole (vLLM's guided regex), text that the
+    context-free `grammar` derives (vLLM's guided grammar: Lark's EBNF or GBNF, `cfg_grammar.py`), or a tool-call
     block (`tools`: the tools as JSON, [{"name", "parameters"}]; `tool_name`: that one tool, else any;
     `max_calls`: most calls in it, None: no bound)."""
 
@@ -34,6 +35,7 @@ class OutputSpec:
     strict: bool = False
     choices: tuple[str, ...] | None = None
     regex: str | None = None
+    grammar: str | None = None
     tools: str | None = None
     tool_name: str | None = None
     max_calls: int | None = None
@@ -85,11 +87,13 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputsParams(BaseModel):
-    """vLLM's `structured_outputs` request field (the parts this server honours: `json`, `choice`, `regex`)."""
+    """vLLM's `structured_outputs` request field (the parts this server honours: `json`, `choice`, `regex`,
+    `grammar`)."""
 
     json_: dict[str, Any] | bool | None = Field(default=None, alias="json")
     choice: list[str] | None = Field(default=None, min_length=1)
     regex: str | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(BaseModel):
@@ -115,6 +119,7 @@ class SamplingFields(BaseModel):
     guided_json: dict[str, Any] | bool | None = None  # vLLM's older names for the same
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_regex: str | None = None
+    guided_grammar: str | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
@@ -153,7 +158,7 @@ class SamplingFields(BaseModel):
 
     def output_spec(self) -> OutputSpec | None:
         """The answer's constraint from whichever of response_format, structured_outputs, guided_json,
-        guided_choice or guided_regex the request gives (ValueError for more than one)."""
+        guided_choice, guided_regex or guided_grammar the request gives (ValueError for more than one)."""
         so = self.structured_outputs
         given = {"response_format": self.response_format.grammar_spec() if self.response_format else None,
                  "structured_outputs.json": None if so is None or so.json_ is None else OutputSpec(so.json_),
@@ -162,7 +167,10 @@ class SamplingFields(BaseModel):
                  "guided_json": None if self.guided_json is None else OutputSpec(self.guided_json),
                  "structured_outputs.regex": None if so is None or so.regex is None else OutputSpec(regex=so.regex),
                  "guided_choice": None if not self.guided_choice else OutputSpec(choices=tuple(self.guided_choice)),
-                 "guided_regex": None if self.guided_regex is None else OutputSpec(regex=self.guided_regex)}
+                 "guided_regex": None if self.guided_regex is None else OutputSpec(regex=self.guided_regex),
+                 "structured_outputs.grammar": None if so is None or so.grammar is None else OutputSpec(
+                     grammar=so.grammar),
+                 "guided_grammar": None if self.guided_grammar is None else OutputSpec(grammar=self.guided_grammar)}
         named = [k for k, v in given.items() if v is not None]
         if len(named) > 1:
             raise ValueError(f"give one output constraint, got {', '.join(named)}")

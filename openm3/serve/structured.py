@@ -1,9 +1,10 @@
 """Structured outputs for `openm3 serve`: `response_format` (Chat Completions, Completions) and `text.format`
 (Responses) of type `json_object` or `json_schema`, Anthropic's `output_config.format`, and vLLM's
-`structured_outputs` / `guided_json` / `guided_choice` / `guided_regex` turn into a token constraint per choice
-(`openm3.engine.constrained.GrammarConstraint` over `openm3.engine.json_grammar`, `ChoiceGrammar` or
-`openm3.engine.regex_grammar`), so the answer is JSON that follows the schema, one of the given strings, or text
-the pattern matches, as with vLLM's structured outputs. A forced
+`structured_outputs` / `guided_json` / `guided_choice` / `guided_regex` / `guided_grammar` turn into a token
+constraint per choice (`openm3.engine.constrained.GrammarConstraint` over `openm3.engine.json_grammar`,
+`ChoiceGrammar`, `openm3.engine.regex_grammar` or `openm3.engine.cfg_grammar`), so the answer is JSON that follows
+the schema, one of the given strings, text the pattern matches, or a sentence of the grammar, as with vLLM's
+structured outputs. A forced
 tool call (`tool_choice` 'required' or a named function; Anthropic's `any` / `tool`) constrains the answer to a
 tool-call block in M3's markup (`openm3.engine.tool_grammar`). A chat answer may still open with its think block: the
 grammar applies after it (the reasoning parser splits it off as usual).
@@ -22,6 +23,7 @@ from typing import Callable
 from ..data.tokenizer import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 from ..engine.constrained import ChoiceGrammar, GrammarConstraint, TokenBytes, TransitionCache
 from ..engine.json_grammar import compile_schema
+from ..engine.cfg_grammar import CfgGrammar
 from ..engine.regex_grammar import RegexGrammar
 from ..engine.tool_grammar import END, START, ToolCallGrammar
 from .schemas import OutputSpec
@@ -49,8 +51,8 @@ class StructuredOutputs:
         return lambda: GrammarConstraint(transitions, [eos], think=pair, thinking=thinking)
 
     def _transitions(self, spec: OutputSpec) -> TransitionCache:
-        key = json.dumps([spec.schema, spec.strict, spec.choices, spec.regex, spec.tools, spec.tool_name,
-                          spec.max_calls], sort_keys=True)
+        key = json.dumps([spec.schema, spec.strict, spec.choices, spec.regex, spec.grammar, spec.tools,
+                          spec.tool_name, spec.max_calls], sort_keys=True)
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
@@ -61,6 +63,8 @@ class StructuredOutputs:
             grammar = ChoiceGrammar(spec.choices)
         elif spec.regex is not None:
             grammar = RegexGrammar(spec.regex)  # ValueError for a pattern that does not compile
+        elif spec.grammar is not None:
+            grammar = CfgGrammar(spec.grammar)  # ValueError for a grammar it cannot read or follow
         else:
             grammar = compile_schema(spec.schema, strict=spec.strict)  # ValueError for what it cannot honour
         with self._lock:

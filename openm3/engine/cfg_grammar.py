@@ -1,0 +1,417 @@
+"""Context-free grammars for outputs (vLLM's `guided_grammar` / `structured_outputs.grammar`), for
+`GrammarConstraint`:
+
+    grammar = CfgGrammar('start: expr\\nexpr: NUMBER ("+" NUMBER)*\\n%import common.NUMBER')
+    state = grammar.advance(grammar.start, b"1+")   # not None: some sentence begins this way
+    grammar.complete(grammar.advance(state, b"2"))  # True
+
+Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; "literals", /regexes/, "a".."z"
+ranges, ( ), [ ] and ? optional, * and + repetition, `%import common.NAME` for Lark's common terminals) and
+llama.cpp's GBNF (`name ::= ...`, the start rule `root`; "literals", [character classes], ( ), ?, *, +, {m},
+{m,n}, {m,}). Regexes and classes use the syntax of `openm3.engine.regex_nfa`. Not supported (a ValueError naming
+it): `%ignore`, case-insensitive literals, templates, and left recursion (write `a: b ("," b)*`, not `a: a "," b`).
+
+Sentences are recognised character by character with a set of parse stacks (a nondeterministic pushdown
+automaton): a stack is the rule positions still open, innermost first, and a state is the set of stacks after the
+text (a stack ends where its innermost rule waits on a terminal: a literal and how far into it, or a regex and
+its automaton's states). Texts that lead to the same set share it, and with it `TransitionCache`'s masks. Every
+stack in a state can still be completed (rules are checked productive), so decoding never paints itself into a
+corner. Like `RegexGrammar`, the text grows by whole UTF-8 characters.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+from .json_grammar import utf8_length
+from .regex_nfa import Nfa, compile_nfa
+
+__all__ = ["CfgGrammar"]
+
+MAX_STACKS = 4096  # stacks in one state: past it the grammar is too ambiguous to follow this way
+
+_COMMON = {  # Lark's common.lark terminals, as regexes
+    "DIGIT": r"[0-9]", "HEXDIGIT": r"[a-fA-F0-9]", "INT": r"[0-9]+", "SIGNED_INT": r"[+-]?[0-9]+",
+    "DECIMAL": r"[0-9]+\.[0-9]*|\.[0-9]+",
+    "FLOAT": r"[0-9]+[eE][+-]?[0-9]+|([0-9]+\.[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?",
+    "NUMBER": r"[0-9]+[eE][+-]?[0-9]+|([0-9]+\.[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[0-9]+",
+    "SIGNED_NUMBER": r"[+-]?([0-9]+[eE][+-]?[0-9]+|([0-9]+\.[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[0-9]+)",
+    "LCASE_LETTER": r"[a-z]", "UCASE_LETTER": r"[A-Z]", "LETTER": r"[a-zA-Z]", "WORD": r"[a-zA-Z]+",
+    "CNAME": r"[_a-zA-Z][_a-zA-Z0-9]*", "ESCAPED_STRING": r'"([^"\\]|\\.)*"', "WS_INLINE": r"[ \t]+",
+    "WS": r"[ \t\f\r\n]+", "CR": r"\r", "LF": r"\n", "NEWLINE": r"(\r?\n)+",
+}
+
+_TOKEN = re.compile(r"""
+    (?P<space>[ \t\r\n]+) | (?P<comment>(//|\#)[^\n]*) |
+    (?P<string>"(?:[^"\\]|\\.)*"i?) | (?P<regex>/(?:[^/\\\n]|\\.)+/[imsux]*) | (?P<cls>\[(?:[^\]\\]|\\.)*\]) |
+    (?P<define>::=|:) | (?P<range>\.\.) | (?P<repeat>\{\s*\d+\s*(?:,\s*\d*\s*)?\}) |
+    (?P<op>[|()?*+]) | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9.]*) | (?P<directive>%[a-z]+)
+""", re.VERBOSE)
+
+
+def _tokens(text: str) -> Iterator[tuple[str, str, int]]:
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise ValueError(f"grammar: cannot read {text[pos:pos + 20]!r} (at character {pos})")
+        kind = m.lastgroup
+        if kind not in ("space", "comment"):
+            yield kind, m.group(), pos
+        pos = m.end()
+
+
+def _unquote(literal: str) -> str:
+    if literal.endswith("i"):
+        raise ValueError(f"grammar: case-insensitive literals ({literal}) are not supported")
+    body, out, i = literal[1:-1], [], 0
+    escapes = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "\\": "\\", '"': '"', "'": "'",
+               "/": "/", "b": "\b"}
+    while i < len(body):
+        ch = body[i]
+        if ch != "\\":
+            out.append(ch)
+            i += 1
+            continue
+        nxt = body[i + 1]
+        if nxt in "xuU":
+            width = {"x": 2, "u": 4, "U": 8}[nxt]
+            out.append(chr(int(body[i + 2:i + 2 + width], 16)))
+            i += 2 + width
+        elif nxt in escapes:
+            out.append(escapes[nxt])
+            i += 2
+        else:
+            raise ValueError(f"grammar: unknown escape \\{nxt} in {literal}")
+    return "".join(out)
+
+
+class _Compiler:
+    """Grammar text -> rules: each a list of alternatives, each a tuple of elements ("lit", str), ("re", Nfa) or
+    ("ref", rule index). Groups and repetitions become rules of their own."""
+
+    def __init__(self, text: str):
+        self.rules: list[list[tuple]] = []
+        self.names: dict[str, int] = {}
+        self.gbnf = "::=" in text
+        self.defined: set[str] = set()
+        toks = list(_tokens(text))
+        starts = [i for i in range(len(toks) - 1)
+                  if toks[i][0] == "name" and toks[i + 1][0] == "define"]
+        directives = [i for i, t in enumerate(toks) if t[0] == "directive"]
+        for i in directives:
+            self._directive(toks, i)
+        ends = sorted(starts[1:] + directives + [len(toks)])
+        for i in starts:
+            name = toks[i][1].lstrip("?!")
+            if name in self.defined:
+                raise ValueError(f"grammar: rule {name!r} is defined twice")
+            self.defined.add(name)
+            end = next(e for e in ends if e > i)
+            body = toks[i + 2:end]
+            alternatives, j = self._alternatives(body, 0, name)
+            if j != len(body):
+                raise ValueError(f"grammar: rule {name!r}: unexpected {body[j][1]!r}")
+            self.rules_of(name)[:] = alternatives
+        undefined = sorted(set(self.names) - self.defined)
+        if undefined:
+            raise ValueError(f"grammar: rules used but not defined: {undefined}")
+        self.start = "root" if self.gbnf else "start"
+        if self.start not in self.names:
+            raise ValueError(f"grammar: no start rule (expected {self.start!r})")
+
+    def rules_of(self, name: str) -> list:
+        if name not in self.names:
+            self.names[name] = len(self.rules)
+            self.rules.append([])
+        return self.rules[self.names[name]]
+
+    def _directive(self, toks, i: int) -> None:
+        word = toks[i][1]
+        if word == "%import" and i + 1 < len(toks) and toks[i + 1][0] == "name":
+            path = toks[i + 1][1]
+            module, _, name = path.rpartition(".")
+            if module != "common" or name not in _COMMON:
+                raise ValueError(f"grammar: %import {path}: only common.{{{', '.join(sorted(_COMMON))}}} are known")
+            self.defined.add(name)
+            self.rules_of(name)[:] = [(("re", self._nfa(_COMMON[name])),)]
+            return
+        raise ValueError(f"grammar: {word} is not supported" + (" (write the whitespace into the rules)"
+                                                                 if word == "%ignore" else ""))
+
+    def _nfa(self, pattern: str) -> Nfa:
+        nfa = compile_nfa(pattern, search=False)
+        if nfa is None:
+            raise ValueError(f"grammar: the regex {pattern!r} uses syntax the automaton lacks")
+        return nfa
+
+    def _anonymous(self, alternatives: list[tuple]) -> tuple:
+        index = len(self.rules)
+        self.rules.append(alternatives)
+        return ("ref", index)
+
+    def _alternatives(self, toks, i: int, rule: str, close: str | None = None) -> tuple[list[tuple], int]:
+        """The alternatives (element tuples) from toks[i] up to `close` (or the end); returns them and the index
+        of `close` (or the end)."""
+        alternatives, seq = [], []
+        while i < len(toks):
+            kind, text, _ = toks[i]
+            if kind == "op" and text == close:
+                break
+            if kind == "op" and text == "|":
+                alternatives.append(tuple(seq))
+                seq, i = [], i + 1
+                continue
+            atom, i = self._atom(toks, i, rule)
+            atom, i = self._postfix(toks, i, atom)
+            if atom is not None:
+                seq.append(atom)
+        alternatives.append(tuple(seq))
+        return alternatives, i
+
+    def _atom(self, toks, i: int, rule: str) -> tuple[tuple | None, int]:
+        kind, text, pos = toks[i]
+        if kind == "string":
+            literal = _unquote(text)
+            if i + 2 < len(toks) and toks[i + 1][0] == "range" and toks[i + 2][0] == "string":
+                high = _unquote(toks[i + 2][1])
+                if len(literal) != 1 or len(high) != 1:
+                    raise ValueError(f"grammar: a range takes single characters, got {text}..{toks[i + 2][1]}")
+                return ("re", self._nfa(f"[{re.escape(literal)}-{re.escape(high)}]")), i + 3
+            return (("lit", literal) if literal else None), i + 1
+        if kind == "regex":
+            body, _, flags = text[1:].rpartition("/")
+            if flags:
+                raise ValueError(f"grammar: regex flags ({text}) are not supported")
+            return ("re", self._nfa(body)), i + 1
+        if kind == "cls" and self.gbnf:
+            return ("re", self._nfa(text)), i + 1
+        if kind == "name":
+            return ("ref", self._ref(text)), i + 1
+        if kind == "op" and text == "(":
+            alternatives, j = self._alternatives(toks, i + 1, rule, ")")
+            if j >= len(toks):
+                raise ValueError(f"grammar: rule {rule!r}: a ( is not closed")
+            return self._anonymous(alternatives), j + 1
+        if kind == "cls" and not self.gbnf:  # Lark's [ ... ]: optional (its inside read as tokens again)
+            inner = list(_tokens(text[1:-1]))
+            alternatives, j = self._alternatives(inner, 0, rule)
+            if j != len(inner):
+                raise ValueError(f"grammar: rule {rule!r}: cannot read {text}")
+            return self._anonymous(alternatives + [()]), i + 1
+        raise ValueError(f"grammar: rule {rule!r}: unexpected {text!r} (at character {pos})")
+
+    def _ref(self, name: str) -> int:
+        self.rules_of(name)
+        return self.names[name]
+
+    def _postfix(self, toks, i: int, atom: tuple | None) -> tuple[tuple | None, int]:
+        while i < len(toks) and (toks[i][0] == "repeat" or toks[i][0] == "op" and toks[i][1] in "?*+"):
+            text = toks[i][1]
+            i += 1
+            if atom is None:
+                continue
+            if text == "?":
+                atom = self._anonymous([(atom,), ()])
+            elif text in "*+":
+                many = len(self.rules)
+                self.rules.append([])
+                self.rules[many][:] = [(atom, ("ref", many)), ()]  # right recursion: atom*
+                atom = ("ref", many) if text == "*" else self._anonymous([(atom, ("ref", many))])
+            else:
+                low, _, high = text[1:-1].replace(" ", "").partition(",")
+                least = int(low)
+                most = least if "," not in text else (int(high) if high else None)
+                if most is not None and most < least:
+                    raise ValueError(f"grammar: repetition {text} has its maximum below its minimum")
+                seq = [atom] * least
+                if most is None:
+                    many = len(self.rules)
+                    self.rules.append([(atom, ("ref", many)), ()])
+                    seq.append(("ref", many))
+                else:
+                    tail: tuple = ()
+                    for _ in range(most - least):  # nested optionals: (atom (atom ...)?)?
+                        tail = (self._anonymous([(atom,) + tail, ()]),)
+                    seq += list(tail)
+                atom = self._anonymous([tuple(seq)])
+        return atom, i
+
+
+class CfgGrammar:
+    """Outputs a context-free grammar derives (see the module docstring); ValueError naming the problem for a
+    grammar that cannot be read or followed."""
+
+    def __init__(self, text: str):
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("grammar: expected the grammar's text")
+        compiled = _Compiler(text)
+        self.rules = [[tuple(alt) for alt in alts] for alts in compiled.rules]
+        self.root = compiled.names[compiled.start]
+        self._check_productive(compiled)
+        self._check_left_recursion(compiled)
+        self._steps: dict = {}
+        self.start = self._closure([((self.root, a, 0), None, None) for a in range(len(self.rules[self.root]))])
+        if not self.start:
+            raise ValueError("grammar: the start rule derives nothing")
+
+    # --------------------------------------------------------------------------------------------- checks
+
+    def _check_productive(self, compiled: _Compiler) -> None:
+        """Every rule must derive some text (else a stack could wait forever)."""
+        productive: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for r, alts in enumerate(self.rules):
+                if r not in productive and any(all(e[0] != "ref" or e[1] in productive for e in alt) for alt in alts):
+                    productive.add(r)
+                    changed = True
+        names = {i: n for n, i in compiled.names.items()}
+        dead = sorted(names.get(r, f"<group {r}>") for r in range(len(self.rules)) if r not in productive)
+        if dead:
+            raise ValueError(f"grammar: rules that derive no text: {dead}")
+
+    def _nullable(self) -> set[int]:
+        nullable: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for r, alts in enumerate(self.rules):
+                if r not in nullable and any(all(self._empty(e, nullable) for e in alt) for alt in alts):
+                    nullable.add(r)
+                    changed = True
+        return nullable
+
+    @staticmethod
+    def _empty(element: tuple, nullable: set[int]) -> bool:
+        kind, value = element
+        if kind == "ref":
+            return value in nullable
+        if kind == "re":
+            return value.matched(value.start)
+        return value == ""
+
+    def _check_left_recursion(self, compiled: _Compiler) -> None:
+        """A rule that can reach itself before reading a character would expand forever."""
+        nullable = self._nullable()
+        first: dict[int, set[int]] = {r: set() for r in range(len(self.rules))}
+        for r, alts in enumerate(self.rules):
+            for alt in alts:
+                for e in alt:
+                    if e[0] == "ref":
+                        first[r].add(e[1])
+                    if not self._empty(e, nullable):
+                        break
+        names = {i: n for n, i in compiled.names.items()}
+        for r in range(len(self.rules)):
+            seen, todo = set(), list(first[r])
+            while todo:
+                s = todo.pop()
+                if s == r:
+                    raise ValueError(f"grammar: rule {names.get(r, f'<group of {r}>')!r} is left-recursive "
+                                     f"(write repetition with * or +)")
+                if s not in seen:
+                    seen.add(s)
+                    todo += first[s]
+
+    # ------------------------------------------------------------------------------------------ recognising
+
+    def _closure(self, stacks) -> frozenset:
+        """Stacks whose innermost rule waits on a terminal (or the accepting None), from stacks at any position:
+        rules referenced are opened, rules finished return to their parent."""
+        out: set = set()
+        seen: set = set()
+        todo = list(stacks)
+        while todo:
+            stack = todo.pop()
+            if stack in seen:
+                continue
+            seen.add(stack)
+            if len(seen) > 16 * MAX_STACKS:
+                raise ValueError("grammar: too ambiguous to follow (too many parses at once)")
+            (rule, alt, pos), sub, parent = stack
+            seq = self.rules[rule][alt]
+            if pos == len(seq):
+                if parent is None:
+                    out.add(None)  # the whole text is a sentence
+                else:
+                    todo.append(parent)
+                continue
+            kind, value = seq[pos]
+            after = ((rule, alt, pos + 1), None, parent)
+            if kind == "ref":
+                for a in range(len(self.rules[value])):
+                    todo.append(((value, a, 0), None, after))
+            elif kind == "lit":
+                out.add(((rule, alt, pos), 0, parent))
+            else:
+                out.add(((rule, alt, pos), value.start, parent))
+                if value.matched(value.start):
+                    todo.append(after)
+        if len(out) > MAX_STACKS:
+            raise ValueError("grammar: too ambiguous to follow (too many parses at once)")
+        return frozenset(out)
+
+    def _step(self, state: frozenset, ch: str) -> frozenset:
+        key = (state, ch)
+        found = self._steps.get(key)
+        if found is not None:
+            return found
+        moved = []
+        for stack in state:
+            if stack is None:
+                continue
+            (rule, alt, pos), sub, parent = stack
+            kind, value = self.rules[rule][alt][pos]
+            if kind == "lit":
+                if value[sub] != ch:
+                    continue
+                if sub + 1 < len(value):
+                    moved.append(((rule, alt, pos), sub + 1, parent))
+                else:
+                    moved.append(((rule, alt, pos + 1), None, parent))
+            else:
+                states = value.step(sub, ch)
+                if not value.live(states):
+                    continue
+                moved.append(((rule, alt, pos), states, parent))
+                if value.matched(states):
+                    moved.append(((rule, alt, pos + 1), None, parent))
+        result = self._expand(moved)
+        if len(self._steps) >= 1 << 18:
+            self._steps.clear()
+        self._steps[key] = result
+        return result
+
+    def _expand(self, moved) -> frozenset:
+        """`_closure` of stacks just moved: those still inside a terminal are kept as they are."""
+        inside = [s for s in moved if s[1] is not None]
+        rest = self._closure([s for s in moved if s[1] is None]) if len(inside) < len(moved) else frozenset()
+        return rest | frozenset(inside)
+
+    def advance(self, state, data: bytes):
+        try:
+            text = data.decode("utf-8")  # strict: an incomplete or invalid character is refused
+        except UnicodeDecodeError:
+            return None
+        for ch in text:
+            state = self._step(state, ch)
+            if not state:
+                return None
+        return state
+
+    def complete(self, state) -> bool:
+        return None in state
+
+    @staticmethod
+    def whole_characters_at(state) -> bool:
+        """Every state lies between whole UTF-8 characters (`TransitionCache` walks tokens a character at a time)."""
+        return True
+
+    character_length = staticmethod(utf8_length)  # a character's bytes at data[i] (0: data ends inside it)
+
+    @staticmethod
+    def can_continue(state) -> bool:
+        return any(s is not None for s in state)

@@ -1,0 +1,152 @@
+"""Context-free output grammars (`openm3.engine.cfg_grammar`) against Lark's own Earley parser as the oracle:
+every string over each grammar's characters up to a length is a sentence exactly when Lark parses it, every
+prefix of a sentence is live, and every live prefix can be finished into a sentence Lark parses; GBNF grammars
+against their Lark equivalents; constrained decoding and the server's `guided_grammar` write sentences; grammars
+that cannot be followed are refused by name."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import lark
+import pytest
+import torch
+
+from openm3.engine.cfg_grammar import CfgGrammar
+
+GRAMMARS = {  # name: (Lark text, the characters strings are drawn from, longest string tried exhaustively)
+    "sum": ('start: expr\nexpr: NUMBER ("+" NUMBER)*\n%import common.NUMBER', "12.+e", 5),
+    "sql": ('start: "SELECT " col " FROM t" [" WHERE " col "=" INT]\ncol: "a" | "b" | "ab"\n'
+            '%import common.INT', None, 0),
+    "nested": ('start: list\nlist: "[" [item ("," item)*] "]"\nitem: list | /[a-c]+/', "[],ab", 7),
+    "optional": ('start: "x"? ("y" | "yz")+ "z"*', "xyz", 6),
+    "ranges": ('start: ("a".."c")+ /[0-9]{2}/ | "q"', "abd09q", 5),
+}
+
+
+def sentence(g: CfgGrammar, text: str) -> bool:
+    state = g.advance(g.start, text.encode())
+    return state is not None and g.complete(state)
+
+
+def live(g: CfgGrammar, text: str) -> bool:
+    return g.advance(g.start, text.encode()) is not None
+
+
+def parses(parser: lark.Lark, text: str) -> bool:
+    try:
+        parser.parse(text)
+    except lark.exceptions.LarkError:
+        return False
+    return True
+
+
+def finish(g: CfgGrammar, text: str, alphabet: str, limit: int = 40) -> str | None:
+    """Some sentence that starts with `text` (breadth first over `alphabet`), None within `limit` more chars."""
+    frontier = [text]
+    for _ in range(limit + 1):
+        for t in frontier:
+            if sentence(g, t):
+                return t
+        frontier = [t + c for t in frontier for c in alphabet if live(g, t + c)][:2000]
+    return None
+
+
+def samples(g: CfgGrammar, alphabet: str, rng: random.Random, count: int = 60) -> list[str]:
+    """Sentences from random walks that keep the text live and stop at random where it is a sentence."""
+    out = []
+    for _ in range(count * 5):
+        text = ""
+        for _ in range(30):
+            if sentence(g, text) and rng.random() < 0.3:
+                break
+            options = [c for c in alphabet if live(g, text + c)]
+            if not options:
+                break
+            text += rng.choice(options)
+        if sentence(g, text):
+            out.append(text)
+        if len(out) == count:
+            break
+    return out
+
+
+@pytest.mark.parametrize("name", GRAMMARS)
+def test_sentences_and_prefixes_agree_with_lark(name):
+    text, alphabet, longest = GRAMMARS[name]
+    g, parser = CfgGrammar(text), lark.Lark(text, parser="earley", lexer="dynamic")
+    alphabet = alphabet or "".join(sorted({c for c in text if c.isprintable() and c not in '"|:\n[]()'}))
+    for n in range(longest + 1):
+        for chars in itertools.product(alphabet, repeat=n):
+            t = "".join(chars)
+            assert sentence(g, t) == parses(parser, t), t
+            if live(g, t):  # a live text can be finished into a sentence
+                done = finish(g, t, alphabet)
+                assert done is not None and parses(parser, done), (t, done)
+    rng = random.Random(0)
+    found = samples(g, alphabet, rng)
+    assert len(found) >= 10
+    for t in found:
+        assert parses(parser, t), t
+        assert all(live(g, t[:i]) for i in range(len(t))), t
+
+
+def test_gbnf_grammars_match_their_lark_equivalents():
+    pairs = [
+        (r'''root ::= "[" ws ( item ( "," ws item )* )? "]"
+             item ::= [a-c]+ | "\"" [^"]* "\""
+             ws ::= [ ]*''',
+         r'''start: "[" ws (item ("," ws item)*)? "]"
+             item: /[a-c]+/ | "\"" /[^"]/* "\""
+             ws: " "*''', '[]a, "'),
+        (r'root ::= "a"{2,3} "b"? | "c"{2,}', 'start: "a" "a" "a"? "b"? | "c" "c" "c"*', "abc"),
+    ]
+    for gbnf, equivalent, alphabet in pairs:
+        g, parser = CfgGrammar(gbnf), lark.Lark(equivalent, parser="earley", lexer="dynamic")
+        for n in range(7):
+            for chars in itertools.product(alphabet, repeat=n):
+                t = "".join(chars)
+                assert sentence(g, t) == parses(parser, t), (gbnf, t)
+
+
+@pytest.mark.parametrize("text,match", [
+    ('start: start "a" | "b"', "left-recursive"),
+    ('start: a\na: "x" a', "derive no text"),
+    ('start: "a"\n%ignore " "', "%ignore"),
+    ('start: b', "not defined"),
+    ('start: "A"i', "case-insensitive"),
+    ('start: "a"\n%import common.FOO', "common"),
+    ('rule: "a"', "start rule"),
+    ('start: /a(?=b)/', "automaton lacks"),
+])
+def test_grammars_it_cannot_follow_are_refused(text, match):
+    with pytest.raises(ValueError, match=match):
+        CfgGrammar(text)
+
+
+def test_constrained_decoding_writes_sentences():
+    """`GrammarConstraint` over the grammar with a made-up vocabulary and random logits: every sampled answer
+    that ends is a sentence Lark parses (the stop token is allowed only there)."""
+    from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionCache
+    from openm3.engine.sampling import SamplingParams
+
+    text = GRAMMARS["nested"][0]
+    parser = lark.Lark(text, parser="earley", lexer="dynamic")
+    pieces = [b"[", b"]", b",", b"a", b"b", b"c", b"ab", b"[a", b"],", b"[]", b"x", b"]]", b"<eos>"]
+    eos = len(pieces) - 1
+    vocab = TokenBytes([p if i != eos else None for i, p in enumerate(pieces)])
+    transitions = TransitionCache(CfgGrammar(text), vocab)
+    gen = torch.Generator().manual_seed(0)
+    ended = 0
+    for _ in range(20):
+        constraint = GrammarConstraint(transitions, [eos])
+        out = []
+        for _ in range(30):
+            token = constraint.pick(torch.randn(len(pieces), generator=gen), SamplingParams(1.0), gen)
+            if token == eos:
+                ended += 1
+                assert parses(parser, b"".join(out).decode()), out
+                break
+            out.append(pieces[token])
+    assert ended >= 10
