@@ -1,10 +1,11 @@
 """What constrained decoding (structured outputs) costs per token on the host, with no model: `GrammarConstraint.pick`
 over logits rows of an M3-sized vocabulary (200,064 tokens), for a JSON schema, the same with a `pattern` on one
-string (and with a `maxLength` beside it), and `json_object`.
+string (and with a `maxLength` beside it), `json_object`, and the schema's documents as a context-free grammar.
 
     python -m benchmarks.structured_decode --out DIR
     python -m benchmarks.structured_decode --docs 2 --vocab 50000   # smoke
     python -m benchmarks.structured_decode --formats json_pattern json_pattern_bounded
+    python -m benchmarks.structured_decode --formats json_schema grammar
 
 The vocabulary: openm3's locally trained tokenizer (4,096 byte-level tokens) extended with tokens made of 2-3 of
 its tokens joined (M3's own tokenizer is not shipped here). Two kinds of logits rows per step:
@@ -45,7 +46,14 @@ PATTERNED = {**SCHEMA, "properties": {**SCHEMA["properties"],
                                       "path": {"type": "string", "pattern": "^[a-z0-9_]+(/[a-z0-9_]+)*\\.py$"}}}
 BOUNDED = {**PATTERNED, "properties": {**PATTERNED["properties"],
                                        "path": {**PATTERNED["properties"]["path"], "maxLength": 64}}}
-FORMATS = {"json_schema": SCHEMA, "json_object": None, "json_pattern": PATTERNED, "json_pattern_bounded": BOUNDED}
+# the same documents as a context-free grammar (vLLM's guided_grammar; keys in the order json.dumps writes them)
+CFG = r"""start: "{\"path\": " STR ", \"line\": " INT ", \"mode\": " MODE ", \"tags\": [" [STR (", " STR)*] "]}"
+STR: /"[a-z0-9_\/.]*"/
+INT: /[1-9][0-9]*/
+MODE: "\"read\"" | "\"write\"" | "\"append\""
+"""
+FORMATS = {"json_schema": SCHEMA, "json_object": None, "json_pattern": PATTERNED, "json_pattern_bounded": BOUNDED,
+           "grammar": CFG}
 
 
 def target(rng: random.Random) -> dict:
@@ -100,6 +108,7 @@ def run_doc(constraint, vocab, eos: int, sampling, kind: str, doc: bytes | None,
 
 
 def main(argv=None) -> int:
+    from openm3.engine.cfg_grammar import CfgGrammar
     from openm3.engine.constrained import GrammarConstraint, TransitionCache
     from openm3.engine.json_grammar import compile_schema
     from openm3.engine.sampling import SamplingParams, sample
@@ -138,7 +147,7 @@ def main(argv=None) -> int:
         baseline[mode] = statistics.median(times)
         print(f"unconstrained {mode:13s} sample(): median {baseline[mode]:6.2f} ms", flush=True)
     for fmt in args.formats:
-        grammar = compile_schema(FORMATS[fmt], strict=True)
+        grammar = CfgGrammar(FORMATS[fmt]) if fmt == "grammar" else compile_schema(FORMATS[fmt], strict=True)
         for kind in ("teacher", "random"):
             for mode, sampling in modes.items():
                 rng = random.Random(args.seed)
