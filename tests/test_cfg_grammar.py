@@ -22,6 +22,9 @@ GRAMMARS = {  # name: (Lark text, the characters strings are drawn from, longest
     "nested": ('start: list\nlist: "[" [item ("," item)*] "]"\nitem: list | /[a-c]+/', "[],ab", 7),
     "optional": ('start: "x"? ("y" | "yz")+ "z"*', "xyz", 6),
     "ranges": ('start: ("a".."c")+ /[0-9]{2}/ | "q"', "abd09q", 5),
+    "ignore": ('start: "(" item ("," item)* ")"\nitem: WORD | start\nWORD: "a".."b"+\n%ignore " "', "(),a ", 7),
+    "ignore_ws": ('start: pair+\npair: KEY "=" VALUE ";"\nKEY: /[ab]+/\nVALUE: DIGIT+\n%import common.DIGIT\n'
+                  '%import common.WS_INLINE\n%ignore WS_INLINE', "a=1; \t", 6),
 }
 
 
@@ -43,13 +46,20 @@ def parses(parser: lark.Lark, text: str) -> bool:
 
 
 def finish(g: CfgGrammar, text: str, alphabet: str, limit: int = 40) -> str | None:
-    """Some sentence that starts with `text` (breadth first over `alphabet`), None within `limit` more chars."""
-    frontier = [text]
+    """Some sentence that starts with `text` (breadth first over `alphabet`, one text per distinct state), None
+    within `limit` more characters."""
+    frontier = {g.advance(g.start, text.encode()): text}
     for _ in range(limit + 1):
-        for t in frontier:
-            if sentence(g, t):
+        for state, t in frontier.items():
+            if g.complete(state):
                 return t
-        frontier = [t + c for t in frontier for c in alphabet if live(g, t + c)][:2000]
+        nxt = {}
+        for state, t in frontier.items():
+            for c in alphabet:
+                after = g.advance(state, c.encode())
+                if after is not None and after not in nxt:
+                    nxt[after] = t + c
+        frontier = nxt
     return None
 
 
@@ -113,7 +123,8 @@ def test_gbnf_grammars_match_their_lark_equivalents():
 @pytest.mark.parametrize("text,match", [
     ('start: start "a" | "b"', "left-recursive"),
     ('start: a\na: "x" a', "derive no text"),
-    ('start: "a"\n%ignore " "', "%ignore"),
+    ('start: "a"\n%declare FOO', "%declare"),
+    ('start: "a"\n%ignore WS', "not defined"),
     ('start: b', "not defined"),
     ('start: "A"i', "case-insensitive"),
     ('start: "a"\n%import common.FOO', "common"),

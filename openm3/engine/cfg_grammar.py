@@ -8,8 +8,10 @@
 Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; "literals", /regexes/, "a".."z"
 ranges, ( ), [ ] and ? optional, * and + repetition, `%import common.NAME` for Lark's common terminals) and
 llama.cpp's GBNF (`name ::= ...`, the start rule `root`; "literals", [character classes], ( ), ?, *, +, {m},
-{m,n}, {m,}). Regexes and classes use the syntax of `openm3.engine.regex_nfa`. Not supported (a ValueError naming
-it): `%ignore`, case-insensitive literals, templates, and left recursion (write `a: b ("," b)*`, not `a: a "," b`).
+{m,n}, {m,}). Lark's `%ignore TERMINAL` (or a literal or regex) lets what it names stand before every terminal a
+rule (not a terminal) holds, and at the end. Regexes and classes use the syntax of `openm3.engine.regex_nfa`. Not
+supported (a ValueError naming it): case-insensitive literals, templates, other directives, and left recursion
+(write `a: b ("," b)*`, not `a: a "," b`).
 
 Sentences are recognised character by character with a set of parse stacks (a nondeterministic pushdown
 automaton): a stack is the rule positions still open, innermost first, and a state is the set of stacks after the
@@ -96,6 +98,8 @@ class _Compiler:
         self.names: dict[str, int] = {}
         self.gbnf = "::=" in text
         self.defined: set[str] = set()
+        self.terminals: set[int] = set()  # rules of Lark's terminals (uppercase names) and the groups inside them
+        self.ignored: list[tuple] = []  # %ignore's elements
         toks = list(_tokens(text))
         starts = [i for i in range(len(toks) - 1)
                   if toks[i][0] == "name" and toks[i + 1][0] == "define"]
@@ -110,16 +114,46 @@ class _Compiler:
             self.defined.add(name)
             end = next(e for e in ends if e > i)
             body = toks[i + 2:end]
+            first = len(self.rules)
             alternatives, j = self._alternatives(body, 0, name)
             if j != len(body):
                 raise ValueError(f"grammar: rule {name!r}: unexpected {body[j][1]!r}")
             self.rules_of(name)[:] = alternatives
+            if not self.gbnf and name.isupper():
+                self.terminals |= set(range(first, len(self.rules))) | {self.names[name]}
         undefined = sorted(set(self.names) - self.defined)
         if undefined:
             raise ValueError(f"grammar: rules used but not defined: {undefined}")
         self.start = "root" if self.gbnf else "start"
         if self.start not in self.names:
             raise ValueError(f"grammar: no start rule (expected {self.start!r})")
+        if self.ignored:
+            self._ignore()
+
+    def _ignore(self) -> None:
+        """Lark's %ignore: what it names may stand before every terminal of a rule (not inside a terminal) and at
+        the end of the text: a rule IGNORED* goes before each terminal element of each non-terminal rule."""
+        unknown = [e for e in self.ignored if isinstance(e, str) and e not in self.defined]
+        if unknown:
+            raise ValueError(f"grammar: %ignore names terminals that are not defined: {unknown}")
+        many = len(self.rules)
+        elements = [("ref", self._ref(e)) if isinstance(e, str) else e for e in self.ignored]
+        self.rules.append([(e, ("ref", many)) for e in elements] + [()])
+        skip = ("ref", many)
+        for r in range(many):
+            if r in self.terminals:
+                continue
+            alternatives = []
+            for alt in self.rules[r]:
+                out: list[tuple] = []
+                for e in alt:
+                    if e[0] != "ref" or e[1] in self.terminals:
+                        out.append(skip)
+                    out.append(e)
+                alternatives.append(tuple(out))
+            self.rules[r] = alternatives
+        root = self.names[self.start]
+        self.rules[root] = [alt + (skip,) for alt in self.rules[root]]
 
     def rules_of(self, name: str) -> list:
         if name not in self.names:
@@ -136,9 +170,19 @@ class _Compiler:
                 raise ValueError(f"grammar: %import {path}: only common.{{{', '.join(sorted(_COMMON))}}} are known")
             self.defined.add(name)
             self.rules_of(name)[:] = [(("re", self._nfa(_COMMON[name])),)]
+            self.terminals.add(self.names[name])
             return
-        raise ValueError(f"grammar: {word} is not supported" + (" (write the whitespace into the rules)"
-                                                                 if word == "%ignore" else ""))
+        if word == "%ignore" and not self.gbnf and i + 1 < len(toks):
+            kind, text, _ = toks[i + 1]
+            if kind == "name" and text.isupper():
+                self.ignored.append(text)
+                return
+            if kind in ("string", "regex"):
+                atom, _ = self._atom(toks, i + 1, "%ignore")
+                if atom is not None:
+                    self.ignored.append(atom)
+                return
+        raise ValueError(f"grammar: {word} {toks[i + 1][1] if i + 1 < len(toks) else ''} is not supported")
 
     def _nfa(self, pattern: str) -> Nfa:
         nfa = compile_nfa(pattern, search=False)
