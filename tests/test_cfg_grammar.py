@@ -22,6 +22,7 @@ GRAMMARS = {  # name: (Lark text, the characters strings are drawn from, longest
     "nested": ('start: list\nlist: "[" [item ("," item)*] "]"\nitem: list | /[a-c]+/', "[],ab", 7),
     "optional": ('start: "x"? ("y" | "yz")+ "z"*', "xyz", 6),
     "ranges": ('start: ("a".."c")+ /[0-9]{2}/ | "q"', "abd09q", 5),
+    "brackets": ('start: "a" ["b" ["c"]] "]" ["[" "x"]', "abc[]x", 6),
     "ignore": ('start: "(" item ("," item)* ")"\nitem: WORD | start\nWORD: "a".."b"+\n%ignore " "', "(),a ", 7),
     "ignore_ws": ('start: pair+\npair: KEY "=" VALUE ";"\nKEY: /[ab]+/\nVALUE: DIGIT+\n%import common.DIGIT\n'
                   '%import common.WS_INLINE\n%ignore WS_INLINE', "a=1; \t", 6),

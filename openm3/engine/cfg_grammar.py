@@ -44,18 +44,21 @@ _COMMON = {  # Lark's common.lark terminals, as regexes
     "WS": r"[ \t\f\r\n]+", "CR": r"\r", "LF": r"\n", "NEWLINE": r"(\r?\n)+",
 }
 
-_TOKEN = re.compile(r"""
+_TOKEN = r"""
     (?P<space>[ \t\r\n]+) | (?P<comment>(//|\#)[^\n]*) |
-    (?P<string>"(?:[^"\\]|\\.)*"i?) | (?P<regex>/(?:[^/\\\n]|\\.)+/[imsux]*) | (?P<cls>\[(?:[^\]\\]|\\.)*\]) |
-    (?P<define>::=|:) | (?P<range>\.\.) | (?P<repeat>\{\s*\d+\s*(?:,\s*\d*\s*)?\}) |
+    (?P<string>"(?:[^"\\]|\\.)*"i?) | (?P<regex>/(?:[^/\\\n]|\\.)+/[imsux]*) | {brackets} |
+    (?P<define>::=|:) | (?P<range>\.\.) | (?P<repeat>\{{\s*\d+\s*(?:,\s*\d*\s*)?\}}) |
     (?P<op>[|()?*+]) | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9.]*) | (?P<directive>%[a-z]+)
-""", re.VERBOSE)
+"""
+# GBNF's [ ] is a character class; Lark's is an optional group (its brackets are operators, so groups nest)
+_TOKENS = {True: re.compile(_TOKEN.format(brackets=r"(?P<cls>\[(?:[^\]\\]|\\.)*\])"), re.VERBOSE),
+           False: re.compile(_TOKEN.format(brackets=r"(?P<bracket>[\[\]])"), re.VERBOSE)}
 
 
-def _tokens(text: str) -> Iterator[tuple[str, str, int]]:
+def _tokens(text: str, gbnf: bool) -> Iterator[tuple[str, str, int]]:
     pos = 0
     while pos < len(text):
-        m = _TOKEN.match(text, pos)
+        m = _TOKENS[gbnf].match(text, pos)
         if m is None:
             raise ValueError(f"grammar: cannot read {text[pos:pos + 20]!r} (at character {pos})")
         kind = m.lastgroup
@@ -100,7 +103,7 @@ class _Compiler:
         self.defined: set[str] = set()
         self.terminals: set[int] = set()  # rules of Lark's terminals (uppercase names) and the groups inside them
         self.ignored: list[tuple] = []  # %ignore's elements
-        toks = list(_tokens(text))
+        toks = list(_tokens(text, self.gbnf))
         starts = [i for i in range(len(toks) - 1)
                   if toks[i][0] == "name" and toks[i + 1][0] == "define"]
         directives = [i for i, t in enumerate(toks) if t[0] == "directive"]
@@ -201,7 +204,7 @@ class _Compiler:
         alternatives, seq = [], []
         while i < len(toks):
             kind, text, _ = toks[i]
-            if kind == "op" and text == close:
+            if kind in ("op", "bracket") and text == close:
                 break
             if kind == "op" and text == "|":
                 alternatives.append(tuple(seq))
@@ -238,12 +241,11 @@ class _Compiler:
             if j >= len(toks):
                 raise ValueError(f"grammar: rule {rule!r}: a ( is not closed")
             return self._anonymous(alternatives), j + 1
-        if kind == "cls" and not self.gbnf:  # Lark's [ ... ]: optional (its inside read as tokens again)
-            inner = list(_tokens(text[1:-1]))
-            alternatives, j = self._alternatives(inner, 0, rule)
-            if j != len(inner):
-                raise ValueError(f"grammar: rule {rule!r}: cannot read {text}")
-            return self._anonymous(alternatives + [()]), i + 1
+        if kind == "bracket" and text == "[":  # Lark's [ ... ]: optional
+            alternatives, j = self._alternatives(toks, i + 1, rule, "]")
+            if j >= len(toks):
+                raise ValueError(f"grammar: rule {rule!r}: a [ is not closed")
+            return self._anonymous(alternatives + [()]), j + 1
         raise ValueError(f"grammar: rule {rule!r}: unexpected {text!r} (at character {pos})")
 
     def _ref(self, name: str) -> int:
