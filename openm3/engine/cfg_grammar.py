@@ -5,13 +5,13 @@
     state = grammar.advance(grammar.start, b"1+")   # not None: some sentence begins this way
     grammar.complete(grammar.advance(state, b"2"))  # True
 
-Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; "literals", /regexes/, "a".."z"
-ranges, ( ), [ ] and ? optional, * and + repetition, `%import common.NAME` for Lark's common terminals) and
-llama.cpp's GBNF (`name ::= ...`, the start rule `root`; "literals", [character classes], ( ), ?, *, +, {m},
-{m,n}, {m,}). Lark's `%ignore TERMINAL` (or a literal or regex) lets what it names stand before every terminal a
-rule (not a terminal) holds, and at the end. Regexes and classes use the syntax of `openm3.engine.regex_nfa`. Not
-supported (a ValueError naming it): case-insensitive literals, templates, other directives, and left recursion
-(write `a: b ("," b)*`, not `a: a "," b`).
+Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; "literals", "literals"i ignoring
+case, /regexes/, "a".."z" ranges, ( ), [ ] and ? optional, * and + repetition, `%import common.NAME` for Lark's
+common terminals, `%ignore TERMINAL` (or a literal or regex): what it names may stand before every terminal a rule
+holds, and at the end) and llama.cpp's GBNF (`name ::= ...`, the start rule `root`; "literals", [character
+classes], ( ), ?, *, +, {m}, {m,n}, {m,}). Regexes and classes use the syntax of `openm3.engine.regex_nfa`. Not
+supported (a ValueError naming it): regex flags, templates, other directives, and left recursion (write
+`a: b ("," b)*`, not `a: a "," b`).
 
 Sentences are recognised character by character with a set of parse stacks (a nondeterministic pushdown
 automaton): a stack is the rule positions still open, innermost first, and a state is the set of stacks after the
@@ -68,9 +68,7 @@ def _tokens(text: str, gbnf: bool) -> Iterator[tuple[str, str, int]]:
 
 
 def _unquote(literal: str) -> str:
-    if literal.endswith("i"):
-        raise ValueError(f"grammar: case-insensitive literals ({literal}) are not supported")
-    body, out, i = literal[1:-1], [], 0
+    body, out, i = literal[1:literal.rindex('"')], [], 0
     escapes = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0", "\\": "\\", '"': '"', "'": "'",
                "/": "/", "b": "\b"}
     while i < len(body):
@@ -226,6 +224,9 @@ class _Compiler:
                 if len(literal) != 1 or len(high) != 1:
                     raise ValueError(f"grammar: a range takes single characters, got {text}..{toks[i + 2][1]}")
                 return ("re", self._nfa(f"[{re.escape(literal)}-{re.escape(high)}]")), i + 3
+            if text.endswith("i") and literal:  # Lark's case-insensitive literal: each letter either case
+                return ("re", self._nfa("".join(f"[{re.escape(c.lower())}{re.escape(c.upper())}]" if c.lower()
+                                                != c.upper() else re.escape(c) for c in literal))), i + 1
             return (("lit", literal) if literal else None), i + 1
         if kind == "regex":
             body, _, flags = text[1:].rpartition("/")
