@@ -69,9 +69,10 @@ class OutputConfig(BaseModel):
 
 class ThinkingConfig(BaseModel):
     """Anthropic's `thinking`: enabled with `budget_tokens` (the think block holds at most that many tokens; this
-    server takes any budget >= 1, Anthropic asks >= 1024), or disabled (no think block)."""
+    server takes any budget >= 1, Anthropic asks >= 1024), or disabled (no think block); another type (a newer
+    API's) leaves the thinking unbounded, as before this field was read."""
 
-    type: Literal["enabled", "disabled"]
+    type: str
     budget_tokens: int | None = Field(default=None, ge=1, validate_default=True)
 
     @field_validator("budget_tokens")
@@ -102,7 +103,7 @@ class MessagesRequest(CountTokensRequest):
     @property
     def thinking_budget(self) -> int | None:
         """Think-block tokens allowed (0: no thinking), None: no bound (`thinking` not given)."""
-        if self.thinking is None:
+        if self.thinking is None or self.thinking.type not in ("enabled", "disabled"):
             return None
         return self.thinking.budget_tokens if self.thinking.type == "enabled" else 0
 
