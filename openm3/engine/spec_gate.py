@@ -77,7 +77,8 @@ class SpeculationGate:
     def speculate(self, keys: Sequence[Hashable], drafts: Sequence[Sequence[int]]) -> bool:
         """Whether the step of the sequences `keys`, whose lookups found `drafts`, should feed them. When not,
         sequences without a shadow pending take these drafts as their shadow."""
-        for key in [k for k in self._shadows if k not in set(keys)]:  # sequences that left the batch
+        present = set(keys)
+        for key in [k for k in self._shadows if k not in present]:  # sequences that left the batch
             del self._shadows[key]
         found = sum(1 for d in drafts if d)
         yes = found > 0 and self._pays(len(keys), found, self.kept_rate)
