@@ -191,6 +191,12 @@ def test_vllm_guided_grammar(model, tok):
             assert c["finish_reason"] == "stop"
     r = plain.post("/v1/completions", json={"model": NAME, "prompt": "Q:", "guided_grammar": 'start: start "a" | "b"'})
     assert r.status_code == 400 and "left-recursive" in r.json()["error"]["message"]
+    answers = [plain.post("/v1/chat/completions", json={**ASK, "temperature": 0, "max_tokens": 40, **field}).json()
+               ["choices"][0]["message"]["content"] for field in ({"structured_outputs": {"json_object": True}},
+                                                                  {"response_format": {"type": "json_object"}})]
+    assert answers[0] == answers[1] and answers[0].lstrip().startswith("{")  # vLLM's json_object: any object
+    r = plain.post("/v1/chat/completions", json={**ASK, "structured_outputs": {"structural_tag": {"type": "x"}}})
+    assert r.status_code == 400 and "structural_tag" in r.json()["error"]["message"]
 
 
 def test_two_output_constraints_are_refused(model, tok):

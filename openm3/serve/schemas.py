@@ -88,12 +88,23 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputsParams(BaseModel):
     """vLLM's `structured_outputs` request field (the parts this server honours: `json`, `choice`, `regex`,
-    `grammar`)."""
+    `grammar`, `json_object`; a `structural_tag` is refused rather than ignored; vLLM's backend options are
+    ignored)."""
 
     json_: dict[str, Any] | bool | None = Field(default=None, alias="json")
     choice: list[str] | None = Field(default=None, min_length=1)
     regex: str | None = None
     grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _no_structural_tag(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("structural_tag is not supported by this server (json, choice, regex, grammar and "
+                             "json_object are)")
+        return v
 
 
 class SamplingFields(BaseModel):
@@ -170,6 +181,7 @@ class SamplingFields(BaseModel):
                  "guided_regex": None if self.guided_regex is None else OutputSpec(regex=self.guided_regex),
                  "structured_outputs.grammar": None if so is None or so.grammar is None else OutputSpec(
                      grammar=so.grammar),
+                 "structured_outputs.json_object": OutputSpec() if so is not None and so.json_object else None,
                  "guided_grammar": None if self.guided_grammar is None else OutputSpec(grammar=self.guided_grammar)}
         named = [k for k, v in given.items() if v is not None]
         if len(named) > 1:
