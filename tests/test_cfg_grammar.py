@@ -113,6 +113,7 @@ def test_gbnf_grammars_match_their_lark_equivalents():
              item: /[a-c]+/ | "\"" /[^"]/* "\""
              ws: " "*''', '[]a, "'),
         (r'root ::= "a"{2,3} "b"? | "c"{2,}', 'start: "a" "a" "a"? "b"? | "c" "c" "c"*', "abc"),
+        (r'root ::= "<" . . ">" | "x" .*', r'start: "<" /./s /./s ">" | "x" /./s*', "<>x\n"),
     ]
     for gbnf, equivalent, alphabet in pairs:
         g, parser = CfgGrammar(gbnf), lark.Lark(equivalent, parser="earley", lexer="dynamic")

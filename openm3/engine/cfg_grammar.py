@@ -9,7 +9,7 @@ Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; 
 case, /regexes/, "a".."z" ranges, ( ), [ ] and ? optional, * and + repetition, `%import common.NAME` for Lark's
 common terminals, `%ignore TERMINAL` (or a literal or regex): what it names may stand before every terminal a rule
 holds, and at the end) and llama.cpp's GBNF (`name ::= ...`, the start rule `root`; "literals", [character
-classes], ( ), ?, *, +, {m}, {m,n}, {m,}). Regexes and classes use the syntax of `openm3.engine.regex_nfa`. Not
+classes], . for any character, ( ), ?, *, +, {m}, {m,n}, {m,}). Regexes and classes use the syntax of `openm3.engine.regex_nfa`. Not
 supported (a ValueError naming it): regex flags, templates, other directives, and left recursion (write
 `a: b ("," b)*`, not `a: a "," b`).
 
@@ -51,7 +51,8 @@ _TOKEN = r"""
     (?P<op>[|()?*+]) | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9.]*) | (?P<directive>%[a-z]+)
 """
 # GBNF's [ ] is a character class; Lark's is an optional group (its brackets are operators, so groups nest)
-_TOKENS = {True: re.compile(_TOKEN.format(brackets=r"(?P<cls>\[(?:[^\]\\]|\\.)*\])"), re.VERBOSE),
+_TOKENS = {True: re.compile(_TOKEN.format(brackets=r"(?P<cls>\[(?:[^\]\\]|\\.)*\]) | (?P<any>\.(?!\.))"),
+                            re.VERBOSE),
            False: re.compile(_TOKEN.format(brackets=r"(?P<bracket>[\[\]])"), re.VERBOSE)}
 
 
@@ -235,6 +236,8 @@ class _Compiler:
             return ("re", self._nfa(body)), i + 1
         if kind == "cls" and self.gbnf:
             return ("re", self._nfa(text)), i + 1
+        if kind == "any":  # GBNF's . : any one character
+            return ("re", self._nfa(r"[\s\S]")), i + 1
         if kind == "name":
             return ("ref", self._ref(text)), i + 1
         if kind == "op" and text == "(":
