@@ -211,6 +211,15 @@ def test_anthropic_thinking_budget_closes_the_think_block(tok, model, stream):
 
     assert answer({"type": "enabled", "budget_tokens": 5}, stream) == expected(5)
     assert answer({"type": "disabled"}, stream) == expected(0)
+    # OpenAI's reasoning_effort "none" (Chat Completions) and reasoning.effort "none" (Responses): the same
+    chat = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 12, "temperature": 0,
+                                                     "reasoning_effort": "none"}).json()["choices"][0]["message"]
+    assert (chat.get("reasoning_content") or "", chat["content"]) == expected(0)
+    items = client.post("/v1/responses", json={"model": NAME, "input": "Hi", "max_output_tokens": 12,
+                                               "temperature": 0, "reasoning": {"effort": "none"}}).json()["output"]
+    text = [p["text"] for i in items if i["type"] == "message" for p in i["content"]]
+    assert text == [expected(0)[1]]
     unbounded = [t for t in generate(model, [prompt], max_new_tokens=12, stop_tokens=[eos])[0][0].tokens if t != eos]
     reasoning, text = split_reasoning(tok.decode(unbounded), True)
     assert answer({"type": "adaptive"}, stream) == (reasoning or "", text)  # a type it does not know: no bound

@@ -69,9 +69,10 @@ class ResponsesRequest(BaseModel):
     `top_k` and `seed` are extensions; `text.format` asks for JSON (structured outputs); `include` with
     "message.output_text.logprobs" returns the message text's log probabilities (each token's, with
     `top_logprobs` alternatives); `store` keeps the response for `previous_response_id` (which continues a
-    stored response's conversation); `truncation: "auto"` drops the conversation's earliest turns where it would
-    not fit the context limit (`fitted`); unknown fields (reasoning, ...) and other `include` values
-    (reasoning.encrypted_content: the reasoning comes back as plain text) are ignored."""
+    stored response's conversation); `reasoning.effort` "none" keeps the think block shut (other efforts leave
+    it unbounded); `truncation: "auto"` drops the conversation's earliest turns where it would not fit the
+    context limit (`fitted`); unknown fields and other `include` values (reasoning.encrypted_content: the
+    reasoning comes back as plain text) are ignored."""
 
     model: str
     input: str | list[dict[str, Any]]
@@ -91,6 +92,12 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None  # "message.output_text.logprobs" is honoured; others are ignored
     truncation: Literal["auto", "disabled"] = "disabled"  # auto: the earliest turns dropped to fit the context
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    reasoning: dict[str, Any] | None = None  # {"effort": "none"}: no think block; other settings: unbounded
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """Think-block tokens allowed: 0 for reasoning.effort "none", else None (no bound)."""
+        return 0 if (self.reasoning or {}).get("effort") == "none" else None
 
     @property
     def logprobs(self) -> int | None:

@@ -352,6 +352,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    reasoning_effort: str | None = None  # "none": no think block (a thinking budget of 0); other efforts: unbounded
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """Think-block tokens allowed: 0 for reasoning_effort "none", else None (no bound)."""
+        return 0 if self.reasoning_effort == "none" else None
 
     @field_validator("top_logprobs")
     @classmethod
