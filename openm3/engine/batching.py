@@ -384,11 +384,11 @@ class BatchedGenerator:
                 for j, token in enumerate(kept):
                     if not self._give(req, token, logits[i, j]):
                         break
-        if gate is not None and config is not None:  # an eager or capturing step tells nothing of the step's cost
+        if gate is not None:  # a step that ran eagerly or captured a graph tells nothing of the step's cost
             timed = warm is None or warm == (self.graphs.captures, self.graphs.eager_steps)
             gate.record(ids, [r.outputs[n:] for r, n in zip(batch, had)],
-                             time.perf_counter() - t_step if timed else None, speculative=drafts is not None,
-                             accepted=accepted)
+                        time.perf_counter() - t_step if timed else None, speculative=drafts is not None,
+                        accepted=accepted)
 
     def _emit(self, batch: list[_Request], logits: torch.Tensor) -> None:
         """Samples one token per request of `batch` from its logits row and hands it over (after its prompt's log

@@ -115,8 +115,8 @@ class PenalizedPicker:
         self._inside = False  # in a think block: one the prompt left open, or the output opened
         if penalties.think is not None:
             start, end = penalties.think
-            opened = [i for i, t in enumerate(self._prompt.tolist()) if t in (start, end)]
-            self._inside = bool(opened) and int(self._prompt[opened[-1]]) == start
+            marks = torch.nonzero((self._prompt == start) | (self._prompt == end)).flatten()
+            self._inside = marks.numel() > 0 and int(self._prompt[marks[-1]]) == start
         self._counts: torch.Tensor | None = None  # float [V] on the rows' device: each token's count in the output
         self._seen: torch.Tensor | None = None  # bool [V]: in the prompt or the output (repetition)
 

@@ -343,7 +343,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         stop_ids += [t for t in getattr(req, "stop_token_ids", None) or [] if t not in stop_ids]
         hidden = set(stop_ids) | {eos}
         penalties = req.penalties(tokenizer.encode) if isinstance(req, SamplingFields) else None
-        budget = getattr(req, "thinking_budget", None)  # Anthropic's thinking (checked by `check`)
+        budget = getattr(req, "thinking_budget", None)  # thinking / reasoning_effort "none" (checked by `check`)
         if budget is not None:
             penalties = dataclasses.replace(penalties or Penalties(), think=think_ids, think_budget=budget)
         if penalties is not None and penalties.active:
