@@ -430,7 +430,7 @@ class CfgGrammar:
                 if value.matched(states):
                     moved.append(((rule, alt, pos + 1), None, parent))
         result = self._expand(moved)
-        if len(self._steps) >= 1 << 18:
+        if len(self._steps) >= 1 << 16:  # states hold their stacks: a bound on the memory they keep
             self._steps.clear()
         self._steps[key] = result
         return result
