@@ -177,6 +177,41 @@ def test_stored_responses_keep_the_last_ones(tok):
         create_app(backend, tok, model_name=NAME, max_total_tokens=4096, stored_responses=-1)
 
 
+def test_stored_responses_survive_a_restart_with_a_directory(tok, tmp_path):
+    """`responses_dir`: a conversation stored by one server is continued by the next one over the same directory
+    (the same prompt as sending it whole); a deleted or evicted response's file goes; a half-written temporary
+    file and a corrupt file left by a crash are skipped."""
+    backend = Scripted(tok.encode("Hi." + EOS), tok.vocab_size)
+
+    def server(**kw):
+        return TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=4096,
+                                     responses_dir=str(tmp_path), **kw))
+
+    first = server()
+    r1 = first.post("/v1/responses", json={"model": NAME, "input": "a"}).json()
+    gone = first.post("/v1/responses", json={"model": NAME, "input": "x"}).json()["id"]
+    assert first.delete(f"/v1/responses/{gone}").status_code == 200
+    assert sorted(p.name for p in tmp_path.iterdir()) == [r1["id"] + ".json"]
+    (tmp_path / f"{r1['id']}.json.123.tmp").write_text('{"items": [')  # a write a crash cut short
+    (tmp_path / "resp_0123456789abcdef0123456789abcdef.json").write_text("{not json")
+
+    second = server()
+    assert second.get(f"/v1/responses/{r1['id']}").json() == r1
+    second.post("/v1/responses", json={"model": NAME, "input": "b", "previous_response_id": r1["id"]})
+    whole = [{"type": "message", "role": "user", "content": "a"}] + r1["output"] + \
+        [{"type": "message", "role": "user", "content": "b"}]
+    second.post("/v1/responses", json={"model": NAME, "input": whole, "store": False})
+    assert backend.prompts[-2] == backend.prompts[-1]  # continued after the restart == sent whole
+
+    stored = {p.name for p in tmp_path.glob("resp_*.json")} - {"resp_0123456789abcdef0123456789abcdef.json"}
+    assert len(stored) == 2
+    small = server(stored_responses=1)  # starts with the most recently used one (the older one's file goes)
+    assert len({p.name for p in tmp_path.glob("resp_*.json")} - {"resp_0123456789abcdef0123456789abcdef.json"}) == 1
+    newest = small.post("/v1/responses", json={"model": NAME, "input": "c"}).json()["id"]
+    assert {p.name for p in tmp_path.glob("resp_*.json")} - {"resp_0123456789abcdef0123456789abcdef.json"} == \
+        {newest + ".json"}
+
+
 def test_a_failing_backend_reports_in_the_stream(tok):
     def broken(prompt, **_):
         raise RuntimeError("out of memory")

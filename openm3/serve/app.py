@@ -134,13 +134,15 @@ def _first_adjustment(req: SamplingFields) -> str:
 
 
 def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int, chat_template=None,
-               reasoning_parser: str = "m3", api_key: str | None = None, stored_responses: int = 1024):
+               reasoning_parser: str = "m3", api_key: str | None = None, stored_responses: int = 1024,
+               responses_dir: str | None = None):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
     chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
     None renders with openm3's built-in M3 template. reasoning_parser: 'm3' splits the think block off the chat
     endpoints' answers (`reasoning.py`), 'none' leaves it in the text. api_key: as vLLM's `--api-key`, requests
     under `/v1` must carry it (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`), else a 401.
-    stored_responses: Responses API responses kept in memory for `previous_response_id` (the last ones; 0: none)."""
+    stored_responses: Responses API responses kept in memory for `previous_response_id` (the last ones; 0: none);
+    responses_dir: a directory where they are kept on disk too, and read back at start (None: memory only)."""
     from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -740,7 +742,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                   takes_images=vl_config is not None)
     anthropic.add_messages_routes(app, **shared)
     responses.add_responses_routes(app, **shared, logprobs_for=logprobs_for,
-                                   store=responses.ResponseStore(stored_responses))
+                                   store=responses.ResponseStore(stored_responses, responses_dir))
     tokens.add_token_routes(app, tokenizer=tokenizer, model_name=model_name, max_total_tokens=max_total_tokens,
                             vocab=vocab, prompt_of=prompt_of, api_error=APIError, check_images=chat_media)
     return app

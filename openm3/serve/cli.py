@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stored-responses", type=int, default=1024,
                    help="Responses API responses kept in memory for previous_response_id and GET /v1/responses/ID "
                    "(the last ones; 0: none are kept)")
+    p.add_argument("--responses-dir", default=None, metavar="DIR",
+                   help="keep the stored responses in DIR too (one JSON file each, written atomically) and read "
+                   "them back at start, so previous_response_id works across restarts (default: memory only)")
     add_speculative_argument(p)
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (as `openm3 generate --compile`: decode steps ~1.9x "
@@ -121,7 +124,7 @@ def build_app(args: argparse.Namespace):
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative)
     return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template,
                       reasoning_parser=args.reasoning_parser, api_key=args.api_key or None,
-                      stored_responses=args.stored_responses)
+                      stored_responses=args.stored_responses, responses_dir=args.responses_dir)
 
 
 def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):
