@@ -256,6 +256,12 @@ class _Compiler:
         self.rules_of(name)
         return self.names[name]
 
+    def _many(self, atom: tuple) -> tuple:
+        """A rule for `atom*`, right-recursive: atom atom* | (nothing)."""
+        many = len(self.rules)
+        self.rules.append([(atom, ("ref", many)), ()])
+        return ("ref", many)
+
     def _postfix(self, toks, i: int, atom: tuple | None) -> tuple[tuple | None, int]:
         while i < len(toks) and (toks[i][0] == "repeat" or toks[i][0] == "op" and toks[i][1] in "?*+"):
             text = toks[i][1]
@@ -265,10 +271,8 @@ class _Compiler:
             if text == "?":
                 atom = self._anonymous([(atom,), ()])
             elif text in "*+":
-                many = len(self.rules)
-                self.rules.append([])
-                self.rules[many][:] = [(atom, ("ref", many)), ()]  # right recursion: atom*
-                atom = ("ref", many) if text == "*" else self._anonymous([(atom, ("ref", many))])
+                many = self._many(atom)
+                atom = many if text == "*" else self._anonymous([(atom, many)])
             else:
                 low, _, high = text[1:-1].replace(" ", "").partition(",")
                 least = int(low)
@@ -277,9 +281,7 @@ class _Compiler:
                     raise ValueError(f"grammar: repetition {text} has its maximum below its minimum")
                 seq = [atom] * least
                 if most is None:
-                    many = len(self.rules)
-                    self.rules.append([(atom, ("ref", many)), ()])
-                    seq.append(("ref", many))
+                    seq.append(self._many(atom))
                 else:
                     tail: tuple = ()
                     for _ in range(most - least):  # nested optionals: (atom (atom ...)?)?
@@ -299,8 +301,9 @@ class CfgGrammar:
         compiled = _Compiler(text)
         self.rules = [[tuple(alt) for alt in alts] for alts in compiled.rules]
         self.root = compiled.names[compiled.start]
-        self._check_productive(compiled)
-        self._check_left_recursion(compiled)
+        self._names = {i: n for n, i in compiled.names.items()}  # for errors: groups have none
+        self._check_productive()
+        self._check_left_recursion()
         self._steps: dict = {}
         self.start = self._closure([((self.root, a, 0), None, None) for a in range(len(self.rules[self.root]))])
         if not self.start:
@@ -308,31 +311,27 @@ class CfgGrammar:
 
     # --------------------------------------------------------------------------------------------- checks
 
-    def _check_productive(self, compiled: _Compiler) -> None:
-        """Every rule must derive some text (else a stack could wait forever)."""
-        productive: set[int] = set()
+    def _rule_name(self, r: int) -> str:
+        return self._names.get(r, f"<group {r}>")
+
+    def _rules_where(self, holds) -> set[int]:
+        """The least set of rules with an alternative whose every element `holds(element, set so far)`."""
+        found: set[int] = set()
         changed = True
         while changed:
             changed = False
             for r, alts in enumerate(self.rules):
-                if r not in productive and any(all(e[0] != "ref" or e[1] in productive for e in alt) for alt in alts):
-                    productive.add(r)
+                if r not in found and any(all(holds(e, found) for e in alt) for alt in alts):
+                    found.add(r)
                     changed = True
-        names = {i: n for n, i in compiled.names.items()}
-        dead = sorted(names.get(r, f"<group {r}>") for r in range(len(self.rules)) if r not in productive)
+        return found
+
+    def _check_productive(self) -> None:
+        """Every rule must derive some text (else a stack could wait forever)."""
+        productive = self._rules_where(lambda e, found: e[0] != "ref" or e[1] in found)
+        dead = sorted(self._rule_name(r) for r in range(len(self.rules)) if r not in productive)
         if dead:
             raise ValueError(f"grammar: rules that derive no text: {dead}")
-
-    def _nullable(self) -> set[int]:
-        nullable: set[int] = set()
-        changed = True
-        while changed:
-            changed = False
-            for r, alts in enumerate(self.rules):
-                if r not in nullable and any(all(self._empty(e, nullable) for e in alt) for alt in alts):
-                    nullable.add(r)
-                    changed = True
-        return nullable
 
     @staticmethod
     def _empty(element: tuple, nullable: set[int]) -> bool:
@@ -343,9 +342,9 @@ class CfgGrammar:
             return value.matched(value.start)
         return value == ""
 
-    def _check_left_recursion(self, compiled: _Compiler) -> None:
+    def _check_left_recursion(self) -> None:
         """A rule that can reach itself before reading a character would expand forever."""
-        nullable = self._nullable()
+        nullable = self._rules_where(self._empty)
         first: dict[int, set[int]] = {r: set() for r in range(len(self.rules))}
         for r, alts in enumerate(self.rules):
             for alt in alts:
@@ -354,13 +353,12 @@ class CfgGrammar:
                         first[r].add(e[1])
                     if not self._empty(e, nullable):
                         break
-        names = {i: n for n, i in compiled.names.items()}
         for r in range(len(self.rules)):
             seen, todo = set(), list(first[r])
             while todo:
                 s = todo.pop()
                 if s == r:
-                    raise ValueError(f"grammar: rule {names.get(r, f'<group of {r}>')!r} is left-recursive "
+                    raise ValueError(f"grammar: rule {self._rule_name(r)!r} is left-recursive "
                                      f"(write repetition with * or +)")
                 if s not in seen:
                     seen.add(s)
