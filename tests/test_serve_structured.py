@@ -98,6 +98,15 @@ def test_completions_responses_and_messages_follow_the_schema(client):
                                           "messages": ask["messages"] + [{"role": "assistant", "content": prefill}]})
     assert r.status_code == 200, r.text
     assert valid(prefill + r.json()["content"][-1]["text"])["ok"] is False
+    # a given start the grammar refuses: a 400 naming messages, as Anthropic's prefill and as vLLM's
+    # continue_final_message
+    r = client.post("/v1/messages", json={**ask, "output_format": {"type": "json_schema", "schema": SCHEMA},
+                                          "messages": ask["messages"] + [{"role": "assistant", "content": "[1"}]})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/chat/completions", json={
+        **ask, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+        "messages": ask["messages"] + [{"role": "assistant", "content": "[1"}], "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_json_object_mode_writes_an_object(client):

@@ -280,17 +280,10 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
                 return OutputSpec.forced_call(tools, req.tool_choice.get("name") if kind == "tool" else None,
                                               parallel=not _one_call(req))
 
-            constraint = constraint_maker(spec, "tool_choice", None if prefill else prompt)()
-        elif fmt is None:
+            return constraint_maker(spec, "tool_choice", prompt, prefill)()
+        if fmt is None:
             return None
-        else:
-            constraint = constraint_maker(lambda: OutputSpec(fmt.schema_), "output_format",
-                                          None if prefill else prompt)()
-        try:
-            constraint.read(prefill.encode("utf-8"))
-        except ValueError as e:
-            raise api_error(f"messages: the assistant prefill {e}", "messages") from None
-        return constraint
+        return constraint_maker(lambda: OutputSpec(fmt.schema_), "output_format", prompt, prefill)()
 
     @app.post(MESSAGES_PATH)
     def messages(req: MessagesRequest):

@@ -407,21 +407,37 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     structured = StructuredOutputs(tokenizer)
 
     def constraint_maker(spec_of: Callable[[], OutputSpec | None], param: str,
-                         chat_prompt_ids: list[int] | None = None) -> Callable[[], GrammarConstraint | None]:
+                         chat_prompt_ids: list[int] | None = None, prefill: str = ""
+                         ) -> Callable[[], GrammarConstraint | None]:
         """Makes each choice's constraint for what the answer must be (`structured.py`): `spec_of()` gives the
         `OutputSpec` (its ValueError becomes the 400; None: plain text, no constraint). A chat answer
-        (`chat_prompt_ids` given) may open with its think block when the reasoning parser is on. A 400 naming
-        `param` for a spec the grammar cannot honour or a backend that cannot constrain."""
+        (`chat_prompt_ids` given) may open with its think block when the reasoning parser is on. prefill: the
+        answer's given start (a continued final message, Anthropic's prefill), which each constraint reads first
+        (no think block then); a 400 naming messages if the grammar refuses it. A 400 naming `param` for a spec
+        the grammar cannot honour or a backend that cannot constrain."""
         try:
             spec = spec_of()
             if spec is None:
                 return lambda: None
             if not getattr(backend, "supports_constraints", False):
                 raise ValueError("this server's backend does not constrain decoding (structured outputs)")
-            think = reasoning_parser == "m3" and chat_prompt_ids is not None
-            return structured.factory(spec, think=think, thinking=think and opens_think(chat_prompt_ids))
+            think = reasoning_parser == "m3" and chat_prompt_ids is not None and not prefill
+            make = structured.factory(spec, think=think, thinking=think and opens_think(chat_prompt_ids))
         except ValueError as e:
             raise APIError(f"{param}: {e}", param) from None
+        if not prefill:
+            return make
+        try:
+            make().read(prefill.encode("utf-8"))
+        except ValueError as e:
+            raise APIError(f"messages: the answer's given start {e}", "messages") from None
+
+        def made() -> GrammarConstraint:
+            constraint = make()
+            constraint.read(prefill.encode("utf-8"))
+            return constraint
+
+        return made
 
     def opens_think(prompt: list[int]) -> bool:
         """The prompt's generation prompt opens the think block (a checkpoint's template may)."""
@@ -471,27 +487,6 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                            "continue_final_message")
         messages.pop()
         return content
-
-    def continuing(make: Callable[[], GrammarConstraint | None], prefill: str
-                   ) -> Callable[[], GrammarConstraint | None]:
-        """Each choice's constraint having read the answer's given start (`prefill`): a 400 naming messages now
-        if the grammar refuses it."""
-        if not prefill:
-            return make
-        probe = make()
-        if probe is None:
-            return make
-        try:
-            probe.read(prefill.encode("utf-8"))
-        except ValueError as e:
-            raise APIError(f"messages: the final message {e}", "messages") from None
-
-        def made() -> GrammarConstraint:
-            constraint = make()
-            constraint.read(prefill.encode("utf-8"))
-            return constraint
-
-        return made
 
     def usage(prompts: list[list[int]], streams: list[TextStream], prediction: list[int] | None = None) -> dict:
         """OpenAI's usage of a request whose prompts got `len(streams) // len(prompts)` choices each (prompt i's are
@@ -658,8 +653,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         lps = [logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs") for _ in range(req.n)]
         seeds = choice_seeds(req, req.n)
         constraint_param = "tool_choice" if req.tool_choice not in (None, "auto", "none") else "response_format"
-        constrain = continuing(constraint_maker(req.output_spec, constraint_param, None if prefill else prompt),
-                               prefill)
+        constrain = constraint_maker(req.output_spec, constraint_param, prompt, prefill)
         prediction = tokenizer.encode(req.prediction.text()) if req.prediction is not None else None
         if prediction is not None and len(prediction) > max_total_tokens:
             raise APIError(f"prediction has {len(prediction)} tokens; at most the configured maximum of "
