@@ -91,6 +91,8 @@ for s in "${stages[@]}"; do
         --adaptive 2>&1 | tee "$OUT/specgate_b1.log" | tail -11
       python3 -m benchmarks.speculative_decode --out "$OUT" --prompt 16384 --batch 8 --new 128 --drafts 4 \
         --alphas 0,0.25,0.5,1 --adaptive 2>&1 | tee "$OUT/specgate_b8.log" | tail -11 ;;
+    repeat)  # m3-small: the same plain generate run again and again, GPU clocks / power / temperature beside each run
+      python3 -m benchmarks.generate_repeat --out "$OUT" ${REPEAT_ARGS:-} 2>&1 | tee "$OUT/generate_repeat.log" | tail -14 ;;
     prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off
       python3 -m benchmarks.serve_prefix --out "$OUT" ${PREFIX_ARGS:---parallel 4} 2>&1 | tee "$OUT/serve_prefix.log" \
         | tail -11 ;;

@@ -326,7 +326,7 @@ def test_the_gate_learns_the_kept_rate_from_shadow_drafts():
     gate.record(["a"], [[3, 4, 8]], None, speculative=True, accepted=2)
     assert gate.kept_rate == pytest.approx(3.5 + (2.0 - 3.5) / 16)
 
-    gate = SpeculationGate()  # the prior ratio, 1.5
+    gate = SpeculationGate(prior_ratio=1.5)
     assert not gate.speculate(["a"], [[5, 6, 7]])
     gate.record(["a"], [[5]], None, speculative=False)
     assert gate.speculate(["a"], [[6, 7, 8]]) and gate.kept_rate == 1.0  # settled early at 1: 1 + 1 > 1.5
@@ -342,12 +342,12 @@ def test_the_gate_learns_the_kept_rate_from_shadow_drafts():
 def test_the_gate_declines_drafts_that_do_not_pay_for_the_step():
     """The decision: (B + m a) * t_plain > B * t_spec, with measured step times (the first of each kind and
     batch size and untimed steps left out) or the prior ratio."""
-    gate = SpeculationGate(weight=1.0)
+    gate = SpeculationGate(prior_ratio=1.5, weight=1.0)
     gate.speculate(["a"], [[1]])
     gate.record(["a"], [[2]], None, speculative=False)
     assert gate.kept_rate == 0.0 and not gate.speculate(["a"], [[1]])  # never right: plain
     gate.kept_rate = 0.6
-    assert gate.ratio(1) == 1.5 and gate.speculate(["a"], [[1]])  # 1.6 > 1.5
+    assert gate.ratio(1, 1) == 1.5 and gate.speculate(["a"], [[1]])  # 1.6 > 1.5
     for seconds in (9.0, 1.0, 1.0):  # the first plain step is left out
         gate.record(["a"], [[4]], seconds, speculative=False)
     gate.record(["a"], [[4, 5]], 0.5, speculative=True, accepted=0)  # the first speculative step is left out
@@ -355,7 +355,7 @@ def test_the_gate_declines_drafts_that_do_not_pay_for_the_step():
     gate.record(["a"], [[4, 5]], 1.8, speculative=True, accepted=0)
     gate.kept_rate = 0.6
     gate.record(["a"], [[4, 5]], None, speculative=True, accepted=0)  # untimed: a capture
-    assert gate.ratio(1) == pytest.approx(1.8) and gate.ratio(2) == 1.5  # batch sizes apart
+    assert gate.ratio(1, 1) == pytest.approx(1.8) and gate.ratio(2, 1) == 1.5  # batch sizes apart
     gate.kept_rate = 0.6
     assert not gate.speculate(["a"], [[1]])  # 1.6 < 1.8
     gate.kept_rate = 0.9
@@ -371,25 +371,45 @@ def test_the_gate_declines_drafts_that_do_not_pay_for_the_step():
         SpeculationGate(probe_every=0)
 
 
+def test_the_prior_cost_grows_with_the_drafts():
+    """Before a speculative step is timed the gate assumes t_spec / t_plain = 1 + 0.06 K (K drafts per sequence,
+    as measured on an H100): drafts kept 0.44 per step pay at K = 4 (1.24) but not at K = 8 (1.48); once both
+    times are measured they decide."""
+    gate = SpeculationGate(weight=1.0)
+    assert gate.prior(4) == pytest.approx(1.24) and gate.prior(8) == pytest.approx(1.48)
+    gate.kept_rate = 0.44
+    assert gate.speculate(["a"], [[1, 2, 3, 4]])
+    assert not gate.speculate(["a"], [[1, 2, 3, 4, 5, 6, 7, 8]])
+    assert gate.speculate(["a", "b"], [[1, 2, 3, 4], []]) is False  # 2 + 0.44 < 2 x 1.24
+    for seconds in (1.0, 1.0, 1.0):
+        gate.record(["a"], [[1]], seconds, speculative=False)
+    for seconds in (1.6, 1.6):  # the first is left out
+        gate.record(["a"], [[1, 2]], seconds, speculative=True, accepted=0)
+    gate.kept_rate = 0.44
+    assert gate.ratio(1, 4) == pytest.approx(1.6) and not gate.speculate(["a"], [[1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="prior_ratio"):
+        SpeculationGate(prior_ratio=0.9)
+
+
 def test_the_gate_times_steps_by_their_median_and_probes_a_cost_measured_high():
     """A step time is the median of the recent ones (one slow step on a busy host does not move it); where only
     the measured cost says no, every probe_every-th such step speculates, and a lower cost measured then opens
     the gate again."""
-    gate = SpeculationGate(weight=1.0, probe_every=4)
+    gate = SpeculationGate(prior_ratio=1.5, weight=1.0, probe_every=4)
     for seconds in (5.0, 1.0, 1.0, 1.1):
         gate.record(["a"], [[1]], seconds, speculative=False)
     for seconds in (5.0, 1.2, 1.2, 60.0):
         gate.record(["a"], [[1, 2]], seconds, speculative=True, accepted=0)
-    assert gate.step_s(1, False) == 1.0 and gate.ratio(1) == pytest.approx(1.2)
+    assert gate.step_s(1, False) == 1.0 and gate.ratio(1, 1) == pytest.approx(1.2)
     for seconds in (3.0, 3.0, 3.0):
         gate.record(["a"], [[1, 2]], seconds, speculative=True, accepted=0)
-    assert gate.ratio(1) == pytest.approx(3.0)  # now most recent steps were slow: 1 + 1 < 3
+    assert gate.ratio(1, 1) == pytest.approx(3.0)  # now most recent steps were slow: 1 + 1 < 3
     gate.kept_rate = 1.0
     said = [gate.speculate(["a"], [[1]]) for _ in range(8)]
     assert said == [False, False, False, True] * 2  # 1 + 1 > 1.5 (the prior): probed every 4th
     for _ in range(5):
         gate.record(["a"], [[1, 2]], 1.1, speculative=True, accepted=1)
-    assert gate.ratio(1) == pytest.approx(1.1) and gate.speculate(["a"], [[1]])
+    assert gate.ratio(1, 1) == pytest.approx(1.1) and gate.speculate(["a"], [[1]])
     gate.kept_rate = 0.1  # 1.1 < 1.5: the kept rate says no, no probe
     assert not any(gate.speculate(["a"], [[1]]) for _ in range(8))
 

@@ -9,8 +9,13 @@ seldom right (a random model's answers, prose that repeats nothing) speculation 
 plain B / t_plain(B) against (B + m a) / t_spec(B), where B is the batch's size, m the sequences whose lookup
 found drafts, a the drafts a sequence keeps per step (a moving average) and t the step's wall time by batch size
 and kind (the median of the last few such steps: a host hiccup does not move it; the first step of each kind and
-size, and steps that compiled or captured a CUDA graph, are left out; a ratio of `prior_ratio` until both are
-measured). Where only the measured ratio says no (the kept rate would pay at the prior one), every
+size, and steps that compiled or captured a CUDA graph, are left out). Until both times are measured the ratio
+t_spec / t_plain is a prior, 1 + 0.06 K for K drafts per sequence (`PRIOR_PER_DRAFT`), fitted to what a GPU
+measured: H100, m3-small, CUDA graphs (session 32), K = 4 at a 128K prompt 6.03 / 5.24 ms = 1.15 and at 8 x 16K
+7.67 / 6.21 ms = 1.24; K = 7 at 128K 6.33 / 4.40 ms = 1.44. (A fixed 1.5 made the gate decline drafts right a
+quarter of the time at K = 4, which would have paid: 0.99x plain against 1.07x ungated at 128K; and since a
+declined step measures no speculative time, it never learnt otherwise.) Where the step costs more (a CPU, a
+large batch) the first measured speculative steps correct it. Where only the measured ratio says no (the kept rate would pay at the prior one), every
 `probe_every`-th such step speculates anyway, so a cost measured once on a busy host is measured again.
 
 The kept-draft rate is learnt from speculative steps, and also where the gate says no: the drafts a sequence was
@@ -27,22 +32,25 @@ import collections
 import statistics
 from typing import Hashable, Sequence
 
-__all__ = ["SpeculationGate"]
+__all__ = ["SpeculationGate", "PRIOR_PER_DRAFT"]
+
+PRIOR_PER_DRAFT = 0.06  # the prior t_spec / t_plain is 1 + this x drafts per sequence (module docstring)
 
 
 class SpeculationGate:
-    """The gate of one engine (see the module docstring). weight: each observation's share in the kept-draft
+    """The gate of one engine (see the module docstring). prior_ratio: t_spec / t_plain until both are measured
+    (None: 1 + `PRIOR_PER_DRAFT` x the step's drafts per sequence); weight: each observation's share in the kept-draft
     average (1/16: about the last 16 sequence-steps); time_window: steps whose median is a step time;
-    probe_every: see the module docstring; use_times: False keeps `prior_ratio` whatever the steps took (a
+    probe_every: see the module docstring; use_times: False keeps the prior whatever the steps took (a
     decision that does not depend on the host's load: tests).
 
     Use: `speculate(keys, drafts)` before a step (keys: the batch's sequences, drafts: each one's lookup, [] for
     none); then `record(keys, tokens, seconds, speculative=, accepted=)` after it (tokens: each sequence's new
     tokens; seconds: the step's wall time, None to leave it out; accepted: the drafts a speculative step kept)."""
 
-    def __init__(self, prior_ratio: float = 1.5, weight: float = 1 / 16, time_window: int = 9,
+    def __init__(self, prior_ratio: float | None = None, weight: float = 1 / 16, time_window: int = 9,
                  probe_every: int = 32, use_times: bool = True):
-        if not prior_ratio >= 1.0:
+        if prior_ratio is not None and not prior_ratio >= 1.0:
             raise ValueError(f"prior_ratio must be >= 1 (a speculative step costs at least a plain one), "
                              f"got {prior_ratio!r}")
         if not 0.0 < weight <= 1.0:
@@ -67,11 +75,15 @@ class SpeculationGate:
         times = self._times.get((batch, speculative))
         return statistics.median(times) if times else None
 
-    def ratio(self, batch: int) -> float:
-        """t_spec / t_plain for a batch of `batch` sequences: measured, else `prior_ratio`."""
+    def prior(self, drafts: int) -> float:
+        """The t_spec / t_plain assumed before it is measured, for steps of `drafts` drafts per sequence."""
+        return self.prior_ratio if self.prior_ratio is not None else 1.0 + PRIOR_PER_DRAFT * drafts
+
+    def ratio(self, batch: int, drafts: int) -> float:
+        """t_spec / t_plain for a batch of `batch` sequences: measured, else the prior for `drafts` drafts."""
         spec, plain = self.step_s(batch, True), self.step_s(batch, False)
         if not self.use_times or spec is None or plain is None:
-            return self.prior_ratio
+            return self.prior(drafts)
         return spec / plain
 
     def speculate(self, keys: Sequence[Hashable], drafts: Sequence[Sequence[int]]) -> bool:
@@ -81,7 +93,8 @@ class SpeculationGate:
         for key in [k for k in self._shadows if k not in present]:  # sequences that left the batch
             del self._shadows[key]
         found = sum(1 for d in drafts if d)
-        yes = found > 0 and self._pays(len(keys), found, self.kept_rate)
+        k = max((len(d) for d in drafts), default=0)
+        yes = found > 0 and self._pays(len(keys), found, self.kept_rate, k)
         started = [self._shadows[k] for k in keys if k in self._shadows and self._shadows[k][1] > 0]
         if not yes and found > 0 and started:
             # shadows still matching are worth their matches so far at least: settled at them where that says yes
@@ -89,9 +102,9 @@ class SpeculationGate:
             rate = self.kept_rate
             for _, matched in started:
                 rate = self._mean(rate, float(matched))
-            if self._pays(len(keys), found, rate):
+            if self._pays(len(keys), found, rate, k):
                 self.kept_rate, yes = rate, True
-        if not yes and found > 0 and self._pays(len(keys), found, self.kept_rate, self.prior_ratio):
+        if not yes and found > 0 and self._pays(len(keys), found, self.kept_rate, k, self.prior(k)):
             self._costly += 1  # only the measured cost says no
             yes = self._costly >= self.probe_every
         if yes:
@@ -139,8 +152,9 @@ class SpeculationGate:
             else:  # every new token matched a draft; more may follow
                 shadow[1] = matched
 
-    def _pays(self, batch: int, found: int, rate: float | None, ratio: float | None = None) -> bool:
-        return rate is not None and batch + found * rate > batch * (self.ratio(batch) if ratio is None else ratio)
+    def _pays(self, batch: int, found: int, rate: float | None, drafts: int, ratio: float | None = None) -> bool:
+        return rate is not None and batch + found * rate > batch * (self.ratio(batch, drafts) if ratio is None
+                                                                     else ratio)
 
     def _mean(self, rate: float | None, kept: float) -> float:
         return kept if rate is None else rate + self.weight * (kept - rate)
