@@ -8,17 +8,22 @@ than its later ones.
 
 `--steps` says what runs, in order (see its help): plain runs, plain runs of fewer sequences, speculative runs,
 profiled runs, and between them garbage collection, `gc.freeze()`, `torch._dynamo.reset()`, a fresh copy of the
-model, idle seconds, and a probe of the GPU alone (a 1 GiB copy and a matmul). Each run reports decode tokens/s
-after its first step (`steady_decode_tokens_per_s`) and what `nvidia-smi` reads right after it, so a drop that
-follows the clocks is the GPU's and one that does not is the process's.
+model, device memory held (so that later tensors land elsewhere), torch's cuBLAS workspaces freed, idle seconds,
+and a probe of the GPU alone (a 1 GiB copy and a matmul). Each run reports decode tokens/s after its first step
+(`steady_decode_tokens_per_s`), the median GPU time of its CUDA-graph replays (events around each) and what
+`nvidia-smi` reads right after it, so a drop that follows the clocks is the GPU's and one that does not is the
+process's.
 
 Session 31 saw plain decoding at 200.1 tokens/s as a benchmark's first setting and 180-182 when run again after
-the speculative settings. Session 32 (m3-small, 8 x 16K prompts, 128 new tokens; H100 and H200): the first three
-runs of a process decode at 1455-1530 tokens/s, every later one at 1240-1340, with or without speculative runs in
-between; SM clock (1980 MHz), temperature, throttle reasons, reserved memory and the GPU probe stay the same, a
-45 s idle, `gc.collect()` + `torch.cuda.empty_cache()`, `torch._dynamo.reset()` and expandable segments do not
-bring it back. Under cProfile the host functions' own times are unchanged and the wait for the step's tokens
-(`tolist`) grows by ~0.7 ms per step: the GPU's part of the step grows.
+the speculative settings. Session 32 (m3-small, 8 x 16K prompts, 128 new tokens; H100 and H200,
+`benchmarks/results/generate_repeat_*20261205T1*`): the first three `generate` calls of a process decode at
+1455-1530 tokens/s and every later one at 1150-1340, whatever ran before (the same batch, other batch sizes,
+speculative runs): the CUDA graph's replay itself takes 5.15 ms in the first three calls and 5.88 ms from the
+fourth on (H100, CUDA events around each replay). Unchanged meanwhile: SM clock (1980 MHz), temperature, throttle
+reasons, reserved memory, the GPU alone (copy, matmul), Dynamo's counters; and none of these brings it back: 45 s
+idle, `gc.collect()` + `torch.cuda.empty_cache()`, `gc.freeze()` (no collection runs during a later run anyway),
+`torch._dynamo.reset()`, expandable segments, a fresh deep copy of the model, 2 GiB held to move later tensors,
+freeing torch's cuBLAS workspaces. What the fourth capture does differently is not found yet.
 """
 
 from __future__ import annotations
@@ -40,6 +45,13 @@ DEFAULT_STEPS = "plain,plain,plain,spec,spec,spec,spec,plain,plain,plain,clean,p
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
+def _known_step(step: str) -> bool:
+    if step in ("plain", "spec", "prof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe"):
+        return True
+    return any(step.startswith(p) and step[len(p):].isdigit() and int(step[len(p):]) > 0
+               for p in ("b", "hog", "sleep"))
+
+
 def gpu_state() -> dict:
     """What nvidia-smi reads now ({} without it)."""
     try:
@@ -59,10 +71,18 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128, help="new tokens per sequence")
     p.add_argument("--steps", default=DEFAULT_STEPS, help="what runs, in order: plain (a plain run), bN (plain, "
                    "the first N prompts), spec (speculative, 4 drafts), prof (plain under cProfile), clean "
-                   "(gc.collect() and torch.cuda.empty_cache()), reset (torch._dynamo.reset()), copy (a deep copy of the model replaces it), freeze (gc.collect(), gc.freeze()), probe (a copy and a matmul alone), sleepN (N seconds idle)")
+                   "(gc.collect() and torch.cuda.empty_cache()), reset (torch._dynamo.reset()), copy (a deep copy "
+                   "of the model replaces it), freeze (gc.collect(), gc.freeze()), hogN (N GiB of device memory held "
+                   "from then on), unhog, cublas (torch's cuBLAS workspaces freed), probe (a copy and a matmul "
+                   "alone), sleepN (N seconds idle)")
     p.add_argument("--kernels", action="store_true", help="prof also lists the GPU kernels (torch.profiler; it "
                    "stays attached, so later runs are slower)")
     args = p.parse_args(argv)
+    steps = args.steps.split(",")
+    bad = [step for step in steps if not _known_step(step)]
+    if bad:  # before the model is built
+        p.error(f"--steps: unknown steps {bad} (plain, bN, spec, prof, clean, reset, copy, freeze, hogN, unhog, "
+                f"cublas, probe, sleepN)")
 
     from openm3.engine.generate import generate
     from openm3.engine.speculative import SpeculativeConfig
@@ -83,9 +103,22 @@ def main(argv=None) -> int:
             pauses.append((info["generation"], time.perf_counter() - on_gc.t))
 
     gc.callbacks.append(on_gc)
+    replays: list = []  # (start, end) CUDA events around each CUDA-graph replay of a run
+    if device.type == "cuda":
+        plain_replay = torch.cuda.CUDAGraph.replay
+
+        def timed_replay(graph):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            plain_replay(graph)
+            end.record()
+            replays.append((start, end))
+
+        torch.cuda.CUDAGraph.replay = timed_replay
 
     def one(phase: str, spec=None, profile: bool = False, batch: int | None = None) -> None:
         pauses.clear()
+        replays.clear()
         prof = cProfile.Profile() if profile else None
         if prof is not None:
             prof.enable()
@@ -107,6 +140,9 @@ def main(argv=None) -> int:
             print(f"--- profile of a {phase} run (cProfile slows it) ---\n{text.getvalue()}", flush=True)
         fig = dict(phase=phase, tokens_per_s=stats.steady_decode_tokens_per_s, decode_s=stats.decode_s,
                    graph_captures=stats.graph_captures, at_s=time.perf_counter() - t0, **gpu_state())
+        if replays:
+            torch.cuda.synchronize(device)
+            fig["replay_ms_median"] = sorted(a.elapsed_time(b) for a, b in replays)[len(replays) // 2]
         fig["gc"] = {f"gen{g}": [sum(1 for q, _ in pauses if q == g), round(sum(t for q, t in pauses if q == g), 4)]
                      for g in range(3)}
         counters = torch._dynamo.utils.counters
@@ -115,8 +151,10 @@ def main(argv=None) -> int:
             fig["reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
         res["runs"].append(fig)
         smi = " ".join(f"{k.split('.')[-1]}={fig[k]}" for k in SMI_FIELDS.split(",") if k in fig)
+        replay = fig.get("replay_ms_median", float("nan"))
         print(f"{phase:12s} {fig['tokens_per_s']:8.1f} tokens/s at {fig['at_s']:6.1f} s, "
-              f"{fig['graph_captures']} captures {smi} gc (count, s) {fig['gc']} dynamo {fig['dynamo']}", flush=True)
+              f"{fig['graph_captures']} captures, replay {replay:.3f} ms {smi} gc (count, s) {fig['gc']} "
+              f"dynamo {fig['dynamo']}", flush=True)
 
     def probe() -> None:
         """The GPU alone: a 1 GiB device copy and a 4096^3 bf16 matmul, CUDA events, medians of 10."""
@@ -142,7 +180,8 @@ def main(argv=None) -> int:
         res["runs"].append(fig)
         print(f"probe        copy 1 GiB {fig['copy_ms']:.3f} ms, matmul {fig['matmul_ms']:.3f} ms", flush=True)
 
-    for step in args.steps.split(","):
+    hogs: list = []
+    for step in steps:
         if step == "clean":
             gc.collect()
             if device.type == "cuda":
@@ -155,6 +194,12 @@ def main(argv=None) -> int:
         elif step == "copy":  # the model's weights and modules anew (the old ones freed)
             model = copy.deepcopy(model)
             gc.collect()
+        elif step.startswith("hog") and step[3:].isdigit():  # N GiB held from now on: later tensors land elsewhere
+            hogs.append(torch.empty(int(step[3:]) << 30, dtype=torch.uint8, device=device))
+        elif step == "unhog":
+            hogs.clear()
+        elif step == "cublas":  # torch's cuBLAS workspaces (one per handle and stream, graph captures' too) freed
+            getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()
         elif step == "probe":
             probe()
         elif step == "reset":
@@ -163,10 +208,8 @@ def main(argv=None) -> int:
             one(step, spec=SpeculativeConfig(num_speculative_tokens=4))
         elif step == "prof":
             one(step, profile=True)
-        elif step == "plain" or (step[:1] == "b" and step[1:].isdigit()):
+        else:  # plain or bN
             one(step, batch=int(step[1:]) if step != "plain" else None)
-        else:
-            raise SystemExit(f"error: --steps: unknown step {step!r} (plain, bN, spec, prof, clean, reset, copy, freeze, probe, sleepN)")
     if args.out:
         print(f"wrote {write_result(args.out, f'generate_repeat_b{args.batch}', res)}")
     return 0
