@@ -81,6 +81,33 @@ def test_renders_as_transformers_renders(tok, tmp_path, name):
             ours([{"role": "robot", "content": "x"}])
 
 
+# A template that reads the variables released templates take from `apply_chat_template`'s keyword arguments
+THINKING = """{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor -%}
+{%- if add_generation_prompt %}<|assistant|>
+{%- if enable_thinking is defined and not enable_thinking %}<think></think>{% endif -%}
+{%- if reasoning_effort is defined %}[effort: {{ reasoning_effort }}]{% endif -%}
+{%- endif -%}"""
+
+
+def test_template_variables_render_as_transformers_renders_them(tok, tmp_path):
+    """Extra variables (transformers' keyword arguments, vLLM's chat_template_kwargs) reach the template as
+    transformers passes them; names the renderer sets itself and non-names are refused."""
+    from transformers import AutoTokenizer
+
+    path = _with_template(tok, tmp_path / "thinking", THINKING)
+    ours, hf = ChatTemplate.from_dir(path), AutoTokenizer.from_pretrained(str(path))
+    messages = [{"role": "user", "content": "Hi"}]
+    for variables in ({}, {"enable_thinking": False}, {"enable_thinking": True, "reasoning_effort": "low"}):
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **variables)
+        assert ours(messages, variables=variables) == want
+    assert ours(messages, variables={"enable_thinking": False}).endswith("<|assistant|><think></think>")
+    for bad, why in (({"messages": []}, "set by the server"), ({"bos_token": "x"}, "set by the server"),
+                     ({"add_generation_prompt": False}, "set by the server"), ({"a-b": 1}, "not a template variable"),
+                     (["x"], "expected an object")):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs: .*{why}"):
+            ours(messages, variables=bad)
+
+
 def test_finding_the_template(tok, tmp_path):
     assert read_template(_with_template(tok, tmp_path / "none", None)) is None
     in_config = _with_template(tok, tmp_path / "config", CHATML, in_config=True)
@@ -134,3 +161,46 @@ def test_serve_renders_prompts_with_the_checkpoint_template(tok, tmp_path):
     want = tok.encode(ChatTemplate(CHATML, {"bos_token": BOS})(messages))
     assert backend.prompts == [want, want]
     assert tok.decode(want) == "]~!b[<|user|>Hi<|assistant|>(no system)"
+
+
+def test_serve_passes_template_variables(tok, tmp_path):
+    """chat_template_kwargs (Chat Completions, /tokenize) and reasoning_effort (Chat Completions; Responses'
+    reasoning.effort) reach the checkpoint's template; a reserved or malformed name is a 400 naming
+    chat_template_kwargs; with the built-in template they are checked the same and change nothing."""
+    from test_serve import Scripted
+
+    from openm3.serve import create_app
+
+    path = _with_template(tok, tmp_path / "tok", THINKING)
+    template = chat_template("auto", str(path / "tokenizer.json"))
+    backend = Scripted([tok.eos_id], tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name="m", max_total_tokens=512, chat_template=template))
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def chat(**fields):
+        return client.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2,
+                                                         **fields})
+
+    r = chat(chat_template_kwargs={"enable_thinking": False})  # a thinking budget of 0, which this backend lacks
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    assert chat(reasoning_effort="high").status_code == 200
+    assert chat(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}).status_code == 200
+    r = client.post("/v1/responses", json={"model": "m", "input": "Hi", "max_output_tokens": 2,
+                                           "reasoning": {"effort": "medium"}})
+    assert r.status_code == 200, r.text
+    assert [tok.decode(p) for p in backend.prompts] == [
+        "<|user|>Hi<|assistant|>[effort: high]",
+        "<|user|>Hi<|assistant|>[effort: low]", "<|user|>Hi<|assistant|>[effort: medium]"]
+    r = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert tok.decode(r.json()["tokens"]) == "<|user|>Hi<|assistant|><think></think>"
+    for bad in ({"messages": []}, {"1x": True}, ["enable_thinking"]):
+        r = chat(chat_template_kwargs=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+        r = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    builtin = TestClient(create_app(backend, tok, model_name="m", max_total_tokens=512))
+    plain = builtin.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert builtin.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": True},
+                                           }).json()["tokens"] == plain
+    r = builtin.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"tools": []}})
+    assert r.status_code == 400 and "set by the server" in r.json()["error"]["message"]

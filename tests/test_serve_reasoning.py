@@ -216,6 +216,11 @@ def test_anthropic_thinking_budget_closes_the_think_block(tok, model, stream):
                                                      "max_tokens": 12, "temperature": 0,
                                                      "reasoning_effort": "none"}).json()["choices"][0]["message"]
     assert (chat.get("reasoning_content") or "", chat["content"]) == expected(0)
+    # vLLM's chat_template_kwargs {"enable_thinking": false} (this template does not read it): the same budget
+    chat = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 12, "temperature": 0, "chat_template_kwargs":
+                                                     {"enable_thinking": False}}).json()["choices"][0]["message"]
+    assert (chat.get("reasoning_content") or "", chat["content"]) == expected(0)
     items = client.post("/v1/responses", json={"model": NAME, "input": "Hi", "max_output_tokens": 12,
                                                "temperature": 0, "reasoning": {"effort": "none"}}).json()["output"]
     text = [p["text"] for i in items if i["type"] == "message" for p in i["content"]]

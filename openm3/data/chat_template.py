@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -46,13 +47,42 @@ class ChatTemplate:
         return None if found is None else cls(found[0], found[1], origin=found[2])
 
     def __call__(self, messages: list[dict], tools: list[dict] | None = None, *,
-                 add_generation_prompt: bool = True) -> str:
+                 add_generation_prompt: bool = True, variables: dict[str, Any] | None = None) -> str:
+        """variables: more template variables (vLLM's `chat_template_kwargs`, transformers' extra keyword
+        arguments of `apply_chat_template`: `enable_thinking`, `reasoning_effort`, ...); see
+        `check_template_variables`."""
         jinja2 = _jinja2()
+        extra = check_template_variables(variables, self.special_tokens)
         try:
             return self._template.render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                                         add_generation_prompt=add_generation_prompt, **self.special_tokens,
+                                         **extra)
         except jinja2.TemplateError as err:  # raise_exception() of the template, or an error in it
             raise ValueError(f"messages: the chat template ({self.origin}) refused them: {err}") from None
+
+
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception",
+                                "strftime_now"})
+
+
+def check_template_variables(variables: dict[str, Any] | None,
+                             special_tokens: dict[str, str] | None = None) -> dict[str, Any]:
+    """`variables` (None: none) checked as extra template variables: a dict whose keys are identifiers other than
+    the ones the renderer sets itself (`RESERVED_VARIABLES`, the special tokens). Returns it; ValueError naming
+    `chat_template_kwargs` otherwise."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        raise ValueError(f"chat_template_kwargs: expected an object of template variables, got "
+                         f"{type(variables).__name__}")
+    taken = RESERVED_VARIABLES | set(special_tokens or ()) | set(_SPECIAL)
+    for name in variables:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable name")
+        if name in taken:
+            raise ValueError(f"chat_template_kwargs: {name!r} is set by the server (the request's own fields "
+                             f"give messages, tools and add_generation_prompt)")
+    return variables
 
 
 def _jinja2():

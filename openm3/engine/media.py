@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..data.chat import render_chat
+from ..data.chat_template import check_template_variables
 from ..models.processor import IMAGE_TOKEN, VIDEO_TOKEN, M3ImageProcessor, M3VideoProcessor, VideoMeta, expand_prompt
 from .scheduler import PromptImages
 
@@ -116,17 +117,22 @@ def media_parts(messages: Sequence[dict], kind: str) -> list[dict]:
 
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None, *, prefill: str = "",
-                vl_config=None, template=None, generation_prompt: bool = True
-                ) -> tuple[list[int], PromptImages | None]:
+                vl_config=None, template=None, generation_prompt: bool = True,
+                template_variables: dict | None = None) -> tuple[list[int], PromptImages | None]:
     """(prompt token ids, images or None) of a conversation with the generation prompt (unless
     `generation_prompt` is false), then `prefill` text.
 
     vl_config: the served VL model's `M3VLConfig` (its vision config sizes the patches and placeholder runs);
     None for a text model, whose prompt is the rendered text, encoded. template: a checkpoint's own chat template
     (`openm3.data.chat_template.ChatTemplate`) instead of the built-in `render_chat`. Raises ValueError naming
-    the bad part."""
-    render = template if template is not None else render_chat
-    text = render(messages, tools, add_generation_prompt=generation_prompt) + prefill
+    the bad part. template_variables: more variables for a checkpoint's template (`ChatTemplate`'s `variables`);
+    checked, and unused by the built-in template, which reads none."""
+    if template is not None:
+        text = template(messages, tools, add_generation_prompt=generation_prompt, variables=template_variables)
+    else:
+        check_template_variables(template_variables)
+        text = render_chat(messages, tools, add_generation_prompt=generation_prompt)
+    text += prefill
     if vl_config is None:
         return tokenizer.encode(text), None
     vision = vl_config.vision_config

@@ -15,8 +15,9 @@ measured: H100, m3-small, CUDA graphs (session 32), K = 4 at a 128K prompt 6.03 
 7.67 / 6.21 ms = 1.24; K = 7 at 128K 6.33 / 4.40 ms = 1.44. (A fixed 1.5 made the gate decline drafts right a
 quarter of the time at K = 4, which would have paid: 0.99x plain against 1.07x ungated at 128K; and since a
 declined step measures no speculative time, it never learnt otherwise.) Where the step costs more (a CPU, a
-large batch) the first measured speculative steps correct it. Where only the measured ratio says no (the kept rate would pay at the prior one), every
-`probe_every`-th such step speculates anyway, so a cost measured once on a busy host is measured again.
+large batch) the first measured speculative steps correct it. Where only the measured ratio says no (the kept
+rate would pay at the prior one), every `probe_every`-th such step speculates anyway, so a cost measured once on
+a busy host is measured again.
 
 The kept-draft rate is learnt from speculative steps, and also where the gate says no: the drafts a sequence was
 offered at a plain step are kept aside ("shadow" drafts) and checked against the tokens the plain steps then

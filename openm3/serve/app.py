@@ -269,11 +269,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if isinstance(req, SamplingFields):
             check_adjustments(req)
         if getattr(req, "thinking_budget", None) is not None:
+            param = getattr(req, "thinking_param", "thinking")  # the field that asked for the budget
             if think_ids is None:
                 raise APIError(f"this tokenizer has no single {THINK_START} / {THINK_END} tokens, so a thinking "
-                               f"budget cannot be kept", "thinking")
+                               f"budget cannot be kept", param)
             if not getattr(backend, "supports_constraints", False):
-                raise APIError("this server's backend does not adjust logits (a thinking budget)", "thinking")
+                raise APIError("this server's backend does not adjust logits (a thinking budget)", param)
         return max_new
 
     def check_adjustments(req: SamplingFields) -> None:
@@ -301,13 +302,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 raise APIError("ignore_eos cannot be combined with structured outputs or a forced tool call (the "
                                "grammar decides where the answer ends)", "ignore_eos")
 
-    def prompt_of(messages: list[dict], tools: list[dict] | None, param: str,
-                  prefill: str = "", generation_prompt: bool = True) -> tuple[list[int], PromptImages | None]:
-        """The conversation's prompt ids and images (`openm3.engine.media.chat_prompt`); a 400 naming `param` if it
-        is bad."""
+    def prompt_of(messages: list[dict], tools: list[dict] | None, param: str, prefill: str = "",
+                  generation_prompt: bool = True, variables: dict | None = None
+                  ) -> tuple[list[int], PromptImages | None]:
+        """The conversation's prompt ids and images (`openm3.engine.media.chat_prompt`; variables: the template's
+        extra ones); a 400 naming `param` if it is bad."""
         try:
             return chat_prompt(tokenizer, messages, tools, prefill=prefill, vl_config=vl_config,
-                               template=chat_template, generation_prompt=generation_prompt)
+                               template=chat_template, generation_prompt=generation_prompt,
+                               template_variables=variables)
         except ValueError as e:
             raise APIError(str(e), param) from None
 
@@ -642,7 +645,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         chat_media(messages)
         prefill = final_message_prefill(req, messages)
         prompt, images = prompt_of(messages, tools, "messages", prefill,
-                                   generation_prompt=req.add_generation_prompt or req.continue_final_message)
+                                   generation_prompt=req.add_generation_prompt or req.continue_final_message,
+                                   variables=req.template_variables())
         prompt = truncated(req, prompt, images)
         max_new = check(req, prompt, "messages")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,7 +70,7 @@ class ResponsesRequest(BaseModel):
     "message.output_text.logprobs" returns the message text's log probabilities (each token's, with
     `top_logprobs` alternatives); `store` keeps the response for `previous_response_id` (which continues a
     stored response's conversation); `reasoning.effort` "none" keeps the think block shut (other efforts leave
-    it unbounded); `truncation: "auto"` drops the conversation's earliest turns where it would not fit the
+    it unbounded) and any effort is the chat template's `reasoning_effort`; `truncation: "auto"` drops the conversation's earliest turns where it would not fit the
     context limit (`fitted`); unknown fields and other `include` values (reasoning.encrypted_content: the
     reasoning comes back as plain text) are ignored."""
 
@@ -98,6 +98,13 @@ class ResponsesRequest(BaseModel):
     def thinking_budget(self) -> int | None:
         """Think-block tokens allowed: 0 for reasoning.effort "none", else None (no bound)."""
         return 0 if (self.reasoning or {}).get("effort") == "none" else None
+
+    thinking_param: ClassVar[str] = "reasoning"  # the field that asks for a thinking budget (errors name it)
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """reasoning.effort as the chat template's `reasoning_effort` (as Chat Completions passes its own)."""
+        effort = (self.reasoning or {}).get("effort")
+        return None if effort is None else {"reasoning_effort": effort}
 
     @property
     def logprobs(self) -> int | None:
@@ -268,7 +275,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
         while lo <= hi:  # the smallest start that fits (fewer items fit no worse)
             mid = (lo + hi) // 2
             kept = req.model_copy(update={"input": items[:lead] + items[starts[mid]:]})
-            candidate = prompt_of(chat_messages(kept, takes_images), tools, "input")
+            candidate = prompt_of(chat_messages(kept, takes_images), tools, "input",
+                                  variables=req.template_variables())
             if fits(req, candidate[0]):
                 best, hi = candidate, mid - 1
             else:
@@ -298,7 +306,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                 raise api_error(f"previous_response_id: {e}", "previous_response_id") from None
         tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                  for t in req.tools] if req.tools else None
-        prompt, images = prompt_of(messages, tools, "input")
+        prompt, images = prompt_of(messages, tools, "input", variables=req.template_variables())
         if req.truncation == "auto":
             prompt, images = fitted(req, items, tools, prompt, images)
         max_new = check(req, prompt, "input")

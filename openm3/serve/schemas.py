@@ -13,6 +13,7 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..data.chat_template import check_template_variables
 from ..engine.penalties import MAX_BIAS, Penalties
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -331,7 +332,26 @@ class Prediction(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class TemplateVariables(BaseModel):
+    """vLLM's `chat_template_kwargs`: more variables for the chat template (a checkpoint's own template reads
+    them, e.g. `enable_thinking`; openm3's built-in template reads none). `enable_thinking: false` also keeps the
+    think block shut (a thinking budget of 0), whatever the template makes of it."""
+
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _variables(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            return check_template_variables(v)
+        except ValueError as e:
+            raise ValueError(str(e).removeprefix("chat_template_kwargs: ")) from None
+
+    def template_variables(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
+
+
+class ChatCompletionRequest(SamplingFields, TemplateVariables):
     """`POST /v1/chat/completions`; max_tokens (or its newer name max_completion_tokens) defaults to what the
     context limit leaves after the prompt. tool_choice: 'auto' (default) lets the model decide; 'none' returns
     any tool call the model writes as plain content; 'required' (one or more calls) and a named function (one call
@@ -352,12 +372,27 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    reasoning_effort: str | None = None  # "none": no think block (a thinking budget of 0); other efforts: unbounded
+    reasoning_effort: str | None = None  # "none": no think block (a thinking budget of 0); any: a template variable
 
     @property
     def thinking_budget(self) -> int | None:
-        """Think-block tokens allowed: 0 for reasoning_effort "none", else None (no bound)."""
-        return 0 if self.reasoning_effort == "none" else None
+        """Think-block tokens allowed: 0 for reasoning_effort "none" or chat_template_kwargs' enable_thinking
+        false, else None (no bound)."""
+        off = (self.chat_template_kwargs or {}).get("enable_thinking") is False
+        return 0 if self.reasoning_effort == "none" or off else None
+
+    @property
+    def thinking_param(self) -> str:
+        """The field that asked for the thinking budget (errors name it)."""
+        return "reasoning_effort" if self.reasoning_effort == "none" else "chat_template_kwargs"
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort when given (as
+        transformers and vLLM pass it; a template that does not read it ignores it)."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+        return variables or None
 
     @field_validator("top_logprobs")
     @classmethod

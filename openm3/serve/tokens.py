@@ -10,12 +10,13 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field, model_validator
 
-from .schemas import ChatMessage, Tool
+from .schemas import ChatMessage, TemplateVariables, Tool
 
 
-class TokenizeRequest(BaseModel):
-    """Either `prompt` (text, encoded as Completions encodes it) or `messages` (with `tools`, rendered as Chat
-    Completions renders them; `add_generation_prompt` false leaves the assistant's opening off).
+class TokenizeRequest(TemplateVariables):
+    """Either `prompt` (text, encoded as Completions encodes it) or `messages` (with `tools` and
+    `chat_template_kwargs`, rendered as Chat Completions renders them; `add_generation_prompt` false leaves the
+    assistant's opening off).
     `return_token_strs`: each token's text too. `add_special_tokens` is accepted (openm3's tokenizer adds none)."""
 
     model: str | None = None
@@ -57,7 +58,8 @@ def add_token_routes(app, *, tokenizer, model_name: str, max_total_tokens: int, 
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             check_images(messages)
-            ids, _ = prompt_of(messages, tools, "messages", generation_prompt=req.add_generation_prompt)
+            ids, _ = prompt_of(messages, tools, "messages", generation_prompt=req.add_generation_prompt,
+                               variables=req.template_variables())
         return {"count": len(ids), "max_model_len": max_total_tokens, "tokens": ids,
                 "token_strs": [tokenizer.decode([t]) for t in ids] if req.return_token_strs else None}
 
