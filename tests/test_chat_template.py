@@ -101,8 +101,8 @@ def test_template_variables_render_as_transformers_renders_them(tok, tmp_path):
         want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **variables)
         assert ours(messages, variables=variables) == want
     assert ours(messages, variables={"enable_thinking": False}).endswith("<|assistant|><think></think>")
-    for bad, why in (({"messages": []}, "set by the server"), ({"bos_token": "x"}, "set by the server"),
-                     ({"add_generation_prompt": False}, "set by the server"), ({"a-b": 1}, "not a template variable"),
+    for bad, why in (({"messages": []}, "set by the renderer"), ({"bos_token": "x"}, "set by the renderer"),
+                     ({"add_generation_prompt": False}, "set by the renderer"), ({"a-b": 1}, "not a template variable"),
                      (["x"], "expected an object")):
         with pytest.raises(ValueError, match=f"chat_template_kwargs: .*{why}"):
             ours(messages, variables=bad)
@@ -203,4 +203,54 @@ def test_serve_passes_template_variables(tok, tmp_path):
     assert builtin.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": True},
                                            }).json()["tokens"] == plain
     r = builtin.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"tools": []}})
-    assert r.status_code == 400 and "set by the server" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "set by the renderer" in r.json()["error"]["message"]
+
+
+def test_server_default_template_variables(tok, tmp_path):
+    """vLLM's --default-chat-template-kwargs: the template's variables for every chat API, under a request's own
+    chat_template_kwargs and reasoning_effort; enable_thinking false among them sets Chat Completions' thinking
+    budget unless the request turns it back on; bad defaults fail at start, naming the option."""
+    from test_serve import Scripted
+
+    from openm3.data.chat_template import parse_template_variables
+    from openm3.serve import create_app
+    from openm3.serve.cli import build_app, build_parser
+
+    path = _with_template(tok, tmp_path / "tok", THINKING)
+    template = chat_template("auto", str(path / "tokenizer.json"))
+    backend = Scripted([tok.eos_id], tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name="m", max_total_tokens=512, chat_template=template,
+                                   default_template_variables={"reasoning_effort": "low"}))
+    hi = [{"role": "user", "content": "Hi"}]
+    for path_, body in (("/v1/chat/completions", {"messages": hi}),
+                        ("/v1/chat/completions", {"messages": hi, "reasoning_effort": "high"}),
+                        ("/v1/chat/completions", {"messages": hi, "chat_template_kwargs": {"reasoning_effort": "x"}}),
+                        ("/v1/responses", {"input": "Hi"}), ("/v1/messages", {"messages": hi})):
+        r = client.post(path_, json={"model": "m", "max_tokens": 2, "max_output_tokens": 2, **body})
+        assert r.status_code == 200, r.text
+    assert [tok.decode(p)[len("<|user|>Hi<|assistant|>"):] for p in backend.prompts] == [
+        "[effort: low]", "[effort: high]", "[effort: x]", "[effort: low]", "[effort: low]"]
+    r = client.post("/tokenize", json={"messages": hi})
+    assert tok.decode(r.json()["tokens"]).endswith("[effort: low]")
+
+    client = TestClient(create_app(backend, tok, model_name="m", max_total_tokens=512, chat_template=template,
+                                   default_template_variables={"enable_thinking": False}))
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": hi, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"  # a budget of 0
+    r = client.post("/v1/chat/completions", json={"model": "m", "messages": hi, "max_tokens": 2,
+                                                  "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 200 and tok.decode(backend.prompts[-1]).endswith("<|assistant|>")
+    with pytest.raises(ValueError, match="default_template_variables: 'messages' is set by the renderer"):
+        create_app(backend, tok, model_name="m", max_total_tokens=512, default_template_variables={"messages": 1})
+
+    assert parse_template_variables('{"enable_thinking": false}', "--x") == {"enable_thinking": False}
+    for text, why in (("{", "not valid JSON"), ("[1]", "expected an object"), ('{"tools": 1}', "set by the renderer")):
+        with pytest.raises(ValueError, match=f"--x: .*{why}"):
+            parse_template_variables(text, "--x")
+    base = ["--preset", "m3-tiny", "--tokenizer", str(path / "tokenizer.json"), "--max-total-tokens", "64",
+            "--max-batch", "1"]
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: not valid JSON"):
+        build_app(build_parser().parse_args(base + ["--default-chat-template-kwargs", "{"]))
+    app = build_app(build_parser().parse_args(base + ["--default-chat-template-kwargs", '{"reasoning_effort": "z"}']))
+    r = TestClient(app).post("/tokenize", json={"messages": hi})
+    assert tok.decode(r.json()["tokens"]) == "<|user|>Hi<|assistant|>[effort: z]"

@@ -224,3 +224,34 @@ def test_cli_chat_prompt(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     with pytest.raises(SystemExit, match="--chat / --system need --prompt"):
         main(["--preset", "m3-tiny", "--prompt-ids", "1", "--chat", "--device", "cpu"])
+
+
+def test_cli_chat_template_kwargs(tmp_path, capsys, monkeypatch):
+    """--chat-template-kwargs: more variables for the chat template of a --chat prompt; bad JSON, a name the
+    renderer sets, or no chat prompt fail before the model is built."""
+    import importlib
+
+    from openm3.data.tokenizer import TokenizerSettings, get_tokenizer
+
+    tok = get_tokenizer(TokenizerSettings(vocab_size=1024, chars_per_corpus=150_000), tmp_path / "cache")
+    path = tok.save(tmp_path / "tok")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{% endfor %}"
+                        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    module = importlib.import_module("openm3.engine.generate")  # (the package exports a function of that name)
+    seen = []
+    real = module.generate
+    monkeypatch.setattr(module, "generate", lambda model, prompts, **kw: seen.append(prompts[0])
+                        or real(model, prompts, **kw))
+    base = ["--preset", "m3-tiny", "--tokenizer", str(path), "--prompt", "hi", "--max-new-tokens", "1",
+            "--device", "cpu", "--no-stream", "--chat-template", str(template)]
+    assert main(base + ["--chat"]) == 0
+    assert main(base + ["--chat", "--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+    assert [tok.decode(p) for p in seen] == ["<user>", "<user><think></think>"]
+    capsys.readouterr()
+    for extra, message in ((["--chat", "--chat-template-kwargs", "{"], "--chat-template-kwargs: not valid JSON"),
+                           (["--chat", "--chat-template-kwargs", '{"messages": 1}'], "set by the renderer"),
+                           (["--chat-template-kwargs", "{}"], "needs a chat prompt")):
+        with pytest.raises(SystemExit, match=message):
+            main(base + extra)
+    assert len(seen) == 2

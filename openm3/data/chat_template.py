@@ -80,9 +80,24 @@ def check_template_variables(variables: dict[str, Any] | None,
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable name")
         if name in taken:
-            raise ValueError(f"chat_template_kwargs: {name!r} is set by the server (the request's own fields "
-                             f"give messages, tools and add_generation_prompt)")
+            raise ValueError(f"chat_template_kwargs: {name!r} is set by the renderer itself (messages, tools and "
+                             f"add_generation_prompt come from the conversation and the request's own fields)")
     return variables
+
+
+def parse_template_variables(text: str | None, option: str) -> dict[str, Any] | None:
+    """A command line's template variables (`--chat-template-kwargs`, `--default-chat-template-kwargs`): a JSON
+    object, checked as `check_template_variables` checks them; None for None. ValueError naming `option`."""
+    if text is None:
+        return None
+    try:
+        variables = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{option}: not valid JSON ({e.msg} at character {e.pos})") from None
+    try:
+        return check_template_variables(variables)
+    except ValueError as e:
+        raise ValueError(f"{option}: {str(e).removeprefix('chat_template_kwargs: ')}") from None
 
 
 def _jinja2():

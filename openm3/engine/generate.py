@@ -429,11 +429,16 @@ def speculative_option(text: str | None) -> SpeculativeConfig | None:
         raise ValueError(f"--speculative-config: {e}") from None
 
 
-def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
+def add_chat_template_argument(p: argparse.ArgumentParser, variables_flag: str = "--chat-template-kwargs") -> None:
+    """--chat-template, and `variables_flag` (JSON: more variables for the template)."""
     p.add_argument("--chat-template", default="auto", metavar="auto|builtin|PATH",
                    help="how chat prompts are rendered: auto (default) = the checkpoint's own template when the "
                    "tokenizer's directory has one (chat_template.jinja or tokenizer_config.json's chat_template), "
                    "else openm3's built-in M3 template; builtin; or a .jinja file")
+    p.add_argument(variables_flag, default=None, metavar="JSON",
+                   help="more variables for a checkpoint's chat template, a JSON object such as "
+                   "'{\"enable_thinking\": false}' (as transformers' apply_chat_template takes them; the built-in "
+                   "template reads none)")
 
 
 def chat_template(option: str, tokenizer_file: str | None):
@@ -533,6 +538,15 @@ def run(args: argparse.Namespace) -> int:
     chat = args.chat or media or args.system is not None
     if chat and args.prompt is None:
         raise SystemExit("error: --chat / --system need --prompt text (the user turn)")
+    if args.chat_template_kwargs is not None:
+        from ..data.chat_template import parse_template_variables
+
+        if not chat:
+            raise SystemExit("error: --chat-template-kwargs needs a chat prompt (--chat, --system, --image or --video)")
+        try:
+            parse_template_variables(args.chat_template_kwargs, "--chat-template-kwargs")
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
         penalties = Penalties(presence=args.presence_penalty, frequency=args.frequency_penalty,
@@ -615,6 +629,7 @@ def chat_turn_prompt(args, tokenizer_file: str, vl_config):
     of the chat template (the `--image` / `--video` files, then the text) and the generation prompt, built as
     training and `openm3 serve` build it (`openm3.engine.media.chat_prompt`; `vl_config` None for a text model).
     ValueError naming the file that cannot be read or decoded."""
+    from ..data.chat_template import parse_template_variables
     from ..data.tokenizer import M3Tokenizer
     from .media import chat_prompt
 
@@ -623,7 +638,9 @@ def chat_turn_prompt(args, tokenizer_file: str, vl_config):
     messages = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages.append({"role": "user", "content": parts + [{"type": "text", "text": args.prompt}]})
     return chat_prompt(M3Tokenizer.from_file(tokenizer_file), messages, vl_config=vl_config,
-                       template=chat_template(args.chat_template, tokenizer_file))
+                       template=chat_template(args.chat_template, tokenizer_file),
+                       template_variables=parse_template_variables(args.chat_template_kwargs,
+                                                                   "--chat-template-kwargs"))
 
 
 def _progress(total: int):

@@ -47,6 +47,7 @@ import uuid
 from typing import Callable, Iterator, Protocol, Sequence
 
 from ..data.chat import parse_tool_calls
+from ..data.chat_template import check_template_variables
 from ..data.tokenizer import THINK_END, THINK_START, TOOL_CALL_START
 from ..engine.constrained import GrammarConstraint
 from ..engine.media import chat_prompt
@@ -134,11 +135,14 @@ def _first_adjustment(req: SamplingFields) -> str:
 
 
 def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int, chat_template=None,
-               reasoning_parser: str = "m3", api_key: str | None = None, stored_responses: int = 1024,
-               responses_dir: str | None = None):
+               default_template_variables: dict | None = None, reasoning_parser: str = "m3",
+               api_key: str | None = None, stored_responses: int = 1024, responses_dir: str | None = None):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
     chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
-    None renders with openm3's built-in M3 template. reasoning_parser: 'm3' splits the think block off the chat
+    None renders with openm3's built-in M3 template. default_template_variables: vLLM's
+    `--default-chat-template-kwargs`, the template's extra variables for every chat request (a request's own
+    `chat_template_kwargs` and `reasoning_effort` override them; on Chat Completions `enable_thinking: false`
+    among them keeps the think block shut, as the request's own would). reasoning_parser: 'm3' splits the think block off the chat
     endpoints' answers (`reasoning.py`), 'none' leaves it in the text. api_key: as vLLM's `--api-key`, requests
     under `/v1` must carry it (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`), else a 401.
     stored_responses: Responses API responses kept in memory for `previous_response_id` (the last ones; 0: none);
@@ -149,6 +153,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     if reasoning_parser not in ("m3", "none"):
         raise ValueError(f"reasoning_parser: expected 'm3' or 'none', got {reasoning_parser!r}")
+    try:
+        default_template_variables = dict(check_template_variables(default_template_variables))
+    except ValueError as e:
+        raise ValueError(f"default_template_variables: {str(e).removeprefix('chat_template_kwargs: ')}") from None
     if not isinstance(max_total_tokens, int) or max_total_tokens < 2:
         raise ValueError(f"max_total_tokens must be an int >= 2, got {max_total_tokens!r}")
     if api_key is not None and not (isinstance(api_key, str) and api_key):
@@ -310,7 +318,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         try:
             return chat_prompt(tokenizer, messages, tools, prefill=prefill, vl_config=vl_config,
                                template=chat_template, generation_prompt=generation_prompt,
-                               template_variables=variables)
+                               template_variables={**default_template_variables, **(variables or {})} or None)
         except ValueError as e:
             raise APIError(str(e), param) from None
 
@@ -635,6 +643,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     @app.post("/v1/chat/completions")
     def chat_completions(req: ChatCompletionRequest):
+        if default_template_variables:  # under the request's own (its thinking budget sees both)
+            defaults = {k: v for k, v in default_template_variables.items()
+                        if k != "reasoning_effort" or req.reasoning_effort is None}
+            req.chat_template_kwargs = {**defaults, **(req.chat_template_kwargs or {})}
         if req.max_completion_tokens is not None:
             if req.max_tokens not in (None, req.max_completion_tokens):
                 raise APIError("give max_tokens or max_completion_tokens, not two different values",

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or a directory holding one (default: the "
                    "--checkpoint directory's tokenizer.json if it has one, else the locally trained tokenizer of "
                    "openm3.data, trained on first use)")
-    add_chat_template_argument(p)
+    add_chat_template_argument(p, "--default-chat-template-kwargs")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: preset or directory name)")
     p.add_argument("--api-key", default=os.environ.get("OPENM3_API_KEY"),
                    help="requests under /v1 must carry this key (Authorization: Bearer KEY, or x-api-key: KEY), as "
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_app(args: argparse.Namespace):
     """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
+    from ..data.chat_template import parse_template_variables
     from ..data.tokenizer import M3Tokenizer, get_tokenizer
     from ..engine.generate import (chat_template, compile_layers, device_and_dtype, load_model, speculative_option,
                                    tokenizer_path)
@@ -91,6 +92,7 @@ def build_app(args: argparse.Namespace):
     source = tokenizer_path(args.tokenizer, args.checkpoint)
     tokenizer = M3Tokenizer.from_file(source) if source else get_tokenizer()
     template = chat_template(args.chat_template, source)
+    variables = parse_template_variables(args.default_chat_template_kwargs, "--default-chat-template-kwargs")
     device, dtype = device_and_dtype(args)
     if args.vision and args.preset is None:
         raise ValueError("--vision: only with --preset (a --checkpoint is a vision-language model when its "
@@ -123,7 +125,7 @@ def build_app(args: argparse.Namespace):
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative)
     return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template,
-                      reasoning_parser=args.reasoning_parser, api_key=args.api_key or None,
+                      default_template_variables=variables, reasoning_parser=args.reasoning_parser, api_key=args.api_key or None,
                       stored_responses=args.stored_responses, responses_dir=args.responses_dir)
 
 
