@@ -55,6 +55,7 @@ from ..engine.penalties import Penalties, PenalizedPicker
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses, tokens
+from .generation_config import sampling_defaults
 from .images import data_url_part
 from .logprobs import TokenLogprobs
 from .reasoning import ReasoningSplitter
@@ -135,14 +136,17 @@ def _first_adjustment(req: SamplingFields) -> str:
 
 
 def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int, chat_template=None,
-               default_template_variables: dict | None = None, reasoning_parser: str = "m3",
-               api_key: str | None = None, stored_responses: int = 1024, responses_dir: str | None = None):
+               default_template_variables: dict | None = None, default_sampling: dict | None = None,
+               reasoning_parser: str = "m3", api_key: str | None = None, stored_responses: int = 1024,
+               responses_dir: str | None = None):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
     chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
     None renders with openm3's built-in M3 template. default_template_variables: vLLM's
     `--default-chat-template-kwargs`, the template's extra variables for every chat request (a request's own
     `chat_template_kwargs` and `reasoning_effort` override them; on Chat Completions `enable_thinking: false`
-    among them keeps the think block shut, as the request's own would). reasoning_parser: 'm3' splits the think block off the chat
+    among them keeps the think block shut, as the request's own would). default_sampling: the sampling a request
+    gets for the fields it does not set (`generation_config.sampling_defaults`: a checkpoint's
+    generation_config.json, as vLLM takes it; `max_new_tokens` is the default max_tokens). reasoning_parser: 'm3' splits the think block off the chat
     endpoints' answers (`reasoning.py`), 'none' leaves it in the text. api_key: as vLLM's `--api-key`, requests
     under `/v1` must carry it (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`), else a 401.
     stored_responses: Responses API responses kept in memory for `previous_response_id` (the last ones; 0: none);
@@ -157,6 +161,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         default_template_variables = dict(check_template_variables(default_template_variables))
     except ValueError as e:
         raise ValueError(f"default_template_variables: {str(e).removeprefix('chat_template_kwargs: ')}") from None
+    default_sampling = sampling_defaults(default_sampling or {}, where="default_sampling")
+    if (default_sampling.get("repetition_penalty", 1.0) != 1.0 or default_sampling.get("min_p", 0.0) > 0) \
+            and not getattr(backend, "supports_constraints", False):
+        raise ValueError(f"default_sampling: this backend does not adjust logits, so it cannot apply "
+                         f"repetition_penalty / min_p defaults ({default_sampling})")
     if not isinstance(max_total_tokens, int) or max_total_tokens < 2:
         raise ValueError(f"max_total_tokens must be an int >= 2, got {max_total_tokens!r}")
     if api_key is not None and not (isinstance(api_key, str) and api_key):
@@ -262,7 +271,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                                             "max_model_len": max_total_tokens}]}
 
     def check(req: SamplingFields, prompt: list[int], prompt_param: str) -> int:
-        """Validates the model name and the lengths; returns max_new_tokens (default: all the room left)."""
+        """Validates the model name and the lengths; returns max_new_tokens (default: all the room left, or
+        default_sampling's max_new_tokens where that is less). The request's unset sampling fields take
+        default_sampling's values first."""
+        for key, value in default_sampling.items():
+            if key in type(req).model_fields and key not in req.model_fields_set:
+                setattr(req, key, value)
         if req.model != model_name:
             raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}", "model",
                            code="model_not_found")
@@ -270,7 +284,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             raise APIError(f"{prompt_param} has {len(prompt)} tokens; the configured maximum is {max_total_tokens} "
                            f"tokens including at least one new token", prompt_param)
         room = max_total_tokens - len(prompt)
-        max_new = req.max_tokens if req.max_tokens is not None else room
+        max_new = req.max_tokens if req.max_tokens is not None else min(room, default_sampling.get("max_new_tokens",
+                                                                                                   room))
         if max_new > room:
             raise APIError(f"max_tokens={max_new} with a {len(prompt)}-token {prompt_param} exceeds the configured "
                            f"maximum of {max_total_tokens} tokens", "max_tokens")

@@ -35,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "--checkpoint directory's tokenizer.json if it has one, else the locally trained tokenizer of "
                    "openm3.data, trained on first use)")
     add_chat_template_argument(p, "--default-chat-template-kwargs")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="where requests' default sampling comes from, as vLLM's option: auto (default) = the "
+                   "--checkpoint's generation_config.json if it has one (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty, max_new_tokens: used for the fields a request leaves unset); vllm = none "
+                   "(the API defaults); or a directory holding a generation_config.json")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults that replace or add to the generation config's, a JSON object such as "
+                   "'{\"temperature\": 0.6}'")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: preset or directory name)")
     p.add_argument("--api-key", default=os.environ.get("OPENM3_API_KEY"),
                    help="requests under /v1 must carry this key (Authorization: Bearer KEY, or x-api-key: KEY), as "
@@ -93,6 +101,7 @@ def build_app(args: argparse.Namespace):
     tokenizer = M3Tokenizer.from_file(source) if source else get_tokenizer()
     template = chat_template(args.chat_template, source)
     variables = parse_template_variables(args.default_chat_template_kwargs, "--default-chat-template-kwargs")
+    sampling = default_sampling(args)
     device, dtype = device_and_dtype(args)
     if args.vision and args.preset is None:
         raise ValueError("--vision: only with --preset (a --checkpoint is a vision-language model when its "
@@ -125,8 +134,31 @@ def build_app(args: argparse.Namespace):
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative)
     return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template,
-                      default_template_variables=variables, reasoning_parser=args.reasoning_parser, api_key=args.api_key or None,
+                      default_template_variables=variables, default_sampling=sampling,
+                      reasoning_parser=args.reasoning_parser, api_key=args.api_key or None,
                       stored_responses=args.stored_responses, responses_dir=args.responses_dir)
+
+
+def default_sampling(args: argparse.Namespace) -> dict:
+    """The sampling defaults of --generation-config and --override-generation-config (ValueError naming the
+    option that is bad); printed to stderr when there are any, as vLLM logs them."""
+    import json
+    import sys
+
+    from .generation_config import load_generation_config, sampling_defaults
+
+    config = load_generation_config(args.generation_config, args.checkpoint)
+    override = None
+    if args.override_generation_config is not None:
+        try:
+            override = json.loads(args.override_generation_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--override-generation-config: not valid JSON ({e.msg} at character {e.pos})") from None
+    defaults = sampling_defaults(config, override, where=f"--generation-config {args.generation_config}")
+    if defaults:
+        print(f"default sampling for fields a request leaves unset (--generation-config / "
+              f"--override-generation-config): {defaults}", file=sys.stderr)
+    return defaults
 
 
 def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):
