@@ -9,7 +9,8 @@ than its later ones.
 `--steps` says what runs, in order (see its help): plain runs, plain runs of fewer sequences, speculative runs,
 profiled runs, and between them garbage collection, `gc.freeze()`, `torch._dynamo.reset()`, a fresh copy of the
 model, device memory held (so that later tensors land elsewhere), torch's cuBLAS workspaces freed, idle seconds,
-and a probe of the GPU alone (a 1 GiB copy and a matmul). Each run reports decode tokens/s after its first step
+a probe of the GPU alone (a 1 GiB copy and a matmul), short generate calls without CUDA graphs (a call and a
+cache but no capture) and one memory pool for every later capture. Each run reports decode tokens/s after its first step
 (`steady_decode_tokens_per_s`), the median GPU time of its CUDA-graph replays (events around each) and what
 `nvidia-smi` reads right after it, so a drop that follows the clocks is the GPU's and one that does not is the
 process's.
@@ -23,7 +24,9 @@ fourth on (H100, CUDA events around each replay). Unchanged meanwhile: SM clock 
 reasons, reserved memory, the GPU alone (copy, matmul), Dynamo's counters; and none of these brings it back: 45 s
 idle, `gc.collect()` + `torch.cuda.empty_cache()`, `gc.freeze()` (no collection runs during a later run anyway),
 `torch._dynamo.reset()`, expandable segments, a fresh deep copy of the model, 2 GiB held to move later tensors,
-freeing torch's cuBLAS workspaces. What the fourth capture does differently is not found yet.
+freeing torch's cuBLAS workspaces. What the fourth capture does differently is not found yet; the next steps to
+run: `eager,eager,eager,plain,plain` (fourth call or fourth capture?) and `sharedpool,plain,plain,plain,plain`
+(one pool for every capture).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_re
 
 
 def _known_step(step: str) -> bool:
-    if step in ("plain", "spec", "prof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe"):
+    if step in ("plain", "spec", "prof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe", "eager",
+                "sharedpool"):
         return True
     return any(step.startswith(p) and step[len(p):].isdigit() and int(step[len(p):]) > 0
                for p in ("b", "hog", "sleep"))
@@ -74,7 +78,8 @@ def main(argv=None) -> int:
                    "(gc.collect() and torch.cuda.empty_cache()), reset (torch._dynamo.reset()), copy (a deep copy "
                    "of the model replaces it), freeze (gc.collect(), gc.freeze()), hogN (N GiB of device memory held "
                    "from then on), unhog, cublas (torch's cuBLAS workspaces freed), probe (a copy and a matmul "
-                   "alone), sleepN (N seconds idle)")
+                   "alone), sleepN (N seconds idle), eager (a generate call of 2 new tokens without CUDA graphs: "
+                   "a call and a cache, no capture), sharedpool (every later capture draws on one memory pool)")
     p.add_argument("--kernels", action="store_true", help="prof also lists the GPU kernels (torch.profiler; it "
                    "stays attached, so later runs are slower)")
     args = p.parse_args(argv)
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
     bad = [step for step in steps if not _known_step(step)]
     if bad:  # before the model is built
         p.error(f"--steps: unknown steps {bad} (plain, bN, spec, prof, clean, reset, copy, freeze, hogN, unhog, "
-                f"cublas, probe, sleepN)")
+                f"cublas, probe, sleepN, eager, sharedpool)")
 
     from openm3.engine.generate import generate
     from openm3.engine.speculative import SpeculativeConfig
@@ -116,7 +121,7 @@ def main(argv=None) -> int:
 
         torch.cuda.CUDAGraph.replay = timed_replay
 
-    def one(phase: str, spec=None, profile: bool = False, batch: int | None = None) -> None:
+    def one(phase: str, spec=None, profile: bool = False, batch: int | None = None, eager: bool = False) -> None:
         pauses.clear()
         replays.clear()
         prof = cProfile.Profile() if profile else None
@@ -126,7 +131,8 @@ def main(argv=None) -> int:
         if profile and args.kernels and device.type == "cuda":
             kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             kernels.__enter__()
-        _, stats = generate(model, prompts[:batch], max_new_tokens=args.new, speculative=spec)
+        _, stats = generate(model, prompts[:batch], max_new_tokens=2 if eager else args.new, speculative=spec,
+                            cuda_graphs=False if eager else None)
         if kernels is not None:
             kernels.__exit__(None, None, None)
             table = kernels.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
@@ -206,6 +212,11 @@ def main(argv=None) -> int:
             torch._dynamo.reset()  # the compiled helpers' graphs and guards (the next run compiles again)
         elif step == "spec":
             one(step, spec=SpeculativeConfig(num_speculative_tokens=4))
+        elif step == "eager":
+            one(step, eager=True)
+        elif step == "sharedpool":  # from now on every capture draws on one memory pool (not one per DecodeGraphs)
+            shared = torch.cuda.graph_pool_handle()
+            torch.cuda.graph_pool_handle = lambda: shared
         elif step == "prof":
             one(step, profile=True)
         else:  # plain or bN
