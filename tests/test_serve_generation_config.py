@@ -68,7 +68,8 @@ def test_finding_the_generation_config(tmp_path):
 def test_requests_take_the_defaults_for_fields_they_leave_unset(tok):
     """Chat Completions, Completions, Responses and Messages: unset temperature / top_p / top_k take the
     defaults, set ones (0 included) stay; max_new_tokens is the default max_tokens where the API leaves it unset,
-    within the context limit's room; a repetition_penalty default adjusts the logits of requests that do not set theirs."""
+    within the context limit's room; a repetition_penalty default adjusts the logits of requests that do not set
+    theirs."""
     from openm3.engine.penalties import PenalizedPicker
 
     backend = Recording(tok.encode("a b c d e f" + EOS), tok.vocab_size)

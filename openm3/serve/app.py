@@ -146,9 +146,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     `chat_template_kwargs` and `reasoning_effort` override them; on Chat Completions `enable_thinking: false`
     among them keeps the think block shut, as the request's own would). default_sampling: the sampling a request
     gets for the fields it does not set (`generation_config.sampling_defaults`: a checkpoint's
-    generation_config.json, as vLLM takes it; `max_new_tokens` is the default max_tokens). reasoning_parser: 'm3' splits the think block off the chat
-    endpoints' answers (`reasoning.py`), 'none' leaves it in the text. api_key: as vLLM's `--api-key`, requests
-    under `/v1` must carry it (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`), else a 401.
+    generation_config.json, as vLLM takes it; `max_new_tokens` is the default max_tokens). reasoning_parser: 'm3'
+    splits the think block off the chat endpoints' answers (`reasoning.py`), 'none' leaves it in the text.
+    api_key: as vLLM's `--api-key`, requests under `/v1` must carry it (`Authorization: Bearer KEY`, or
+    Anthropic's `x-api-key: KEY`), else a 401.
     stored_responses: Responses API responses kept in memory for `previous_response_id` (the last ones; 0: none);
     responses_dir: a directory where they are kept on disk too, and read back at start (None: memory only)."""
     from fastapi import FastAPI, Header, Request
@@ -284,8 +285,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             raise APIError(f"{prompt_param} has {len(prompt)} tokens; the configured maximum is {max_total_tokens} "
                            f"tokens including at least one new token", prompt_param)
         room = max_total_tokens - len(prompt)
-        max_new = req.max_tokens if req.max_tokens is not None else min(room, default_sampling.get("max_new_tokens",
-                                                                                                   room))
+        max_new = req.max_tokens
+        if max_new is None:
+            max_new = min(room, default_sampling.get("max_new_tokens", room))
         if max_new > room:
             raise APIError(f"max_tokens={max_new} with a {len(prompt)}-token {prompt_param} exceeds the configured "
                            f"maximum of {max_total_tokens} tokens", "max_tokens")

@@ -65,14 +65,14 @@ class ResponsesText(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    """`POST /v1/responses`. max_output_tokens defaults to what the context limit leaves after the prompt;
-    `top_k` and `seed` are extensions; `text.format` asks for JSON (structured outputs); `include` with
-    "message.output_text.logprobs" returns the message text's log probabilities (each token's, with
-    `top_logprobs` alternatives); `store` keeps the response for `previous_response_id` (which continues a
-    stored response's conversation); `reasoning.effort` "none" keeps the think block shut (other efforts leave
-    it unbounded) and any effort is the chat template's `reasoning_effort`; `truncation: "auto"` drops the conversation's earliest turns where it would not fit the
-    context limit (`fitted`); unknown fields and other `include` values (reasoning.encrypted_content: the
-    reasoning comes back as plain text) are ignored."""
+    """`POST /v1/responses`. max_output_tokens defaults to what the context limit leaves after the prompt; `top_k` and
+    `seed` are extensions; `text.format` asks for JSON (structured outputs); `include` with
+    "message.output_text.logprobs" returns the message text's log probabilities (each token's, with `top_logprobs`
+    alternatives); `store` keeps the response for `previous_response_id` (which continues a stored response's
+    conversation); `reasoning.effort` "none" keeps the think block shut (other efforts leave it unbounded) and any
+    effort is the chat template's `reasoning_effort`; `truncation: "auto"` drops the conversation's earliest turns
+    where it would not fit the context limit (`fitted`); unknown fields and other `include` values
+    (reasoning.encrypted_content: the reasoning comes back as plain text) are ignored."""
 
     model: str
     input: str | list[dict[str, Any]]
