@@ -198,6 +198,22 @@ def test_serve_passes_template_variables(tok, tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
         r = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    # Anthropic's thinking enabled / disabled is the template's enable_thinking (with a budget the backend keeps)
+    class Adjusting(Scripted):
+        supports_constraints = True
+
+        def __call__(self, prompt, *, constraint=None, **kw):
+            return super().__call__(prompt, **kw)
+
+    adjusting = Adjusting([tok.eos_id], tok.vocab_size)
+    anthropic = TestClient(create_app(adjusting, tok, model_name="m", max_total_tokens=512, chat_template=template))
+    for thinking in ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 8}):
+        body = {"model": "m", "messages": messages, "max_tokens": 2, "thinking": thinking}
+        assert anthropic.post("/v1/messages", json=body).status_code == 200
+        count = anthropic.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+        assert count == len(adjusting.prompts[-1])
+    assert [tok.decode(p) for p in adjusting.prompts] == ["<|user|>Hi<|assistant|><think></think>",
+                                                          "<|user|>Hi<|assistant|>"]
     builtin = TestClient(create_app(backend, tok, model_name="m", max_total_tokens=512))
     plain = builtin.post("/tokenize", json={"messages": messages}).json()["tokens"]
     assert builtin.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"enable_thinking": True},

@@ -44,29 +44,6 @@ class AnthropicMessage(BaseModel):
     content: str | list[dict[str, Any]]
 
 
-class CountTokensRequest(BaseModel):
-    """`POST /v1/messages/count_tokens`: a Messages request without generation settings."""
-
-    model: str
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, Any] | None = None
-
-
-class OutputFormat(BaseModel):
-    """Structured outputs: the answer's text is JSON following `schema`."""
-
-    model_config = ConfigDict(populate_by_name=True)
-
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] | bool = Field(alias="schema")
-
-
-class OutputConfig(BaseModel):
-    format: OutputFormat | None = None  # other settings (effort) are accepted and ignored
-
-
 class ThinkingConfig(BaseModel):
     """Anthropic's `thinking`: enabled with `budget_tokens` (the think block holds at most that many tokens; this
     server takes any budget >= 1, Anthropic asks >= 1024), or disabled (no think block); another type (a newer
@@ -81,6 +58,37 @@ class ThinkingConfig(BaseModel):
         if info.data.get("type") == "enabled" and v is None:
             raise ValueError("thinking of type enabled needs budget_tokens")
         return v
+
+
+class CountTokensRequest(BaseModel):
+    """`POST /v1/messages/count_tokens`: a Messages request without generation settings. `thinking` enabled or
+    disabled is the chat template's `enable_thinking` (true / false), so a template that reads it (Qwen-style)
+    renders the turn as the client asked."""
+
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
+
+    def template_variables(self) -> dict[str, Any] | None:
+        if self.thinking is None or self.thinking.type not in ("enabled", "disabled"):
+            return None
+        return {"enable_thinking": self.thinking.type == "enabled"}
+
+
+class OutputFormat(BaseModel):
+    """Structured outputs: the answer's text is JSON following `schema`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    format: OutputFormat | None = None  # other settings (effort) are accepted and ignored
 
 
 class MessagesRequest(CountTokensRequest):
@@ -98,7 +106,6 @@ class MessagesRequest(CountTokensRequest):
     seed: int | None = None
     output_format: OutputFormat | None = None
     output_config: OutputConfig | None = None
-    thinking: ThinkingConfig | None = None
 
     @property
     def thinking_budget(self) -> int | None:
@@ -255,7 +262,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
         last = messages[-1] if messages else {}
         if last.get("role") == "assistant" and not last.get("tool_calls") and isinstance(last["content"], str):
             prefill = messages.pop()["content"]
-        return *prompt_of(messages, _tools(req), "messages", prefill), prefill
+        return *prompt_of(messages, _tools(req), "messages", prefill, variables=req.template_variables()), prefill
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     def count_tokens(req: CountTokensRequest):
