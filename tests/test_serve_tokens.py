@@ -46,7 +46,7 @@ def test_bad_token_requests_name_the_field(tok):
     for path, body, param, status in (
             ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, None, 400),
             ("/tokenize", {}, None, 400),
-            ("/tokenize", {"model": "other", "prompt": "x"}, "model", 400),
+            ("/tokenize", {"model": "other", "prompt": "x"}, "model", 404),
             ("/tokenize", {"messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "messages", 400),
             ("/detokenize", {"tokens": [1, tok.vocab_size]}, "tokens", 400)):

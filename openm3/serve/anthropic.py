@@ -243,7 +243,8 @@ def _one_call(req: CountTokensRequest) -> bool:
     return bool((req.tool_choice or {}).get("disable_parallel_tool_use"))
 
 
-def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
+def add_messages_routes(app, *, tokenizer, model_name: str, check_model: Callable, check: Callable, run: Callable,
+                        sse: Callable,
                         text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool,
                         constraint_maker: Callable) -> None:
     """Registers the Messages endpoints on `app`, sharing `create_app`'s validation (`check`), generation
@@ -266,9 +267,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check: Callable, run
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     def count_tokens(req: CountTokensRequest):
-        if req.model != model_name:
-            raise api_error(f"model {req.model!r} does not exist; this server serves {model_name!r}", "model",
-                            status=404, code="model_not_found")
+        check_model(req.model)
         return {"input_tokens": len(prompt_and_images(req)[0])}
 
     def output_constraint(req: MessagesRequest, prompt: list[int], prefill: str):

@@ -136,12 +136,15 @@ def _first_adjustment(req: SamplingFields) -> str:
 
 
 def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens: int, chat_template=None,
-               default_template_variables: dict | None = None, default_sampling: dict | None = None,
+               model_aliases: Sequence[str] = (), default_template_variables: dict | None = None,
+               default_sampling: dict | None = None,
                reasoning_parser: str = "m3", api_key: str | None = None, stored_responses: int = 1024,
                responses_dir: str | None = None):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
     chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
-    None renders with openm3's built-in M3 template. default_template_variables: vLLM's
+    None renders with openm3's built-in M3 template. model_aliases: more names requests may give the model (vLLM's
+    several `--served-model-name`s; answers carry `model_name`), e.g. the fast model name an agent sends for its
+    background requests; an unknown name is a 404. default_template_variables: vLLM's
     `--default-chat-template-kwargs`, the template's extra variables for every chat request (a request's own
     `chat_template_kwargs` and `reasoning_effort` override them; on Chat Completions `enable_thinking: false`
     among them keeps the think block shut, as the request's own would). default_sampling: the sampling a request
@@ -156,6 +159,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    names = (model_name, *model_aliases)
+    if not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
+        raise ValueError(f"model_name and model_aliases: expected distinct non-empty names, got {list(names)}")
     if reasoning_parser not in ("m3", "none"):
         raise ValueError(f"reasoning_parser: expected 'm3' or 'none', got {reasoning_parser!r}")
     try:
@@ -265,11 +271,18 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     def models(anthropic_version: str | None = Header(default=None)):
         if anthropic_version is not None:  # Anthropic's SDKs send the header with every request
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
-            return {"data": [{"type": "model", "id": model_name, "display_name": model_name, "created_at": stamp}],
-                    "has_more": False, "first_id": model_name, "last_id": model_name}
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "openm3", "root": model_name, "parent": None,
-                                            "max_model_len": max_total_tokens}]}
+            return {"data": [{"type": "model", "id": n, "display_name": n, "created_at": stamp} for n in names],
+                    "has_more": False, "first_id": names[0], "last_id": names[-1]}
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "openm3",
+                                            "root": model_name, "parent": None, "max_model_len": max_total_tokens}
+                                           for n in names]}
+
+    def check_model(name: str | None) -> None:
+        """A 404 naming `model` for a name the server does not serve (None: not given, where that is allowed)."""
+        if name is not None and name not in names:
+            served = ", ".join(repr(n) for n in names)
+            raise APIError(f"model {name!r} does not exist; this server serves {served}", "model", status=404,
+                           code="model_not_found")
 
     def check(req: SamplingFields, prompt: list[int], prompt_param: str) -> int:
         """Validates the model name and the lengths; returns max_new_tokens (default: all the room left, or
@@ -278,9 +291,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         for key, value in default_sampling.items():
             if key in type(req).model_fields and key not in req.model_fields_set:
                 setattr(req, key, value)
-        if req.model != model_name:
-            raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}", "model",
-                           code="model_not_found")
+        check_model(req.model)
         if len(prompt) >= max_total_tokens:
             raise APIError(f"{prompt_param} has {len(prompt)} tokens; the configured maximum is {max_total_tokens} "
                            f"tokens including at least one new token", prompt_param)
@@ -767,10 +778,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     shared = dict(tokenizer=tokenizer, model_name=model_name, check=check, run=run, sse=sse, api_error=APIError,
                   text_stream=text_stream, prompt_of=prompt_of, constraint_maker=constraint_maker,
                   takes_images=vl_config is not None)
-    anthropic.add_messages_routes(app, **shared)
+    anthropic.add_messages_routes(app, **shared, check_model=check_model)
     responses.add_responses_routes(app, **shared, logprobs_for=logprobs_for,
                                    store=responses.ResponseStore(stored_responses, responses_dir))
-    tokens.add_token_routes(app, tokenizer=tokenizer, model_name=model_name, max_total_tokens=max_total_tokens,
+    tokens.add_token_routes(app, tokenizer=tokenizer, check_model=check_model, max_total_tokens=max_total_tokens,
                             vocab=vocab, prompt_of=prompt_of, api_error=APIError, check_images=chat_media)
     return app
 

@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="sampling defaults that replace or add to the generation config's, a JSON object such as "
                    "'{\"temperature\": 0.6}'")
-    p.add_argument("--model-name", default=None, help="the model id clients send (default: preset or directory name)")
+    p.add_argument("--model-name", "--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model id clients send (default: preset or directory name); several names (vLLM's "
+                   "--served-model-name) are all accepted, answers carry the first, e.g. an agent's fast-model name "
+                   "beside the main one")
     p.add_argument("--api-key", default=os.environ.get("OPENM3_API_KEY"),
                    help="requests under /v1 must carry this key (Authorization: Bearer KEY, or x-api-key: KEY), as "
                    "vLLM's --api-key (default: $OPENM3_API_KEY; none: no check)")
@@ -119,7 +122,7 @@ def build_app(args: argparse.Namespace):
     if not 2 <= limit <= positions:
         raise ValueError(f"--max-total-tokens: expected 2 .. {positions} (the model's max_position_embeddings), "
                          f"got {limit}")
-    name = args.model_name or args.preset or os.path.basename(os.path.normpath(args.checkpoint))
+    names = args.model_name or [args.preset or os.path.basename(os.path.normpath(args.checkpoint))]
     if args.max_batch < 1:
         raise ValueError(f"--max-batch: expected >= 1, got {args.max_batch}")
     if args.prefill_chunks_per_step < 1:
@@ -133,8 +136,8 @@ def build_app(args: argparse.Namespace):
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative)
-    return create_app(backend, tokenizer, model_name=name, max_total_tokens=limit, chat_template=template,
-                      default_template_variables=variables, default_sampling=sampling,
+    return create_app(backend, tokenizer, model_name=names[0], model_aliases=names[1:], max_total_tokens=limit,
+                      chat_template=template, default_template_variables=variables, default_sampling=sampling,
                       reasoning_parser=args.reasoning_parser, api_key=args.api_key or None,
                       stored_responses=args.stored_responses, responses_dir=args.responses_dir)
 

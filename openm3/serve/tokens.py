@@ -39,15 +39,10 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def add_token_routes(app, *, tokenizer, model_name: str, max_total_tokens: int, vocab: int,
+def add_token_routes(app, *, tokenizer, check_model: Callable, max_total_tokens: int, vocab: int,
                      prompt_of: Callable, api_error: Callable, check_images: Callable) -> None:
-    """Registers `/tokenize` and `/detokenize` on `app` (`prompt_of`, `check_images`: `create_app`'s chat prompt
-    building and image-part check)."""
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise api_error(f"model {name!r} does not exist; this server serves {model_name!r}", "model",
-                            code="model_not_found")
+    """Registers `/tokenize` and `/detokenize` on `app` (`check_model`, `prompt_of`, `check_images`:
+    `create_app`'s model-name check, chat prompt building and image-part check)."""
 
     @app.post("/tokenize")
     def tokenize(req: TokenizeRequest) -> dict[str, Any]:

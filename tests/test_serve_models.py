@@ -1,0 +1,48 @@
+"""The names a server answers to: one model id, or several (vLLM's `--served-model-name a b`: an agent sends its
+main model's name and a fast model's for background work); answers carry the first; any other is a 404."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from test_serve import EOS, NAME, Scripted, tok  # noqa: F401 - a fixture
+
+from openm3.serve import create_app
+
+
+def test_aliases_are_served_and_other_names_are_404(tok):
+    backend = Scripted(tok.encode("hi" + EOS), tok.vocab_size)
+    client = TestClient(create_app(backend, tok, model_name=NAME, model_aliases=["claude-haiku-4-5"],
+                                   max_total_tokens=512))
+    hi = [{"role": "user", "content": "Hi"}]
+    requests = [("/v1/chat/completions", {"messages": hi}), ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                ("/v1/responses", {"input": "Hi"}), ("/v1/messages", {"messages": hi, "max_tokens": 2}),
+                ("/v1/messages/count_tokens", {"messages": hi}), ("/tokenize", {"prompt": "Hi"})]
+    for path, body in requests:
+        for name in (NAME, "claude-haiku-4-5"):
+            r = client.post(path, json={"model": name, **body})
+            assert r.status_code == 200, (path, r.text)
+            if "model" in r.json():
+                assert r.json()["model"] == NAME  # answers carry the first name
+        r = client.post(path, json={"model": "gpt-4o", **body})
+        assert r.status_code == 404, (path, r.text)
+        error = r.json()["error"]
+        assert "gpt-4o" in error["message"] and "claude-haiku-4-5" in error["message"]
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [NAME, "claude-haiku-4-5"]
+    listed = client.get("/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
+    assert [m["id"] for m in listed["data"]] == [NAME, "claude-haiku-4-5"] and listed["last_id"] == "claude-haiku-4-5"
+    for aliases in ([NAME], [""]):
+        with pytest.raises(ValueError, match="distinct non-empty names"):
+            create_app(backend, tok, model_name=NAME, model_aliases=aliases, max_total_tokens=512)
+
+
+def test_served_model_names_option(tok, tmp_path):
+    from openm3.serve.cli import build_app, build_parser
+
+    path = tok.save(tmp_path / "tok")
+    args = build_parser().parse_args(["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64",
+                                      "--max-batch", "1", "--served-model-name", "m3", "fast"])
+    client = TestClient(build_app(args))
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["m3", "fast"]
+    r = client.post("/v1/completions", json={"model": "fast", "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == "m3"
