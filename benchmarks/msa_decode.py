@@ -118,6 +118,12 @@ def graph_time_ms(fn, steps: int = 20, reps: int = 10, warm_ms: float = 100.0) -
     `warm_ms` of replays. Without them, the first configuration of a case was timed on a GPU that had just
     idled (compiles, host work): in session 17 the 128K batch-1 default step read 14.1 us and the same kernels
     timed next 12.8 us (the warm-up is for that; that clocks ramping up explains it is our guess)."""
+    return replay_time_ms(capture_graph(fn, steps), steps, reps, warm_ms)
+
+
+def capture_graph(fn, steps: int = 20, pool=None) -> torch.cuda.CUDAGraph:
+    """`steps` calls of `fn` in a new CUDA graph (in memory pool `pool`; None: one of its own), after a
+    compiling call and two warm-up calls on a side stream."""
     fn()  # compile / warm up
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -126,9 +132,15 @@ def graph_time_ms(fn, steps: int = 20, reps: int = 10, warm_ms: float = 100.0) -
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         for _ in range(steps):
             fn()
+    return graph
+
+
+def replay_time_ms(graph, steps: int = 20, reps: int = 10, warm_ms: float = 100.0) -> float:
+    """Median time per captured call (ms) of `reps` replays of `graph` (`steps` calls each), CUDA events, after
+    `warm_ms` of replays."""
     graph.replay()
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -91,6 +91,14 @@ for s in "${stages[@]}"; do
         --adaptive 2>&1 | tee "$OUT/specgate_b1.log" | tail -11
       python3 -m benchmarks.speculative_decode --out "$OUT" --prompt 16384 --batch 8 --new 128 --drafts 4 \
         --alphas 0,0.25,0.5,1 --adaptive 2>&1 | tee "$OUT/specgate_b8.log" | tail -11 ;;
+    fourth)  # session 32's fourth-capture slowdown: kernel workloads captured again and again (a pool each, then one
+      # pool), then generate with three graph-less calls first, and with one pool for every capture
+      python3 -m benchmarks.graph_repeat --out "$OUT" 2>&1 | tee "$OUT/graph_repeat.log" | tail -9
+      python3 -m benchmarks.graph_repeat --shared-pool --out "$OUT" 2>&1 | tee "$OUT/graph_repeat_shared.log" | tail -9
+      python3 -m benchmarks.generate_repeat --steps eager,eager,eager,plain,plain --out "$OUT" 2>&1 \
+        | tee "$OUT/repeat_eager.log" | tail -6
+      python3 -m benchmarks.generate_repeat --steps sharedpool,plain,plain,plain,plain,plain --out "$OUT" 2>&1 \
+        | tee "$OUT/repeat_sharedpool.log" | tail -6 ;;
     repeat)  # m3-small: the same plain generate run again and again, GPU clocks / power / temperature beside each run
       python3 -m benchmarks.generate_repeat --out "$OUT" ${REPEAT_ARGS:-} 2>&1 | tee "$OUT/generate_repeat.log" | tail -14 ;;
     prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off
