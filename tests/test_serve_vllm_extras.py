@@ -115,3 +115,28 @@ def test_bad_words_are_kept_out_of_the_answer(client, model, tok):
         assert all(tuple(want[i:i + len(ids)]) != ids for i in range(len(want)))
     r = post(client, "/v1/completions", prompt=prompt, bad_words=[""])
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"], ids=["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, path):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries prompt, completion
+    and total tokens so far, counting up to the final usage chunk's; with include_usage alone only that chunk
+    does."""
+    where = {"prompt": "In the beginning"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "In the beginning"}]}
+    final = None
+    for continuous in (True, False):
+        chunks = events(post(client, path, max_tokens=8, stream=True, **where, stream_options={
+            "include_usage": True, "continuous_usage_stats": continuous}))
+        body, last = chunks[:-1], chunks[-1]
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 1
+        final = final or last["usage"]
+        assert last["usage"] == final  # greedy: the same answer both times
+        if not continuous:
+            assert all("usage" not in c for c in body)
+            continue
+        counts = [c["usage"]["completion_tokens"] for c in body]
+        assert all("usage" in c for c in body) and counts == sorted(counts) and counts[-1] == final["completion_tokens"]
+        assert {c["usage"]["prompt_tokens"] for c in body} == {final["prompt_tokens"]}
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+                   for c in body)

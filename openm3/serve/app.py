@@ -546,6 +546,19 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                                                    "rejected_prediction_tokens": sum(r for _, r in kept)}
         return counts
 
+    def usage_chunks(req: SamplingFields, put: Callable[[dict], None], prompts: list[list[int]],
+                     streams: list[TextStream]) -> Callable[[dict], None]:
+        """`put` for a stream's chunks: with vLLM's `stream_options.continuous_usage_stats` each chunk also
+        carries the usage so far (prompt, completion and total tokens), else `put` itself."""
+        if not (req.stream_options and req.stream_options.continuous):
+            return put
+
+        def put_with_usage(body: dict) -> None:
+            counts = usage(prompts, streams)
+            put({**body, "usage": {k: counts[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}})
+
+        return put_with_usage
+
     def choice_seeds(req: SamplingFields, count: int) -> list[int]:
         """Each choice's sampler seed: the request's seed plus the choice's index (so choices differ, and the
         same request with its seed gets the same choices again), else random ones."""
@@ -653,6 +666,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                     "usage": usage(prompts, [c.stream for c in choices])}
 
         def produce(put, cancelled) -> None:
+            last_put, put = put, usage_chunks(req, put, prompts, [c.stream for c in choices])
+
             def streamed(c: CompletionChoice) -> Callable[[threading.Event], str]:
                 run_it = job(c, lambda _k, delta: put({**head, "choices": [c.body(delta, None)]}))
 
@@ -665,7 +680,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
             each_choice([streamed(c) for c in choices], cancelled)
             if req.stream_options and req.stream_options.include_usage:
-                put({**head, "choices": [], "usage": usage(prompts, [c.stream for c in choices])})
+                last_put({**head, "choices": [], "usage": usage(prompts, [c.stream for c in choices])})
 
         return sse(produce)
 
@@ -750,6 +765,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             return {**head, "choices": [choice]}
 
         def produce(put, cancelled) -> None:
+            last_put, put = put, usage_chunks(req, put, [prompt], streams)
+
             def streamed(k: int) -> Callable[[threading.Event], str]:
                 def part(kind: str, text: str) -> None:
                     put(chunk(k, {"reasoning_content" if kind == "reasoning" else "content": text}))
@@ -771,7 +788,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
             each_choice([streamed(k) for k in range(req.n)], cancelled)
             if req.stream_options and req.stream_options.include_usage:
-                put({**head, "choices": [], "usage": usage([prompt], streams, prediction)})
+                last_put({**head, "choices": [], "usage": usage([prompt], streams, prediction)})
 
         return sse(produce)
 

@@ -21,7 +21,15 @@ MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completio
 
 
 class StreamOptions(BaseModel):
+    """include_usage: a last chunk with the request's usage; vLLM's continuous_usage_stats (with include_usage):
+    every chunk also carries the usage so far."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 @dataclasses.dataclass(frozen=True)
