@@ -46,3 +46,17 @@ def test_served_model_names_option(tok, tmp_path):
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["m3", "fast"]
     r = client.post("/v1/completions", json={"model": "fast", "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 200 and r.json()["model"] == "m3"
+
+
+def test_vllm_option_names():
+    """vLLM's spellings of the same options, so its launch commands carry over: --served-model-name,
+    --max-model-len, --max-num-seqs, --no-enable-prefix-caching."""
+    from openm3.serve.cli import build_parser
+
+    ours = build_parser().parse_args(["--preset", "m3-tiny", "--model-name", "a", "b", "--max-total-tokens", "512",
+                                      "--max-batch", "4", "--no-prefix-caching"])
+    vllm = build_parser().parse_args(["--preset", "m3-tiny", "--served-model-name", "a", "b", "--max-model-len", "512",
+                                      "--max-num-seqs", "4", "--no-enable-prefix-caching"])
+    assert vars(ours) == vars(vllm)
+    assert (vllm.model_name, vllm.max_total_tokens, vllm.max_batch, vllm.no_prefix_caching) == (["a", "b"], 512, 4,
+                                                                                                  True)

@@ -52,14 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's --api-key (default: $OPENM3_API_KEY; none: no check)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="prompt + new tokens per request (default: min(32768, the model's max_position_embeddings))")
+    p.add_argument("--max-total-tokens", "--max-model-len", type=int, default=None,
+                   help="prompt + new tokens per request (default: min(32768, the model's max_position_embeddings); "
+                   "--max-model-len is vLLM's name)")
     p.add_argument("--seed", type=int, default=0, help="init seed of a --preset model")
     p.add_argument("--vision", action="store_true", help="with --preset: a random vision-language model (the "
                    "preset's vision tower; placeholder ids from the tokenizer) that takes images. A --checkpoint is "
                    "served as one when its config.json has a vision_config")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (continuous batching); 1 "
-                   "serves one request at a time")
+    p.add_argument("--max-batch", "--max-num-seqs", type=int, default=8, help="requests decoded together "
+                   "(continuous batching); 1 serves one request at a time (--max-num-seqs is vLLM's name)")
     p.add_argument("--token-budget", type=int, default=None, help="tokens the shared cache is planned for, all "
                    "running requests' prompt + max_tokens together (default: --max-batch x --max-total-tokens)")
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
@@ -69,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default="m3", choices=["m3", "none"],
                    help="m3 (default): the chat APIs return the model's <think> block apart from its answer "
                    "(reasoning_content, thinking blocks, reasoning items); none: it stays in the text")
-    p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt whole (default: a "
-                   "request whose prompt starts with an earlier request's prompt and answer, as an agent's next turn "
-                   "does, reads those tokens' cached pages and prefills only the rest)")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                   help="compute every prompt whole (default: a request whose prompt starts with an earlier "
+                   "request's prompt and answer, as an agent's next turn does, reads those tokens' cached pages and "
+                   "prefills only the rest; --no-enable-prefix-caching is vLLM's name)")
     p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
                    help="index-key cache dtype (default: the model dtype)")
     p.add_argument("--stored-responses", type=int, default=1024,
