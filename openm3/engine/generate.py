@@ -538,13 +538,14 @@ def run(args: argparse.Namespace) -> int:
     chat = args.chat or media or args.system is not None
     if chat and args.prompt is None:
         raise SystemExit("error: --chat / --system need --prompt text (the user turn)")
-    if args.chat_template_kwargs is not None:
+    variables = None
+    if args.chat_template_kwargs is not None:  # checked before the model loads
         from ..data.chat_template import parse_template_variables
 
         if not chat:
             raise SystemExit("error: --chat-template-kwargs needs a chat prompt (--chat, --system, --image or --video)")
         try:
-            parse_template_variables(args.chat_template_kwargs, "--chat-template-kwargs")
+            variables = parse_template_variables(args.chat_template_kwargs, "--chat-template-kwargs")
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
     try:
@@ -581,7 +582,7 @@ def run(args: argparse.Namespace) -> int:
         from ..data.tokenizer import M3Tokenizer
 
         try:
-            prompt, visual = chat_turn_prompt(args, path, model.config if media else None)
+            prompt, visual = chat_turn_prompt(args, path, model.config if media else None, variables)
             stop = stop + [M3Tokenizer.from_file(path).eos_id]  # the end of the assistant's turn
         except ValueError as e:
             raise SystemExit(f"error: {e}")
@@ -624,12 +625,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def chat_turn_prompt(args, tokenizer_file: str, vl_config):
+def chat_turn_prompt(args, tokenizer_file: str, vl_config, template_variables: dict | None = None):
     """(prompt ids, PromptImages or None) for a `--chat` `--prompt`: an optional `--system` turn, then one user turn
     of the chat template (the `--image` / `--video` files, then the text) and the generation prompt, built as
     training and `openm3 serve` build it (`openm3.engine.media.chat_prompt`; `vl_config` None for a text model).
-    ValueError naming the file that cannot be read or decoded."""
-    from ..data.chat_template import parse_template_variables
+    template_variables: the template's extra variables (`--chat-template-kwargs`, parsed). ValueError naming the
+    file that cannot be read or decoded."""
     from ..data.tokenizer import M3Tokenizer
     from .media import chat_prompt
 
@@ -639,8 +640,7 @@ def chat_turn_prompt(args, tokenizer_file: str, vl_config):
     messages.append({"role": "user", "content": parts + [{"type": "text", "text": args.prompt}]})
     return chat_prompt(M3Tokenizer.from_file(tokenizer_file), messages, vl_config=vl_config,
                        template=chat_template(args.chat_template, tokenizer_file),
-                       template_variables=parse_template_variables(args.chat_template_kwargs,
-                                                                   "--chat-template-kwargs"))
+                       template_variables=template_variables)
 
 
 def _progress(total: int):
