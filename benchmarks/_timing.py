@@ -96,13 +96,21 @@ def environment() -> dict:
 
 def write_result(out_dir, stem: str, result: dict) -> str:
     """Writes `result`, with its `environment()` under "env" unless it has one, as
-    `<out_dir>/<stem>_<UTC time>.json`; returns the path."""
+    `<out_dir>/<stem>_<UTC time>.json` (`..._2.json`, `_3`, ... when a file of that minute exists: two runs in one
+    minute keep both); returns the path."""
     import datetime
     import json
     from pathlib import Path
 
     result = {**result, "env": result.get("env") or environment()}
-    path = Path(out_dir) / f"{stem}_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    return str(path)
+    base = Path(out_dir) / f"{stem}_{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    path, n = base.with_name(base.name + ".json"), 1
+    while True:
+        try:
+            with open(path, "x") as f:  # exclusive: another run of the same minute never overwrites this one
+                f.write(json.dumps(result, indent=1))
+            return str(path)
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}_{n}.json")

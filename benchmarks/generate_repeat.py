@@ -10,7 +10,9 @@ than its later ones.
 profiled runs, and between them garbage collection, `gc.freeze()`, `torch._dynamo.reset()`, a fresh copy of the
 model, device memory held (so that later tensors land elsewhere), torch's cuBLAS workspaces freed, idle seconds,
 a probe of the GPU alone (a 1 GiB copy and a matmul), short generate calls without CUDA graphs (a call and a
-cache but no capture) and one memory pool for every later capture. Each run reports decode tokens/s after its first step
+cache but no capture), one memory pool for every later capture, runs whose graphs stay alive and are timed again
+later, a kept graph of 3000 tiny kernels timed between runs, and the layers under `torch.compile`. Each run
+reports decode tokens/s after its first step
 (`steady_decode_tokens_per_s`), the median GPU time of its CUDA-graph replays (events around each) and what
 `nvidia-smi` reads right after it, so a drop that follows the clocks is the GPU's and one that does not is the
 process's.
@@ -24,9 +26,11 @@ fourth on (H100, CUDA events around each replay). Unchanged meanwhile: SM clock 
 reasons, reserved memory, the GPU alone (copy, matmul), Dynamo's counters; and none of these brings it back: 45 s
 idle, `gc.collect()` + `torch.cuda.empty_cache()`, `gc.freeze()` (no collection runs during a later run anyway),
 `torch._dynamo.reset()`, expandable segments, a fresh deep copy of the model, 2 GiB held to move later tensors,
-freeing torch's cuBLAS workspaces. What the fourth capture does differently is not found yet; the next steps to
-run: `eager,eager,eager,plain,plain` (fourth call or fourth capture?) and `sharedpool,plain,plain,plain,plain`
-(one pool for every capture).
+freeing torch's cuBLAS workspaces. Session 33 (H100): it is the process's fourth graph *capture*, not call (three
+graph-less calls first do not count; any graph captured before counts, a one-node one too), it is process-wide
+(graphs captured earlier and kept alive replay slow too once it flips), and the kernels inside take the same GPU
+time: the idle time between the graph's nodes grows from ~0.09 to ~0.44 us each (`kprof`). Under `compile` the
+step has fewer nodes: 5.14 -> 2.99 ms, 3.23 in the slow state. Cause not found.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import copy
 import cProfile
 import gc
+import importlib
 import io
 import pstats
 import subprocess
@@ -43,14 +48,18 @@ import torch
 
 from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
+from benchmarks.msa_decode import capture_graph, replay_time_ms
 
 DEFAULT_STEPS = "plain,plain,plain,spec,spec,spec,spec,plain,plain,plain,clean,plain,plain,reset,plain,plain,plain"
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
+PLAIN_STEPS = ("plain", "spec", "prof", "kprof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe",
+               "eager", "sharedpool", "keep", "retime", "chain", "compile")
+
+
 def _known_step(step: str) -> bool:
-    if step in ("plain", "spec", "prof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe", "eager",
-                "sharedpool"):
+    if step in PLAIN_STEPS:
         return True
     return any(step.startswith(p) and step[len(p):].isdigit() and int(step[len(p):]) > 0
                for p in ("b", "hog", "sleep"))
@@ -68,26 +77,42 @@ def gpu_state() -> dict:
     return dict(zip(SMI_FIELDS.split(","), (v.strip() for v in out[0].split(","))))
 
 
+def kernel_gaps(events, tail: float = 0.5) -> dict:
+    """kernel name -> [count, summed idle GPU time before it (us)] over the last `tail` of a run's GPU kernels
+    (the decode steps; the prefill comes first): where a graph's replay waits between its nodes."""
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    gpu = gpu[int(len(gpu) * (1 - tail)):]
+    out: dict = {}
+    for prev, e in zip(gpu, gpu[1:]):
+        row = out.setdefault(e.name, [0, 0.0])
+        row[0] += 1
+        row[1] += max(0.0, e.time_range.start - prev.time_range.end)
+    return out
+
+
 def main(argv=None) -> int:
     p = engine_parser(__doc__)
     p.add_argument("--prompt", type=int, default=16384, help="prompt tokens per sequence")
     p.add_argument("--batch", type=int, default=8, help="sequences decoded together")
     p.add_argument("--new", type=int, default=128, help="new tokens per sequence")
     p.add_argument("--steps", default=DEFAULT_STEPS, help="what runs, in order: plain (a plain run), bN (plain, "
-                   "the first N prompts), spec (speculative, 4 drafts), prof (plain under cProfile), clean "
+                   "the first N prompts), spec (speculative, 4 drafts), prof (plain under cProfile), kprof (plain, "
+                   "every GPU kernel's count and time kept), clean "
                    "(gc.collect() and torch.cuda.empty_cache()), reset (torch._dynamo.reset()), copy (a deep copy "
                    "of the model replaces it), freeze (gc.collect(), gc.freeze()), hogN (N GiB of device memory held "
                    "from then on), unhog, cublas (torch's cuBLAS workspaces freed), probe (a copy and a matmul "
                    "alone), sleepN (N seconds idle), eager (a generate call of 2 new tokens without CUDA graphs: "
-                   "a call and a cache, no capture), sharedpool (every later capture draws on one memory pool)")
+                   "a call and a cache, no capture), sharedpool (every later capture draws on one memory pool), keep "
+                   "(every later run's graphs stay alive), retime (each kept graph's replay timed again), chain (the "
+                   "time per node of a 3000-node graph of tiny kernels), compile (the layers under torch.compile)")
     p.add_argument("--kernels", action="store_true", help="prof also lists the GPU kernels (torch.profiler; it "
                    "stays attached, so later runs are slower)")
     args = p.parse_args(argv)
     steps = args.steps.split(",")
     bad = [step for step in steps if not _known_step(step)]
     if bad:  # before the model is built
-        p.error(f"--steps: unknown steps {bad} (plain, bN, spec, prof, clean, reset, copy, freeze, hogN, unhog, "
-                f"cublas, probe, sleepN, eager, sharedpool)")
+        p.error(f"--steps: unknown steps {bad} (known: {', '.join(PLAIN_STEPS)}, bN, hogN, sleepN)")
 
     from openm3.engine.generate import generate
     from openm3.engine.speculative import SpeculativeConfig
@@ -121,14 +146,15 @@ def main(argv=None) -> int:
 
         torch.cuda.CUDAGraph.replay = timed_replay
 
-    def one(phase: str, spec=None, profile: bool = False, batch: int | None = None, eager: bool = False) -> None:
+    def one(phase: str, spec=None, profile: bool = False, batch: int | None = None, eager: bool = False,
+            gpu_kernels: bool = False) -> None:
         pauses.clear()
         replays.clear()
         prof = cProfile.Profile() if profile else None
         if prof is not None:
             prof.enable()
         kernels = None
-        if profile and args.kernels and device.type == "cuda":
+        if (gpu_kernels or profile and args.kernels) and device.type == "cuda":
             kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             kernels.__enter__()
         _, stats = generate(model, prompts[:batch], max_new_tokens=2 if eager else args.new, speculative=spec,
@@ -137,6 +163,10 @@ def main(argv=None) -> int:
             kernels.__exit__(None, None, None)
             table = kernels.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
             res.setdefault("kernels", {})[phase] = table
+            rows = res.setdefault("kernel_rows", [])  # every kernel's count and GPU time, to diff runs by name
+            rows.append({"phase": phase, "run": len(res["runs"]), "kernels": {
+                e.key: [e.count, getattr(e, "device_time_total", 0.0)] for e in kernels.key_averages()},
+                "gaps_before": kernel_gaps(kernels.events())})
             print(f"--- GPU kernels of a {phase} run (prefill included) ---\n{table}", flush=True)
         if prof is not None:
             prof.disable()
@@ -155,12 +185,13 @@ def main(argv=None) -> int:
         fig["dynamo"] = {k: dict(counters[k]) for k in ("stats", "frames", "recompiles") if counters.get(k)}
         if device.type == "cuda":
             fig["reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
+            fig["live_graphs"] = sum(issubclass(type(o), torch.cuda.CUDAGraph) for o in gc.get_objects())
         res["runs"].append(fig)
         smi = " ".join(f"{k.split('.')[-1]}={fig[k]}" for k in SMI_FIELDS.split(",") if k in fig)
         replay = fig.get("replay_ms_median", float("nan"))
         print(f"{phase:12s} {fig['tokens_per_s']:8.1f} tokens/s at {fig['at_s']:6.1f} s, "
-              f"{fig['graph_captures']} captures, replay {replay:.3f} ms {smi} gc (count, s) {fig['gc']} "
-              f"dynamo {fig['dynamo']}", flush=True)
+              f"{fig['graph_captures']} captures ({fig.get('live_graphs')} live), replay {replay:.3f} ms {smi} "
+              f"gc (count, s) {fig['gc']} dynamo {fig['dynamo']}", flush=True)
 
     def probe() -> None:
         """The GPU alone: a 1 GiB device copy and a 4096^3 bf16 matmul, CUDA events, medians of 10."""
@@ -187,6 +218,8 @@ def main(argv=None) -> int:
         print(f"probe        copy 1 GiB {fig['copy_ms']:.3f} ms, matmul {fig['matmul_ms']:.3f} ms", flush=True)
 
     hogs: list = []
+    holders: list = []  # graphs that keep a shared pool alive
+    chain_graph = None
     for step in steps:
         if step == "clean":
             gc.collect()
@@ -216,9 +249,43 @@ def main(argv=None) -> int:
             one(step, eager=True)
         elif step == "sharedpool":  # from now on every capture draws on one memory pool (not one per DecodeGraphs)
             shared = torch.cuda.graph_pool_handle()
+            holder = torch.cuda.CUDAGraph()  # keeps the pool alive when a run's graphs are freed (PyTorch frees a
+            with torch.cuda.graph(holder, pool=shared):  # pool with its last graph; capturing into it then asserts)
+                torch.zeros(1, device="cuda").add_(1)
+            holders.append(holder)
             torch.cuda.graph_pool_handle = lambda: shared
         elif step == "prof":
             one(step, profile=True)
+        elif step == "keep":  # from now on every run's decode graphs stay alive after it
+            gen_module = importlib.import_module("openm3.engine.generate")
+            made = gen_module.DecodeGraphs
+
+            def keeping(*a, _made=made, **k):
+                graphs = _made(*a, **k)
+                holders.append(graphs)
+                return graphs
+
+            gen_module.DecodeGraphs = keeping
+        elif step == "retime":  # every kept run's decode graphs replayed again now (needs keep before those runs)
+            times = []
+            for graphs in (h for h in holders if hasattr(h, "_batches")):
+                for batch in graphs._batches.values():
+                    if batch.graph is not None:
+                        times.append(round(replay_time_ms(batch.graph, steps=1, reps=21, warm_ms=0.0), 3))
+            res["runs"].append({"phase": step, "replay_ms_by_graph": times, "at_s": time.perf_counter() - t0})
+            print(f"retime       replay ms of every kept graph, oldest first: {times}", flush=True)
+        elif step == "chain":  # a graph of 3000 tiny kernels (captured at the first chain step, kept): per node
+            if chain_graph is None:
+                from benchmarks.graph_repeat import launch_chain
+                chain_graph = capture_graph(launch_chain(), steps=20)
+            us = replay_time_ms(chain_graph, steps=3000, reps=21, warm_ms=0.0) * 1e3
+            res["runs"].append({"phase": step, "chain_us_per_node": us, "at_s": time.perf_counter() - t0})
+            print(f"chain        {us:.3f} us per node of a kept 3000-node graph", flush=True)
+        elif step == "compile":  # the decoder layers under torch.compile from now on (as `generate --compile`)
+            from openm3.engine.generate import compile_layers
+            compile_layers(model)
+        elif step == "kprof":  # plain, with every GPU kernel's count and time (torch.profiler, no cProfile)
+            one(step, gpu_kernels=True)
         else:  # plain or bN
             one(step, batch=int(step[1:]) if step != "plain" else None)
     if args.out:

@@ -24,8 +24,40 @@ from benchmarks._timing import write_result
 from benchmarks.msa_decode import capture_graph, replay_time_ms
 
 
-def workloads(t: int) -> dict:
-    """name -> a no-argument function launching it."""
+def launch_chain(n: int = 150):
+    """`n` dependent tiny kernels: a graph of this is bound by the time between its nodes, not by their work
+    (the engine's decode step is ~3000 nodes of ~1.7 us each)."""
+    x = torch.zeros(256, device="cuda")
+
+    def chain():
+        for _ in range(n):
+            x.add_(1.0)
+        return x
+
+    return chain
+
+
+def cat_chain(n: int = 150, parts: int = 64):
+    """`n` concatenations of `parts` small tensors: tiny kernels with large parameter blocks (each carries every
+    part's pointer), as the engine's graph has (cutlass grouped GEMMs, concatenations)."""
+    xs = [torch.randn(32, device="cuda") for _ in range(parts)]
+    out = torch.empty(32 * parts, device="cuda")
+
+    def chain():
+        for _ in range(n):
+            torch.cat(xs, out=out)
+        return out
+
+    return chain
+
+
+LIGHT = {"launch_chain": launch_chain, "cat_chain": cat_chain}
+
+
+def workloads(t: int, names) -> dict:
+    """name -> a no-argument function launching it, for the `names` asked for."""
+    if set(names) <= set(LIGHT):
+        return {name: LIGHT[name]() for name in names}
     from benchmarks._inputs import D, HKV, HQ
     from benchmarks.msa_decode import dense_sdpa, sdpa_backend  # (imports triton: a GPU machine's)
     from benchmarks.msa_floors import LOCAL, TOPK, _decode_cache
@@ -44,10 +76,11 @@ def workloads(t: int) -> dict:
             y = y @ w
         return y
 
-    return {"msa_decode": lambda: triton_decode.decode_msa(q, qi, k, v, ki8, table, lens, q_len=1, topk=TOPK,
-                                                           local_blocks=LOCAL, ki_scale=ki_scale),
-            "dense_cudnn": lambda: dense_sdpa(qd, kd, vd, backend),
-            "matmul_chain": chain}
+    fns = {"msa_decode": lambda: triton_decode.decode_msa(q, qi, k, v, ki8, table, lens, q_len=1, topk=TOPK,
+                                                          local_blocks=LOCAL, ki_scale=ki_scale),
+           "dense_cudnn": lambda: dense_sdpa(qd, kd, vd, backend),
+           "matmul_chain": chain, **{name: make() for name, make in LIGHT.items()}}
+    return {name: fns[name] for name in names}
 
 
 def main(argv=None) -> int:
@@ -56,23 +89,28 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--shared-pool", action="store_true", help="every capture in one memory pool")
+    p.add_argument("--workloads", nargs="+", default=["msa_decode", "dense_cudnn", "matmul_chain"],
+                   choices=["msa_decode", "dense_cudnn", "matmul_chain", *LIGHT])
+    p.add_argument("--free", action="store_true", help="free each graph once timed (default: all stay alive)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: graph_repeat needs a CUDA GPU")
     if args.rounds < 1 or args.reps < 1:
         raise SystemExit("error: --rounds and --reps must be >= 1")
-    fns = workloads(args.t)
+    fns = workloads(args.t, args.workloads)
     pool = torch.cuda.graph_pool_handle() if args.shared_pool else None
-    res = {"t": args.t, "shared_pool": args.shared_pool, "gpu": torch.cuda.get_device_name(),
+    res = {"t": args.t, "shared_pool": args.shared_pool, "free": args.free, "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "rounds": []}
     kept = []  # the graphs stay alive, as the benchmarks' do until their case ends
     for r in range(args.rounds):
         row = {}
         for name, fn in fns.items():
             graph = capture_graph(fn, pool=pool)
-            kept.append(graph)
             row[name] = replay_time_ms(graph, reps=args.reps, warm_ms=50.0)
+            if not args.free:
+                kept.append(graph)
+            del graph
         res["rounds"].append(row)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v * 1e3:8.2f} us" for k, v in row.items()), flush=True)
     if args.out:

@@ -51,6 +51,8 @@ def main(argv=None) -> int:
                    help="each prompt's length drawn from [prompt-len-min, prompt-len] (default: all --prompt-len)")
     p.add_argument("--new-min", type=int, default=None,
                    help="each request's new tokens drawn from [new-min, new] (default: all --new)")
+    p.add_argument("--compile", action="store_true", help="the decoder layers under torch.compile (as `openm3 "
+                   "serve --compile`); the untimed warm round compiles them")
     args = p.parse_args(argv)
     if args.requests_per_batch < 1 or not 1 <= (args.new_min or args.new) <= args.new \
             or not 1 <= (args.prompt_len_min or args.prompt_len) <= args.prompt_len:
@@ -59,6 +61,9 @@ def main(argv=None) -> int:
     from openm3.engine.batching import BatchedGenerator
 
     model, device = random_text_model(args.preset, args.device)
+    if args.compile:
+        from openm3.engine.generate import compile_layers
+        compile_layers(model)
     config = model.config
     gen = torch.Generator().manual_seed(1)
     most = max(args.batch) * args.requests_per_batch
@@ -67,9 +72,10 @@ def main(argv=None) -> int:
     news = torch.randint(args.new_min or args.new, args.new + 1, (most,), generator=gen).tolist()
     budget = max(args.batch) * (args.prompt_len + args.new)
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "preset": args.preset, "prompt_len": args.prompt_len, "prompt_len_min": args.prompt_len_min, "new": args.new, "new_min": args.new_min,
+           "preset": args.preset, "prompt_len": args.prompt_len, "prompt_len_min": args.prompt_len_min,
+           "new": args.new, "new_min": args.new_min,
            "requests_per_batch": args.requests_per_batch, "index_dtype": args.index_dtype,
-           "interleave_prefill": not args.whole_prefill, "rounds": {}}
+           "interleave_prefill": not args.whole_prefill, "compile": args.compile, "rounds": {}}
     options = dict(index_dtype=args.index_dtype, interleave_prefill=not args.whole_prefill)
     warm = BatchedGenerator(model, token_budget=budget, max_batch=max(args.batch), **options)
     run_round(warm, prompts[:max(args.batch)], [args.new] * max(args.batch))  # compiles the kernels first

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -30,6 +31,10 @@ def test_write_result(tmp_path):
     assert {"date", "torch", "triton"} <= set(got["env"]) and got["env"]["date"].startswith("20")
     kept = write_result(tmp_path / "out", "bench", {"x": 2, "env": {"gpu": "mine"}})
     assert json.loads(open(kept).read())["env"] == {"gpu": "mine"}  # a result's own record stays
+    # the same minute (or not): every write keeps its own file, none overwrites an earlier one
+    third = write_result(tmp_path / "out", "bench", {"x": 3})
+    assert len({path, kept, third}) == 3 and len(list((tmp_path / "out").glob("bench_*.json"))) == 3
+    assert [json.loads(open(p).read())["x"] for p in (path, kept, third)] == [1.5, 2, 3]
 
 
 def test_serve_prefix_benchmark_runs_on_cpu(tmp_path, capsys):
@@ -63,6 +68,22 @@ def test_serve_batching_benchmark_runs_on_cpu(tmp_path, capsys):
     (path,) = (tmp_path / "staggered").glob("serve_batching_*.json")
     row = json.loads(path.read_text())["rounds"]["2"]
     assert row["requests"] == 6 and 6 <= row["new_tokens"] <= 24 and row["graphs"]["captures"] is None  # CPU
+
+
+def test_generate_repeat_runs_its_steps_on_cpu(tmp_path, capsys):
+    """The fourth-capture probe (`benchmarks/generate_repeat.py`) runs its CPU-meaningful steps in order and
+    records one row per run; an unknown step fails before the model is built, naming the known ones."""
+    from benchmarks import generate_repeat
+
+    assert generate_repeat.main(["--preset", "m3-tiny", "--device", "cpu", "--prompt", "24", "--batch", "2",
+                                 "--new", "3", "--steps", "plain,keep,b1,clean,plain", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("generate_repeat_b2_*.json")
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["phase"] for r in runs] == ["plain", "b1", "plain"] and all(r["tokens_per_s"] > 0 for r in runs)
+    with pytest.raises(SystemExit):
+        generate_repeat.main(["--device", "cpu", "--steps", "plain,kprof,bogus,b0"])
+    err = capsys.readouterr().err
+    assert "unknown steps ['bogus', 'b0']" in err and "kprof" in err and "retime" in err
 
 
 def test_train_throughput_image_rows_train_the_vl_model_on_cpu(tmp_path):
