@@ -51,8 +51,8 @@ def main(argv=None) -> int:
                    help="each prompt's length drawn from [prompt-len-min, prompt-len] (default: all --prompt-len)")
     p.add_argument("--new-min", type=int, default=None,
                    help="each request's new tokens drawn from [new-min, new] (default: all --new)")
-    p.add_argument("--compile", action="store_true", help="the decoder layers under torch.compile (as `openm3 "
-                   "serve --compile`); the untimed warm round compiles them")
+    p.add_argument("--compile", action="store_true", help="the decoder layers under torch.compile, warmed up as "
+                   "`openm3 serve --compile` does (untimed)")
     args = p.parse_args(argv)
     if args.requests_per_batch < 1 or not 1 <= (args.new_min or args.new) <= args.new \
             or not 1 <= (args.prompt_len_min or args.prompt_len) <= args.prompt_len:
@@ -78,6 +78,10 @@ def main(argv=None) -> int:
            "interleave_prefill": not args.whole_prefill, "compile": args.compile, "rounds": {}}
     options = dict(index_dtype=args.index_dtype, interleave_prefill=not args.whole_prefill)
     warm = BatchedGenerator(model, token_budget=budget, max_batch=max(args.batch), **options)
+    if args.compile:  # as `openm3 serve --compile` does before it listens
+        from openm3.engine.warmup import warm_up
+        res["warm_up_s"] = warm_up(warm, config.vocab_size, max(args.batch))
+        print(f"warm-up (compilation) {res['warm_up_s']:.1f} s", flush=True)
     run_round(warm, prompts[:max(args.batch)], [args.new] * max(args.batch))  # compiles the kernels first
     warm.close()
     del warm

@@ -475,9 +475,9 @@ def test_cli_uses_the_checkpoint_tokenizer(tok, model, tmp_path):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tok.encode("hello world"))
 
 
-def test_cli_compile_serves_the_same_tokens(tok, tmp_path, monkeypatch):
-    """`--compile` compiles every decoder layer (torch.compile, as `openm3 generate --compile`); the answers stay
-    the eager model's."""
+def test_cli_compile_serves_the_same_tokens(tok, tmp_path, monkeypatch, capsys):
+    """`--compile` compiles every decoder layer (torch.compile, as `openm3 generate --compile`) and warms them up
+    before the app exists; the answers stay the eager model's."""
     import importlib
 
     engine_generate = importlib.import_module("openm3.engine.generate")  # (the package exports a function too)
@@ -491,6 +491,7 @@ def test_cli_compile_serves_the_same_tokens(tok, tmp_path, monkeypatch):
     for extra in ([], ["--compile"]):
         app = build_app(build_parser().parse_args(base + extra))
         assert len(compiled) == len(extra)
+        assert ("the decoder layers compiled for serving in" in capsys.readouterr().err) == bool(extra)
         r = TestClient(app).post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         texts.append(r.json()["choices"][0]["text"])

@@ -221,6 +221,26 @@ class BatchedGenerator:
             raise req.error
         return req.finish
 
+    _COUNTERS = ("steps", "prompt_tokens", "cached_tokens", "generated_tokens", "spec_steps", "draft_tokens",
+                 "accepted_tokens", "batch_sizes", "finished")
+
+    def counters(self) -> dict:
+        """A copy of the request counters that `metrics` reports (for `restore_counters`)."""
+        return {name: getattr(self, name).copy() if isinstance(getattr(self, name), collections.Counter)
+                else getattr(self, name) for name in self._COUNTERS}
+
+    def restore_counters(self, saved: dict) -> None:
+        """Puts the request counters back to `saved` (`counters()`) and forgets what the speculation gates
+        measured since: after a warm-up, /metrics counts only real requests and the gates time only real
+        steps (a warm-up's first steps include compilation)."""
+        for name in self._COUNTERS:
+            value = saved[name]
+            setattr(self, name, value.copy() if isinstance(value, collections.Counter) else value)
+        if self.gate is not None:
+            self.gate = SpeculationGate()
+        if self.prediction_gate is not None:
+            self.prediction_gate = SpeculationGate()
+
     def close(self) -> None:
         """Stops the worker after the requests it holds have ended."""
         with self._lock:
