@@ -76,8 +76,10 @@ def test_the_warm_up_steps_one_row_and_several(monkeypatch):
 def test_warm_up_checks_its_arguments_and_reports_a_failed_request():
     with pytest.raises(ValueError, match="max_batch must be a positive int"):
         warm_up(lambda *a, **k: "stop", 100, max_batch=0)
-    with pytest.raises(ValueError, match="new_tokens must be an int >= 2"):
-        warm_up(lambda *a, **k: "stop", 100, max_batch=1, new_tokens=1)
+    with pytest.raises(ValueError, match="new_tokens must be a positive int"):
+        warm_up(lambda *a, **k: "stop", 100, max_batch=1, new_tokens=0)
+    with pytest.raises(ValueError, match="max_total_tokens must be an int >= 2"):
+        warm_up(lambda *a, **k: "stop", 100, max_batch=1, max_total_tokens=1)
 
     def broken(prompt, **kwargs):
         raise ValueError("no room")
@@ -88,3 +90,11 @@ def test_warm_up_checks_its_arguments_and_reports_a_failed_request():
     warm_up(lambda prompt, **kwargs: calls.append((len(prompt), kwargs["max_new_tokens"])) or "length", 100,
             max_batch=1)
     assert calls == [(7, 3)]  # max_batch 1: the request alone only
+    calls.clear()  # a server's small max_total_tokens: every warm-up request fits it
+    warm_up(lambda prompt, **kwargs: calls.append((len(prompt), kwargs["max_new_tokens"])) or "length", 100,
+            max_batch=4, max_total_tokens=12)
+    assert sorted(calls) == [(7, 3), (9, 3), (9, 3), (9, 3)]
+    calls.clear()
+    warm_up(lambda prompt, **kwargs: calls.append((len(prompt), kwargs["max_new_tokens"])) or "length", 100,
+            max_batch=2, max_total_tokens=2)
+    assert calls == [(1, 1)] * 3  # the request alone, then two together

@@ -27,19 +27,26 @@ _ALONE = (7,)
 _TOGETHER = (11, 13, 17)
 
 
-def warm_up(backend, vocab_size: int, max_batch: int, *, new_tokens: int = 3, seed: int = 0) -> float:
+def warm_up(backend, vocab_size: int, max_batch: int, *, max_total_tokens: int | None = None, new_tokens: int = 3,
+            seed: int = 0) -> float:
     """Runs the warm-up requests through `backend` (a `BatchedGenerator`, or anything called like one, as
-    `openm3.serve.app.ModelBackend`); returns the seconds it took. `max_batch` 1: only the request alone."""
+    `openm3.serve.app.ModelBackend`); returns the seconds it took. `max_batch` 1: only the request alone.
+    max_total_tokens: the most a request may hold (prompt + new tokens); the warm-up's stay within it."""
     if not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-    if not isinstance(new_tokens, int) or new_tokens < 2:
-        raise ValueError(f"new_tokens must be an int >= 2 (a prefill and a decode step), got {new_tokens!r}")
+    if not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be a positive int, got {new_tokens!r}")
+    if max_total_tokens is not None:
+        if not isinstance(max_total_tokens, int) or max_total_tokens < 2:
+            raise ValueError(f"max_total_tokens must be an int >= 2, got {max_total_tokens!r}")
+        new_tokens = min(new_tokens, max_total_tokens - 1)
+    longest = None if max_total_tokens is None else max_total_tokens - new_tokens
     gen = torch.Generator().manual_seed(seed)
     saved = backend.counters() if hasattr(backend, "counters") else None
     start = time.perf_counter()
     rounds = [_ALONE] + ([_TOGETHER[:max_batch]] if max_batch > 1 else [])
     for lengths in rounds:
-        prompts = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+        prompts = [torch.randint(0, vocab_size, (min(n, longest or n),), generator=gen).tolist() for n in lengths]
         _run_together(backend, prompts, new_tokens)
     if saved is not None:
         backend.restore_counters(saved)

@@ -142,7 +142,7 @@ def build_app(args: argparse.Namespace):
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative)
     if args.compile:  # compile now for the step shapes, not while the first requests wait
-        seconds = warm_up(backend, text_model(model).config.vocab_size, args.max_batch)
+        seconds = warm_up(backend, text_model(model).config.vocab_size, args.max_batch, max_total_tokens=limit)
         print(f"--compile: the decoder layers compiled for serving in {seconds:.1f} s (warm-up requests)",
               file=sys.stderr)
     return create_app(backend, tokenizer, model_name=names[0], model_aliases=names[1:], max_total_tokens=limit,
