@@ -99,6 +99,15 @@ for s in "${stages[@]}"; do
         | tee "$OUT/repeat_eager.log" | tail -6
       python3 -m benchmarks.generate_repeat --steps sharedpool,plain,plain,plain,plain,plain --out "$OUT" 2>&1 \
         | tee "$OUT/repeat_sharedpool.log" | tail -6 ;;
+    servecompile)  # staggered 2K requests, compiled layers (warmed up as `serve --compile`) then eager, each in its
+      # own process (session 33: batch 4 215.8 vs 247.7 tokens/s, batch 16 681.2 vs 565.7 on an H100)
+      for c in --compile ""; do
+        timeout 150 python3 -m benchmarks.serve_batching --preset m3-small --device cuda --prompt-len 2048 --new 128 \
+          --new-min 16 --requests-per-batch 4 --batch 4 16 $c --out "$OUT" 2>&1 | grep -v Warn | cut -c1-150 | tail -3
+      done ;;
+    nodes)  # the decode step's kernels and the idle time between them (generate_repeat kprof), plain then compiled
+      python3 -m benchmarks.generate_repeat --steps plain,kprof,compile,plain,kprof --out "$OUT" 2>&1 \
+        | grep -v "^ \|^-\|Name\|Self" | cut -c1-120 | tail -8 ;;
     repeat)  # m3-small: the same plain generate run again and again, GPU clocks / power / temperature beside each run
       python3 -m benchmarks.generate_repeat --out "$OUT" ${REPEAT_ARGS:-} 2>&1 | tee "$OUT/generate_repeat.log" | tail -14 ;;
     prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off
