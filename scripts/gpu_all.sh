@@ -106,8 +106,13 @@ for s in "${stages[@]}"; do
           --new-min 16 --requests-per-batch 4 --batch 4 16 $c --out "$OUT" 2>&1 | grep -v Warn | cut -c1-150 | tail -3
       done ;;
     nodes)  # the decode step's kernels and the idle time between them (generate_repeat kprof), plain then compiled
-      python3 -m benchmarks.generate_repeat --steps plain,kprof,compile,plain,kprof --out "$OUT" 2>&1 \
-        | grep -v "^ \|^-\|Name\|Self" | cut -c1-120 | tail -8 ;;
+      # (BEFORE=DIR: an older commit's openm3, from git archive, with this benchmarks/ copied in, run first)
+      for v in ${BEFORE:+before} after; do
+        root=$PWD; [ "$v" = before ] && root=$BEFORE
+        echo "--- $v"
+        (cd "$root" && PYTHONPATH="$root" python3 -m benchmarks.generate_repeat \
+           --steps plain,plain,kprof,compile,plain,kprof --out "$OUT/$v" 2>&1 | grep -v "^ \|^-\|Name\|Self" | cut -c1-120 | tail -8)
+      done ;;
     repeat)  # m3-small: the same plain generate run again and again, GPU clocks / power / temperature beside each run
       python3 -m benchmarks.generate_repeat --out "$OUT" ${REPEAT_ARGS:-} 2>&1 | tee "$OUT/generate_repeat.log" | tail -14 ;;
     prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off
