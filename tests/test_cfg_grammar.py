@@ -23,6 +23,7 @@ GRAMMARS = {  # name: (Lark text, the characters strings are drawn from, longest
     "optional": ('start: "x"? ("y" | "yz")+ "z"*', "xyz", 6),
     "ranges": ('start: ("a".."c")+ /[0-9]{2}/ | "q"', "abd09q", 5),
     "nocase": ('start: "Ab"i "c" | "x"i+', "aAbBcxX", 4),
+    "regex_flags": ('start: /ab+/i "," /.c/s | /a b/x "c"', "aAbB\nc,", 5),
     "brackets": ('start: "a" ["b" ["c"]] "]" ["[" "x"]', "abc[]x", 6),
     "ignore": ('start: "(" item ("," item)* ")"\nitem: WORD | start\nWORD: "a".."b"+\n%ignore " "', "(),a ", 7),
     "ignore_ws": ('start: pair+\npair: KEY "=" VALUE ";"\nKEY: /[ab]+/\nVALUE: DIGIT+\n%import common.DIGIT\n'
@@ -123,13 +124,18 @@ def test_gbnf_grammars_match_their_lark_equivalents():
                 assert sentence(g, t) == parses(parser, t), (gbnf, t)
 
 
+def test_a_verbose_regex_may_end_in_a_comment():
+    g = CfgGrammar('start: /a b  # the b/x "c" /d/xis')
+    assert sentence(g, "abcd") and sentence(g, "abcD") and not sentence(g, "a bcd")
+
+
 @pytest.mark.parametrize("text,match", [
     ('start: start "a" | "b"', "left-recursive"),
     ('start: a\na: "x" a', "derive no text"),
     ('start: "a"\n%declare FOO', "%declare"),
     ('start: "a"\n%ignore WS', "not defined"),
     ('start: b', "not defined"),
-    ('start: /a/i', "flags"),
+    ('start: /a/m', "regex flag 'm'"),
     ('start: "a"\n%import common.FOO', "common"),
     ('rule: "a"', "start rule"),
     ('start: /a(?=b)/', "automaton lacks"),

@@ -299,12 +299,13 @@ PATTERN_SCHEMA = {"type": "object", "additionalProperties": False, "properties":
     "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"},
     "word": {"type": "string", "pattern": "^[a-zé日]+$"},
     "esc": {"type": "string", "pattern": "^\\t?[😀\\\\x]*$"}, "free": {"type": "string"},
-    "ci": {"type": "string", "pattern": "(?i)^[a-cé]+$"},  # outside the automaton's syntax: the regex package
+    "ci": {"type": "string", "pattern": "(?i)^[a-cé]+$"},  # a flag the automaton follows
+    "la": {"type": "string", "pattern": "^(?=a)[a-c]+$"},  # lookahead, outside the automaton: the regex package
     "short": {"type": "string", "pattern": "é|日", "minLength": 2, "maxLength": 3},  # with lengths: automaton
     "long": {"type": "string", "pattern": "^[a-zé]+$", "minLength": 3, "maxLength": 300}}}  # length twins
 ANY_KEY_PATTERN = {"type": "object", "additionalProperties": {"type": "string", "pattern": "^[a-zé日]+$"}}
-PATTERN_DOCS = ['{"date": "2024-06", "word": "abé日", "esc": "\\t😀\\\\x", "free": "é", "ci": "aÉB", "short": "a日b",'
-                ' "long": "abcdefghijéklmnopqrstuvwxyzabcdefghij"}',
+PATTERN_DOCS = ['{"date": "2024-06", "word": "abé日", "esc": "\\t😀\\\\x", "free": "é", "ci": "aÉB", "la": "ab",'
+                ' "short": "a日b", "long": "abcdefghijéklmnopqrstuvwxyzabcdefghij"}',
                 '{"word": "\\u00e9t\\u00e9", "esc": "\\ud83d\\ude00x", "short": "\\u00e9x"}']
 
 

@@ -118,9 +118,10 @@ CASES = [
         "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
         "ab": {"type": "string", "pattern": "^[aé]b?$"}, "tab": {"type": "string", "pattern": "^x\\t[😀\\\\]$"},
         "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]*$"},
-        "ci": {"type": "string", "pattern": "(?i)^ab+$"}}},  # flags: the regex package's search, not an automaton
+        "ci": {"type": "string", "pattern": "(?i)^ab+$"},  # a flag the automaton follows
+        "la": {"type": "string", "pattern": "^(?=a)ab+$"}}},  # lookahead: the regex package's search
         [{"date": "2024-01-31", "ab": "éb"}, {"ab": "a", "tab": "x\t😀"}, {"tab": "x\t\\", "code": "AB"},
-         {"date": "0000-00-00", "code": "XY0123", "ci": "aBb"}]),
+         {"date": "0000-00-00", "code": "XY0123", "ci": "aBb", "la": "abb"}]),
     Case("bounded_patterns", {"type": "object", "additionalProperties": False, "properties": {
         "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]*$", "maxLength": 5},
         "word": {"type": "string", "pattern": "ab", "minLength": 4, "maxLength": 6},

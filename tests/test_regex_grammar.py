@@ -39,10 +39,10 @@ def test_states_follow_the_pattern(text):
         assert g.complete(state) == (text[:i + 1] in LANGUAGE)
 
 
-@pytest.mark.parametrize("pattern", ["é+", "(?i)é+"], ids=["automaton", "regex-package"])
+@pytest.mark.parametrize("pattern", ["é+", "(?m)é+"], ids=["automaton", "regex-package"])  # (m: no automaton)
 def test_multibyte_characters_and_bad_patterns(pattern):
     g = RegexGrammar(pattern)
-    assert (g.nfa is None) == pattern.startswith("(?i)")
+    assert (g.nfa is None) == pattern.startswith("(?m)")
     assert g.advance(g.start, "é".encode()[:1]) is None
     assert g.complete(g.advance(g.start, "éé".encode())) and g.complete(g.advance(g.start, "é".encode()))
     assert not g.complete(g.start) and g.advance(g.start, b"e") is None
@@ -64,7 +64,7 @@ def test_decoding_ends_in_a_match(model, tok, sampling):
         assert re.fullmatch(PATTERN, text), text
 
 
-@pytest.mark.parametrize("flags", ["", "(?i)"], ids=["automaton", "regex-package"])
+@pytest.mark.parametrize("flags", ["", "(?m)"], ids=["automaton", "regex-package"])  # (m: no automaton)
 def test_full_masks_equal_checking_each_token(tok, flags):
     """The full mask (a walk of the sorted tokens by whole characters) equals checking each token whole, with
     tokens of non-ASCII characters and tokens that end inside one; a greedy pick takes a non-ASCII token the pattern

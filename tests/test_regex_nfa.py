@@ -42,10 +42,34 @@ def test_the_automaton_agrees_with_python(pattern, search):
             assert nfa.matched(states) == (match(text) is not None), text
 
 
-@pytest.mark.parametrize("pattern", [r"(?i)abc", r"a(?=b)", r"(a)\1", r"a^b", r"a$b", r"x{300}", r"[^\d\D]",
-                                     r"(?s).", r"\p{L}", r"(?>a)"])
+@pytest.mark.parametrize("pattern", [r"(?m)^a", r"(?a)\w", r"(?m:a)", r"a(?=b)", r"(a)\1", r"a^b", r"a$b", r"x{300}",
+                                     r"[^\d\D]", r"\p{L}", r"(?>a)"])
 def test_syntax_outside_the_automaton_gives_none(pattern):
     assert compile_nfa(pattern, search=True) is None
+
+
+FLAGGED = [r"(?i)ab+c", r"(?i)[a-c]x", r"(?s)a.b", r"(?i:k)s", r"(?x) a b  # a comment", r"(?i)\u017f", r"(?i)[^a]b",
+           r"(?is)k.", r"(?i)x(?-i:a)", r"(?i)\w\s", r"(?i)[k-s]+", r"(?i)[^\d]", r"(?i)^(ab|c)$", r"(?s)^.+$"]
+CASED = ["a", "A", "b", "B", "c", "k", "K", "\u212a", "s", "S", "\u017f", "x", "X", "1", " ", "\n"]
+
+
+@pytest.mark.parametrize("pattern", FLAGGED)
+@pytest.mark.parametrize("search", [True, False], ids=["search", "fullmatch"])
+def test_flags_i_s_x_match_as_python_does(pattern, search):
+    """Ignore-case (with `re`'s own folds: the Kelvin sign is a k, the long s an s), dot-all and verbose, for the
+    whole pattern or a group: `matched` equals `re` on every text of up to 3 characters over letters of both cases,
+    and a live state has some continuation of up to 3 characters that matches (enough for these patterns)."""
+    nfa = compile_nfa(pattern, search=search)
+    assert nfa is not None
+    match = re.compile(pattern).search if search else re.compile(pattern).fullmatch
+    texts = ["".join(t) for n in range(4) for t in itertools.product(CASED, repeat=n)]
+    for text in texts:
+        states = nfa.start
+        for ch in text:
+            states = nfa.step(states, ch)
+        assert nfa.matched(states) == (match(text) is not None), (pattern, text)
+        if len(text) <= 1:
+            assert nfa.live(states) == any(match(text + more) for more in texts), (pattern, text)
 
 
 LENGTH_CASES = [(r"^[a-c]+$", "ab-\n"), (r"^a(bc)*d$", "abcd\n"), (r"ab", "ab-"), (r"^[0-9]{2}-[0-9]$", "0-a\n"),

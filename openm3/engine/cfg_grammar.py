@@ -6,12 +6,12 @@
     grammar.complete(grammar.advance(state, b"2"))  # True
 
 Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; "literals", "literals"i ignoring
-case, /regexes/, "a".."z" ranges, ( ), [ ] and ? optional, * and + repetition, `%import common.NAME` for Lark's
-common terminals, `%ignore TERMINAL` (or a literal or regex): what it names may stand before every terminal a rule
-holds, and at the end) and llama.cpp's GBNF (`name ::= ...`, the start rule `root`; "literals", [character
-classes], . for any character, ( ), ?, *, +, {m}, {m,n}, {m,}). Regexes and classes use the syntax of `openm3.engine.regex_nfa`. Not
-supported (a ValueError naming it): regex flags, templates, other directives, and left recursion (write
-`a: b ("," b)*`, not `a: a "," b`).
+case, /regexes/ with the flags i, s, x (and u, the default), "a".."z" ranges, ( ), [ ] and ? optional, * and +
+repetition, `%import common.NAME` for Lark's common terminals, `%ignore TERMINAL` (or a literal or regex): what it
+names may stand before every terminal a rule holds, and at the end) and llama.cpp's GBNF (`name ::= ...`, the
+start rule `root`; "literals", [character classes], . for any character, ( ), ?, *, +, {m}, {m,n}, {m,}). Regexes
+and classes use the syntax of `openm3.engine.regex_nfa`. Not supported (a ValueError naming it): the regex flags m
+and l, templates, other directives, and left recursion (write `a: b ("," b)*`, not `a: a "," b`).
 
 Sentences are recognised character by character with a set of parse stacks (a nondeterministic pushdown
 automaton): a stack is the rule positions still open, innermost first, and a state is the set of stacks after the
@@ -229,11 +229,14 @@ class _Compiler:
                 return ("re", self._nfa("".join(f"[{re.escape(c.lower())}{re.escape(c.upper())}]" if c.lower()
                                                 != c.upper() else re.escape(c) for c in literal))), i + 1
             return (("lit", literal) if literal else None), i + 1
-        if kind == "regex":
+        if kind == "regex":  # Lark's /body/flags: the flags i, s and x as `re`'s, u (unicode) is the default
             body, _, flags = text[1:].rpartition("/")
-            if flags:
-                raise ValueError(f"grammar: regex flags ({text}) are not supported")
-            return ("re", self._nfa(body)), i + 1
+            unknown = sorted(set(flags) - set("isxu"))
+            if unknown:
+                raise ValueError(f"grammar: regex flag {unknown[0]!r} ({text}) is not supported (i, s, x, u are)")
+            scoped = "".join(f for f in "isx" if f in flags)
+            end = "\n)" if "x" in flags else ")"  # (a verbose pattern's closing comment must not take the ")")
+            return ("re", self._nfa(f"(?{scoped}:{body}{end}" if scoped else body)), i + 1
         if kind == "cls" and self.gbnf:
             return ("re", self._nfa(text)), i + 1
         if kind == "any":  # GBNF's . : any one character

@@ -10,8 +10,11 @@ a table lookup, so a grammar's state inside a pattern no longer holds (and re-se
 
 Python's `re` syntax and meaning (what `jsonschema` checks a `pattern` with), for the common part of it: literals,
 `.`, classes (ranges, negation, `\\d` `\\w` `\\s` and their negations), groups, alternation, `? * + {m,n}` (greedy or
-lazy: the same set of matches), `^` / `\\A` first and `$` / `\\Z` last. Anything else (flags, backreferences,
-lookaround, anchors elsewhere, repeat counts above 256) gives None, and the caller keeps `regex`'s partial search.
+lazy: the same set of matches), `^` / `\\A` first and `$` / `\\Z` last, and the flags `i` (ignore case), `s` (`.`
+takes a newline too) and `x` (verbose), for the whole pattern (`(?i)`) or a group (`(?i:...)`); a character's test
+under a flag is `re`'s own, so case folding follows `re` exactly. Anything else (the flags `m`, `a` and `L`,
+backreferences, lookaround, anchors elsewhere, repeat counts above 256) gives None, and the caller keeps `regex`'s
+partial search.
 `search=True` is JSON Schema's rule (a match anywhere in the text), `search=False` a whole-text match.
 """
 
@@ -33,6 +36,9 @@ _MAX_COUNT = 256  # a repeat bound above this is not expanded (None: the caller 
 _MAX_LENGTHS = 4096  # exact-length sets computed before giving up on finding their period
 _CATEGORIES = {_c.CATEGORY_DIGIT: r"\d", _c.CATEGORY_NOT_DIGIT: r"\D", _c.CATEGORY_SPACE: r"\s",
                _c.CATEGORY_NOT_SPACE: r"\S", _c.CATEGORY_WORD: r"\w", _c.CATEGORY_NOT_WORD: r"\W"}
+
+
+_FOLLOWED = _c.SRE_FLAG_IGNORECASE | _c.SRE_FLAG_DOTALL  # flags that change what a character's test passes
 
 
 class _Unsupported(Exception):
@@ -192,7 +198,8 @@ def compile_nfa(pattern: str, *, search: bool) -> Nfa | None:
         tree = _parser.parse(pattern)
     except (re.error, TypeError, OverflowError, RecursionError):
         return None
-    if tree.state.flags & ~_c.SRE_FLAG_UNICODE:
+    flags = tree.state.flags & ~(_c.SRE_FLAG_UNICODE | _c.SRE_FLAG_VERBOSE)  # (verbose: the parser's alone)
+    if flags & ~_FOLLOWED:
         return None
     items = list(tree)
     begin = bool(items) and items[0] == (_c.AT, _c.AT_BEGINNING) or items[:1] == [(_c.AT, _c.AT_BEGINNING_STRING)]
@@ -203,7 +210,7 @@ def compile_nfa(pattern: str, *, search: bool) -> Nfa | None:
         end = items.pop()[1]
     nfa = Nfa()
     try:
-        first, last = _sequence(nfa, items)
+        first, last = _sequence(nfa, items, flags)
     except (_Unsupported, RecursionError):
         return None
     final = {last}
@@ -244,34 +251,34 @@ def _reaching(nfa: Nfa, final) -> frozenset:
     return frozenset(seen)
 
 
-def _sequence(nfa: Nfa, items) -> tuple[int, int]:
+def _sequence(nfa: Nfa, items, flags: int) -> tuple[int, int]:
     first = cur = nfa.new()
     for op, av in items:
-        a, b = _item(nfa, op, av)
+        a, b = _item(nfa, op, av, flags)
         nfa.eps[cur].append(a)
         cur = b
     return first, cur
 
 
-def _item(nfa: Nfa, op, av) -> tuple[int, int]:
-    if op is _c.LITERAL:
-        return _edge(nfa, _literal(chr(av)))
-    if op is _c.NOT_LITERAL:
-        ch = chr(av)
-        return _edge(nfa, lambda c: c != ch)
+def _item(nfa: Nfa, op, av, flags: int) -> tuple[int, int]:
+    if op in (_c.LITERAL, _c.NOT_LITERAL, _c.IN):
+        items = ((op, av),) if op is not _c.IN else tuple(av)
+        if op is _c.LITERAL and not flags & _c.SRE_FLAG_IGNORECASE:
+            return _edge(nfa, _literal(chr(av)))
+        return _edge(nfa, _in_class(items, bool(flags & _c.SRE_FLAG_IGNORECASE)))
     if op is _c.ANY:
-        return _edge(nfa, _not_newline)
-    if op is _c.IN:
-        return _edge(nfa, _in_class(tuple(av)))
+        return _edge(nfa, _any_char if flags & _c.SRE_FLAG_DOTALL else _not_newline)
     if op is _c.SUBPATTERN:
         _, add_flags, del_flags, sub = av
-        if add_flags or del_flags:
+        add_flags &= ~(_c.SRE_FLAG_UNICODE | _c.SRE_FLAG_VERBOSE)
+        del_flags &= ~_c.SRE_FLAG_VERBOSE
+        if (add_flags | del_flags) & ~_FOLLOWED:
             raise _Unsupported
-        return _sequence(nfa, sub)
+        return _sequence(nfa, sub, (flags | add_flags) & ~del_flags)
     if op is _c.BRANCH:
         first, last = nfa.new(), nfa.new()
         for alt in av[1]:
-            a, b = _sequence(nfa, alt)
+            a, b = _sequence(nfa, alt, flags)
             nfa.eps[first].append(a)
             nfa.eps[b].append(last)
         return first, last
@@ -282,18 +289,18 @@ def _item(nfa: Nfa, op, av) -> tuple[int, int]:
             raise _Unsupported
         first = cur = nfa.new()
         for _ in range(low):
-            a, b = _sequence(nfa, sub)
+            a, b = _sequence(nfa, sub, flags)
             nfa.eps[cur].append(a)
             cur = b
         if unbounded:
-            a, b = _sequence(nfa, sub)
+            a, b = _sequence(nfa, sub, flags)
             nfa.eps[cur].append(a)
             nfa.eps[b].append(cur)
             return first, cur
         last = nfa.new()
         nfa.eps[cur].append(last)
         for _ in range(high - low):
-            a, b = _sequence(nfa, sub)
+            a, b = _sequence(nfa, sub, flags)
             nfa.eps[cur].append(a)
             nfa.eps[b].append(last)
             cur = b
@@ -320,14 +327,19 @@ def _not_newline(c: str) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _in_class(items: tuple):
-    """A character class's test: its ranges, literals and categories, negated if it says so (`re`'s meaning);
-    _Unsupported for a class that no character passes (`[^\\d\\D]`: an automaton edge must lead somewhere)."""
+def _in_class(items: tuple, ignore_case: bool = False):
+    """A character class's test (a lone literal or a negated one is a class of one): its ranges, literals and
+    categories, negated if it says so (`re`'s meaning; with `ignore_case`, `re`'s own test under `re.IGNORECASE`,
+    so its case folding is `re`'s); _Unsupported for a class that no character passes (`[^\\d\\D]`: an automaton
+    edge must lead somewhere)."""
     negate, singles, ranges, categories = False, set(), [], []
     for op, av in items:
         if op is _c.NEGATE:
             negate = True
         elif op is _c.LITERAL:
+            singles.add(chr(av))
+        elif op is _c.NOT_LITERAL:
+            negate = True
             singles.add(chr(av))
         elif op is _c.RANGE:
             ranges.append((chr(av[0]), chr(av[1])))
@@ -335,11 +347,20 @@ def _in_class(items: tuple):
             categories.append(re.compile(_CATEGORIES[av]).fullmatch)
         else:
             raise _Unsupported
+    if ignore_case:  # the same class written out again and compiled by `re` with the flag
+        body = "".join(re.escape(c) for c in sorted(singles)) \
+            + "".join(f"{re.escape(lo)}-{re.escape(hi)}" for lo, hi in ranges) \
+            + "".join(_CATEGORIES[av] for op, av in items if op is _c.CATEGORY)
+        folded = re.compile(f"[{'^' if negate else ''}{body}]", re.IGNORECASE).fullmatch
 
-    @functools.lru_cache(maxsize=4096)
-    def test(c: str) -> bool:
-        hit = c in singles or any(lo <= c <= hi for lo, hi in ranges) or any(f(c) for f in categories)
-        return hit != negate
+        @functools.lru_cache(maxsize=4096)
+        def test(c: str) -> bool:
+            return folded(c) is not None
+    else:
+        @functools.lru_cache(maxsize=4096)
+        def test(c: str) -> bool:
+            hit = c in singles or any(lo <= c <= hi for lo, hi in ranges) or any(f(c) for f in categories)
+            return hit != negate
 
     if not any(test(chr(c)) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF):
         raise _Unsupported
