@@ -24,6 +24,8 @@ GRAMMARS = {  # name: (Lark text, the characters strings are drawn from, longest
     "ranges": ('start: ("a".."c")+ /[0-9]{2}/ | "q"', "abd09q", 5),
     "nocase": ('start: "Ab"i "c" | "x"i+', "aAbBcxX", 4),
     "regex_flags": ('start: /ab+/i "," /.c/s | /a b/x "c"', "aAbB\nc,", 5),
+    "templates": ('start: _sep{item, ","} ";" pair{"x"}\n_sep{x, s}: x (s x)*\npair{v}: v v | _sep{v, "-"}\n'
+                  'item: "a" | pair{"b"}', "ab,;x-", 6),
     "brackets": ('start: "a" ["b" ["c"]] "]" ["[" "x"]', "abc[]x", 6),
     "ignore": ('start: "(" item ("," item)* ")"\nitem: WORD | start\nWORD: "a".."b"+\n%ignore " "', "(),a ", 7),
     "ignore_ws": ('start: pair+\npair: KEY "=" VALUE ";"\nKEY: /[ab]+/\nVALUE: DIGIT+\n%import common.DIGIT\n'
@@ -139,6 +141,13 @@ def test_a_verbose_regex_may_end_in_a_comment():
     ('start: "a"\n%import common.FOO', "common"),
     ('rule: "a"', "start rule"),
     ('start: /a(?=b)/', "automaton lacks"),
+    ('start: t{"a"}', "template 't' is used but not defined"),
+    ('start: t{"a"}\nt{x, y}: x y', r"template 't' takes 2 arguments \(x, y\), got 1"),
+    ('start: t{"a", }\nt{x, y}: x y', "takes 2 arguments"),
+    ('start: t{"a"}\nt{x}: x t{x}', "more than 16 levels deep"),
+    ('start: t{"a"}\nt{"x"}: "b"', "parameters must be names"),
+    ('start: t{"a"}\nt{x}: x\nt{y}: y', "template 't' is defined twice"),
+    ('start: "a" }', "unexpected '}'"),
 ])
 def test_grammars_it_cannot_follow_are_refused(text, match):
     with pytest.raises(ValueError, match=match):

@@ -10,8 +10,9 @@ case, /regexes/ with the flags i, s, x (and u, the default), "a".."z" ranges, ( 
 repetition, `%import common.NAME` for Lark's common terminals, `%ignore TERMINAL` (or a literal or regex): what it
 names may stand before every terminal a rule holds, and at the end) and llama.cpp's GBNF (`name ::= ...`, the
 start rule `root`; "literals", [character classes], . for any character, ( ), ?, *, +, {m}, {m,n}, {m,}). Regexes
-and classes use the syntax of `openm3.engine.regex_nfa`. Not supported (a ValueError naming it): the regex flags m
-and l, templates, other directives, and left recursion (write `a: b ("," b)*`, not `a: a "," b`).
+and classes use the syntax of `openm3.engine.regex_nfa`, and Lark's templates (`_sep{x, s}: x (s x)*`, used as
+`_sep{item, ","}`). Not supported (a ValueError naming it): the regex flags m and l, other directives, and left
+recursion (write `a: b ("," b)*`, not `a: a "," b`).
 
 Sentences are recognised character by character with a set of parse stacks (a nondeterministic pushdown
 automaton): a stack is the rule positions still open, innermost first, and a state is the set of stacks after the
@@ -47,13 +48,15 @@ _COMMON = {  # Lark's common.lark terminals, as regexes
 _TOKEN = r"""
     (?P<space>[ \t\r\n]+) | (?P<comment>(//|\#)[^\n]*) |
     (?P<string>"(?:[^"\\]|\\.)*"i?) | (?P<regex>/(?:[^/\\\n]|\\.)+/[imsux]*) | {brackets} |
-    (?P<define>::=|:) | (?P<range>\.\.) | (?P<repeat>\{{\s*\d+\s*(?:,\s*\d*\s*)?\}}) |
+    (?P<define>::=|:) | (?P<range>\.\.) | (?P<repeat>\{{\s*\d+\s*(?:,\s*\d*\s*)?\}}) | (?P<brace>{braces}) |
     (?P<op>[|()?*+]) | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9.]*) | (?P<directive>%[a-z]+)
 """
-# GBNF's [ ] is a character class; Lark's is an optional group (its brackets are operators, so groups nest)
-_TOKENS = {True: re.compile(_TOKEN.format(brackets=r"(?P<cls>\[(?:[^\]\\]|\\.)*\]) | (?P<any>\.(?!\.))"),
-                            re.VERBOSE),
-           False: re.compile(_TOKEN.format(brackets=r"(?P<bracket>[\[\]])"), re.VERBOSE)}
+# GBNF's [ ] is a character class; Lark's is an optional group (its brackets are operators, so groups nest), and
+# Lark's { , } write templates
+_TOKENS = {True: re.compile(_TOKEN.format(brackets=r"(?P<cls>\[(?:[^\]\\]|\\.)*\]) | (?P<any>\.(?!\.))",
+                                          braces="(?!)"), re.VERBOSE),
+           False: re.compile(_TOKEN.format(brackets=r"(?P<bracket>[\[\]])", braces="[{},]"), re.VERBOSE)}
+_MAX_TEMPLATE_DEPTH = 16  # templates expanded inside templates (a template that uses itself never ends)
 
 
 def _tokens(text: str, gbnf: bool) -> Iterator[tuple[str, str, int]]:
@@ -102,7 +105,7 @@ class _Compiler:
         self.defined: set[str] = set()
         self.terminals: set[int] = set()  # rules of Lark's terminals (uppercase names) and the groups inside them
         self.ignored: list[tuple] = []  # %ignore's elements
-        toks = list(_tokens(text, self.gbnf))
+        toks = self._expand_templates(list(_tokens(text, self.gbnf)))
         starts = [i for i in range(len(toks) - 1)
                   if toks[i][0] == "name" and toks[i + 1][0] == "define"]
         directives = [i for i, t in enumerate(toks) if t[0] == "directive"]
@@ -131,6 +134,100 @@ class _Compiler:
             raise ValueError(f"grammar: no start rule (expected {self.start!r})")
         if self.ignored:
             self._ignore()
+
+    def _expand_templates(self, toks: list) -> list:
+        """Lark's templates: `name{a, b}: body` defines one, `name{x, "y"}` uses it. Each use becomes the body in a
+        group, with every parameter replaced by its argument (in a group too): the same language as Lark's rule per
+        instance. The definitions are taken out of the token list."""
+        templates: dict[str, tuple[list[str], list]] = {}
+        out, i = [], 0
+        while i < len(toks):
+            kind, text, pos = toks[i]
+            close = self._brace_end(toks, i + 1) if kind == "name" else None
+            if close is not None and close + 1 < len(toks) and toks[close + 1][0] == "define":
+                params = [a for a in self._arguments(toks, i + 1, close)]
+                if any(len(a) != 1 or a[0][0] != "name" for a in params):
+                    raise ValueError(f"grammar: template {text!r}: its parameters must be names (at character {pos})")
+                end = next((j for j in range(close + 2, len(toks))
+                            if toks[j][0] == "directive" or (toks[j][0] == "name" and j + 1 < len(toks)
+                                                             and toks[j + 1][0] in ("define", "brace")
+                                                             and self._is_definition(toks, j))), len(toks))
+                name = text.lstrip("?!")
+                if name in templates:
+                    raise ValueError(f"grammar: template {name!r} is defined twice")
+                templates[name] = ([a[0][1] for a in params], toks[close + 2:end])
+                i = end
+                continue
+            out.append(toks[i])
+            i += 1
+        return self._instantiate(out, templates, 0)
+
+    def _is_definition(self, toks: list, j: int) -> bool:
+        """Whether toks[j] (a name) starts a rule or template definition."""
+        if toks[j + 1][0] == "define":
+            return True
+        close = self._brace_end(toks, j + 1)
+        return close is not None and close + 1 < len(toks) and toks[close + 1][0] == "define"
+
+    @staticmethod
+    def _brace_end(toks: list, i: int) -> int | None:
+        """The index of the } closing the { at toks[i] (None: no { there, or not closed)."""
+        if i >= len(toks) or toks[i][:2] != ("brace", "{"):
+            return None
+        depth = 0
+        for j in range(i, len(toks)):
+            if toks[j][0] == "brace" and toks[j][1] in "{}":
+                depth += 1 if toks[j][1] == "{" else -1
+                if depth == 0:
+                    return j
+        return None
+
+    @staticmethod
+    def _arguments(toks: list, open_: int, close: int) -> list[list]:
+        """The comma-separated token lists between toks[open_] ({) and toks[close] (})."""
+        args, cur, depth = [], [], 0
+        for tok in toks[open_ + 1:close]:
+            if tok[0] == "brace" and tok[1] == "," and depth == 0:
+                args.append(cur)
+                cur = []
+                continue
+            if tok[0] == "brace":
+                depth += 1 if tok[1] == "{" else -1 if tok[1] == "}" else 0
+            cur.append(tok)
+        return args + [cur]
+
+    def _instantiate(self, toks: list, templates: dict, depth: int) -> list:
+        """Every use of a template in `toks` replaced by its body (recursively, up to `_MAX_TEMPLATE_DEPTH`)."""
+        out, i = [], 0
+        while i < len(toks):
+            kind, text, pos = toks[i]
+            close = self._brace_end(toks, i + 1) if kind == "name" else None
+            if close is None:
+                if kind == "brace":
+                    raise ValueError(f"grammar: unexpected {text!r} (at character {pos})")
+                out.append(toks[i])
+                i += 1
+                continue
+            if text not in templates:
+                raise ValueError(f"grammar: template {text!r} is used but not defined (at character {pos})")
+            if depth >= _MAX_TEMPLATE_DEPTH:
+                raise ValueError(f"grammar: template {text!r} expands more than {_MAX_TEMPLATE_DEPTH} levels deep "
+                                 f"(does it use itself?)")
+            params, body = templates[text]
+            args = self._arguments(toks, i + 1, close)
+            if len(args) != len(params) or any(not a for a in args):
+                raise ValueError(f"grammar: template {text!r} takes {len(params)} arguments "
+                                 f"({', '.join(params)}), got {len(args)} (at character {pos})")
+            given = dict(zip(params, args))
+            group = [("op", "(", pos)]
+            for tok in body:
+                if tok[0] == "name" and tok[1] in given:
+                    group += [("op", "(", tok[2]), *given[tok[1]], ("op", ")", tok[2])]
+                else:
+                    group.append(tok)
+            out += self._instantiate(group + [("op", ")", pos)], templates, depth + 1)
+            i = close + 1
+        return out
 
     def _ignore(self) -> None:
         """Lark's %ignore: what it names may stand before every terminal of a rule (not inside a terminal) and at
