@@ -24,6 +24,9 @@ GRAMMARS = {  # name: (Lark text, the characters strings are drawn from, longest
     "ranges": ('start: ("a".."c")+ /[0-9]{2}/ | "q"', "abd09q", 5),
     "nocase": ('start: "Ab"i "c" | "x"i+', "aAbBcxX", 4),
     "regex_flags": ('start: /ab+/i "," /.c/s | /a b/x "c"', "aAbB\nc,", 5),
+    "left_recursion": ('start: expr\nexpr: expr "+" term | term\nterm: term "*" factor | factor\n'
+                       'factor: "a" | "(" expr ")"', "a+*()", 6),
+    "indirect_left_recursion": ('start: a ";"\na: b "x" | "y"\nb: a "z" | "w" | b "v"', "xyzwv;", 6),
     "templates": ('start: _sep{item, ","} ";" pair{"x"}\n_sep{x, s}: x (s x)*\npair{v}: v v | _sep{v, "-"}\n'
                   'item: "a" | pair{"b"}', "ab,;x-", 6),
     "brackets": ('start: "a" ["b" ["c"]] "]" ["[" "x"]', "abc[]x", 6),
@@ -132,7 +135,7 @@ def test_a_verbose_regex_may_end_in_a_comment():
 
 
 @pytest.mark.parametrize("text,match", [
-    ('start: start "a" | "b"', "left-recursive"),
+    ('start: a\na: b a "x" | "y"\nb: "z"?', "rule 'a' is left-recursive behind a part that can be empty"),
     ('start: a\na: "x" a', "derive no text"),
     ('start: "a"\n%declare FOO', "%declare"),
     ('start: "a"\n%ignore WS', "not defined"),

@@ -11,8 +11,9 @@ repetition, `%import common.NAME` for Lark's common terminals, `%ignore TERMINAL
 names may stand before every terminal a rule holds, and at the end) and llama.cpp's GBNF (`name ::= ...`, the
 start rule `root`; "literals", [character classes], . for any character, ( ), ?, *, +, {m}, {m,n}, {m,}). Regexes
 and classes use the syntax of `openm3.engine.regex_nfa`, and Lark's templates (`_sep{x, s}: x (s x)*`, used as
-`_sep{item, ","}`). Not supported (a ValueError naming it): the regex flags m and l, other directives, and left
-recursion (write `a: b ("," b)*`, not `a: a "," b`).
+`_sep{item, ","}`). Left recursion (`expr: expr "+" term | term`, also through other rules) is rewritten into the
+same language without it. Not supported (a ValueError naming it): the regex flags m and l, other directives, and
+left recursion behind a part that can be empty (`a: b a "x"` with `b` optional).
 
 Sentences are recognised character by character with a set of parse stacks (a nondeterministic pushdown
 automaton): a stack is the rule positions still open, innermost first, and a state is the set of stacks after the
@@ -403,6 +404,7 @@ class CfgGrammar:
         self.root = compiled.names[compiled.start]
         self._names = {i: n for n, i in compiled.names.items()}  # for errors: groups have none
         self._check_productive()
+        self._remove_left_recursion()
         self._check_left_recursion()
         self._steps: dict = {}
         self.start = self._closure([((self.root, a, 0), None, None) for a in range(len(self.rules[self.root]))])
@@ -442,8 +444,8 @@ class CfgGrammar:
             return value.matched(value.start)
         return value == ""
 
-    def _check_left_recursion(self) -> None:
-        """A rule that can reach itself before reading a character would expand forever."""
+    def _first_refs(self) -> dict[int, set[int]]:
+        """rule -> the rules that can start it (reached before reading a character: through nullable elements)."""
         nullable = self._rules_where(self._empty)
         first: dict[int, set[int]] = {r: set() for r in range(len(self.rules))}
         for r, alts in enumerate(self.rules):
@@ -453,13 +455,52 @@ class CfgGrammar:
                         first[r].add(e[1])
                     if not self._empty(e, nullable):
                         break
+        return first
+
+    def _remove_left_recursion(self) -> None:
+        """Rewrites left recursion that starts an alternative (`expr: expr "+" term | term`, or through other rules:
+        `a: b "x" | "y"`, `b: a "z" | "w"`) into the same language without it, as textbooks do (Paull's algorithm
+        over the rules on such cycles): alternatives that start with an earlier rule of the cycle take that rule's
+        alternatives in its place, then `A: A x | y` becomes `A: y A'`, `A': x A' | (nothing)`. Recursion hidden
+        behind a part that can be empty (`a: b a "x"` with `b` optional) stays, and `_check_left_recursion` names
+        it."""
+        first = self._first_refs()
+        cyclic = []
+        for r in range(len(self.rules)):
+            seen, todo = set(), list(first[r])
+            while todo:
+                t = todo.pop()
+                if t not in seen:
+                    seen.add(t)
+                    todo += first[t]
+            if r in seen:
+                cyclic.append(r)
+        for i, a in enumerate(cyclic):
+            for b in cyclic[:i]:  # a's alternatives that start with an earlier rule b: b's alternatives instead
+                alts: list[tuple] = []
+                for alt in self.rules[a]:
+                    for new in ([beta + alt[1:] for beta in self.rules[b]] if alt[:1] == (("ref", b),) else [alt]):
+                        if new not in alts:
+                            alts.append(new)
+                self.rules[a] = alts
+            again = [alt[1:] for alt in self.rules[a] if alt[:1] == (("ref", a),) and len(alt) > 1]
+            if not again:
+                continue
+            rest = len(self.rules)
+            self.rules[a] = [alt + (("ref", rest),) for alt in self.rules[a] if alt[:1] != (("ref", a),)]
+            self.rules.append([alt + (("ref", rest),) for alt in again] + [()])
+            self._names[rest] = f"{self._rule_name(a)}'"
+
+    def _check_left_recursion(self) -> None:
+        """A rule that can reach itself before reading a character would expand forever."""
+        first = self._first_refs()
         for r in range(len(self.rules)):
             seen, todo = set(), list(first[r])
             while todo:
                 s = todo.pop()
                 if s == r:
-                    raise ValueError(f"grammar: rule {self._rule_name(r)!r} is left-recursive "
-                                     f"(write repetition with * or +)")
+                    raise ValueError(f"grammar: rule {self._rule_name(r)!r} is left-recursive behind a part that "
+                                     f"can be empty (write repetition with * or +)")
                 if s not in seen:
                     seen.add(s)
                     todo += first[s]
