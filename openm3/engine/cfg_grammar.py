@@ -7,9 +7,10 @@
 
 Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; "literals", "literals"i ignoring
 case, /regexes/ with the flags i, s, x (and u, the default), "a".."z" ranges, ( ), [ ] and ? optional, * and +
-repetition, `%import common.NAME` for Lark's common terminals, `%ignore TERMINAL` (or a literal or regex): what it
-names may stand before every terminal a rule holds, and at the end) and llama.cpp's GBNF (`name ::= ...`, the
-start rule `root`; "literals", [character classes], . for any character, ( ), ?, *, +, {m}, {m,n}, {m,}). Regexes
+repetition, `~ n` and `~ n..m`, `%import common.NAME` for Lark's common terminals, `%ignore TERMINAL` (or a
+literal or regex): what it names may stand before every terminal a rule holds, and at the end) and llama.cpp's
+GBNF (`name ::= ...`, the start rule `root`; "literals", [character classes], . for any character, ( ), ?, *, +,
+{m}, {m,n}, {m,}). Regexes
 and classes use the syntax of `openm3.engine.regex_nfa`, and Lark's templates (`_sep{x, s}: x (s x)*`, used as
 `_sep{item, ","}`). Left recursion (`expr: expr "+" term | term`, also through other rules) is rewritten into the
 same language without it. Not supported (a ValueError naming it): the regex flags m and l, other directives, and
@@ -50,6 +51,7 @@ _TOKEN = r"""
     (?P<space>[ \t\r\n]+) | (?P<comment>(//|\#)[^\n]*) |
     (?P<string>"(?:[^"\\]|\\.)*"i?) | (?P<regex>/(?:[^/\\\n]|\\.)+/[imsux]*) | {brackets} |
     (?P<define>::=|:) | (?P<range>\.\.) | (?P<repeat>\{{\s*\d+\s*(?:,\s*\d*\s*)?\}}) | (?P<brace>{braces}) |
+    (?P<tilde>~\s*\d+(?:\s*\.\.\s*\d+)?) |
     (?P<op>[|()?*+]) | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9.]*) | (?P<directive>%[a-z]+)
 """
 # GBNF's [ ] is a character class; Lark's is an optional group (its brackets are operators, so groups nest), and
@@ -364,8 +366,11 @@ class _Compiler:
         return ("ref", many)
 
     def _postfix(self, toks, i: int, atom: tuple | None) -> tuple[tuple | None, int]:
-        while i < len(toks) and (toks[i][0] == "repeat" or toks[i][0] == "op" and toks[i][1] in "?*+"):
+        while i < len(toks) and (toks[i][0] in ("repeat", "tilde") or toks[i][0] == "op" and toks[i][1] in "?*+"):
             text = toks[i][1]
+            if toks[i][0] == "tilde":  # Lark's `item ~ n` and `item ~ n..m`: as {n} and {n,m}
+                low, _, high = text[1:].replace(" ", "").partition("..")
+                text = f"{{{low},{high}}}" if high else f"{{{low}}}"
             i += 1
             if atom is None:
                 continue
