@@ -24,6 +24,8 @@ GRAMMARS = {  # name: (Lark text, the characters strings are drawn from, longest
     "ranges": ('start: ("a".."c")+ /[0-9]{2}/ | "q"', "abd09q", 5),
     "nocase": ('start: "Ab"i "c" | "x"i+', "aAbBcxX", 4),
     "regex_flags": ('start: /ab+/i "," /.c/s | /a b/x "c"', "aAbB\nc,", 5),
+    "aliases_priorities": ('start: pair ("," pair)* -> pairs\n | "x" -> ex\npair: KEY "=" VAL\nKEY.2: /[ab]+/\n'
+                           'VAL.-1: /[0-9]/', "ab1,=x", 5),
     "counted": ('start: "a" ~ 2 ("b" | "c") ~ 1..3 | "c" ~ 0..1', "abc", 6),
     "left_recursion": ('start: expr\nexpr: expr "+" term | term\nterm: term "*" factor | factor\n'
                        'factor: "a" | "(" expr ")"', "a+*()", 6),

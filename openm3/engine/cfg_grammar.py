@@ -8,7 +8,8 @@
 Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; "literals", "literals"i ignoring
 case, /regexes/ with the flags i, s, x (and u, the default), "a".."z" ranges, ( ), [ ] and ? optional, * and +
 repetition, `~ n` and `~ n..m`, `%import common.NAME` for Lark's common terminals, `%ignore TERMINAL` (or a
-literal or regex): what it names may stand before every terminal a rule holds, and at the end) and llama.cpp's
+literal or regex): what it names may stand before every terminal a rule holds, and at the end; `-> alias` and
+`name.2` priorities are read and have no effect on which texts are sentences) and llama.cpp's
 GBNF (`name ::= ...`, the start rule `root`; "literals", [character classes], . for any character, ( ), ?, *, +,
 {m}, {m,n}, {m,}). Regexes
 and classes use the syntax of `openm3.engine.regex_nfa`, and Lark's templates (`_sep{x, s}: x (s x)*`, used as
@@ -51,14 +52,15 @@ _TOKEN = r"""
     (?P<space>[ \t\r\n]+) | (?P<comment>(//|\#)[^\n]*) |
     (?P<string>"(?:[^"\\]|\\.)*"i?) | (?P<regex>/(?:[^/\\\n]|\\.)+/[imsux]*) | {brackets} |
     (?P<define>::=|:) | (?P<range>\.\.) | (?P<repeat>\{{\s*\d+\s*(?:,\s*\d*\s*)?\}}) | (?P<brace>{braces}) |
-    (?P<tilde>~\s*\d+(?:\s*\.\.\s*\d+)?) |
-    (?P<op>[|()?*+]) | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9.]*) | (?P<directive>%[a-z]+)
+    (?P<tilde>~\s*\d+(?:\s*\.\.\s*\d+)?) | (?P<alias>->\s*[A-Za-z_][A-Za-z_0-9]*) |
+    (?P<op>[|()?*+]) | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_0-9]+)*(?:\.-\d+)?) | (?P<directive>%[a-z]+)
 """
 # GBNF's [ ] is a character class; Lark's is an optional group (its brackets are operators, so groups nest), and
 # Lark's { , } write templates
 _TOKENS = {True: re.compile(_TOKEN.format(brackets=r"(?P<cls>\[(?:[^\]\\]|\\.)*\]) | (?P<any>\.(?!\.))",
                                           braces="(?!)"), re.VERBOSE),
            False: re.compile(_TOKEN.format(brackets=r"(?P<bracket>[\[\]])", braces="[{},]"), re.VERBOSE)}
+_PRIORITY = re.compile(r"\.-?\d+$")
 _MAX_TEMPLATE_DEPTH = 16  # templates expanded inside templates (a template that uses itself never ends)
 
 
@@ -69,7 +71,9 @@ def _tokens(text: str, gbnf: bool) -> Iterator[tuple[str, str, int]]:
         if m is None:
             raise ValueError(f"grammar: cannot read {text[pos:pos + 20]!r} (at character {pos})")
         kind = m.lastgroup
-        if kind not in ("space", "comment"):
+        if kind == "name" and not gbnf and _PRIORITY.search(m.group()):  # Lark's `name.2` priority: no effect on
+            yield kind, _PRIORITY.sub("", m.group()), pos  # which texts are sentences, so it is dropped
+        elif kind not in ("space", "comment", "alias"):  # (Lark's `-> alias` names a tree node: dropped too)
             yield kind, m.group(), pos
         pos = m.end()
 
