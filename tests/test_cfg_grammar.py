@@ -26,6 +26,8 @@ GRAMMARS = {  # name: (Lark text, the characters strings are drawn from, longest
     "regex_flags": ('start: /ab+/i "," /.c/s | /a b/x "c"', "aAbB\nc,", 5),
     "aliases_priorities": ('start: pair ("," pair)* -> pairs\n | "x" -> ex\npair: KEY "=" VAL\nKEY.2: /[ab]+/\n'
                            'VAL.-1: /[0-9]/', "ab1,=x", 5),
+    "imports": ('start: WORD "=" NUM ("," INT)*\n%import common (WORD, INT)\n%import common.NUMBER -> NUM',
+                "ab=1.,", 5),
     "counted": ('start: "a" ~ 2 ("b" | "c") ~ 1..3 | "c" ~ 0..1', "abc", 6),
     "left_recursion": ('start: expr\nexpr: expr "+" term | term\nterm: term "*" factor | factor\n'
                        'factor: "a" | "(" expr ")"', "a+*()", 6),
@@ -154,6 +156,9 @@ def test_a_verbose_regex_may_end_in_a_comment():
     ('start: t{"a"}\nt{"x"}: "b"', "parameters must be names"),
     ('start: t{"a"}\nt{x}: x\nt{y}: y', "template 't' is defined twice"),
     ('start: "a" }', "unexpected '}'"),
+    ('start: WORD\n%import common (WORD INT)', "expected names separated by commas"),
+    ('start: WORD\n%import common (WORD, ', "expected names separated by commas"),
+    ('start: NUMBER\n%import common.NUMBER\n%import common.INT -> NUMBER', "rule 'NUMBER' is defined twice"),
 ])
 def test_grammars_it_cannot_follow_are_refused(text, match):
     with pytest.raises(ValueError, match=match):

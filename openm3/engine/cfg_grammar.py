@@ -8,8 +8,9 @@
 Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; "literals", "literals"i ignoring
 case, /regexes/ with the flags i, s, x (and u, the default), "a".."z" ranges, ( ), [ ] and ? optional, * and +
 repetition, `~ n` and `~ n..m`, `%import common.NAME` for Lark's common terminals, `%ignore TERMINAL` (or a
-literal or regex): what it names may stand before every terminal a rule holds, and at the end; `-> alias` and
-`name.2` priorities are read and have no effect on which texts are sentences) and llama.cpp's
+literal or regex): what it names may stand before every terminal a rule holds, and at the end; also `%import
+common (A, B)` and `%import common.A -> B`; `-> alias` and `name.2` priorities are read and have no effect on
+which texts are sentences) and llama.cpp's
 GBNF (`name ::= ...`, the start rule `root`; "literals", [character classes], . for any character, ( ), ?, *, +,
 {m}, {m,n}, {m,}). Regexes
 and classes use the syntax of `openm3.engine.regex_nfa`, and Lark's templates (`_sep{x, s}: x (s x)*`, used as
@@ -73,7 +74,7 @@ def _tokens(text: str, gbnf: bool) -> Iterator[tuple[str, str, int]]:
         kind = m.lastgroup
         if kind == "name" and not gbnf and _PRIORITY.search(m.group()):  # Lark's `name.2` priority: no effect on
             yield kind, _PRIORITY.sub("", m.group()), pos  # which texts are sentences, so it is dropped
-        elif kind not in ("space", "comment", "alias"):  # (Lark's `-> alias` names a tree node: dropped too)
+        elif kind not in ("space", "comment"):
             yield kind, m.group(), pos
         pos = m.end()
 
@@ -209,9 +210,7 @@ class _Compiler:
         while i < len(toks):
             kind, text, pos = toks[i]
             close = self._brace_end(toks, i + 1) if kind == "name" else None
-            if close is None:
-                if kind == "brace":
-                    raise ValueError(f"grammar: unexpected {text!r} (at character {pos})")
+            if close is None:  # (a stray { } or , is refused where a rule's body is read)
                 out.append(toks[i])
                 i += 1
                 continue
@@ -271,12 +270,17 @@ class _Compiler:
         word = toks[i][1]
         if word == "%import" and i + 1 < len(toks) and toks[i + 1][0] == "name":
             path = toks[i + 1][1]
-            module, _, name = path.rpartition(".")
-            if module != "common" or name not in _COMMON:
-                raise ValueError(f"grammar: %import {path}: only common.{{{', '.join(sorted(_COMMON))}}} are known")
-            self.defined.add(name)
-            self.rules_of(name)[:] = [(("re", self._nfa(_COMMON[name])),)]
-            self.terminals.add(self.names[name])
+            if i + 2 < len(toks) and toks[i + 2][:2] == ("op", "("):  # %import common (A, B, ...)
+                close = next((j for j in range(i + 3, len(toks)) if toks[j][:2] == ("op", ")")), None)
+                inner = toks[i + 3:close] if close is not None else []
+                if not inner or len(inner) % 2 == 0 or any(t[0] != "name" for t in inner[0::2]) \
+                        or any(t[1] != "," for t in inner[1::2]):
+                    raise ValueError(f"grammar: %import {path} (...): expected names separated by commas")
+                for _, name, _ in inner[0::2]:
+                    self._import(f"{path}.{name}", name)
+                return
+            alias = toks[i + 2][1][2:].strip() if i + 2 < len(toks) and toks[i + 2][0] == "alias" else None
+            self._import(path, alias or path.rpartition(".")[2])  # %import common.NAME [-> ALIAS]
             return
         if word == "%ignore" and not self.gbnf and i + 1 < len(toks):
             kind, text, _ = toks[i + 1]
@@ -289,6 +293,17 @@ class _Compiler:
                     self.ignored.append(atom)
                 return
         raise ValueError(f"grammar: {word} {toks[i + 1][1] if i + 1 < len(toks) else ''} is not supported")
+
+    def _import(self, path: str, name: str) -> None:
+        """Lark's `%import common.X` (as `name`): common.lark's terminal X."""
+        module, _, terminal = path.rpartition(".")
+        if module != "common" or terminal not in _COMMON:
+            raise ValueError(f"grammar: %import {path}: only common.{{{', '.join(sorted(_COMMON))}}} are known")
+        if name in self.defined:
+            raise ValueError(f"grammar: rule {name!r} is defined twice")
+        self.defined.add(name)
+        self.rules_of(name)[:] = [(("re", self._nfa(_COMMON[terminal])),)]
+        self.terminals.add(self.names[name])
 
     def _nfa(self, pattern: str) -> Nfa:
         nfa = compile_nfa(pattern, search=False)
@@ -312,6 +327,9 @@ class _Compiler:
             if kind == "op" and text == "|":
                 alternatives.append(tuple(seq))
                 seq, i = [], i + 1
+                continue
+            if kind == "alias":  # Lark's `-> name` names the alternative's tree node: nothing to follow
+                i += 1
                 continue
             atom, i = self._atom(toks, i, rule)
             atom, i = self._postfix(toks, i, atom)
