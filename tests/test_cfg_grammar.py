@@ -134,6 +134,14 @@ def test_gbnf_grammars_match_their_lark_equivalents():
                 assert sentence(g, t) == parses(parser, t), (gbnf, t)
 
 
+def test_a_rule_that_is_its_own_alternative_adds_nothing():
+    g = CfgGrammar('start: a\na: a | a "x" | "y" | b\nb: a "z"')
+    for text, ok in [("y", True), ("yx", True), ("yzx", True), ("yzzx", True), ("x", False), ("", False)]:
+        assert sentence(g, text) == ok, text
+    g = CfgGrammar('start: a\na: a | "y"')  # (no other left recursion)
+    assert sentence(g, "y") and not sentence(g, "yy")
+
+
 def test_a_verbose_regex_may_end_in_a_comment():
     g = CfgGrammar('start: /a b  # the b/x "c" /d/xis')
     assert sentence(g, "abcd") and sentence(g, "abcD") and not sentence(g, "a bcd")

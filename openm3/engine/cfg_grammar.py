@@ -510,7 +510,8 @@ class CfgGrammar:
                         if new not in alts:
                             alts.append(new)
                 self.rules[a] = alts
-            again = [alt[1:] for alt in self.rules[a] if alt[:1] == (("ref", a),) and len(alt) > 1]
+            self.rules[a] = [alt for alt in self.rules[a] if alt != (("ref", a),)]  # `a: a` adds no sentence
+            again = [alt[1:] for alt in self.rules[a] if alt[:1] == (("ref", a),)]
             if not again:
                 continue
             rest = len(self.rules)
