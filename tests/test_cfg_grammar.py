@@ -173,15 +173,19 @@ def test_grammars_it_cannot_follow_are_refused(text, match):
         CfgGrammar(text)
 
 
-def test_constrained_decoding_writes_sentences():
+@pytest.mark.parametrize("name,pieces", [
+    ("nested", [b"[", b"]", b",", b"a", b"b", b"c", b"ab", b"[a", b"],", b"[]", b"x", b"]]"]),
+    ("left_recursion", [b"a", b"+", b"*", b"(", b")", b"a+", b"a*a", b"(a", b")+", b"((", b"x"]),
+])
+def test_constrained_decoding_writes_sentences(name, pieces):
     """`GrammarConstraint` over the grammar with a made-up vocabulary and random logits: every sampled answer
     that ends is a sentence Lark parses (the stop token is allowed only there)."""
     from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionCache
     from openm3.engine.sampling import SamplingParams
 
-    text = GRAMMARS["nested"][0]
+    text = GRAMMARS[name][0]
     parser = lark.Lark(text, parser="earley", lexer="dynamic")
-    pieces = [b"[", b"]", b",", b"a", b"b", b"c", b"ab", b"[a", b"],", b"[]", b"x", b"]]", b"<eos>"]
+    pieces = pieces + [b"<eos>"]
     eos = len(pieces) - 1
     vocab = TokenBytes([p if i != eos else None for i, p in enumerate(pieces)])
     transitions = TransitionCache(CfgGrammar(text), vocab)
@@ -191,7 +195,9 @@ def test_constrained_decoding_writes_sentences():
         constraint = GrammarConstraint(transitions, [eos])
         out = []
         for _ in range(30):
-            token = constraint.pick(torch.randn(len(pieces), generator=gen), SamplingParams(1.0), gen)
+            logits = torch.randn(len(pieces), generator=gen)
+            logits[eos] += 2.0  # (the stop token likelier where it is allowed: more answers end)
+            token = constraint.pick(logits, SamplingParams(1.0), gen)
             if token == eos:
                 ended += 1
                 assert parses(parser, b"".join(out).decode()), out
