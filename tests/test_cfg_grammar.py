@@ -28,6 +28,8 @@ GRAMMARS = {  # name: (Lark text, the characters strings are drawn from, longest
                            'VAL.-1: /[0-9]/', "ab1,=x", 5),
     "imports": ('start: WORD "=" NUM ("," INT)*\n%import common (WORD, INT)\n%import common.NUMBER -> NUM',
                 "ab=1.,", 5),
+    "extend_override": ('start: a\na: "x"\n%extend a: "y" | "z" a\n%override start: a a\nB: "b"\n'
+                        '%extend B: "c"\n%extend start: B', "xyzbc", 5),
     "counted": ('start: "a" ~ 2 ("b" | "c") ~ 1..3 | "c" ~ 0..1', "abc", 6),
     "left_recursion": ('start: expr\nexpr: expr "+" term | term\nterm: term "*" factor | factor\n'
                        'factor: "a" | "(" expr ")"', "a+*()", 6),
@@ -164,6 +166,7 @@ def test_a_verbose_regex_may_end_in_a_comment():
     ('start: t{"a"}\nt{"x"}: "b"', "parameters must be names"),
     ('start: t{"a"}\nt{x}: x\nt{y}: y', "template 't' is defined twice"),
     ('start: "a" }', "unexpected '}'"),
+    ('start: "a"\n%extend b: "c"', "no rule 'b' is defined to change"),
     ('start: WORD\n%import common (WORD INT)', "expected names separated by commas"),
     ('start: WORD\n%import common (WORD, ', "expected names separated by commas"),
     ('start: NUMBER\n%import common.NUMBER\n%import common.INT -> NUMBER', "rule 'NUMBER' is defined twice"),

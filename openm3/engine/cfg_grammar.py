@@ -9,8 +9,8 @@ Two notations are read: Lark's EBNF (rules `name: ...`, the start rule `start`; 
 case, /regexes/ with the flags i, s, x (and u, the default), "a".."z" ranges, ( ), [ ] and ? optional, * and +
 repetition, `~ n` and `~ n..m`, `%import common.NAME` for Lark's common terminals, `%ignore TERMINAL` (or a
 literal or regex): what it names may stand before every terminal a rule holds, and at the end; also `%import
-common (A, B)` and `%import common.A -> B`; `-> alias` and `name.2` priorities are read and have no effect on
-which texts are sentences) and llama.cpp's
+common (A, B)`, `%import common.A -> B`, `%extend rule: ...` and `%override rule: ...`; `-> alias` and `name.2`
+priorities are read and have no effect on which texts are sentences) and llama.cpp's
 GBNF (`name ::= ...`, the start rule `root`; "literals", [character classes], . for any character, ( ), ?, *, +,
 {m}, {m,n}, {m,}). Regexes
 and classes use the syntax of `openm3.engine.regex_nfa`, and Lark's templates (`_sep{x, s}: x (s x)*`, used as
@@ -120,9 +120,13 @@ class _Compiler:
         for i in directives:
             self._directive(toks, i)
         ends = sorted(starts[1:] + directives + [len(toks)])
-        for i in starts:
+        changes = {i: toks[i - 1][1] for i in starts if i > 0 and toks[i - 1][:2] in (("directive", "%extend"),
+                                                                                     ("directive", "%override"))}
+        for i in [i for i in starts if i not in changes] + sorted(changes):  # definitions, then Lark's changes
             name = toks[i][1].lstrip("?!")
-            if name in self.defined:
+            if i in changes and name not in self.defined:
+                raise ValueError(f"grammar: {changes[i]} {name}: no rule {name!r} is defined to change")
+            if i not in changes and name in self.defined:
                 raise ValueError(f"grammar: rule {name!r} is defined twice")
             self.defined.add(name)
             end = next(e for e in ends if e > i)
@@ -131,7 +135,9 @@ class _Compiler:
             alternatives, j = self._alternatives(body, 0, name)
             if j != len(body):
                 raise ValueError(f"grammar: rule {name!r}: unexpected {body[j][1]!r}")
-            self.rules_of(name)[:] = alternatives
+            if changes.get(i) == "%extend":  # more alternatives for the rule
+                alternatives = self.rules_of(name) + alternatives
+            self.rules_of(name)[:] = alternatives  # (%override: these instead)
             if not self.gbnf and name.isupper():
                 self.terminals |= set(range(first, len(self.rules))) | {self.names[name]}
         undefined = sorted(set(self.names) - self.defined)
@@ -268,6 +274,8 @@ class _Compiler:
 
     def _directive(self, toks, i: int) -> None:
         word = toks[i][1]
+        if word in ("%extend", "%override") and i + 2 < len(toks) and toks[i + 2][0] == "define":
+            return  # (read with the rules: the definition after it changes an earlier one)
         if word == "%import" and i + 1 < len(toks) and toks[i + 1][0] == "name":
             path = toks[i + 1][1]
             if i + 2 < len(toks) and toks[i + 2][:2] == ("op", "("):  # %import common (A, B, ...)
