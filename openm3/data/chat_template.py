@@ -85,15 +85,20 @@ def check_template_variables(variables: dict[str, Any] | None,
     return variables
 
 
+def parse_json_option(text: str, option: str) -> Any:
+    """A command-line option's JSON value; ValueError naming `option` and where the JSON breaks."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{option}: not valid JSON ({e.msg} at character {e.pos})") from None
+
+
 def parse_template_variables(text: str | None, option: str) -> dict[str, Any] | None:
     """A command line's template variables (`--chat-template-kwargs`, `--default-chat-template-kwargs`): a JSON
     object, checked as `check_template_variables` checks them; None for None. ValueError naming `option`."""
     if text is None:
         return None
-    try:
-        variables = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{option}: not valid JSON ({e.msg} at character {e.pos})") from None
+    variables = parse_json_option(text, option)
     try:
         return check_template_variables(variables)
     except ValueError as e:

@@ -154,17 +154,13 @@ def build_app(args: argparse.Namespace):
 def default_sampling(args: argparse.Namespace) -> dict:
     """The sampling defaults of --generation-config and --override-generation-config (ValueError naming the
     option that is bad); printed to stderr when there are any, as vLLM logs them."""
-    import json
-
+    from ..data.chat_template import parse_json_option
     from .generation_config import load_generation_config, sampling_defaults
 
     config = load_generation_config(args.generation_config, args.checkpoint)
     override = None
     if args.override_generation_config is not None:
-        try:
-            override = json.loads(args.override_generation_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--override-generation-config: not valid JSON ({e.msg} at character {e.pos})") from None
+        override = parse_json_option(args.override_generation_config, "--override-generation-config")
     defaults = sampling_defaults(config, override, where=f"--generation-config {args.generation_config}")
     if defaults:
         print(f"default sampling for fields a request leaves unset (--generation-config / "
