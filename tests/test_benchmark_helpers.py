@@ -64,10 +64,17 @@ def test_serve_batching_benchmark_runs_on_cpu(tmp_path, capsys):
     # staggered: 3 requests per batch slot, each with its own prompt length and new tokens
     assert serve_batching.main(["--preset", "m3-tiny", "--device", "cpu", "--prompt-len", "32", "--prompt-len-min",
                                 "8", "--new", "4", "--new-min", "1", "--requests-per-batch", "3", "--batch", "2",
-                                "--out", str(tmp_path / "staggered")]) == 0
+                                "--rounds", "2", "--out", str(tmp_path / "staggered")]) == 0
     (path,) = (tmp_path / "staggered").glob("serve_batching_*.json")
     row = json.loads(path.read_text())["rounds"]["2"]
     assert row["requests"] == 6 and 6 <= row["new_tokens"] <= 24 and row["graphs"]["captures"] is None  # CPU
+    # two rounds through one generator, each timed; the second's other prompts miss the prefix cache
+    assert len(row["walls_s"]) == 2 and row["wall_s"] == row["walls_s"][0] and all(w > 0 for w in row["walls_s"])
+    assert row["prefix_cached_tokens"] == 0
+    assert row["batch_sizes"] and sum(row["batch_sizes"].values()) == row["decode_steps"]
+    with pytest.raises(SystemExit):
+        serve_batching.main(["--device", "cpu", "--rounds", "0"])
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_generate_repeat_runs_its_steps_on_cpu(tmp_path, capsys):
