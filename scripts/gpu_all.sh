@@ -108,12 +108,14 @@ for s in "${stages[@]}"; do
           | cut -c1-190 | tail -3
       done ;;
     nodes)  # the decode step's kernels and the idle time between them (generate_repeat kprof), plain then compiled
-      # (BEFORE=DIR: an older commit's openm3, from git archive, with this benchmarks/ copied in, run first)
-      for v in ${BEFORE:+before} after; do
-        root=$PWD; [ "$v" = before ] && root=$BEFORE
+      # (BEFORE="DIR ...": older commits' openm3, from git archive, each with this benchmarks/ copied in, run first;
+      # NODES_STEPS: other generate_repeat steps)
+      for v in ${BEFORE:-} after; do
+        root=$PWD; [ "$v" != after ] && root=$v
         echo "--- $v"
         (cd "$root" && PYTHONPATH="$root" python3 -m benchmarks.generate_repeat \
-           --steps plain,plain,kprof,compile,plain,kprof --out "$OUT/$v" 2>&1 | grep -v "^ \|^-\|Name\|Self" | cut -c1-120 | tail -8)
+           --steps "${NODES_STEPS:-plain,plain,kprof,compile,plain,kprof}" --out "$OUT/$(basename "$v")" 2>&1 \
+           | grep -v "^ \|^-\|Name\|Self" | cut -c1-120 | tail -8)
       done ;;
     repeat)  # m3-small: the same plain generate run again and again, GPU clocks / power / temperature beside each run
       python3 -m benchmarks.generate_repeat --out "$OUT" ${REPEAT_ARGS:-} 2>&1 | tee "$OUT/generate_repeat.log" | tail -14 ;;

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.norm_rope import inference_kernels, rms_norm
+
 
 class RMSNorm(nn.Module):
     """`y = x / rms(x) * (1 + weight)` over the last dim, in fp32, cast back to x's dtype.
@@ -20,6 +22,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if inference_kernels(x, self.weight):  # one Triton kernel (CUDA, no gradient; `openm3.ops.norm_rope`)
+            return rms_norm(x, self.weight, self.eps)
         # x * rsqrt(mean(x^2) + eps) * (1 + weight), all in fp32: `F.rms_norm` is one fused kernel on CUDA (five
         # elementwise and reduction kernels written out) and the same arithmetic elsewhere
         xf = x.float()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.norm_rope import inference_kernels, rope
+
 
 def rope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +37,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x: [T, H, D]; cos, sin: [T, R] from `rope_cos_sin`. When R > D (an index head narrower than the rotary width)
     only the first D entries of the tables are used, exactly as transformers does for the M3 indexer.
     """
+    if inference_kernels(x, cos, sin):  # one Triton kernel (CUDA, no gradient; `openm3.ops.norm_rope`)
+        return rope(x, cos, sin)
     n = min(cos.shape[-1], x.shape[-1])
     c = cos[:, None, :n].to(x.dtype)
     s = sin[:, None, :n].to(x.dtype)

@@ -65,14 +65,26 @@ def test_conversation_with_graph_decode_reuses_its_pages():
     runs = []
     for caching in (True, False):
         batcher = BatchedGenerator(model, token_budget=64 * ps, max_batch=2, prefix_caching=caching)
-        answer, answer2, seen = [], [], []
+        answer, answer2, seen, tops = [], [], [], []
         batcher(turn1, max_new_tokens=2 * ps, on_token=answer.append, on_cached=seen.append)
-        batcher(turn1 + answer + follow, max_new_tokens=8, on_token=answer2.append, on_cached=seen.append)
+        batcher(turn1 + answer + follow, max_new_tokens=8, on_token=answer2.append, on_cached=seen.append,
+                logprobs=3, on_logprobs=lambda _lp, top, tops=tops: tops.append(dict(top)))
         batcher.close()
         assert batcher.graphs is not None and batcher.graphs.replays > 0
-        runs.append((answer, answer2, seen))
-    (a1, a2, seen), (b1, b2, plain) = runs
+        runs.append((answer, answer2, seen, tops))
+    (a1, a2, seen, ta), (b1, b2, plain, tb) = runs
     fed = len(turn1) + len(a1) - 1
     assert seen == [0, fed // ps * ps] and plain == [0, 0]
     assert a1 == b1  # turn 1 ran the same way in both
-    assert a2[:2] == b2[:2] and sum(x == y for x, y in zip(a2, b2)) >= 0.8 * len(a2)  # bf16 near-ties may flip
+    assert a2[:2] == b2[:2]
+    # Greedy answers agree until a near-tie flips one: a random bf16 model's top logits are close everywhere
+    # (gaps of 0-0.25 nats; session 34's norm/rope kernels moved one flip from after token 8 to token 3). Up to the
+    # first difference both runs give the chosen token nearly the same log probability; at it, each run's token
+    # is among the other's top 3 and nearly as likely there.
+    first = next((i for i, (x, y) in enumerate(zip(a2, b2)) if x != y), len(a2))
+    for i in range(first):
+        assert abs(ta[i][a2[i]] - tb[i][a2[i]]) <= 0.125, (i, ta[i], tb[i])
+    if first < len(a2):
+        x, y = a2[first], b2[first]
+        assert y in ta[first] and ta[first][x] - ta[first][y] <= 0.125, (first, ta[first], tb[first])
+        assert x in tb[first] and tb[first][y] - tb[first][x] <= 0.125, (first, ta[first], tb[first])

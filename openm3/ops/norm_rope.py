@@ -1,0 +1,83 @@
+"""One-kernel RMSNorm and rotary embedding for inference (Triton), the two small ops every decoder layer runs
+several times.
+
+Written out in torch ops, M3's RMSNorm is five kernels (casts to and from fp32, `1 + weight`, the fused norm) and
+the rotary embedding five (a negation, two products, a sum and two concatenations); in a CUDA-graph decode step of
+m3-small these ~70 rotary and ~100 norm calls are about a fifth of the graph's nodes, and a step of tiny kernels
+costs per node (session 33: ~1.5 us each). Here each call is one kernel.
+
+`inference_kernels(x, *params)` says when they run: the backend switch (`openm3.ops.msa.backend.pick_backend`,
+the project's one) picks Triton for `x`, no gradient is needed (training keeps the torch ops and their autograd),
+and no enclosing `torch.compile` traces the call (Inductor fuses the torch ops itself). The layers call them
+(`openm3.layers.norm`, `openm3.layers.rope`); their torch code stays the spec.
+
+- `rope(x, cos, sin)` computes `x * cos + rotate_half(x) * sin` in fp32 and rounds once to x's dtype, where the
+  torch ops round each product and the sum (three roundings in bf16): its error against an fp32 computation is at
+  most theirs. In fp32 without contraction (the CPU interpreter) it is bit-identical to them; on a GPU the
+  compiler may fuse a product into the sum (one fp32 rounding fewer).
+- `rms_norm(x, weight, eps)` computes in fp32 as `RMSNorm` does; only the sum of squares is reduced in another
+  order (fp32 rounding of the mean square, then one rounding to x's dtype).
+
+Set `TRITON_INTERPRET=1` before importing Triton to run them on CPU tensors (`use_backend("triton")`, tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .msa.backend import pick_backend
+
+__all__ = ["inference_kernels", "rms_norm", "rope"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def inference_kernels(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether `rms_norm` / `rope` should replace the torch ops for a call on `x` (and `params`): Triton picked for
+    x by the backend switch, a floating dtype they take, no gradient asked for, no torch.compile tracing."""
+    if torch.compiler.is_compiling() or x.dtype not in _DTYPES or pick_backend(x) != "triton":
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params)))
+
+
+def _check(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / rms(x) * (1 + weight)` over the last dim in fp32, cast to x's dtype. x: [..., dim], weight: [dim]
+    (zero-centred, any float dtype)."""
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"weight must be [{dim}] (x's last dim), got {tuple(weight.shape)}")
+    _check("weight", weight, x)
+    rows = x.reshape(-1, dim)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        from . import _norm_rope_kernels as k
+
+        k.launch_rms_norm(rows, weight, out, eps)
+    return out.view(x.shape)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`openm3.layers.rope.apply_rope` in one kernel (fp32 inside, one rounding): the first `n = min(R, D)` channels of every head rotated
+    (rotate-half pairs i and i + n/2), the rest passed through. x: [T, H, D]; cos, sin: [T, R]."""
+    if x.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[0]:
+        raise ValueError(f"rope takes x [T, H, D] and cos, sin [T, R] of equal shapes, got x {tuple(x.shape)}, "
+                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    _check("cos", cos, x)
+    _check("sin", sin, x)
+    n = min(cos.shape[-1], x.shape[-1])
+    if n % 2:
+        raise ValueError(f"the rotated width min(R, D) must be even, got {n}")
+    x, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, cos, sin))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel():
+        from . import _norm_rope_kernels as k
+
+        k.launch_rope(x, cos, sin, out, n)
+    return out

@@ -1,0 +1,128 @@
+"""`openm3.ops.norm_rope`: the one-kernel RMSNorm and rotary embedding against the layers' torch code (their spec),
+under TRITON_INTERPRET=1 on CPU tensors (conftest sets it without a GPU), and when the layers use them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openm3.layers.norm import RMSNorm
+from openm3.layers.rope import apply_rope, rope_cos_sin
+from openm3.ops import _norm_rope_kernels as kernels
+from openm3.ops.msa import use_backend
+from openm3.ops.norm_rope import inference_kernels, rms_norm, rope
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests (tests/gpu on a GPU)")
+
+
+def _reference_rope(x, cos, sin):
+    with use_backend("reference"):
+        return apply_rope(x, cos, sin)
+
+
+def _assert_rope_matches(x, cos, sin):
+    """fp32: bit-identical to the torch ops (no contraction in the interpreter); 16-bit: its error against the fp32
+    computation (from the same 16-bit inputs) at most that of the torch ops, which round three times."""
+    got = rope(x, cos, sin)
+    want = _reference_rope(x, cos, sin)
+    assert got.dtype == x.dtype and got.shape == x.shape and got.is_contiguous()
+    if x.dtype == torch.float32:
+        assert torch.equal(got, want)
+        return
+    exact = _reference_rope(x.float(), cos.to(x.dtype).float(), sin.to(x.dtype).float())
+    assert (got.float() - exact).abs().max() <= (want.float() - exact).abs().max()
+    assert ((got.float() - exact).abs() <= exact.abs() * 2 ** -11 + 1e-7).all()  # rounded once: half an ulp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads, dim, rotary", [(3, 16, 8), (4, 16, 16), (1, 16, 32), (2, 24, 8)])
+def test_rope_kernel_matches_the_torch_ops(dtype, heads, dim, rotary):
+    """Partial (R < D), whole (R = D) and narrower-than-table (R > D, the M3 indexer) heads; D not a power of 2."""
+    torch.manual_seed(0)
+    t = 7
+    x = (torch.randn(t, heads, dim) * 3).to(dtype)
+    cos, sin = rope_cos_sin(torch.arange(100, 100 + t), rotary, 10000.0, dtype)
+    _assert_rope_matches(x, cos, sin)
+    # fp32 tables with 16-bit x: cast first, as the torch ops do
+    cos32, sin32 = rope_cos_sin(torch.arange(100, 100 + t), rotary, 10000.0)
+    _assert_rope_matches(x, cos32, sin32)
+
+
+def test_rope_kernel_takes_strided_views():
+    """x a view with gaps between heads and tokens (a slice of a fused projection), tables sliced from wider ones."""
+    torch.manual_seed(1)
+    big = torch.randn(5, 6, 40)
+    x = big[:, 1:4, 4:36]  # [5, 3, 32], strides (240, 40, 1)
+    cos, sin = rope_cos_sin(torch.arange(5), 48, 500.0)
+    cos, sin = cos[:, :16], sin[:, :16]  # row stride 48
+    assert torch.equal(rope(x, cos, sin), _reference_rope(x, cos, sin))
+    xt = torch.randn(5, 3, 32).transpose(0, 1).contiguous().transpose(0, 1)  # token stride < head stride
+    assert torch.equal(rope(xt, cos, sin), _reference_rope(xt, cos, sin))
+    assert rope(x[:0], cos[:0], sin[:0]).shape == (0, 3, 32)
+
+
+@pytest.mark.parametrize("shape", [(7, 48), (2, 3, 128), (1, 2048), (0, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_kernel_matches_the_module(shape, dtype):
+    torch.manual_seed(2)
+    norm = RMSNorm(shape[-1])
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.5)
+    x = (torch.randn(shape) * 4).to(dtype)
+    with use_backend("reference"):
+        want = norm(x)
+    got = rms_norm(x, norm.weight, norm.eps)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    else:  # one rounding to fp16 of fp32 values that differ in the last bits: at most one fp16 ulp
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -10 + 1e-7).all()
+    strided = x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() == 3 else x
+    torch.testing.assert_close(rms_norm(strided, norm.weight, norm.eps), got, rtol=2e-6, atol=1e-7)
+
+
+def test_the_layers_use_the_kernels_only_without_gradients(monkeypatch):
+    """Under the Triton backend a no-grad call runs one kernel; a call that needs gradients runs the torch ops (and
+    its gradients flow); the reference backend never runs them."""
+    calls = {"rope": 0, "norm": 0}
+    for name, key in (("launch_rope", "rope"), ("launch_rms_norm", "norm")):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _k=key: calls.__setitem__(_k, calls[_k] + 1) or _r(*a))
+    torch.manual_seed(3)
+    norm = RMSNorm(32)
+    x = torch.randn(4, 2, 32)
+    cos, sin = rope_cos_sin(torch.arange(4), 16, 100.0)
+    with use_backend("triton"):
+        with torch.no_grad():
+            y = apply_rope(norm(x), cos, sin)
+        assert calls == {"rope": 1, "norm": 1}
+        xg = x.clone().requires_grad_()
+        yg = apply_rope(norm(xg), cos, sin)
+        assert calls == {"rope": 1, "norm": 1}  # gradients asked for: the torch ops
+        yg.sum().backward()
+        assert xg.grad is not None and norm.weight.grad is not None
+        with torch.inference_mode():
+            apply_rope(norm(x), cos, sin)
+        assert calls == {"rope": 2, "norm": 2}
+        compiled = torch.compile(lambda v: apply_rope(norm(v), cos, sin), backend="eager", fullgraph=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), y, rtol=2e-6, atol=1e-6)
+        assert calls == {"rope": 2, "norm": 2}  # traced by torch.compile: the torch ops, for Inductor to fuse
+    with use_backend("reference"), torch.no_grad():
+        torch.testing.assert_close(apply_rope(norm(x), cos, sin), y, rtol=2e-6, atol=1e-6)
+    assert calls == {"rope": 2, "norm": 2}
+
+
+def test_inference_kernels_and_arguments_are_checked():
+    x = torch.randn(3, 2, 8)
+    with use_backend("triton"):
+        assert inference_kernels(x) and not inference_kernels(x.long())
+        assert not inference_kernels(x.requires_grad_())
+        with torch.no_grad():
+            assert inference_kernels(x)
+    with pytest.raises(ValueError, match=r"weight must be \[8\] \(x's last dim\), got \(4,\)"):
+        rms_norm(x, torch.zeros(4), 1e-6)
+    with pytest.raises(ValueError, match=r"rope takes x \[T, H, D\] and cos, sin \[T, R\]"):
+        rope(x[0], torch.ones(3, 4), torch.ones(3, 4))
+    with pytest.raises(ValueError, match="the rotated width min"):
+        rope(x.detach(), torch.ones(3, 5), torch.ones(3, 5))
