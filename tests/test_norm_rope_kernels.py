@@ -126,3 +126,19 @@ def test_inference_kernels_and_arguments_are_checked():
         rope(x[0], torch.ones(3, 4), torch.ones(3, 4))
     with pytest.raises(ValueError, match="the rotated width min"):
         rope(x.detach(), torch.ones(3, 5), torch.ones(3, 5))
+
+
+def test_the_vision_towers_axial_rope_is_the_same_op():
+    """`apply_axial_rope` (3D positions, 6F rotated channels) goes through `apply_rope`, kernel included; tables
+    wider than the head are refused (the text rope would rotate only the head's width)."""
+    from openm3.layers.vision import apply_axial_rope, axial_rope_cos_sin, axial_rope_inv_freq
+
+    torch.manual_seed(4)
+    x = torch.randn(6, 2, 16)
+    cos, sin = axial_rope_cos_sin(torch.randint(0, 9, (6, 3)), axial_rope_inv_freq(16, 100.0))
+    want = _reference_rope(x, cos, sin)
+    assert torch.equal(apply_axial_rope(x, cos, sin), want)
+    with use_backend("triton"), torch.no_grad():
+        assert torch.equal(apply_axial_rope(x, cos, sin), want)
+    with pytest.raises(ValueError, match="expected at most 16 rotated channels"):
+        apply_axial_rope(x, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))

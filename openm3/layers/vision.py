@@ -13,6 +13,7 @@ from torch import nn
 
 from ..ops.host import host_list
 from . import recompute
+from .rope import apply_rope
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -85,13 +86,11 @@ def axial_rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tu
 
 
 def apply_axial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` channels of ``x: [N, H, D]`` (rotate-half convention)."""
-    rot = cos.shape[-1]
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    first, second = x_rot.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+    """Rotate the first ``cos.shape[-1]`` channels of ``x: [N, H, D]`` (rotate-half convention): the text model's
+    `apply_rope` (the tables' 6F channels fit the head), with its one-kernel path in inference."""
+    if cos.shape[-1] > x.shape[-1]:
+        raise ValueError(f"cos/sin: expected at most {x.shape[-1]} rotated channels (head_dim), got {cos.shape[-1]}")
+    return apply_rope(x, cos, sin)
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> list[int]:
