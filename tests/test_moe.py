@@ -183,6 +183,10 @@ def test_bad_inputs():
             layer(x, ids.index_fill(0, torch.tensor([2]), 4), w)
         with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\), got \[-1, 0\]"):
             layer(x, ids.index_fill(0, torch.tensor([0]), -1), w)
+        # check_ids=False (MoE's call with its router's ids) skips only the range check
+        torch.testing.assert_close(layer(x, ids, w, check_ids=False), layer(x, ids, w))
+        with pytest.raises(ValueError, match="weights must be a float tensor"):
+            layer(x, ids, w[:, :1], check_ids=False)
     with pytest.raises(ValueError, match="impl must be one of"):
         layer.impl = "fast"
     with pytest.raises(ValueError, match="impl must be one of"):

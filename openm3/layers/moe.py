@@ -74,10 +74,19 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> (router_logits [N, E], weights fp32 [N, k], expert ids int64 [N, k])."""
         logits = F.linear(x.to(self.weight.dtype), self.weight)
-        scores = torch.sigmoid(logits.float())
-        experts = top_k_ids(scores + self.e_score_correction_bias, self.top_k)
-        weights = scores.gather(1, experts)
-        return logits, weights / weights.sum(dim=-1, keepdim=True), experts
+        weights, experts = route(logits, self.e_score_correction_bias, self.top_k)
+        return logits, weights, experts
+
+
+@fused_on_cuda
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router after its matmul: (mixing weights fp32 [N, k], expert ids int64 [N, k]) from logits [N, E] and
+    the selection bias [E]. One or two compiled kernels on CUDA (about ten small ones written out: a decode step
+    runs it once per MoE layer)."""
+    scores = torch.sigmoid(logits.float())
+    experts = top_k_ids(scores + bias, top_k)
+    weights = scores.gather(1, experts)
+    return weights / weights.sum(dim=-1, keepdim=True), experts
 
 
 class Experts(nn.Module):
@@ -112,10 +121,12 @@ class Experts(nn.Module):
             return self.impl
         return "grouped" if x.is_cuda and _compute_dtype(x) == torch.bfloat16 and _HAS_GROUPED_MM else "reference"
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *,
+                check_ids: bool = True) -> torch.Tensor:
         """x: [N, hidden], experts: [N, k] ids in [0, E), weights: [N, k] -> weighted sum of expert outputs
-        [N, hidden] (dtype of x)."""
-        self._check(x, experts, weights)
+        [N, hidden] (dtype of x). check_ids=False skips the ids' range check (on CUDA five small kernels and an
+        asynchronous assert): for ids a `Router` made, in range by construction."""
+        self._check(x, experts, weights, check_ids)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         if self.resolved_impl(x) == "grouped":
@@ -128,7 +139,7 @@ class Experts(nn.Module):
     def _reference_eager(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self._reference(x, experts, weights)
 
-    def _check(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> None:
+    def _check(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, check_ids: bool) -> None:
         num_experts, _, hidden = self.gate_up_proj.shape
         if x.dim() != 2 or x.shape[1] != hidden:
             raise ValueError(f"x must be [N, {hidden}], got {tuple(x.shape)}")
@@ -143,6 +154,8 @@ class Experts(nn.Module):
         if weights.shape != experts.shape or not weights.dtype.is_floating_point:
             raise ValueError(f"weights must be a float tensor of the shape of experts {tuple(experts.shape)}, got "
                              f"{weights.dtype} {tuple(weights.shape)}")
+        if not check_ids:
+            return
         in_range = ((experts >= 0) & (experts < num_experts)).all()
         if experts.is_cuda or torch.compiler.is_compiling():
             torch._assert_async(in_range, f"experts: ids must lie in [0, {num_experts})")  # no host sync
@@ -293,7 +306,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shared = self.shared_experts(x)
         logits, weights, experts = self.gate(x)
-        routed = self.experts(x, experts, weights)
+        # the router's ids are in range: eagerly the check is five small kernels per layer and is skipped; under
+        # torch.compile it fuses into the graph and stays (without it Dynamo recompiled a graph once more, CPU test)
+        routed = self.experts(x, experts, weights, check_ids=torch.compiler.is_compiling())
         return routed * self.routed_scaling_factor + shared, logits
 
 

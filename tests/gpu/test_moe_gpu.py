@@ -178,3 +178,25 @@ def test_load_balancing_loss_on_cuda_matches_cpu():
     torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=0)
     for a, b in zip(torch.autograd.grad(got, gpu), torch.autograd.grad(want, cpu)):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-9)
+
+
+def test_compiled_route_equals_the_torch_ops_on_cuda():
+    """`route` (the router after its matmul) compiled on CUDA against its torch ops: the same experts, weights and
+    logits' gradient within fp32 rounding, for a decode step's rows (1, 8) and a training chunk's; no grad too."""
+    from openm3.layers.moe import route
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    bias = torch.randn(16, device="cuda", generator=gen) * 0.1
+    for rows in (1, 8, 8192):
+        logits = torch.randn(rows, 16, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+        weights, experts = route(logits, bias, 2)
+        want_w, want_e = route.__wrapped__(logits, bias, 2)
+        assert torch.equal(experts, want_e), rows
+        torch.testing.assert_close(weights, want_w, rtol=2e-6, atol=1e-7)
+        probe = torch.randn(rows, 2, device="cuda", generator=gen)
+        (got_g,) = torch.autograd.grad((weights * probe).sum(), logits)
+        (want_g,) = torch.autograd.grad((want_w * probe).sum(), logits)
+        torch.testing.assert_close(got_g.float(), want_g.float(), rtol=1e-2, atol=1e-3)  # bf16 gradients
+        with torch.no_grad():
+            w2, e2 = route(logits, bias, 2)
+        assert torch.equal(e2, want_e) and torch.allclose(w2, want_w, rtol=2e-6, atol=1e-7)
