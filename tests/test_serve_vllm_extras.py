@@ -140,3 +140,41 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, path
         assert {c["usage"]["prompt_tokens"] for c in body} == {final["prompt_tokens"]}
         assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
                    for c in body)
+
+
+def test_prompt_logprobs_report_each_prompt_tokens_logprob_rank_and_alternatives(client, tok):
+    """vLLM's `prompt_logprobs` k: Completions put it on each choice, Chat Completions at the top level; null for
+    the first token, then the prompt token (its log probability as echo + logprobs scores it, its rank) and the k
+    most likely tokens (ranks 1..k, most likely first). An echoed prompt keeps its own number of alternatives;
+    streaming is refused, as in vLLM."""
+    ids = tok.encode("the cat sat on the mat and the dog")
+    body = {"prompt": [ids], "max_tokens": 2, "prompt_logprobs": 3}
+    choice = post(client, "/v1/completions", **body).json()["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    echo = post(client, "/v1/completions", prompt=[ids], max_tokens=2, echo=True, logprobs=1).json()
+    scored = echo["choices"][0]["logprobs"]["token_logprobs"][1:len(ids)]
+    assert choice["logprobs"] is None and choice["text"] == echo["choices"][0]["text"][len(tok.decode(ids)):]
+    for position, token, logprob in zip(got[1:], ids[1:], scored):
+        mine = position[str(token)]
+        assert mine["logprob"] == pytest.approx(logprob, abs=1e-5) and mine["rank"] >= 1
+        assert mine["decoded_token"] == tok.decode([token])
+        others = sorted((v["rank"], v["logprob"]) for k, v in position.items() if k != str(token) or v["rank"] <= 3)
+        assert [r for r, _ in others] == [1, 2, 3][:len(others)] and len(position) in (3, 4)
+        assert [lp for _, lp in others] == sorted((lp for _, lp in others), reverse=True)
+        assert all(mine["logprob"] <= lp for r, lp in others if r < mine["rank"])
+    # with echo + logprobs 1 beside it: the echoed prompt keeps one alternative per token
+    both = post(client, "/v1/completions", **body, echo=True, logprobs=1).json()["choices"][0]
+    assert both["prompt_logprobs"] == got
+    assert all(len(top) == 1 for top in both["logprobs"]["top_logprobs"][1:len(ids)])
+    # chat: once, at the top level, for the rendered prompt
+    chat = post(client, "/v1/chat/completions", messages=[{"role": "user", "content": "hi there"}], max_tokens=2,
+                n=2, prompt_logprobs=0).json()
+    entries = chat["prompt_logprobs"]
+    assert entries[0] is None and len(entries) > 3 and all(len(e) == 1 for e in entries[1:])
+    assert all("prompt_logprobs" not in c for c in chat["choices"])
+    r = post(client, "/v1/completions", **body, stream=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    assert "not available with stream" in r.json()["error"]["message"]
+    r = post(client, "/v1/completions", prompt="hi", prompt_logprobs=21)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"

@@ -52,7 +52,7 @@ from .constrained import GrammarConstraint
 from .penalties import PenalizedPicker
 from .generate import check_constraints, check_prompts
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
+from .sampling import SamplingParams, check_logprobs, prompt_rows_logprobs, sample, token_logprobs
 from .spec_gate import SpeculationGate
 from .speculative import PREDICTION_DRAFTS, SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
@@ -76,7 +76,7 @@ class _Request:
     on_logprobs: Callable[[float, list], None] | None = None
     prompt_logprobs: int | None = None  # top alternatives per prompt token for on_prompt_logprobs
     on_prompt_logprobs: Callable[[list], None] | None = None
-    prompt_entries: list = dataclasses.field(default_factory=list)  # (logprob, top) of prompt tokens 1..L-1
+    prompt_entries: list = dataclasses.field(default_factory=list)  # PromptLogprob of prompt tokens 1..L-1
     constraint: GrammarConstraint | PenalizedPicker | None = None  # picks its tokens (grammar, penalties)
     outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
     history: TokenHistory | None = None  # prompt + outputs, where speculative drafts are looked up
@@ -186,10 +186,11 @@ class BatchedGenerator:
         prompt tokens the prefix cache held. logprobs (0-20) and on_logprobs(logprob, top): before each
         `on_token`, the token's log probability under the model and the `logprobs` most likely tokens as [(id,
         logprob)] (`sampling.token_logprobs`). prompt_logprobs (0-20) and on_prompt_logprobs(entries): once, before
-        the first token, (logprob, top) of every prompt token after the first (the whole prompt is then computed,
-        not read from the prefix cache). constraint: a `GrammarConstraint` (`openm3.engine.constrained`) or a
-        `PenalizedPicker` (`openm3.engine.penalties`) that picks this request's tokens (structured outputs, logit
-        bias and penalties; speculative drafts are kept while they equal its picks). draft_context: token ids the
+        the first token, `sampling.PromptLogprob` (logprob, top, rank) of every prompt token after the first (the
+        whole prompt is then computed, not read from the prefix cache). constraint: a `GrammarConstraint`
+        (`openm3.engine.constrained`) or a `PenalizedPicker` (`openm3.engine.penalties`) that picks this request's
+        tokens (structured outputs, logit bias and penalties; speculative drafts are kept while they equal its
+        picks). draft_context: token ids the
         speculative drafts may also be looked up in (a predicted output; without `speculative`, this request
         looks drafts up with `prediction_speculative`, the others beside it do not).
         ValueError for a bad request or one that can never fit the cache; an exception raised by a callback ends
@@ -354,7 +355,7 @@ class BatchedGenerator:
             for b, (position, rows) in chunk.rows.items():  # row i predicts prompt token position + i + 1
                 req = group.requests[b]
                 targets = req.prompt[position + 1:position + 1 + rows.shape[0]]
-                req.prompt_entries += rows_logprobs(rows[:targets.numel()], targets, req.prompt_logprobs)
+                req.prompt_entries += prompt_rows_logprobs(rows[:targets.numel()], targets, req.prompt_logprobs)
             done = [group.requests[b] for b in chunk.finished]
             for req in done:
                 req.prefilled, req.images = True, None  # embedded: the pixels are not needed any more

@@ -25,7 +25,7 @@ import torch
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .constrained import GrammarConstraint
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, check_logprobs, rows_logprobs, sample, token_logprobs
+from .sampling import SamplingParams, check_logprobs, prompt_rows_logprobs, sample, token_logprobs
 from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
 from .penalties import Penalties, PenalizedPicker
 from .spec_gate import SpeculationGate
@@ -182,7 +182,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     (up to float rounding), sampled ones have its distribution but other draws. logprobs (0-20) and
     on_logprobs(b, logprob, top): before each `on_token`, the token's log probability under the model and the
     `logprobs` most likely tokens as [(id, logprob)] (`openm3.engine.sampling.token_logprobs`). prompt_logprobs
-    and on_prompt_logprobs(b, entries): after the prefill, (logprob, top) of every prompt token after the first.
+    and on_prompt_logprobs(b, entries): after the prefill, `sampling.PromptLogprob` (logprob, top, rank) of every
+    prompt token after the first.
     constraints: None, or one entry per prompt, None or a `GrammarConstraint` (`openm3.engine.constrained`) or a
     `PenalizedPicker` (`openm3.engine.penalties`: logit bias, penalties, min_tokens, min_p) that picks that
     sequence's tokens (structured outputs; with `speculative`, its drafts are kept while they equal its picks).
@@ -239,7 +240,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
 
     def on_rows(b: int, position: int, rows: torch.Tensor) -> None:  # row i predicts token position + i + 1
         targets = ids[b][position + 1:position + 1 + rows.shape[0]]
-        entries[b] += rows_logprobs(rows[:targets.numel()], targets, prompt_logprobs)
+        entries[b] += prompt_rows_logprobs(rows[:targets.numel()], targets, prompt_logprobs)
 
     every = [on_prompt_logprobs is not None] * len(ids)
     logits = prefill(model, cache, list(range(len(ids))), ids, chunk_size=chunk_size, on_chunk=on_prefill,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -77,6 +78,24 @@ def rows_logprobs(logits: torch.Tensor, tokens, top: int) -> list[tuple[float, l
         return [(v, []) for v in chosen]
     values, ids = lp.topk(top, dim=-1)
     return [(v, list(zip(i, w))) for v, i, w in zip(chosen, ids.tolist(), values.tolist())]
+
+
+class PromptLogprob(NamedTuple):
+    """A prompt token's entry: its log probability given the tokens before it, the `top` most likely tokens there
+    [(id, logprob)], and its rank in the whole vocabulary (1: the most likely; ties share the better rank), as
+    vLLM's `prompt_logprobs` reports it."""
+    logprob: float
+    top: list[tuple[int, float]]
+    rank: int
+
+
+def prompt_rows_logprobs(logits: torch.Tensor, tokens, top: int) -> list[PromptLogprob]:
+    """`rows_logprobs` with each token's rank (the count of strictly more likely tokens, plus one)."""
+    rows = rows_logprobs(logits, tokens, top)
+    index = torch.as_tensor(tokens, dtype=torch.int64, device=logits.device)
+    own = logits.gather(1, index[:, None])  # compared as raw logits: log-softmax keeps their order
+    ranks = ((logits > own).sum(dim=-1) + 1).tolist()
+    return [PromptLogprob(v, alternatives, r) for (v, alternatives), r in zip(rows, ranks)]
 
 
 def check_logprobs(logprobs, on_logprobs) -> None:

@@ -18,8 +18,9 @@ tokens it found cached: the usage reports them as OpenAI's `cached_tokens` and A
 
 A backend whose `supports_logprobs` is true (both of openm3's) also takes `logprobs=n` and
 `on_logprobs(logprob, top)`, called before each `on_token`, and `prompt_logprobs=n` with
-`on_prompt_logprobs(entries)` for the prompt's tokens: Chat Completions' `logprobs` / `top_logprobs` and
-Completions' `logprobs` (and `echo`) return them (`logprobs.py`); for any other backend asking for them is a 400.
+`on_prompt_logprobs(entries)` for the prompt's tokens: Chat Completions' `logprobs` / `top_logprobs`,
+Completions' `logprobs` (and `echo`) and vLLM's `prompt_logprobs` on both return them (`logprobs.py`); for any
+other backend asking for them is a 400.
 
 A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`)
 takes images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded
@@ -57,7 +58,7 @@ from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses, tokens
 from .generation_config import sampling_defaults
 from .images import data_url_part
-from .logprobs import TokenLogprobs
+from .logprobs import PromptEntries, TokenLogprobs, vllm_prompt_logprobs
 from .reasoning import ReasoningSplitter
 from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, SamplingFields, error_body
 from .stream import TextStream, prediction_tokens
@@ -361,17 +362,19 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     def run(req: SamplingFields, prompt: list[int], max_new: int, stream: TextStream,
             on_part: Callable[[str, str], None], cancelled: threading.Event | None = None, *,
             images: PromptImages | None = None, on_start: Callable[[], None] | None = None,
-            logprobs: TokenLogprobs | None = None, prompt_logprobs: bool = False, seed: int | None = None,
+            logprobs: TokenLogprobs | None = None, prompt_entries: PromptEntries | None = None,
+            seed: int | None = None,
             constraint: GrammarConstraint | None = None, prediction: list[int] | None = None) -> str:
         """Generates (under the lock unless the backend is concurrent), feeding `stream` and calling
         `on_part(kind, text)` with its routed deltas (`TextStream.parts`); returns the finish reason ('stop' |
         'length'). `images` go to the backend only when there are some. on_start(): called once, when the
         request's prompt is known to be admitted (`stream.cached` is then set) or at its first token, whichever
-        the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it), and
-        with prompt_logprobs those of the prompt's tokens too. seed: the sampler's (default: the request's, else
-        a random one). constraint: picks the tokens (structured outputs, `constraint_maker`). prediction: a
-        predicted output's token ids (OpenAI's `prediction`), where a backend that `takes_predictions` looks
-        speculative drafts up too (with a speculative config of its own or, if none, just for this request).
+        the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it);
+        prompt_entries: those of the prompt's tokens (`prompt_entries_for`). seed: the sampler's (default: the
+        request's, else a random one). constraint: picks the tokens (structured outputs, `constraint_maker`).
+        prediction: a predicted output's token ids (OpenAI's `prediction`), where a backend that
+        `takes_predictions` looks speculative drafts up too (with a speculative config of its own or, if none,
+        just for this request).
 
         The end-of-turn token `[e~[` is the stop token of every endpoint (not with `ignore_eos`), and so are a
         request's `stop_token_ids`; they are counted but not decoded. A request's logits adjustments
@@ -423,8 +426,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             extra["draft_context"] = prediction
         if logprobs is not None:
             extra.update(logprobs=logprobs.top, on_logprobs=logprobs.on_logprobs)
-            if prompt_logprobs:
-                extra.update(prompt_logprobs=logprobs.top, on_prompt_logprobs=logprobs.on_prompt)
+        if prompt_entries is not None:
+            extra.update(prompt_logprobs=prompt_entries.top, on_prompt_logprobs=prompt_entries.on_prompt)
         with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
             try:
                 return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=stop_ids, seed=seed,
@@ -442,6 +445,16 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if not getattr(backend, "supports_logprobs", False):
             raise APIError("this server's backend does not return log probabilities", param)
         return TokenLogprobs(tokenizer, top)
+
+    def prompt_entries_for(req: SamplingFields, echo: TokenLogprobs | None = None) -> PromptEntries | None:
+        """A collector of the prompt tokens' entries, for vLLM's `prompt_logprobs` and an echoed prompt's
+        logprobs (`echo`, which has its own number of alternatives); None when neither is asked for."""
+        tops = [t for t in (req.prompt_logprobs, echo.top if echo is not None else None) if t is not None]
+        if not tops:
+            return None
+        if echo is None:
+            logprobs_for(req.prompt_logprobs, "prompt_logprobs")  # the backend's check
+        return PromptEntries(max(tops), echo)
 
     structured = StructuredOutputs(tokenizer)
 
@@ -644,8 +657,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         choices = [CompletionChoice(k, prompts[k // req.n], sent[k // req.n],
                                     TextStream(tokenizer, req.stop, min_tokens=req.min_tokens,
                                                include_stop=req.include_stop_str_in_output),
-                                    logprobs_for(req.logprobs, "logprobs"), req.echo)
+                                    logprobs_for(req.logprobs, "logprobs"), req.echo, req.prompt_logprobs)
                    for k in range(req.n * batch)]
+        for c in choices:
+            c.prompt_entries = prompt_entries_for(req, c.logprobs if req.echo else None)
         seeds = choice_seeds(req, len(choices))
         constrain = constraint_maker(req.output_spec, "response_format")
 
@@ -653,7 +668,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             def go(cancelled: threading.Event) -> str:
                 finish = run(req, c.prompt, max(1, max_news[c.index // req.n]), c.stream,
                              (lambda _k, _t: None) if scoring else on_part, cancelled, logprobs=c.logprobs,
-                             prompt_logprobs=req.echo, seed=seeds[c.index], constraint=constrain())
+                             prompt_entries=c.prompt_entries, seed=seeds[c.index], constraint=constrain())
                 if not scoring:
                     return finish
                 c.drop_answer()  # the engine's one new token is not part of a scoring answer
@@ -730,10 +745,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
             return stream.visible(), tool_calls, "tool_calls"
 
+        scored = prompt_entries_for(req)  # vLLM's prompt_logprobs: computed with the first choice
+
         def job(k: int, on_part: Callable[[str, str], None]) -> Callable[[threading.Event], str]:
             return lambda cancelled: run(req, prompt, max_new, streams[k], on_part, cancelled, images=images,
-                                         logprobs=lps[k], seed=seeds[k], constraint=constrain(),
-                                         prediction=prediction)
+                                         logprobs=lps[k], prompt_entries=scored if k == 0 else None, seed=seeds[k],
+                                         constraint=constrain(), prediction=prediction)
 
         def message_choice(k: int, finish: str) -> dict:
             whole, tool_calls, finish = answer(k, finish)
@@ -751,8 +768,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         if not req.stream:
             finishes = each_choice([job(k, lambda _k, _t: None) for k in range(req.n)])
-            return {**head, "choices": [message_choice(k, finish) for k, finish in enumerate(finishes)],
+            body = {**head, "choices": [message_choice(k, finish) for k, finish in enumerate(finishes)],
                     "usage": usage([prompt], streams, prediction)}
+            if scored is not None:  # top level, as vLLM puts it for chat
+                body["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, prompt, scored.entries,
+                                                               req.prompt_logprobs)
+            return body
 
         head = {**head, "object": "chat.completion.chunk"}
 
@@ -808,9 +829,11 @@ class CompletionChoice:
     (None: not asked for) and, with echo, the prompt text still to be sent before its first text."""
 
     def __init__(self, index: int, prompt: list[int], sent: str | list[int], stream: TextStream,
-                 logprobs: TokenLogprobs | None, echo: bool):
+                 logprobs: TokenLogprobs | None, echo: bool, prompt_logprobs: int | None = None):
         self.index, self.prompt, self.stream, self.logprobs = index, prompt, stream, logprobs
         self.echo = [sent if isinstance(sent, str) else stream.tokenizer.decode(prompt)] if echo else []
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field: alternatives per prompt token (None: not asked)
+        self.prompt_entries: PromptEntries | None = None  # what the backend reports of the prompt's tokens
 
     def drop_answer(self) -> None:
         """Forgets what was generated (a scoring request, `max_tokens: 0`): no text, no entries, no tokens counted."""
@@ -827,6 +850,9 @@ class CompletionChoice:
         out = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             out["stop_reason"] = self.stream.stop_reason
+            if self.prompt_logprobs is not None:  # never streamed (refused with stream), so on the whole choice
+                out["prompt_logprobs"] = vllm_prompt_logprobs(self.stream.tokenizer, self.prompt,
+                                                              self.prompt_entries.entries, self.prompt_logprobs)
         return out
 
 

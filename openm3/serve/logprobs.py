@@ -28,7 +28,7 @@ class TokenLogprobs:
         self.tokenizer, self.top = tokenizer, top
         self.entries: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.ends: list[int] = []  # characters of the decoded answer up to and including each entry's token
-        self.prompt_entries: list = []  # (logprob, top) of the prompt's tokens after the first (echo)
+        self.prompt_entries: list = []  # PromptLogprob of the prompt's tokens after the first (echo)
         self._pending: tuple[float, list] | None = None
         self._sent = 0
         self._offset = 0  # characters of the completion text before the next entry (Completions' text_offset)
@@ -50,7 +50,8 @@ class TokenLogprobs:
     def echoed(self, prompt: list[int]) -> list:
         """Entries for an echoed prompt, to go before the answer's in `completion`: its first token has no log
         probability (null), the others those `on_prompt` received."""
-        return [(prompt[0], None, None)] + [(t, lp, top) for t, (lp, top) in zip(prompt[1:], self.prompt_entries)]
+        return [(prompt[0], None, None)] + [(t, e.logprob, e.top[:self.top])
+                                            for t, e in zip(prompt[1:], self.prompt_entries)]
 
     def take(self, span: tuple[int | None, int | None] = (0, None)) -> list:
         """The entries not returned before that are in `span` (start, end) of the answer's text: a start of None
@@ -104,3 +105,32 @@ class TokenLogprobs:
         tops = [None if top is None else {self._text(i): v for i, v in top} for _, _, top in entries]
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": tops if self.top else None, "text_offset": offsets}
+
+
+class PromptEntries:
+    """Collects a request's prompt-token entries (the engine's `PromptLogprob`s, `top` alternatives each) from a
+    backend's `on_prompt_logprobs`, and hands them on to a `TokenLogprobs` that echoes the prompt, if any."""
+
+    def __init__(self, top: int, echo: TokenLogprobs | None = None):
+        self.top, self.echo, self.entries = top, echo, []
+
+    def on_prompt(self, entries: list) -> None:
+        self.entries = entries
+        if self.echo is not None:
+            self.echo.on_prompt(entries)
+
+
+def vllm_prompt_logprobs(tokenizer, prompt: list[int], entries: list, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` field: null for the prompt's first token, then for each token a dict keyed by token
+    id (a string in JSON) of {"logprob", "rank", "decoded_token"}, holding the prompt's token (rank in the whole
+    vocabulary) and the `top` most likely tokens there (ranks 1..top). entries: the engine's `PromptLogprob`s of
+    tokens 1..L-1."""
+    out: list[dict | None] = [None]
+    for token, entry in zip(prompt[1:], entries):
+        position = {str(token): {"logprob": entry.logprob, "rank": entry.rank,
+                                 "decoded_token": tokenizer.decode([token])}}
+        for rank, (alternative, logprob) in enumerate(entry.top[:top], start=1):
+            position.setdefault(str(alternative), {"logprob": logprob, "rank": rank,
+                                                   "decoded_token": tokenizer.decode([alternative])})
+        out.append(position)
+    return out

@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..data.chat_template import check_template_variables
 from ..engine.penalties import MAX_BIAS, Penalties
@@ -122,7 +122,8 @@ class SamplingFields(BaseModel):
     `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids` and `allowed_token_ids` adjust the sampling as there
     (`openm3.engine.penalties`). vLLM's `include_stop_str_in_output` keeps the stop string that ended the text;
     `truncate_prompt_tokens` k keeps the prompt's last k tokens (-1: as many as the context limit leaves beside
-    max_tokens, or one new token); `bad_words`: words the answer may not write (`Penalties.bad_words`)."""
+    max_tokens, or one new token); `bad_words`: words the answer may not write (`Penalties.bad_words`);
+    `prompt_logprobs` k: each prompt token's log probability, rank and k alternatives (not with `stream`)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -152,6 +153,15 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="vLLM's: each prompt token's log "
+                                        "probability and rank, with this many alternatives (not with stream)")
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs is not available with stream: true (as in vLLM)")
+        return v
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
