@@ -1,10 +1,11 @@
 """One-kernel RMSNorm and rotary embedding for inference (Triton), the two small ops every decoder layer runs
 several times.
 
-Written out in torch ops, M3's RMSNorm is five kernels (casts to and from fp32, `1 + weight`, the fused norm) and
-the rotary embedding five (a negation, two products, a sum and two concatenations); in a CUDA-graph decode step of
-m3-small these ~70 rotary and ~100 norm calls are about a fifth of the graph's nodes, and a step of tiny kernels
-costs per node (session 33: ~1.5 us each). Here each call is one kernel.
+Written out in torch ops, M3's RMSNorm is about five kernels (casts to and from fp32, `1 + weight`, the fused
+norm) and the rotary embedding five (a negation, two products, a sum and two concatenations); in a CUDA-graph
+decode step of m3-small these ~70 rotary and ~100 norm calls were about a third of the graph's ~2700 nodes, and a
+step of tiny kernels costs per node (~1.5 us each on an H100). Here each call is one kernel: the step's replay
+went 4.50 -> 3.21 ms (session 34, `docs/perf_notes.md`).
 
 `inference_kernels(x, *params)` says when they run: the backend switch (`openm3.ops.msa.backend.pick_backend`,
 the project's one) picks Triton for `x`, no gradient is needed (training keeps the torch ops and their autograd),
