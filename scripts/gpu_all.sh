@@ -108,8 +108,8 @@ for s in "${stages[@]}"; do
           | cut -c1-190 | tail -3
       done ;;
     nodes)  # the decode step's kernels and the idle time between them (generate_repeat kprof), plain then compiled
-      # (BEFORE="DIR ...": older commits' openm3, from git archive, each with this benchmarks/ copied in, run first;
-      # NODES_STEPS: other generate_repeat steps)
+      # (BEFORE="DIR ...": older commits' openm3 with this benchmarks/ beside, from `bash scripts/before.sh COMMIT`,
+      # carried to the device and run first; NODES_STEPS: other generate_repeat steps)
       for v in ${BEFORE:-} after; do
         root=$PWD; [ "$v" != after ] && root=$v
         echo "--- $v"
