@@ -146,6 +146,10 @@ def test_a_backend_without_logprobs_gets_a_400(tok):
                                                   "logprobs": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     assert "does not return log probabilities" in r.json()["error"]["message"]
+    for path, where in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = client.post(path, json={"model": NAME, "prompt_logprobs": 1, **where})  # vLLM's field
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
     r = client.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
 

@@ -442,9 +442,13 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         backend computes no log probabilities."""
         if top is None:
             return None
+        need_logprobs(param)
+        return TokenLogprobs(tokenizer, top)
+
+    def need_logprobs(param: str) -> None:
+        """A 400 naming `param` when the backend computes no log probabilities."""
         if not getattr(backend, "supports_logprobs", False):
             raise APIError("this server's backend does not return log probabilities", param)
-        return TokenLogprobs(tokenizer, top)
 
     def prompt_entries_for(req: SamplingFields, echo: TokenLogprobs | None = None) -> PromptEntries | None:
         """A collector of the prompt tokens' entries, for vLLM's `prompt_logprobs` and an echoed prompt's
@@ -453,7 +457,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if not tops:
             return None
         if echo is None:
-            logprobs_for(req.prompt_logprobs, "prompt_logprobs")  # the backend's check
+            need_logprobs("prompt_logprobs")
         return PromptEntries(max(tops), echo)
 
     structured = StructuredOutputs(tokenizer)
