@@ -13,8 +13,9 @@ each with its own number of new tokens drawn from [N, --new], so requests finish
 (`--prompt-len-min` also varies the prompts' lengths, hence the batches' page-table widths)
 (each change is a new batch of sequences for the decode step's CUDA graphs; the report counts the graphs'
 captures, eager steps and replays of a graph recorded for other sequences). `--rounds K` runs each max batch's
-round K times through one generator, as a server that stays up would (other prompts of the same lengths): the first round pays for what compiles or
-captures at new shapes, the later ones show the steady state (the headline figure stays the first round's).
+round K times through one generator, as a server that stays up would (other prompts of the same lengths): the
+first round pays for what compiles or captures at new shapes, the later ones show the steady state (the headline
+figure stays the first round's).
 """
 
 from __future__ import annotations

@@ -658,13 +658,14 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         max_news = [check(req, prompt, "prompt" if batch == 1 else f"prompt[{i}]") for i, prompt in enumerate(prompts)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
-        choices = [CompletionChoice(k, prompts[k // req.n], sent[k // req.n],
-                                    TextStream(tokenizer, req.stop, min_tokens=req.min_tokens,
-                                               include_stop=req.include_stop_str_in_output),
-                                    logprobs_for(req.logprobs, "logprobs"), req.echo, req.prompt_logprobs)
-                   for k in range(req.n * batch)]
-        for c in choices:
-            c.prompt_entries = prompt_entries_for(req, c.logprobs if req.echo else None)
+        def choice(k: int) -> CompletionChoice:
+            lp = logprobs_for(req.logprobs, "logprobs")
+            stream = TextStream(tokenizer, req.stop, min_tokens=req.min_tokens,
+                                include_stop=req.include_stop_str_in_output)
+            return CompletionChoice(k, prompts[k // req.n], sent[k // req.n], stream, lp, req.echo,
+                                    req.prompt_logprobs, prompt_entries_for(req, lp if req.echo else None))
+
+        choices = [choice(k) for k in range(req.n * batch)]
         seeds = choice_seeds(req, len(choices))
         constrain = constraint_maker(req.output_spec, "response_format")
 
@@ -833,11 +834,12 @@ class CompletionChoice:
     (None: not asked for) and, with echo, the prompt text still to be sent before its first text."""
 
     def __init__(self, index: int, prompt: list[int], sent: str | list[int], stream: TextStream,
-                 logprobs: TokenLogprobs | None, echo: bool, prompt_logprobs: int | None = None):
+                 logprobs: TokenLogprobs | None, echo: bool, prompt_logprobs: int | None = None,
+                 prompt_entries: PromptEntries | None = None):
         self.index, self.prompt, self.stream, self.logprobs = index, prompt, stream, logprobs
         self.echo = [sent if isinstance(sent, str) else stream.tokenizer.decode(prompt)] if echo else []
         self.prompt_logprobs = prompt_logprobs  # vLLM's field: alternatives per prompt token (None: not asked)
-        self.prompt_entries: PromptEntries | None = None  # what the backend reports of the prompt's tokens
+        self.prompt_entries = prompt_entries  # what the backend reports of the prompt's tokens (echo and that field)
 
     def drop_answer(self) -> None:
         """Forgets what was generated (a scoring request, `max_tokens: 0`): no text, no entries, no tokens counted."""
