@@ -46,14 +46,16 @@ def m3_inputs(t: int, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0,
 
 def random_text_model(preset: str, device: str | None = None):
     """A seeded random `M3TextModel` of a preset for the engine benchmarks: bf16 on CUDA (the default device when
-    there is one), fp32 on a CPU. Returns (model, device)."""
+    there is one), fp32 on a CPU, in eval mode and the inference layout (`for_inference`, as `openm3 generate` and
+    `serve` load models). Returns (model, device)."""
+    from openm3.engine.generate import for_inference
     from openm3.models import M3TextConfig, M3TextModel
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(0)
     with torch.device(device):
         model = M3TextModel(M3TextConfig.from_name(preset))
-    return model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval(), device
+    return for_inference(model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)), device
 
 
 def engine_parser(doc: str):

@@ -55,7 +55,7 @@ SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_re
 
 
 PLAIN_STEPS = ("plain", "spec", "prof", "kprof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe",
-               "eager", "sharedpool", "keep", "retime", "chain", "compile")
+               "eager", "sharedpool", "keep", "retime", "gprof", "chain", "compile")
 
 
 def _known_step(step: str) -> bool:
@@ -104,7 +104,9 @@ def main(argv=None) -> int:
                    "from then on), unhog, cublas (torch's cuBLAS workspaces freed), probe (a copy and a matmul "
                    "alone), sleepN (N seconds idle), eager (a generate call of 2 new tokens without CUDA graphs: "
                    "a call and a cache, no capture), sharedpool (every later capture draws on one memory pool), keep "
-                   "(every later run's graphs stay alive), retime (each kept graph's replay timed again), chain (the "
+                   "(every later run's graphs stay alive), retime (each kept graph's replay timed again), gprof "
+                   "(the newest kept graph's replays under torch.profiler: one decode step's kernels, count and GPU "
+                   "time per step), chain (the "
                    "time per node of a 3000-node graph of tiny kernels), compile (the layers under torch.compile)")
     p.add_argument("--kernels", action="store_true", help="prof also lists the GPU kernels (torch.profiler; it "
                    "stays attached, so later runs are slower)")
@@ -274,6 +276,28 @@ def main(argv=None) -> int:
                         times.append(round(replay_time_ms(batch.graph, steps=1, reps=21, warm_ms=0.0), 3))
             res["runs"].append({"phase": step, "replay_ms_by_graph": times, "at_s": time.perf_counter() - t0})
             print(f"retime       replay ms of every kept graph, oldest first: {times}", flush=True)
+        elif step == "gprof":  # one decode step's kernels: the newest kept graph replayed under torch.profiler
+            graphs = [b.graph for h in holders if hasattr(h, "_batches") for b in h._batches.values()
+                      if b.graph is not None]
+            if not graphs:
+                raise SystemExit("--steps: gprof needs a run with `keep` before it (no kept decode graph)")
+            replays_n = 20
+            graphs[-1].replay()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kprof:
+                for _ in range(replays_n):
+                    graphs[-1].replay()
+                torch.cuda.synchronize()
+            per_step = sorted(((e.key, e.count / replays_n, getattr(e, "device_time_total", 0.0) / replays_n)
+                               for e in kprof.key_averages() if getattr(e, "device_time_total", 0.0) > 0),
+                              key=lambda r: -r[2])
+            res["runs"].append({"phase": step, "kernels_per_step": [list(r) for r in per_step],
+                                "nodes_per_step": sum(r[1] for r in per_step),
+                                "kernel_us_per_step": sum(r[2] for r in per_step), "at_s": time.perf_counter() - t0})
+            print(f"gprof        one step: {sum(r[1] for r in per_step):.0f} kernels, "
+                  f"{sum(r[2] for r in per_step):.1f} us of kernel time", flush=True)
+            for name, count, us in per_step[:30]:
+                print(f"  {count:6.1f} x {us / count:7.2f} us = {us:8.1f} us  {name[:90]}", flush=True)
         elif step == "chain":  # a graph of 3000 tiny kernels (captured at the first chain step, kept): per node
             if chain_graph is None:
                 from benchmarks.graph_repeat import launch_chain

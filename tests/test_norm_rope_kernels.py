@@ -10,7 +10,7 @@ from openm3.layers.norm import RMSNorm
 from openm3.layers.rope import apply_rope, rope_cos_sin
 from openm3.ops import _norm_rope_kernels as kernels
 from openm3.ops.msa import use_backend
-from openm3.ops.norm_rope import inference_kernels, rms_norm, rope
+from openm3.ops.norm_rope import heads_norm_rope, inference_kernels, rms_norm, rope
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests (tests/gpu on a GPU)")
 
@@ -142,3 +142,120 @@ def test_the_vision_towers_axial_rope_is_the_same_op():
         assert torch.equal(apply_axial_rope(x, cos, sin), want)
     with pytest.raises(ValueError, match="expected at most 16 rotated channels"):
         apply_axial_rope(x, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim, rotary", [(16, 8), (24, 32)])
+def test_heads_norm_rope_is_the_norm_then_the_rope_per_group(dtype, dim, rotary):
+    """A fused projection's five groups (normed and rotated, passed through, a single head) in one kernel give what
+    `rms_norm` then `rope` give group by group, bit for bit under the interpreter; y may have a row stride."""
+    torch.manual_seed(5)
+    t, heads = 5, [4, 2, 2, 3, 1]
+    weights = [torch.randn(dim) * 0.3, torch.randn(dim) * 0.3, None, torch.randn(dim) * 0.3, torch.randn(dim) * 0.3]
+    rotate = [True, True, False, True, True]
+    wide = (torch.randn(t, sum(heads) * dim + 8) * 3).to(dtype)
+    y = wide[:, 8:]
+    cos, sin = rope_cos_sin(torch.arange(t) + 50, rotary, 1e4, dtype)
+    got = heads_norm_rope(y, heads, dim, weights, rotate, cos, sin, 1e-6)
+    start = 0
+    for g, h in enumerate(heads):
+        want = y[:, start * dim:(start + h) * dim].reshape(t, h, dim)
+        start += h
+        if weights[g] is not None:
+            want = rms_norm(want, weights[g], 1e-6)
+        if rotate[g]:
+            want = rope(want, cos, sin)
+        assert got[g].shape == (t, h, dim) and got[g].dtype == dtype and got[g].is_contiguous()
+        assert torch.equal(got[g], want), g
+    one = heads_norm_rope(y[:, :4 * dim], [4], dim, [None], [True], cos, sin, 1e-6)[0]  # rotated, not normed
+    assert torch.equal(one, rope(y[:, :4 * dim].reshape(t, 4, dim), cos, sin))
+    assert [p.shape for p in heads_norm_rope(y[:0], heads, dim, weights, rotate, cos[:0], sin[:0], 1e-6)] == \
+        [(0, h, dim) for h in heads]
+
+
+def test_heads_norm_rope_checks_its_arguments():
+    y, cos = torch.randn(3, 4 * 8), torch.ones(3, 4)
+    with pytest.raises(ValueError, match="heads, weights and rotate must have 1-5 entries each"):
+        heads_norm_rope(y, [1] * 6, 8, [None] * 6, [False] * 6, cos, cos, 1e-6)
+    with pytest.raises(ValueError, match=r"y must be \[T, 40\] \(sum\(heads\) \* head_dim\)"):
+        heads_norm_rope(y, [2, 3], 8, [None, None], [False, False], cos, cos, 1e-6)
+    with pytest.raises(ValueError, match="every group needs at least one head"):
+        heads_norm_rope(y, [4, 0], 8, [None, None], [False, False], cos, cos, 1e-6)
+    with pytest.raises(ValueError, match=r"weights\[1\] must be \[8\] \(head_dim\), got \(4,\)"):
+        heads_norm_rope(y, [2, 2], 8, [None, torch.ones(4)], [False, True], cos, cos, 1e-6)
+    with pytest.raises(ValueError, match=r"cos, sin must be \[T=3, R\]"):
+        heads_norm_rope(y, [4], 8, [None], [True], cos[:2], cos[:2], 1e-6)
+    with pytest.raises(ValueError, match="the rotated width min"):
+        heads_norm_rope(y, [4], 8, [None], [True], torch.ones(3, 5), torch.ones(3, 5), 1e-6)
+
+
+def _tiny_attention_layers():
+    from openm3.models import M3TextConfig, M3TextModel
+
+    torch.manual_seed(6)
+    model = M3TextModel(M3TextConfig.from_name("m3-tiny")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # the norms' zero-centred weights away from 0
+                p.normal_(0, 0.3)
+    return model, [m for m in model.modules() if type(m).__name__ == "Attention"]
+
+
+def test_fused_projections_project_as_the_separate_ops(monkeypatch):
+    """`fuse_projections`: the weights keep their names and values as views of one matrix; a no-grad `project`
+    under the Triton backend then runs one GEMM and `heads_norm_rope` and gives the separate ops' q, k, v, qi, ki;
+    gradients, the reference backend, a loaded state dict and a `.to` behave as before the fusion."""
+    from openm3.layers.attention import fuse_projections
+
+    model, layers = _tiny_attention_layers()
+    cfg = model.config
+    x = torch.randn(6, cfg.hidden_size)
+    cos, sin = rope_cos_sin(torch.arange(6) + 3, cfg.rotary_dim, 1e4)
+    with use_backend("triton"), torch.no_grad():
+        want = [layer.project(x, cos, sin) for layer in layers]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert fuse_projections(model) == len(layers) and fuse_projections(model) == len(layers)  # idempotent
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    calls = []
+    real = kernels.launch_heads_norm_rope
+    monkeypatch.setattr(kernels, "launch_heads_norm_rope", lambda *a: calls.append(1) or real(*a))
+    with use_backend("triton"), torch.no_grad():
+        got = [layer.project(x, cos, sin) for layer in layers]
+    assert len(calls) == len(layers)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            assert (a is None and b is None) or (a.shape == b.shape and b.is_contiguous() and torch.equal(a, b))
+    assert got[0][3] is None and got[1][4].shape == (6, cfg.index_head_dim)
+    layer = layers[1]
+    with use_backend("reference"), torch.no_grad():  # the torch ops (the spec)
+        ref = layer.project(x, cos, sin)
+    with use_backend("triton"):
+        grad = layer.project(x, cos, sin)  # gradients asked for: the separate torch ops
+    assert len(calls) == len(layers)
+    for a, b in zip(ref, grad):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    grad[0].sum().backward()
+    assert layer.q_proj.weight.grad is not None and layer.indexer.k_proj.weight.grad is None
+    model.load_state_dict({k: v + 1 for k, v in before.items()})  # copied into the views: still fused
+    assert layer._fused_intact() and torch.equal(layer.v_proj.weight, before["layers.1.self_attn.v_proj.weight"] + 1)
+    model.double()  # a move gives each weight its own tensor: the separate ops again
+    assert not layer._fused_intact()
+    with use_backend("triton"), torch.no_grad():
+        layer.project(x.double(), cos.double(), sin.double())
+    assert len(calls) == len(layers)
+    assert fuse_projections(model) == len(layers) and layer._fused_intact()
+
+
+def test_fused_projections_keep_the_models_logits():
+    """A whole no-grad forward of m3-tiny (dense and MSA layers) under the Triton backend, before and after the
+    fusion: the same logits."""
+    from openm3.layers.attention import fuse_projections
+
+    model, _ = _tiny_attention_layers()
+    ids = torch.randint(0, model.config.vocab_size, (40,))
+    with use_backend("triton"), torch.no_grad():
+        want = model(ids).logits
+        fuse_projections(model)
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

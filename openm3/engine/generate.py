@@ -415,9 +415,9 @@ def add_speculative_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding with n-gram (prompt lookup) drafts, as vLLM\'s option: '
                    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                   '"prompt_lookup_min": 2}\' (drafts per step 1-7), plus this project\'s "adaptive": true (speculate only '
-                   'where the drafts are expected to pay for the longer step). Greedy outputs are unchanged; sampled '
-                   'ones keep their distribution. Default: off')
+                   '"prompt_lookup_min": 2}\' (drafts per step 1-7), plus this project\'s "adaptive": true '
+                   '(speculate only where the drafts are expected to pay for the longer step). Greedy outputs are '
+                   'unchanged; sampled ones keep their distribution. Default: off')
 
 
 def speculative_option(text: str | None) -> SpeculativeConfig | None:
@@ -499,18 +499,29 @@ def tokenizer_path(tokenizer: str | None, checkpoint: str | None) -> str | None:
 
 
 def load_model(args, device: torch.device, dtype: torch.dtype, *, vision: bool = False):
-    """The model named by --checkpoint or --preset (random weights, seeded). vision: a VL checkpoint loads as
-    `M3ForConditionalGeneration` (vision tower too); otherwise the text decoder alone."""
+    """The model named by --checkpoint or --preset (random weights, seeded), in eval mode and the inference layout
+    (`for_inference`). vision: a VL checkpoint loads as `M3ForConditionalGeneration` (vision tower too); otherwise
+    the text decoder alone."""
     from ..models import M3TextConfig, M3TextModel, load_pretrained, load_text_model
 
     if args.checkpoint is not None:
         load = load_pretrained if vision else load_text_model
-        return load(args.checkpoint, dtype=dtype, device=device).eval()
+        return for_inference(load(args.checkpoint, dtype=dtype, device=device))
     config = M3TextConfig.from_name(args.preset)  # ValueError naming the presets for an unknown one
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = M3TextModel(config)
-    return model.to(dtype).eval()
+    return for_inference(model.to(dtype))
+
+
+def for_inference(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in eval mode with each attention layer's projections fused (`openm3.layers.attention.
+    fuse_projections`: one GEMM and one norm-and-rotate kernel per layer where the inference kernels run; weights'
+    names, values and memory unchanged). Call it after any `.to(...)`, which undoes the fusion."""
+    from ..layers.attention import fuse_projections
+
+    fuse_projections(model)
+    return model.eval()
 
 
 def compile_layers(model) -> int:

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..ops import msa
 from ..ops.attention import dense_attention
+from ..ops.norm_rope import heads_norm_rope, inference_kernels
 from .indexer import Indexer
 from . import recompute
 from .norm import RMSNorm
@@ -73,6 +74,56 @@ class Attention(nn.Module):
             self.topk = config.index_topk_blocks
             self.local_blocks = config.index_local_blocks
             self.indexer = Indexer(h, config.index_n_heads, config.index_head_dim, config.rms_norm_eps)
+        self._fused_rows: tuple[int, ...] | None = None  # set by `fuse_projections`
+
+    def _projections(self) -> list[nn.Linear]:
+        index = [self.indexer.q_proj, self.indexer.k_proj] if self.indexer is not None else []
+        return [self.q_proj, self.k_proj, self.v_proj, *index]
+
+    def _norms(self) -> list[RMSNorm | None]:  # per head group of `_projections`: v has none
+        index = [self.indexer.q_norm, self.indexer.k_norm] if self.indexer is not None else []
+        return [self.q_norm, self.k_norm, None, *index]
+
+    def fuse_projections(self) -> bool:
+        """Inference layout: the q, k, v (and index q, k) projection weights become consecutive row blocks of one
+        [N, hidden] matrix, so that `project` runs one GEMM and one norm-and-rotate kernel (`heads_norm_rope`)
+        instead of five GEMMs, four norms and four rotations where the inference kernels run (CUDA, no gradient).
+
+        The parameters keep their names, shapes and values (each is a view of the new matrix; no memory is added),
+        so checkpoints load into them as before. Moving the module (`.to`) or replacing a weight undoes the layout
+        and `project` falls back to the separate ops. Returns whether the layout was made (it needs one dtype and
+        device, no biases, and index heads as wide as the main ones)."""
+        projs = self._projections()
+        weights = [p.weight for p in projs]
+        if self._fused_intact():
+            return True
+        if any(p.bias is not None for p in projs) or len({(w.dtype, w.device) for w in weights}) != 1 \
+                or (self.indexer is not None and self.indexer.head_dim != self.head_dim) \
+                or len({n.eps for n in self._norms() if n is not None}) != 1:
+            return False
+        with torch.no_grad():
+            whole = torch.cat([w.detach() for w in weights])
+            start = 0
+            for w in weights:
+                w.data = whole[start:start + w.shape[0]]
+                start += w.shape[0]
+        self._fused_rows = tuple(w.shape[0] for w in weights)
+        return True
+
+    def _fused_intact(self) -> bool:
+        """Whether the projection weights still lie back to back in one storage, as `fuse_projections` left
+        them."""
+        if self._fused_rows is None:
+            return False
+        weights = [p.weight for p in self._projections()]
+        first = weights[0]
+        offset, base, width = first.storage_offset(), first.untyped_storage().data_ptr(), first.shape[1]
+        for w, rows in zip(weights, self._fused_rows):
+            if w.shape[0] != rows or w.storage_offset() != offset or w.stride() != (width, 1) \
+                    or w.untyped_storage().data_ptr() != base:
+                return False
+            offset += rows * width
+        return True
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, *,
                 compute_kl: bool = False, dense_warmup: bool = False, index_input_grad: bool | None = None,
@@ -99,12 +150,30 @@ class Attention(nn.Module):
         """x: [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D] (q, k normed and rotated) and, for MSA layers,
         qi [T, Hi, Di], ki [T, Di] (None for dense layers). detach_index_input: the indexer reads `x.detach()`."""
         t = x.shape[0]
+        if self._fused_rows is not None and inference_kernels(x, self.q_proj.weight) \
+                and x.dtype == self.q_proj.weight.dtype and self._fused_intact():
+            return self._project_fused(x, cos, sin)
         q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         qi = ki = None
         if self.is_sparse:
             qi, ki = self.indexer(x.detach() if detach_index_input else x, cos, sin)
+        return q, k, v, qi, ki
+
+    def _project_fused(self, x, cos, sin):
+        """`project` after `fuse_projections`: one GEMM over the weights' joint matrix, one kernel for the heads."""
+        first = self.q_proj.weight
+        whole = first.as_strided((sum(self._fused_rows), first.shape[1]), first.stride(), first.storage_offset())
+        heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
+        if self.indexer is not None:
+            heads += [self.indexer.num_heads, 1]
+        norms = self._norms()
+        parts = heads_norm_rope(nn.functional.linear(x, whole), heads, self.head_dim,
+                                [n.weight if n is not None else None for n in norms],
+                                [n is not None for n in norms], cos, sin, self.q_norm.eps)
+        q, k, v = parts[:3]
+        qi, ki = (parts[3], parts[4][:, 0]) if self.indexer is not None else (None, None)
         return q, k, v, qi, ki
 
     # Dynamo does not trace this: the varlen dense path, the MSA ops' input checks and the cache read `cu_seqlens`
@@ -218,3 +287,9 @@ def _kl_once(reuse: "recompute.CheckpointReuse | None", run) -> torch.Tensor:
         kl = run()
     reuse.put(kl.detach())
     return kl
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """`Attention.fuse_projections` on every attention layer of `model` (an inference set-up step: `openm3
+    generate` and `openm3 serve` call it on the models they load). Returns how many layers took the layout."""
+    return sum(m.fuse_projections() for m in model.modules() if isinstance(m, Attention))

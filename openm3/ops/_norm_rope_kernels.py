@@ -70,3 +70,80 @@ def launch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
                                                 x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
                                                 out.stride(0), out.stride(1), ROWS=_ROWS,
                                                 BLOCK_D=next_pow2(dim), num_warps=4)
+
+
+@triton.jit
+def _norm_scales(w_ptr, cols, partner, col_ok, rotated):
+    """A norm weight (zero-centred) at the columns and at their rotation partners, fp32."""
+    return (tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32),
+            tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32))
+
+
+# A fused projection's heads: [T, sum(heads), D] in, one contiguous [T, H_g, D] block per group out (groups laid
+# one after another in `out`); each group optionally RMS-normed (weight w_g) and then rotated. Program (tokens, head):
+# the head picks its group, so each program loads one norm weight.
+@triton.jit(do_not_specialize=["n_tokens"])
+def _heads_norm_rope_kernel(y_ptr, out_ptr, cos_ptr, sin_ptr, w0, w1, w2, w3, w4, n_tokens, dim, half,
+                            stride_yt, stride_ct, stride_st, eps,
+                            E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, E3: tl.constexpr,
+                            E4: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                            ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.program_id(1)
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    g = (h >= E0).to(tl.int32) + (h >= E1).to(tl.int32) + (h >= E2).to(tl.int32) + (h >= E3).to(tl.int32)
+    first_head = tl.where(g == 0, 0, tl.where(g == 1, E0, tl.where(g == 2, E1, tl.where(g == 3, E2, E3))))
+    last_head = tl.where(g == 0, E0, tl.where(g == 1, E1, tl.where(g == 2, E2, tl.where(g == 3, E3, E4))))
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < dim
+    row_ok = t < n_tokens
+    mask = row_ok[:, None] & col_ok[None, :]
+    first = cols < half
+    partner = tl.where(first, cols + half, cols - half)
+    rotated = cols < 2 * half
+    x_row = y_ptr + t[:, None] * stride_yt + h * dim
+    x_in = tl.load(x_row + cols[None, :], mask=mask, other=0.0)
+    x = x_in.to(tl.float32)
+    xp = tl.load(x_row + partner[None, :], mask=row_ok[:, None] & rotated[None, :], other=0.0).to(tl.float32)
+    if ((tl.full([], NORM, tl.int32) >> g) & 1) != 0:  # RMSNorm as `rms_norm` computes it, rounded as its output
+        scale = tl.zeros([BLOCK_D], dtype=tl.float32)
+        scale_p = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if g == 0:
+            scale, scale_p = _norm_scales(w0, cols, partner, col_ok, rotated)
+        elif g == 1:
+            scale, scale_p = _norm_scales(w1, cols, partner, col_ok, rotated)
+        elif g == 2:
+            scale, scale_p = _norm_scales(w2, cols, partner, col_ok, rotated)
+        elif g == 3:
+            scale, scale_p = _norm_scales(w3, cols, partner, col_ok, rotated)
+        else:
+            scale, scale_p = _norm_scales(w4, cols, partner, col_ok, rotated)
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)
+        x = (x * inv[:, None] * (1.0 + scale)[None, :]).to(x_in.dtype).to(tl.float32)
+        xp = (xp * inv[:, None] * (1.0 + scale_p)[None, :]).to(x_in.dtype).to(tl.float32)
+    y = x
+    if ((tl.full([], ROPE, tl.int32) >> g) & 1) != 0:  # as `rope`: tables cast to y's dtype, fp32 inside, one rounding
+        rot_mask = row_ok[:, None] & rotated[None, :]
+        c = tl.load(cos_ptr + t[:, None] * stride_ct + cols[None, :], mask=rot_mask, other=0.0)
+        s = tl.load(sin_ptr + t[:, None] * stride_st + cols[None, :], mask=rot_mask, other=0.0)
+        c = c.to(x_in.dtype).to(tl.float32)
+        s = s.to(x_in.dtype).to(tl.float32)
+        r = (x * c + tl.where(first[None, :], -xp, xp) * s).to(x_in.dtype).to(tl.float32)
+        y = tl.where(rotated[None, :], r, x)
+    heads_g = last_head - first_head
+    base = n_tokens.to(tl.int64) * first_head * dim  # the group's block in `out`
+    dst = out_ptr + base + (t[:, None] * heads_g + (h - first_head)) * dim + cols[None, :]
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_heads_norm_rope(y: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           weights: list, ends: list[int], norm_mask: int, rope_mask: int, dim: int, n: int,
+                           eps: float) -> None:
+    """y: [T, ends[-1] * dim] (row stride free, unit column stride); out: flat, T * ends[-1] * dim; weights: 5
+    tensors (a group without a norm passes any); ends: 5 cumulative head counts; n: the rotated width."""
+    t = y.shape[0]
+    block_d = next_pow2(dim)
+    rows = max(1, min(16, 2048 // block_d, next_pow2(t)))
+    _heads_norm_rope_kernel[(triton.cdiv(t, rows), ends[-1])](
+        y, out, cos, sin, *weights, t, dim, n // 2, y.stride(0), cos.stride(0), sin.stride(0), float(eps),
+        E0=ends[0], E1=ends[1], E2=ends[2], E3=ends[3], E4=ends[4], NORM=norm_mask, ROPE=rope_mask, ROWS=rows,
+        BLOCK_D=block_d, num_warps=4 if rows * block_d >= 1024 else 1)

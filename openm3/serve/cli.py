@@ -172,6 +172,7 @@ def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):
     """A random `M3ForConditionalGeneration` of the preset (seeded), its placeholder ids the tokenizer's."""
     import torch
 
+    from ..engine.generate import for_inference
     from ..models import M3ForConditionalGeneration, M3VLConfig
 
     config = M3VLConfig.from_name(args.preset, image_token_index=tokenizer.image_id,
@@ -179,7 +180,7 @@ def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = M3ForConditionalGeneration(config)
-    return model.to(dtype).eval()
+    return for_inference(model.to(dtype))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,3 +56,45 @@ def test_rope_and_norm_kernels_in_bf16_on_cuda():
     kernels = [e.name for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and "Activity" not in e.name]
     assert len(kernels) == 2 and "_rms_norm_kernel" in kernels[0] and "_rope_kernel" in kernels[1], kernels
+
+
+def test_fused_projections_in_bf16_on_cuda():
+    """An m3-small MSA layer's `project` after `fuse_projections`, bf16 on CUDA: q, k, v, qi, ki within 2x the
+    torch ops' bf16 error against fp32 (the same bf16 weights and input), and two kernels per call (one GEMM,
+    one `heads_norm_rope`) where the separate path runs five GEMMs and eight norm / rotate kernels."""
+    from openm3.layers.attention import Attention
+    from openm3.layers.rope import rope_cos_sin
+    from openm3.models import M3TextConfig
+    from openm3.ops.msa import use_backend
+
+    torch.manual_seed(1)
+    dev = "cuda"
+    config = M3TextConfig.from_name("m3-small")
+    layer = Attention(config, 1).to(dev)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    exact_layer = Attention(config, 1).to(dev)
+    layer.to(torch.bfloat16)
+    exact_layer.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    for t in (8, 4096):
+        x = torch.randn(t, config.hidden_size, device=dev, dtype=torch.bfloat16)
+        cos, sin = rope_cos_sin(torch.arange(t, device=dev) * 3, config.rotary_dim, 5e6, torch.bfloat16)
+        with torch.no_grad():
+            exact = exact_layer.project(x.float(), cos.float(), sin.float())
+            with use_backend("reference"):
+                torch_bf16 = layer.project(x, cos, sin)
+            assert layer.fuse_projections() and layer._fused_intact()
+            got = layer.project(x, cos, sin)
+        for name, e, b, g in zip("q k v qi ki".split(), exact, torch_bf16, got):
+            assert g.shape == e.shape and g.dtype == torch.bfloat16 and g.is_contiguous(), name
+            err = (g.float() - e).abs().max().item()
+            base = (b.float() - e).abs().max().item()
+            assert err <= 2 * base + 1e-6, (t, name, err, base)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        layer.project(x[:8], cos[:8], sin[:8])
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and "Activity" not in e.name]
+    assert len(kernels) == 2 and "_heads_norm_rope_kernel" in kernels[1], kernels
