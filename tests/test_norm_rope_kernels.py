@@ -10,7 +10,7 @@ from openm3.layers.norm import RMSNorm
 from openm3.layers.rope import apply_rope, rope_cos_sin
 from openm3.ops import _norm_rope_kernels as kernels
 from openm3.ops.msa import use_backend
-from openm3.ops.norm_rope import heads_norm_rope, inference_kernels, rms_norm, rope
+from openm3.ops.norm_rope import add_rms_norm, heads_norm_rope, inference_kernels, rms_norm, rope
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests (tests/gpu on a GPU)")
 
@@ -259,3 +259,48 @@ def test_fused_projections_keep_the_models_logits():
         fuse_projections(model)
         got = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 48), (2, 3, 128), (0, 16)])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, shape):
+    """The residual add and the norm in one kernel: the sum as torch's add rounds it, and the norm kernel's output
+    of that sum, bit for bit (same program shape); inputs with a row stride are taken."""
+    torch.manual_seed(7)
+    weight = torch.randn(shape[-1]) * 0.3
+    x, d = ((torch.randn(shape) * 3).to(dtype) for _ in range(2))
+    total, normed = add_rms_norm(x, d, weight, 1e-6)
+    assert torch.equal(total, x + d) and torch.equal(normed, rms_norm(x + d, weight, 1e-6))
+    assert total.shape == normed.shape == x.shape and normed.dtype == dtype
+    wide = torch.randn(shape[0], shape[-1] + 4).to(dtype)[:, 4:]
+    if len(shape) == 2:
+        t2, n2 = add_rms_norm(wide, d, weight, 1e-6)
+        assert torch.equal(t2, wide + d) and torch.equal(n2, rms_norm(wide + d, weight, 1e-6))
+
+
+def test_add_forward_uses_the_kernel_only_in_inference(monkeypatch):
+    calls = []
+    real = kernels.launch_add_rms_norm
+    monkeypatch.setattr(kernels, "launch_add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(8)
+    norm = RMSNorm(32)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3)
+    x, d = torch.randn(4, 32), torch.randn(4, 32)
+    with use_backend("reference"), torch.no_grad():
+        want = (x + d, norm(x + d))
+    with use_backend("triton"):
+        with torch.no_grad():
+            got = norm.add_forward(x, d)
+        assert len(calls) == 1
+        grad = norm.add_forward(x, d.clone().requires_grad_())  # gradients asked for: the torch ops
+        assert len(calls) == 1 and grad[1].requires_grad
+        with torch.no_grad():
+            norm.add_forward(x, d.double())  # mixed dtypes: the torch ops (and their promotion)
+        assert len(calls) == 1
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"delta must match x \(torch.float32 \(4, 32\)\)"):
+        add_rms_norm(x, d[:2], norm.weight, 1e-6)
+    with pytest.raises(ValueError, match=r"weight must be \[32\]"):
+        add_rms_norm(x, d, torch.zeros(8), 1e-6)

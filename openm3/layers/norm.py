@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.norm_rope import inference_kernels, rms_norm
+from ..ops.norm_rope import add_rms_norm, inference_kernels, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +28,14 @@ class RMSNorm(nn.Module):
         # elementwise and reduction kernels written out) and the same arithmetic elsewhere
         xf = x.float()
         return F.rms_norm(xf, (xf.shape[-1],), 1.0 + self.weight.float(), self.eps).type_as(x)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add, then this norm: (x + delta, self(x + delta)); one kernel where the inference kernels
+        run (`openm3.ops.norm_rope.add_rms_norm`), the torch ops elsewhere."""
+        if delta.dtype == x.dtype and delta.shape == x.shape and inference_kernels(x, delta, self.weight):
+            return add_rms_norm(x, delta, self.weight, self.eps)
+        total = x + delta
+        return total, self(total)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight)

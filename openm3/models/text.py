@@ -69,8 +69,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens, compute_kl=compute_kl,
                               dense_warmup=dense_warmup, index_input_grad=index_input_grad,
                               return_block_idx=return_block_idx, cache=cache)
-        x = x + attn.out
-        h = self.post_attention_layernorm(x)
+        x, h = self.post_attention_layernorm.add_forward(x, attn.out)  # the residual add and the norm
         router_logits = None
         if self.is_moe:
             h, router_logits = self.mlp(h)

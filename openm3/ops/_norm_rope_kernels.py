@@ -27,13 +27,46 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, dim, stride_x, stride_o, eps
              mask=mask)
 
 
-def launch_rms_norm(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
-    n_rows, dim = rows.shape
+# the residual add before a norm: s = x + d rounded to x's dtype (as the torch add), stored; then s normed
+@triton.jit(do_not_specialize=["n_rows"])
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n_rows, dim, stride_x, stride_d, stride_s, stride_o,
+                         eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < dim)
+    r64 = rows[:, None].to(tl.int64)
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    d = tl.load(d_ptr + r64 * stride_d + cols[None, :], mask=mask, other=0.0)
+    s = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+    tl.store(sum_ptr + r64 * stride_s + cols[None, :], s, mask=mask)
+    sf = s.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(sf * sf, axis=1) / dim + eps)
+    scale = 1.0 + tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    y = sf * inv[:, None] * scale[None, :]
+    tl.store(out_ptr + r64 * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm_grid(n_rows: int, dim: int) -> tuple[int, int, int]:
+    """(programs, rows per program, block width) of the norm kernels; rows per program shrink as dim grows."""
     block_d = next_pow2(dim)
     per = max(1, min(16, 4096 // block_d))
-    _rms_norm_kernel[(triton.cdiv(n_rows, per),)](rows, weight, out, n_rows, dim, rows.stride(0), out.stride(0),
-                                                  float(eps), ROWS=per, BLOCK_D=block_d,
-                                                  num_warps=4 if block_d * per >= 2048 else 1)
+    return triton.cdiv(n_rows, per), per, block_d
+
+
+def launch_rms_norm(rows: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    n_rows, dim = rows.shape
+    programs, per, block_d = _norm_grid(n_rows, dim)
+    _rms_norm_kernel[(programs,)](rows, weight, out, n_rows, dim, rows.stride(0), out.stride(0), float(eps),
+                                  ROWS=per, BLOCK_D=block_d, num_warps=4 if block_d * per >= 2048 else 1)
+
+
+def launch_add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, total: torch.Tensor,
+                        out: torch.Tensor, eps: float) -> None:
+    n_rows, dim = x.shape
+    programs, per, block_d = _norm_grid(n_rows, dim)
+    _add_rms_norm_kernel[(programs,)](x, d, weight, total, out, n_rows, dim, x.stride(0), d.stride(0),
+                                      total.stride(0), out.stride(0), float(eps), ROWS=per, BLOCK_D=block_d,
+                                      num_warps=4 if block_d * per >= 2048 else 1)
 
 
 @triton.jit(do_not_specialize=["n_rows", "heads"])

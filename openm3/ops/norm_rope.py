@@ -19,6 +19,8 @@ and no enclosing `torch.compile` traces the call (Inductor fuses the torch ops i
 - `rms_norm(x, weight, eps)` computes in fp32 as `RMSNorm` does; only the sum of squares is reduced in another
   order (fp32 rounding of the mean square, then one rounding to x's dtype).
 
+- `add_rms_norm(x, delta, weight, eps)` is the residual add and the norm after it in one kernel: `x + delta`
+  (rounded to x's dtype, as torch's add) and `rms_norm` of that sum.
 - `heads_norm_rope(y, heads, ...)` takes a fused projection's output (the q, k, v and index heads of one GEMM,
   `openm3.layers.attention.fuse_projections`) and gives each group of heads its own contiguous tensor, normed and
   rotated as the group asks, in one kernel: what `rms_norm` then `rope` give, group by group (the norm's output
@@ -35,7 +37,7 @@ import torch
 
 from .msa.backend import pick_backend
 
-__all__ = ["heads_norm_rope", "inference_kernels", "rms_norm", "rope"]
+__all__ = ["add_rms_norm", "heads_norm_rope", "inference_kernels", "rms_norm", "rope"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -69,6 +71,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         k.launch_rms_norm(rows, weight, out, eps)
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the norm after it in one kernel: (s, rms_norm(s)) with s = x + delta rounded to x's
+    dtype, as `x + delta` then `rms_norm` give them. x, delta: [..., dim] of one dtype; weight: [dim]."""
+    dim = x.shape[-1]
+    if delta.shape != x.shape or delta.dtype != x.dtype:
+        raise ValueError(f"delta must match x ({x.dtype} {tuple(x.shape)}), got {delta.dtype} {tuple(delta.shape)}")
+    if weight.shape != (dim,):
+        raise ValueError(f"weight must be [{dim}] (x's last dim), got {tuple(weight.shape)}")
+    _check("delta", delta, x)
+    _check("weight", weight, x)
+    rows, drows = (t.reshape(-1, dim) for t in (x, delta))
+    rows, drows = (t if t.stride(-1) == 1 else t.contiguous() for t in (rows, drows))
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(total)
+    if rows.shape[0]:
+        from . import _norm_rope_kernels as k
+
+        k.launch_add_rms_norm(rows, drows, weight, total, out, eps)
+    return total.view(x.shape), out.view(x.shape)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,11 @@ pytestmark = pytest.mark.gpu
 
 
 def test_rope_and_norm_kernels_in_bf16_on_cuda():
+    """rope, rms_norm and add_rms_norm at 1, 8 and 16K rows."""
     from openm3.layers.norm import RMSNorm
     from openm3.layers.rope import apply_rope, rope_cos_sin
     from openm3.ops.msa import use_backend
-    from openm3.ops.norm_rope import rms_norm, rope
+    from openm3.ops.norm_rope import add_rms_norm, rms_norm, rope
 
     torch.manual_seed(0)
     dev = "cuda"
@@ -42,6 +43,10 @@ def test_rope_and_norm_kernels_in_bf16_on_cuda():
             err = (got.float() - exact).abs().max().item()
             base = (torch_bf16.float() - exact).abs().max().item()
             assert err <= 2 * base + 1e-6, (t, dim, err, base)
+        # the residual add and the norm in one kernel: the sum exactly torch's, the norm rms_norm's of it
+        xs, ds = (torch.randn(t, 2048, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        total, normed = add_rms_norm(xs, ds, norm.weight, norm.eps)
+        assert torch.equal(total, xs + ds) and torch.equal(normed, rms_norm(xs + ds, norm.weight, norm.eps))
     # a no-grad forward of the layers launches one kernel each
     norm = RMSNorm(2048).to(dev, torch.bfloat16)
     x = torch.randn(8, 2048, device=dev, dtype=torch.bfloat16)
