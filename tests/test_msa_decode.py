@@ -441,18 +441,9 @@ print("compiled")
 def test_decode_kernels_compile_for_hopper(tmp_path):
     """The interpreter accepts code a GPU compile rejects (e.g. non-constexpr globals), so compile every decode
     kernel for sm_90 (Triton front end + the bundled ptxas, no GPU needed) at M3's shapes, bf16/fp8/fp32."""
-    import subprocess
-    import sys
+    from hopper_compile import run_compile_script
 
-    triton = pytest.importorskip("triton")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    run_compile_script(_COMPILE_SCRIPT, tmp_path)
 
 
 def test_default_segments_cap_the_candidates_per_row():

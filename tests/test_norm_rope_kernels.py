@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hopper_compile import run_compile_script
 from openm3.layers.norm import RMSNorm
 from openm3.layers.rope import apply_rope, rope_cos_sin
 from openm3.ops import _norm_rope_kernels as kernels
@@ -304,3 +305,54 @@ def test_add_forward_uses_the_kernel_only_in_inference(monkeypatch):
         add_rms_norm(x, d[:2], norm.weight, 1e-6)
     with pytest.raises(ValueError, match=r"weight must be \[32\]"):
         add_rms_norm(x, d, torch.zeros(8), 1e-6)
+
+
+
+_COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from openm3.ops import _norm_rope_kernels as k
+
+
+def compile_(fn, sig, consts, warps):
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    c = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": 3})
+    assert "cubin" in c.asm, fn
+
+
+def ints(*names):
+    return {n: "i32" for n in names}
+
+
+for dt in ("bf16", "fp32"):
+    for rows, block in ((1, 128), (8, 128), (16, 128), (2, 2048)):
+        warps = 4 if rows * block >= 1024 else 1
+        if block == 128:  # m3-small's and M3's heads: q 16, k 4, v 4, index q 4, index k 1
+            sig = {n: "*" + dt for n in ("y_ptr", "out_ptr", "cos_ptr", "sin_ptr", "w0", "w1", "w2", "w3", "w4")}
+            compile_(k._heads_norm_rope_kernel, {**sig, **ints("n_tokens", "dim", "half", "stride_yt", "stride_ct",
+                                                              "stride_st"), "eps": "fp32"},
+                     dict(E0=16, E1=20, E2=24, E3=28, E4=29, NORM=0b11011, ROPE=0b11011, ROWS=rows, BLOCK_D=block),
+                     warps)
+            compile_(k._rope_kernel, {**{n: "*" + dt for n in ("x_ptr", "cos_ptr", "sin_ptr", "out_ptr")},
+                                      **ints("n_rows", "heads", "dim", "half", "stride_xt", "stride_xh", "stride_ct",
+                                             "stride_st", "stride_ot", "stride_oh")},
+                     dict(ROWS=16, BLOCK_D=block), 4)
+        compile_(k._rms_norm_kernel, {**{n: "*" + dt for n in ("x_ptr", "w_ptr", "out_ptr")},
+                                      **ints("n_rows", "dim", "stride_x", "stride_o"), "eps": "fp32"},
+                 dict(ROWS=rows, BLOCK_D=block), warps)
+        compile_(k._add_rms_norm_kernel, {**{n: "*" + dt for n in ("x_ptr", "d_ptr", "w_ptr", "sum_ptr", "out_ptr")},
+                                          **ints("n_rows", "dim", "stride_x", "stride_d", "stride_s", "stride_o"),
+                                          "eps": "fp32"},
+                 dict(ROWS=rows, BLOCK_D=block), warps)
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_hopper(tmp_path):
+    """The interpreter runs code a GPU compile may reject (runtime branches picking a group's weight, say), so
+    compile each kernel for sm_90 (no GPU needed), bf16 and fp32."""
+    run_compile_script(_COMPILE_SCRIPT, tmp_path)
