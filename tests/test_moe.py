@@ -70,6 +70,37 @@ def test_grouped_equals_reference_fp32(shape, grouped_mm, monkeypatch):
     assert_same(fast, ref, 1e-5)
 
 
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "sliced"])
+def test_grouped_inference_equals_the_grouped_path(grouped_mm, monkeypatch):
+    """Without gradients the grouped experts take `_grouped_inference` (rows gathered by the sort's order, outputs
+    put back with one index_copy, mix + scale + shared add in one function): the same numbers as the path with
+    gradients, bit for bit in fp32 on CPU, for the MoE layer and for `Experts` with and without scale / add."""
+    monkeypatch.setattr(moe, "USE_GROUPED_MM", grouped_mm)
+    calls = []
+    real = moe.Experts._grouped_inference
+    monkeypatch.setattr(moe.Experts, "_grouped_inference", lambda *a: calls.append(1) or real(*a))
+    layer = make_moe(32, 24, 6, 2, seed=4)
+    layer.routed_scaling_factor = 2.5
+    layer.experts.impl = "grouped"
+    x = torch.randn(19, 32)
+    want, want_logits = layer(x)  # parameters require grad: the training path
+    assert calls == []
+    with torch.no_grad():
+        got, logits = layer(x)
+    assert calls == [1] and torch.equal(got, want) and torch.equal(logits, want_logits)
+    _, weights, ids = layer.gate(x)
+    shared = torch.randn(19, 32)
+    for scale, add in ((1.0, None), (0.5, None), (1.0, shared), (3.0, shared)):
+        ref = layer.experts(x, ids, weights)
+        ref = ref * scale if scale != 1.0 else ref
+        ref = ref if add is None else ref + add
+        with torch.no_grad():
+            out = layer.experts(x, ids, weights, scale=scale, add=add)
+        assert torch.equal(out, ref), (scale, add is None)
+    with pytest.raises(ValueError, match=r"add must be \[N, hidden\] like x \(19, 32\), got \(3, 32\)"):
+        layer.experts(x, ids, weights, add=shared[:3])
+
+
 def test_grouped_path_uses_grouped_mm(monkeypatch):
     """The aligned fp32 case really goes through torch._grouped_mm (not the sliced fallback)."""
     calls = []
