@@ -195,8 +195,9 @@ class Experts(nn.Module):
             out.index_add_(0, tok, h.to(out.dtype))
         return out
 
-    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        n, k = experts.shape
+    def _sorted(self, x: torch.Tensor, experts: torch.Tensor):
+        """What both grouped paths start from: x and the expert weights in the compute dtype, the (token, slot)
+        pairs' order sorted by expert, and offs[e] = the end of expert e's rows in that order."""
         num_experts = self.gate_up_proj.shape[0]
         # Under autocast the GEMMs run in the autocast dtype, as F.linear would (`_grouped_mm` is not on
         # autocast's cast lists, and the Hopper kernel takes bf16 only); outside autocast this is a no-op.
@@ -204,9 +205,14 @@ class Experts(nn.Module):
         x, gate_up_proj, down_proj = x.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
         # (token, slot) pairs grouped by expert: a radix sort of 8-bit ids takes one pass (int32: four)
         sorted_ids, order = torch.sort(experts.reshape(-1).to(_id_dtype(num_experts)), stable=True)
-        # offs[e] = end of expert e's rows in sorted order, computed on the device (no host sync)
+        # offs computed on the device (no host sync)
         offs = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype),
                                   right=True, out_int32=True)
+        return x, gate_up_proj, down_proj, order, offs
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n, k = experts.shape
+        x, gate_up_proj, down_proj, order, offs = self._sorted(x, experts)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         rows = _PermuteRows.apply(x, order, inverse, k)  # [N*k, hidden]: row i is token order[i] // k
         h = grouped_linear(rows, gate_up_proj, offs)  # [N*k, 2I]
@@ -221,12 +227,7 @@ class Experts(nn.Module):
         gathered by `order` directly, the expert outputs put back by one `index_copy_` (no inverse permutation),
         and the mix, `scale` and `add` as one fused kernel on CUDA."""
         n, k = experts.shape
-        num_experts = self.gate_up_proj.shape[0]
-        dtype = _compute_dtype(x)
-        x, gate_up_proj, down_proj = x.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
-        sorted_ids, order = torch.sort(experts.reshape(-1).to(_id_dtype(num_experts)), stable=True)
-        offs = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype),
-                                  right=True, out_int32=True)
+        x, gate_up_proj, down_proj, order, offs = self._sorted(x, experts)
         h = fused_swiglu_oai(grouped_linear(x[order // k], gate_up_proj, offs), self.alpha, self.limit)
         y = grouped_linear(h, down_proj, offs)  # expert order
         y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)  # (token, slot) order
