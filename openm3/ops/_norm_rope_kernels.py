@@ -163,7 +163,7 @@ def _heads_norm_rope_kernel(y_ptr, out_ptr, cos_ptr, sin_ptr, w0, w1, w2, w3, w4
         r = (x * c + tl.where(first[None, :], -xp, xp) * s).to(x_in.dtype).to(tl.float32)
         y = tl.where(rotated[None, :], r, x)
     heads_g = last_head - first_head
-    base = n_tokens.to(tl.int64) * first_head * dim  # the group's block in `out`
+    base = first_head.to(tl.int64) * n_tokens * dim  # the group's block in `out`
     dst = out_ptr + base + (t[:, None] * heads_g + (h - first_head)) * dim + cols[None, :]
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)
 
