@@ -101,6 +101,27 @@ def test_paged_dense_equals_sdpa():
         start_k, start_q = start_k + n, start_q + m
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_e8m0_quantization_is_frexp_and_ldexp(dtype):
+    """The e8m0 quantizer (integer and float ops that fuse into one kernel on CUDA) equals its definition with
+    torch.frexp / torch.ldexp bit for bit: magnitudes from 1e-35 to 1e35, zero rows, rows whose largest entry is
+    448 times an exact power of two (where the exponent steps)."""
+    def spec(ki):
+        amax = ki.float().abs().amax(dim=-1).clamp_min(1e-30)
+        mant, exp = torch.frexp(amax / 448.0)  # amax / 448 = mant * 2^exp, mant in [0.5, 1)
+        e = (exp - (mant == 0.5).to(exp.dtype)).clamp(-126, 127)  # the smallest e with 2^e >= amax / 448
+        return torch.ldexp(ki.float(), -e[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), (e + 127).byte()
+
+    gen = torch.Generator().manual_seed(3)
+    ki = torch.cat([torch.randn(600, 64, generator=gen) * torch.logspace(-35, 35, 600)[:, None], torch.zeros(2, 64),
+                    2.0 ** torch.arange(-100, 100, dtype=torch.float32)[:, None] * 448 * torch.ones(1, 64)])
+    ki[-50:, 7] *= -1
+    ki = ki.to(dtype)
+    q8, scale = decode.quantize_index_keys(ki)
+    want_q8, want_scale = spec(ki)
+    assert torch.equal(q8.view(torch.uint8), want_q8.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
 def test_fp8_roundtrip_and_bad_inputs():
     ki = torch.randn(10, 32) * 3
     ki[3] = 0.0  # a zero key: any scale, zero entries

@@ -327,3 +327,20 @@ def test_split_fp8_scoring_matches_fp16_scoring(seq_lens, q_len):
     o2, lse2 = triton_decode.decode_attention(x["q"], x["k"], x["v"], x["table"], x["lens"], idx_split, q_len=q_len)
     torch.testing.assert_close(o.float(), o2.float(), atol=4e-3, rtol=0)
     torch.testing.assert_close(lse, lse2, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 4096])
+def test_compiled_e8m0_quantizer_equals_the_eager_ops(rows):
+    """`quantize_index_keys` with e8m0 scales runs compiled on CUDA (one fused kernel): bit-identical to its eager
+    ops on the same GPU and to the CPU's result, bf16 keys over a wide range of magnitudes."""
+    from openm3.ops.msa import decode
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    ki = (torch.randn(rows, DI, device="cuda", generator=gen)
+          * torch.logspace(-20, 20, rows, device="cuda")[:, None]).to(torch.bfloat16)
+    q8, scale = decode.quantize_index_keys(ki)
+    eager_q8, eager_scale = decode._quantize_e8m0.__wrapped__(ki)
+    cpu_q8, cpu_scale = decode.quantize_index_keys(ki.cpu())
+    for want_q8, want_scale in ((eager_q8, eager_scale), (cpu_q8.cuda(), cpu_scale.cuda())):
+        assert torch.equal(q8.view(torch.uint8), want_q8.view(torch.uint8)) and torch.equal(scale, want_scale)
+    assert decode._quantize_e8m0.fallback is None  # it compiled
