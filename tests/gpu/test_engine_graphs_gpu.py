@@ -12,11 +12,13 @@ pytestmark = pytest.mark.gpu
 
 
 def _model(dtype):
+    """m3-tiny as `openm3 generate` loads models (`for_inference`: fused attention projections)."""
+    from openm3.engine.generate import for_inference
     from openm3.models import M3TextConfig, M3TextModel
 
     torch.manual_seed(0)
     config = M3TextConfig.from_name("m3-tiny", index_topk_blocks=2)
-    return M3TextModel(config).to("cuda", dtype).eval()
+    return for_inference(M3TextModel(config).to("cuda", dtype))
 
 
 def _cache(model, seqs, index_dtype):
