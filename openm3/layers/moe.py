@@ -8,7 +8,7 @@ The routed experts have two implementations with the same numbers (`Experts.impl
 - ``"grouped"``: the training path. The (token, slot) pairs are sorted by expert once, each projection is one
   grouped matmul over all experts (``torch._grouped_mm`` with per-expert row offsets computed on the device), the
   activation is one fused elementwise kernel on CUDA (``torch.compile``), and the k expert outputs of a token are
-  un-permuted and mixed with its routing weights in one fused kernel (no atomics, deterministic). With
+  un-permuted (one gather) and mixed with its routing weights by one fused kernel (no atomics, deterministic). With
   ``torch._grouped_mm`` present and 16-byte aligned rows there is no host sync; otherwise each projection runs
   per expert on contiguous sorted slices, which needs the counts on the host (one sync). Without gradients
   (inference) the outputs go back by one ``index_copy_`` and the mix, the routed scaling and the shared expert's

@@ -18,7 +18,6 @@ and no enclosing `torch.compile` traces the call (Inductor fuses the torch ops i
   compiler may fuse a product into the sum (one fp32 rounding fewer).
 - `rms_norm(x, weight, eps)` computes in fp32 as `RMSNorm` does; only the sum of squares is reduced in another
   order (fp32 rounding of the mean square, then one rounding to x's dtype).
-
 - `add_rms_norm(x, delta, weight, eps)` is the residual add and the norm after it in one kernel: `x + delta`
   (rounded to x's dtype, as torch's add) and `rms_norm` of that sum.
 - `heads_norm_rope(y, heads, ...)` takes a fused projection's output (the q, k, v and index heads of one GEMM,
