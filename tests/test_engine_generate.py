@@ -137,6 +137,22 @@ def test_cli_text_prompt_with_tokenizer(tmp_path, capsys):
     assert "finish reason" in capsys.readouterr().err
 
 
+def test_streamed_cli_output_keeps_characters_split_across_tokens(capsys):
+    """`openm3 generate`'s streaming prints each character once it is whole: a byte-level tokenizer's pieces of
+    "é", "→" and an emoji are not printed as replacement characters one token at a time."""
+    from openm3.data.tokenizer import get_tokenizer
+    from openm3.engine.generate import _streamer
+
+    tok = get_tokenizer().backend  # the tokenizers.Tokenizer `generate --tokenizer` loads
+    text = "naïve café → ok 🙂 done"
+    ids = tok.encode(text).ids
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some token is part of a character
+    show = _streamer(tok)
+    for i in ids:
+        show(0, i)
+    assert capsys.readouterr().out == text
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--preset", "m3-huge", "--prompt-ids", "1"], "unknown config name"),
     (["--checkpoint", "/nonexistent/ckpt", "--prompt-ids", "1"], "does not exist"),

@@ -192,7 +192,7 @@ def test_incremental_text_is_the_whole_decode_token_by_token(tok):
 
     from tokenizers import Tokenizer, decoders, models
 
-    from openm3.serve.stream import IncrementalText
+    from openm3.data.tokenizer import IncrementalText
 
     rng = random.Random(0)
     text = "naïve café → ok 你好，世界 🙂🚀 <think>x</think> def f(a):\n    return a  # ok\n" * 6

@@ -164,6 +164,43 @@ class M3Tokenizer:
         return path
 
 
+class IncrementalText:
+    """`tokenizer.decode(tokens)` kept up to date one token at a time, decoding only the last few tokens.
+
+    Decoding the whole answer again at every token costs O(n) per token (~0.9 ms at 4K tokens and ~2.8 ms at 16K
+    on a 2-core CPU, the serving loop's host time): O(n^2) per answer. Here each push decodes a short window that
+    starts at `prefix` (the last settled point but one): the text the window adds past the part already settled
+    (`tokens[prefix:read]`) is appended once it no longer ends in an unfinished character (U+FFFD), and `read`
+    moves to the end. Both decodes of a window start at the same token, so decoders that treat a sequence's first
+    token specially (a stripped leading space) treat both alike. `text` equals the whole decode (a test checks it
+    token by token on the project's tokenizer, multi-byte characters split across tokens included).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.settled = ""  # the text of tokens[:read]
+        self._prefix = self._read = 0
+        self._prefix_text = ""  # the text of tokens[prefix:read] decoded on its own
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        """Append `token`; returns the whole text so far (unfinished characters as U+FFFD, as the full decode)."""
+        self.tokens.append(token)
+        window = self.tokenizer.decode(self.tokens[self._prefix:])
+        if not window.startswith(self._prefix_text):  # a decoder whose windows disagree here: start over whole
+            self.settled, self._prefix, self._read, self._prefix_text = "", 0, 0, ""
+            window = self.tokenizer.decode(self.tokens)
+        added = window[len(self._prefix_text):]
+        if added and not added.endswith("\ufffd"):
+            self.settled += added
+            self._prefix, self._read = self._read, len(self.tokens)
+            self._prefix_text = self.tokenizer.decode(self.tokens[self._prefix:self._read])
+            added = ""
+        self.text = self.settled + added
+        return self.text
+
+
 def train_tokenizer(settings: TokenizerSettings | None = None, texts: Iterator[str] | None = None) -> M3Tokenizer:
     """Train a byte-level BPE on ``texts`` (default: :func:`training_texts` of ``settings``)."""
     tk = require("tokenizers", "tokenizers")

@@ -662,8 +662,20 @@ def _progress(total: int):
 
 
 def _streamer(tokenizer) -> Callable[[int, int], None]:
-    def show(_b: int, tok: int) -> None:
-        print(tokenizer.decode([tok]) if tokenizer else f"{tok},", end="", flush=True)
+    """Prints each sequence's text as it settles (a character split across tokens once it is whole; token ids
+    without a tokenizer)."""
+    from ..data.tokenizer import IncrementalText
+
+    texts: dict[int, IncrementalText] = {}
+
+    def show(b: int, tok: int) -> None:
+        if tokenizer is None:
+            print(f"{tok},", end="", flush=True)
+            return
+        text = texts.setdefault(b, IncrementalText(tokenizer))
+        shown = len(text.settled)
+        text.push(tok)
+        print(text.settled[shown:], end="", flush=True)
 
     return show
 
