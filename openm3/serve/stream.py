@@ -38,8 +38,7 @@ class TextStream:
         self.min_tokens = min_tokens  # vLLM's rule: no stop string ends the text before this many tokens
         self._stop_after = 0  # characters within which stop strings are ignored (those ending before min_tokens)
         self.reasoning = reasoning
-        self.tokens: list[int] = []
-        self._decoder = IncrementalText(tokenizer)
+        self._decoder = IncrementalText(tokenizer)  # holds the pushed tokens
         self.text = ""
         self.sent = 0
         self.stopped = False
@@ -50,8 +49,12 @@ class TextStream:
         self.decoded = 0  # characters of the decoded tokens, before any cut
         self._span: tuple[int, int | None] | None = None  # the message text's, once settled
 
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens pushed so far."""
+        return self._decoder.tokens
+
     def push(self, token: int) -> str:
-        self.tokens.append(token)
         before = self._decoder.settled  # no stop string lies wholly inside the text settled before this token
         text = self._decoder.push(token)
         self.decoded = len(text)
