@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from ..ops import msa
 from ..ops.msa import decode
 from ..ops.msa.backend import pick_backend
+from ..ops.paged_write import write_paged
 
 FP8 = decode.FP8_DTYPE
 _INDEX_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": FP8}
@@ -590,18 +591,9 @@ class PagedCache:
     # ------------------------------------------------------------------ internals
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, ki: torch.Tensor | None, slots: torch.Tensor):
-        lay = self.layout
-        self.k[layer].view(-1, lay.num_kv_heads, lay.head_dim).index_copy_(0, slots, k.to(self.plan.kv_dtype))
-        self.v[layer].view(-1, lay.num_kv_heads, lay.head_dim).index_copy_(0, slots, v.to(self.plan.kv_dtype))
-        if ki is None:
-            return
-        pool = self.ki[layer]
-        if pool.dtype == FP8:
-            q8, scale = decode.quantize_index_keys(ki)
-            pool.view(torch.uint8).view(-1, lay.index_head_dim).index_copy_(0, slots, q8.view(torch.uint8))
-            self.ki_scale[layer].view(-1).index_copy_(0, slots, scale)
-        else:
-            pool.view(-1, lay.index_head_dim).index_copy_(0, slots, ki.to(pool.dtype))
+        fp8 = ki is not None and self.ki[layer].dtype == FP8
+        write_paged(slots, k, v, self.k[layer], self.v[layer], ki, None if ki is None else self.ki[layer],
+                    self.ki_scale[layer] if fp8 else None)
 
     def _attend_reference(self, layer, q, qi, st: _Step, *, scale, topk, local_blocks):
         ps = self.layout.page_size
