@@ -414,6 +414,7 @@ def _print_rows(records: list[dict], key, figures) -> None:
 
 
 def main(argv=None) -> int:
+    global HQ
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--T", type=int, nargs="+", default=[131072, 1048576], help="cached tokens")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -429,8 +430,12 @@ def main(argv=None) -> int:
                    help="dense prefill times measured in an earlier run, used for T above --no-dense-prefill-above")
     p.add_argument("--no-dense-prefill-above", type=int, default=1 << 21,
                    help="skip the dense prefill baseline above this many tokens")
+    p.add_argument("--hq", type=int, default=HQ, help="query heads (M3: 64; m3-small: 16), over 4 KV heads")
     p.add_argument("--out", default="benchmarks/results/")
     args = p.parse_args(argv)
+    if args.hq < HKV or args.hq % HKV:
+        p.error(f"--hq must be a positive multiple of the {HKV} KV heads, got {args.hq}")
+    HQ = args.hq
     sweeps = {"b1": B1_SWEEP, "split": SPLIT_SWEEP}
     args.variants = list(dict.fromkeys(v for name in args.variants for v in sweeps.get(name, [name])))
     if not torch.cuda.is_available():
