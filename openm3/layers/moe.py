@@ -11,8 +11,10 @@ The routed experts have two implementations with the same numbers (`Experts.impl
   un-permuted (one gather) and mixed with its routing weights by one fused kernel (no atomics, deterministic). With
   ``torch._grouped_mm`` present and 16-byte aligned rows there is no host sync; otherwise each projection runs
   per expert on contiguous sorted slices, which needs the counts on the host (one sync). Without gradients
-  (inference) the outputs go back by one ``index_copy_`` and the mix, the routed scaling and the shared expert's
-  add are one fused kernel: 4 kernels fewer per layer (the same numbers on CPU).
+  (inference) the mix, the routed scaling and the shared expert's add are one fused kernel that also puts the
+  outputs back in token order; where Triton runs (`openm3.ops.norm_rope.inference_kernels`) the router's
+  sigmoid / top-k and, for a decode step's few pairs, the sort by expert and the row gather are one kernel each
+  (`openm3.ops.moe_routing`): ~12 kernels fewer per layer than the training path, the same experts and outputs.
 
 ``"auto"`` (the default) picks ``grouped`` for bf16 on CUDA (the Hopper grouped GEMM is bf16-only), including fp32
 inputs under a bf16 CUDA autocast (the trainer's single-GPU mode: fp32 parameters, bf16 compute); ``reference``
@@ -28,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.fused import fused_on_cuda
+from ..ops.moe_routing import SORT_PAIRS_MAX, route_topk, sort_pairs
+from ..ops.norm_rope import inference_kernels
 from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai
 
 IMPLS = ("auto", "reference", "grouped")
@@ -76,7 +80,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> (router_logits [N, E], weights fp32 [N, k], expert ids int64 [N, k])."""
         logits = F.linear(x.to(self.weight.dtype), self.weight)
-        weights, experts = route(logits, self.e_score_correction_bias, self.top_k)
+        if inference_kernels(logits):  # one kernel (openm3.ops.moe_routing), `route`'s numbers
+            weights, experts = route_topk(logits, self.e_score_correction_bias, self.top_k)
+        else:
+            weights, experts = route(logits, self.e_score_correction_bias, self.top_k)
         return logits, weights, experts
 
 
@@ -223,10 +230,17 @@ class Experts(nn.Module):
 
     def _grouped_inference(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, scale: float,
                            add: torch.Tensor | None) -> torch.Tensor:
-        """`_grouped` without gradients, in fewer kernels (a decode step runs ~15 of these per token): rows
-        gathered by `order` directly, the expert outputs put back by one `index_copy_` (no inverse permutation),
-        and the mix, `scale` and `add` as one fused kernel on CUDA."""
+        """`_grouped` without gradients, in fewer kernels (a decode step runs ~15 of these per token): the expert
+        outputs put back in token order inside the fused kernel that mixes them and applies `scale` and `add`.
+        A decode step's few pairs are sorted and gathered by one kernel (`openm3.ops.moe_routing.sort_pairs`);
+        more (prefill) take the radix sort, gathered by `order` directly and put back by one `index_copy_`."""
         n, k = experts.shape
+        if n * k <= SORT_PAIRS_MAX and experts.dtype == torch.int64 and inference_kernels(x):
+            dtype = _compute_dtype(x)
+            rows, offs, pos = sort_pairs(experts, x.to(dtype), self.gate_up_proj.shape[0])
+            h = fused_swiglu_oai(grouped_linear(rows, self.gate_up_proj.to(dtype), offs), self.alpha, self.limit)
+            y = grouped_linear(h, self.down_proj.to(dtype), offs)  # expert order; pair p's row is y[pos[p]]
+            return mix_gather_scale_add(y, pos, weights, scale, add)
         x, gate_up_proj, down_proj, order, offs = self._sorted(x, experts)
         h = fused_swiglu_oai(grouped_linear(x[order // k], gate_up_proj, offs), self.alpha, self.limit)
         y = grouped_linear(h, down_proj, offs)  # expert order
@@ -251,6 +265,14 @@ def _mix_scale_add(y: torch.Tensor, weights: torch.Tensor, scale: float, add: to
 
 # `mix_expert_outputs(y, weights) * scale + add` (MoE's routed scaling and shared expert), one kernel on CUDA
 mix_scale_add = fused_on_cuda(_mix_scale_add)
+
+
+@fused_on_cuda
+def mix_gather_scale_add(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, scale: float,
+                         add: torch.Tensor | None) -> torch.Tensor:
+    """`mix_scale_add` of y's rows in (token, slot) order, `y[pos]` (y [N*k, hidden] in expert order): the gather
+    inside the one fused kernel on CUDA."""
+    return _mix_scale_add(y[pos].view(weights.shape[0], weights.shape[1], -1), weights, scale, add)
 
 # sum_j weights[t, j] * y[t, j] in fp32 for y [N, k, hidden], weights [N, k] -> [N, hidden] in y's dtype: one fused
 # elementwise-and-reduce kernel each way on CUDA. (A batched matmul [N, 1, k] x [N, k, hidden] ran as cuBLAS gemv at

@@ -1,0 +1,54 @@
+"""`openm3.ops.moe_routing` on CUDA: the routing kernel against `route` (compiled and as torch ops), the pair sort
+against torch's radix sort, at m3-small's (16 experts, top-2) and M3's (128, top-4) router shapes; a no-grad MoE
+layer of a decode step launches them and no sort / searchsorted / gather kernels.
+
+    .venv/bin/python -m pytest -q -m gpu tests/gpu/test_moe_routing_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("e, k", [(16, 2), (128, 4)])
+def test_routing_kernels_on_cuda(e, k):
+    from openm3.layers.moe import route
+    from openm3.ops.moe_routing import route_topk, sort_pairs
+
+    gen = torch.Generator(device="cuda").manual_seed(e)
+    bias = torch.randn(e, device="cuda", generator=gen) * 0.1
+    for rows in (1, 8, 256, 8192):
+        logits = torch.randn(rows, e, device="cuda", generator=gen, dtype=torch.bfloat16)
+        w, ids = route_topk(logits, bias, k)
+        for want_w, want_ids in (route(logits, bias, k), route.__wrapped__(logits, bias, k)):
+            assert torch.equal(ids, want_ids), rows
+            torch.testing.assert_close(w, want_w, rtol=2e-6, atol=1e-7)
+        if rows * k <= 4096:
+            x = torch.randn(rows, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)
+            got_rows, offs, pos = sort_pairs(ids, x, e)
+            sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+            assert torch.equal(got_rows, x[order // k])
+            assert torch.equal(offs, torch.searchsorted(sorted_ids, torch.arange(e, device="cuda"), right=True,
+                                                        out_int32=True))
+            assert torch.equal(order[pos], torch.arange(rows * k, device="cuda"))
+
+
+def test_decode_moe_layer_kernels():
+    """m3-small's MoE layer without gradients at 8 tokens: both routing kernels, no radix sort, searchsorted,
+    gather or index_copy."""
+    from test_moe_gpu import small_moe
+
+    layer = small_moe(torch.bfloat16)
+    x = torch.randn(8, layer.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer(x)  # compile the fused functions first
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            layer(x)
+            torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("_route_kernel" in n for n in names) and any("_sort_pairs_kernel" in n for n in names), names
+    for banned in ("radixSort", "searchsorted", "index_copy", "gather_kernel"):
+        assert not any(banned in n for n in names), (banned, names)

@@ -1,0 +1,128 @@
+"""`openm3.ops.moe_routing`: the MoE layer's routing bookkeeping for inference in two Triton kernels, against the
+layer's torch code (their spec), under TRITON_INTERPRET=1 on CPU tensors (conftest sets it without a GPU); the
+layer uses them without gradients; they compile for sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hopper_compile import run_compile_script
+from openm3.layers import moe
+from openm3.ops.moe_routing import SORT_PAIRS_MAX, route_topk, sort_pairs
+from openm3.ops.msa import use_backend
+from test_moe import make_moe
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests (tests/gpu on a GPU)")
+
+
+@pytest.mark.parametrize("n, e, k", [(1, 16, 2), (37, 16, 2), (20, 128, 4), (9, 20, 3), (5, 8, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_topk_matches_route(n, e, k, dtype):
+    """Experts non-power-of-2 in number, k = E; the ids in `route`'s order (largest first), the weights within
+    an fp32 rounding or two (sigmoid's last bit may differ between libraries)."""
+    torch.manual_seed(n * e + k)
+    logits = (torch.randn(n, e) * 2).to(dtype)
+    bias = torch.randn(e) * 0.3
+    w, ids = route_topk(logits, bias, k)
+    want_w, want_ids = moe.route.__wrapped__(logits, bias, k)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (n, k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_route_topk_ties_go_to_the_lower_expert():
+    """Equal scores + bias: the lower expert first, as k argmax passes (the CUDA path of top_k_ids) pick them."""
+    logits = torch.tensor([[0.5, 1.0, 1.0, 0.2, 1.0], [3.0, 3.0, 3.0, 3.0, 3.0]])
+    bias = torch.zeros(5)
+    _, ids = route_topk(logits, bias, 3)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+    assert torch.equal(ids, moe._top_k_by_passes(torch.sigmoid(logits) + bias, 3))
+
+
+@pytest.mark.parametrize("n, k, e, hidden", [(1, 2, 16, 64), (8, 2, 16, 300), (37, 3, 6, 40), (300, 4, 128, 24)])
+def test_sort_pairs_matches_the_radix_sort(n, k, e, hidden):
+    """Pairs across several 128-pair chunks and 16-pair programs, hidden over several 256-wide column blocks, some
+    experts empty: rows, offsets and places equal the stable sort's."""
+    torch.manual_seed(n + k)
+    experts = torch.randint(0, e, (n, k))
+    x = torch.randn(n, hidden)
+    rows, offs, pos = sort_pairs(experts, x, e)
+    sorted_ids, order = torch.sort(experts.reshape(-1), stable=True)
+    assert torch.equal(rows, x[order // k])
+    assert torch.equal(offs, torch.searchsorted(sorted_ids, torch.arange(e), right=True, out_int32=True))
+    assert torch.equal(order[pos], torch.arange(n * k))  # pos is order's inverse
+
+
+def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch):
+    """With the Triton backend and no gradients a MoE layer routes with route_topk and sorts with sort_pairs; its
+    output equals the torch path's given the same routing (bit for bit: same GEMMs, same mix) and is close to it
+    end to end."""
+    layer = make_moe(32, 24, 6, 2, seed=4)
+    layer.routed_scaling_factor = 2.5
+    layer.experts.impl = "grouped"
+    x = torch.randn(19, 32)
+    calls = []
+    for name in ("route_topk", "sort_pairs"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    with torch.no_grad():
+        want, want_logits = layer(x)
+        _, weights, ids = layer.gate(x)
+        want_experts = layer.experts(x, ids, weights, scale=2.5, add=x)
+        assert calls == []
+        with use_backend("triton"):
+            got, logits = layer(x)
+            assert calls == ["route_topk", "sort_pairs"]
+            got_experts = layer.experts(x, ids, weights, scale=2.5, add=x)
+    assert torch.equal(got_experts, want_experts) and torch.equal(logits, want_logits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # weights an fp32 ulp or two apart
+    with use_backend("triton"):
+        calls.clear()
+        layer(x)  # parameters require grad: the training path
+        assert calls == []
+
+
+def test_bad_arguments_fail_with_the_argument_named():
+    with pytest.raises(ValueError, match=r"bias must be \[4\]"):
+        route_topk(torch.zeros(3, 4), torch.zeros(5), 2)
+    with pytest.raises(ValueError, match=r"k must be in \[1, 4\], got 5"):
+        route_topk(torch.zeros(3, 4), torch.zeros(4), 5)
+    with pytest.raises(ValueError, match="experts must be int64"):
+        sort_pairs(torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 8), 4)
+    with pytest.raises(ValueError, match=r"x must be \[N=3, hidden\]"):
+        sort_pairs(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(4, 8), 4)
+    with pytest.raises(ValueError, match="at most SORT_PAIRS_MAX"):
+        sort_pairs(torch.zeros(SORT_PAIRS_MAX, 2, dtype=torch.int64), torch.zeros(SORT_PAIRS_MAX, 1), 4)
+
+
+_COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from openm3.ops import _moe_routing_kernels as k
+
+
+def compile_(fn, sig, consts):
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    c = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 3})
+    assert "cubin" in c.asm, fn
+
+
+for e, kk in ((16, 2), (128, 4)):
+    compile_(k._route_kernel, {"logit_ptr": "*bf16", "bias_ptr": "*fp32", "w_ptr": "*fp32", "id_ptr": "*i64",
+                               "n_rows": "i32", "n_experts": "i32", "stride_l": "i32"},
+             dict(K=kk, K_P2=kk, ROWS=16, BLOCK_E=e))
+    compile_(k._sort_pairs_kernel, {"id_ptr": "*i64", "x_ptr": "*bf16", "rows_ptr": "*bf16", "pos_ptr": "*i64",
+                                    "offs_ptr": "*i32", **{n: "i32" for n in ("n_pairs", "n_experts", "hidden",
+                                                                               "stride_x")}},
+             dict(K=kk, PAIRS=16, CHUNK=128, BLOCK_E=e, BLOCK_H=256))
+print("compiled")
+"""
+
+
+def test_the_kernels_compile_for_hopper(tmp_path):
+    run_compile_script(_COMPILE_SCRIPT, tmp_path)
