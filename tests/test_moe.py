@@ -90,15 +90,22 @@ def test_grouped_inference_equals_the_grouped_path(grouped_mm, monkeypatch):
     assert calls == [1] and torch.equal(got, want) and torch.equal(logits, want_logits)
     _, weights, ids = layer.gate(x)
     shared = torch.randn(19, 32)
-    for scale, add in ((1.0, None), (0.5, None), (1.0, shared), (3.0, shared)):
+    resid = torch.randn(19, 32)
+    for scale, add, residual in ((1.0, None, None), (0.5, None, None), (1.0, shared, None), (3.0, shared, None),
+                                 (2.0, shared, resid), (1.0, None, resid)):
         ref = layer.experts(x, ids, weights)
         ref = ref * scale if scale != 1.0 else ref
         ref = ref if add is None else ref + add
+        ref = ref if residual is None else ref + residual
         with torch.no_grad():
-            out = layer.experts(x, ids, weights, scale=scale, add=add)
-        assert torch.equal(out, ref), (scale, add is None)
+            out = layer.experts(x, ids, weights, scale=scale, add=add, residual=residual)
+        assert torch.equal(out, ref), (scale, add is None, residual is None)
+    with torch.no_grad():  # the decoder layer's residual add, last
+        assert torch.equal(layer(x, residual=resid)[0], layer(x)[0] + resid)
     with pytest.raises(ValueError, match=r"add must be \[N, hidden\] like x \(19, 32\), got \(3, 32\)"):
         layer.experts(x, ids, weights, add=shared[:3])
+    with pytest.raises(ValueError, match=r"residual must be \[N, hidden\] like x \(19, 32\), got \(3, 32\)"):
+        layer.experts(x, ids, weights, residual=shared[:3])
 
 
 def test_grouped_path_uses_grouped_mm(monkeypatch):

@@ -69,12 +69,12 @@ def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch):
     with torch.no_grad():
         want, want_logits = layer(x)
         _, weights, ids = layer.gate(x)
-        want_experts = layer.experts(x, ids, weights, scale=2.5, add=x)
+        want_experts = layer.experts(x, ids, weights, scale=2.5, add=x, residual=x * 0.5)
         assert calls == []
         with use_backend("triton"):
             got, logits = layer(x)
             assert calls == ["route_topk", "sort_pairs"]
-            got_experts = layer.experts(x, ids, weights, scale=2.5, add=x)
+            got_experts = layer.experts(x, ids, weights, scale=2.5, add=x, residual=x * 0.5)
     assert torch.equal(got_experts, want_experts) and torch.equal(logits, want_logits)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # weights an fp32 ulp or two apart
     with use_backend("triton"):

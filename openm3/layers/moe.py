@@ -131,21 +131,24 @@ class Experts(nn.Module):
         return "grouped" if x.is_cuda and _compute_dtype(x) == torch.bfloat16 and _HAS_GROUPED_MM else "reference"
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *,
-                check_ids: bool = True, scale: float = 1.0, add: torch.Tensor | None = None) -> torch.Tensor:
+                check_ids: bool = True, scale: float = 1.0, add: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [N, hidden], experts: [N, k] ids in [0, E), weights: [N, k] -> weighted sum of expert outputs
-        [N, hidden] (dtype of x), times `scale`, plus `add` [N, hidden] when given (MoE's routed scaling and shared
-        expert: `out * scale + add` as torch ops, in one kernel with the mix in grouped inference). check_ids=False
+        [N, hidden] (dtype of x), times `scale`, plus `add` [N, hidden], then plus `residual` [N, hidden] when given
+        (MoE's routed scaling, shared expert and the decoder layer's residual: `out * scale + add + residual` as
+        torch ops in that order, in one kernel with the mix in grouped inference). check_ids=False
         skips the ids' range check (on CUDA five small kernels and an asynchronous assert): for ids a `Router`
         made, in range by construction."""
         self._check(x, experts, weights, check_ids)
-        if add is not None and add.shape != x.shape:
-            raise ValueError(f"add must be [N, hidden] like x {tuple(x.shape)}, got {tuple(add.shape)}")
+        for name, t in (("add", add), ("residual", residual)):
+            if t is not None and t.shape != x.shape:
+                raise ValueError(f"{name} must be [N, hidden] like x {tuple(x.shape)}, got {tuple(t.shape)}")
         if x.shape[0] == 0:
             out = torch.zeros_like(x)
         elif self.resolved_impl(x) == "grouped":
             if not torch.compiler.is_compiling() and not (
                     torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *self.parameters()))):
-                return self._grouped_inference(x, experts, weights, scale, add)
+                return self._grouped_inference(x, experts, weights, scale, add, residual)
             out = self._grouped(x, experts, weights)
         elif torch.compiler.is_compiling():
             out = self._reference_eager(x, experts, weights)
@@ -153,7 +156,8 @@ class Experts(nn.Module):
             out = self._reference(x, experts, weights)
         if scale != 1.0:
             out = out * scale
-        return out if add is None else out + add
+        out = out if add is None else out + add
+        return out if residual is None else out + residual
 
     @torch.compiler.disable
     def _reference_eager(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -229,9 +233,10 @@ class Experts(nn.Module):
         return mix_expert_outputs(y, weights)
 
     def _grouped_inference(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, scale: float,
-                           add: torch.Tensor | None) -> torch.Tensor:
+                           add: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
         """`_grouped` without gradients, in fewer kernels (a decode step runs ~15 of these per token): the expert
-        outputs put back in token order inside the fused kernel that mixes them and applies `scale` and `add`.
+        outputs put back in token order inside the fused kernel that mixes them and applies `scale`, `add` and
+        `residual`.
         A decode step's few pairs are sorted and gathered by one kernel (`openm3.ops.moe_routing.sort_pairs`);
         more (prefill) take the radix sort, gathered by `order` directly and put back by one `index_copy_`."""
         n, k = experts.shape
@@ -240,12 +245,12 @@ class Experts(nn.Module):
             rows, offs, pos = sort_pairs(experts, x.to(dtype), self.gate_up_proj.shape[0])
             h = fused_swiglu_oai(grouped_linear(rows, self.gate_up_proj.to(dtype), offs), self.alpha, self.limit)
             y = grouped_linear(h, self.down_proj.to(dtype), offs)  # expert order; pair p's row is y[pos[p]]
-            return mix_gather_scale_add(y, pos, weights, scale, add)
+            return mix_gather_scale_add(y, pos, weights, scale, add, residual)
         x, gate_up_proj, down_proj, order, offs = self._sorted(x, experts)
         h = fused_swiglu_oai(grouped_linear(x[order // k], gate_up_proj, offs), self.alpha, self.limit)
         y = grouped_linear(h, down_proj, offs)  # expert order
         y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)  # (token, slot) order
-        return mix_scale_add(y, weights, scale, add)
+        return mix_scale_add(y, weights, scale, add, residual)
 
 
 def _mix(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -258,21 +263,24 @@ def _mix(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out.to(y.dtype)
 
 
-def _mix_scale_add(y: torch.Tensor, weights: torch.Tensor, scale: float, add: torch.Tensor | None) -> torch.Tensor:
+def _mix_scale_add(y: torch.Tensor, weights: torch.Tensor, scale: float, add: torch.Tensor | None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     out = _mix(y, weights) * scale
-    return out if add is None else out + add
+    out = out if add is None else out + add
+    return out if residual is None else out + residual
 
 
-# `mix_expert_outputs(y, weights) * scale + add` (MoE's routed scaling and shared expert), one kernel on CUDA
+# `mix_expert_outputs(y, weights) * scale + add + residual` (MoE's routed scaling, shared expert and the decoder
+# layer's residual), one kernel on CUDA
 mix_scale_add = fused_on_cuda(_mix_scale_add)
 
 
 @fused_on_cuda
 def mix_gather_scale_add(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, scale: float,
-                         add: torch.Tensor | None) -> torch.Tensor:
+                         add: torch.Tensor | None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """`mix_scale_add` of y's rows in (token, slot) order, `y[pos]` (y [N*k, hidden] in expert order): the gather
     inside the one fused kernel on CUDA."""
-    return _mix_scale_add(y[pos].view(weights.shape[0], weights.shape[1], -1), weights, scale, add)
+    return _mix_scale_add(y[pos].view(weights.shape[0], weights.shape[1], -1), weights, scale, add, residual)
 
 # sum_j weights[t, j] * y[t, j] in fp32 for y [N, k, hidden], weights [N, k] -> [N, hidden] in y's dtype: one fused
 # elementwise-and-reduce kernel each way on CUDA. (A batched matmul [N, 1, k] x [N, k, hidden] ran as cuBLAS gemv at
@@ -364,13 +372,15 @@ class MoE(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size, alpha, limit, impl)
         self.shared_experts = DenseMLP(hidden_size, shared_intermediate_size, alpha, limit)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual [N, hidden]: added last (`residual + moe(x)` as the decoder layer's residual add, in the mix's
+        fused kernel in inference)."""
         shared = self.shared_experts(x)
         logits, weights, experts = self.gate(x)
         # the router's ids are in range: eagerly the check is five small kernels per layer and is skipped; under
         # torch.compile it fuses into the graph and stays (without it Dynamo recompiled a graph once more, CPU test)
         return self.experts(x, experts, weights, check_ids=torch.compiler.is_compiling(),
-                            scale=self.routed_scaling_factor, add=shared), logits
+                            scale=self.routed_scaling_factor, add=shared, residual=residual), logits
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, ...], num_experts: int,

@@ -70,12 +70,11 @@ class DecoderLayer(nn.Module):
                               dense_warmup=dense_warmup, index_input_grad=index_input_grad,
                               return_block_idx=return_block_idx, cache=cache)
         x, h = self.post_attention_layernorm.add_forward(x, attn.out)  # the residual add and the norm
-        router_logits = None
-        if self.is_moe:
-            h, router_logits = self.mlp(h)
+        if self.is_moe:  # the residual add inside the MoE's last kernel in inference
+            x, router_logits = self.mlp(h, residual=x)
         else:
-            h = self.mlp(h)
-        return x + h, attn.kl, router_logits, attn.block_idx
+            x, router_logits = x + self.mlp(h), None
+        return x, attn.kl, router_logits, attn.block_idx
 
 
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int, *, read_range: bool = True) -> None:

@@ -11,6 +11,7 @@ from .msa.triton_common import next_pow2
 _ROUTE_ROWS = 16  # router rows per program
 _PAIRS = 16  # (token, slot) pairs per sorting program
 _CHUNK = 128  # pairs compared per step when counting a pair's place
+_COLUMNS = 256  # columns of x each sorting program copies
 
 
 # sigmoid scores, the top-k of scores + bias by k argmax passes (lowest column first among equals, as torch's
@@ -44,13 +45,15 @@ def _route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, n_rows, n_experts, stride_
 
 
 # pair p = (token p // K, slot p % K) goes to place pos[p] = #pairs with a lower expert + #earlier pairs with the
-# same one (a stable sort by expert); its token's row is copied there; program 0 also writes offs[e] = #pairs with
+# same one (a stable sort by expert); its token's row is copied there, each program (pairs, column block) copying
+# one block of columns; programs of column block 0 write the places and program (0, 0) offs[e] = #pairs with
 # expert <= e
 @triton.jit(do_not_specialize=["n_pairs"])
 def _sort_pairs_kernel(id_ptr, x_ptr, rows_ptr, pos_ptr, offs_ptr, n_pairs, n_experts, hidden, stride_x,
                        K: tl.constexpr, PAIRS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_H: tl.constexpr):
     pid = tl.program_id(0)
+    col = tl.program_id(1)
     p = pid * PAIRS + tl.arange(0, PAIRS)
     p_ok = p < n_pairs
     e = tl.load(id_ptr + p, mask=p_ok, other=0).to(tl.int32)
@@ -60,22 +63,20 @@ def _sort_pairs_kernel(id_ptr, x_ptr, rows_ptr, pos_ptr, offs_ptr, n_pairs, n_ex
         eq = tl.load(id_ptr + q, mask=q < n_pairs, other=n_experts).to(tl.int32)  # padding sorts last
         before = (eq[None, :] < e[:, None]) | ((eq[None, :] == e[:, None]) & (q[None, :] < p[:, None]))
         place += tl.sum(before.to(tl.int32), axis=1)
-    tl.store(pos_ptr + p, place.to(tl.int64), mask=p_ok)
-    src = (p // K).to(tl.int64) * stride_x
-    dst = place.to(tl.int64) * hidden
-    for h in range(0, hidden, BLOCK_H):
-        cols = h + tl.arange(0, BLOCK_H)
-        ok = p_ok[:, None] & (cols < hidden)[None, :]
-        tl.store(rows_ptr + dst[:, None] + cols[None, :], tl.load(x_ptr + src[:, None] + cols[None, :], mask=ok),
-                 mask=ok)
-    if pid == 0:
-        experts = tl.arange(0, BLOCK_E)
-        count = tl.zeros([BLOCK_E], tl.int32)
-        for start in range(0, n_pairs, CHUNK):
-            q = start + tl.arange(0, CHUNK)
-            eq = tl.load(id_ptr + q, mask=q < n_pairs, other=n_experts).to(tl.int32)
-            count += tl.sum((eq[None, :] <= experts[:, None]).to(tl.int32), axis=1)
-        tl.store(offs_ptr + experts, count, mask=experts < n_experts)
+    cols = col * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = p_ok[:, None] & (cols < hidden)[None, :]
+    row = tl.load(x_ptr + ((p // K).to(tl.int64) * stride_x)[:, None] + cols[None, :], mask=ok)
+    tl.store(rows_ptr + (place.to(tl.int64) * hidden)[:, None] + cols[None, :], row, mask=ok)
+    if col == 0:
+        tl.store(pos_ptr + p, place.to(tl.int64), mask=p_ok)
+        if pid == 0:
+            experts = tl.arange(0, BLOCK_E)
+            count = tl.zeros([BLOCK_E], tl.int32)
+            for start in range(0, n_pairs, CHUNK):
+                q = start + tl.arange(0, CHUNK)
+                eq = tl.load(id_ptr + q, mask=q < n_pairs, other=n_experts).to(tl.int32)
+                count += tl.sum((eq[None, :] <= experts[:, None]).to(tl.int32), axis=1)
+            tl.store(offs_ptr + experts, count, mask=experts < n_experts)
 
 
 def launch_route(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, k: int) -> None:
@@ -90,6 +91,7 @@ def launch_sort_pairs(ids: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, po
                       k: int) -> None:
     n_pairs = ids.numel()
     hidden = x.shape[1]
-    _sort_pairs_kernel[(triton.cdiv(n_pairs, _PAIRS),)](
+    block_h = min(_COLUMNS, next_pow2(hidden))
+    _sort_pairs_kernel[(triton.cdiv(n_pairs, _PAIRS), triton.cdiv(hidden, block_h))](
         ids, x, rows, pos, offs, n_pairs, offs.numel(), hidden, x.stride(0), K=k, PAIRS=_PAIRS, CHUNK=_CHUNK,
-        BLOCK_E=next_pow2(offs.numel()), BLOCK_H=min(256, next_pow2(hidden)), num_warps=4)
+        BLOCK_E=next_pow2(offs.numel()), BLOCK_H=block_h, num_warps=4)

@@ -10,7 +10,8 @@ Here:
   top-k of scores + bias, ties to the lower expert as torch's argmax, the picked scores normalised) in one kernel.
 - `sort_pairs(experts, x, num_experts)`: each pair's place in a stable sort by expert, its token's row of x copied
   there, and the per-expert row ends, in one kernel; each program counts its pairs' places against all pairs,
-  so it is for the few pairs of a decode step (`SORT_PAIRS_MAX`), not for prefill chunks.
+  so it is for the few pairs of a decode step (`SORT_PAIRS_MAX`), not for prefill chunks; the row copy is
+  spread over programs of 256 columns each.
 
 The layer's torch code is the spec (`tests/test_moe_routing.py`); `openm3.ops.norm_rope.inference_kernels` says
 when these run. Set `TRITON_INTERPRET=1` before importing Triton to run them on CPU tensors.
