@@ -23,7 +23,9 @@ import torch
 
 __all__ = ["SORT_PAIRS_MAX", "route_topk", "sort_pairs"]
 
-SORT_PAIRS_MAX = 4096  # sort_pairs's cost grows with pairs squared: up to this many (a decode step's batch)
+# sort_pairs's work grows with pairs squared (every program counts its pairs' places against all pairs, once per
+# column block): up to this many, a decode step of 256 tokens at M3's top-4 (more take the radix sort)
+SORT_PAIRS_MAX = 1024
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("e, k", [(16, 2), (128, 4)])
 def test_routing_kernels_on_cuda(e, k):
     from openm3.layers.moe import route
-    from openm3.ops.moe_routing import route_topk, sort_pairs
+    from openm3.ops.moe_routing import SORT_PAIRS_MAX, route_topk, sort_pairs
 
     gen = torch.Generator(device="cuda").manual_seed(e)
     bias = torch.randn(e, device="cuda", generator=gen) * 0.1
@@ -26,7 +26,7 @@ def test_routing_kernels_on_cuda(e, k):
         for want_w, want_ids in (route(logits, bias, k), route.__wrapped__(logits, bias, k)):
             assert torch.equal(ids, want_ids), rows
             torch.testing.assert_close(w, want_w, rtol=2e-6, atol=1e-7)
-        if rows * k <= 4096:
+        if rows * k <= SORT_PAIRS_MAX:
             x = torch.randn(rows, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)
             got_rows, offs, pos = sort_pairs(ids, x, e)
             sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
