@@ -379,7 +379,9 @@ class BatchedGenerator:
             rooms = [self.cache.capacity(r.id) - self.cache.length(r.id) - 1 for r in batch]
             drafts = step_drafts([r.history for r in batch], rooms, config, gate, ids, [r.last for r in batch])
         fed = [[r.last] + (drafts[i] if drafts else []) for i, r in enumerate(batch)]
-        feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64, device=self.device)
+        # on the host: both step paths read the tokens there (made on the device, they cost a copy there and a
+        # sync to read them back every step)
+        feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64)
         lengths = [self.cache.length(i) for i in ids]
         t_step, had = time.perf_counter(), [len(r.outputs) for r in batch]
         warm = (self.graphs.captures, self.graphs.eager_steps) if self.graphs else None

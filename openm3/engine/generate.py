@@ -269,7 +269,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
             drafts = step_drafts([histories[b] for b in running], rooms, speculative, gate, running,
                                  [results[b].tokens[-1] for b in running])
         fed = [[results[b].tokens[-1]] + (drafts[i] if drafts else []) for i, b in enumerate(running)]
-        feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64, device=device)
+        # on the host: both step paths read the tokens there (made on the device, they cost a copy there and a
+        # sync to read them back every step)
+        feed = torch.tensor(fed if drafts else [f[0] for f in fed], dtype=torch.int64)
         lengths = [cache.length(b) for b in running]
         t_step, captures = time.perf_counter(), graphs.captures if graphs else 0
         eager = graphs.eager_steps if graphs else 0

@@ -98,7 +98,8 @@ class DecodeGraphs:
     @torch.no_grad()
     def step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
         """Feeds one token per sequence (tokens int [B], at position = the sequence's cached length) -> next-token
-        logits [B, V]; or q per sequence (tokens [B, q]) -> [B, q, V] (fp32, a fresh tensor)."""
+        logits [B, V]; or q per sequence (tokens [B, q]) -> [B, q, V] (fp32, a fresh tensor). The tokens are read
+        on the host (checked, and copied into the graph's input): a CPU tensor saves a device sync per step."""
         seq_ids = list(seq_ids)
         if tokens.dim() not in (1, 2) or tokens.shape[0] != len(seq_ids) or tokens.numel() == 0 \
                 or tokens.dtype.is_floating_point:
