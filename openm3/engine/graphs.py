@@ -149,7 +149,7 @@ class DecodeGraphs:
         if any(not 0 <= t < vocab for t in host):
             raise ValueError(f"tokens must lie in [0, vocab_size={vocab}), got {host}")
         pads = batch.buffers.rows - len(seq_ids)  # padding rows: token 0 at positions 0..q_len-1
-        ids = tokens.reshape(-1).to(batch.ids.device)
+        ids = tokens.reshape(-1)  # padded where it is (on the host: one upload, no kernels)
         batch.ids.copy_(torch.cat([ids, ids.new_zeros(pads * batch.q_len)]) if pads else ids, non_blocking=True)
         starts = torch.tensor([self.cache.length(s) for s in seq_ids] + [0] * pads, dtype=torch.int64)
         positions = (starts[:, None] + torch.arange(batch.q_len)).reshape(-1)
