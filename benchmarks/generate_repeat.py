@@ -55,7 +55,7 @@ SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_re
 
 
 PLAIN_STEPS = ("plain", "spec", "prof", "kprof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe",
-               "eager", "sharedpool", "keep", "retime", "gprof", "chain", "compile")
+               "eager", "sharedpool", "keep", "retime", "gprof", "chain", "compile", "overlap")
 
 
 def _known_step(step: str) -> bool:
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
                    "(every later run's graphs stay alive), retime (each kept graph's replay timed again), gprof "
                    "(the newest kept graph's replays under torch.profiler: one decode step's kernels, count and GPU "
                    "time per step), chain (the "
-                   "time per node of a 3000-node graph of tiny kernels), compile (the layers under torch.compile)")
+                   "time per node of a 3000-node graph of tiny kernels), compile (the layers under torch.compile), "
+                   "overlap (plain with generate(overlap=True): each step launched before the host reads the last)")
     p.add_argument("--kernels", action="store_true", help="prof also lists the GPU kernels (torch.profiler; it "
                    "stays attached, so later runs are slower)")
     args = p.parse_args(argv)
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
         torch.cuda.CUDAGraph.replay = timed_replay
 
     def one(phase: str, spec=None, profile: bool = False, batch: int | None = None, eager: bool = False,
-            gpu_kernels: bool = False) -> None:
+            gpu_kernels: bool = False, overlap: bool = False) -> None:
         pauses.clear()
         replays.clear()
         prof = cProfile.Profile() if profile else None
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
             kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             kernels.__enter__()
         _, stats = generate(model, prompts[:batch], max_new_tokens=2 if eager else args.new, speculative=spec,
-                            cuda_graphs=False if eager else None)
+                            cuda_graphs=False if eager else None, **({"overlap": True} if overlap else {}))
         if kernels is not None:
             kernels.__exit__(None, None, None)
             table = kernels.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
@@ -310,6 +311,8 @@ def main(argv=None) -> int:
             compile_layers(model)
         elif step == "kprof":  # plain, with every GPU kernel's count and time (torch.profiler, no cProfile)
             one(step, gpu_kernels=True)
+        elif step == "overlap":  # plain, each decode step launched before the host reads the last one's tokens
+            one(step, overlap=True)
         else:  # plain or bN
             one(step, batch=int(step[1:]) if step != "plain" else None)
     if args.out:

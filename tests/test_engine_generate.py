@@ -271,3 +271,44 @@ def test_cli_chat_template_kwargs(tmp_path, capsys, monkeypatch):
         with pytest.raises(SystemExit, match=message):
             main(base + extra)
     assert len(seen) == 2
+
+
+def test_overlapped_decoding_gives_plain_decodings_greedy_tokens(model):
+    """overlap=True (each step launched before the host reads the last one's tokens): the same greedy tokens,
+    finish reasons, streamed tokens and logprobs as the plain loop, with a stop token one sequence samples early
+    (its next step's row is dropped) and sequences ending at max_new_tokens."""
+    prompts = [[5, 17, 300, 42] * 5, [7, 8, 9], [1, 2, 3, 4, 5, 6]]
+    first, _ = generate(model, prompts, max_new_tokens=6)
+    stop = [first[1].tokens[2]]
+    runs = []
+    for overlap in (False, True):
+        streamed, reported = [], []
+        results, stats = generate(model, prompts, max_new_tokens=6, stop_tokens=stop, overlap=overlap,
+                                  on_token=lambda b, t, s=streamed: s.append((b, t)), logprobs=2,
+                                  on_logprobs=lambda b, lp, top, r=reported: r.append((b, round(lp, 4))))
+        runs.append((results, streamed, reported, stats))
+    (plain, s0, r0, st0), (over, s1, r1, st1) = runs
+    assert [r.tokens for r in over] == [r.tokens for r in plain]
+    assert [r.finish_reason for r in over] == [r.finish_reason for r in plain]
+    assert "stop" in [r.finish_reason for r in plain] and "length" in [r.finish_reason for r in plain]
+    for b in range(3):  # per sequence, in order (the interleaving across sequences may differ)
+        assert [t for c, t in s1 if c == b] == [t for c, t in s0 if c == b]
+        assert [x for c, x in r1 if c == b] == [x for c, x in r0 if c == b]
+    assert st1.decode_tokens == st0.decode_tokens == sum(len(r.tokens) for r in plain) - 3
+    assert st1.decode_steps >= st0.decode_steps and st1.first_step_tokens > 0
+    one, _ = generate(model, prompts, max_new_tokens=1, overlap=True)  # prefill's token only: no decode step
+    assert [r.tokens for r in one] == [r.tokens[:1] for r in first]
+
+
+def test_overlapped_sampling_is_seeded_and_well_formed(model):
+    params = SamplingParams(temperature=0.9, top_k=8)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    a, _ = generate(model, prompts, max_new_tokens=7, sampling=params, seed=3, stop_tokens=[11], overlap=True)
+    b, _ = generate(model, prompts, max_new_tokens=7, sampling=params, seed=3, stop_tokens=[11], overlap=True)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    for r in a:
+        assert 1 <= len(r.tokens) <= 7 and all(0 <= t < model.config.vocab_size for t in r.tokens)
+        assert (r.finish_reason == "stop") == (r.tokens[-1] == 11) and 11 not in r.tokens[:-1]
+        assert r.finish_reason == "stop" or len(r.tokens) == 7
+    with pytest.raises(ValueError, match="overlap=True decodes without drafts or constraints"):
+        generate(model, prompts, max_new_tokens=2, overlap=True, draft_contexts=[[1], [2]])

@@ -163,7 +163,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              images: Sequence | None = None, speculative: SpeculativeConfig | None = None,
              logprobs: int | None = None, on_logprobs: Callable[[int, float, list], None] | None = None,
              prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[int, list], None] | None = None,
-             constraints: Sequence | None = None, draft_contexts: Sequence | None = None
+             constraints: Sequence | None = None, draft_contexts: Sequence | None = None, overlap: bool = False
              ) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates continuations of a batch of token-id prompts.
 
@@ -190,6 +190,10 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     draft_contexts: None, or one entry per prompt, token ids the speculative drafts may also be looked up in (a
     predicted output: OpenAI's `prediction`); not the model's input. Without `speculative`, the sequences with
     a context look drafts up with `speculative.PREDICTION_DRAFTS` (adaptive: where they pay) and the others do not.
+    overlap: each decode step is launched before the host reads the previous step's tokens (fed from the device),
+    so the host's sampling read-back and bookkeeping overlap the GPU's step; a sequence that stops on a token is
+    seen one step late and that step's row is dropped (greedy outputs equal plain decoding's; sampled ones draw
+    differently). Not with `speculative`, `draft_contexts` or `constraints`.
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -199,6 +203,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     check_constraints(constraints, len(prompts), stop_tokens)
     if constraints is not None and not any(constraints):
         constraints = None
+    if overlap and (speculative is not None or constraints is not None or draft_contexts is not None):
+        raise ValueError("overlap=True decodes without drafts or constraints: pass speculative=None, "
+                         "constraints=None and draft_contexts=None with it")
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings
@@ -259,6 +266,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     gate = SpeculationGate() if speculative is not None and speculative.adaptive else None
     t1 = time.perf_counter()
     live = set(range(len(ids)))
+    if overlap:  # the loop below without drafts or constraints, launched one step ahead of the host
+        running = _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop, max_new_tokens,
+                                     on_token, report, stats)
     while running:
         for b in live - set(running):  # finished sequences give their pages back
             cache.release(b)
@@ -327,6 +337,71 @@ def check_constraints(constraints, batch: int, stop_tokens) -> None:
         if c is not None and not set(c.stop_tokens) <= stop:
             raise ValueError(f"constraints: a constraint ends its documents with tokens {c.stop_tokens}, which "
                              f"must be among stop_tokens {sorted(stop)}")
+
+
+def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop, max_new_tokens, on_token, report,
+                       stats) -> list[int]:
+    """generate's decode loop for `overlap=True`: step t + 1 is launched with step t's tokens still on the device
+    (sampled there), then the host waits for step t's tokens alone (copied back behind it) and emits them while
+    the GPU runs step t + 1. Sequences that reach max_new_tokens leave the batch in time; one that samples a stop
+    token is in the step after it, whose row is dropped. Returns [] (every sequence done)."""
+    cuda = cache.device.type == "cuda"
+    alive = set(running)
+    batch, feed = list(running), torch.tensor([results[b].tokens[-1] for b in running], dtype=torch.int64)
+    pending = None  # (batch, its host tokens (filling), the copy's event, logits) of the step launched last time
+    t_start = time.perf_counter()
+    while batch or pending is not None:
+        launched = None
+        if batch:
+            captures = graphs.captures if graphs else 0
+            t_step = time.perf_counter()
+            logits = graphs.step(batch, feed) if graphs else decode_step(lm, cache, batch, feed)
+            tokens = sample(logits, sampling, gen)
+            host = tokens.to("cpu", non_blocking=cuda)  # pinned when from the device, filled behind the step
+            event = torch.cuda.Event() if cuda else None
+            if event is not None:
+                event.record()
+            stats.decode_steps += 1
+            launched = (batch, tokens, host, event, logits, graphs is not None and graphs.captures > captures,
+                        t_step)
+        if pending is not None:
+            done, _, host, event, rows, captured, t_step = pending
+            if event is not None:
+                event.synchronize()
+            produced = 0
+            for i, (b, tok) in enumerate(zip(done, host.tolist())):
+                if b not in alive:  # it stopped the step before: its row here is dropped
+                    continue
+                results[b].tokens.append(tok)
+                produced += 1
+                if report is not None:
+                    report[1](b, *token_logprobs(rows[i], tok, report[0]))
+                if on_token is not None:
+                    on_token(b, tok)
+                if tok in stop:
+                    results[b].finish_reason = "stop"
+                    alive.discard(b)
+                elif len(results[b].tokens) >= max_new_tokens:
+                    alive.discard(b)
+            if stats.decode_tokens == 0:
+                stats.first_step_s, stats.first_step_tokens = time.perf_counter() - t_start, produced
+            elif captured:
+                stats.capture_s += time.perf_counter() - t_step
+                stats.capture_tokens += produced
+            stats.decode_tokens += produced
+        pending = launched
+        batch = []
+        if launched is not None:  # the next step: who is alive and still short of max_new_tokens after `launched`
+            keep = [i for i, b in enumerate(launched[0])
+                    if b in alive and len(results[b].tokens) + 1 < max_new_tokens]
+            batch = [launched[0][i] for i in keep]
+            tokens = launched[1]
+            if len(keep) < tokens.numel():
+                tokens = tokens[torch.tensor(keep, dtype=torch.int64, device=tokens.device)]
+            feed = tokens
+            for b in set(launched[0]) - set(batch) - alive:  # finished, and in no step still to run: pages back
+                cache.release(b)
+    return []
 
 
 def _constrained(tokens: list[int], seqs: list[int], logits, constraints, sampling, gen) -> list[int]:
@@ -410,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true",
                    help="run every decode step eagerly (default on CUDA: each batch's decode step is captured as a "
                         "CUDA graph at its second step and replayed)")
+    p.add_argument("--overlap", action="store_true",
+                   help="launch each decode step before reading the last one's token back (the host's work overlaps "
+                        "the GPU's; greedy output unchanged; not with --speculative-config or penalties)")
     return p
 
 
@@ -622,7 +700,7 @@ def run(args: argparse.Namespace) -> int:
                                   index_dtype=args.index_dtype, max_total_tokens=args.max_total_tokens,
                                   seed=args.seed, on_token=stream, on_prefill=bar.update if bar else None,
                                   cuda_graphs=False if args.eager else None, images=images,
-                                  speculative=speculative,
+                                  speculative=speculative, overlap=args.overlap,
                                   constraints=[PenalizedPicker(penalties, prompt)] if penalties.active else None)
     except ValueError as e:
         raise SystemExit(f"error: {e}")

@@ -98,8 +98,9 @@ class DecodeGraphs:
     @torch.no_grad()
     def step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
         """Feeds one token per sequence (tokens int [B], at position = the sequence's cached length) -> next-token
-        logits [B, V]; or q per sequence (tokens [B, q]) -> [B, q, V] (fp32, a fresh tensor). The tokens are read
-        on the host (checked, and copied into the graph's input): a CPU tensor saves a device sync per step."""
+        logits [B, V]; or q per sequence (tokens [B, q]) -> [B, q, V] (fp32, a fresh tensor). Host tokens are
+        range-checked and uploaded into the graph's input; CUDA tokens (sampled on the device: `generate(...,
+        overlap=True)`) are copied there on the device, unchecked and without waiting for them."""
         seq_ids = list(seq_ids)
         if tokens.dim() not in (1, 2) or tokens.shape[0] != len(seq_ids) or tokens.numel() == 0 \
                 or tokens.dtype.is_floating_point:
@@ -145,9 +146,10 @@ class DecodeGraphs:
 
     def _set_inputs(self, batch: _Batch, seq_ids: list[int], tokens: torch.Tensor) -> None:
         vocab = self.model.config.vocab_size
-        host = tokens.reshape(-1).tolist()
-        if any(not 0 <= t < vocab for t in host):
-            raise ValueError(f"tokens must lie in [0, vocab_size={vocab}), got {host}")
+        if not tokens.is_cuda:  # tokens on the device (sampled there) are not read back: that would wait for them
+            host = tokens.reshape(-1).tolist()
+            if any(not 0 <= t < vocab for t in host):
+                raise ValueError(f"tokens must lie in [0, vocab_size={vocab}), got {host}")
         pads = batch.buffers.rows - len(seq_ids)  # padding rows: token 0 at positions 0..q_len-1
         ids = tokens.reshape(-1)  # padded where it is (on the host: one upload, no kernels)
         batch.ids.copy_(torch.cat([ids, ids.new_zeros(pads * batch.q_len)]) if pads else ids, non_blocking=True)
