@@ -368,21 +368,13 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
             done, _, host, event, rows, captured, t_step = pending
             if event is not None:
                 event.synchronize()
-            produced = 0
-            for i, (b, tok) in enumerate(zip(done, host.tolist())):
-                if b not in alive:  # it stopped the step before: its row here is dropped
-                    continue
-                results[b].tokens.append(tok)
-                produced += 1
-                if report is not None:
-                    report[1](b, *token_logprobs(rows[i], tok, report[0]))
-                if on_token is not None:
-                    on_token(b, tok)
-                if tok in stop:
-                    results[b].finish_reason = "stop"
-                    alive.discard(b)
-                elif len(results[b].tokens) >= max_new_tokens:
-                    alive.discard(b)
+            # the rows of sequences that stopped the step before are dropped; every live sequence is in `done`
+            picked = [(i, b, tok) for i, (b, tok) in enumerate(zip(done, host.tolist())) if b in alive]
+            if report is not None:
+                rows = rows[[i for i, _, _ in picked]][:, None]
+            alive = set(_emit(results, [b for _, b, _ in picked], [[tok] for _, _, tok in picked], stop,
+                              max_new_tokens, on_token, rows=rows, report=report))
+            produced = len(picked)
             if stats.decode_tokens == 0:
                 stats.first_step_s, stats.first_step_tokens = time.perf_counter() - t_start, produced
             elif captured:
