@@ -206,14 +206,18 @@ class Experts(nn.Module):
             out.index_add_(0, tok, h.to(out.dtype))
         return out
 
+    def _operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x and the expert weights in the compute dtype: under autocast the GEMMs run in the autocast dtype, as
+        F.linear would (`_grouped_mm` is not on autocast's cast lists, and the Hopper kernel takes bf16 only);
+        outside autocast this is a no-op."""
+        dtype = _compute_dtype(x)
+        return x.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
+
     def _sorted(self, x: torch.Tensor, experts: torch.Tensor):
         """What both grouped paths start from: x and the expert weights in the compute dtype, the (token, slot)
         pairs' order sorted by expert, and offs[e] = the end of expert e's rows in that order."""
         num_experts = self.gate_up_proj.shape[0]
-        # Under autocast the GEMMs run in the autocast dtype, as F.linear would (`_grouped_mm` is not on
-        # autocast's cast lists, and the Hopper kernel takes bf16 only); outside autocast this is a no-op.
-        dtype = _compute_dtype(x)
-        x, gate_up_proj, down_proj = x.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
+        x, gate_up_proj, down_proj = self._operands(x)
         # (token, slot) pairs grouped by expert: a radix sort of 8-bit ids takes one pass (int32: four)
         sorted_ids, order = torch.sort(experts.reshape(-1).to(_id_dtype(num_experts)), stable=True)
         # offs computed on the device (no host sync)
@@ -241,10 +245,10 @@ class Experts(nn.Module):
         more (prefill) take the radix sort, gathered by `order` directly and put back by one `index_copy_`."""
         n, k = experts.shape
         if n * k <= SORT_PAIRS_MAX and experts.dtype == torch.int64 and inference_kernels(x):
-            dtype = _compute_dtype(x)
-            rows, offs, pos = sort_pairs(experts, x.to(dtype), self.gate_up_proj.shape[0])
-            h = fused_swiglu_oai(grouped_linear(rows, self.gate_up_proj.to(dtype), offs), self.alpha, self.limit)
-            y = grouped_linear(h, self.down_proj.to(dtype), offs)  # expert order; pair p's row is y[pos[p]]
+            x, gate_up_proj, down_proj = self._operands(x)
+            rows, offs, pos = sort_pairs(experts, x, gate_up_proj.shape[0])
+            h = fused_swiglu_oai(grouped_linear(rows, gate_up_proj, offs), self.alpha, self.limit)
+            y = grouped_linear(h, down_proj, offs)  # expert order; pair p's row is y[pos[p]]
             return mix_gather_scale_add(y, pos, weights, scale, add, residual)
         x, gate_up_proj, down_proj, order, offs = self._sorted(x, experts)
         h = fused_swiglu_oai(grouped_linear(x[order // k], gate_up_proj, offs), self.alpha, self.limit)

@@ -34,7 +34,7 @@ def write_paged(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     n = slots.shape[0]
     if slots.dim() != 1 or slots.dtype != torch.int64:
         raise ValueError(f"slots must be int64 [N], got {slots.dtype} {tuple(slots.shape)}")
-    width = _check_pool("k", k, k_pool, n, k.shape[1:])
+    _check_pool("k", k, k_pool, n, k.shape[1:])
     _check_pool("v", v, v_pool, n, k.shape[1:])
     if (ki is None) != (ki_pool is None):
         raise ValueError("ki and ki_pool must be given together (MSA layers) or not at all")
@@ -58,7 +58,6 @@ def write_paged(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     # casts as torch's (the kernel only copies rows, or quantizes fp8 index keys from fp32)
     rows = [_rows(t.to(p.dtype), n) for t, p in ((k, k_pool), (v, v_pool))]
     kr = None if ki is None else _rows(ki if fp8 else ki.to(ki_pool.dtype), n)
-    assert rows[0].shape[1] == width
     kern.launch_write(slots, rows[0], rows[1], kr, k_pool, v_pool, ki_pool, ki_scale if fp8 else None)
 
 
@@ -67,7 +66,7 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_pool(name: str, x: torch.Tensor, pool: torch.Tensor, n: int, row: torch.Size) -> int:
+def _check_pool(name: str, x: torch.Tensor, pool: torch.Tensor, n: int, row: torch.Size) -> None:
     if x.shape[0] != n:
         raise ValueError(f"{name} must have one row per slot ({n}), got shape {tuple(x.shape)}")
     if pool.shape[-len(row):] != row or not pool.is_contiguous():
@@ -75,7 +74,6 @@ def _check_pool(name: str, x: torch.Tensor, pool: torch.Tensor, n: int, row: tor
                          f"got {tuple(pool.shape)}")
     if x.device != pool.device:
         raise ValueError(f"{name} must be on {name}_pool's device {pool.device}, got {x.device}")
-    return row.numel()
 
 
 def _write_torch(slots, k, v, k_pool, v_pool, ki, ki_pool, ki_scale) -> None:
