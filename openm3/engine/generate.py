@@ -344,17 +344,19 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
     """generate's decode loop for `overlap=True`: step t + 1 is launched with step t's tokens still on the device
     (sampled there), then the host waits for step t's tokens alone (copied back behind it) and emits them while
     the GPU runs step t + 1. Sequences that reach max_new_tokens leave the batch in time; one that samples a stop
-    token is in the step after it, whose row is dropped. Returns [] (every sequence done)."""
+    token is in the step after it, whose row is dropped. Returns [] (every sequence done).
+    Timing: a step's time runs from the last emission to its own, which covers launching the step after it; so
+    the first interval holds the first step and the next step's launch (a CUDA-graph capture, for a new batch),
+    and an interval counts as a capture's when the step launched inside it recorded a graph."""
     cuda = cache.device.type == "cuda"
     alive = set(running)
     batch, feed = list(running), torch.tensor([results[b].tokens[-1] for b in running], dtype=torch.int64)
     pending = None  # (batch, its host tokens (filling), the copy's event, logits) of the step launched last time
-    t_start = time.perf_counter()
+    t_emitted = time.perf_counter()  # when the last step's tokens were emitted (or the loop started)
     while batch or pending is not None:
         launched = None
         if batch:
             captures = graphs.captures if graphs else 0
-            t_step = time.perf_counter()
             logits = graphs.step(batch, feed) if graphs else decode_step(lm, cache, batch, feed)
             tokens = sample(logits, sampling, gen)
             host = tokens.to("cpu", non_blocking=cuda)  # pinned when from the device, filled behind the step
@@ -362,10 +364,9 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
             if event is not None:
                 event.record()
             stats.decode_steps += 1
-            launched = (batch, tokens, host, event, logits, graphs is not None and graphs.captures > captures,
-                        t_step)
+            launched = (batch, tokens, host, event, logits, graphs is not None and graphs.captures > captures)
         if pending is not None:
-            done, _, host, event, rows, captured, t_step = pending
+            done, _, host, event, rows, _ = pending
             if event is not None:
                 event.synchronize()
             # the rows of sequences that stopped the step before are dropped; every live sequence is in `done`
@@ -374,13 +375,14 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
                 rows = rows[[i for i, _, _ in picked]][:, None]
             alive = set(_emit(results, [b for _, b, _ in picked], [[tok] for _, _, tok in picked], stop,
                               max_new_tokens, on_token, rows=rows, report=report))
-            produced = len(picked)
+            produced, now = len(picked), time.perf_counter()
             if stats.decode_tokens == 0:
-                stats.first_step_s, stats.first_step_tokens = time.perf_counter() - t_start, produced
-            elif captured:
-                stats.capture_s += time.perf_counter() - t_step
+                stats.first_step_s, stats.first_step_tokens = now - t_emitted, produced
+            elif launched is not None and launched[5]:  # this interval launched (captured) a graph
+                stats.capture_s += now - t_emitted
                 stats.capture_tokens += produced
             stats.decode_tokens += produced
+            t_emitted = now
         pending = launched
         batch = []
         if launched is not None:  # the next step: who is alive and still short of max_new_tokens after `launched`

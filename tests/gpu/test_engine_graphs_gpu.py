@@ -134,6 +134,9 @@ def test_overlapped_generate_gives_the_same_greedy_tokens():
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
     assert stats.graph_captures >= 1 and stats.graph_replays > 0
+    # each interval of the loop is counted once: the first step, captures and the steady rest add up to decode_s
+    assert stats.first_step_s + stats.capture_s <= stats.decode_s
+    assert stats.first_step_tokens + stats.capture_tokens < stats.decode_tokens
 
 
 def test_batched_generator_on_cuda_equals_generate_alone():
