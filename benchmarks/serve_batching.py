@@ -58,6 +58,9 @@ def main(argv=None) -> int:
                    help="rounds per max batch, one generator for them all (as a server that stays up); each timed")
     p.add_argument("--compile", action="store_true", help="the decoder layers under torch.compile, warmed up as "
                    "`openm3 serve --compile` does (untimed)")
+    p.add_argument("--overlap", choices=["off", "on", "both"], default="off",
+                   help="BatchedGenerator(overlap=...): decode steps launched ahead of the host; both: each max batch "
+                   "timed without, then with it, in this process")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -95,8 +98,9 @@ def main(argv=None) -> int:
     run_round(warm, prompts[:max(args.batch)], [args.new] * max(args.batch))  # compiles the kernels first
     warm.close()
     del warm
-    for b in args.batch:
-        batcher = BatchedGenerator(model, token_budget=budget, max_batch=b, **options)
+    overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+    for b, overlap in [(b, o) for b in args.batch for o in overlaps]:
+        batcher = BatchedGenerator(model, token_budget=budget, max_batch=b, overlap=overlap, **options)
         n = b * args.requests_per_batch
         tokens = sum(news[:n])
         walls = [run_round(batcher, texts[:n], news[:n]) for texts in [prompts] + later]
@@ -104,14 +108,15 @@ def main(argv=None) -> int:
         graphs = batcher.graphs
         counts = {k: getattr(graphs, k, None) if graphs else None
                   for k in ("captures", "eager_steps", "replays", "rebinds")}
-        res["rounds"][b] = dict(wall_s=walls[0], tokens_per_s=tokens / walls[0], requests=n, new_tokens=tokens,
+        key = f"{b}_overlap" if overlap else b
+        res["rounds"][key] = dict(wall_s=walls[0], tokens_per_s=tokens / walls[0], requests=n, new_tokens=tokens,
                                 decode_steps=batcher.steps, batch_sizes=dict(batcher.batch_sizes),
                                 prefix_cached_tokens=batcher.cached_tokens,
                                 graph_captures=counts["captures"], graphs=counts)
         if args.rounds > 1:
-            res["rounds"][b].update(walls_s=walls, tokens_per_s_each=[tokens / w for w in walls])
+            res["rounds"][key].update(walls_s=walls, tokens_per_s_each=[tokens / w for w in walls])
         each = "" if args.rounds == 1 else " (rounds: " + ", ".join(f"{tokens / w:.1f}" for w in walls) + ")"
-        print(f"max batch {b:3d}: {n} requests, {tokens} new tokens in {walls[0]:.3f} s = "
+        print(f"max batch {b:3d}{' overlap' if overlap else ''}: {n} requests, {tokens} new tokens in {walls[0]:.3f} s = "
               f"{tokens / walls[0]:9.1f} tokens/s{each} (prefill included; {batcher.steps} decode steps, batch sizes "
               f"{dict(batcher.batch_sizes)}; graphs {counts})", flush=True)
         del batcher

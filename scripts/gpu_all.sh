@@ -117,6 +117,12 @@ for s in "${stages[@]}"; do
            --steps "${NODES_STEPS:-plain,plain,kprof,compile,plain,kprof}" --out "$OUT/$(basename "$v")" 2>&1 \
            | grep -v "^ \|^-\|Name\|Self" | cut -c1-120 | tail -8)
       done ;;
+    overlapab)  # decode steps launched ahead of the host against plain ones, same process each: generate (m3-small
+      # 8 x 16K, CUDA-graph replays) and continuous batching (2K prompts, 256 new tokens, max batch 8)
+      python3 -m benchmarks.generate_repeat --steps plain,overlap,plain --out "$OUT" 2>&1 | grep -v "^ \|^-\|Name\|Self" \
+        | cut -c1-160 | tail -4
+      python3 -m benchmarks.serve_batching --preset m3-small --device cuda --prompt-len 2048 --new 256 --batch 8 \
+        --rounds 2 --overlap both --out "$OUT" 2>&1 | tee "$OUT/serve_overlap.log" | tail -2 ;;
     repeat)  # m3-small: the same plain generate run again and again, GPU clocks / power / temperature beside each run
       python3 -m benchmarks.generate_repeat --out "$OUT" ${REPEAT_ARGS:-} 2>&1 | tee "$OUT/generate_repeat.log" | tail -14 ;;
     prefix)  # m3-small: an agent's turns from a 128K prompt, then 4 requests sharing it at once; prefix cache on / off

@@ -29,7 +29,8 @@ def _prompts(model, lens, seed=1):
     return [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
 
 
-def test_concurrent_requests_equal_generate_alone(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_concurrent_requests_equal_generate_alone(model, overlap):
     prompts = _prompts(model, [40, 9, 75])
     new = [12, 5, 9]
     sampling = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=20)]
@@ -37,7 +38,7 @@ def test_concurrent_requests_equal_generate_alone(model):
     for p, n, s, seed in zip(prompts, new, sampling, (0, 1, 2)):
         res, _ = generate(model, [p], max_new_tokens=n, sampling=s, seed=seed)
         want.append(res[0].tokens)
-    gen = BatchedGenerator(model, token_budget=1024, max_batch=4, chunk_size=32)
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=4, chunk_size=32, overlap=overlap)
     got = [[] for _ in prompts]
     results = run_concurrently([
         (lambda i=i: gen(prompts[i], max_new_tokens=new[i], sampling=sampling[i], seed=i, on_token=got[i].append))
@@ -49,11 +50,12 @@ def test_concurrent_requests_equal_generate_alone(model):
     assert gen.cache.free_pages == gen.plan.num_pages  # every page came back
 
 
-def test_stop_token_and_a_raising_callback_end_only_their_request(model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_stop_token_and_a_raising_callback_end_only_their_request(model, overlap):
     prompts = _prompts(model, [30, 30, 30], seed=3)
     ref, _ = generate(model, [prompts[0]], max_new_tokens=8)
     stop = ref[0].tokens[2]
-    gen = BatchedGenerator(model, token_budget=1024, max_batch=4)
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=4, overlap=overlap)
 
     class Enough(Exception):
         pass
@@ -251,3 +253,57 @@ def test_metrics_carry_the_decode_graphs_counters(model):
     finally:
         gen.graphs = None
         gen.close()
+
+
+def test_overlapped_steps_give_plain_steps_tokens_and_logprobs(model):
+    """overlap=True: requests joining a running batch at different steps (the fed tokens partly on the device,
+    partly from the host), greedy and sampled ones, log probabilities, a stop token seen one step late (that row
+    dropped) and a constrained request beside (its steps run plainly): the tokens, log probabilities and finish
+    reasons of overlap=False, and every page back."""
+    from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionCache
+
+    class Short:  # 1 to 3 tokens of any bytes, then the stop token
+        start = 0
+
+        def advance(self, state, data):
+            return state + 1 if state < 3 else None
+
+        def complete(self, state):
+            return state >= 1
+
+        def can_continue(self, state):
+            return state < 3
+
+    prompts = _prompts(model, [70, 9, 40, 25], seed=7)
+    stop = generate(model, [prompts[1]], max_new_tokens=6)[0][0].tokens[3]
+    vocab = TokenBytes([bytes([65 + t % 26]) for t in range(model.config.vocab_size)])
+    runs = []
+    for overlap in (False, True):
+        gen = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=16, overlap=overlap)
+        tokens, logprobs = [[] for _ in prompts], [[] for _ in prompts]
+        asks = [dict(max_new_tokens=10, logprobs=2), dict(max_new_tokens=9, stop_tokens=[stop]),
+                dict(max_new_tokens=7, sampling=SamplingParams(temperature=0.9, top_k=30), seed=5, logprobs=0),
+                dict(max_new_tokens=6)]
+        finishes = run_concurrently([
+            (lambda i=i: gen(prompts[i], on_token=tokens[i].append,
+                             **({"on_logprobs": lambda lp, top, i=i: logprobs[i].append(
+                                 (lp, [t for t, _ in top]))} if "logprobs" in asks[i] else {}),
+                             **asks[i])) for i in range(4)])
+        gen.close()
+        assert gen.cache.free_pages == gen.plan.num_pages
+        constrained = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=16, overlap=overlap)
+        both = [[], []]
+        pair = run_concurrently([
+            lambda: constrained(prompts[0], max_new_tokens=8, on_token=both[0].append),
+            lambda: constrained(prompts[2], max_new_tokens=8, stop_tokens=[stop], on_token=both[1].append,
+                                constraint=GrammarConstraint(TransitionCache(Short(), vocab), [stop]))])
+        constrained.close()
+        runs.append((finishes, tokens, logprobs, pair, both, gen.steps))
+    (f0, t0, l0, p0, b0, s0), (f1, t1, l1, p1, b1, s1) = runs
+    assert f1 == f0 and "stop" in f0 and "length" in f0
+    assert t1 == t0 and all(l0[i] for i in (0, 2))
+    # a batch's rows may round differently as the batch forms at other steps: values within fp32 rounding
+    assert [[top for _, top in r] for r in l1] == [[top for _, top in r] for r in l0]
+    assert [lp for r in l1 for lp, _ in r] == pytest.approx([lp for r in l0 for lp, _ in r], abs=1e-4)
+    assert p1 == p0 and b1 == b0 and b0[1][-1] == stop
+    assert s1 >= s0

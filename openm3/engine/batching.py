@@ -29,6 +29,12 @@ decode step each request looks up n-gram drafts in its own tokens, and a step th
 its last token and `num_speculative_tokens` drafts, keeping those the model's logits confirm: greedy requests get
 the tokens plain decoding gives, sampled ones tokens of the same distribution.
 
+Overlapped steps (`overlap=True`, off by default): where no request of the batch speculates or has a constraint,
+each decode step is launched with the last step's tokens still on the device (sampled there with each request's
+own generator) and the host reads that step's tokens back and hands them over while the GPU runs the next one. The
+tokens are the same as without it; a request that stops on a token has a row in the step launched before the host
+saw it, which is dropped.
+
 Each request samples with its own generator seeded by `seed`, so its tokens equal `generate(model, [prompt],
 seed=seed, ...)`'s up to the float rounding of a batched forward (sampled requests: without speculation). Over a
 VL model (`M3ForConditionalGeneration`) a request may carry its images (`images=(pixel_values, grid_thw)`); its
@@ -90,6 +96,18 @@ class _Request:
 
 
 @dataclasses.dataclass(eq=False)
+class _Launched:
+    """A decode step launched ahead of the host (`overlap`): its requests, their sampled tokens on the device, the
+    host copy being filled behind the step, the event after that copy (None off CUDA) and the step's logits."""
+
+    batch: list
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+    logits: torch.Tensor
+
+
+@dataclasses.dataclass(eq=False)
 class _Group:
     """Requests admitted together and their prefill's `prefill_chunks` iterator (one forward per `next`)."""
 
@@ -111,7 +129,8 @@ class BatchedGenerator:
     model: an `M3TextModel` or an `M3ForConditionalGeneration` (`vl_config` is then its config, else None).
     The signature of a call is the `Backend` protocol of `openm3.serve`, `concurrent = True` tells the server not
     to serialise calls, `supports_logprobs` that it takes `logprobs=` / `on_logprobs=`, and `takes_predictions`
-    that it takes `draft_context=`.
+    that it takes `draft_context=`. overlap: launch each decode step before the host reads the last one's tokens
+    (see the module docstring).
     """
 
     concurrent = True
@@ -122,7 +141,7 @@ class BatchedGenerator:
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
                  cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True,
                  prefill_chunks_per_step: int = 1, speculative: SpeculativeConfig | None = None,
-                 prediction_speculative: SpeculativeConfig | None = PREDICTION_DRAFTS):
+                 prediction_speculative: SpeculativeConfig | None = PREDICTION_DRAFTS, overlap: bool = False):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -150,6 +169,8 @@ class BatchedGenerator:
             self.prediction_speculative.adaptive else None
         self.cache = PagedCache(self.plan, self.device, prefix_caching=prefix_caching)
         self.max_batch, self.chunk_size = max_batch, chunk_size
+        self.overlap = bool(overlap)
+        self._launched: _Launched | None = None  # the step launched ahead whose tokens are not handed over yet
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self.text, self.cache) if use_graphs else None
         self.vocab_size = self.config.vocab_size
@@ -282,7 +303,7 @@ class BatchedGenerator:
             with torch.no_grad():
                 self._admit()
                 self._prefill_round()
-                if self._running:
+                if self._running or self._launched is not None:
                     self._decode()
 
     def _admit(self) -> None:
@@ -370,6 +391,13 @@ class BatchedGenerator:
         self._groups.remove(group)
 
     def _decode(self) -> None:
+        if self.overlap and self.speculative is None and all(
+                r.constraint is None and r.history is None for r in self._running):
+            self._decode_ahead()
+            return
+        self._hand_over_launched()
+        if not self._running:
+            return
         batch = list(self._running)
         ids = [r.id for r in batch]
         drafts, config, gate = None, self.speculative, self.gate
@@ -412,6 +440,66 @@ class BatchedGenerator:
             gate.record(ids, [r.outputs[n:] for r, n in zip(batch, had)],
                         time.perf_counter() - t_step if timed else None, speculative=drafts is not None,
                         accepted=accepted)
+
+    def _decode_ahead(self) -> None:
+        """`_decode` for `overlap`: launches this step with the last launched step's tokens still on the device,
+        then hands that step's tokens over (one host wait, behind this step) and keeps this one as launched. A
+        request that the last step brings to max_new_tokens is left out of this step; one that it brings to a stop
+        token is in it, and its row is dropped when handed over (the request has ended by then)."""
+        last = self._launched
+        row_of = {} if last is None else {req: i for i, req in enumerate(last.batch)}
+        batch = [r for r in self._running if not (r in row_of and r.produced + 1 >= r.max_new_tokens)]
+        launched = None
+        if batch:
+            ids = [r.id for r in batch]
+            feed = self._ahead_feed(batch, last, row_of)
+            try:
+                logits = self.graphs.step(ids, feed) if self.graphs else decode_step(self.text, self.cache, ids, feed)
+            except Exception as e:  # noqa: BLE001
+                for req in batch:
+                    self._end(req, error=e)
+            else:
+                self.steps += 1
+                self.batch_sizes[len(batch)] += 1
+                tokens = logits.argmax(dim=-1)
+                for i, req in enumerate(batch):  # each with its own generator: the draws `_emit` makes
+                    if not req.sampling.greedy:
+                        tokens[i:i + 1] = sample(logits[i:i + 1], req.sampling, req.gen)
+                cuda = tokens.is_cuda
+                host = tokens.to("cpu", non_blocking=cuda)
+                event = torch.cuda.Event() if cuda else None
+                if event is not None:
+                    event.record()
+                launched = _Launched(batch, tokens, host, event, logits)
+        self._hand_over_launched()
+        self._launched = launched
+
+    def _ahead_feed(self, batch: list[_Request], last: "_Launched | None", row_of: dict) -> torch.Tensor:
+        """The tokens fed to `batch`: a request in the last launched step is fed the token sampled there (still
+        on the device), one that joined since (prefilled) its `last` token, from the host."""
+        if last is not None and all(r in row_of for r in batch):
+            rows = [row_of[r] for r in batch]
+            if rows == list(range(len(last.batch))):
+                return last.tokens
+            return last.tokens[torch.tensor(rows, dtype=torch.int64).to(last.tokens.device, non_blocking=True)]
+        host = torch.tensor([r.last for r in batch], dtype=torch.int64)
+        if last is None or not any(r in row_of for r in batch):
+            return host
+        device = last.tokens.device
+        table = torch.tensor([[row_of.get(r, 0) for r in batch], [r in row_of for r in batch], host.tolist()],
+                             dtype=torch.int64).to(device, non_blocking=True)
+        return torch.where(table[1].bool(), last.tokens[table[0]], table[2])
+
+    def _hand_over_launched(self) -> None:
+        """Waits for the step launched ahead (if any) and hands its tokens to its requests still running."""
+        last, self._launched = self._launched, None
+        if last is None:
+            return
+        if last.event is not None:
+            last.event.synchronize()
+        for i, (req, token) in enumerate(zip(last.batch, last.host.tolist())):
+            if not req.done.is_set():  # else it ended on its token of the step before: this row is dropped
+                self._give(req, token, last.logits[i])
 
     def _emit(self, batch: list[_Request], logits: torch.Tensor) -> None:
         """Samples one token per request of `batch` from its logits row and hands it over (after its prompt's log

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunks-per-step", type=int, default=1, help="prefill forwards between two decode "
                    "steps while requests decode (prompts being prefilled take turns): a running request waits at "
                    "most this many chunks' forwards for its next token")
+    p.add_argument("--overlap", action="store_true", help="with --max-batch > 1: launch each decode step before "
+                   "reading the last one's tokens back (the host's work overlaps the GPU's; same tokens; steps with "
+                   "speculation or a constrained request run as usual)")
     p.add_argument("--reasoning-parser", default="m3", choices=["m3", "none"],
                    help="m3 (default): the chat APIs return the model's <think> block apart from its answer "
                    "(reasoning_content, thinking blocks, reasoning items); none: it stays in the text")
@@ -140,7 +143,8 @@ def build_app(args: argparse.Namespace):
             raise ValueError(f"--token-budget: {budget} tokens cannot hold one request of --max-total-tokens={limit}")
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
-                                   prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative)
+                                   prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative,
+                                   overlap=args.overlap)
     if args.compile:  # compile now for the step shapes, not while the first requests wait
         seconds = warm_up(backend, text_model(model).config.vocab_size, args.max_batch, max_total_tokens=limit)
         print(f"--compile: the decoder layers compiled for serving in {seconds:.1f} s (warm-up requests)",

@@ -139,9 +139,11 @@ def test_overlapped_generate_gives_the_same_greedy_tokens():
     assert stats.first_step_tokens + stats.capture_tokens < stats.decode_tokens
 
 
-def test_batched_generator_on_cuda_equals_generate_alone():
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_batched_generator_on_cuda_equals_generate_alone(overlap):
     """Continuous batching on the GPU (decode steps through CUDA graphs, a new capture at each batch change):
-    three concurrent greedy requests of different lengths against each prompt's `generate` tokens. In bf16 a
+    three concurrent greedy requests of different lengths against each prompt's `generate` tokens (also with each
+    step launched ahead of the host: `overlap=True`, tokens fed from the device). In bf16 a
     batched matmul may round differently from a single row's (another cuBLAS kernel), so a near-tie can flip a
     later token of a random model: the first two tokens of each request must match and 80% of all (a broken batch
     matches ~0%)."""
@@ -155,7 +157,7 @@ def test_batched_generator_on_cuda_equals_generate_alone():
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (90, 17, 40)]
     new = [10, 4, 7]
     want = [generate(model, [p], max_new_tokens=n)[0][0].tokens for p, n in zip(prompts, new)]
-    batcher = BatchedGenerator(model, token_budget=512, max_batch=4)
+    batcher = BatchedGenerator(model, token_budget=512, max_batch=4, overlap=overlap)
     got = [[] for _ in prompts]
     threads = [threading.Thread(target=lambda i=i: batcher(prompts[i], max_new_tokens=new[i], on_token=got[i].append))
                for i in range(3)]
