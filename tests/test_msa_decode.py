@@ -314,6 +314,33 @@ def test_triton_decode_msa_equals_select_then_attend(case, index, variant):
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["idx-fp32", "idx-fp8"])
+def test_decode_msa_rows_do_not_depend_on_the_drafts_beside_them(fp8):
+    """A step of q_len = 4 queries per sequence (a token and 3 drafts: 12 rows) gives each query bit for bit what
+    a one-query step over the same keys gives it: the default split of the attention follows the sequences, not
+    the rows, so speculative decoding's greedy tokens are plain decoding's in any precision."""
+    td = _triton()
+    seq_lens, q_len, bs, hq, hkv, d, di, topk = [70, 45, 100], 4, 16, 4, 2, 16, 16, 3
+    c = make_paged(seq_lens, block_size=bs, hkv=hkv, d=d, di=di, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(len(seq_lens), q_len, hq, d, generator=gen)
+    qi = torch.randn(len(seq_lens), q_len, hkv, di, generator=gen)
+    ki_pages, ki_scale = c["ki_pages"], None
+    if fp8:
+        flat, scale = decode.quantize_index_keys(ki_pages.flatten(0, 1))
+        ki_pages, ki_scale = flat.view(ki_pages.shape), scale.view(ki_pages.shape[:2])
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    args = (c["k_pages"], c["v_pages"], ki_pages, c["block_table"])
+    o, lse, idx = td.decode_msa(q.flatten(0, 1), qi.flatten(0, 1), *args, lens, q_len=q_len, topk=topk,
+                                ki_scale=ki_scale)
+    for j in range(q_len):  # query j of each sequence sees its first len - (q_len - 1 - j) tokens
+        o1, lse1, idx1 = td.decode_msa(q[:, j].contiguous(), qi[:, j].contiguous(), *args, lens - (q_len - 1 - j),
+                                       q_len=1, topk=topk, ki_scale=ki_scale)
+        assert torch.equal(idx[:, j::q_len], idx1)
+        assert torch.equal(o.view(len(seq_lens), q_len, hq, d)[:, j], o1), j
+        assert torch.equal(lse.view(len(seq_lens), q_len, hq)[:, j], lse1), j
+
+
 # One argument broken at a time in an otherwise valid call (one 40-token sequence, blocks of 16, 2 KV heads, head
 # dims 16): (entry point, {argument: bad value, or a function of the valid one}, the ValueError's message).
 BAD_DECODE_CALLS = [

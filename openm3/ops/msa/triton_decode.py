@@ -67,7 +67,9 @@ from .decode import FP8_DTYPE, SCALE_DTYPES, SCALE_E8M0
 from .triton_common import interpreting
 
 _NEG_INF = tl.constexpr(float("-inf"))  # globals read by kernels must be constexpr
-SLOTS2_FROM_ROWS = 8  # decode_msa's default attention split: 2 selected blocks from this many query rows up
+# decode_msa's default attention split: 2 selected blocks from this many sequences up (sequences, not query rows, so
+# a query's output does not depend on how many drafts ride beside it in a step)
+SLOTS2_FROM_SEQUENCES = 8
 _MIN_KEY = tl.constexpr(-9223372036854775807)  # below every sort key: an empty / taken candidate
 _NEG_INF_KEY = -2139095041  # high word of `_sort_key` for a -inf score (fp32 bits 0xFF800000, made monotonic)
 _PROGRAMS_PER_SM = 4  # selection programs in flight per SM that keep HBM busy (H200: 132 SMs)
@@ -825,8 +827,9 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
     folded in, attention merging the candidates and combining), and pdl lets each launch overlap the previous
     one's tail (the attention kernel loads its queries before waiting; on by default: 128K batch 1 fp8 13.8 vs
     15.2 us on an H200, neutral at 1M; a no-op off sm_90+). slots_per_split: selected blocks per attention split
-    (None: 2 from `SLOTS2_FROM_ROWS` query rows up, else 1; m3-small's shape at 8 x 16K-64K: 1.5-3.5 us faster
-    per layer on an H100, M3's: 2-4 us slower at batch 1, within 1% at 32). Other knobs as in
+    (None: 2 from `SLOTS2_FROM_SEQUENCES` sequences up, else 1; m3-small's shape at 8 x 16K-64K: 1.5-3.5 us faster
+    per layer on an H100, M3's: 2-4 us slower at batch 1, within 1% at 32; by sequences, so a step with drafts
+    gives each query what a one-query step gives it, bit for bit). Other knobs as in
     `decode_select_blocks` / `decode_attention` (num_warps: scoring; attention_warps: attention).
     """
     batch = _check_table(block_table, seq_lens, q_len)
@@ -835,8 +838,8 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
     if qi.dim() != 3 or qi.shape[1] != hkv:
         raise ValueError(f"qi must be [B*q_len, Hi=Hkv={hkv}, Di] (index head g selects for KV head g), "
                          f"got {tuple(qi.shape)}")
-    if slots_per_split is None:  # 2 from 8 query rows up: half the splits, each merging its row's candidates
-        slots_per_split = 2 if q.shape[0] >= SLOTS2_FROM_ROWS else 1
+    if slots_per_split is None:  # 2 from 8 sequences up: half the splits, each merging its row's candidates
+        slots_per_split = 2 if batch >= SLOTS2_FROM_SEQUENCES else 1
     if slots_per_split < 1:
         raise ValueError(f"slots_per_split must be >= 1, got {slots_per_split}")
     if score_loads is None:
