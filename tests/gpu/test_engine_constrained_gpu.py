@@ -51,9 +51,11 @@ def _digits(tokens, transitions) -> str:
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
 @pytest.mark.parametrize("lazy_checks", [512, 1], ids=["lazy", "full-mask"])
-def test_batched_constrained_requests_on_cuda(lazy_checks, speculate):
+def test_batched_constrained_requests_on_cuda(lazy_checks, speculate, monkeypatch):
     """Constrained requests beside a plain one in CUDA-graph steps, also with n-gram speculation (prompts of
-    repeated runs, so lookups find drafts; the constrained requests' drafts are verified against their picks)."""
+    repeated runs; where a lookup finds nothing the last token is drafted again, so every step speculates
+    whatever a random model writes; the constrained requests' drafts are verified against their picks)."""
+    import openm3.engine.speculative as speculative
     from openm3.engine import generate
     from openm3.engine.batching import BatchedGenerator
     from openm3.engine.constrained import GrammarConstraint
@@ -64,6 +66,9 @@ def test_batched_constrained_requests_on_cuda(lazy_checks, speculate):
     prompts = [list(range(20, 90)), list(range(40, 75)), list(range(100, 230))]
     spec = None
     if speculate:
+        lookup = speculative.ngram_drafts
+        monkeypatch.setattr(speculative, "ngram_drafts",
+                            lambda tokens, k, config: lookup(tokens, k, config) or [int(tokens[-1])] * k)
         prompts = [p * 3 for p in prompts]
         spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
     batcher = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=64, speculative=spec)
