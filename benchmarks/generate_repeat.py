@@ -161,7 +161,7 @@ def main(argv=None) -> int:
             kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             kernels.__enter__()
         _, stats = generate(model, prompts[:batch], max_new_tokens=2 if eager else args.new, speculative=spec,
-                            cuda_graphs=False if eager else None, **({"overlap": True} if overlap else {}))
+                            cuda_graphs=False if eager else None, overlap=overlap)
         if kernels is not None:
             kernels.__exit__(None, None, None)
             table = kernels.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)

@@ -58,9 +58,9 @@ def main(argv=None) -> int:
                    help="rounds per max batch, one generator for them all (as a server that stays up); each timed")
     p.add_argument("--compile", action="store_true", help="the decoder layers under torch.compile, warmed up as "
                    "`openm3 serve --compile` does (untimed)")
-    p.add_argument("--overlap", choices=["off", "on", "both"], default="off",
-                   help="BatchedGenerator(overlap=...): decode steps launched ahead of the host; both: each max batch "
-                   "timed without, then with it, in this process")
+    p.add_argument("--overlap", choices=["default", "off", "on", "both"], default="default",
+                   help="BatchedGenerator(overlap=...): decode steps launched ahead of the host (default: the "
+                   "engine's, on a GPU); both: each max batch timed without, then with it, in this process")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     run_round(warm, prompts[:max(args.batch)], [args.new] * max(args.batch))  # compiles the kernels first
     warm.close()
     del warm
-    overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+    overlaps = {"default": [None], "off": [False], "on": [True], "both": [False, True]}[args.overlap]
     for b, overlap in [(b, o) for b in args.batch for o in overlaps]:
         batcher = BatchedGenerator(model, token_budget=budget, max_batch=b, overlap=overlap, **options)
         n = b * args.requests_per_batch

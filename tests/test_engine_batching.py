@@ -306,4 +306,19 @@ def test_overlapped_steps_give_plain_steps_tokens_and_logprobs(model):
     assert [[top for _, top in r] for r in l1] == [[top for _, top in r] for r in l0]
     assert [lp for r in l1 for lp, _ in r] == pytest.approx([lp for r in l0 for lp, _ in r], abs=1e-4)
     assert p1 == p0 and b1 == b0 and b0[1][-1] == stop
-    assert s1 >= s0
+    assert s0 > 0 and s1 > 0  # (how many steps depends on when the requests joined: not compared)
+
+
+def test_overlap_defaults_follow_the_device(model):
+    """Overlapped steps are on by default where the model is on a CUDA device (CPU: off); `--overlap` /
+    `--no-overlap` of `openm3 generate` and `openm3 serve` override the default, which they leave as None."""
+    from openm3.engine.generate import build_parser as generate_parser
+    from openm3.serve.cli import build_parser as serve_parser
+
+    assert BatchedGenerator(model, token_budget=64).overlap is False
+    assert BatchedGenerator(model, token_budget=64, overlap=True).overlap is True
+    for parser, base in ((generate_parser(), ["--preset", "m3-tiny", "--random-prompt", "8"]),
+                         (serve_parser(), ["--preset", "m3-tiny"])):
+        assert parser.parse_args(base).overlap is None
+        assert parser.parse_args(base + ["--overlap"]).overlap is True
+        assert parser.parse_args(base + ["--no-overlap"]).overlap is False

@@ -29,11 +29,12 @@ decode step each request looks up n-gram drafts in its own tokens, and a step th
 its last token and `num_speculative_tokens` drafts, keeping those the model's logits confirm: greedy requests get
 the tokens plain decoding gives, sampled ones tokens of the same distribution.
 
-Overlapped steps (`overlap=True`, off by default): where no request of the batch speculates or has a constraint,
+Overlapped steps (`overlap`, on by default on a GPU): where no request of the batch speculates or has a constraint,
 each decode step is launched with the last step's tokens still on the device (sampled there with each request's
 own generator) and the host reads that step's tokens back and hands them over while the GPU runs the next one. The
 tokens are the same as without it; a request that stops on a token has a row in the step launched before the host
-saw it, which is dropped.
+saw it, which is dropped. (m3-small, 8 requests of 2K-token prompts and 256 new tokens on an H100: +4% to +11%
+tokens/s with the prefill included.)
 
 Each request samples with its own generator seeded by `seed`, so its tokens equal `generate(model, [prompt],
 seed=seed, ...)`'s up to the float rounding of a batched forward (sampled requests: without speculation). Over a
@@ -130,7 +131,7 @@ class BatchedGenerator:
     The signature of a call is the `Backend` protocol of `openm3.serve`, `concurrent = True` tells the server not
     to serialise calls, `supports_logprobs` that it takes `logprobs=` / `on_logprobs=`, and `takes_predictions`
     that it takes `draft_context=`. overlap: launch each decode step before the host reads the last one's tokens
-    (see the module docstring).
+    (see the module docstring; None: on where the model is on a CUDA device).
     """
 
     concurrent = True
@@ -141,7 +142,7 @@ class BatchedGenerator:
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
                  cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True,
                  prefill_chunks_per_step: int = 1, speculative: SpeculativeConfig | None = None,
-                 prediction_speculative: SpeculativeConfig | None = PREDICTION_DRAFTS, overlap: bool = False):
+                 prediction_speculative: SpeculativeConfig | None = PREDICTION_DRAFTS, overlap: bool | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -169,7 +170,7 @@ class BatchedGenerator:
             self.prediction_speculative.adaptive else None
         self.cache = PagedCache(self.plan, self.device, prefix_caching=prefix_caching)
         self.max_batch, self.chunk_size = max_batch, chunk_size
-        self.overlap = bool(overlap)
+        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
         self._launched: _Launched | None = None  # the step launched ahead whose tokens are not handed over yet
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self.text, self.cache) if use_graphs else None

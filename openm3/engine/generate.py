@@ -163,8 +163,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              images: Sequence | None = None, speculative: SpeculativeConfig | None = None,
              logprobs: int | None = None, on_logprobs: Callable[[int, float, list], None] | None = None,
              prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[int, list], None] | None = None,
-             constraints: Sequence | None = None, draft_contexts: Sequence | None = None, overlap: bool = False
-             ) -> tuple[list[GenerationResult], GenerationStats]:
+             constraints: Sequence | None = None, draft_contexts: Sequence | None = None,
+             overlap: bool | None = None) -> tuple[list[GenerationResult], GenerationStats]:
     """Generates continuations of a batch of token-id prompts.
 
     model: an `M3TextModel`, or an `M3ForConditionalGeneration` (its text decoder's dtype and device are the
@@ -193,7 +193,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     overlap: each decode step is launched before the host reads the previous step's tokens (fed from the device),
     so the host's sampling read-back and bookkeeping overlap the GPU's step; a sequence that stops on a token is
     seen one step late and that step's row is dropped (greedy outputs equal plain decoding's; sampled ones draw
-    differently). Not with `speculative`, `draft_contexts` or `constraints`.
+    differently once a sequence has stopped). Not with `speculative`, `draft_contexts` or `constraints`. None
+    (default): on for a model on a CUDA device where none of those is given (m3-small, 8 x 16K prompts, H100:
+    +15% decode tokens/s), off elsewhere.
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
@@ -213,6 +215,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     vision = check_images(model, ids, images)
     param = next(lm.parameters())
     device, dtype = param.device, param.dtype
+    if overlap is None:
+        overlap = device.type == "cuda" and speculative is None and constraints is None and draft_contexts is None
     layout = CacheLayout.from_config(config)
     reserve = {b: p.numel() + max_new_tokens for b, p in enumerate(ids)}
     needed = sum(-(-n // layout.page_size) for n in reserve.values()) * layout.page_size
@@ -479,8 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true",
                    help="run every decode step eagerly (default on CUDA: each batch's decode step is captured as a "
                         "CUDA graph at its second step and replayed)")
-    p.add_argument("--overlap", action="store_true",
-                   help="launch each decode step before reading the last one's token back (the host's work overlaps "
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each decode step before reading the last one's token back (default: on a GPU without "
+                        "speculation or penalties; the host's work overlaps "
                         "the GPU's; greedy output unchanged; not with --speculative-config or penalties)")
     return p
 

@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunks-per-step", type=int, default=1, help="prefill forwards between two decode "
                    "steps while requests decode (prompts being prefilled take turns): a running request waits at "
                    "most this many chunks' forwards for its next token")
-    p.add_argument("--overlap", action="store_true", help="with --max-batch > 1: launch each decode step before "
-                   "reading the last one's tokens back (the host's work overlaps the GPU's; same tokens; steps with "
-                   "speculation or a constrained request run as usual)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None, help="with --max-batch > 1: "
+                   "launch each decode step before reading the last one's tokens back (default: on a GPU; the host's "
+                   "work overlaps the GPU's; same tokens; steps with speculation or a constrained request run as "
+                   "usual)")
     p.add_argument("--reasoning-parser", default="m3", choices=["m3", "none"],
                    help="m3 (default): the chat APIs return the model's <think> block apart from its answer "
                    "(reasoning_content, thinking blocks, reasoning items); none: it stays in the text")
