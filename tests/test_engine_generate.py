@@ -297,6 +297,7 @@ def test_overlapped_decoding_gives_plain_decodings_greedy_tokens(model):
     assert st1.decode_tokens == st0.decode_tokens == sum(len(r.tokens) for r in plain) - 3
     assert st1.decode_steps >= st0.decode_steps and st1.first_step_tokens > 0
     assert st1.first_step_s + st1.capture_s <= st1.decode_s
+    assert st1.overlapped and not st0.overlapped and "launched ahead of the host" in st1.summary()
     one, _ = generate(model, prompts, max_new_tokens=1, overlap=True)  # prefill's token only: no decode step
     assert [r.tokens for r in one] == [r.tokens[:1] for r in first]
 

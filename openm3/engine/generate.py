@@ -58,6 +58,7 @@ class GenerationStats:
     graph_captures: int | None = None  # None: decode steps ran eagerly
     graph_replays: int = 0
     decode_steps: int = 0
+    overlapped: bool = False  # each decode step launched before the host read the last one's tokens (`overlap`)
     spec_steps: int = 0  # decode steps that verified speculative drafts
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -90,10 +91,11 @@ class GenerationStats:
         return tokens / rest if rest > 0 and tokens > 0 else float("nan")
 
     def _graph_line(self) -> str:
+        ahead = ", each launched ahead of the host" if self.overlapped else ""
         if self.graph_captures is None:
-            return "decode steps: eager"
+            return f"decode steps: eager{ahead}"
         return (f"decode steps: CUDA graphs ({self.graph_captures} captured in {self.capture_s:.3f} s, "
-                f"{self.graph_replays} replays)")
+                f"{self.graph_replays} replays){ahead}")
 
     def _speculative_line(self) -> str:
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
@@ -270,6 +272,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     gate = SpeculationGate() if speculative is not None and speculative.adaptive else None
     t1 = time.perf_counter()
     live = set(range(len(ids)))
+    stats.overlapped = bool(overlap)
     if overlap:  # the loop below without drafts or constraints, launched one step ahead of the host
         running = _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop, max_new_tokens,
                                      on_token, report, stats)
