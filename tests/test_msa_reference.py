@@ -628,3 +628,11 @@ def test_host_list_reads_cpu_tensors_directly():
     grid = torch.tensor([[1, 4, 6], [2, 2, 2]])
     assert host_list(grid) == [[1, 4, 6], [2, 2, 2]]
     assert to_device(grid, "cpu", remember=True) is grid  # nothing to copy, nothing to remember
+
+
+def test_copy_from_host_between_cpu_tensors_is_a_plain_copy():
+    from openm3.ops.host import copy_from_host
+
+    dst = torch.zeros(3, dtype=torch.int64)
+    copy_from_host(dst, torch.tensor([5, 6, 7], dtype=torch.int32))  # cast as copy_ casts
+    assert dst.tolist() == [5, 6, 7] and dst.dtype == torch.int64

@@ -54,6 +54,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ..ops.host import to_device
 from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cache
 from .constrained import GrammarConstraint
 from .penalties import PenalizedPicker
@@ -482,13 +483,13 @@ class BatchedGenerator:
             rows = [row_of[r] for r in batch]
             if rows == list(range(len(last.batch))):
                 return last.tokens
-            return last.tokens[torch.tensor(rows, dtype=torch.int64).to(last.tokens.device, non_blocking=True)]
+            return last.tokens[to_device(torch.tensor(rows, dtype=torch.int64), last.tokens.device)]
         host = torch.tensor([r.last for r in batch], dtype=torch.int64)
         if last is None or not any(r in row_of for r in batch):
             return host
         device = last.tokens.device
-        table = torch.tensor([[row_of.get(r, 0) for r in batch], [r in row_of for r in batch], host.tolist()],
-                             dtype=torch.int64).to(device, non_blocking=True)
+        table = to_device(torch.tensor([[row_of.get(r, 0) for r in batch], [r in row_of for r in batch],
+                                        host.tolist()], dtype=torch.int64), device)
         return torch.where(table[1].bool(), last.tokens[table[0]], table[2])
 
     def _hand_over_launched(self) -> None:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from ..ops import msa
 from ..ops.msa import decode
 from ..ops.msa.backend import pick_backend
+from ..ops.host import copy_from_host
 from ..ops.paged_write import write_paged
 
 FP8 = decode.FP8_DTYPE
@@ -276,7 +277,7 @@ class StepBuffers:
         if tuple(seq_ids) == self.seq_ids and cache.releases == self._releases:
             return
         table = self._host_table(cache, seq_ids)
-        self.block_table.copy_(table.pin_memory() if self.block_table.is_cuda else table, non_blocking=True)
+        copy_from_host(self.block_table, table)
         self._table_host, self.seq_ids, self._releases = table, tuple(seq_ids), cache.releases
 
     def fill(self, cache: "PagedCache", seq_ids: Sequence[int], q_lens: Sequence[int], slots: torch.Tensor,
@@ -294,8 +295,8 @@ class StepBuffers:
             pad = cache.scratch_page * cache.layout.page_size + torch.arange(self.q_len)
             slots = torch.cat([slots, pad.repeat(self.padding)])
             seq_lens = torch.cat([seq_lens, torch.full((self.padding,), self.q_len, dtype=seq_lens.dtype)])
-        self.slots.copy_(slots, non_blocking=True)
-        self.seq_lens.copy_(seq_lens, non_blocking=True)
+        copy_from_host(self.slots, slots)
+        copy_from_host(self.seq_lens, seq_lens)
         return self.slots, self.block_table, self.seq_lens, self.cu_seqlens
 
 

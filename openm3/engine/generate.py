@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..ops.host import to_device
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .constrained import GrammarConstraint
 from .graphs import DecodeGraphs
@@ -398,7 +399,7 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
             batch = [launched[0][i] for i in keep]
             tokens = launched[1]
             if len(keep) < tokens.numel():
-                tokens = tokens[torch.tensor(keep, dtype=torch.int64, device=tokens.device)]
+                tokens = tokens[to_device(torch.tensor(keep, dtype=torch.int64), tokens.device)]
             feed = tokens
             for b in set(launched[0]) - set(batch) - alive:  # finished, and in no step still to run: pages back
                 cache.release(b)

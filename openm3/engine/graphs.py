@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from ..ops.host import copy_from_host
 from .cache import PagedCache, StepBuffers
 from .scheduler import decode_step
 
@@ -152,10 +153,10 @@ class DecodeGraphs:
                 raise ValueError(f"tokens must lie in [0, vocab_size={vocab}), got {host}")
         pads = batch.buffers.rows - len(seq_ids)  # padding rows: token 0 at positions 0..q_len-1
         ids = tokens.reshape(-1)  # padded where it is (on the host: one upload, no kernels)
-        batch.ids.copy_(torch.cat([ids, ids.new_zeros(pads * batch.q_len)]) if pads else ids, non_blocking=True)
+        copy_from_host(batch.ids, torch.cat([ids, ids.new_zeros(pads * batch.q_len)]) if pads else ids)
         starts = torch.tensor([self.cache.length(s) for s in seq_ids] + [0] * pads, dtype=torch.int64)
         positions = (starts[:, None] + torch.arange(batch.q_len)).reshape(-1)
-        batch.positions.copy_(positions, non_blocking=True)
+        copy_from_host(batch.positions, positions)
 
     def _capture(self, batch: _Batch, seq_ids: list[int]) -> None:
         graph = torch.cuda.CUDAGraph()

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-__all__ = ["host_list", "remember_host_list", "to_device"]
+__all__ = ["copy_from_host", "host_list", "remember_host_list", "to_device"]
 
 _CACHE: dict[int, tuple] = {}
 
@@ -60,6 +60,16 @@ def to_device(t: torch.Tensor, device: torch.device | str, *, remember: bool = F
             remember_host_list(out, t.tolist())
         return out
     return t.to(device)
+
+
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` that does not wait for the device: a host `src` goes to a CUDA `dst` through pinned memory
+    without blocking (from pageable memory the copy first waits for the stream's queued work, which would hold a
+    decode step launched ahead of the host until the step before it has run). Any other pair: a plain copy."""
+    if dst.is_cuda and src.device.type == "cpu":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
 
 
 def _leaves(values) -> int:

@@ -172,3 +172,35 @@ def test_batched_generator_on_cuda_equals_generate_alone(overlap):
     assert batcher.graphs is not None and batcher.graphs.replays > 0
     metrics = {name: value for name, _, _, value in batcher.metrics()}
     assert metrics["cuda_graph_replays_total"] == batcher.graphs.replays > 0
+
+
+def test_a_replayed_step_does_not_wait_for_queued_work():
+    """A replayed decode step fed tokens on the device (as overlapped steps are) or on the host launches without
+    waiting for the work queued before it: its inputs (tokens, positions, slots, lengths) go up through pinned
+    memory, where a copy from pageable memory first waits for the stream (it held a step launched ahead of the
+    host until the step before it had run)."""
+    from openm3.engine.graphs import DecodeGraphs
+    from openm3.engine.scheduler import prefill
+    from openm3.ops.host import to_device
+
+    model = _model(torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, model.config.vocab_size, (n + 8,), generator=gen).tolist() for n in (40, 90)]
+    cache = _cache(model, seqs, None)
+    prefill(model, cache, [0, 1], [torch.tensor(s[:-8]) for s in seqs], chunk_size=64)
+    graphs = DecodeGraphs(model, cache)
+    for step in range(2):  # eager, then captured
+        graphs.step([0, 1], torch.tensor([s[-8 + step] for s in seqs]))
+    busy = torch.randn(8192, 8192, device="cuda")
+    for step, on_device in ((2, True), (3, False)):
+        torch.cuda.synchronize()
+        for _ in range(20):  # ~0.2-1 s of queued work
+            busy = busy @ busy / 90
+        queued = torch.cuda.Event()
+        queued.record()
+        tokens = torch.tensor([s[-8 + step] for s in seqs])
+        logits = graphs.step([0, 1], to_device(tokens, "cuda") if on_device else tokens)
+        assert not queued.query(), f"the step waited for the queued work (tokens on the device: {on_device})"
+        assert logits.shape == (2, model.config.vocab_size)
+    torch.cuda.synchronize()
+    assert graphs.captures == 1 and graphs.replays == 3  # the capture step replays too
