@@ -17,6 +17,13 @@ from openm3.models import M3TextConfig, M3TextModel  # noqa: E402
 
 from batching_utils import hold_until_queued  # noqa: E402
 
+
+@pytest.fixture(params=[False, True], ids=["plain-steps", "overlapped-steps"])
+def overlap(request):
+    """Decode steps launched ahead of the host or not (`BatchedGenerator(overlap=...)`): a request that ends has
+    its pages registered while the step after its last token may still be running."""
+    return request.param
+
 LAYOUT = CacheLayout(sparse=(False, True), num_kv_heads=2, head_dim=8, index_head_dim=4, page_size=4)
 
 
@@ -144,7 +151,7 @@ def test_prefill_on_cached_pages_equals_full_forward(model):
         prefill(model, cache, [1], [second[:5 * ps]])
 
 
-def test_conversation_turns_reuse_prompt_and_answer(model):
+def test_conversation_turns_reuse_prompt_and_answer(model, overlap):
     """Turn 2 resends turn 1's prompt and answer: with the cache it computes only the rest, and every request's
     tokens equal those of a generator without the cache."""
     ps = model.config.index_block_size
@@ -162,8 +169,9 @@ def test_conversation_turns_reuse_prompt_and_answer(model):
         batcher.close()
         return answer, answer2, seen, len(turn2)
 
-    cached = BatchedGenerator(model, token_budget=1024, max_batch=2)
-    plain = BatchedGenerator(model, token_budget=1024, max_batch=2, prefix_caching=False)
+    cached = BatchedGenerator(model, token_budget=1024, max_batch=2, overlap=overlap)
+    plain = BatchedGenerator(model, token_budget=1024, max_batch=2, prefix_caching=False,
+                             overlap=overlap)
     a1, a2, seen, n2 = conversation(cached)
     b1, b2, _, _ = conversation(plain)
     assert (a1, a2) == (b1, b2)
@@ -174,13 +182,13 @@ def test_conversation_turns_reuse_prompt_and_answer(model):
     assert plain.cached_tokens == 0
 
 
-def test_cached_pages_give_way_to_new_requests(model):
+def test_cached_pages_give_way_to_new_requests(model, overlap):
     """A cache full of idle pages still admits a request that needs them; a sequence's last pages go first, so
     the evicted prompt keeps its first page, and runs again with the same tokens."""
     ps = model.config.index_block_size
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (4 * ps, 6 * ps)]
-    batcher = BatchedGenerator(model, token_budget=8 * ps, max_batch=1)
+    batcher = BatchedGenerator(model, token_budget=8 * ps, max_batch=1, overlap=overlap)
     seen = []
     out = [[] for _ in range(3)]
     for i, p in enumerate([prompts[0], prompts[1], prompts[0]]):
@@ -190,7 +198,7 @@ def test_cached_pages_give_way_to_new_requests(model):
     assert out[2] == out[0]
 
 
-def test_requests_sharing_a_context_that_arrive_together_prefill_it_once(model):
+def test_requests_sharing_a_context_that_arrive_together_prefill_it_once(model, overlap):
     """Three requests with one long context (sub-agents over the same repository) wait together: the first
     prefills the context, the other two wait for the next group and read it from the cache, with the same tokens."""
     import threading
@@ -203,7 +211,7 @@ def test_requests_sharing_a_context_that_arrive_together_prefill_it_once(model):
     prompts = [shared + torch.randint(0, model.config.vocab_size, (5 + i,), generator=gen).tolist() for i in range(3)]
     blocker = torch.randint(0, model.config.vocab_size, (9,), generator=gen).tolist()
     want = [generate(model, [p], max_new_tokens=3)[0][0].tokens for p in prompts]
-    batcher = BatchedGenerator(model, token_budget=2048, max_batch=4)
+    batcher = BatchedGenerator(model, token_budget=2048, max_batch=4, overlap=overlap)
     admitted = threading.Event()
     got, cached = [[] for _ in prompts], [[] for _ in prompts]
 
@@ -223,7 +231,7 @@ def test_requests_sharing_a_context_that_arrive_together_prefill_it_once(model):
 
 
 
-def test_random_arrivals_with_shared_prefixes_under_memory_pressure(model):
+def test_random_arrivals_with_shared_prefixes_under_memory_pressure(model, overlap):
     """Everything at once: requests with shared prefixes of several lengths arrive at random moments into a cache
     too small for all of them (they wait, idle pages are evicted), prefill in small interleaved chunks beside each
     other and decode together. Every request's greedy tokens equal `generate`'s alone, every page comes back, and
@@ -244,7 +252,7 @@ def test_random_arrivals_with_shared_prefixes_under_memory_pressure(model):
         prompts.append(trunk + torch.randint(0, model.config.vocab_size, (rng.randint(1, ps),), generator=gen).tolist())
     new = [rng.randint(1, 6) for _ in prompts]
     want = [generate(model, [p], max_new_tokens=n)[0][0].tokens for p, n in zip(prompts, new)]
-    batcher = BatchedGenerator(model, token_budget=16 * ps, max_batch=3, chunk_size=ps + 5)
+    batcher = BatchedGenerator(model, token_budget=16 * ps, max_batch=3, chunk_size=ps + 5, overlap=overlap)
     got, cached = [[] for _ in prompts], [[] for _ in prompts]
     delays = [rng.uniform(0, 0.3) for _ in prompts]
 
