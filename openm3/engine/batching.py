@@ -58,7 +58,7 @@ from ..ops.host import to_device
 from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cache
 from .constrained import GrammarConstraint
 from .penalties import PenalizedPicker
-from .generate import check_constraints, check_prompts
+from .generate import LaunchedStep, check_constraints, check_prompts
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, prompt_rows_logprobs, sample, token_logprobs
 from .spec_gate import SpeculationGate
@@ -95,18 +95,6 @@ class _Request:
     finish: str | None = None
     error: BaseException | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-
-@dataclasses.dataclass(eq=False)
-class _Launched:
-    """A decode step launched ahead of the host (`overlap`): its requests, their sampled tokens on the device, the
-    host copy being filled behind the step, the event after that copy (None off CUDA) and the step's logits."""
-
-    batch: list
-    tokens: torch.Tensor
-    host: torch.Tensor
-    event: torch.cuda.Event | None
-    logits: torch.Tensor
 
 
 @dataclasses.dataclass(eq=False)
@@ -172,7 +160,7 @@ class BatchedGenerator:
         self.cache = PagedCache(self.plan, self.device, prefix_caching=prefix_caching)
         self.max_batch, self.chunk_size = max_batch, chunk_size
         self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
-        self._launched: _Launched | None = None  # the step launched ahead whose tokens are not handed over yet
+        self._launched: LaunchedStep | None = None  # the step launched ahead whose tokens are not handed over yet
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self.text, self.cache) if use_graphs else None
         self.vocab_size = self.config.vocab_size
@@ -455,6 +443,7 @@ class BatchedGenerator:
         if batch:
             ids = [r.id for r in batch]
             feed = self._ahead_feed(batch, last, row_of)
+            captures = self.graphs.captures if self.graphs else 0
             try:
                 logits = self.graphs.step(ids, feed) if self.graphs else decode_step(self.text, self.cache, ids, feed)
             except Exception as e:  # noqa: BLE001
@@ -472,11 +461,12 @@ class BatchedGenerator:
                 event = torch.cuda.Event() if cuda else None
                 if event is not None:
                     event.record()
-                launched = _Launched(batch, tokens, host, event, logits)
+                launched = LaunchedStep(batch, tokens, host, event, logits,
+                                        self.graphs is not None and self.graphs.captures > captures)
         self._hand_over_launched()
         self._launched = launched
 
-    def _ahead_feed(self, batch: list[_Request], last: "_Launched | None", row_of: dict) -> torch.Tensor:
+    def _ahead_feed(self, batch: list[_Request], last: LaunchedStep | None, row_of: dict) -> torch.Tensor:
         """The tokens fed to `batch`: a request in the last launched step is fed the token sampled there (still
         on the device), one that joined since (prefilled) its `last` token, from the host."""
         if last is not None and all(r in row_of for r in batch):

@@ -18,7 +18,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -347,6 +347,19 @@ def check_constraints(constraints, batch: int, stop_tokens) -> None:
                              f"must be among stop_tokens {sorted(stop)}")
 
 
+class LaunchedStep(NamedTuple):
+    """A decode step launched ahead of the host (`overlap`; here and in `openm3.engine.batching`): its sequences
+    (or requests), their sampled tokens on the device, the host copy filled behind the step, the event after that
+    copy (None off CUDA), the step's logits and whether it recorded a CUDA graph."""
+
+    batch: list
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: "torch.cuda.Event | None"
+    logits: torch.Tensor
+    captured: bool
+
+
 def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop, max_new_tokens, on_token, report,
                        stats) -> list[int]:
     """generate's decode loop for `overlap=True`: step t + 1 is launched with step t's tokens still on the device
@@ -359,7 +372,7 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
     cuda = cache.device.type == "cuda"
     alive = set(running)
     batch, feed = list(running), torch.tensor([results[b].tokens[-1] for b in running], dtype=torch.int64)
-    pending = None  # (batch, its host tokens (filling), the copy's event, logits) of the step launched last time
+    pending = None  # the step launched last time, its tokens not read yet
     t_emitted = time.perf_counter()  # when the last step's tokens were emitted (or the loop started)
     while batch or pending is not None:
         launched = None
@@ -372,11 +385,12 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
             if event is not None:
                 event.record()
             stats.decode_steps += 1
-            launched = (batch, tokens, host, event, logits, graphs is not None and graphs.captures > captures)
+            launched = LaunchedStep(batch, tokens, host, event, logits,
+                                    graphs is not None and graphs.captures > captures)
         if pending is not None:
-            done, _, host, event, rows, _ = pending
-            if event is not None:
-                event.synchronize()
+            done, host, rows = pending.batch, pending.host, pending.logits
+            if pending.event is not None:
+                pending.event.synchronize()
             # the rows of sequences that stopped the step before are dropped; every live sequence is in `done`
             picked = [(i, b, tok) for i, (b, tok) in enumerate(zip(done, host.tolist())) if b in alive]
             if report is not None:
@@ -386,7 +400,7 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
             produced, now = len(picked), time.perf_counter()
             if stats.decode_tokens == 0:
                 stats.first_step_s, stats.first_step_tokens = now - t_emitted, produced
-            elif launched is not None and launched[5]:  # this interval launched (captured) a graph
+            elif launched is not None and launched.captured:  # this interval launched (captured) a graph
                 stats.capture_s += now - t_emitted
                 stats.capture_tokens += produced
             stats.decode_tokens += produced
@@ -394,14 +408,14 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
         pending = launched
         batch = []
         if launched is not None:  # the next step: who is alive and still short of max_new_tokens after `launched`
-            keep = [i for i, b in enumerate(launched[0])
+            keep = [i for i, b in enumerate(launched.batch)
                     if b in alive and len(results[b].tokens) + 1 < max_new_tokens]
-            batch = [launched[0][i] for i in keep]
-            tokens = launched[1]
+            batch = [launched.batch[i] for i in keep]
+            tokens = launched.tokens
             if len(keep) < tokens.numel():
                 tokens = tokens[to_device(torch.tensor(keep, dtype=torch.int64), tokens.device)]
             feed = tokens
-            for b in set(launched[0]) - set(batch) - alive:  # finished, and in no step still to run: pages back
+            for b in set(launched.batch) - set(batch) - alive:  # finished, and in no step still to run: pages back
                 cache.release(b)
     return []
 
