@@ -456,13 +456,8 @@ class BatchedGenerator:
                 for i, req in enumerate(batch):  # each with its own generator: the draws `_emit` makes
                     if not req.sampling.greedy:
                         tokens[i:i + 1] = sample(logits[i:i + 1], req.sampling, req.gen)
-                cuda = tokens.is_cuda
-                host = tokens.to("cpu", non_blocking=cuda)
-                event = torch.cuda.Event() if cuda else None
-                if event is not None:
-                    event.record()
-                launched = LaunchedStep(batch, tokens, host, event, logits,
-                                        self.graphs is not None and self.graphs.captures > captures)
+                launched = LaunchedStep.of(batch, tokens, logits,
+                                           self.graphs is not None and self.graphs.captures > captures)
         self._hand_over_launched()
         self._launched = launched
 
@@ -487,9 +482,7 @@ class BatchedGenerator:
         last, self._launched = self._launched, None
         if last is None:
             return
-        if last.event is not None:
-            last.event.synchronize()
-        for i, (req, token) in enumerate(zip(last.batch, last.host.tolist())):
+        for i, (req, token) in enumerate(zip(last.batch, last.host_tokens())):
             if not req.done.is_set():  # else it ended on its token of the step before: this row is dropped
                 self._give(req, token, last.logits[i])
 

@@ -359,6 +359,22 @@ class LaunchedStep(NamedTuple):
     logits: torch.Tensor
     captured: bool
 
+    @classmethod
+    def of(cls, batch: list, tokens: torch.Tensor, logits: torch.Tensor, captured: bool) -> "LaunchedStep":
+        """The step whose sampled `tokens` are still being computed: their host copy is queued behind it."""
+        cuda = tokens.is_cuda
+        host = tokens.to("cpu", non_blocking=cuda)  # pinned when from the device, filled behind the step
+        event = torch.cuda.Event() if cuda else None
+        if event is not None:
+            event.record()
+        return cls(batch, tokens, host, event, logits, captured)
+
+    def host_tokens(self) -> list[int]:
+        """The sampled tokens, once the step and their copy have run (waits for this step alone)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
 
 def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop, max_new_tokens, on_token, report,
                        stats) -> list[int]:
@@ -369,7 +385,6 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
     Timing: a step's time runs from the last emission to its own, which covers launching the step after it; so
     the first interval holds the first step and the next step's launch (a CUDA-graph capture, for a new batch),
     and an interval counts as a capture's when the step launched inside it recorded a graph."""
-    cuda = cache.device.type == "cuda"
     alive = set(running)
     batch, feed = list(running), torch.tensor([results[b].tokens[-1] for b in running], dtype=torch.int64)
     pending = None  # the step launched last time, its tokens not read yet
@@ -379,20 +394,13 @@ def _decode_overlapped(graphs, lm, cache, running, results, sampling, gen, stop,
         if batch:
             captures = graphs.captures if graphs else 0
             logits = graphs.step(batch, feed) if graphs else decode_step(lm, cache, batch, feed)
-            tokens = sample(logits, sampling, gen)
-            host = tokens.to("cpu", non_blocking=cuda)  # pinned when from the device, filled behind the step
-            event = torch.cuda.Event() if cuda else None
-            if event is not None:
-                event.record()
             stats.decode_steps += 1
-            launched = LaunchedStep(batch, tokens, host, event, logits,
-                                    graphs is not None and graphs.captures > captures)
+            launched = LaunchedStep.of(batch, sample(logits, sampling, gen), logits,
+                                       graphs is not None and graphs.captures > captures)
         if pending is not None:
-            done, host, rows = pending.batch, pending.host, pending.logits
-            if pending.event is not None:
-                pending.event.synchronize()
+            done, rows = pending.batch, pending.logits
             # the rows of sequences that stopped the step before are dropped; every live sequence is in `done`
-            picked = [(i, b, tok) for i, (b, tok) in enumerate(zip(done, host.tolist())) if b in alive]
+            picked = [(i, b, tok) for i, (b, tok) in enumerate(zip(done, pending.host_tokens())) if b in alive]
             if report is not None:
                 rows = rows[[i for i, _, _ in picked]][:, None]
             alive = set(_emit(results, [b for _, b, _ in picked], [[tok] for _, _, tok in picked], stop,
