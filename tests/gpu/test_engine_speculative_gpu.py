@@ -68,8 +68,10 @@ def test_graph_steps_of_several_tokens_equal_eager_steps():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_step_with_drafts_equals_one_token_steps_exactly(dtype):
     """A decode step of 4 tokens per sequence (3 sequences: 12 query rows) gives each token the logits of a
-    one-token step over the same cache, bit for bit: no kernel's split or summation order depends on the drafts
-    riding beside a token (session 36's attention split followed the query rows and broke this in bf16)."""
+    one-token step over the same cache. In bf16 bit for bit: no kernel's split or summation order depends on the
+    drafts riding beside a token (session 36's attention split followed the query rows and broke this). In fp32
+    only to rounding: cuBLAS picks its fp32 GEMM by row count (H100: a 12-row `F.linear` differs from a 3-row one
+    by up to 1.5e-5 from the first projection on; bf16 GEMMs of both heights agree exactly)."""
     from openm3.engine.scheduler import decode_step, prefill
 
     model = _model().to(dtype)
@@ -83,7 +85,11 @@ def test_a_step_with_drafts_equals_one_token_steps_exactly(dtype):
         feed = torch.tensor([s[n:n + q] for s, n in zip(seqs, lens)], device="cuda")
         several = decode_step(model, caches[0], [0, 1, 2], feed)
         one = torch.stack([decode_step(model, caches[1], [0, 1, 2], feed[:, i]) for i in range(q)], dim=1)
-    assert torch.equal(several, one)
+    if dtype == torch.bfloat16:
+        assert torch.equal(several, one)
+    else:
+        assert (several - one).abs().max().item() <= 2e-4 * one.abs().max().item()
+        assert torch.equal(several.argmax(-1), one.argmax(-1))
 
 
 def test_generate_with_scripted_drafts_gives_plain_greedy_tokens(monkeypatch):
