@@ -56,8 +56,8 @@ def test_sort_pairs_matches_the_radix_sort(n, k, e, hidden):
 
 def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch):
     """With the Triton backend and no gradients a MoE layer routes with route_topk and sorts with sort_pairs; its
-    output equals the torch path's given the same routing (bit for bit: same GEMMs, same mix) and is close to it
-    end to end."""
+    output equals the torch path's given the same routing to fp32 rounding (the experts' projections run in
+    `openm3.ops.moe_experts` at this size, summing in another order; the mix is the same) and end to end."""
     layer = make_moe(32, 24, 6, 2, seed=4)
     layer.routed_scaling_factor = 2.5
     layer.experts.impl = "grouped"
@@ -75,8 +75,9 @@ def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch):
             got, logits = layer(x)
             assert calls == ["route_topk", "sort_pairs"]
             got_experts = layer.experts(x, ids, weights, scale=2.5, add=x, residual=x * 0.5)
-    assert torch.equal(got_experts, want_experts) and torch.equal(logits, want_logits)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # weights an fp32 ulp or two apart
+    assert torch.equal(logits, want_logits)
+    torch.testing.assert_close(got_experts, want_experts, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # weights an fp32 ulp or two apart too
     with use_backend("triton"):
         calls.clear()
         layer(x)  # parameters require grad: the training path

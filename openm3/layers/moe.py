@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.fused import fused_on_cuda
+from ..ops.moe_experts import EXPERT_LINEAR_MAX_PAIRS, expert_linear
 from ..ops.moe_routing import SORT_PAIRS_MAX, route_topk, sort_pairs
 from ..ops.norm_rope import inference_kernels
 from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai
@@ -241,14 +242,22 @@ class Experts(nn.Module):
         """`_grouped` without gradients, in fewer kernels (a decode step runs ~15 of these per token): the expert
         outputs put back in token order inside the fused kernel that mixes them and applies `scale`, `add` and
         `residual`.
-        A decode step's few pairs are sorted and gathered by one kernel (`openm3.ops.moe_routing.sort_pairs`);
-        more (prefill) take the radix sort, gathered by `order` directly and put back by one `index_copy_`."""
+        A decode step's few pairs are sorted and gathered by one kernel (`openm3.ops.moe_routing.sort_pairs`), and
+        up to `EXPERT_LINEAR_MAX_PAIRS` of them go through the experts in two more (`openm3.ops.moe_experts`: the
+        SwiGLU inside the first); more (prefill) take the radix sort, gathered by `order` directly and put back by
+        one `index_copy_`."""
         n, k = experts.shape
         if n * k <= SORT_PAIRS_MAX and experts.dtype == torch.int64 and inference_kernels(x):
             x, gate_up_proj, down_proj = self._operands(x)
             rows, offs, pos = sort_pairs(experts, x, gate_up_proj.shape[0])
-            h = fused_swiglu_oai(grouped_linear(rows, gate_up_proj, offs), self.alpha, self.limit)
-            y = grouped_linear(h, down_proj, offs)  # expert order; pair p's row is y[pos[p]]
+            # (fp32 on a GPU keeps the grouped GEMMs: the kernel's fp32 SwiGLU measured 2-8x torch's error on the
+            # H100, Triton's exp being approximate; its fp64 epilogue since is not yet GPU-tested)
+            if n * k <= EXPERT_LINEAR_MAX_PAIRS and not (x.is_cuda and x.dtype == torch.float32):
+                h = expert_linear(rows, gate_up_proj, offs, swiglu=(self.alpha, self.limit))
+                y = expert_linear(h, down_proj, offs)
+            else:
+                h = fused_swiglu_oai(grouped_linear(rows, gate_up_proj, offs), self.alpha, self.limit)
+                y = grouped_linear(h, down_proj, offs)  # expert order; pair p's row is y[pos[p]]
             return mix_gather_scale_add(y, pos, weights, scale, add, residual)
         x, gate_up_proj, down_proj, order, offs = self._sorted(x, experts)
         h = fused_swiglu_oai(grouped_linear(x[order // k], gate_up_proj, offs), self.alpha, self.limit)

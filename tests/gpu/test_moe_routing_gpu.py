@@ -38,7 +38,8 @@ def test_routing_kernels_on_cuda(e, k):
 
 def test_decode_moe_layer_kernels():
     """m3-small's MoE layer without gradients at 8 tokens: both routing kernels, no radix sort, searchsorted,
-    gather or index_copy."""
+    gather or index_copy; the experts through `openm3.ops.moe_experts` (its kernel twice, no cutlass grouped GEMM
+    or its argument kernel, one SwiGLU kernel: the shared expert's)."""
     from test_moe_gpu import small_moe
 
     layer = small_moe(torch.bfloat16)
@@ -50,5 +51,8 @@ def test_decode_moe_layer_kernels():
             torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert any("_route_kernel" in n for n in names) and any("_sort_pairs_kernel" in n for n in names), names
-    for banned in ("radixSort", "searchsorted", "index_copy", "gather_kernel"):
+    for banned in ("radixSort", "searchsorted", "index_copy", "gather_kernel", "prepare_grouped_gemm",
+                   "GroupProblemShape"):
         assert not any(banned in n for n in names), (banned, names)
+    assert sum("_expert_linear_kernel" in n for n in names) == 2, names
+    assert sum("sigmoid" in n for n in names) == 1, names

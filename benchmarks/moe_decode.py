@@ -1,0 +1,130 @@
+"""Times a MoE layer's routed experts at decode sizes on one GPU: the grouped GEMMs (`torch._grouped_mm`, a SwiGLU
+kernel between them) against `openm3.ops.moe_experts` (one kernel per projection, the SwiGLU inside the first).
+
+    python -m benchmarks.moe_decode --out benchmarks/results/
+
+m3-small's shape (hidden 2048, 16 experts of 512, top-2), no gradients, each case a CUDA graph of `--layers`
+layers with their own weights (so no layer finds another's weights in L2), timed per layer:
+  experts   `Experts.forward` as the decode step runs it: sort_pairs, the two projections, the mix with routed
+            scaling, shared expert output and residual added
+  gemms     the two projections alone (for the chosen experts' weight bytes: TB/s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from benchmarks._timing import write_result
+
+
+def _graph_us(fn, layers: int, reps: int) -> float:
+    """Median us per layer of a CUDA graph replaying `fn()` (which runs all layers)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(20):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / 10 / layers)
+    return statistics.median(times)
+
+
+def cases(tokens: int, layers: int, reps: int) -> dict:
+    from openm3.layers import moe
+    from openm3.layers.mlp import fused_swiglu_oai
+    from openm3.models import M3TextConfig
+    from openm3.ops.moe_experts import expert_linear
+    from openm3.ops.moe_routing import sort_pairs
+
+    c = M3TextConfig.from_name("m3-small")
+    h, i, e, k = c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    stack = [moe.Experts(e, h, i, c.swiglu_alpha, c.swiglu_limit).to("cuda", torch.bfloat16) for _ in range(layers)]
+    for ex in stack:
+        with torch.no_grad():
+            for p in ex.parameters():
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5, generator=gen)
+        ex.impl = "grouped"
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(tokens, e, device="cuda", generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    rows, offs, _ = sort_pairs(ids, x, e)
+    used = ids.unique().numel()
+    weight_bytes = used * (2 * i * h + h * i) * 2  # the chosen experts' gate_up and down, bf16
+
+    def experts_run():
+        for ex in stack:
+            ex(x, ids, weights, scale=2.0, add=x, residual=x)
+
+    def gemms_grouped():
+        for ex in stack:
+            hh = fused_swiglu_oai(moe.grouped_linear(rows, ex.gate_up_proj, offs), ex.alpha, ex.limit)
+            moe.grouped_linear(hh, ex.down_proj, offs)
+
+    def gemms_kernel():
+        for ex in stack:
+            hh = expert_linear(rows, ex.gate_up_proj, offs, swiglu=(ex.alpha, ex.limit))
+            expert_linear(hh, ex.down_proj, offs)
+
+    out = {"tokens": tokens, "pairs": tokens * k, "experts_used": used, "weight_mb": weight_bytes / 1e6}
+
+    def experts_us(max_pairs: int) -> float:  # the layer's own switch, set while its graph is captured
+        saved = moe.EXPERT_LINEAR_MAX_PAIRS
+        moe.EXPERT_LINEAR_MAX_PAIRS = max_pairs
+        try:
+            return _graph_us(experts_run, layers, reps)
+        finally:
+            moe.EXPERT_LINEAR_MAX_PAIRS = saved
+
+    with torch.no_grad():
+        out["experts_grouped_us"] = experts_us(0)
+        out["experts_kernel_us"] = experts_us(1 << 30)
+        out["gemms_grouped_us"] = _graph_us(gemms_grouped, layers, reps)
+        out["gemms_kernel_us"] = _graph_us(gemms_kernel, layers, reps)
+        out["experts_grouped_again_us"] = experts_us(0)
+    for name in ("gemms_grouped", "gemms_kernel"):
+        out[name + "_tb_per_s"] = weight_bytes / (out[name + "_us"] * 1e-6) / 1e12
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="folder for the JSON result")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    p.add_argument("--layers", type=int, default=4, help="layers with their own weights in each graph")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_decode needs a CUDA GPU")
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers, "cases": []}
+    for tokens in args.tokens:
+        r = cases(tokens, args.layers, args.reps)
+        result["cases"].append(r)
+        print(f"tokens {tokens:4d} pairs {r['pairs']:4d} experts {r['experts_used']:3d} ({r['weight_mb']:.0f} MB): "
+              f"experts {r['experts_grouped_us']:.1f} / {r['experts_grouped_again_us']:.1f} -> "
+              f"{r['experts_kernel_us']:.1f} us; gemms {r['gemms_grouped_us']:.1f} "
+              f"({r['gemms_grouped_tb_per_s']:.2f} TB/s) -> {r['gemms_kernel_us']:.1f} us "
+              f"({r['gemms_kernel_tb_per_s']:.2f} TB/s)", flush=True)
+    if args.out:
+        print("wrote", write_result(args.out, "moe_decode", result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""`openm3.ops.moe_experts` on the GPU in bf16 (the CPU interpreter's `tl.dot` does not take bf16 operands:
+the CPU tests run fp32); m3-small's decode-size MoE layer through it: tests/gpu/test_moe_routing_gpu.py.
+
+    .venv/bin/python -m pytest -q -m gpu tests/gpu/test_moe_experts_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from openm3.layers.mlp import swiglu_oai
+from openm3.ops.moe_experts import expert_linear
+
+pytestmark = pytest.mark.gpu
+
+ALPHA, LIMIT = 1.702, 7.0
+
+
+def _groups(counts: list[int], hidden: int, out: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(sum(counts), hidden, generator=gen)
+    weight = torch.randn(len(counts), out, hidden, generator=gen) * 4.0 / hidden ** 0.5
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return rows.cuda(), weight.cuda(), offs.cuda()
+
+
+def _per_expert(rows, weight, offs, fn=F.linear):
+    out, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        out.append(fn(rows[start:end], weight[e]))
+        start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("counts", [[2, 0, 5, 1, 19, 3], [1] * 16, [0] * 15 + [16]])
+@pytest.mark.parametrize("hidden, inter", [(160, 48), (2048, 512)])
+def test_bf16_error_within_twice_torch_bf16(counts, hidden, inter):
+    """bf16 operands (fp32 accumulation, the SwiGLU in fp32 before one rounding): error against the fp32
+    computation at most twice that of torch's bf16 linear + swiglu, for both projections; with fp32 operands
+    (no tf32) against an fp64 computation at most twice torch's fp32."""
+    rows, weight, offs = _groups(counts, hidden, 2 * inter, seed=hidden + len(counts))
+    down = (weight[:, :inter, :].transpose(1, 2) / 4.0).contiguous()  # [E, hidden, inter]
+    rb, wb, db = rows.bfloat16(), weight.bfloat16(), down.bfloat16()
+    exact = swiglu_oai(_per_expert(rb.float(), wb.float(), offs), ALPHA, LIMIT)
+    torch_bf16 = swiglu_oai(_per_expert(rb, wb, offs), ALPHA, LIMIT)
+    got = expert_linear(rb, wb, offs, swiglu=(ALPHA, LIMIT))
+    assert got.dtype == torch.bfloat16
+    err, base = (got.float() - exact).abs().max().item(), (torch_bf16.float() - exact).abs().max().item()
+    assert err <= 2 * base, (err, base)
+    h = torch_bf16
+    exact_down = _per_expert(h.float(), db.float(), offs)
+    err = (expert_linear(h, db, offs).float() - exact_down).abs().max().item()
+    base = (_per_expert(h, db, offs).float() - exact_down).abs().max().item()
+    assert err <= 2 * base, (err, base)
+    exact64 = swiglu_oai(_per_expert(rb.double(), wb.double(), offs), ALPHA, LIMIT)
+    err = (expert_linear(rb.float(), wb.float(), offs, swiglu=(ALPHA, LIMIT)).double() - exact64).abs().max().item()
+    base = (exact.double() - exact64).abs().max().item()  # torch's fp32 (cuBLAS, no tf32) against fp64
+    assert err <= 2 * base, (err, base)
+
