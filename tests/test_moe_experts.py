@@ -91,7 +91,7 @@ def test_the_layer_takes_them_for_few_pairs_without_gradients(monkeypatch, token
         with use_backend("triton"):
             got, _ = layer(x)
     assert calls == ([(ALPHA, LIMIT), None] if 2 * tokens <= EXPERT_LINEAR_MAX_PAIRS else [])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)  # outputs up to ~80: a few fp32 ulps
 
 
 _COMPILE_SCRIPT = r"""

@@ -21,8 +21,10 @@ import torch
 __all__ = ["EXPERT_LINEAR_MAX_PAIRS", "expert_linear"]
 
 # up to this many (token, slot) pairs a layer takes these kernels; more (larger batches, prefill) keep the grouped
-# GEMMs, whose tiles reuse each weight for many rows (each pass here re-reads an expert's block per 16 rows)
-EXPERT_LINEAR_MAX_PAIRS = 64
+# GEMMs, whose tiles reuse each weight for many rows (each pass here re-reads an expert's block per 16 rows).
+# Measured on an H100 at m3-small's shape (benchmarks/moe_decode.py): the kernels win at 2 to 128 pairs (one
+# layer's routed experts 41.6 -> 35.3 us at 2, 66.7 -> 48.7 at 16, 71.8 -> 57.4 at 128); more is untimed.
+EXPERT_LINEAR_MAX_PAIRS = 128
 
 
 def expert_linear(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, *,
