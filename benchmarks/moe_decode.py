@@ -7,7 +7,8 @@ m3-small's shape (hidden 2048, 16 experts of 512, top-2), no gradients, each cas
 layers with their own weights (so no layer finds another's weights in L2), timed per layer:
   experts   `Experts.forward` as the decode step runs it: sort_pairs, the two projections, the mix with routed
             scaling, shared expert output and residual added
-  gemms     the two projections alone (for the chosen experts' weight bytes: TB/s)
+  gemms     the two projections alone (for the chosen experts' weight bytes: TB/s); with `--splits`, the kernels
+            also with each projection's input features over that many programs (`expert_linear(splits=)`)
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _graph_us(fn, layers: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def cases(tokens: int, layers: int, reps: int) -> dict:
+def cases(tokens: int, layers: int, reps: int, splits: list[int]) -> dict:
     from openm3.layers import moe
     from openm3.layers.mlp import fused_swiglu_oai
     from openm3.models import M3TextConfig
@@ -77,10 +78,12 @@ def cases(tokens: int, layers: int, reps: int) -> dict:
             hh = fused_swiglu_oai(moe.grouped_linear(rows, ex.gate_up_proj, offs), ex.alpha, ex.limit)
             moe.grouped_linear(hh, ex.down_proj, offs)
 
-    def gemms_kernel():
-        for ex in stack:
-            hh = expert_linear(rows, ex.gate_up_proj, offs, swiglu=(ex.alpha, ex.limit))
-            expert_linear(hh, ex.down_proj, offs)
+    def gemms_kernel(n: int = 1):
+        def run():
+            for ex in stack:
+                hh = expert_linear(rows, ex.gate_up_proj, offs, swiglu=(ex.alpha, ex.limit), splits=n)
+                expert_linear(hh, ex.down_proj, offs, splits=n)
+        return run
 
     out = {"tokens": tokens, "pairs": tokens * k, "experts_used": used, "weight_mb": weight_bytes / 1e6}
 
@@ -96,9 +99,11 @@ def cases(tokens: int, layers: int, reps: int) -> dict:
         out["experts_grouped_us"] = experts_us(0)
         out["experts_kernel_us"] = experts_us(1 << 30)
         out["gemms_grouped_us"] = _graph_us(gemms_grouped, layers, reps)
-        out["gemms_kernel_us"] = _graph_us(gemms_kernel, layers, reps)
+        out["gemms_kernel_us"] = _graph_us(gemms_kernel(), layers, reps)
+        for n in splits:
+            out[f"gemms_kernel_splits{n}_us"] = _graph_us(gemms_kernel(n), layers, reps)
         out["experts_grouped_again_us"] = experts_us(0)
-    for name in ("gemms_grouped", "gemms_kernel"):
+    for name in ("gemms_grouped", "gemms_kernel", *(f"gemms_kernel_splits{n}" for n in splits)):
         out[name + "_tb_per_s"] = weight_bytes / (out[name + "_us"] * 1e-6) / 1e12
     return out
 
@@ -109,18 +114,20 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     p.add_argument("--layers", type=int, default=4, help="layers with their own weights in each graph")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--splits", type=int, nargs="*", default=[2, 4], help="expert_linear splits to time beside 1")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_decode needs a CUDA GPU")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers, "cases": []}
     for tokens in args.tokens:
-        r = cases(tokens, args.layers, args.reps)
+        r = cases(tokens, args.layers, args.reps, args.splits)
         result["cases"].append(r)
         print(f"tokens {tokens:4d} pairs {r['pairs']:4d} experts {r['experts_used']:3d} ({r['weight_mb']:.0f} MB): "
               f"experts {r['experts_grouped_us']:.1f} / {r['experts_grouped_again_us']:.1f} -> "
               f"{r['experts_kernel_us']:.1f} us; gemms {r['gemms_grouped_us']:.1f} "
               f"({r['gemms_grouped_tb_per_s']:.2f} TB/s) -> {r['gemms_kernel_us']:.1f} us "
-              f"({r['gemms_kernel_tb_per_s']:.2f} TB/s)", flush=True)
+              f"({r['gemms_kernel_tb_per_s']:.2f} TB/s)"
+              + "".join(f"; splits {n} {r[f'gemms_kernel_splits{n}_us']:.1f} us" for n in args.splits), flush=True)
     if args.out:
         print("wrote", write_result(args.out, "moe_decode", result))
     return 0

@@ -42,21 +42,38 @@ COUNTS = [[3, 0, 1, 2], [0, 0, 37, 1, 0, 5], [1], [2, 0, 0, 0, 0, 0, 0, 1]]
 
 
 @pytest.mark.parametrize("counts", COUNTS, ids=[f"E{len(c)}-M{sum(c)}" for c in COUNTS])
-@pytest.mark.parametrize("hidden, out", [(72, 40), (200, 24), (128, 64)])
-def test_fp32_equals_the_grouped_linear(counts, hidden, out):
+@pytest.mark.parametrize("hidden, out", [(72, 40), (200, 24), (384, 64)])
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_fp32_equals_the_grouped_linear(counts, hidden, out, splits):
     rows, weight, offs = _groups(counts, hidden, out, seed=hidden + out)
     want = _per_expert(rows, weight, offs, F.linear)
-    torch.testing.assert_close(expert_linear(rows, weight, offs), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(expert_linear(rows, weight, offs, splits=splits), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(want, moe.grouped_linear(rows, weight, offs), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("counts", COUNTS, ids=[f"E{len(c)}-M{sum(c)}" for c in COUNTS])
-def test_fp32_swiglu_equals_the_projection_then_swiglu(counts):
-    rows, weight, offs = _groups(counts, 96, 2 * 24, seed=len(counts), gate_up=True)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp32_swiglu_equals_the_projection_then_swiglu(counts, splits):
+    rows, weight, offs = _groups(counts, 256, 2 * 24, seed=len(counts), gate_up=True)
     want = swiglu_oai(_per_expert(rows, weight, offs, F.linear), ALPHA, LIMIT)
     assert (want.abs() > 0).all() and ((_per_expert(rows, weight, offs, F.linear)).abs() > LIMIT).any()
-    torch.testing.assert_close(expert_linear(rows, weight, offs, swiglu=(ALPHA, LIMIT)), want, rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(expert_linear(rows, weight, offs, swiglu=(ALPHA, LIMIT), splits=splits), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(splits):
+    """Each row alone (its expert's only row) gives the bits it gets among 37 others: a decode step with drafts
+    rounds as one-token steps do (the speculative GPU test checks the whole model the same way)."""
+    counts = [3, 0, 17, 1, 16]
+    rows, weight, offs = _groups(counts, 300, 2 * 40, seed=5, gate_up=True)
+    together = expert_linear(rows, weight, offs, swiglu=(ALPHA, LIMIT), splits=splits)
+    expert_of = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    for r in (0, 2, 3, 19, 20, 36):
+        alone = torch.zeros(len(counts), dtype=torch.int32)
+        alone[expert_of[r]:] = 1
+        got = expert_linear(rows[r:r + 1], weight, alone, swiglu=(ALPHA, LIMIT), splits=splits)
+        assert torch.equal(got[0], together[r]), r
 
 
 def test_no_rows_and_bad_arguments():
@@ -70,6 +87,8 @@ def test_no_rows_and_bad_arguments():
         expert_linear(torch.zeros(2, 16), weight.double(), offs)
     with pytest.raises(ValueError, match=r"offs must be int32 \[3\]"):
         expert_linear(torch.zeros(2, 16), weight, offs.long())
+    with pytest.raises(ValueError, match="splits must be an int >= 1, got 0"):
+        expert_linear(torch.zeros(2, 16), weight, offs, splits=0)
     with pytest.raises(ValueError, match="even number of output features"):
         expert_linear(torch.zeros(2, 16), torch.zeros(3, 7, 16), offs, swiglu=(1.0, 7.0))
 
@@ -104,12 +123,15 @@ from openm3.ops import _moe_expert_kernels as k
 fn = k._expert_linear_kernel
 names = list(fn.arg_names)
 for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
-    for swiglu, block_n in ((True, 16), (False, 32), (False, 64)):
+    for swiglu, block_n, splits in ((True, 16, 1), (False, 32, 1), (False, 64, 1), (True, 16, 4), (False, 32, 2)):
         sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "offs_ptr": "*i32", "out_ptr": f"*{dtype}",
-               **{n: "i32" for n in ("n_out", "k_dim", "stride_x", "stride_we", "stride_wn", "stride_o")},
+               "part_ptr": "*fp32", "count_ptr": "*i32",
+               **{n: "i32" for n in ("n_out", "k_dim", "k_split", "n_rows", "stride_x", "stride_we", "stride_wn",
+                                     "stride_o")},
                "alpha": "fp32", "limit": "fp32"}
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
-        consts = dict(SWIGLU=swiglu, ROWS=k._ROWS, BLOCK_N=block_n, BLOCK_K=k._BLOCK_K, PRECISION=precision)
+        consts = dict(SWIGLU=swiglu, SPLITS=splits, ROWS=k._ROWS, BLOCK_N=block_n, BLOCK_K=k._BLOCK_K,
+                      PRECISION=precision)
         c = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4, "num_stages": 4})
         assert "cubin" in c.asm

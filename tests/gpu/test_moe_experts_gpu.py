@@ -36,7 +36,8 @@ def _per_expert(rows, weight, offs, fn=F.linear):
 
 @pytest.mark.parametrize("counts", [[2, 0, 5, 1, 19, 3], [1] * 16, [0] * 15 + [16]])
 @pytest.mark.parametrize("hidden, inter", [(160, 48), (2048, 512)])
-def test_bf16_error_within_twice_torch_bf16(counts, hidden, inter):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_bf16_error_within_twice_torch_bf16(counts, hidden, inter, splits):
     """bf16 operands (fp32 accumulation, the SwiGLU in fp32 before one rounding): error against the fp32
     computation at most twice that of torch's bf16 linear + swiglu, for both projections; with fp32 operands
     (no tf32) against an fp64 computation at most twice torch's fp32."""
@@ -45,17 +46,39 @@ def test_bf16_error_within_twice_torch_bf16(counts, hidden, inter):
     rb, wb, db = rows.bfloat16(), weight.bfloat16(), down.bfloat16()
     exact = swiglu_oai(_per_expert(rb.float(), wb.float(), offs), ALPHA, LIMIT)
     torch_bf16 = swiglu_oai(_per_expert(rb, wb, offs), ALPHA, LIMIT)
-    got = expert_linear(rb, wb, offs, swiglu=(ALPHA, LIMIT))
+    got = expert_linear(rb, wb, offs, swiglu=(ALPHA, LIMIT), splits=splits)
     assert got.dtype == torch.bfloat16
     err, base = (got.float() - exact).abs().max().item(), (torch_bf16.float() - exact).abs().max().item()
     assert err <= 2 * base, (err, base)
     h = torch_bf16
     exact_down = _per_expert(h.float(), db.float(), offs)
-    err = (expert_linear(h, db, offs).float() - exact_down).abs().max().item()
+    err = (expert_linear(h, db, offs, splits=splits).float() - exact_down).abs().max().item()
     base = (_per_expert(h, db, offs).float() - exact_down).abs().max().item()
     assert err <= 2 * base, (err, base)
     exact64 = swiglu_oai(_per_expert(rb.double(), wb.double(), offs), ALPHA, LIMIT)
-    err = (expert_linear(rb.float(), wb.float(), offs, swiglu=(ALPHA, LIMIT)).double() - exact64).abs().max().item()
+    err = (expert_linear(rb.float(), wb.float(), offs, swiglu=(ALPHA, LIMIT), splits=splits).double() - exact64).abs().max().item()
     base = (exact.double() - exact64).abs().max().item()  # torch's fp32 (cuBLAS, no tf32) against fp64
     assert err <= 2 * base, (err, base)
 
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(splits):
+    """bf16, m3-small's gate/up shape: each row alone gives the bits it gets among 40 others, and a graph replay
+    (the split sums added by whichever program finishes last, in split order) gives them again."""
+    counts = [3, 0, 17, 1, 16, 3]
+    rows, weight, offs = _groups(counts, 2048, 1024, seed=9)
+    rows, weight = rows.bfloat16(), weight.bfloat16()
+    together = expert_linear(rows, weight, offs, swiglu=(ALPHA, LIMIT), splits=splits)
+    expert_of = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    for r in (0, 3, 4, 20, 21, 39):
+        alone = torch.zeros(len(counts), dtype=torch.int32, device="cuda")
+        alone[expert_of[r]:] = 1
+        got = expert_linear(rows[r:r + 1], weight, alone, swiglu=(ALPHA, LIMIT), splits=splits)
+        assert torch.equal(got[0], together[r]), r
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = expert_linear(rows, weight, offs, swiglu=(ALPHA, LIMIT), splits=splits)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(replayed, together)

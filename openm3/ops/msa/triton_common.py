@@ -35,6 +35,22 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+_COUNTERS: dict = {}
+
+
+def arrival_counters(n: int, device: torch.device, kind: str) -> torch.Tensor:
+    """Zeroed int32 [>= n] arrival counters for kernels whose last program to finish a piece of work does its
+    final step (the decode attention's fused combine: kind 'combine', the folded shrink: 'fold', the MoE experts'
+    split reduction: 'moe_experts'), kept per device and kind: every launch leaves them at zero again, so they are
+    allocated once (outside CUDA-graph capture, at the first eager call) and reused. One launch of a kind at a
+    time per device (launches on concurrent streams would share them)."""
+    buf = _COUNTERS.get((device, kind))
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[(device, kind)] = buf
+    return buf
+
+
 def with_overrides(cfg: dict, env_var: str, overrides: dict) -> dict:
     """Launch fields `cfg` with single fields replaced by the environment variable `env_var` ("key=value,...",
     integers; for tuning on the GPU), then by `overrides`."""

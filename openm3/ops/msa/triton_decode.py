@@ -64,7 +64,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .decode import FP8_DTYPE, SCALE_DTYPES, SCALE_E8M0
-from .triton_common import interpreting
+from .triton_common import arrival_counters, interpreting
 
 _NEG_INF = tl.constexpr(float("-inf"))  # globals read by kernels must be constexpr
 # decode_msa's default attention split: 2 selected blocks from this many sequences up (sequences, not query rows, so
@@ -580,7 +580,7 @@ def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size,
         pdl = _pdl_on(pdl, qi.device)
         _score_segment_kernel[(batch, n_seg)](
             qi, _index_key_operand(ki_pages, fp8, score_loads, split), ki_scale if fp8 else cand, block_table, seq_lens,
-            cand, out, _counters(batch * n_groups, qi.device, "fold") if fold_segs else cand, max_blocks, n_seg,
+            cand, out, arrival_counters(batch * n_groups, qi.device, "fold") if fold_segs else cand, max_blocks, n_seg,
             n_groups, block_table.stride(0), ki_pages.stride(0),
             Q=q_len, HI=hi, DI=di, BS=block_size, BLOCK_M=max(16, triton.next_power_of_2(rows)), SEG=seg, KP=kp,
             LOCAL=local_blocks, FP8=fp8, HALF=half, PRECISION=_precision(qi.dtype), STAGES=stages,
@@ -646,21 +646,6 @@ def _select_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size
 def _nc(n_cand: int, topk: int) -> int:
     """Power-of-two width of the merge's key tile: every candidate, and at least the top-k's own width."""
     return max(triton.next_power_of_2(max(n_cand, 1)), triton.next_power_of_2(topk))
-
-
-_COUNTERS: dict = {}
-
-
-def _counters(n: int, device: torch.device, kind: str = "combine") -> torch.Tensor:
-    """Zeroed int32 [>= n] arrival counters of the fused combine (kind 'combine') or the folded shrink ('fold'),
-    kept per device and kind: every launch leaves them at zero again, so they are allocated once (outside
-    CUDA-graph capture, at the first eager call) and reused. One decode step at a time per device (steps on
-    concurrent streams would share them)."""
-    buf = _COUNTERS.get((device, kind))
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[(device, kind)] = buf
-    return buf
 
 
 def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -754,7 +739,7 @@ def _split_attention(q, k_pages, v_pages, block_table, seq_lens, *, q_len, mode,
     lse_part = torch.empty(rows, hq, n_splits, dtype=torch.float32, device=q.device)
     o = torch.empty_like(q)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device)
-    counts = _counters(rows * hkv, q.device) if fuse else lse
+    counts = arrival_counters(rows * hkv, q.device, "combine") if fuse else lse
     pdl = _pdl_on(pdl, q.device)
     _attention_split_kernel[(rows, hkv, n_splits)](
         q, k_pages, v_pages, idx, cand, block_table, seq_lens, o_part, lse_part, o, lse, counts,
