@@ -141,6 +141,11 @@ for s in "${stages[@]}"; do
            --prompt-len-min 4096 --new 128 --new-min 16 --requests-per-batch 4 --batch 16 --out "$OUT/$v" 2>&1 \
            | tee "$OUT/serve_varied_$v.log" | tail -1)
       done ;;
+    moe)  # the decode-size expert kernels (openm3.ops.moe_experts): GPU tests, then one layer at 1-64 tokens against
+      # the grouped GEMMs, the projections with 2 and 4 splits beside (session 38: splits untimed)
+      python3 -m pytest -q -m gpu tests/gpu/test_moe_experts_gpu.py tests/gpu/test_moe_routing_gpu.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/moe_tests.log" | tail -6
+      python3 -m benchmarks.moe_decode --splits 2 4 --out "$OUT" 2>&1 | tee "$OUT/moe_decode.log" | tail -7 ;;
     router) python3 -m benchmarks.moe_router --out "$OUT" 2>&1 | tee "$OUT/moe_router.log" | tail -12 ;;
     routing) python3 -m benchmarks.moe_routing_ops --out "$OUT" 2>&1 | tee "$OUT/moe_routing_ops.log" | tail -4 ;;
     klcompact)  # the KL with its old work-list compaction (a host sync per call; off by default since session 5)
