@@ -3,6 +3,7 @@ unions, the inverse indices of the key-block-outer kernels) compiled by torch.co
 
 On CUDA these functions run compiled (one fused graph instead of ~20-35 launches each); here the same compile
 (inductor's CPU backend, dynamic shapes as on the GPU) is checked against the plain functions on two shapes each.
+Also: the arrival counters the kernels' last-program-finishes steps share (`arrival_counters`).
 """
 
 from __future__ import annotations
@@ -127,3 +128,19 @@ def test_fused_wrapper_grad_false_shares_one_graph_across_grad_modes(wrapper_on_
                 assert torch.equal(fused(x), double(x))
         limit_warnings[grad] = sum("recompile limit" in str(w.message) for w in caught)
     assert limit_warnings == {True: 1, False: 0}
+
+
+def test_arrival_counters_grow_and_keep_the_outgrown_ones():
+    """One zeroed buffer per (device, kind), reused while big enough; a larger request replaces it, and the old
+    one stays alive (a CUDA graph captured with it keeps counting there)."""
+    from openm3.ops.msa import triton_common as tc
+
+    kind = "test_kind"
+    first = tc.arrival_counters(10, torch.device("cpu"), kind)
+    assert first.numel() >= 4096 and first.dtype == torch.int32 and not first.any()
+    assert tc.arrival_counters(4096, torch.device("cpu"), kind) is first
+    assert tc.arrival_counters(10, torch.device("cpu"), "other_kind") is not first
+    bigger = tc.arrival_counters(5000, torch.device("cpu"), kind)
+    assert bigger.numel() >= 5000 and not bigger.any()
+    assert any(t is first for t in tc._OUTGROWN)
+    assert tc.arrival_counters(10, torch.device("cpu"), kind) is bigger

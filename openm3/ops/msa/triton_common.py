@@ -36,6 +36,7 @@ def next_pow2(n: int) -> int:
 
 
 _COUNTERS: dict = {}
+_OUTGROWN: list = []  # counters replaced by larger ones: CUDA graphs captured with them may still replay
 
 
 def arrival_counters(n: int, device: torch.device, kind: str) -> torch.Tensor:
@@ -46,6 +47,8 @@ def arrival_counters(n: int, device: torch.device, kind: str) -> torch.Tensor:
     time per device (launches on concurrent streams would share them)."""
     buf = _COUNTERS.get((device, kind))
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)  # kept alive: a graph that captured it would otherwise count in freed memory
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[(device, kind)] = buf
     return buf
