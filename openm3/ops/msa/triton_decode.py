@@ -580,8 +580,8 @@ def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size,
         pdl = _pdl_on(pdl, qi.device)
         _score_segment_kernel[(batch, n_seg)](
             qi, _index_key_operand(ki_pages, fp8, score_loads, split), ki_scale if fp8 else cand, block_table, seq_lens,
-            cand, out, arrival_counters(batch * n_groups, qi.device, "fold") if fold_segs else cand, max_blocks, n_seg,
-            n_groups, block_table.stride(0), ki_pages.stride(0),
+            cand, out, arrival_counters(batch * n_groups, qi.device, "fold") if fold_segs else cand, max_blocks,
+            n_seg, n_groups, block_table.stride(0), ki_pages.stride(0),
             Q=q_len, HI=hi, DI=di, BS=block_size, BLOCK_M=max(16, triton.next_power_of_2(rows)), SEG=seg, KP=kp,
             LOCAL=local_blocks, FP8=fp8, HALF=half, PRECISION=_precision(qi.dtype), STAGES=stages,
             HOIST=score_loads == "hoist", TMA=score_loads == "tma", FOLD_SEGS=fold_segs,
