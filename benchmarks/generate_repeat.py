@@ -55,7 +55,7 @@ SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_re
 
 
 PLAIN_STEPS = ("plain", "spec", "prof", "kprof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe",
-               "eager", "sharedpool", "keep", "retime", "gprof", "chain", "compile", "overlap")
+               "eager", "sharedpool", "keep", "retime", "gprof", "chain", "compile", "overlap", "fp8idx")
 
 
 def _known_step(step: str) -> bool:
@@ -108,7 +108,8 @@ def main(argv=None) -> int:
                    "(the newest kept graph's replays under torch.profiler: one decode step's kernels, count and GPU "
                    "time per step), chain (the "
                    "time per node of a 3000-node graph of tiny kernels), compile (the layers under torch.compile), "
-                   "overlap (plain with generate(overlap=True): each step launched before the host reads the last)")
+                   "overlap (plain with generate(overlap=True): each step launched before the host reads the last), "
+                   "fp8idx (plain with fp8 index keys in the cache: index_dtype='fp8')")
     p.add_argument("--kernels", action="store_true", help="prof also lists the GPU kernels (torch.profiler; it "
                    "stays attached, so later runs are slower)")
     args = p.parse_args(argv)
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
         torch.cuda.CUDAGraph.replay = timed_replay
 
     def one(phase: str, spec=None, profile: bool = False, batch: int | None = None, eager: bool = False,
-            gpu_kernels: bool = False, overlap: bool = False) -> None:
+            gpu_kernels: bool = False, overlap: bool = False, index_dtype: str | None = None) -> None:
         pauses.clear()
         replays.clear()
         prof = cProfile.Profile() if profile else None
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
             kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             kernels.__enter__()
         _, stats = generate(model, prompts[:batch], max_new_tokens=2 if eager else args.new, speculative=spec,
-                            cuda_graphs=False if eager else None, overlap=overlap)
+                            cuda_graphs=False if eager else None, overlap=overlap, index_dtype=index_dtype)
         if kernels is not None:
             kernels.__exit__(None, None, None)
             table = kernels.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
@@ -313,6 +314,8 @@ def main(argv=None) -> int:
             one(step, gpu_kernels=True)
         elif step == "overlap":  # plain, each decode step launched before the host reads the last one's tokens
             one(step, overlap=True)
+        elif step == "fp8idx":  # plain, the MSA layers' index keys cached in fp8 (e4m3 + an e8m0 scale per token)
+            one(step, index_dtype="fp8")
         else:  # plain or bN
             one(step, batch=int(step[1:]) if step != "plain" else None)
     if args.out:

@@ -141,6 +141,9 @@ for s in "${stages[@]}"; do
            --prompt-len-min 4096 --new 128 --new-min 16 --requests-per-batch 4 --batch 16 --out "$OUT/$v" 2>&1 \
            | tee "$OUT/serve_varied_$v.log" | tail -1)
       done ;;
+    indexab)  # generate m3-small 8 x 16K with bf16 index keys (the default) against fp8 ones, same process
+      python3 -m benchmarks.generate_repeat --steps plain,fp8idx,plain --out "$OUT" 2>&1 \
+        | grep -v "^ \|^-\|Name\|Self" | cut -c1-160 | tail -4 ;;
     moe)  # the decode-size expert kernels (openm3.ops.moe_experts): GPU tests, then one layer at 1-64 tokens against
       # the grouped GEMMs, the projections with 2 and 4 splits beside (session 38: splits untimed)
       python3 -m pytest -q -m gpu tests/gpu/test_moe_experts_gpu.py tests/gpu/test_moe_routing_gpu.py \
