@@ -83,10 +83,10 @@ def test_generate_repeat_runs_its_steps_on_cpu(tmp_path, capsys):
     from benchmarks import generate_repeat
 
     assert generate_repeat.main(["--preset", "m3-tiny", "--device", "cpu", "--prompt", "24", "--batch", "2",
-                                 "--new", "3", "--steps", "plain,keep,b1,clean,plain", "--out", str(tmp_path)]) == 0
+                                 "--new", "3", "--steps", "plain,keep,b1,clean,fp8idx", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("generate_repeat_b2_*.json")
     runs = json.loads(path.read_text())["runs"]
-    assert [r["phase"] for r in runs] == ["plain", "b1", "plain"] and all(r["tokens_per_s"] > 0 for r in runs)
+    assert [r["phase"] for r in runs] == ["plain", "b1", "fp8idx"] and all(r["tokens_per_s"] > 0 for r in runs)
     with pytest.raises(SystemExit):
         generate_repeat.main(["--device", "cpu", "--steps", "plain,kprof,bogus,b0"])
     err = capsys.readouterr().err
