@@ -15,36 +15,16 @@ with their own weights (so no layer finds another's weights in L2), timed per la
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from benchmarks._timing import write_result
+from benchmarks.msa_decode import graph_time_ms
 
 
 def _graph_us(fn, layers: int, reps: int) -> float:
-    """Median us per layer of a CUDA graph replaying `fn()` (which runs all layers)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(20):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 10 / layers)
-    return statistics.median(times)
+    """Median us per layer of `fn()` (which runs all layers), 10 calls captured in one CUDA graph."""
+    return graph_time_ms(fn, steps=10, reps=reps) * 1e3 / layers
 
 
 def cases(preset: str, tokens: int, layers: int, reps: int, splits: list[int]) -> dict:
