@@ -10,6 +10,8 @@ with their own weights (so no layer finds another's weights in L2), timed per la
             scaling, shared expert output and residual added
   gemms     the two projections alone (for the chosen experts' weight bytes: TB/s); with `--splits`, the kernels
             also with each projection's input features over that many programs (`expert_linear(splits=)`)
+  dense     (`--dense`) the shared expert's and the dense layers' MLP (`DenseMLP`: two cuBLAS GEMMs, the fused
+            SwiGLU between) against the same MLP as one expert through `expert_linear`, at 1 and `--splits`
 """
 
 from __future__ import annotations
@@ -90,6 +92,42 @@ def cases(preset: str, tokens: int, layers: int, reps: int, splits: list[int]) -
     return out
 
 
+def dense_cases(preset: str, tokens: int, layers: int, reps: int, splits: list[int]) -> dict:
+    """`DenseMLP.forward` against the MLP as one expert (`expert_linear` with E = 1), both MLP sizes of `preset`."""
+    from openm3.layers.mlp import DenseMLP
+    from openm3.models import M3TextConfig
+    from openm3.ops.moe_experts import expert_linear
+
+    c = M3TextConfig.from_name(preset)
+    h = c.hidden_size
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+    out = {"tokens": tokens}
+    for name, inter in (("shared", c.shared_intermediate_size), ("dense", c.dense_intermediate_size)):
+        with torch.device("cuda"):
+            stack = [DenseMLP(h, inter, c.swiglu_alpha, c.swiglu_limit).to(torch.bfloat16) for _ in range(layers)]
+        weights = [(m.gate_up_proj.weight.unsqueeze(0), m.down_proj.weight.unsqueeze(0)) for m in stack]
+
+        def torch_run():
+            for m in stack:
+                m(x)
+
+        def kernel(n: int):
+            def run():
+                for (gu, dn), m in zip(weights, stack):
+                    expert_linear(expert_linear(x, gu, offs, swiglu=(m.alpha, m.limit), splits=n), dn, offs, splits=n)
+            return run
+
+        mb = 3 * h * inter * 2 / 1e6
+        with torch.no_grad():
+            out[f"{name}_mb"] = mb
+            out[f"{name}_torch_us"] = _graph_us(torch_run, layers, reps)
+            for n in (1, *splits):
+                out[f"{name}_kernel_splits{n}_us"] = _graph_us(kernel(n), layers, reps)
+            out[f"{name}_torch_again_us"] = _graph_us(torch_run, layers, reps)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="folder for the JSON result")
@@ -98,12 +136,20 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="layers with their own weights in each graph")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--splits", type=int, nargs="*", default=[2, 4], help="expert_linear splits to time beside 1")
+    p.add_argument("--dense", action="store_true", help="time the shared expert's and dense layers' MLP instead")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_decode needs a CUDA GPU")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset,
               "layers": args.layers, "cases": []}
-    for tokens in args.tokens:
+    for tokens in args.tokens if args.dense else ():
+        r = dense_cases(args.preset, tokens, args.layers, args.reps, args.splits)
+        result["cases"].append(r)
+        print(f"tokens {tokens:4d}: " + "; ".join(
+            f"{n} ({r[f'{n}_mb']:.0f} MB) torch {r[f'{n}_torch_us']:.1f} / {r[f'{n}_torch_again_us']:.1f} us, "
+            f"kernel " + " / ".join(f"{r[f'{n}_kernel_splits{s}_us']:.1f}" for s in (1, *args.splits))
+            + f" (splits 1 / {' / '.join(map(str, args.splits))})" for n in ("shared", "dense")), flush=True)
+    for tokens in () if args.dense else args.tokens:
         r = cases(args.preset, tokens, args.layers, args.reps, args.splits)
         result["cases"].append(r)
         print(f"tokens {tokens:4d} pairs {r['pairs']:4d} experts {r['experts_used']:3d} ({r['weight_mb']:.0f} MB): "
@@ -113,7 +159,7 @@ def main(argv=None) -> int:
               f"({r['gemms_kernel_tb_per_s']:.2f} TB/s)"
               + "".join(f"; splits {n} {r[f'gemms_kernel_splits{n}_us']:.1f} us" for n in args.splits), flush=True)
     if args.out:
-        print("wrote", write_result(args.out, "moe_decode", result))
+        print("wrote", write_result(args.out, "moe_decode_dense" if args.dense else "moe_decode", result))
     return 0
 
 

@@ -250,9 +250,7 @@ class Experts(nn.Module):
         if n * k <= SORT_PAIRS_MAX and experts.dtype == torch.int64 and inference_kernels(x):
             x, gate_up_proj, down_proj = self._operands(x)
             rows, offs, pos = sort_pairs(experts, x, gate_up_proj.shape[0])
-            # (fp32 on a GPU keeps the grouped GEMMs: the kernel's fp32 SwiGLU measured 2-8x torch's error on the
-            # H100, Triton's exp being approximate; its fp64 epilogue since is not yet GPU-tested)
-            if n * k <= EXPERT_LINEAR_MAX_PAIRS and not (x.is_cuda and x.dtype == torch.float32):
+            if n * k <= EXPERT_LINEAR_MAX_PAIRS:
                 h = expert_linear(rows, gate_up_proj, offs, swiglu=(self.alpha, self.limit))
                 y = expert_linear(h, down_proj, offs)
             else:

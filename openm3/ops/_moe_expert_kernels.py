@@ -51,23 +51,25 @@ def _expert_linear_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, part_ptr, count_ptr, 
     k_lo = split * k_split
     k_hi = tl.minimum(k_lo + k_split, k_dim)
     part_width = 2 * n_out if SWIGLU else n_out
+    ACC: tl.constexpr = tl.float64 if PRECISION == "ieee" else tl.float32
     for m0 in range(start, end, ROWS):
         rows = m0 + tl.arange(0, ROWS)
         row_ok = rows < end
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_N], ACC)
+        acc_up = tl.zeros([ROWS, BLOCK_N], ACC)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < k_hi
             xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_ok = col_ok[:, None] & k_ok[None, :]
-            # each step's dot summed apart, then added: fp32 error grows with the steps, not with every feature
+            # fp32 operands: each step's dot (fp32, one feature after another) added in fp64, so the error grows
+            # with BLOCK_K, not with every feature; bf16: `.to` is a no-op and the add folds into the MMA
             acc += tl.dot(xt, tl.trans(tl.load(w_gate + ks[None, :], mask=w_ok, other=0.0)),
-                          input_precision=PRECISION)
+                          input_precision=PRECISION).to(ACC)
             if SWIGLU:
                 acc_up += tl.dot(xt, tl.trans(tl.load(w_up + ks[None, :], mask=w_ok, other=0.0)),
-                                 input_precision=PRECISION)
+                                 input_precision=PRECISION).to(ACC)
         if SPLITS == 1:
             _store_rows(acc, acc_up, out_ptr, rows, row_ok, cols, col_ok, stride_o, alpha, limit, SWIGLU, PRECISION)
         else:
@@ -85,8 +87,8 @@ def _expert_linear_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, part_ptr, count_ptr, 
                     rows = m0 + tl.arange(0, ROWS)
                     row_ok = rows < end
                     ok = row_ok[:, None] & col_ok[None, :]
-                    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-                    acc_up = tl.zeros([ROWS, BLOCK_N], tl.float32)
+                    acc = tl.zeros([ROWS, BLOCK_N], ACC)
+                    acc_up = tl.zeros([ROWS, BLOCK_N], ACC)
                     for s in tl.static_range(SPLITS):
                         at = part_ptr + (s * n_rows + rows[:, None]).to(tl.int64) * part_width + cols[None, :]
                         acc += tl.load(at, mask=ok, other=0.0)

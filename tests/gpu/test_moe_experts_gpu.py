@@ -60,6 +60,10 @@ def test_bf16_error_within_twice_torch_bf16(counts, hidden, inter, splits):
     err = (got32.double() - exact64).abs().max().item()
     base = (exact.double() - exact64).abs().max().item()  # torch's fp32 (cuBLAS, no tf32) against fp64
     assert err <= 2 * base, (err, base)
+    exact64 = _per_expert(h.double(), db.double(), offs)
+    err = (expert_linear(h.float(), db.float(), offs, splits=splits).double() - exact64).abs().max().item()
+    base = (exact_down.double() - exact64).abs().max().item()
+    assert err <= 2 * base, (err, base)
 
 
 
