@@ -97,6 +97,9 @@ VARIANTS = {  # name -> decode_msa keyword arguments timed beside the default (`
     "fold": dict(fold_shrink=True),  # shrink inside the scoring kernel (last program of each group): -1 launch
     "table": dict(score_loads="table"),  # the page id loaded per block (the default before session 2's TMA)
     "no_pdl": dict(pdl=False),  # without programmatic dependent launch (the default since it measured faster)
+    # short rows (m3-small's 16K-64K, session 36: no_pdl and merge_kernel each faster there), combined
+    "merge_kernel_no_pdl": dict(fuse_merge=False, pdl=False),
+    "fused_combine_no_pdl": dict(fuse_combine=True, pdl=False),
     "noshrink_pdl": dict(merge_direct_max=1 << 30, pdl=True),
     "fold_pdl": dict(fold_shrink=True, pdl=True),
     "hoist_fold_pdl": dict(**_FAST, fold_shrink=True, pdl=True),  # 3 launches: score, attention, combine

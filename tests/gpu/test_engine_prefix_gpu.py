@@ -22,6 +22,11 @@ def _model():
 
 @pytest.mark.parametrize("index_dtype", [None, "fp8"], ids=["idx-bf16", "idx-fp8"])
 def test_prefill_over_scattered_cached_pages_equals_a_fresh_prefill(index_dtype):
+    """The prompt's cached pages scattered (another sequence's pages between them) give what the same cached pages
+    give laid out in one run (the gather is exact), and what a fresh prefill gives, to bf16 rounding: with bf16
+    index keys. With fp8 index keys a fresh prefill is not compared: its prefix, computed in other chunk shapes,
+    differs by bf16 rounding, which moves some keys' e4m3 values by a step (~6%) and flips near-tied block
+    selections of this random model (session 39, H100: logits 0.10 apart, 12% of their scale)."""
     from openm3.engine.cache import CacheLayout, PagedCache, page_keys, plan_cache
     from openm3.engine.scheduler import prefill
 
@@ -30,28 +35,31 @@ def test_prefill_over_scattered_cached_pages_equals_a_fresh_prefill(index_dtype)
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(0, model.config.vocab_size, (20 * ps + 3,), generator=gen)
     second = torch.cat([shared, torch.randint(0, model.config.vocab_size, (9 * ps + 5,), generator=gen)])
-
-    def cache():
-        return PagedCache(plan_cache(CacheLayout.from_config(model.config), 128 * ps, kv_dtype=torch.bfloat16,
-                                     index_dtype=index_dtype), "cuda", prefix_caching=True)
-
-    cached = cache()
-    cached.admit({0: shared.numel() + 1})
-    prefill(model, cached, [0], [shared], chunk_size=8 * ps)
-    cached.register(0, page_keys(shared, ps))
-    cached.admit({9: 4 * ps})  # takes the pages after sequence 0's, so sequence 1's own pages lie elsewhere
-    cached.release(0)
     keys = page_keys(second, ps)[:(second.numel() - 1) // ps]
-    assert cached.admit({1: second.numel() + 1}, prefixes={1: keys}) == {1: 20 * ps}
-    table = cached.page_table(1)
-    assert table != list(range(table[0], table[0] + len(table)))  # not one contiguous run
-    got = prefill(model, cached, [1], [second], chunk_size=4 * ps)
 
-    fresh = cache()
-    fresh.admit({1: second.numel() + 1})
-    want = prefill(model, fresh, [1], [second], chunk_size=4 * ps)
-    assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    def from_cached_pages(scatter: bool):
+        cache = PagedCache(plan_cache(CacheLayout.from_config(model.config), 128 * ps, kv_dtype=torch.bfloat16,
+                                      index_dtype=index_dtype), "cuda", prefix_caching=True)
+        cache.admit({0: shared.numel() + 1})
+        prefill(model, cache, [0], [shared], chunk_size=8 * ps)
+        cache.register(0, page_keys(shared, ps))
+        if scatter:  # takes the pages after sequence 0's, so sequence 1's own pages lie elsewhere
+            cache.admit({9: 4 * ps})
+        cache.release(0)
+        assert cache.admit({1: second.numel() + 1}, prefixes={1: keys}) == {1: 20 * ps}
+        table = cache.page_table(1)
+        assert (table != list(range(table[0], table[0] + len(table)))) == scatter
+        return prefill(model, cache, [1], [second], chunk_size=4 * ps)
+
+    got = from_cached_pages(scatter=True)
+    torch.testing.assert_close(got, from_cached_pages(scatter=False), rtol=0, atol=0)
+    if index_dtype is None:
+        fresh = PagedCache(plan_cache(CacheLayout.from_config(model.config), 128 * ps, kv_dtype=torch.bfloat16),
+                           "cuda", prefix_caching=True)
+        fresh.admit({1: second.numel() + 1})
+        want = prefill(model, fresh, [1], [second], chunk_size=4 * ps)
+        assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_conversation_with_graph_decode_reuses_its_pages():
@@ -68,7 +76,7 @@ def test_conversation_with_graph_decode_reuses_its_pages():
         answer, answer2, seen, tops = [], [], [], []
         batcher(turn1, max_new_tokens=2 * ps, on_token=answer.append, on_cached=seen.append)
         batcher(turn1 + answer + follow, max_new_tokens=8, on_token=answer2.append, on_cached=seen.append,
-                logprobs=3, on_logprobs=lambda _lp, top, tops=tops: tops.append(dict(top)))
+                logprobs=20, on_logprobs=lambda _lp, top, tops=tops: tops.append(dict(top)))
         batcher.close()
         assert batcher.graphs is not None and batcher.graphs.replays > 0
         runs.append((answer, answer2, seen, tops))
@@ -76,11 +84,16 @@ def test_conversation_with_graph_decode_reuses_its_pages():
     fed = len(turn1) + len(a1) - 1
     assert seen == [0, fed // ps * ps] and plain == [0, 0]
     assert a1 == b1  # turn 1 ran the same way in both
-    # Turn 2 from cached pages against the same pages recomputed: the first two tokens agree and the model gives
-    # them nearly the same log probability. Later tokens are not compared: this random bf16 model's top tokens lie
-    # within ~0.1 nats of each other at every step, and the cached pages (written by turn 1's decode steps) differ
-    # from recomputed ones by bf16 rounding, which moves log probabilities by up to ~0.1 (session 34, H100: the
-    # answers parted at the third token, where each run's choice was not in the other's top 3).
-    assert a2[:2] == b2[:2]
-    for i in range(2):
-        assert abs(ta[i][a2[i]] - tb[i][a2[i]]) <= 0.125, (i, ta[i], tb[i])
+    # Turn 2 from cached pages against the same pages recomputed. The cached pages were written by turn 1's decode
+    # steps and differ from recomputed ones by bf16 rounding, which moves this random model's log probabilities by
+    # up to ~0.1 nats, where its top tokens lie within ~0.1 of each other at every step: the answers may part
+    # (sessions 34 and 39 saw them part at the third and the second token). So: while they agree, each token's log
+    # probability agrees within 0.125; where they first part (same context up to there), it is a near tie in both
+    # runs: each run's pick is among the other's top 20, within 0.25 nats of the other's pick.
+    for i, (a, b) in enumerate(zip(a2, b2)):
+        if a == b:
+            assert abs(ta[i][a] - tb[i][a]) <= 0.125, (i, ta[i], tb[i])
+            continue
+        assert b in ta[i] and a in tb[i], (i, a, b, ta[i], tb[i])
+        assert ta[i][a] - ta[i][b] <= 0.25 and tb[i][b] - tb[i][a] <= 0.25, (i, a, b, ta[i], tb[i])
+        break
