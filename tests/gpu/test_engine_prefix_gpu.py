@@ -24,9 +24,10 @@ def _model():
 def test_prefill_over_scattered_cached_pages_equals_a_fresh_prefill(index_dtype):
     """The prompt's cached pages scattered (another sequence's pages between them) give what the same cached pages
     give laid out in one run (the gather is exact), and what a fresh prefill gives, to bf16 rounding: with bf16
-    index keys. With fp8 index keys a fresh prefill is not compared: its prefix, computed in other chunk shapes,
-    differs by bf16 rounding, which moves some keys' e4m3 values by a step (~6%) and flips near-tied block
-    selections of this random model (session 39, H100: logits 0.10 apart, 12% of their scale)."""
+    index keys. With fp8 index keys a fresh prefill is not compared (session 39, H100: logits 0.10 apart, 12% of
+    their scale): its prefix, computed in other chunk shapes, differs by bf16 rounding, which can move a key's
+    e4m3 value by a step (~6%) and flip near-tied block selections of this random model; the exact comparison
+    of scattered against contiguous pages is what checks the gather of fp8 keys and their scales."""
     from openm3.engine.cache import CacheLayout, PagedCache, page_keys, plan_cache
     from openm3.engine.scheduler import prefill
 
