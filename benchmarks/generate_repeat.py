@@ -55,7 +55,7 @@ SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_re
 
 
 PLAIN_STEPS = ("plain", "spec", "prof", "kprof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe",
-               "eager", "sharedpool", "keep", "retime", "gprof", "chain", "compile", "overlap", "fp8idx")
+               "eager", "sharedpool", "keep", "retime", "gprof", "chain", "compile", "overlap", "fp8idx", "fusemoe")
 
 
 def _known_step(step: str) -> bool:
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
                    "time per step), chain (the "
                    "time per node of a 3000-node graph of tiny kernels), compile (the layers under torch.compile), "
                    "overlap (plain with generate(overlap=True): each step launched before the host reads the last), "
-                   "fp8idx (plain with fp8 index keys in the cache: index_dtype='fp8')")
+                   "fp8idx (plain with fp8 index keys in the cache: index_dtype='fp8'), fusemoe (from then on the "
+                   "MoE layers' shared gate_up and router weights as one GEMM: openm3.layers.moe.fuse_moe_projections)")
     p.add_argument("--kernels", action="store_true", help="prof also lists the GPU kernels (torch.profiler; it "
                    "stays attached, so later runs are slower)")
     args = p.parse_args(argv)
@@ -316,6 +317,9 @@ def main(argv=None) -> int:
             one(step, overlap=True)
         elif step == "fp8idx":  # plain, the MSA layers' index keys cached in fp8 (e4m3 + an e8m0 scale per token)
             one(step, index_dtype="fp8")
+        elif step == "fusemoe":  # from now on each MoE layer's shared gate_up and router weights as one GEMM
+            from openm3.layers.moe import fuse_moe_projections
+            print(f"fusemoe      {fuse_moe_projections(model)} MoE layers fused", flush=True)
         else:  # plain or bN
             one(step, batch=int(step[1:]) if step != "plain" else None)
     if args.out:

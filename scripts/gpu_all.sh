@@ -144,6 +144,12 @@ for s in "${stages[@]}"; do
     indexab)  # generate m3-small 8 x 16K with bf16 index keys (the default) against fp8 ones, same process
       python3 -m benchmarks.generate_repeat --steps plain,fp8idx,plain --out "$OUT" 2>&1 \
         | grep -v "^ \|^-\|Name\|Self" | cut -c1-160 | tail -4 ;;
+    fusemoe)  # each MoE layer's shared gate_up and router weights as one GEMM (session 39, untimed): its GPU tests,
+      # then generate m3-small 8 x 16K plain, then fused, same process (replay ms is the figure)
+      python3 -m pytest -q -m gpu tests/gpu/test_moe_routing_gpu.py -p no:cacheprovider 2>&1 \
+        | tee "$OUT/fusemoe_tests.log" | tail -4
+      python3 -m benchmarks.generate_repeat --steps plain,plain,fusemoe,plain,plain --out "$OUT" 2>&1 \
+        | grep -v "^ \|^-\|Name\|Self" | cut -c1-160 | tail -6 ;;
     moe)  # the decode-size expert kernels (openm3.ops.moe_experts): GPU tests, then one layer at 1-64 tokens against
       # the grouped GEMMs, the projections with 2 and 4 splits beside (session 38: splits untimed)
       python3 -m pytest -q -m gpu tests/gpu/test_moe_experts_gpu.py tests/gpu/test_moe_routing_gpu.py \

@@ -84,6 +84,66 @@ def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch):
         assert calls == []
 
 
+def test_joint_shared_and_router_gemm_keeps_the_layer(monkeypatch):
+    """`MoE.fuse_projections`: the shared expert's gate_up weight and the router's become views of one matrix
+    (names and values kept, idempotent); a no-grad layer under the Triton backend then runs one GEMM for both
+    (two F.linear calls with the down projection, not three) and gives the separate ops' output and logits;
+    with gradients, under the reference backend and after a `.to` (which undoes the layout) it runs the separate
+    ops; a loaded state dict lands in the views."""
+    layer = make_moe(32, 24, 6, 2, seed=5)
+    layer.experts.impl = "grouped"
+    x = torch.randn(7, 32)
+    with use_backend("triton"), torch.no_grad():
+        want, want_logits = layer(x, residual=x)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert moe.fuse_moe_projections(layer) == 1 and layer.fuse_projections()  # idempotent
+    after = layer.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    gate_up = layer.shared_experts.gate_up_proj.weight
+    assert layer.gate.weight.data_ptr() == gate_up.data_ptr() + gate_up.numel() * gate_up.element_size()
+    linears = []
+    real = moe.F.linear
+    monkeypatch.setattr(moe.F, "linear", lambda *a, **kw: linears.append(a[1].shape) or real(*a, **kw))
+    with use_backend("triton"), torch.no_grad():
+        got, logits = layer(x, residual=x)
+    assert linears == [(2 * 24 + 6, 32), (32, 24)]  # the joint GEMM, then the shared expert's down projection
+    torch.testing.assert_close(logits, want_logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with use_backend("reference"), torch.no_grad():
+        torch.testing.assert_close(layer(x, residual=x)[0], want, rtol=1e-5, atol=1e-5)
+    linears.clear()
+    with use_backend("triton"):
+        layer(x)  # parameters require grad: the separate ops
+    separate = [(2 * 24, 32), (32, 24), (6, 32)]  # the shared expert's two projections, the router's own GEMM
+    assert linears == separate
+    layer.load_state_dict({k: v + 1 for k, v in before.items()})
+    assert torch.equal(layer.gate.weight, before["gate.weight"] + 1) and layer.fuse_projections()
+    assert layer._joint_rows is not None and moe.rows_intact(layer._joint_weights(), layer._joint_rows)
+    layer.double()
+    assert not moe.rows_intact(layer._joint_weights(), layer._joint_rows)
+    linears.clear()
+    with use_backend("triton"), torch.no_grad():
+        layer(x.double())
+    assert linears[:3] == separate and (2 * 24 + 6, 32) not in linears  # (then the fp64 experts' own)
+    assert layer.fuse_projections() and moe.rows_intact(layer._joint_weights(), layer._joint_rows)
+
+
+def test_joint_gemm_keeps_the_models_logits():
+    """A whole no-grad forward of m3-tiny under the Triton backend with the attention and MoE projections fused:
+    the logits of the separate ops."""
+    from openm3.layers.attention import fuse_projections
+    from openm3.models import M3TextConfig, M3TextModel
+
+    torch.manual_seed(8)
+    model = M3TextModel(M3TextConfig.from_name("m3-tiny")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (40,))
+    with use_backend("triton"), torch.no_grad():
+        want = model(ids).logits
+        assert fuse_projections(model) > 0 and moe.fuse_moe_projections(model) > 0
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments_fail_with_the_argument_named():
     with pytest.raises(ValueError, match=r"bias must be \[4\]"):
         route_topk(torch.zeros(3, 4), torch.zeros(5), 2)

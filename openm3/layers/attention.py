@@ -35,6 +35,7 @@ from ..ops import msa
 from ..ops.attention import dense_attention
 from ..ops.norm_rope import heads_norm_rope, inference_kernels
 from .indexer import Indexer
+from .joint_weights import join_rows, joint_matrix, rows_intact
 from . import recompute
 from .norm import RMSNorm
 from .rope import apply_rope
@@ -94,36 +95,21 @@ class Attention(nn.Module):
         and `project` falls back to the separate ops. Returns whether the layout was made (it needs one dtype and
         device, no biases, and index heads as wide as the main ones)."""
         projs = self._projections()
-        weights = [p.weight for p in projs]
         if self._fused_intact():
             return True
-        if any(p.bias is not None for p in projs) or len({(w.dtype, w.device) for w in weights}) != 1 \
+        if any(p.bias is not None for p in projs) \
                 or (self.indexer is not None and self.indexer.head_dim != self.head_dim) \
                 or len({n.eps for n in self._norms() if n is not None}) != 1:
             return False
-        with torch.no_grad():
-            whole = torch.cat([w.detach() for w in weights])
-            start = 0
-            for w in weights:
-                w.data = whole[start:start + w.shape[0]]
-                start += w.shape[0]
-        self._fused_rows = tuple(w.shape[0] for w in weights)
-        return True
+        rows = join_rows([p.weight for p in projs])
+        if rows is not None:
+            self._fused_rows = rows
+        return rows is not None
 
     def _fused_intact(self) -> bool:
         """Whether the projection weights still lie back to back in one storage, as `fuse_projections` left
         them."""
-        if self._fused_rows is None:
-            return False
-        weights = [p.weight for p in self._projections()]
-        first = weights[0]
-        offset, base, width = first.storage_offset(), first.untyped_storage().data_ptr(), first.shape[1]
-        for w, rows in zip(weights, self._fused_rows):
-            if w.shape[0] != rows or w.storage_offset() != offset or w.stride() != (width, 1) \
-                    or w.untyped_storage().data_ptr() != base:
-                return False
-            offset += rows * width
-        return True
+        return rows_intact([p.weight for p in self._projections()], self._fused_rows)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, *,
                 compute_kl: bool = False, dense_warmup: bool = False, index_input_grad: bool | None = None,
@@ -163,8 +149,7 @@ class Attention(nn.Module):
 
     def _project_fused(self, x, cos, sin):
         """`project` after `fuse_projections`: one GEMM over the weights' joint matrix, one kernel for the heads."""
-        first = self.q_proj.weight
-        whole = first.as_strided((sum(self._fused_rows), first.shape[1]), first.stride(), first.storage_offset())
+        whole = joint_matrix(self.q_proj.weight, self._fused_rows)
         heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         if self.indexer is not None:
             heads += [self.indexer.num_heads, 1]

@@ -34,4 +34,8 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused_swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+        return self.from_gate_up(self.gate_up_proj(x))
+
+    def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from `gate_up_proj`'s [..., 2I] (computed elsewhere, e.g. in a joint GEMM)."""
+        return self.down_proj(fused_swiglu_oai(gate_up, self.alpha, self.limit))

@@ -33,6 +33,7 @@ from ..ops.fused import fused_on_cuda
 from ..ops.moe_experts import EXPERT_LINEAR_MAX_PAIRS, expert_linear
 from ..ops.moe_routing import SORT_PAIRS_MAX, route_topk, sort_pairs
 from ..ops.norm_rope import inference_kernels
+from .joint_weights import join_rows, joint_matrix, rows_intact
 from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai
 
 IMPLS = ("auto", "reference", "grouped")
@@ -81,11 +82,13 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> (router_logits [N, E], weights fp32 [N, k], expert ids int64 [N, k])."""
         logits = F.linear(x.to(self.weight.dtype), self.weight)
+        return (logits, *self.pick(logits))
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router after its matmul: (weights fp32 [N, k], expert ids int64 [N, k]) from logits [N, E]."""
         if inference_kernels(logits):  # one kernel (openm3.ops.moe_routing), `route`'s numbers
-            weights, experts = route_topk(logits, self.e_score_correction_bias, self.top_k)
-        else:
-            weights, experts = route(logits, self.e_score_correction_bias, self.top_k)
-        return logits, weights, experts
+            return route_topk(logits, self.e_score_correction_bias, self.top_k)
+        return route(logits, self.e_score_correction_bias, self.top_k)
 
 
 @fused_on_cuda
@@ -382,16 +385,49 @@ class MoE(nn.Module):
         self.gate = Router(hidden_size, num_experts, top_k)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, alpha, limit, impl)
         self.shared_experts = DenseMLP(hidden_size, shared_intermediate_size, alpha, limit)
+        self._joint_rows: tuple[int, ...] | None = None  # set by `fuse_projections`
+
+    def _joint_weights(self) -> list[torch.Tensor]:
+        return [self.shared_experts.gate_up_proj.weight, self.gate.weight]
+
+    def fuse_projections(self) -> bool:
+        """Inference layout (`openm3.layers.joint_weights`): the shared expert's gate_up weight and the router's,
+        which both read the layer's input, become consecutive row blocks of one matrix, so that where the
+        inference kernels run (no gradient) one GEMM computes both: a decode step's MoE layer loses the router's
+        own GEMM. Names, values and memory unchanged; a `.to` undoes it. Returns whether the layout was made (it
+        needs one dtype and device and no bias)."""
+        if rows_intact(self._joint_weights(), self._joint_rows):
+            return True
+        if self.shared_experts.gate_up_proj.bias is not None:
+            return False
+        rows = join_rows(self._joint_weights())
+        if rows is not None:
+            self._joint_rows = rows
+        return rows is not None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """residual [N, hidden]: added last (`residual + moe(x)` as the decoder layer's residual add, in the mix's
         fused kernel in inference)."""
-        shared = self.shared_experts(x)
-        logits, weights, experts = self.gate(x)
+        if self._joint_rows is not None and x.dtype == self.gate.weight.dtype \
+                and inference_kernels(x, self.gate.weight) and rows_intact(self._joint_weights(), self._joint_rows):
+            gate_up, logits = F.linear(x, joint_matrix(self._joint_weights()[0], self._joint_rows)).split(
+                self._joint_rows, dim=-1)
+            shared = self.shared_experts.from_gate_up(gate_up)
+            weights, experts = self.gate.pick(logits)
+        else:
+            shared = self.shared_experts(x)
+            logits, weights, experts = self.gate(x)
         # the router's ids are in range: eagerly the check is five small kernels per layer and is skipped; under
         # torch.compile it fuses into the graph and stays (without it Dynamo recompiled a graph once more, CPU test)
         return self.experts(x, experts, weights, check_ids=torch.compiler.is_compiling(),
                             scale=self.routed_scaling_factor, add=shared, residual=residual), logits
+
+
+def fuse_moe_projections(model: nn.Module) -> int:
+    """`MoE.fuse_projections` on every MoE layer of `model`; returns how many took the layout. (Opt-in until timed
+    on a GPU: `openm3.engine.generate.for_inference` does not call it yet; `benchmarks/generate_repeat.py`'s step
+    `fusemoe` does.)"""
+    return sum(m.fuse_projections() for m in model.modules() if isinstance(m, MoE))
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, ...], num_experts: int,
