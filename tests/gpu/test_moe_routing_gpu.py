@@ -89,8 +89,10 @@ def test_joint_shared_and_router_gemm_on_cuda():
         four = layer(x[:4])[0]
     assert joint == separate - 1, (joint, separate)
     assert (logits.float() - ref_logits).abs().max() <= 2 * (want_logits.float() - ref_logits).abs().max() + 1e-6
-    same = (torch.topk(logits.float(), 2).indices.sort().values == torch.topk(ref_logits, 2).indices.sort().values
-            ).all(-1)
+    with torch.no_grad():  # the rows routed alike in all three runs (a near tie may flip one)
+        ids = [gate.pick(lg)[1].sort(-1).values for gate, lg in
+               ((layer.gate, logits), (layer.gate, want_logits), (exact.gate, ref_logits))]
+    same = (ids[0] == ids[2]).all(-1) & (ids[1] == ids[2]).all(-1)
     assert same.sum() >= 6, same
     err = (got.float() - ref)[same].abs().max()
     base = (want.float() - ref)[same].abs().max()
