@@ -410,8 +410,8 @@ class MoE(nn.Module):
         fused kernel in inference)."""
         if self._joint_rows is not None and x.dtype == self.gate.weight.dtype \
                 and inference_kernels(x, self.gate.weight) and rows_intact(self._joint_weights(), self._joint_rows):
-            gate_up, logits = F.linear(x, joint_matrix(self._joint_weights()[0], self._joint_rows)).split(
-                self._joint_rows, dim=-1)
+            joint = joint_matrix(self.shared_experts.gate_up_proj.weight, self._joint_rows)
+            gate_up, logits = F.linear(x, joint).split(self._joint_rows, dim=-1)
             shared = self.shared_experts.from_gate_up(gate_up)
             weights, experts = self.gate.pick(logits)
         else:

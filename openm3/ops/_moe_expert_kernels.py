@@ -13,17 +13,13 @@ _BLOCK_K = 128  # input features per step
 
 
 @triton.jit
-def _store_rows(acc, acc_up, out_ptr, rows, row_ok, cols, col_ok, stride_o, alpha, limit, SWIGLU: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Stores a pass's sums (with SWIGLU: the SwiGLU-OAI of gate `acc` and up `acc_up`) in out's dtype."""
+def _store_rows(acc, acc_up, out_ptr, rows, row_ok, cols, col_ok, stride_o, alpha, limit, SWIGLU: tl.constexpr):
+    """Stores a pass's sums (with SWIGLU: the SwiGLU-OAI of gate `acc` and up `acc_up`, in the sums' dtype: fp64
+    for fp32 operands, fp32 for 16-bit ones) in out's dtype."""
     if SWIGLU:
-        if PRECISION == "ieee":  # fp32 operands: the SwiGLU in fp64 (Triton's fp32 exp is an approximation)
-            gate, up = acc.to(tl.float64), acc_up.to(tl.float64)
-        else:
-            gate, up = acc, acc_up
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, 0.0 - limit), limit)
-        acc = ((up + 1.0) * (gate * tl.sigmoid(gate * alpha))).to(tl.float32)
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up, 0.0 - limit), limit)
+        acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -71,7 +67,7 @@ def _expert_linear_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, part_ptr, count_ptr, 
                 acc_up += tl.dot(xt, tl.trans(tl.load(w_up + ks[None, :], mask=w_ok, other=0.0)),
                                  input_precision=PRECISION).to(ACC)
         if SPLITS == 1:
-            _store_rows(acc, acc_up, out_ptr, rows, row_ok, cols, col_ok, stride_o, alpha, limit, SWIGLU, PRECISION)
+            _store_rows(acc, acc_up, out_ptr, rows, row_ok, cols, col_ok, stride_o, alpha, limit, SWIGLU)
         else:
             at = part_ptr + (split * n_rows + rows[:, None]).to(tl.int64) * part_width + cols[None, :]
             ok = row_ok[:, None] & col_ok[None, :]
@@ -94,8 +90,7 @@ def _expert_linear_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, part_ptr, count_ptr, 
                         acc += tl.load(at, mask=ok, other=0.0)
                         if SWIGLU:
                             acc_up += tl.load(at + n_out, mask=ok, other=0.0)
-                    _store_rows(acc, acc_up, out_ptr, rows, row_ok, cols, col_ok, stride_o, alpha, limit, SWIGLU,
-                                PRECISION)
+                    _store_rows(acc, acc_up, out_ptr, rows, row_ok, cols, col_ok, stride_o, alpha, limit, SWIGLU)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
