@@ -18,7 +18,9 @@ The routed experts have two implementations with the same numbers (`Experts.impl
 
 ``"auto"`` (the default) picks ``grouped`` for bf16 on CUDA (the Hopper grouped GEMM is bf16-only), including fp32
 inputs under a bf16 CUDA autocast (the trainer's single-GPU mode: fp32 parameters, bf16 compute); ``reference``
-everywhere else. Inside ``torch.compile`` the reference runs eagerly as one opaque call (its host sync and
+everywhere else, except fp32 decode steps on CUDA without gradients (up to ``EXPERT_LINEAR_MAX_PAIRS`` pairs): they
+take the expert kernels, which sum in fp64 per step for fp32 and make no host sync (a CUDA graph can capture them;
+the reference's sync made fp32 graph decode fall back to eager). Inside ``torch.compile`` the reference runs eagerly as one opaque call (its host sync and
 per-expert loop would otherwise break the graph at data-dependent points and recompile for every new expert
 load). `set_experts_impl(model, impl)` switches every `Experts` inside a model.
 """
@@ -149,9 +151,8 @@ class Experts(nn.Module):
                 raise ValueError(f"{name} must be [N, hidden] like x {tuple(x.shape)}, got {tuple(t.shape)}")
         if x.shape[0] == 0:
             out = torch.zeros_like(x)
-        elif self.resolved_impl(x) == "grouped":
-            if not torch.compiler.is_compiling() and not (
-                    torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *self.parameters()))):
+        elif self.resolved_impl(x) == "grouped" or self._fp32_decode_kernels(x, experts, weights):
+            if not torch.compiler.is_compiling() and not self._wants_grad(x, weights):
                 return self._grouped_inference(x, experts, weights, scale, add, residual)
             out = self._grouped(x, experts, weights)
         elif torch.compiler.is_compiling():
@@ -162,6 +163,16 @@ class Experts(nn.Module):
             out = out * scale
         out = out if add is None else out + add
         return out if residual is None else out + residual
+
+    def _wants_grad(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *self.parameters()))
+
+    def _fp32_decode_kernels(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> bool:
+        """`auto` with fp32 on CUDA, without gradients, for a decode step's few pairs: the expert kernels (fp32 to
+        rounding: fp64 sums per step) in place of the reference, whose host sync a CUDA graph cannot capture."""
+        return (self.impl == "auto" and x.is_cuda and _compute_dtype(x) == torch.float32
+                and experts.dtype == torch.int64 and experts.numel() <= EXPERT_LINEAR_MAX_PAIRS
+                and inference_kernels(x) and not self._wants_grad(x, weights))
 
     @torch.compiler.disable
     def _reference_eager(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
