@@ -385,3 +385,48 @@ def test_decode_graphs_serve_shapes_on_the_cpu(monkeypatch, backend):
     assert sorted(graphs._batches) == [(2, 1, width), (4, 1, width)]  # (rows, tokens per sequence, width)
     for b in (0, 2, 3, 4):
         assert caches[1].length(b) == caches[0].length(b) == lens[b] + done[b]
+
+
+def test_a_failed_capture_warns_with_the_line_that_refused_and_decodes_eagerly(monkeypatch):
+    """A capture that fails (here: every `.tolist()` refused while capturing, as CUDA refuses a host read) leaves
+    a warning that names the error and the innermost line of openm3 that raised it, and the steps go on eagerly
+    with the eager step's logits."""
+    from openm3.engine import graphs as graphs_module
+    from openm3.engine.graphs import DecodeGraphs
+
+    tolist = torch.Tensor.tolist
+
+    def refusing_tolist(self):
+        if _FakeGraph.capturing is not None:
+            raise RuntimeError("no host reads while capturing")
+        return tolist(self)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "tolist", refusing_tolist)
+    model = tiny_model()
+    prompt = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    caches = []
+    for _ in range(2):
+        cache = PagedCache(plan_cache(CacheLayout.from_config(model.config), 128, kv_dtype=torch.float32))
+        cache.admit({0: 48})
+        prefill(model, cache, [0], [prompt], chunk_size=32)
+        caches.append(cache)
+    device = caches[1].device
+    caches[1].device = types.SimpleNamespace(type="cuda")  # DecodeGraphs checks for a CUDA cache
+    graphs = DecodeGraphs(model, caches[1])
+    caches[1].device = device
+    assert graphs_module._where(RuntimeError()) == ""
+    for s in range(3):
+        feed = torch.tensor([7 + s])
+        want = decode_step(model, caches[0], [0], feed)
+        if s == 1:  # the second step captures
+            with pytest.warns(UserWarning, match=r"failed \(no host reads while capturing, at openm3/[\w/]+\.py:\d+ "
+                                                 r"\(.*\.tolist\(\).*\)\); decoding eagerly"):
+                got = graphs.step([0], feed)
+        else:
+            got = graphs.step([0], feed)
+        assert (got - want).abs().max().item() < 1e-4, s
+    assert (graphs.enabled, graphs.captures, graphs.replays, graphs.eager_steps) == (False, 0, 0, 3)

@@ -24,6 +24,8 @@ pool (they never run at the same time; each step's logits are copied out before 
 
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from collections import OrderedDict
 from typing import Sequence
@@ -69,6 +71,21 @@ class _Batch:
         x = model.embed_tokens(self.ids)
         return model(inputs_embeds=x, position_ids=self.positions, cu_seqlens=self.buffers.cu_seqlens,
                      cache=cache).logits
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../openm3
+
+
+def _where(error: BaseException, frames: int = 2) -> str:
+    """`, at openm3/PATH:LINE (CODE) <- ...` for the innermost `frames` frames of `error`'s traceback inside this
+    package (the op a capture refused, usually a host read, and its caller), or ``""``."""
+    ours = []
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_PACKAGE + os.sep) and len(ours) < frames:
+            name = os.path.relpath(path, os.path.dirname(_PACKAGE)).replace(os.sep, "/")
+            ours.append(f"{name}:{frame.lineno} ({(frame.line or '').strip()})")
+    return f", at {' <- '.join(ours)}" if ours else ""
 
 
 class DecodeGraphs:
@@ -128,7 +145,8 @@ class DecodeGraphs:
             try:
                 self._capture(batch, seq_ids)
             except RuntimeError as e:
-                warnings.warn(f"capturing the decode step as a CUDA graph failed ({e}); decoding eagerly from now on")
+                warnings.warn(f"capturing the decode step as a CUDA graph failed ({e}{_where(e)}); decoding eagerly "
+                              f"from now on")
                 self.enabled = False
                 self._batches.clear()
                 self.eager_steps += 1
