@@ -330,6 +330,14 @@ def _fake_capture(graph, pool=None):
         _FakeGraph.capturing = None
 
 
+def _fake_cuda_graphs(monkeypatch) -> None:
+    """torch.cuda's graph API replaced by `_FakeGraph` / `_fake_capture` (no device switch, no pool)."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+
+
 @pytest.mark.parametrize("backend", [None, "triton"], ids=["reference", "triton"])
 def test_decode_graphs_serve_shapes_on_the_cpu(monkeypatch, backend):
     """`DecodeGraphs`' bookkeeping with graphs faked on the CPU (a replay reruns the captured forward through the
@@ -348,10 +356,7 @@ def test_decode_graphs_serve_shapes_on_the_cpu(monkeypatch, backend):
             _FakeGraph.capturing.forward = (out, lambda: forward(batch, model, cache))
         return out
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    _fake_cuda_graphs(monkeypatch)
     monkeypatch.setattr(graphs_module._Batch, "forward", recorded_forward)
     model = tiny_model()
     lens, steps = [40, 17, 70, 45, 30], 12
@@ -401,10 +406,7 @@ def test_a_failed_capture_warns_with_the_line_that_refused_and_decodes_eagerly(m
             raise RuntimeError("no host reads while capturing")
         return tolist(self)
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    _fake_cuda_graphs(monkeypatch)
     monkeypatch.setattr(torch.Tensor, "tolist", refusing_tolist)
     model = tiny_model()
     prompt = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
