@@ -72,12 +72,12 @@ def cases(preset: str, tokens: int, layers: int, reps: int, splits: list[int]) -
     out = {"tokens": tokens, "pairs": tokens * k, "experts_used": used, "weight_mb": weight_bytes / 1e6}
 
     def experts_us(max_pairs: int) -> float:  # the layer's own switch, set while its graph is captured
-        saved = moe.EXPERT_LINEAR_MAX_PAIRS
-        moe.EXPERT_LINEAR_MAX_PAIRS = max_pairs
+        saved = moe.expert_linear_max_pairs
+        moe.expert_linear_max_pairs = lambda _num_experts: max_pairs
         try:
             return _graph_us(experts_run, layers, reps)
         finally:
-            moe.EXPERT_LINEAR_MAX_PAIRS = saved
+            moe.expert_linear_max_pairs = saved
 
     with torch.no_grad():
         out["experts_grouped_us"] = experts_us(0)

@@ -18,7 +18,7 @@ The routed experts have two implementations with the same numbers (`Experts.impl
 
 ``"auto"`` (the default) picks ``grouped`` for bf16 on CUDA (the Hopper grouped GEMM is bf16-only), including fp32
 inputs under a bf16 CUDA autocast (the trainer's single-GPU mode: fp32 parameters, bf16 compute); ``reference``
-everywhere else, except fp32 decode steps on CUDA without gradients (up to ``EXPERT_LINEAR_MAX_PAIRS`` pairs): they
+everywhere else, except fp32 decode steps on CUDA without gradients (up to ``expert_linear_max_pairs(E)`` pairs): they
 take the expert kernels, which sum in fp64 per step for fp32 and make no host sync (a CUDA graph can capture them;
 the reference's sync made fp32 graph decode fall back to eager). Inside ``torch.compile`` the reference runs eagerly as one opaque call (its host sync and
 per-expert loop would otherwise break the graph at data-dependent points and recompile for every new expert
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.fused import fused_on_cuda
-from ..ops.moe_experts import EXPERT_LINEAR_MAX_PAIRS, expert_linear
+from ..ops.moe_experts import expert_linear, expert_linear_max_pairs
 from ..ops.moe_routing import SORT_PAIRS_MAX, route_topk, sort_pairs
 from ..ops.norm_rope import inference_kernels
 from .joint_weights import join_rows, joint_matrix, rows_intact
@@ -171,7 +171,8 @@ class Experts(nn.Module):
         """`auto` with fp32 on CUDA, without gradients, for a decode step's few pairs: the expert kernels (fp32 to
         rounding: fp64 sums per step) in place of the reference, whose host sync a CUDA graph cannot capture."""
         return (self.impl == "auto" and x.is_cuda and _compute_dtype(x) == torch.float32
-                and experts.dtype == torch.int64 and experts.numel() <= EXPERT_LINEAR_MAX_PAIRS
+                and experts.dtype == torch.int64
+                and experts.numel() <= min(SORT_PAIRS_MAX, expert_linear_max_pairs(self.gate_up_proj.shape[0]))
                 and inference_kernels(x) and not self._wants_grad(x, weights))
 
     @torch.compiler.disable
@@ -257,14 +258,14 @@ class Experts(nn.Module):
         outputs put back in token order inside the fused kernel that mixes them and applies `scale`, `add` and
         `residual`.
         A decode step's few pairs are sorted and gathered by one kernel (`openm3.ops.moe_routing.sort_pairs`), and
-        up to `EXPERT_LINEAR_MAX_PAIRS` of them go through the experts in two more (`openm3.ops.moe_experts`: the
+        up to `expert_linear_max_pairs(E)` of them go through the experts in two more (`openm3.ops.moe_experts`: the
         SwiGLU inside the first); more (prefill) take the radix sort, gathered by `order` directly and put back by
         one `index_copy_`."""
         n, k = experts.shape
         if n * k <= SORT_PAIRS_MAX and experts.dtype == torch.int64 and inference_kernels(x):
             x, gate_up_proj, down_proj = self._operands(x)
             rows, offs, pos = sort_pairs(experts, x, gate_up_proj.shape[0])
-            if n * k <= EXPERT_LINEAR_MAX_PAIRS:
+            if n * k <= expert_linear_max_pairs(gate_up_proj.shape[0]):
                 h = expert_linear(rows, gate_up_proj, offs, swiglu=(self.alpha, self.limit))
                 y = expert_linear(h, down_proj, offs)
             else:

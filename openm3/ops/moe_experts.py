@@ -18,13 +18,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EXPERT_LINEAR_MAX_PAIRS", "expert_linear"]
+__all__ = ["EXPERT_LINEAR_MAX_PAIRS", "EXPERT_LINEAR_PAIRS_PER_EXPERT", "expert_linear", "expert_linear_max_pairs"]
 
-# up to this many (token, slot) pairs a layer takes these kernels; more (larger batches, prefill) keep the grouped
-# GEMMs, whose tiles reuse each weight for many rows (each pass here re-reads an expert's block per 16 rows).
-# Measured on an H100 at m3-small's shape (benchmarks/moe_decode.py): the kernels win at 2 to 128 pairs (one
-# layer's routed experts 41.6 -> 35.3 us at 2, 66.7 -> 48.7 at 16, 71.8 -> 57.4 at 128); more is untimed.
+# up to `expert_linear_max_pairs(E)` (token, slot) pairs a layer of E experts takes these kernels; more (larger
+# batches, prefill) keep the grouped GEMMs, whose tiles reuse each weight for many rows (each pass here re-reads an
+# expert's block per 16 rows). Measured on an H100 (benchmarks/moe_decode.py, one layer's routed experts):
+# m3-small's shape (16 experts) wins at 2 to 128 pairs (41.6 -> 35.3 us at 2, 66.7 -> 48.7 at 16, 71.8 -> 57.4 at
+# 128), more untimed; M3's (128 experts of 3072 x 6144) at 4 to 256 pairs (220.7 -> 181.3 us at 4, 3215 -> 2932 at
+# 128, 4582 -> 4191 at 256), more untimed.
 EXPERT_LINEAR_MAX_PAIRS = 128
+EXPERT_LINEAR_PAIRS_PER_EXPERT = 2
+
+
+def expert_linear_max_pairs(num_experts: int) -> int:
+    """Up to how many (token, slot) pairs a MoE layer of `num_experts` experts runs them through `expert_linear`
+    (the measured range above: at least `EXPERT_LINEAR_MAX_PAIRS`, `EXPERT_LINEAR_PAIRS_PER_EXPERT` per expert)."""
+    return max(EXPERT_LINEAR_MAX_PAIRS, EXPERT_LINEAR_PAIRS_PER_EXPERT * num_experts)
 
 
 def expert_linear(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, *,
