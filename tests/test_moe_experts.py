@@ -94,13 +94,13 @@ def test_no_rows_and_bad_arguments():
 
 
 @pytest.mark.parametrize("experts, tokens", [(6, 1), (6, 5), (6, EXPERT_LINEAR_MAX_PAIRS // 2),
-                                             (6, EXPERT_LINEAR_MAX_PAIRS // 2 + 1), (80, 80), (80, 81)])
+                                             (6, EXPERT_LINEAR_MAX_PAIRS // 2 + 1), (20, 80), (20, 81)])
 def test_the_layer_takes_them_for_few_pairs_without_gradients(monkeypatch, experts, tokens):
     """Without gradients and with the Triton backend a MoE layer runs its experts through `expert_linear` up to
-    `expert_linear_max_pairs(E)` (token, slot) pairs (128, or 2 per expert where that is more: 160 for 80
+    `expert_linear_max_pairs(E)` (token, slot) pairs (128, or 8 per expert where that is more: 160 for 20
     experts), the grouped GEMMs above; the output agrees with the torch path's to fp32 rounding (other summation
     order) either way."""
-    assert expert_linear_max_pairs(experts) == max(EXPERT_LINEAR_MAX_PAIRS, 2 * experts)
+    assert expert_linear_max_pairs(experts) == max(EXPERT_LINEAR_MAX_PAIRS, 8 * experts)
     layer = make_moe(32, 24, experts, 2, seed=tokens)
     layer.experts.impl = "grouped"
     x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(tokens))
@@ -112,7 +112,7 @@ def test_the_layer_takes_them_for_few_pairs_without_gradients(monkeypatch, exper
         assert calls == []
         with use_backend("triton"):
             got, _ = layer(x)
-    assert calls == ([(ALPHA, LIMIT), None] if 2 * tokens <= max(128, 2 * experts) else [])
+    assert calls == ([(ALPHA, LIMIT), None] if 2 * tokens <= max(128, 8 * experts) else [])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)  # outputs up to ~80: a few fp32 ulps
 
 

@@ -22,12 +22,13 @@ __all__ = ["EXPERT_LINEAR_MAX_PAIRS", "EXPERT_LINEAR_PAIRS_PER_EXPERT", "expert_
 
 # up to `expert_linear_max_pairs(E)` (token, slot) pairs a layer of E experts takes these kernels; more (larger
 # batches, prefill) keep the grouped GEMMs, whose tiles reuse each weight for many rows (each pass here re-reads an
-# expert's block per 16 rows). Measured on an H100 (benchmarks/moe_decode.py, one layer's routed experts):
-# m3-small's shape (16 experts) wins at 2 to 128 pairs (41.6 -> 35.3 us at 2, 66.7 -> 48.7 at 16, 71.8 -> 57.4 at
-# 128), more untimed; M3's (128 experts of 3072 x 6144) at 4 to 256 pairs (220.7 -> 181.3 us at 4, 3215 -> 2932 at
-# 128, 4582 -> 4191 at 256), more untimed.
+# expert's block per 16 rows). Measured on an H100 (benchmarks/moe_decode.py, one layer's routed experts, grouped
+# -> kernels): m3-small's shape (16 experts) at 2 to 128 pairs (41.6 -> 35.3 us at 2, 66.7 -> 48.7 at 16, 71.8 ->
+# 57.4 at 128), more untimed; M3's (128 experts of 3072 x 6144, top-4) at 4 to 1024 pairs, 8 per expert (220.7 ->
+# 181.3 us at 4, 3215 -> 2932 at 128, 4582 -> 4191 at 256, 5196 -> 4862 at 512, 5277 -> 5148 at 1024: the gain
+# shrinks as experts get more rows), more untimed (and past the sort kernel's SORT_PAIRS_MAX).
 EXPERT_LINEAR_MAX_PAIRS = 128
-EXPERT_LINEAR_PAIRS_PER_EXPERT = 2
+EXPERT_LINEAR_PAIRS_PER_EXPERT = 8
 
 
 def expert_linear_max_pairs(num_experts: int) -> int:
