@@ -40,7 +40,8 @@ def main() -> None:
     out: list[int] = []
     batcher(prompt, max_new_tokens=8, on_token=out.append)
     batcher.close()
-    print(f"{args.dtype}: {len(out)} tokens, graph replays {batcher.graphs.replays}, captures {batcher.graphs.captures}")
+    g = batcher.graphs
+    print(f"{args.dtype}: {len(out)} tokens, graph replays {g.replays}, captures {g.captures}")
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ The routed experts have two implementations with the same numbers (`Experts.impl
 
 ``"auto"`` (the default) picks ``grouped`` for bf16 on CUDA (the Hopper grouped GEMM is bf16-only), including fp32
 inputs under a bf16 CUDA autocast (the trainer's single-GPU mode: fp32 parameters, bf16 compute); ``reference``
-everywhere else, except fp32 decode steps on CUDA without gradients (up to ``expert_linear_max_pairs(E)`` pairs): they
-take the expert kernels, which sum in fp64 per step for fp32 and make no host sync (a CUDA graph can capture them;
-the reference's sync made fp32 graph decode fall back to eager). Inside ``torch.compile`` the reference runs eagerly as one opaque call (its host sync and
-per-expert loop would otherwise break the graph at data-dependent points and recompile for every new expert
-load). `set_experts_impl(model, impl)` switches every `Experts` inside a model.
+everywhere else, except fp32 decode steps on CUDA without gradients (up to ``expert_linear_max_pairs(E)`` pairs):
+they take the expert kernels, which sum in fp64 per step for fp32 and make no host sync (a CUDA graph can capture
+them; the reference's sync made fp32 graph decode fall back to eager). Inside ``torch.compile`` the reference runs
+eagerly as one opaque call (its host sync and per-expert loop would otherwise break the graph at data-dependent
+points and recompile for every new expert load). `set_experts_impl(model, impl)` switches every `Experts` inside a model.
 """
 
 from __future__ import annotations
