@@ -77,7 +77,8 @@ def test_route_sort_pairs_equals_route_then_sort(n, k, e, hidden, dtype):
 @pytest.mark.parametrize("tokens", [19, ROUTE_SORT_MAX_PAIRS // 2 + 1])
 def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch, tokens):
     """With the Triton backend and no gradients a MoE layer routes and sorts with route_sort_pairs up to
-    ROUTE_SORT_MAX_PAIRS pairs (bit for bit what route_topk then sort_pairs give, which it runs above that); its
+    FUSED_ROUTE_SORT_PAIRS pairs (set to ROUTE_SORT_MAX_PAIRS here; bit for bit what route_topk then sort_pairs
+    give, which it runs above that and with FUSED_ROUTE_SORT_PAIRS = 0, the default); its
     output equals the torch path's given the same routing to fp32 rounding (the experts' projections run in
     `openm3.ops.moe_experts` at 38 pairs, summing in another order; the mix is the same) and end to end."""
     layer = make_moe(32, 24, 6, 2, seed=4)
@@ -89,6 +90,7 @@ def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch, tokens):
         real = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     fused = 2 * tokens <= ROUTE_SORT_MAX_PAIRS
+    monkeypatch.setattr(moe, "FUSED_ROUTE_SORT_PAIRS", ROUTE_SORT_MAX_PAIRS)
     with torch.no_grad():
         want, want_logits = layer(x)
         _, weights, ids = layer.gate(x)
@@ -98,7 +100,7 @@ def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch, tokens):
             got, logits = layer(x)
             assert calls == (["route_sort_pairs"] if fused else ["route_topk", "sort_pairs"])
             got_experts = layer.experts(x, ids, weights, scale=2.5, add=x, residual=x * 0.5)
-            monkeypatch.setattr(moe, "ROUTE_SORT_MAX_PAIRS", 0)
+            monkeypatch.setattr(moe, "FUSED_ROUTE_SORT_PAIRS", 0)
             calls.clear()
             apart, _ = layer(x)
             assert calls == ["route_topk", "sort_pairs"] and torch.equal(apart, got)

@@ -14,8 +14,8 @@ The routed experts have two implementations with the same numbers (`Experts.impl
   (inference) the mix, the routed scaling and the shared expert's add are one fused kernel that also puts the
   outputs back in token order; where Triton runs (`openm3.ops.norm_rope.inference_kernels`) the router's
   sigmoid / top-k and, for a decode step's few pairs, the sort by expert and the row gather are one kernel each,
-  or both one kernel up to `ROUTE_SORT_MAX_PAIRS` pairs (`openm3.ops.moe_routing`): ~12 kernels fewer per layer
-  than the training path, the same experts and outputs.
+  or both one kernel up to `FUSED_ROUTE_SORT_PAIRS` pairs (`openm3.ops.moe_routing`; off until GPU-timed): ~12
+  kernels fewer per layer than the training path, the same experts and outputs.
 
 ``"auto"`` (the default) picks ``grouped`` for bf16 on CUDA (the Hopper grouped GEMM is bf16-only), including fp32
 inputs under a bf16 CUDA autocast (the trainer's single-GPU mode: fp32 parameters, bf16 compute); ``reference``
@@ -41,6 +41,12 @@ from .joint_weights import join_rows, joint_matrix, rows_intact
 from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai
 
 IMPLS = ("auto", "reference", "grouped")
+
+# up to this many (token, slot) pairs (at most `ROUTE_SORT_MAX_PAIRS`) a no-grad MoE layer routes its tokens and
+# sorts the pairs by expert in one kernel (`route_sort_pairs`, bit for bit the two kernels' outputs); 0: two
+# kernels. Off until timed on a GPU (session 40 wrote and CPU-tested it and got no machine to time it on; set it
+# to `ROUTE_SORT_MAX_PAIRS` to try it; `benchmarks/generate_repeat.py --steps ...,routeone,...` times it)
+FUSED_ROUTE_SORT_PAIRS = 0
 
 
 # Up to this many experts per token, CUDA picks them with k max passes instead of torch.topk.
@@ -452,7 +458,8 @@ class MoE(nn.Module):
             shared = self.shared_experts(x)
             logits = self.gate.project(x)
         n_pairs = x.shape[0] * self.gate.top_k
-        if n_pairs <= ROUTE_SORT_MAX_PAIRS and self.experts.sorts_with_kernels(x, n_pairs) \
+        if n_pairs <= min(FUSED_ROUTE_SORT_PAIRS, ROUTE_SORT_MAX_PAIRS) \
+                and self.experts.sorts_with_kernels(x, n_pairs) \
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *self.parameters()))):
             # a decode step: routing and the sort by expert in one kernel (`Router.pick` then the experts' own
             # sort_pairs, same numbers)

@@ -40,24 +40,30 @@ def test_routing_kernels_on_cuda(e, k):
                 assert torch.equal(got, want), rows
 
 
-@pytest.mark.parametrize("tokens", [8, 128])
-def test_decode_moe_layer_kernels(tokens):
-    """m3-small's MoE layer without gradients at 8 tokens: the one routing-and-sort kernel (at 128 tokens, past
-    ROUTE_SORT_MAX_PAIRS: both routing kernels), no radix sort, searchsorted, gather or index_copy; the experts
-    through `openm3.ops.moe_experts` at 8 tokens (its kernel twice, no cutlass grouped GEMM or its argument kernel,
-    one SwiGLU kernel: the shared expert's)."""
+@pytest.mark.parametrize("tokens, fused", [(8, False), (8, True), (128, True)])
+def test_decode_moe_layer_kernels(monkeypatch, tokens, fused):
+    """m3-small's MoE layer without gradients at 8 tokens: both routing kernels (the default), or with
+    FUSED_ROUTE_SORT_PAIRS set the one routing-and-sort kernel (at 128 tokens, past it, both again), no radix
+    sort, searchsorted, gather or index_copy; the experts through `openm3.ops.moe_experts` at 8 tokens (its kernel
+    twice, no cutlass grouped GEMM or its argument kernel, one SwiGLU kernel: the shared expert's); the output the
+    same bits with the flag and without."""
     from test_moe_gpu import small_moe
+
+    from openm3.layers import moe
+    from openm3.ops.moe_routing import ROUTE_SORT_MAX_PAIRS
 
     layer = small_moe(torch.bfloat16)
     x = torch.randn(tokens, layer.gate.weight.shape[1], device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        layer(x)  # compile the fused functions first
+        apart, _ = layer(x)  # (and compile the fused functions first)
+        monkeypatch.setattr(moe, "FUSED_ROUTE_SORT_PAIRS", ROUTE_SORT_MAX_PAIRS if fused else 0)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            layer(x)
+            out, _ = layer(x)
             torch.cuda.synchronize()
+    assert torch.equal(out, apart)
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     routing = [n for n in names if n.startswith(("_route", "_sort_pairs"))]
-    if tokens == 8:
+    if fused and 2 * tokens <= ROUTE_SORT_MAX_PAIRS:
         assert routing == ["_route_sort_kernel"], names
     else:
         assert routing == ["_route_kernel", "_sort_pairs_kernel"], names
