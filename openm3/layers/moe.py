@@ -193,7 +193,8 @@ class Experts(nn.Module):
     def sorts_with_kernels(self, x: torch.Tensor, n_pairs: int) -> bool:
         """Whether `forward(x, ids, weights)` over `n_pairs` (token, slot) pairs, ids int64 and nothing asking for
         gradients, sorts them with `openm3.ops.moe_routing.sort_pairs` (then `forward_sorted` is that path's
-        rest): a MoE layer then routes and sorts in one kernel instead (`route_sort_pairs`)."""
+        rest): a MoE layer may then route and sort in one kernel instead (`route_sort_pairs`, up to
+        `FUSED_ROUTE_SORT_PAIRS` pairs)."""
         return (0 < n_pairs <= SORT_PAIRS_MAX and not torch.compiler.is_compiling() and inference_kernels(x)
                 and (self.resolved_impl(x) == "grouped" or self._fp32_decode_size(x, n_pairs)))
 
