@@ -88,6 +88,20 @@ def _sort_pairs_kernel(id_ptr, x_ptr, rows_ptr, pos_ptr, offs_ptr, n_pairs, n_ex
             tl.store(offs_ptr + experts, count, mask=experts < n_experts)
 
 
+# the experts of pairs start * K ... (start + CHUNK_T) * K - 1 (tokens start ... start + CHUNK_T - 1 routed again),
+# flattened with slots padded to K_P2: (expert int32 [CHUNK_T * K_P2], n_experts for padding and past the last token,
+# so it sorts last; pair index [CHUNK_T * K_P2])
+@triton.jit
+def _chunk_pairs(logit_ptr, bias_ptr, start, n_tokens, n_experts, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
+                 CHUNK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    tq = start + tl.arange(0, CHUNK_T)
+    slots = tl.arange(0, K_P2)
+    idq, _ = _route_rows(logit_ptr, bias_ptr, tq, n_tokens, n_experts, stride_l, K, K_P2, BLOCK_E)
+    q_ok = (tq < n_tokens)[:, None] & (slots < K)[None, :]
+    eq = tl.reshape(tl.where(q_ok, idq.to(tl.int32), n_experts), [CHUNK_T * K_P2])
+    return eq, tl.reshape(tq[:, None] * K + slots[None, :], [CHUNK_T * K_P2])
+
+
 # route and sort_pairs as one kernel, for a decode step's few tokens: program (pid, col) routes its TOKENS tokens and
 # then every token again, CHUNK_T at a time, to count its pairs' places (pair p = token * K + slot; slots padded to
 # K_P2 sort last), copies its pairs' rows in columns block col, and (col 0) writes their places, weights and ids;
@@ -108,11 +122,7 @@ def _route_sort_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, x_ptr, rows_ptr, pos_
     p_ok = tl.reshape(ok2, [TOKENS * K_P2])
     place = tl.zeros([TOKENS * K_P2], tl.int32)
     for start in range(0, n_tokens, CHUNK_T):
-        tq = start + tl.arange(0, CHUNK_T)
-        idq, _ = _route_rows(logit_ptr, bias_ptr, tq, n_tokens, n_experts, stride_l, K, K_P2, BLOCK_E)
-        q_ok = (tq < n_tokens)[:, None] & (slots < K)[None, :]
-        eq = tl.reshape(tl.where(q_ok, idq.to(tl.int32), n_experts), [CHUNK_T * K_P2])  # padding sorts last
-        q = tl.reshape(tq[:, None] * K + slots[None, :], [CHUNK_T * K_P2])
+        eq, q = _chunk_pairs(logit_ptr, bias_ptr, start, n_tokens, n_experts, stride_l, K, K_P2, CHUNK_T, BLOCK_E)
         before = (eq[None, :] < e[:, None]) | ((eq[None, :] == e[:, None]) & (q[None, :] < p[:, None]))
         place += tl.sum(before.to(tl.int32), axis=1)
     cols = col * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -128,10 +138,8 @@ def _route_sort_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, x_ptr, rows_ptr, pos_
             experts = tl.arange(0, BLOCK_E)
             count = tl.zeros([BLOCK_E], tl.int32)
             for start in range(0, n_tokens, CHUNK_T):
-                tq = start + tl.arange(0, CHUNK_T)
-                idq, _ = _route_rows(logit_ptr, bias_ptr, tq, n_tokens, n_experts, stride_l, K, K_P2, BLOCK_E)
-                q_ok = (tq < n_tokens)[:, None] & (slots < K)[None, :]
-                eq = tl.reshape(tl.where(q_ok, idq.to(tl.int32), n_experts), [CHUNK_T * K_P2])
+                eq, _ = _chunk_pairs(logit_ptr, bias_ptr, start, n_tokens, n_experts, stride_l, K, K_P2, CHUNK_T,
+                                     BLOCK_E)
                 count += tl.sum((eq[None, :] <= experts[:, None]).to(tl.int32), axis=1)
             tl.store(offs_ptr + experts, count, mask=experts < n_experts)
 
