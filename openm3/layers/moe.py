@@ -116,6 +116,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.T
     return weights / weights.sum(dim=-1, keepdim=True), experts
 
 
+def _wants_grad(module: nn.Module, *inputs: torch.Tensor) -> bool:
+    """Whether autograd would record a call of `module` on `inputs` (grad mode on and an input or a parameter
+    requiring gradients): the inference kernels run only where it would not."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *module.parameters()))
+
+
 class Experts(nn.Module):
     """Routed SwiGLU-OAI experts stored as stacked tensors.
 
@@ -177,7 +183,7 @@ class Experts(nn.Module):
         return out if residual is None else out + residual
 
     def _wants_grad(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *self.parameters()))
+        return _wants_grad(self, x, weights)
 
     def _fp32_decode_kernels(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> bool:
         """`auto` with fp32 on CUDA, without gradients, for a decode step's few pairs: the expert kernels (fp32 to
@@ -461,7 +467,7 @@ class MoE(nn.Module):
         n_pairs = x.shape[0] * self.gate.top_k
         if n_pairs <= min(FUSED_ROUTE_SORT_PAIRS, ROUTE_SORT_MAX_PAIRS) \
                 and self.experts.sorts_with_kernels(x, n_pairs) \
-                and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *self.parameters()))):
+                and not _wants_grad(self, x):
             # a decode step: routing and the sort by expert in one kernel (`Router.pick` then the experts' own
             # sort_pairs, same numbers)
             weights, _, rows, offs, pos = route_sort_pairs(logits, self.gate.e_score_correction_bias, self.gate.top_k,
