@@ -166,6 +166,32 @@ def test_a_reasoning_block_comes_before_the_grammar():
     assert c.pick(logits, sampling) != PIECES.index(b"a")
 
 
+def test_a_reasoning_block_cannot_end_the_output_before_the_answer():
+    """A stop token is refused inside the think block while the grammar owes a document (a forced tool call must
+    come), for every sampler; a grammar that takes an empty document lets a stop end the block."""
+    for sampling, min_p in [(SamplingParams(), 0.0), (SamplingParams(temperature=1.0), 0.0),
+                            (SamplingParams(temperature=1.0, top_k=2), 0.5)]:
+        c = constraint(think=True)
+        logits = torch.zeros(len(PIECES))
+        logits[T0] = 10.0
+        assert c.pick(logits, sampling) == T0
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(20):
+            logits = torch.zeros(len(PIECES))
+            logits[EOS], logits[PIECES.index(b"a")] = 30.0, 5.0  # the model wants to stop in the block
+            assert c.pick(logits, sampling, gen, min_p=min_p) != EOS
+        assert c.phase == "thinking"
+
+    class Optional(Digits):
+        def complete(self, state: int) -> bool:
+            return True
+
+    c = GrammarConstraint(TransitionCache(Optional(3), TokenBytes(PIECES)), [EOS], think=(T0, T1), thinking=True)
+    logits = torch.zeros(len(PIECES))
+    logits[EOS] = 30.0
+    assert c.pick(logits, SamplingParams()) == EOS
+
+
 def test_a_constraint_needs_a_stop_token():
     with pytest.raises(ValueError, match="stop_tokens"):
         GrammarConstraint(TransitionCache(Digits(2), TokenBytes(PIECES)), [])

@@ -27,7 +27,10 @@ state's full mask decides it: every candidate checked once, the mask kept for th
 revisit the same states), then the plain sampler over the masked row.
 
 An answer may start with a reasoning block (`think=(start_id, end_id)`): the grammar then applies after its end
-token, as vLLM applies it after the reasoning parser's end (the block itself is free text).
+token, as vLLM applies it after the reasoning parser's end. The block itself is free text, except that it cannot
+end the output: a stop token is refused inside it while the grammar still owes a document, so a forced tool call or
+a schema's JSON always follows the reasoning unless the token limit cuts it (vLLM lets a stop end the output there,
+an answer the request asked for then missing; a random model does that often).
 """
 
 from __future__ import annotations
@@ -367,6 +370,7 @@ class GrammarConstraint:
         self.grammar = transitions.grammar
         self.stop_tokens = sorted(set(int(t) for t in stop_tokens))
         self.think = think
+        self._stops: torch.Tensor | None = None  # `_stops_on`'s tensor
         self.state = self.grammar.start
         self.phase = "start" if think is not None else "grammar"  # 'start' -> ('thinking' ->) 'grammar'
         if not self.stop_tokens:
@@ -401,6 +405,8 @@ class GrammarConstraint:
         if not 0 <= min_p <= 1:
             raise ValueError(f"min_p must lie in [0, 1], got {min_p!r}")
         if self.phase == "thinking":
+            if not self.grammar.complete(self.state):  # the answer is still owed: no stop inside the block
+                logits = logits.index_fill(0, self._stops_on(logits.device), float("-inf"))
             if min_p and not sampling.greedy:  # no grammar inside the think block: over the whole row
                 logits = logits.masked_fill(logits < logits.max() + sampling.temperature * math.log(min_p),
                                             float("-inf"))
@@ -423,6 +429,12 @@ class GrammarConstraint:
         return token
 
     # ------------------------------------------------------------------ internals
+
+    def _stops_on(self, device: torch.device) -> torch.Tensor:
+        """The stop token ids as an int64 tensor on `device` (made once per device)."""
+        if self._stops is None or self._stops.device != device:
+            self._stops = torch.tensor(self.stop_tokens, dtype=torch.long, device=device)
+        return self._stops
 
     def _allowed_first(self) -> torch.Tensor:
         """bool [V]: the tokens that may be allowed (first byte accepted, or a stop / think token that is)."""

@@ -1,0 +1,142 @@
+"""`openm3 serve` through the official `openai` and `anthropic` Python SDKs (the clients coding agents are built
+on), in process: the SDKs' own parsing, stream accumulators and error classes read the server's bodies and events
+(a random m3-tiny model; forced tool calls and a pydantic schema keep the structured answers checkable)."""
+
+import json
+from typing import Literal
+
+import anthropic  # the `test` extra pins both SDKs
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
+
+from openm3.data.tokenizer import TokenizerSettings, get_tokenizer
+from openm3.models import M3TextConfig, M3TextModel
+from openm3.serve import ModelBackend, create_app
+
+NAME = "tiny"
+CITIES = ["Paris", "Rome"]
+SCHEMA = {"type": "object", "properties": {"city": {"enum": CITIES}}, "required": ["city"]}
+USER = [{"role": "user", "content": "hi"}]
+
+
+class City(BaseModel):
+    city: Literal["Paris", "Rome"]
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory):
+    tok = get_tokenizer(TokenizerSettings(vocab_size=1024, chars_per_corpus=150_000),
+                        tmp_path_factory.mktemp("tok-cache"))
+    torch.manual_seed(0)
+    config = M3TextConfig.from_name("m3-tiny", vocab_size=tok.vocab_size, num_hidden_layers=2,
+                                    layer_types=["full_attention", "minimax_m3_sparse"],
+                                    mlp_layer_types=["dense", "sparse"], index_topk_blocks=2,
+                                    max_position_embeddings=1024)
+    app = create_app(ModelBackend(M3TextModel(config).eval()), tok, model_name=NAME, max_total_tokens=640)
+    with TestClient(app) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(http):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(http):
+    return anthropic.Anthropic(base_url="http://testserver", api_key="unused", http_client=http, max_retries=0)
+
+
+def test_openai_models_and_a_seeded_chat_three_ways(oai):
+    """A seeded request answers the same text plainly, as raw chunks (usage in the last) and through the SDK's
+    stream helper."""
+    assert [m.id for m in oai.models.list()] == [NAME]
+    args = dict(model=NAME, messages=USER, max_tokens=8, seed=3)
+    r = oai.chat.completions.create(**args)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and isinstance(choice.message.content, str)
+    assert r.usage.completion_tokens == 8 and r.usage.total_tokens == r.usage.prompt_tokens + 8
+    chunks = list(oai.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert chunks[-1].usage.completion_tokens == 8
+    with oai.chat.completions.stream(**args) as stream:
+        for _ in stream:
+            pass
+        snapshot = stream.current_completion_snapshot
+    assert snapshot.choices[0].message.content == choice.message.content
+    assert snapshot.choices[0].finish_reason == "length"
+
+
+def test_openai_forced_tool_call_parses_and_goes_back_in(oai):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": SCHEMA}}]
+    args = dict(model=NAME, max_tokens=200, tools=tools, reasoning_effort="none",
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = oai.chat.completions.create(messages=[{"role": "user", "content": "weather?"}], **args)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in CITIES
+    history = [{"role": "user", "content": "weather?"}, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    again = oai.chat.completions.create(model=NAME, messages=history, tools=tools, max_tokens=4)
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens + 4  # the call and its result are in the prompt
+
+
+def test_openai_parse_fills_the_pydantic_model(oai):
+    r = oai.chat.completions.parse(model=NAME, messages=USER, max_tokens=200, response_format=City,
+                                   reasoning_effort="none")
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.parsed.city in CITIES
+
+
+def test_openai_responses_plain_and_streamed(oai):
+    r = oai.responses.create(model=NAME, input="hi", max_output_tokens=8)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 8 and isinstance(r.output_text, str)
+    with oai.responses.stream(model=NAME, input="hi", max_output_tokens=8) as stream:
+        events = list(stream)
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output_text == text and events[-1].response.usage.output_tokens == 8
+    assert [e.sequence_number for e in events] == sorted({e.sequence_number for e in events})
+
+
+def test_openai_sdk_raises_the_servers_errors(oai):
+    with pytest.raises(openai.BadRequestError, match="maximum"):
+        oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 800}], max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="no-such-model", messages=USER, max_tokens=4)
+
+
+def test_anthropic_message_plain_and_streamed(claude):
+    m = claude.messages.create(model=NAME, max_tokens=8, messages=USER)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 8 and m.content[0].type == "text"
+    assert claude.messages.count_tokens(model=NAME, messages=USER).input_tokens == m.usage.input_tokens
+    with claude.messages.stream(model=NAME, max_tokens=8, messages=USER) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
+    assert [b.type for b in final.content] == ["text"] and final.content[0].text == text
+
+
+@pytest.mark.parametrize("thinking", [{"type": "disabled"}, {"type": "enabled", "budget_tokens": 24}],
+                         ids=["no-thinking", "thinking"])
+def test_anthropic_forced_tool_use_streamed(claude, thinking):
+    """The SDK rebuilds the tool input from the streamed JSON deltas; with thinking on (a budget, so that a random
+    model's block closes) a think block may come first."""
+    tools = [{"name": "get_weather", "description": "weather", "input_schema": SCHEMA}]
+    with claude.messages.stream(model=NAME, max_tokens=300, messages=USER, tools=tools, thinking=thinking,
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    kinds = [b.type for b in final.content]
+    assert kinds[-1] == "tool_use" and set(kinds[:-1]) <= ({"thinking"} if thinking["type"] == "enabled" else set())
+    use = [b for b in final.content if b.type == "tool_use"]
+    assert len(use) == 1 and use[0].name == "get_weather" and use[0].input["city"] in CITIES
+
+
+def test_anthropic_sdk_raises_the_servers_errors(claude):
+    with pytest.raises(anthropic.BadRequestError, match="maximum"):
+        claude.messages.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": "word " * 800}])
