@@ -55,8 +55,7 @@ SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_re
 
 
 PLAIN_STEPS = ("plain", "spec", "prof", "kprof", "clean", "reset", "copy", "freeze", "unhog", "cublas", "probe",
-               "eager", "sharedpool", "keep", "retime", "gprof", "chain", "compile", "overlap", "fp8idx", "fusemoe",
-               "routeapart", "routeone")
+               "eager", "sharedpool", "keep", "retime", "gprof", "chain", "compile", "overlap", "fp8idx", "fusemoe")
 
 
 def _known_step(step: str) -> bool:
@@ -111,9 +110,7 @@ def main(argv=None) -> int:
                    "time per node of a 3000-node graph of tiny kernels), compile (the layers under torch.compile), "
                    "overlap (plain with generate(overlap=True): each step launched before the host reads the last), "
                    "fp8idx (plain with fp8 index keys in the cache: index_dtype='fp8'), fusemoe (from then on the "
-                   "MoE layers' shared gate_up and router weights as one GEMM: openm3.layers.moe.fuse_moe_projections),"
-                   " routeapart / routeone (from then on a decode step's MoE routing and sort by expert as two "
-                   "kernels, the default, / as one: openm3.layers.moe.FUSED_ROUTE_SORT_PAIRS)")
+                   "MoE layers' shared gate_up and router weights as one GEMM: openm3.layers.moe.fuse_moe_projections)")
     p.add_argument("--kernels", action="store_true", help="prof also lists the GPU kernels (torch.profiler; it "
                    "stays attached, so later runs are slower)")
     args = p.parse_args(argv)
@@ -323,12 +320,6 @@ def main(argv=None) -> int:
         elif step == "fusemoe":  # from now on each MoE layer's shared gate_up and router weights as one GEMM
             from openm3.layers.moe import fuse_moe_projections
             print(f"fusemoe      {fuse_moe_projections(model)} MoE layers fused", flush=True)
-        elif step in ("routeapart", "routeone"):  # from now on routing and sort as two kernels / as one
-            from openm3.layers import moe
-            from openm3.ops.moe_routing import ROUTE_SORT_MAX_PAIRS
-
-            moe.FUSED_ROUTE_SORT_PAIRS = 0 if step == "routeapart" else ROUTE_SORT_MAX_PAIRS
-            print(f"{step:12s} route_sort_pairs up to {moe.FUSED_ROUTE_SORT_PAIRS} pairs", flush=True)
         else:  # plain or bN
             one(step, batch=int(step[1:]) if step != "plain" else None)
     if args.out:

@@ -150,13 +150,6 @@ for s in "${stages[@]}"; do
         | tee "$OUT/fusemoe_tests.log" | tail -4
       python3 -m benchmarks.generate_repeat --steps plain,plain,fusemoe,plain,plain --out "$OUT" 2>&1 \
         | grep -v "^ \|^-\|Name\|Self" | cut -c1-160 | tail -6 ;;
-    routesort)  # routing and the sort by expert as one kernel (session 40, untimed, off by default): the MoE GPU
-      # tests, then generate m3-small 8 x 16K as two kernels, as one, two, one, same process (replay ms)
-      python3 -m pytest -q -m gpu tests/gpu/test_moe_routing_gpu.py tests/gpu/test_moe_gpu.py \
-        tests/gpu/test_moe_experts_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/routesort_tests.log" | tail -4
-      python3 -m benchmarks.generate_repeat --out "$OUT" \
-        --steps plain,plain,routeone,plain,plain,routeapart,plain,plain,routeone,plain,plain 2>&1 \
-        | grep -v "^ \|^-\|Name\|Self" | cut -c1-100 | tail -12 ;;
     moe)  # the decode-size expert kernels (openm3.ops.moe_experts): GPU tests, then one layer at 1-64 tokens against
       # the grouped GEMMs, the projections with 2 and 4 splits beside (session 38: splits untimed)
       python3 -m pytest -q -m gpu tests/gpu/test_moe_experts_gpu.py tests/gpu/test_moe_routing_gpu.py \

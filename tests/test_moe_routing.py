@@ -9,7 +9,7 @@ import torch
 
 from hopper_compile import run_compile_script
 from openm3.layers import moe
-from openm3.ops.moe_routing import ROUTE_SORT_MAX_PAIRS, SORT_PAIRS_MAX, route_sort_pairs, route_topk, sort_pairs
+from openm3.ops.moe_routing import SORT_PAIRS_MAX, route_topk, sort_pairs
 from openm3.ops.msa import use_backend
 from test_moe import make_moe
 
@@ -54,43 +54,18 @@ def test_sort_pairs_matches_the_radix_sort(n, k, e, hidden):
     assert torch.equal(order[pos], torch.arange(n * k))  # pos is order's inverse
 
 
-@pytest.mark.parametrize("n, k, e, hidden", [(1, 2, 16, 64), (64, 2, 16, 300), (42, 3, 20, 40), (32, 4, 128, 24),
-                                             (5, 8, 8, 16), (100, 1, 6, 8)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_route_sort_pairs_equals_route_then_sort(n, k, e, hidden, dtype):
-    """The one-kernel routing and sort gives what route_topk then sort_pairs give, bit for bit: k not a power of 2
-    (padded slots), k = E, several programs, more tokens than one counting chunk (42 tokens of 3 pairs: chunks of
-    32 tokens), hidden over several column blocks, ties in the logits."""
-    gen = torch.Generator().manual_seed(n * k + e)
-    logits = (torch.randn(n, e, generator=gen) * 2).to(dtype)
-    logits[:, 1] = logits[:, 0]  # ties: the lower expert first
-    bias = torch.randn(e, generator=gen) * 0.3
-    x = torch.randn(n, hidden, generator=gen).to(dtype)
-    w, ids, rows, offs, pos = route_sort_pairs(logits, bias, k, x)
-    want_w, want_ids = route_topk(logits, bias, k)
-    want = sort_pairs(want_ids, x, e)
-    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
-    for got, ref in zip((rows, offs, pos), want):
-        assert got.dtype == ref.dtype and torch.equal(got, ref)
-
-
-@pytest.mark.parametrize("tokens", [19, ROUTE_SORT_MAX_PAIRS // 2 + 1])
-def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch, tokens):
-    """With the Triton backend and no gradients a MoE layer routes and sorts with route_sort_pairs up to
-    FUSED_ROUTE_SORT_PAIRS pairs (set to ROUTE_SORT_MAX_PAIRS here; bit for bit what route_topk then sort_pairs
-    give, which it runs above that and with FUSED_ROUTE_SORT_PAIRS = 0, the default); its
+def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch):
+    """With the Triton backend and no gradients a MoE layer routes with route_topk and sorts with sort_pairs; its
     output equals the torch path's given the same routing to fp32 rounding (the experts' projections run in
-    `openm3.ops.moe_experts` at 38 pairs, summing in another order; the mix is the same) and end to end."""
+    `openm3.ops.moe_experts` at this size, summing in another order; the mix is the same) and end to end."""
     layer = make_moe(32, 24, 6, 2, seed=4)
     layer.routed_scaling_factor = 2.5
     layer.experts.impl = "grouped"
-    x = torch.randn(tokens, 32)
+    x = torch.randn(19, 32)
     calls = []
-    for name in ("route_topk", "sort_pairs", "route_sort_pairs"):
+    for name in ("route_topk", "sort_pairs"):
         real = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
-    fused = 2 * tokens <= ROUTE_SORT_MAX_PAIRS
-    monkeypatch.setattr(moe, "FUSED_ROUTE_SORT_PAIRS", ROUTE_SORT_MAX_PAIRS)
     with torch.no_grad():
         want, want_logits = layer(x)
         _, weights, ids = layer.gate(x)
@@ -98,12 +73,8 @@ def test_moe_layer_takes_the_kernels_without_gradients(monkeypatch, tokens):
         assert calls == []
         with use_backend("triton"):
             got, logits = layer(x)
-            assert calls == (["route_sort_pairs"] if fused else ["route_topk", "sort_pairs"])
+            assert calls == ["route_topk", "sort_pairs"]
             got_experts = layer.experts(x, ids, weights, scale=2.5, add=x, residual=x * 0.5)
-            monkeypatch.setattr(moe, "FUSED_ROUTE_SORT_PAIRS", 0)
-            calls.clear()
-            apart, _ = layer(x)
-            assert calls == ["route_topk", "sort_pairs"] and torch.equal(apart, got)
     assert torch.equal(logits, want_logits)
     torch.testing.assert_close(got_experts, want_experts, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # weights an fp32 ulp or two apart too
@@ -184,12 +155,6 @@ def test_bad_arguments_fail_with_the_argument_named():
         sort_pairs(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(4, 8), 4)
     with pytest.raises(ValueError, match="at most SORT_PAIRS_MAX"):
         sort_pairs(torch.zeros(SORT_PAIRS_MAX, 2, dtype=torch.int64), torch.zeros(SORT_PAIRS_MAX, 1), 4)
-    with pytest.raises(ValueError, match=r"bias must be \[4\]"):
-        route_sort_pairs(torch.zeros(3, 4), torch.zeros(5), 2, torch.zeros(3, 8))
-    with pytest.raises(ValueError, match=r"x must be \[N=3, hidden\]"):
-        route_sort_pairs(torch.zeros(3, 4), torch.zeros(4), 2, torch.zeros(4, 8))
-    with pytest.raises(ValueError, match="at most ROUTE_SORT_MAX_PAIRS"):
-        route_sort_pairs(torch.zeros(ROUTE_SORT_MAX_PAIRS, 4), torch.zeros(4), 2, torch.zeros(ROUTE_SORT_MAX_PAIRS, 1))
 
 
 _COMPILE_SCRIPT = r"""
@@ -216,11 +181,6 @@ for e, kk in ((16, 2), (128, 4)):
                                     "offs_ptr": "*i32", **{n: "i32" for n in ("n_pairs", "n_experts", "hidden",
                                                                                "stride_x")}},
              dict(K=kk, PAIRS=16, CHUNK=128, BLOCK_E=e, BLOCK_H=256))
-    compile_(k._route_sort_kernel, {"logit_ptr": "*bf16", "bias_ptr": "*fp32", "w_ptr": "*fp32", "id_ptr": "*i64",
-                                    "x_ptr": "*bf16", "rows_ptr": "*bf16", "pos_ptr": "*i64", "offs_ptr": "*i32",
-                                    **{n: "i32" for n in ("n_tokens", "n_experts", "hidden", "stride_l",
-                                                          "stride_x")}},
-             dict(K=kk, K_P2=kk, TOKENS=16 // kk, CHUNK_T=128 // kk, BLOCK_E=e, BLOCK_H=256))
 print("compiled")
 """
 

@@ -103,6 +103,27 @@ def test_openai_responses_plain_and_streamed(oai):
     assert [e.sequence_number for e in events] == sorted({e.sequence_number for e in events})
 
 
+def test_openai_responses_function_call_streamed_then_answered(oai):
+    """A forced single call through the Responses stream helper, its output sent back by `previous_response_id`;
+    `responses.parse` fills the pydantic model."""
+    tools = [{"type": "function", "name": "get_weather", "description": "weather", "parameters": SCHEMA}]
+    args = dict(model=NAME, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                max_output_tokens=200, reasoning={"effort": "none"})
+    with oai.responses.stream(input="weather?", **args) as stream:
+        kinds = {e.type for e in stream}
+        final = stream.get_final_response()
+    assert {"response.function_call_arguments.delta", "response.function_call_arguments.done"} <= kinds
+    assert final.status == "completed" and [o.type for o in final.output] == ["function_call"]
+    call = final.output[0]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in CITIES
+    after = oai.responses.create(model=NAME, previous_response_id=final.id, tools=tools, max_output_tokens=4,
+                                 input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert after.usage.input_tokens > final.usage.input_tokens + 4  # the stored turn, the call and its output
+    parsed = oai.responses.parse(model=NAME, input="hi", text_format=City, max_output_tokens=200,
+                                 reasoning={"effort": "none"})
+    assert parsed.output_parsed.city in CITIES
+
+
 def test_openai_sdk_raises_the_servers_errors(oai):
     with pytest.raises(openai.BadRequestError, match="maximum"):
         oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "word " * 800}], max_tokens=4)

@@ -13,9 +13,8 @@ The routed experts have two implementations with the same numbers (`Experts.impl
   per expert on contiguous sorted slices, which needs the counts on the host (one sync). Without gradients
   (inference) the mix, the routed scaling and the shared expert's add are one fused kernel that also puts the
   outputs back in token order; where Triton runs (`openm3.ops.norm_rope.inference_kernels`) the router's
-  sigmoid / top-k and, for a decode step's few pairs, the sort by expert and the row gather are one kernel each,
-  or both one kernel up to `FUSED_ROUTE_SORT_PAIRS` pairs (`openm3.ops.moe_routing`; off until GPU-timed): ~12
-  kernels fewer per layer than the training path, the same experts and outputs.
+  sigmoid / top-k and, for a decode step's few pairs, the sort by expert and the row gather are one kernel each
+  (`openm3.ops.moe_routing`): ~12 kernels fewer per layer than the training path, the same experts and outputs.
 
 ``"auto"`` (the default) picks ``grouped`` for bf16 on CUDA (the Hopper grouped GEMM is bf16-only), including fp32
 inputs under a bf16 CUDA autocast (the trainer's single-GPU mode: fp32 parameters, bf16 compute); ``reference``
@@ -35,18 +34,12 @@ from torch import nn
 
 from ..ops.fused import fused_on_cuda
 from ..ops.moe_experts import expert_linear, expert_linear_max_pairs
-from ..ops.moe_routing import ROUTE_SORT_MAX_PAIRS, SORT_PAIRS_MAX, route_sort_pairs, route_topk, sort_pairs
+from ..ops.moe_routing import SORT_PAIRS_MAX, route_topk, sort_pairs
 from ..ops.norm_rope import inference_kernels
 from .joint_weights import join_rows, joint_matrix, rows_intact
 from .mlp import DenseMLP, fused_swiglu_oai, swiglu_oai
 
 IMPLS = ("auto", "reference", "grouped")
-
-# up to this many (token, slot) pairs (at most `ROUTE_SORT_MAX_PAIRS`) a no-grad MoE layer routes its tokens and
-# sorts the pairs by expert in one kernel (`route_sort_pairs`, bit for bit the two kernels' outputs); 0: two
-# kernels. Off until timed on a GPU (session 40 wrote and CPU-tested it and got no machine to time it on; set it
-# to `ROUTE_SORT_MAX_PAIRS` to try it; `benchmarks/generate_repeat.py --steps ...,routeone,...` times it)
-FUSED_ROUTE_SORT_PAIRS = 0
 
 
 # Up to this many experts per token, CUDA picks them with k max passes instead of torch.topk.
@@ -91,12 +84,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> (router_logits [N, E], weights fp32 [N, k], expert ids int64 [N, k])."""
-        logits = self.project(x)
+        logits = F.linear(x.to(self.weight.dtype), self.weight)
         return (logits, *self.pick(logits))
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """The router's matmul: x [N, hidden] -> logits [N, E] in the router weight's dtype."""
-        return F.linear(x.to(self.weight.dtype), self.weight)
 
     def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router after its matmul: (weights fp32 [N, k], expert ids int64 [N, k]) from logits [N, E]."""
@@ -114,12 +103,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.T
     experts = top_k_ids(scores + bias, top_k)
     weights = scores.gather(1, experts)
     return weights / weights.sum(dim=-1, keepdim=True), experts
-
-
-def _wants_grad(module: nn.Module, *inputs: torch.Tensor) -> bool:
-    """Whether autograd would record a call of `module` on `inputs` (grad mode on and an input or a parameter
-    requiring gradients): the inference kernels run only where it would not."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *module.parameters()))
 
 
 class Experts(nn.Module):
@@ -183,40 +166,15 @@ class Experts(nn.Module):
         return out if residual is None else out + residual
 
     def _wants_grad(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
-        return _wants_grad(self, x, weights)
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *self.parameters()))
 
     def _fp32_decode_kernels(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> bool:
         """`auto` with fp32 on CUDA, without gradients, for a decode step's few pairs: the expert kernels (fp32 to
         rounding: fp64 sums per step) in place of the reference, whose host sync a CUDA graph cannot capture."""
-        return (experts.dtype == torch.int64 and self._fp32_decode_size(x, experts.numel())
-                and not self._wants_grad(x, weights))
-
-    def _fp32_decode_size(self, x: torch.Tensor, n_pairs: int) -> bool:
         return (self.impl == "auto" and x.is_cuda and _compute_dtype(x) == torch.float32
-                and n_pairs <= min(SORT_PAIRS_MAX, expert_linear_max_pairs(self.gate_up_proj.shape[0]))
-                and inference_kernels(x))
-
-    def sorts_with_kernels(self, x: torch.Tensor, n_pairs: int) -> bool:
-        """Whether `forward(x, ids, weights)` over `n_pairs` (token, slot) pairs, ids int64 and nothing asking for
-        gradients, sorts them with `openm3.ops.moe_routing.sort_pairs` (then `forward_sorted` is that path's
-        rest): a MoE layer may then route and sort in one kernel instead (`route_sort_pairs`, up to
-        `FUSED_ROUTE_SORT_PAIRS` pairs)."""
-        return (0 < n_pairs <= SORT_PAIRS_MAX and not torch.compiler.is_compiling() and inference_kernels(x)
-                and (self.resolved_impl(x) == "grouped" or self._fp32_decode_size(x, n_pairs)))
-
-    def forward_sorted(self, rows: torch.Tensor, offs: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
-                       scale: float = 1.0, add: torch.Tensor | None = None,
-                       residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Inference from pairs already sorted by expert (`sort_pairs`' rows in the compute dtype, offs, pos; weights
-        [N, k]): the experts, then the mix, scale, add and residual in token order (what `forward` returns)."""
-        gate_up_proj, down_proj = self.gate_up_proj.to(rows.dtype), self.down_proj.to(rows.dtype)
-        if rows.shape[0] <= expert_linear_max_pairs(gate_up_proj.shape[0]):
-            h = expert_linear(rows, gate_up_proj, offs, swiglu=(self.alpha, self.limit))
-            y = expert_linear(h, down_proj, offs)
-        else:
-            h = fused_swiglu_oai(grouped_linear(rows, gate_up_proj, offs), self.alpha, self.limit)
-            y = grouped_linear(h, down_proj, offs)  # expert order; pair p's row is y[pos[p]]
-        return mix_gather_scale_add(y, pos, weights, scale, add, residual)
+                and experts.dtype == torch.int64
+                and experts.numel() <= min(SORT_PAIRS_MAX, expert_linear_max_pairs(self.gate_up_proj.shape[0]))
+                and inference_kernels(x) and not self._wants_grad(x, weights))
 
     @torch.compiler.disable
     def _reference_eager(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -306,8 +264,15 @@ class Experts(nn.Module):
         one `index_copy_`."""
         n, k = experts.shape
         if n * k <= SORT_PAIRS_MAX and experts.dtype == torch.int64 and inference_kernels(x):
-            rows, offs, pos = sort_pairs(experts, x.to(_compute_dtype(x)), self.gate_up_proj.shape[0])
-            return self.forward_sorted(rows, offs, pos, weights, scale, add, residual)
+            x, gate_up_proj, down_proj = self._operands(x)
+            rows, offs, pos = sort_pairs(experts, x, gate_up_proj.shape[0])
+            if n * k <= expert_linear_max_pairs(gate_up_proj.shape[0]):
+                h = expert_linear(rows, gate_up_proj, offs, swiglu=(self.alpha, self.limit))
+                y = expert_linear(h, down_proj, offs)
+            else:
+                h = fused_swiglu_oai(grouped_linear(rows, gate_up_proj, offs), self.alpha, self.limit)
+                y = grouped_linear(h, down_proj, offs)  # expert order; pair p's row is y[pos[p]]
+            return mix_gather_scale_add(y, pos, weights, scale, add, residual)
         x, gate_up_proj, down_proj, order, offs = self._sorted(x, experts)
         h = fused_swiglu_oai(grouped_linear(x[order // k], gate_up_proj, offs), self.alpha, self.limit)
         y = grouped_linear(h, down_proj, offs)  # expert order
@@ -461,20 +426,10 @@ class MoE(nn.Module):
             joint = joint_matrix(self.shared_experts.gate_up_proj.weight, self._joint_rows)
             gate_up, logits = F.linear(x, joint).split(self._joint_rows, dim=-1)
             shared = self.shared_experts.from_gate_up(gate_up)
+            weights, experts = self.gate.pick(logits)
         else:
             shared = self.shared_experts(x)
-            logits = self.gate.project(x)
-        n_pairs = x.shape[0] * self.gate.top_k
-        if n_pairs <= min(FUSED_ROUTE_SORT_PAIRS, ROUTE_SORT_MAX_PAIRS) \
-                and self.experts.sorts_with_kernels(x, n_pairs) \
-                and not _wants_grad(self, x):
-            # a decode step: routing and the sort by expert in one kernel (`Router.pick` then the experts' own
-            # sort_pairs, same numbers)
-            weights, _, rows, offs, pos = route_sort_pairs(logits, self.gate.e_score_correction_bias, self.gate.top_k,
-                                                           x.to(_compute_dtype(x)))
-            return self.experts.forward_sorted(rows, offs, pos, weights, scale=self.routed_scaling_factor,
-                                               add=shared, residual=residual), logits
-        weights, experts = self.gate.pick(logits)
+            logits, weights, experts = self.gate(x)
         # the router's ids are in range: eagerly the check is five small kernels per layer and is skipped; under
         # torch.compile it fuses into the graph and stays (without it Dynamo recompiled a graph once more, CPU test)
         return self.experts(x, experts, weights, check_ids=torch.compiler.is_compiling(),

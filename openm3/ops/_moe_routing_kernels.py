@@ -15,11 +15,11 @@ _COLUMNS = 256  # columns of x each sorting program copies
 
 
 # sigmoid scores, the top-k of scores + bias by k argmax passes (lowest column first among equals, as torch's
-# argmax), the chosen plain scores normalised to sum 1: (ids int64 [R, K_P2], weights fp32 [R, K_P2]) for logit rows
-# `rows` [R] (slots >= K and rows >= n_rows hold junk)
-@triton.jit
-def _route_rows(logit_ptr, bias_ptr, rows, n_rows, n_experts, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
-                BLOCK_E: tl.constexpr):
+# argmax), the chosen plain scores normalised to sum 1
+@triton.jit(do_not_specialize=["n_rows"])
+def _route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, n_rows, n_experts, stride_l,
+                  K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < n_rows
     col_ok = cols < n_experts
@@ -29,27 +29,18 @@ def _route_rows(logit_ptr, bias_ptr, rows, n_rows, n_experts, stride_l, K: tl.co
     sel = tl.where(col_ok[None, :], scores + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :],
                    float("-inf"))
     slots = tl.arange(0, K_P2)
-    ids = tl.zeros([rows.shape[0], K_P2], tl.int64)
-    picked = tl.zeros([rows.shape[0], K_P2], tl.float32)
+    ids = tl.zeros([ROWS, K_P2], tl.int64)
+    picked = tl.zeros([ROWS, K_P2], tl.float32)
     for j in tl.static_range(K):
-        best = tl.argmax(sel, axis=1, tie_break_left=True)  # [R]
+        best = tl.argmax(sel, axis=1, tie_break_left=True)  # [ROWS]
         hit = cols[None, :] == best[:, None]
         ids = tl.where(slots[None, :] == j, best[:, None].to(tl.int64), ids)
         picked = tl.where(slots[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], picked)
         sel = tl.where(hit, float("-inf"), sel)
     total = tl.sum(picked, axis=1)
-    return ids, picked / total[:, None]
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def _route_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, n_rows, n_experts, stride_l,
-                  K: tl.constexpr, K_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ids, weights = _route_rows(logit_ptr, bias_ptr, rows, n_rows, n_experts, stride_l, K, K_P2, BLOCK_E)
-    slots = tl.arange(0, K_P2)
     out = rows[:, None].to(tl.int64) * K + slots[None, :]
-    ok = (rows < n_rows)[:, None] & (slots < K)[None, :]
-    tl.store(w_ptr + out, weights, mask=ok)
+    ok = row_ok[:, None] & (slots < K)[None, :]
+    tl.store(w_ptr + out, picked / total[:, None], mask=ok)
     tl.store(id_ptr + out, ids, mask=ok)
 
 
@@ -88,62 +79,6 @@ def _sort_pairs_kernel(id_ptr, x_ptr, rows_ptr, pos_ptr, offs_ptr, n_pairs, n_ex
             tl.store(offs_ptr + experts, count, mask=experts < n_experts)
 
 
-# the experts of pairs start * K ... (start + CHUNK_T) * K - 1 (tokens start ... start + CHUNK_T - 1 routed again),
-# flattened with slots padded to K_P2: (expert int32 [CHUNK_T * K_P2], n_experts for padding and past the last token,
-# so it sorts last; pair index [CHUNK_T * K_P2])
-@triton.jit
-def _chunk_pairs(logit_ptr, bias_ptr, start, n_tokens, n_experts, stride_l, K: tl.constexpr, K_P2: tl.constexpr,
-                 CHUNK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    tq = start + tl.arange(0, CHUNK_T)
-    slots = tl.arange(0, K_P2)
-    idq, _ = _route_rows(logit_ptr, bias_ptr, tq, n_tokens, n_experts, stride_l, K, K_P2, BLOCK_E)
-    q_ok = (tq < n_tokens)[:, None] & (slots < K)[None, :]
-    eq = tl.reshape(tl.where(q_ok, idq.to(tl.int32), n_experts), [CHUNK_T * K_P2])
-    return eq, tl.reshape(tq[:, None] * K + slots[None, :], [CHUNK_T * K_P2])
-
-
-# route and sort_pairs as one kernel, for a decode step's few tokens: program (pid, col) routes its TOKENS tokens and
-# then every token again, CHUNK_T at a time, to count its pairs' places (pair p = token * K + slot; slots padded to
-# K_P2 sort last), copies its pairs' rows in columns block col, and (col 0) writes their places, weights and ids;
-# program (0, 0) writes offs. Each program routes all tokens: kept to few tokens by the caller.
-@triton.jit(do_not_specialize=["n_tokens"])
-def _route_sort_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, x_ptr, rows_ptr, pos_ptr, offs_ptr, n_tokens, n_experts,
-                       hidden, stride_l, stride_x, K: tl.constexpr, K_P2: tl.constexpr, TOKENS: tl.constexpr,
-                       CHUNK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    pid = tl.program_id(0)
-    col = tl.program_id(1)
-    slots = tl.arange(0, K_P2)
-    t = pid * TOKENS + tl.arange(0, TOKENS)
-    ids, weights = _route_rows(logit_ptr, bias_ptr, t, n_tokens, n_experts, stride_l, K, K_P2, BLOCK_E)
-    ok2 = (t < n_tokens)[:, None] & (slots < K)[None, :]
-    p2 = t[:, None] * K + slots[None, :]
-    e = tl.reshape(ids.to(tl.int32), [TOKENS * K_P2])
-    p = tl.reshape(p2, [TOKENS * K_P2])
-    p_ok = tl.reshape(ok2, [TOKENS * K_P2])
-    place = tl.zeros([TOKENS * K_P2], tl.int32)
-    for start in range(0, n_tokens, CHUNK_T):
-        eq, q = _chunk_pairs(logit_ptr, bias_ptr, start, n_tokens, n_experts, stride_l, K, K_P2, CHUNK_T, BLOCK_E)
-        before = (eq[None, :] < e[:, None]) | ((eq[None, :] == e[:, None]) & (q[None, :] < p[:, None]))
-        place += tl.sum(before.to(tl.int32), axis=1)
-    cols = col * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = p_ok[:, None] & (cols < hidden)[None, :]
-    token = tl.reshape(t[:, None] + 0 * slots[None, :], [TOKENS * K_P2])
-    row = tl.load(x_ptr + (token.to(tl.int64) * stride_x)[:, None] + cols[None, :], mask=ok)
-    tl.store(rows_ptr + (place.to(tl.int64) * hidden)[:, None] + cols[None, :], row, mask=ok)
-    if col == 0:
-        tl.store(pos_ptr + p, place.to(tl.int64), mask=p_ok)
-        tl.store(w_ptr + p2, weights, mask=ok2)
-        tl.store(id_ptr + p2, ids, mask=ok2)
-        if pid == 0:
-            experts = tl.arange(0, BLOCK_E)
-            count = tl.zeros([BLOCK_E], tl.int32)
-            for start in range(0, n_tokens, CHUNK_T):
-                eq, _ = _chunk_pairs(logit_ptr, bias_ptr, start, n_tokens, n_experts, stride_l, K, K_P2, CHUNK_T,
-                                     BLOCK_E)
-                count += tl.sum((eq[None, :] <= experts[:, None]).to(tl.int32), axis=1)
-            tl.store(offs_ptr + experts, count, mask=experts < n_experts)
-
-
 def launch_route(logits: torch.Tensor, bias: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, k: int) -> None:
     n, e = logits.shape
     block_e = next_pow2(e)
@@ -160,15 +95,3 @@ def launch_sort_pairs(ids: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, po
     _sort_pairs_kernel[(triton.cdiv(n_pairs, _PAIRS), triton.cdiv(hidden, block_h))](
         ids, x, rows, pos, offs, n_pairs, offs.numel(), hidden, x.stride(0), K=k, PAIRS=_PAIRS, CHUNK=_CHUNK,
         BLOCK_E=next_pow2(offs.numel()), BLOCK_H=block_h, num_warps=4)
-
-
-def launch_route_sort(logits: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, offs: torch.Tensor, k: int) -> None:
-    n, e = logits.shape
-    hidden = x.shape[1]
-    k_p2 = next_pow2(k)
-    tokens = max(1, _PAIRS // k_p2)
-    block_h = min(_COLUMNS, next_pow2(hidden))
-    _route_sort_kernel[(triton.cdiv(n, tokens), triton.cdiv(hidden, block_h))](
-        logits, bias, weights, ids, x, rows, pos, offs, n, e, hidden, logits.stride(0), x.stride(0), K=k, K_P2=k_p2,
-        TOKENS=tokens, CHUNK_T=max(1, _CHUNK // k_p2), BLOCK_E=next_pow2(e), BLOCK_H=block_h, num_warps=4)

@@ -1,4 +1,4 @@
-"""A MoE layer's routing bookkeeping for inference in Triton kernels (`openm3.layers.moe` calls them).
+"""A MoE layer's routing bookkeeping for inference in two Triton kernels (`openm3.layers.moe` calls them).
 
 Without gradients, after the router's matmul a MoE layer picks each token's experts and sorts its (token, slot)
 pairs by expert for the grouped GEMMs. Written out that is ~11 small kernels per layer: the router's sigmoid /
@@ -12,9 +12,10 @@ Here:
   there, and the per-expert row ends, in one kernel; each program counts its pairs' places against all pairs,
   so it is for the few pairs of a decode step (`SORT_PAIRS_MAX`), not for prefill chunks; the row copy is
   spread over programs of 256 columns each.
-- `route_sort_pairs(logits, bias, k, x)`: both in one kernel, for up to `ROUTE_SORT_MAX_PAIRS` pairs (each
-  program routes every token again to count its pairs' places, so this is for a decode step's few tokens): the
-  same outputs as `route_topk` then `sort_pairs`, one launch fewer per MoE layer.
+
+Both in one kernel (each program routing every token again to count its pairs' places) was written in session 40
+and timed in session 41: no gain in the m3-small 8 x 16K decode step on an H100 (CUDA-graph replay 1.836-1.936 ms
+with it and without, drifting alike; docs/perf_notes.md "Session 41"), so it was removed.
 
 The layer's torch code is the spec (`tests/test_moe_routing.py`); `openm3.ops.norm_rope.inference_kernels` says
 when these run. Set `TRITON_INTERPRET=1` before importing Triton to run them on CPU tensors.
@@ -24,30 +25,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROUTE_SORT_MAX_PAIRS", "SORT_PAIRS_MAX", "route_sort_pairs", "route_topk", "sort_pairs"]
+__all__ = ["SORT_PAIRS_MAX", "route_topk", "sort_pairs"]
 
 # sort_pairs's work grows with pairs squared (every program counts its pairs' places against all pairs, once per
 # column block): up to this many, a decode step of 256 tokens at M3's top-4 (more take the radix sort)
 SORT_PAIRS_MAX = 1024
-# route_sort_pairs's work grows with tokens squared times experts (every program routes every token): up to this
-# many pairs (a decode step of 64 tokens at top-2, 32 at M3's top-4)
-ROUTE_SORT_MAX_PAIRS = 128
-
-
-def _check_router(logits: torch.Tensor, bias: torch.Tensor, k: int) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [N, E], got shape {tuple(logits.shape)}")
-    e = logits.shape[1]
-    if bias.shape != (e,) or bias.device != logits.device:
-        raise ValueError(f"bias must be [{e}] on {logits.device}, got {tuple(bias.shape)} on {bias.device}")
-    if not 1 <= k <= e:
-        raise ValueError(f"k must be in [1, {e}], got {k}")
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] (any float dtype), bias [E] -> (weights fp32 [N, k], expert ids int64 [N, k])."""
-    _check_router(logits, bias, k)
-    n = logits.shape[0]
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, E], got shape {tuple(logits.shape)}")
+    n, e = logits.shape
+    if bias.shape != (e,) or bias.device != logits.device:
+        raise ValueError(f"bias must be [{e}] on {logits.device}, got {tuple(bias.shape)} on {bias.device}")
+    if not 1 <= k <= e:
+        raise ValueError(f"k must be in [1, {e}], got {k}")
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     if n:
@@ -77,29 +70,3 @@ def sort_pairs(experts: torch.Tensor, x: torch.Tensor, num_experts: int
 
         kern.launch_sort_pairs(experts.contiguous(), x if x.stride(-1) == 1 else x.contiguous(), rows, pos, offs, k)
     return rows, offs, pos
-
-
-def route_sort_pairs(logits: torch.Tensor, bias: torch.Tensor, k: int, x: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`route_topk(logits, bias, k)` then `sort_pairs(ids, x, E)` in one kernel: logits [N, E], bias [E], x [N,
-    hidden] -> (weights fp32 [N, k], ids int64 [N, k], rows [N*k, hidden], offs int32 [E], pos int64 [N*k]), the
-    same values. N * k <= ROUTE_SORT_MAX_PAIRS."""
-    _check_router(logits, bias, k)
-    n, e = logits.shape
-    if x.dim() != 2 or x.shape[0] != n or x.device != logits.device:
-        raise ValueError(f"x must be [N={n}, hidden] on {logits.device}, got {tuple(x.shape)} on {x.device}")
-    if n * k > ROUTE_SORT_MAX_PAIRS:
-        raise ValueError(f"route_sort_pairs takes at most ROUTE_SORT_MAX_PAIRS = {ROUTE_SORT_MAX_PAIRS} pairs, got "
-                         f"{n * k}")
-    device = x.device
-    weights = torch.empty(n, k, dtype=torch.float32, device=device)
-    ids = torch.empty(n, k, dtype=torch.int64, device=device)
-    rows = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=device)
-    pos = torch.empty(n * k, dtype=torch.int64, device=device)
-    offs = (torch.empty if n else torch.zeros)(e, dtype=torch.int32, device=device)  # kernel: all
-    if n:
-        from . import _moe_routing_kernels as kern
-
-        kern.launch_route_sort(logits if logits.stride(-1) == 1 else logits.contiguous(), bias,
-                               x if x.stride(-1) == 1 else x.contiguous(), weights, ids, rows, pos, offs, k)
-    return weights, ids, rows, offs, pos
