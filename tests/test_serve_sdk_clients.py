@@ -161,3 +161,27 @@ def test_anthropic_forced_tool_use_streamed(claude, thinking):
 def test_anthropic_sdk_raises_the_servers_errors(claude):
     with pytest.raises(anthropic.BadRequestError, match="maximum"):
         claude.messages.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": "word " * 800}])
+
+
+@pytest.mark.parametrize("tool, why", [
+    ({"type": "web_search"}, "OpenAI's servers run"), ({"type": "local_shell"}, "OpenAI's servers run"),
+    ({"type": "custom", "name": "apply_patch", "description": "patch"}, "'custom' is not served")])
+def test_openai_tools_this_server_cannot_run_are_refused_with_why(oai, tool, why):
+    with pytest.raises(openai.BadRequestError, match=why) as e:
+        oai.responses.create(model=NAME, input="hi", tools=[tool], max_output_tokens=4)
+    assert "Value error" not in str(e.value) and "function tools" in str(e.value)
+    with pytest.raises(openai.BadRequestError, match=why):
+        oai.chat.completions.create(model=NAME, messages=USER, max_tokens=4, tools=[tool])
+
+
+@pytest.mark.parametrize("tool, why", [
+    ({"type": "web_search_20250305", "name": "web_search", "max_uses": 3}, "Anthropic's servers run"),
+    ({"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}, "is not served")])
+def test_anthropic_tools_this_server_cannot_run_are_refused_with_why(claude, tool, why):
+    """A server tool is not shown to the model as a tool without a schema (whose calls no client would run)."""
+    client_tool = {"name": "Bash", "description": "run", "input_schema": {"type": "object"}}
+    with pytest.raises(anthropic.BadRequestError, match=why) as e:
+        claude.messages.create(model=NAME, max_tokens=4, messages=USER, tools=[client_tool, tool])
+    assert "tools.1" in str(e.value) and "input_schema" in str(e.value)
+    typed = {**client_tool, "type": "custom"}  # the explicit client-tool type is served
+    assert claude.messages.create(model=NAME, max_tokens=4, messages=USER, tools=[typed]).usage.output_tokens == 4

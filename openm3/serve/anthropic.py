@@ -23,12 +23,12 @@ import json
 import uuid
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .images import base64_part, content_of
-from .schemas import OutputSpec
+from .schemas import OutputSpec, check_tool_type
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -37,6 +37,11 @@ class AnthropicTool(BaseModel):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_type(cls, data: Any) -> Any:
+        return check_tool_type(data, ("custom", None), "anthropic")
 
 
 class AnthropicMessage(BaseModel):

@@ -216,7 +216,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        message = f"{where}: {first.get('msg', 'invalid value')}"
+        message = f"{where}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}"  # a validator's own text
         if _anthropic(request):
             return JSONResponse(anthropic.error_body(message), status_code=400)
         return JSONResponse(error_body(message, param), status_code=400)

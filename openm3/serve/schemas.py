@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..data.chat_template import check_template_variables
 from ..engine.penalties import MAX_BIAS, Penalties
@@ -324,9 +324,38 @@ class FunctionDef(BaseModel):
     parameters: dict[str, Any] | None = None
 
 
+# the tool types OpenAI's own servers run (its hosted tools) and Anthropic's (its server tools, by type prefix)
+OPENAI_HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+                       "computer_use", "image_generation", "mcp", "local_shell", "shell")
+ANTHROPIC_SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_")
+
+
+def check_tool_type(data: Any, client_types: tuple[str | None, ...], api: str) -> Any:
+    """A tool entry's `type` before the tool model reads it (a `mode="before"` validator): only tools the client
+    runs from a JSON schema it gives are served; a hosted / server tool (its provider's servers run it) or a
+    provider-defined tool (whose schema its own models know and this model does not) is refused with a message
+    saying why and what to send instead, rather than shown to the model as a tool without a schema."""
+    if not isinstance(data, dict) or data.get("type") in client_types:
+        return data
+    kind = data.get("type")
+    described = "function tools (name, description, JSON-schema parameters)" if api == "openai" else \
+        "custom tools (name, description, input_schema)"
+    if api == "openai" and kind in OPENAI_HOSTED_TOOLS or api == "anthropic" and isinstance(kind, str) \
+            and kind.startswith(ANTHROPIC_SERVER_TOOLS):
+        owner = "OpenAI's" if api == "openai" else "Anthropic's"
+        raise ValueError(f"type {kind!r} is a tool that {owner} servers run; this server runs none, only {described} "
+                         "that the client executes")
+    raise ValueError(f"type {kind!r} is not served: give {described}")
+
+
 class Tool(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionDef
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_type(cls, data: Any) -> Any:
+        return check_tool_type(data, ("function", None), "openai")
 
 
 class NamedFunction(BaseModel):
