@@ -92,3 +92,19 @@ def test_batched_constrained_requests_on_cuda(lazy_checks, speculate, monkeypatc
                           constraints=[GrammarConstraint(transitions, [EOS], lazy_checks=lazy_checks) for _ in prompts])
     for r in results:
         _digits(r.tokens, transitions)
+
+
+def test_think_block_refuses_a_stop_on_cuda():
+    """Inside a think block a stop token is masked on the logits' own device while the grammar owes a document."""
+    from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionCache
+    from openm3.engine.sampling import SamplingParams
+
+    pieces = [None] * 16 + [ALPHABET[t % len(ALPHABET)] for t in range(16, 300)]
+    c = GrammarConstraint(TransitionCache(Digits(), TokenBytes(pieces)), [EOS], think=(3, 4), thinking=True)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for sampling in (SamplingParams(), SamplingParams(1.0), SamplingParams(1.0, top_k=3)):
+        logits = torch.zeros(len(pieces), device="cuda", dtype=torch.bfloat16)
+        logits[EOS], logits[20] = 30.0, 4.0
+        assert c.pick(logits, sampling, gen) != EOS and c.phase == "thinking"
+    logits[4] = 40.0  # the block's end: the grammar applies, digits only
+    assert c.pick(logits, SamplingParams(), gen) == 4 and c.phase == "grammar"
