@@ -31,6 +31,12 @@ def test_aliases_are_served_and_other_names_are_404(tok):
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [NAME, "claude-haiku-4-5"]
     listed = client.get("/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
     assert [m["id"] for m in listed["data"]] == [NAME, "claude-haiku-4-5"] and listed["last_id"] == "claude-haiku-4-5"
+    for name in (NAME, "claude-haiku-4-5"):  # one card each, in the dialect the headers ask for
+        assert client.get(f"/v1/models/{name}").json()["object"] == "model"
+        assert client.get(f"/v1/models/{name}", headers={"anthropic-version": "2023-06-01"}).json()["type"] == "model"
+    assert client.get("/v1/models/gpt-4o").status_code == 404
+    slashed = TestClient(create_app(backend, tok, model_name="org/m3-tiny", max_total_tokens=512))
+    assert slashed.get("/v1/models/org/m3-tiny").json()["id"] == "org/m3-tiny"  # a name holding a '/'
     for aliases in ([NAME], [""]):
         with pytest.raises(ValueError, match="distinct non-empty names"):
             create_app(backend, tok, model_name=NAME, model_aliases=aliases, max_total_tokens=512)

@@ -50,6 +50,19 @@ def claude(http):
     return anthropic.Anthropic(base_url="http://testserver", api_key="unused", http_client=http, max_retries=0)
 
 
+def test_models_listed_and_retrieved_in_each_dialect(oai, claude):
+    assert [m.id for m in oai.models.list()] == [NAME]
+    card = oai.models.retrieve(NAME)
+    assert card.id == NAME and card.object == "model" and card.owned_by == "openm3"
+    info = claude.models.retrieve(NAME)
+    assert [m.id for m in claude.models.list()] == [NAME] and info.id == NAME and info.type == "model"
+    assert info.max_input_tokens == info.max_tokens == 639  # max_total_tokens 640 leaves room for one new token
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.models.retrieve("no-such-model")
+    with pytest.raises(anthropic.NotFoundError, match="does not exist"):
+        claude.models.retrieve("no-such-model")
+
+
 def test_openai_models_and_a_seeded_chat_three_ways(oai):
     """A seeded request answers the same text plainly, as raw chunks (usage in the last) and through the SDK's
     stream helper."""
@@ -122,6 +135,25 @@ def test_openai_responses_function_call_streamed_then_answered(oai):
     parsed = oai.responses.parse(model=NAME, input="hi", text_format=City, max_output_tokens=200,
                                  reasoning={"effort": "none"})
     assert parsed.output_parsed.city in CITIES
+
+
+def test_openai_responses_input_token_count(oai):
+    """`responses.input_tokens.count` is the prompt a create with the same body runs on, stored turns included."""
+    first = oai.responses.create(model=NAME, input="hi", max_output_tokens=4)
+    assert oai.responses.input_tokens.count(model=NAME, input="hi").input_tokens == first.usage.input_tokens
+    follow = [{"role": "user", "content": "and then?"}]
+    counted = oai.responses.input_tokens.count(model=NAME, input=follow, previous_response_id=first.id)
+    second = oai.responses.create(model=NAME, input=follow, previous_response_id=first.id, max_output_tokens=4)
+    assert counted.input_tokens == second.usage.input_tokens > first.usage.input_tokens + 4
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.responses.input_tokens.count(model="no-such-model", input="hi")
+
+
+def test_unknown_paths_answer_in_each_apis_error_form(http):
+    r = http.post("/v1/embeddings", json={"input": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["message"] == "POST /v1/embeddings: Not Found"
+    r = http.get("/v1/files", headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
 
 
 def test_openai_sdk_raises_the_servers_errors(oai):

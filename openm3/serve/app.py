@@ -158,6 +158,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     responses_dir: a directory where they are kept on disk too, and read back at start (None: memory only)."""
     from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import JSONResponse, StreamingResponse
 
     names = (model_name, *model_aliases)
@@ -193,7 +194,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     created = int(time.time())
 
     def _anthropic(request: Request) -> bool:
-        return request.url.path.startswith(anthropic.MESSAGES_PATH)
+        """Answer in Anthropic's error form: its endpoints, and any request from its SDKs (which send
+        `anthropic-version` with every call, e.g. `models.retrieve`)."""
+        return request.url.path.startswith(anthropic.MESSAGES_PATH) or "anthropic-version" in request.headers
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -210,13 +213,25 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             return JSONResponse(anthropic.error_body(message, "api_error"), status_code=500)
         return JSONResponse(error_body(message, None, kind="server_error"), status_code=500)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """An unknown path or method in the API's own error form (not FastAPI's `{"detail": ...}`), naming it."""
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if _anthropic(request):
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            return JSONResponse(anthropic.error_body(message, kind), status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))
+        return JSONResponse(error_body(message, None, kind="not_found_error" if exc.status_code == 404 else
+                                       "invalid_request_error"), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
-        message = f"{where}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}"  # a validator's own text
+        message = f"{where}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}"  # a validator's text
         if _anthropic(request):
             return JSONResponse(anthropic.error_body(message), status_code=400)
         return JSONResponse(error_body(message, param), status_code=400)
@@ -268,15 +283,21 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         return {"version": __version__, "model": model_name}
 
+    def model_card(name: str, anthropic_form: bool) -> dict:
+        """One served name as OpenAI's model object, or as Anthropic's (whose SDKs send `anthropic-version`)."""
+        if anthropic_form:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+            return {"type": "model", "id": name, "display_name": name, "created_at": stamp,
+                    "max_input_tokens": max_total_tokens - 1, "max_tokens": max_total_tokens - 1}  # >= 1 new token
+        return {"id": name, "object": "model", "created": created, "owned_by": "openm3", "root": model_name,
+                "parent": None, "max_model_len": max_total_tokens}
+
     @app.get("/v1/models")
     def models(anthropic_version: str | None = Header(default=None)):
-        if anthropic_version is not None:  # Anthropic's SDKs send the header with every request
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
-            return {"data": [{"type": "model", "id": n, "display_name": n, "created_at": stamp} for n in names],
-                    "has_more": False, "first_id": names[0], "last_id": names[-1]}
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "openm3",
-                                            "root": model_name, "parent": None, "max_model_len": max_total_tokens}
-                                           for n in names]}
+        cards = [model_card(n, anthropic_version is not None) for n in names]
+        if anthropic_version is not None:
+            return {"data": cards, "has_more": False, "first_id": names[0], "last_id": names[-1]}
+        return {"object": "list", "data": cards}
 
     def check_model(name: str | None) -> None:
         """A 404 naming `model` for a name the server does not serve (None: not given, where that is allowed)."""
@@ -284,6 +305,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             served = ", ".join(repr(n) for n in names)
             raise APIError(f"model {name!r} does not exist; this server serves {served}", "model", status=404,
                            code="model_not_found")
+
+    @app.get("/v1/models/{model_id:path}")  # `path`: a served name may hold a '/' (an org/model spelling)
+    def model(model_id: str, anthropic_version: str | None = Header(default=None)):
+        check_model(model_id)
+        return model_card(model_id, anthropic_version is not None)
 
     def check(req: SamplingFields, prompt: list[int], prompt_param: str) -> int:
         """Validates the model name and the lengths; returns max_new_tokens (default: all the room left, or
@@ -822,7 +848,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                   text_stream=text_stream, prompt_of=prompt_of, constraint_maker=constraint_maker,
                   takes_images=vl_config is not None)
     anthropic.add_messages_routes(app, **shared, check_model=check_model)
-    responses.add_responses_routes(app, **shared, logprobs_for=logprobs_for,
+    responses.add_responses_routes(app, **shared, check_model=check_model, logprobs_for=logprobs_for,
                                    store=responses.ResponseStore(stored_responses, responses_dir))
     tokens.add_token_routes(app, tokenizer=tokenizer, check_model=check_model, max_total_tokens=max_total_tokens,
                             vocab=vocab, prompt_of=prompt_of, api_error=APIError, check_images=chat_media)

@@ -224,10 +224,12 @@ def _output_spec(req: ResponsesRequest) -> OutputSpec | None:
                                   req.parallel_tool_calls)
 
 
-def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, run: Callable, sse: Callable,
-                         text_stream: Callable, api_error: Callable, prompt_of: Callable, takes_images: bool,
-                         constraint_maker: Callable, logprobs_for: Callable, store: ResponseStore) -> None:
-    """Registers `POST /v1/responses` (and `GET` / `DELETE /v1/responses/{id}`, `GET .../input_items`) on `app`,
+def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, check_model: Callable, run: Callable,
+                         sse: Callable, text_stream: Callable, api_error: Callable, prompt_of: Callable,
+                         takes_images: bool, constraint_maker: Callable, logprobs_for: Callable,
+                         store: ResponseStore) -> None:
+    """Registers `POST /v1/responses` (and `GET` / `DELETE /v1/responses/{id}`, `GET .../input_items`, `POST
+    /v1/responses/input_tokens`) on `app`,
     sharing `create_app`'s validation, prompt building (input_image parts are accepted when `takes_images`),
     generation, log probabilities and streaming; stored responses go to `store`."""
 
@@ -288,8 +290,10 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
                 lo = mid + 1
         return best if best is not None else (prompt, images)
 
-    @app.post(RESPONSES_PATH)
-    def responses(req: ResponsesRequest):
+    def prompt_for(req: ResponsesRequest):
+        """(prompt, images, the conversation's items with the stored earlier turns, this turn's own items,
+        whether tool calls are parsed, the tools as the chat template takes them) of a Responses request, after
+        `truncation: auto` where asked."""
         items = input_items(req)
         try:
             parse_calls = _parse_calls(req)
@@ -314,6 +318,18 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ru
         prompt, images = prompt_of(messages, tools, "input", variables=req.template_variables())
         if req.truncation == "auto":
             prompt, images = fitted(req, items, tools, prompt, images)
+        return prompt, images, items, own, parse_calls, tools
+
+    @app.post(RESPONSES_PATH + "/input_tokens")
+    def input_tokens(req: ResponsesRequest):
+        """OpenAI's input token count: the prompt a Responses request with this body would run on (stored earlier
+        turns and `truncation: auto` included), not generated and not checked against the context limit."""
+        check_model(req.model)
+        return {"object": "response.input_tokens", "input_tokens": len(prompt_for(req)[0])}
+
+    @app.post(RESPONSES_PATH)
+    def responses(req: ResponsesRequest):
+        prompt, images, items, own, parse_calls, tools = prompt_for(req)
         max_new = check(req, prompt, "input")
         forced = req.tool_choice not in (None, "auto", "none")
         constraint = constraint_maker(lambda: _output_spec(req), "tool_choice" if forced else "text", prompt)()
