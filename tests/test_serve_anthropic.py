@@ -191,3 +191,32 @@ def test_a_final_assistant_message_is_continued(tok):
         question, {"role": "assistant", "content": "The answer is"}]}).json()
     assert body["content"] == [{"type": "text", "text": " 42."}] and body["stop_reason"] == "end_turn"
     assert tok.decode(backend.prompts[0]) == render_chat([question], add_generation_prompt=True) + "The answer is"
+
+
+def test_text_documents_reach_the_prompt_and_pdfs_are_refused(client, tok):
+    """A document block of type `text` or `content` renders as its title, context and text, paragraphs apart, the
+    same prompt as that text sent plainly; a PDF source is a 400 that says what the server reads."""
+    doc = {"type": "document", "title": "Notes", "context": "From the wiki.",
+           "source": {"type": "text", "media_type": "text/plain", "data": "MSA keeps 16 blocks."}}
+    plain = "Notes\n\nFrom the wiki.\n\nMSA keeps 16 blocks.\n\nSummarise."
+    as_content = {**doc, "source": {"type": "content", "content": [{"type": "text", "text": "MSA keeps "},
+                                                                   {"type": "text", "text": "16 blocks."}]}}
+
+    def count(content) -> int:
+        r = client.post("/v1/messages/count_tokens", json={"model": NAME, "messages": [
+            {"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    from openm3.serve.anthropic import CountTokensRequest, chat_messages
+
+    for d in (doc, as_content):
+        content = [d, {"type": "text", "text": "Summarise."}]
+        req = CountTokensRequest(model=NAME, messages=[{"role": "user", "content": content}])
+        assert chat_messages(req) == [{"role": "user", "content": plain}]
+        assert count(content) == count(plain)
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    r = client.post("/v1/messages", json={"model": NAME, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [pdf]}]})
+    assert r.status_code == 400 and "messages[0].content[0].source" in r.json()["error"]["message"]
+    assert "PDFs need a reader" in r.json()["error"]["message"]

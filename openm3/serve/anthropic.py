@@ -169,6 +169,25 @@ def _result_parts(content: Any, where: str, images: bool) -> list[dict]:
     return parts
 
 
+def _document_parts(block: dict, where: str, images: bool) -> list[dict]:
+    """A document block as template parts: its title and context, then its text (`source` of type `text`, or of
+    type `content`: text and image blocks), each a paragraph (blank lines between and after, as the message's
+    blocks are joined without a separator). PDFs (base64 / url / file sources) need a reader this server does not
+    have: ValueError naming what it takes."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    head = [{"type": "text", "text": block[key] + "\n\n"} for key in ("title", "context")
+            if isinstance(block.get(key), str) and block[key]]
+    end = [{"type": "text", "text": "\n\n"}]
+    if kind == "text" and isinstance(source.get("data"), str):
+        return head + [{"type": "text", "text": source["data"]}] + end
+    if kind == "content":
+        return head + _result_parts(source.get("content") or "", f"{where}.source.content", images) + end
+    raise ValueError(f"{where}.source: this server reads documents of type 'text' (data: the text) or 'content' "
+                     f"(text and image blocks), got {kind!r} (PDFs need a reader it does not have; send their "
+                     f"text)")
+
+
 def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
     """The request's conversation in the OpenAI-style form `render_chat` takes; image blocks become image parts
     when `images` (the model takes them). Raises ValueError naming the offending block."""
@@ -209,7 +228,7 @@ def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
             elif kind == "image":
                 parts.append(_image_part(block, f"{where}[{j}]", images))
             elif kind == "document":
-                raise ValueError(f"{where}[{j}]: document blocks are not supported by this server")
+                parts += _document_parts(block, f"{where}[{j}]", images)
             else:
                 raise ValueError(f"{where}[{j}]: unsupported block {kind!r} in a {message.role} message")
         if message.role == "assistant":
