@@ -220,3 +220,23 @@ def test_text_documents_reach_the_prompt_and_pdfs_are_refused(client, tok):
         {"role": "user", "content": [pdf]}]})
     assert r.status_code == 400 and "messages[0].content[0].source" in r.json()["error"]["message"]
     assert "PDFs need a reader" in r.json()["error"]["message"]
+
+
+def test_a_tool_result_may_hold_documents_and_search_results():
+    """A retrieval tool's result: its document and search_result blocks render as text (title and source lines,
+    then the text); a document inside a document's content is refused, naming where."""
+    from openm3.serve.anthropic import CountTokensRequest, chat_messages
+
+    hit = {"type": "search_result", "source": "https://example.org/msa", "title": "MSA",
+           "content": [{"type": "text", "text": "top-16 blocks"}]}
+    doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "block size 128"}}
+    turns = [{"role": "user", "content": "find it"},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "search", "input": {}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [hit, doc]}]}]
+    out = chat_messages(CountTokensRequest(model=NAME, messages=turns))
+    assert out[-1] == {"role": "tool", "tool_call_id": "t1",
+                       "content": "MSA\nhttps://example.org/msa\ntop-16 blocks\n\nblock size 128\n\n"}
+    nested = {**doc, "source": {"type": "content", "content": [doc]}}
+    turns[-1]["content"][0]["content"] = [nested]
+    with pytest.raises(ValueError, match=r"content\[0\]\.content\[0\]\.source\.content\[0\]: expected a text block"):
+        chat_messages(CountTokensRequest(model=NAME, messages=turns))

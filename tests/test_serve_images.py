@@ -282,8 +282,10 @@ def test_anthropic_tool_result_bad_blocks_get_a_400_naming_them(client, text_cli
     bad = {"type": "image", "source": {"type": "url", "url": "https://example.com/shot.png"}}
     r = client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "text", "text": "x"}, bad])})
     assert r.status_code == 400 and f"{where}.source.type: only base64 sources" in _error(r), r.text
-    r = client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "document"}])})
+    r = client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "audio"}])})
     assert r.status_code == 400 and "messages[2].content[0].content[0]: expected a text block" in _error(r), r.text
+    r = client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "document"}])})  # no source
+    assert r.status_code == 400 and "messages[2].content[0].content[0].source: this server reads" in _error(r)
 
 
 def apng_base64(frames: np.ndarray, frame_ms: int) -> str:

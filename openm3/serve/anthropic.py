@@ -151,9 +151,9 @@ def _image_part(block: dict, where: str, images: bool) -> dict:
     return base64_part(block.get("source"), f"{where}.source")
 
 
-def _result_parts(content: Any, where: str, images: bool) -> list[dict]:
-    """A tool_result's content (a string, or text and image blocks: a screenshot a tool took) as template
-    parts."""
+def _result_parts(content: Any, where: str, images: bool, sources: bool = True) -> list[dict]:
+    """A tool_result's content (a string, or text and image blocks: a screenshot a tool took; with `sources`
+    also document and search_result blocks, a retrieval tool's findings) as template parts."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     parts = []
@@ -163,9 +163,17 @@ def _result_parts(content: Any, where: str, images: bool) -> list[dict]:
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image":
             parts.append(_image_part(block, f"{where}[{k}]", images))
+        elif kind == "document" and sources:
+            parts += _document_parts(block, f"{where}[{k}]", images)
+        elif kind == "search_result" and sources:  # its title and source, each a line, then its text blocks
+            head = [{"type": "text", "text": block[key] + "\n"} for key in ("title", "source")
+                    if isinstance(block.get(key), str) and block[key]]
+            parts += head + _result_parts(block.get("content") or "", f"{where}[{k}].content", images, False) + \
+                [{"type": "text", "text": "\n\n"}]
         else:
-            raise ValueError(f"{where}[{k}]: expected a text block {{'type': 'text', 'text': str}} or an image "
-                             f"block, got {block!r}")
+            also = ", a document or a search_result block" if sources else ""
+            raise ValueError(f"{where}[{k}]: expected a text block {{'type': 'text', 'text': str}}, an image "
+                             f"block{also}, got {block!r}")
     return parts
 
 
@@ -182,7 +190,7 @@ def _document_parts(block: dict, where: str, images: bool) -> list[dict]:
     if kind == "text" and isinstance(source.get("data"), str):
         return head + [{"type": "text", "text": source["data"]}] + end
     if kind == "content":
-        return head + _result_parts(source.get("content") or "", f"{where}.source.content", images) + end
+        return head + _result_parts(source.get("content") or "", f"{where}.source.content", images, False) + end
     raise ValueError(f"{where}.source: this server reads documents of type 'text' (data: the text) or 'content' "
                      f"(text and image blocks), got {kind!r} (PDFs need a reader it does not have; send their "
                      f"text)")
