@@ -105,14 +105,15 @@ def test_openai_parse_fills_the_pydantic_model(oai):
 
 
 def test_openai_responses_plain_and_streamed(oai):
-    r = oai.responses.create(model=NAME, input="hi", max_output_tokens=8)
+    greedy = dict(model=NAME, input="hi", max_output_tokens=8, temperature=0)  # greedy: no stop within 8 tokens
+    r = oai.responses.create(**greedy)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 8 and isinstance(r.output_text, str)
-    with oai.responses.stream(model=NAME, input="hi", max_output_tokens=8) as stream:
+    with oai.responses.stream(**greedy) as stream:
         events = list(stream)
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert events[-1].response.output_text == text and events[-1].response.usage.output_tokens == 8
+    assert events[-1].response.output_text == text == r.output_text and events[-1].response.usage.output_tokens == 8
     assert [e.sequence_number for e in events] == sorted({e.sequence_number for e in events})
 
 
@@ -139,7 +140,7 @@ def test_openai_responses_function_call_streamed_then_answered(oai):
 
 def test_openai_responses_input_token_count(oai):
     """`responses.input_tokens.count` is the prompt a create with the same body runs on, stored turns included."""
-    first = oai.responses.create(model=NAME, input="hi", max_output_tokens=4)
+    first = oai.responses.create(model=NAME, input="hi", max_output_tokens=4, temperature=0)
     assert oai.responses.input_tokens.count(model=NAME, input="hi").input_tokens == first.usage.input_tokens
     follow = [{"role": "user", "content": "and then?"}]
     counted = oai.responses.input_tokens.count(model=NAME, input=follow, previous_response_id=first.id)
@@ -164,14 +165,15 @@ def test_openai_sdk_raises_the_servers_errors(oai):
 
 
 def test_anthropic_message_plain_and_streamed(claude):
-    m = claude.messages.create(model=NAME, max_tokens=8, messages=USER)
+    greedy = dict(model=NAME, max_tokens=8, messages=USER, extra_body={"temperature": 0})  # no stop within 8
+    m = claude.messages.create(**greedy)
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 8 and m.content[0].type == "text"
     assert claude.messages.count_tokens(model=NAME, messages=USER).input_tokens == m.usage.input_tokens
-    with claude.messages.stream(model=NAME, max_tokens=8, messages=USER) as stream:
+    with claude.messages.stream(**greedy) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
-    assert [b.type for b in final.content] == ["text"] and final.content[0].text == text
+    assert [b.type for b in final.content] == ["text"] and final.content[0].text == text == m.content[0].text
 
 
 @pytest.mark.parametrize("thinking", [{"type": "disabled"}, {"type": "enabled", "budget_tokens": 24}],
@@ -216,4 +218,4 @@ def test_anthropic_tools_this_server_cannot_run_are_refused_with_why(claude, too
         claude.messages.create(model=NAME, max_tokens=4, messages=USER, tools=[client_tool, tool])
     assert "tools.1" in str(e.value) and "input_schema" in str(e.value)
     typed = {**client_tool, "type": "custom"}  # the explicit client-tool type is served
-    assert claude.messages.create(model=NAME, max_tokens=4, messages=USER, tools=[typed]).usage.output_tokens == 4
+    assert claude.messages.create(model=NAME, max_tokens=4, messages=USER, tools=[typed]).type == "message"
