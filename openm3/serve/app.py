@@ -158,8 +158,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     responses_dir: a directory where they are kept on disk too, and read back at start (None: memory only)."""
     from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     names = (model_name, *model_aliases)
     if not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
@@ -218,12 +218,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         """An unknown path or method in the API's own error form (not FastAPI's `{"detail": ...}`), naming it."""
         message = f"{request.method} {request.url.path}: {exc.detail}"
         if _anthropic(request):
-            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-            return JSONResponse(anthropic.error_body(message, kind), status_code=exc.status_code,
-                                headers=getattr(exc, "headers", None))
-        return JSONResponse(error_body(message, None, kind="not_found_error" if exc.status_code == 404 else
-                                       "invalid_request_error"), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+            body = anthropic.error_body(message, "not_found_error" if exc.status_code == 404 else
+                                        "invalid_request_error")
+        else:  # OpenAI's 404s are invalid_request_error too
+            body = error_body(message, None)
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -229,9 +229,9 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
                          takes_images: bool, constraint_maker: Callable, logprobs_for: Callable,
                          store: ResponseStore) -> None:
     """Registers `POST /v1/responses` (and `GET` / `DELETE /v1/responses/{id}`, `GET .../input_items`, `POST
-    /v1/responses/input_tokens`) on `app`,
-    sharing `create_app`'s validation, prompt building (input_image parts are accepted when `takes_images`),
-    generation, log probabilities and streaming; stored responses go to `store`."""
+    /v1/responses/input_tokens`) on `app`, sharing `create_app`'s validation, prompt building (input_image parts
+    are accepted when `takes_images`), generation, log probabilities and streaming; stored responses go to
+    `store`."""
 
     def missing(response_id: str) -> Exception:
         return api_error(f"response_id: no stored response {response_id!r} (this server keeps the last "
