@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hopper_compile import run_compile_script
 from openm3.layers import moe
 from openm3.layers.mlp import swiglu_oai
-from openm3.ops.moe_experts import EXPERT_LINEAR_MAX_PAIRS, expert_linear, expert_linear_max_pairs
+from openm3.ops.moe_experts import EXPERT_LINEAR_BASE_PAIRS, expert_linear, expert_linear_max_pairs
 from openm3.ops.msa import use_backend
 from test_moe import ALPHA, LIMIT, make_moe
 
@@ -93,14 +93,14 @@ def test_no_rows_and_bad_arguments():
         expert_linear(torch.zeros(2, 16), torch.zeros(3, 7, 16), offs, swiglu=(1.0, 7.0))
 
 
-@pytest.mark.parametrize("experts, tokens", [(6, 1), (6, 5), (6, EXPERT_LINEAR_MAX_PAIRS // 2),
-                                             (6, EXPERT_LINEAR_MAX_PAIRS // 2 + 1), (20, 80), (20, 81)])
+@pytest.mark.parametrize("experts, tokens", [(6, 1), (6, 5), (6, EXPERT_LINEAR_BASE_PAIRS // 2),
+                                             (6, EXPERT_LINEAR_BASE_PAIRS // 2 + 1), (20, 80), (20, 81)])
 def test_the_layer_takes_them_for_few_pairs_without_gradients(monkeypatch, experts, tokens):
     """Without gradients and with the Triton backend a MoE layer runs its experts through `expert_linear` up to
     `expert_linear_max_pairs(E)` (token, slot) pairs (128, or 8 per expert where that is more: 160 for 20
     experts), the grouped GEMMs above; the output agrees with the torch path's to fp32 rounding (other summation
     order) either way."""
-    assert expert_linear_max_pairs(experts) == max(EXPERT_LINEAR_MAX_PAIRS, 8 * experts)
+    assert expert_linear_max_pairs(experts) == max(EXPERT_LINEAR_BASE_PAIRS, 8 * experts)
     layer = make_moe(32, 24, experts, 2, seed=tokens)
     layer.experts.impl = "grouped"
     x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(tokens))

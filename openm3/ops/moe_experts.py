@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EXPERT_LINEAR_MAX_PAIRS", "EXPERT_LINEAR_PAIRS_PER_EXPERT", "expert_linear", "expert_linear_max_pairs"]
+__all__ = ["EXPERT_LINEAR_BASE_PAIRS", "EXPERT_LINEAR_PAIRS_PER_EXPERT", "expert_linear",
+           "expert_linear_max_pairs"]
 
 # up to `expert_linear_max_pairs(E)` (token, slot) pairs a layer of E experts takes these kernels; more (larger
 # batches, prefill) keep the grouped GEMMs, whose tiles reuse each weight for many rows (each pass here re-reads an
@@ -27,14 +28,14 @@ __all__ = ["EXPERT_LINEAR_MAX_PAIRS", "EXPERT_LINEAR_PAIRS_PER_EXPERT", "expert_
 # 57.4 at 128), more untimed; M3's (128 experts of 3072 x 6144, top-4) at 4 to 1024 pairs, 8 per expert (220.7 ->
 # 181.3 us at 4, 3215 -> 2932 at 128, 4582 -> 4191 at 256, 5196 -> 4862 at 512, 5277 -> 5148 at 1024: the gain
 # shrinks as experts get more rows), more untimed (and past the sort kernel's SORT_PAIRS_MAX).
-EXPERT_LINEAR_MAX_PAIRS = 128
+EXPERT_LINEAR_BASE_PAIRS = 128  # the switch's floor (m3-small's measured range), whatever the expert count
 EXPERT_LINEAR_PAIRS_PER_EXPERT = 8
 
 
 def expert_linear_max_pairs(num_experts: int) -> int:
     """Up to how many (token, slot) pairs a MoE layer of `num_experts` experts runs them through `expert_linear`
-    (the measured range above: at least `EXPERT_LINEAR_MAX_PAIRS`, `EXPERT_LINEAR_PAIRS_PER_EXPERT` per expert)."""
-    return max(EXPERT_LINEAR_MAX_PAIRS, EXPERT_LINEAR_PAIRS_PER_EXPERT * num_experts)
+    (the measured range above: at least `EXPERT_LINEAR_BASE_PAIRS`, `EXPERT_LINEAR_PAIRS_PER_EXPERT` per expert)."""
+    return max(EXPERT_LINEAR_BASE_PAIRS, EXPERT_LINEAR_PAIRS_PER_EXPERT * num_experts)
 
 
 def expert_linear(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, *,

@@ -21,27 +21,25 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .images import base64_part, content_of
-from .schemas import OutputSpec, check_tool_type
+from .schemas import ClientTool, OutputSpec
 
 MESSAGES_PATH = "/v1/messages"
 
 
-class AnthropicTool(BaseModel):
+class AnthropicTool(ClientTool):
+    client_types: ClassVar[tuple[str | None, ...]] = ("custom", None)
+    api: ClassVar[str] = "anthropic"
+
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-
-    @model_validator(mode="before")
-    @classmethod
-    def _served_type(cls, data: Any) -> Any:
-        return check_tool_type(data, ("custom", None), "anthropic")
 
 
 class AnthropicMessage(BaseModel):

@@ -23,28 +23,23 @@ import time
 import uuid
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .images import content_of, data_url_part
 from .response_store import ResponseStore
-from .schemas import JsonSchemaSpec, OutputSpec, ResponseFormat, check_tool_type
+from .schemas import ClientTool, JsonSchemaSpec, OutputSpec, ResponseFormat
 
 RESPONSES_PATH = "/v1/responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(ClientTool):
     type: Literal["function"] = "function"
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _served_type(cls, data: Any) -> Any:
-        return check_tool_type(data, ("function", None), "openai")
 
 
 class TextFormat(BaseModel):

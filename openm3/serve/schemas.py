@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -348,14 +348,22 @@ def check_tool_type(data: Any, client_types: tuple[str | None, ...], api: str) -
     raise ValueError(f"type {kind!r} is not served: give {described}")
 
 
-class Tool(BaseModel):
-    type: Literal["function"] = "function"
-    function: FunctionDef
+class ClientTool(BaseModel):
+    """A tool entry of a request, its `type` checked by `check_tool_type` first: `client_types` are the types
+    this API's client-run tools carry (None: no type given), `api` names the API ("openai" / "anthropic")."""
+
+    client_types: ClassVar[tuple[str | None, ...]] = ("function", None)
+    api: ClassVar[str] = "openai"
 
     @model_validator(mode="before")
     @classmethod
     def _served_type(cls, data: Any) -> Any:
-        return check_tool_type(data, ("function", None), "openai")
+        return check_tool_type(data, cls.client_types, cls.api)
+
+
+class Tool(ClientTool):
+    type: Literal["function"] = "function"
+    function: FunctionDef
 
 
 class NamedFunction(BaseModel):
