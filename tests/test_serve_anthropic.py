@@ -193,9 +193,10 @@ def test_a_final_assistant_message_is_continued(tok):
     assert tok.decode(backend.prompts[0]) == render_chat([question], add_generation_prompt=True) + "The answer is"
 
 
-def test_text_documents_reach_the_prompt_and_pdfs_are_refused(client, tok):
+def test_text_documents_reach_the_prompt_and_urls_are_refused(client, tok):
     """A document block of type `text` or `content` renders as its title, context and text, paragraphs apart, the
-    same prompt as that text sent plainly; a PDF source is a 400 that says what the server reads."""
+    same prompt as that text sent plainly; a URL source is a 400 that says what the server reads (PDFs:
+    `test_serve_documents.py`)."""
     doc = {"type": "document", "title": "Notes", "context": "From the wiki.",
            "source": {"type": "text", "media_type": "text/plain", "data": "MSA keeps 16 blocks."}}
     plain = "Notes\n\nFrom the wiki.\n\nMSA keeps 16 blocks.\n\nSummarise."
@@ -215,11 +216,11 @@ def test_text_documents_reach_the_prompt_and_pdfs_are_refused(client, tok):
         req = CountTokensRequest(model=NAME, messages=[{"role": "user", "content": content}])
         assert chat_messages(req) == [{"role": "user", "content": plain}]
         assert count(content) == count(plain)
-    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    pdf = {"type": "document", "source": {"type": "url", "url": "https://example.org/a.pdf"}}
     r = client.post("/v1/messages", json={"model": NAME, "max_tokens": 4, "messages": [
         {"role": "user", "content": [pdf]}]})
     assert r.status_code == 400 and "messages[0].content[0].source" in r.json()["error"]["message"]
-    assert "PDFs need a reader" in r.json()["error"]["message"]
+    assert "send the document inline" in r.json()["error"]["message"]
 
 
 def test_a_tool_result_may_hold_documents_and_search_results():

@@ -285,7 +285,7 @@ def test_anthropic_tool_result_bad_blocks_get_a_400_naming_them(client, text_cli
     r = client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "audio"}])})
     assert r.status_code == 400 and "messages[2].content[0].content[0]: expected a text block" in _error(r), r.text
     r = client.post("/v1/messages", json={"model": NAME, **tool_result_body([{"type": "document"}])})  # no source
-    assert r.status_code == 400 and "messages[2].content[0].content[0].source: this server reads" in _error(r)
+    assert r.status_code == 400 and "messages[2].content[0].content[0].source: expected a document source" in _error(r)
 
 
 def apng_base64(frames: np.ndarray, frame_ms: int) -> str:

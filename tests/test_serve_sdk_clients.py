@@ -150,6 +150,28 @@ def test_openai_responses_input_token_count(oai):
         oai.responses.input_tokens.count(model="no-such-model", input="hi")
 
 
+def test_a_pdf_through_each_sdk_counts_as_its_text(oai, claude):
+    """A PDF sent the way each SDK types it (Chat `file` part, Responses `input_file`, Anthropic base64 document)
+    feeds the model its text: the prompt is as long as the same text sent plainly."""
+    from test_serve_documents import B64, DATA_URL, TEXT
+
+    ask = {"type": "text", "text": "Summarise."}
+    plain = [{"role": "user", "content": f"notes.pdf\n\n{TEXT}\n\nSummarise."}]
+    chat = [{"role": "user", "content": [{"type": "file", "file": {"file_data": DATA_URL, "filename": "notes.pdf"}},
+                                         ask]}]
+    usage = [oai.chat.completions.create(model=NAME, messages=m, max_tokens=1).usage.prompt_tokens
+             for m in (plain, chat)]
+    assert usage[0] == usage[1]
+    item = [{"role": "user", "content": [{"type": "input_file", "file_data": DATA_URL, "filename": "notes.pdf"},
+                                         {"type": "input_text", "text": "Summarise."}]}]
+    assert oai.responses.input_tokens.count(model=NAME, input=item).input_tokens == \
+        oai.responses.input_tokens.count(model=NAME, input=plain).input_tokens
+    doc = {"type": "document", "title": "notes.pdf",
+           "source": {"type": "base64", "media_type": "application/pdf", "data": B64}}
+    assert claude.messages.count_tokens(model=NAME, messages=[{"role": "user", "content": [doc, ask]}]) \
+        .input_tokens == claude.messages.count_tokens(model=NAME, messages=plain).input_tokens
+
+
 def test_unknown_paths_answer_in_each_apis_error_form(http):
     r = http.post("/v1/embeddings", json={"input": "hi"})
     assert r.status_code == 404 and r.json()["error"]["message"] == "POST /v1/embeddings: Not Found"

@@ -8,8 +8,8 @@ blocks (`text`, then one `tool_use` per call the model wrote) with Anthropic's s
 streamed, its named server-sent events. Errors use Anthropic's body, `{"type": "error", "error": {"type",
 "message"}}`, with the field named in the message. Image blocks with a base64 source go to a vision-language model
 (`images.py`), in user messages and inside `tool_result` content (a screenshot a tool returned); what the server
-cannot do is refused with a 400 naming the block: image blocks for a text-only model, images by URL, document
-blocks. A forced tool call (`tool_choice` `any` / `tool`) constrains decoding to a tool-call block
+cannot do is refused with a 400 naming the block: image blocks for a text-only model, images and documents by URL
+or file id. Document blocks (PDFs as their text layer, `documents.py`; text; content) reach the prompt as text. A forced tool call (`tool_choice` `any` / `tool`) constrains decoding to a tool-call block
 (`openm3.engine.tool_grammar`), and `output_config.format` to JSON (`structured.py`). The model's think
 block comes back as a `thinking` block before the text (streamed as `thinking_delta` events; its `signature` is
 empty: nothing is signed here), and thinking blocks a client sends back are rendered into the prompt as that
@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
+from .documents import decode_base64, file_text, heading, titled
 from .images import base64_part, content_of
 from .schemas import ClientTool, OutputSpec
 
@@ -176,22 +177,27 @@ def _result_parts(content: Any, where: str, images: bool, sources: bool = True) 
 
 
 def _document_parts(block: dict, where: str, images: bool) -> list[dict]:
-    """A document block as template parts: its title and context, then its text (`source` of type `text`, or of
-    type `content`: text and image blocks), each a paragraph (blank lines between and after, as the message's
-    blocks are joined without a separator). PDFs (base64 / url / file sources) need a reader this server does not
-    have: ValueError naming what it takes."""
+    """A document block as template parts: its title and context, then its text (`source` of type `text`, of type
+    `content`: text and image blocks, or of type `base64`: a PDF's text layer, `documents.py`), each a paragraph
+    (blank lines between and after, as the message's blocks are joined without a separator). URL and file sources
+    are refused: the server fetches nothing and keeps no files."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
-    head = [{"type": "text", "text": block[key] + "\n\n"} for key in ("title", "context")
-            if isinstance(block.get(key), str) and block[key]]
-    end = [{"type": "text", "text": "\n\n"}]
+    titles = (block.get("title"), block.get("context"))
     if kind == "text" and isinstance(source.get("data"), str):
-        return head + [{"type": "text", "text": source["data"]}] + end
+        return titled(source["data"], *titles)
     if kind == "content":
-        return head + _result_parts(source.get("content") or "", f"{where}.source.content", images, False) + end
-    raise ValueError(f"{where}.source: this server reads documents of type 'text' (data: the text) or 'content' "
-                     f"(text and image blocks), got {kind!r} (PDFs need a reader it does not have; send their "
-                     f"text)")
+        content = _result_parts(source.get("content") or "", f"{where}.source.content", images, False)
+        return heading(*titles) + content + [{"type": "text", "text": "\n\n"}]
+    if kind == "base64":
+        raw = decode_base64(source.get("data"), f"{where}.source.data")
+        return titled(file_text(raw, source.get("media_type") or "", f"{where}.source"), *titles)
+    if kind in ("url", "file"):
+        why = "fetches nothing" if kind == "url" else "keeps no files"
+        raise ValueError(f"{where}.source: this server {why}; send the document inline (a base64 PDF, or its text "
+                         f"as a 'text' source)")
+    raise ValueError(f"{where}.source: expected a document source of type 'base64' (a PDF), 'text' (data: the "
+                     f"text) or 'content' (text and image blocks), got {kind!r}")
 
 
 def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:

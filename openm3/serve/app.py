@@ -57,6 +57,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses, tokens
 from .generation_config import sampling_defaults
+from .documents import openai_file_parts
 from .images import data_url_part
 from .logprobs import PromptEntries, TokenLogprobs, vllm_prompt_logprobs
 from .reasoning import ReasoningSplitter
@@ -380,7 +381,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         """Chat Completions' image and video parts as the chat template's, in place; a 400 naming messages for a
         bad one or for any when the model takes none."""
         try:
-            _image_url_parts(messages, vl_config is not None)
+            _media_parts(messages, vl_config is not None)
         except ValueError as e:
             raise APIError(str(e), "messages") from None
 
@@ -903,16 +904,24 @@ def prometheus_text(rows) -> str:
     return "\n".join(out) + "\n"
 
 
-def _image_url_parts(messages: list[dict], takes_images: bool) -> None:
+def _media_parts(messages: list[dict], takes_images: bool) -> None:
     """Turns Chat Completions' `image_url` (and vLLM's `video_url`) parts into the chat template's image (video)
-    parts, in place; refuses them by name when the model takes no images."""
+    parts, refusing them by name when the model takes no images, and `file` parts into their text (a PDF's text
+    layer, a text file: `documents.py`), in place."""
     for i, message in enumerate(messages):
         content = message.get("content")
-        for j, part in enumerate(content if isinstance(content, list) else []):
+        if not isinstance(content, list):
+            continue
+        parts = []
+        for j, part in enumerate(content):
             kind = part["type"]
-            if kind not in ("image_url", "video_url"):
-                continue
             where = f"messages[{i}].content[{j}]"
-            if not takes_images:
-                raise ValueError(f"{where}: {kind!r} parts are not supported by this server (text-only model)")
-            content[j] = data_url_part(part[kind]["url"], where, f"{kind}.url", video=kind == "video_url")
+            if kind == "file":
+                parts += openai_file_parts(part["file"], f"{where}.file")
+            elif kind in ("image_url", "video_url"):
+                if not takes_images:
+                    raise ValueError(f"{where}: {kind!r} parts are not supported by this server (text-only model)")
+                parts.append(data_url_part(part[kind]["url"], where, f"{kind}.url", video=kind == "video_url"))
+            else:
+                parts.append(part)
+        content[:] = parts

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
+from .documents import openai_file_parts
 from .images import content_of, data_url_part
 from .response_store import ResponseStore
 from .schemas import ClientTool, JsonSchemaSpec, OutputSpec, ResponseFormat
@@ -135,10 +136,11 @@ def _content(content: Any, where: str, images: bool) -> str | list[dict]:
             parts.append(data_url_part(part.get("image_url"), f"{where}[{j}]", "image_url"))
         elif kind == "input_image":
             raise ValueError(f"{where}[{j}]: input_image parts are not supported by this server (text-only model)")
-        elif kind == "input_file":
-            raise ValueError(f"{where}[{j}]: input_file parts are not supported by this server")
+        elif kind == "input_file":  # a PDF's text layer or a text file (`documents.py`)
+            parts += openai_file_parts(part, f"{where}[{j}]")
         elif kind != "refusal":
-            raise ValueError(f"{where}[{j}]: expected an input_text, input_image or output_text part, got {part!r}")
+            raise ValueError(f"{where}[{j}]: expected an input_text, input_image, input_file or output_text part, got "
+                             f"{part!r}")
     return content_of(parts)
 
 

@@ -283,7 +283,18 @@ class VideoURLPart(BaseModel):  # vLLM's extension of the OpenAI format
     video_url: VideoURL
 
 
-ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
+class FileData(BaseModel):
+    file_data: str | None = None  # a base64 data URL: a PDF (its text layer) or a text file (`openm3.serve.documents`)
+    file_id: str | None = None  # refused with a message: the server keeps no files
+    filename: str | None = None
+
+
+class FilePart(BaseModel):
+    type: Literal["file"]
+    file: FileData
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart | FilePart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):
@@ -312,9 +323,9 @@ class ChatMessage(BaseModel):
         if isinstance(v, list):
             for j, part in enumerate(v):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind not in ("text", "image_url", "video_url"):
-                    raise ValueError(f"content[{j}]: {kind!r} parts are not supported (text, image_url and "
-                                     f"video_url parts only: the served engine has no audio or file input)")
+                if kind not in ("text", "image_url", "video_url", "file"):
+                    raise ValueError(f"content[{j}]: {kind!r} parts are not supported (text, image_url, video_url "
+                                     f"and file parts only: the served engine has no audio input)")
         return v
 
 
