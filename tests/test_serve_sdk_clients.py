@@ -150,6 +150,24 @@ def test_openai_responses_input_token_count(oai):
         oai.responses.input_tokens.count(model="no-such-model", input="hi")
 
 
+def test_openai_background_response_retrieved_and_cancelled(oai):
+    """`background=True` comes back queued (or further); `retrieve` polls it to its end, `cancel` returns a
+    finished one as it is, and a plain response's cancel is the SDK's BadRequestError."""
+    import time
+
+    first = oai.responses.create(model=NAME, input="hi", max_output_tokens=4, background=True, temperature=0)
+    assert first.background is True and first.status in ("queued", "in_progress", "incomplete", "completed")
+    deadline = time.monotonic() + 60
+    while (done := oai.responses.retrieve(first.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    plain = oai.responses.create(model=NAME, input="hi", max_output_tokens=4, temperature=0)
+    assert done.output_text == plain.output_text and done.status == plain.status
+    assert oai.responses.cancel(first.id).status == done.status
+    with pytest.raises(openai.BadRequestError, match="only background responses can be cancelled"):
+        oai.responses.cancel(plain.id)
+
+
 def test_a_pdf_through_each_sdk_counts_as_its_text(oai, claude):
     """A PDF sent the way each SDK types it (Chat `file` part, Responses `input_file`, Anthropic base64 document)
     feeds the model its text: the prompt is as long as the same text sent plainly."""

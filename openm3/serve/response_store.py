@@ -9,8 +9,9 @@ carried over). Each turn is kept once, so a long conversation takes memory in pr
 holds the `capacity` responses used last (least recently used dropped first; continuing a conversation uses every
 turn of it). With a `directory` each stored response is also written there (one JSON file per response, written to
 a temporary name and renamed, so a crash leaves the file whole or absent) and the store starts with the files it
-finds (the latest `capacity` by the time they were last used; older ones are evicted, their files removed);
-without one nothing survives a restart.
+finds (the latest `capacity` by the time they were last used; older ones are evicted, their files removed; a
+background response the last run left queued or in progress reads as failed); without one nothing survives a
+restart.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class ResponseStore:
         for _, rid, _ in found[:keep]:  # beyond the capacity: evicted, as they would have been
             self._forget(rid)
         for _, rid, kept in found[keep:]:
+            response = kept[1]
+            if isinstance(response, dict) and response.get("status") in ("queued", "in_progress"):
+                response["status"] = "failed"  # a background response the last run did not finish
+                response["error"] = {"code": "server_error",
+                                     "message": "the server stopped before this background response finished"}
             self._kept[rid] = kept
 
     def _write(self, rid: str, kept: tuple) -> None:

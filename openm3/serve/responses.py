@@ -19,6 +19,7 @@ Errors are OpenAI's error bodies, as on the other endpoints.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from typing import Any, Callable, ClassVar, Literal
@@ -72,7 +73,9 @@ class ResponsesRequest(BaseModel):
     alternatives); `store` keeps the response for `previous_response_id` (which continues a stored response's
     conversation); `reasoning.effort` "none" keeps the think block shut (other efforts leave it unbounded) and any
     effort is the chat template's `reasoning_effort`; `truncation: "auto"` drops the conversation's earliest turns
-    where it would not fit the context limit (`fitted`); unknown fields and other `include` values
+    where it would not fit the context limit (`fitted`); `background` answers at once with the stored response
+    (status "queued", then "in_progress"), generates in a thread and stores the result, which `GET` polls and
+    `POST /v1/responses/{id}/cancel` stops; unknown fields and other `include` values
     (reasoning.encrypted_content: the reasoning comes back as plain text) are ignored."""
 
     model: str
@@ -89,6 +92,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool = True  # false: at most one function_call (as on Chat Completions)
     previous_response_id: str | None = None
     store: bool = True
+    background: bool = False  # answered at once (status "queued"); GET polls it, POST .../cancel stops it
     text: ResponsesText | None = None
     include: list[str] | None = None  # "message.output_text.logprobs" is honoured; others are ignored
     truncation: Literal["auto", "disabled"] = "disabled"  # auto: the earliest turns dropped to fit the context
@@ -221,6 +225,18 @@ def _output_spec(req: ResponsesRequest) -> OutputSpec | None:
                                   req.parallel_tool_calls)
 
 
+CANCEL_WAIT_S = 10.0  # how long a cancel request waits for the generation to stop
+UNFINISHED = ("queued", "in_progress")  # a background response's statuses before it ends
+
+
+class _Background:
+    """A background response in flight: the event that stops it and the thread generating it."""
+
+    def __init__(self):
+        self.cancel = threading.Event()
+        self.thread: threading.Thread | None = None
+
+
 def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, check_model: Callable, run: Callable,
                          sse: Callable, text_stream: Callable, api_error: Callable, prompt_of: Callable,
                          takes_images: bool, constraint_maker: Callable, logprobs_for: Callable,
@@ -229,6 +245,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
     /v1/responses/input_tokens`) on `app`, sharing `create_app`'s validation, prompt building (input_image parts
     are accepted when `takes_images`), generation, log probabilities and streaming; stored responses go to
     `store`."""
+
+    running: dict[str, _Background] = {}  # background responses in flight, by id
 
     def missing(response_id: str) -> Exception:
         return api_error(f"response_id: no stored response {response_id!r} (this server keeps the last "
@@ -251,9 +269,29 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
 
     @app.delete(RESPONSES_PATH + "/{response_id}")
     def delete_response(response_id: str):
+        job = running.pop(response_id, None)
+        if job is not None:  # deleting a background response in flight stops it (and it is not stored again)
+            job.cancel.set()
         if not store.delete(response_id):
             raise missing(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post(RESPONSES_PATH + "/{response_id}/cancel")
+    def cancel_response(response_id: str):
+        """Stops a background response in flight: it ends at its next token, stored with status "cancelled" and
+        the output made so far (waited for up to `CANCEL_WAIT_S`; the reply says "cancelled" either way). A
+        finished one is returned as it is; a response made without `background` is a 400, as in OpenAI's API."""
+        job = running.get(response_id)
+        if job is not None:
+            job.cancel.set()
+            job.thread.join(CANCEL_WAIT_S)
+        found = stored(response_id, store.get)
+        if not found.get("background"):
+            raise api_error(f"response_id: {response_id!r} was not made with background: true; only background "
+                            f"responses can be cancelled", "response_id")
+        if found["status"] in UNFINISHED:  # still winding down: it will be stored as cancelled
+            found["status"] = "cancelled"
+        return found
 
     def fits(req: ResponsesRequest, prompt: list[int]) -> bool:
         try:
@@ -299,6 +337,10 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
             raise api_error(str(e), "tool_choice" if str(e).startswith("tool_choice") else "input") from None
         own = items  # what this turn stores: its own input (the earlier turns are stored already)
         if req.previous_response_id is not None:
+            if req.previous_response_id in running:
+                raise api_error(f"previous_response_id: the background response {req.previous_response_id!r} has "
+                                f"not finished; poll GET {RESPONSES_PATH}/{{id}} until its status is completed",
+                                "previous_response_id")
             earlier = store.conversation(req.previous_response_id)
             if earlier is None:
                 raise api_error(f"previous_response_id: no stored response {req.previous_response_id!r}, or an "
@@ -326,6 +368,15 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
 
     @app.post(RESPONSES_PATH)
     def responses(req: ResponsesRequest):
+        if req.background and not req.store:
+            raise api_error("background: a background response must be stored (store: true), since GET is how its "
+                            "result is read", "background")
+        if req.background and req.stream:
+            raise api_error(f"stream: this server does not stream background responses; send background: true "
+                            f"without stream and poll GET {RESPONSES_PATH}/{{id}}", "stream")
+        if req.background and store.capacity == 0:
+            raise api_error("background: this server stores no responses (--stored-responses 0), so a background "
+                            "response could not be read back", "background")
         prompt, images, items, own, parse_calls, tools = prompt_for(req)
         max_new = check(req, prompt, "input")
         forced = req.tool_choice not in (None, "auto", "none")
@@ -343,7 +394,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
             n = stream.sampled
             return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model_name,
                     "output": output, "error": None, "instructions": req.instructions, "truncation": req.truncation,
-                    "previous_response_id": req.previous_response_id, "store": req.store,
+                    "previous_response_id": req.previous_response_id, "store": req.store, "background": req.background,
                     "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
                     "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
                     "usage": {"input_tokens": len(prompt), "output_tokens": n, "total_tokens": len(prompt) + n,
@@ -384,14 +435,42 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
                 store.put(rid, own, final, req.previous_response_id)
             return final
 
-        if not req.stream:
-            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, images=images, constraint=constraint,
-                         logprobs=lp)
+        def complete(cancel: threading.Event | None = None, on_start: Callable[[], None] | None = None) -> dict:
+            """The finished response of an unstreamed generation (status "cancelled" where `cancel` stopped it)."""
+            finish = run(req, prompt, max_new, stream, lambda _k, _t: None, cancel, images=images,
+                         constraint=constraint, logprobs=lp, on_start=on_start)
             whole, calls = answer(finish)
             reasoning, text_ = stream.split(whole)
             output = [reasoning_item(reasoning)] if reasoning is not None else []
             output += ([message(text_, entries=message_entries())] if text_ or not calls else []) + calls
-            return keep(response(status_of(finish), output, finish))
+            if cancel is not None and cancel.is_set():
+                return response("cancelled", output)
+            return response(status_of(finish), output, finish)
+
+        if req.background:
+            job = _Background()
+
+            def admitted() -> None:
+                if running.get(rid) is job:  # not deleted meanwhile
+                    keep(response("in_progress", []))
+
+            def work() -> None:
+                try:
+                    final = complete(job.cancel, admitted)
+                except Exception as e:  # noqa: BLE001 - the stored response says what went wrong
+                    final = {**response("failed", []), "error": {"code": "server_error", "message": str(e)}}
+                if running.get(rid) is job:
+                    keep(final)
+                    running.pop(rid, None)
+
+            queued = keep(response("queued", []))
+            running[rid] = job
+            job.thread = threading.Thread(target=work, name=f"openm3-{rid}", daemon=True)
+            job.thread.start()
+            return queued
+
+        if not req.stream:
+            return keep(complete())
 
         def produce(put, cancelled) -> None:
             seq = iter(range(1 << 62))
