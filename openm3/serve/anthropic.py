@@ -9,7 +9,8 @@ streamed, its named server-sent events. Errors use Anthropic's body, `{"type": "
 "message"}}`, with the field named in the message. Image blocks with a base64 source go to a vision-language model
 (`images.py`), in user messages and inside `tool_result` content (a screenshot a tool returned); what the server
 cannot do is refused with a 400 naming the block: image blocks for a text-only model, images and documents by URL
-or file id. Document blocks (PDFs as their text layer, `documents.py`; text; content) reach the prompt as text. A forced tool call (`tool_choice` `any` / `tool`) constrains decoding to a tool-call block
+or file id. Document blocks (PDFs as their text layer, `documents.py`; text; content) reach the prompt as text.
+A forced tool call (`tool_choice` `any` / `tool`) constrains decoding to a tool-call block
 (`openm3.engine.tool_grammar`), and `output_config.format` to JSON (`structured.py`). The model's think
 block comes back as a `thinking` block before the text (streamed as `thinking_delta` events; its `signature` is
 empty: nothing is signed here), and thinking blocks a client sends back are rendered into the prompt as that
