@@ -30,14 +30,19 @@ def tok(tmp_path_factory):
     return get_tokenizer(SMALL, tmp_path_factory.mktemp("tok-cache"))
 
 
-@pytest.fixture(scope="module")
-def model(tok):
+def tiny_model(tok, positions: int = 256) -> M3TextModel:
+    """A random two-layer m3-tiny (a dense and an MSA layer, a dense and an MoE MLP), seeded."""
     torch.manual_seed(0)
     config = M3TextConfig.from_name("m3-tiny", vocab_size=tok.vocab_size, num_hidden_layers=2,
                                     layer_types=["full_attention", "minimax_m3_sparse"],
                                     mlp_layer_types=["dense", "sparse"], index_topk_blocks=2,
-                                    max_position_embeddings=256)
+                                    max_position_embeddings=positions)
     return M3TextModel(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model(tok)
 
 
 @pytest.fixture(scope="module")

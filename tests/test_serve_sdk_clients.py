@@ -3,6 +3,7 @@ on), in process: the SDKs' own parsing, stream accumulators and error classes re
 (a random m3-tiny model; forced tool calls and a pydantic schema keep the structured answers checkable)."""
 
 import json
+import re
 from typing import Literal
 
 import anthropic  # the `test` extra pins both SDKs
@@ -168,6 +169,28 @@ def test_openai_background_response_retrieved_and_cancelled(oai):
         oai.responses.cancel(plain.id)
 
 
+def test_openai_custom_tools_forced_through_both_apis(oai):
+    """A forced custom tool call with a regex grammar: the SDKs parse it into their custom-call types (Responses'
+    `custom_tool_call`, Chat's custom `tool_calls`), the input follows the grammar, and the call goes back in."""
+    fmt = {"type": "grammar", "syntax": "regex", "definition": "(Paris|Rome)-[0-9]{2}"}
+    tool = {"type": "custom", "name": "book", "description": "Book a trip.", "format": fmt}
+    r = oai.responses.create(model=NAME, input="Book it.", tools=[tool], tool_choice={"type": "custom", "name": "book"},
+                             max_output_tokens=64, temperature=0, reasoning={"effort": "none"})  # no think block
+    call = [item for item in r.output if item.type == "custom_tool_call"][0]
+    assert call.name == "book" and re.fullmatch("(Paris|Rome)-[0-9]{2}", call.input)
+    follow = oai.responses.create(model=NAME, tools=[tool], max_output_tokens=4, input=[
+        {"role": "user", "content": "Book it."}, {"type": "custom_tool_call", "call_id": call.call_id, "name": "book",
+                                                  "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "booked"}])
+    assert follow.status in ("completed", "incomplete")
+    chat_tool = {"type": "custom", "custom": {"name": "book", "format": {"type": "grammar", "grammar": {
+        "syntax": "regex", "definition": fmt["definition"]}}}}
+    c = oai.chat.completions.create(model=NAME, messages=USER, tools=[chat_tool], max_tokens=64, temperature=0,
+                                    tool_choice={"type": "custom", "custom": {"name": "book"}}, reasoning_effort="none")
+    custom = c.choices[0].message.tool_calls[0]
+    assert custom.type == "custom" and re.fullmatch("(Paris|Rome)-[0-9]{2}", custom.custom.input)
+
+
 def test_a_pdf_through_each_sdk_counts_as_its_text(oai, claude):
     """A PDF sent the way each SDK types it (Chat `file` part, Responses `input_file`, Anthropic base64 document)
     feeds the model its text: the prompt is as long as the same text sent plainly."""
@@ -239,7 +262,7 @@ def test_anthropic_sdk_raises_the_servers_errors(claude):
 
 @pytest.mark.parametrize("tool, why", [
     ({"type": "web_search"}, "OpenAI's servers run"), ({"type": "local_shell"}, "OpenAI's servers run"),
-    ({"type": "custom", "name": "apply_patch", "description": "patch"}, "'custom' is not served")])
+    ({"type": "image_generation"}, "OpenAI's servers run")])
 def test_openai_tools_this_server_cannot_run_are_refused_with_why(oai, tool, why):
     with pytest.raises(openai.BadRequestError, match=why) as e:
         oai.responses.create(model=NAME, input="hi", tools=[tool], max_output_tokens=4)

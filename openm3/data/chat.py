@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,21 +95,22 @@ _INVOKE = re.compile(r'<invoke name="([^"]+)">\n?(.*?)</invoke>', re.DOTALL)
 _PARAM = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
 
 
-def parse_tool_calls(text: str) -> list[dict]:
+def parse_tool_calls(text: str, raw: Container[str] = ()) -> list[dict]:
     """Inverse of :func:`render_tool_calls` on model output: ``[{"name": str, "arguments": dict}]``.
 
     Values that parse as JSON are decoded (numbers, lists, objects); others stay strings, so a string argument
-    that looks like a number (``"42"``) comes back as a number: the format cannot tell them apart.
+    that looks like a number (``"42"``) comes back as a number: the format cannot tell them apart. The values of
+    the tools named in `raw` stay the text as written (free-form inputs: OpenAI's custom tools).
     """
     calls = []
     for block in re.findall(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), text, re.DOTALL):
         for name, body in _INVOKE.findall(block):
             args = {}
-            for key, raw in _PARAM.findall(body):
+            for key, value in _PARAM.findall(body):
                 try:
-                    args[key] = json.loads(raw)
+                    args[key] = value if name in raw else json.loads(value)
                 except json.JSONDecodeError:
-                    args[key] = raw
+                    args[key] = value
             calls.append({"name": name, "arguments": args})
     return calls
 

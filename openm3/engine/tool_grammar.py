@@ -9,7 +9,10 @@ ones all present before `</invoke>`; any name when the tool has no `properties`)
 writes it: one of the strings of an enum of strings, JSON that follows the parameter's schema for a single
 non-string type or an enum of other values (`json_grammar`), else raw text that does not contain `</parameter>`
 (strings, within their `minLength` / `maxLength` in characters; schemas of several types, schemas the matcher
-cannot compile).
+cannot compile). A tool may name a text grammar for one of its parameters (`"text_grammar": {"parameter": KEY,
+"syntax": "lark" | "regex", "definition": ...}`: OpenAI's custom tools with a grammar format, whose free-form input
+is that parameter); its VALUE is then a sentence of that grammar (`cfg_grammar` / `regex_grammar`) without
+`</parameter>` in it, and a token may not end inside one of its characters.
 `<minimax:tool_call>` and `</minimax:tool_call>` are special tokens: the grammar reads them as the marker bytes
 `START` and `END`, which `TokenBytes.from_tokenizer(..., markers=)` gives them (bytes 0xF8-0xFF never occur in
 UTF-8 text, and `TokenBytes` leaves the byte tokens that hold them out of every grammar).
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .cfg_grammar import CfgGrammar
 from .constrained import ChoiceGrammar
-from .json_grammar import compile_schema
+from .json_grammar import compile_schema, utf8_length
+from .regex_grammar import RegexGrammar
 
 START, END = b"\xff\x01", b"\xff\x02"
 _END_TAG = b"</parameter>"
@@ -30,7 +35,7 @@ _NAME_BYTES = frozenset(range(0x20, 0x7F)) - frozenset(b'"<>')
 
 
 class _Tool:
-    def __init__(self, name: str, parameters: dict | None):
+    def __init__(self, name: str, parameters: dict | None, text_grammar: dict | None = None):
         self.name = name
         props = (parameters or {}).get("properties")
         self.free = not isinstance(props, dict)  # no `properties`: any parameter names
@@ -38,10 +43,19 @@ class _Tool:
         self.required = frozenset(r for r in (parameters or {}).get("required", []) if r in self.props)
         self.values = {}  # parameter -> JsonGrammar (None: raw text)
         self.lengths = {}  # raw-text parameter -> (minLength, maxLength or None) of a string schema
+        self.texts = {}  # parameter -> the text grammar its value follows (a custom tool's input)
         for key, schema in self.props.items():
             self.values[key] = _value_grammar(schema)
             if self.values[key] is None:
                 self.lengths[key] = _length_bounds(schema)
+        if text_grammar is not None:
+            key, syntax = text_grammar.get("parameter"), text_grammar.get("syntax")
+            if key not in self.props:
+                raise ValueError(f"tool {name!r}: its text grammar's parameter {key!r} is not among its parameters")
+            if syntax not in ("lark", "regex"):
+                raise ValueError(f"tool {name!r}: a text grammar's syntax is 'lark' or 'regex', got {syntax!r}")
+            definition = text_grammar.get("definition")
+            self.texts[key] = CfgGrammar(definition) if syntax == "lark" else RegexGrammar(definition)
 
 
 def _length_bounds(schema) -> tuple[int, int | None]:
@@ -80,7 +94,7 @@ class ToolCallGrammar:
     `parallel_tool_calls: false`, Anthropic's `disable_parallel_tool_use`)."""
 
     def __init__(self, tools: Sequence[dict], name: str | None = None, max_calls: int | None = None):
-        self.tools = {t["name"]: _Tool(t["name"], t.get("parameters")) for t in tools}
+        self.tools = {t["name"]: _Tool(t["name"], t.get("parameters"), t.get("text_grammar")) for t in tools}
         if not self.tools:
             raise ValueError("tools: a forced tool call needs at least one tool")
         if name is not None and name not in self.tools:
@@ -99,6 +113,8 @@ class ToolCallGrammar:
             state = self._step(state, b)
             if state is None:
                 return None
+        if state[0] == "text" and state[-1][:1] >= b"\x80":  # ends inside a character of a text grammar's value
+            return None
         return state
 
     def complete(self, state) -> bool:
@@ -138,8 +154,12 @@ class ToolCallGrammar:
         for key in tool.props:
             if key not in seen:
                 grammar = tool.values[key]
-                after = ("raw", name, seen | {key}, count, 0, 0, key) if grammar is None else \
-                    ("json", name, seen | {key}, count, grammar.start, key)
+                if key in tool.texts:
+                    after = ("text", name, seen | {key}, count, tool.texts[key].start, key, b"")
+                elif grammar is None:
+                    after = ("raw", name, seen | {key}, count, 0, 0, key)
+                else:
+                    after = ("json", name, seen | {key}, count, grammar.start, key)
                 out[lead + b'<parameter name="' + key.encode() + b'">'] = after
         if tool.required <= seen:
             out[lead + b"</invoke>\n"] = ("lits", b"", ("after", count + 1))
@@ -174,6 +194,8 @@ class ToolCallGrammar:
                 return ("jend", name, seen, count, 1)
             inner = grammar.advance(inner, bytes((b,)))
             return None if inner is None else ("json", name, seen, count, inner, key)
+        if kind == "text":
+            return self._text_step(state, b)
         if kind == "jend":  # after a JSON value only the end tag may come
             _, name, seen, count, k = state
             if b != _END_TAG[k]:
@@ -181,6 +203,38 @@ class ToolCallGrammar:
             return ("lits", b"", ("nlparams", name, seen, count)) if k + 1 == len(_END_TAG) else \
                 ("jend", name, seen, count, k + 1)
         return None  # done: nothing may follow
+
+    def _text_step(self, state, b: int):
+        """A text grammar's value: `held` bytes not yet given to the grammar are the start of `</parameter>` (which
+        ends the value where the grammar has a whole sentence) or of a multi-byte character."""
+        _, name, seen, count, inner, key, held = state
+        grammar = self.tools[name].texts[key]
+        if held[:1] >= b"\x80":  # a character's first bytes: it goes to the grammar once whole
+            if not 0x80 <= b <= 0xBF:
+                return None
+            held += bytes((b,))
+            if utf8_length(held, 0):
+                inner, held = grammar.advance(inner, held), b""
+            return None if inner is None else ("text", name, seen, count, inner, key, held)
+        tag = held + bytes((b,))
+        if _END_TAG.startswith(tag):
+            if tag == _END_TAG:  # the value holds no `</parameter>`: the tag ends it
+                return ("lits", b"", ("nlparams", name, seen, count)) if grammar.complete(inner) else None
+            if grammar.complete(inner) or grammar.advance(inner, tag) is not None:
+                return ("text", name, seen, count, inner, key, tag)
+            return None
+        if held:  # the tag broke off: its bytes were text
+            inner = grammar.advance(inner, held)
+            if inner is None:
+                return None
+        if b == 0x3C:  # a new `<` may begin the tag
+            return self._text_step(("text", name, seen, count, inner, key, b""), b)
+        if b >= 0xF5 or 0x80 <= b <= 0xBF:  # not UTF-8 (the marker bytes among them), or a stray continuation
+            return None
+        if b >= 0x80:
+            return ("text", name, seen, count, inner, key, bytes((b,)))
+        inner = grammar.advance(inner, bytes((b,)))
+        return None if inner is None else ("text", name, seen, count, inner, key, b"")
 
     @staticmethod
     def _end_tag(name, seen, count, k: int, b: int, chars: int, key, lo: int, hi: int | None):

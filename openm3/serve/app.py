@@ -61,7 +61,8 @@ from .documents import openai_file_parts
 from .images import data_url_part
 from .logprobs import PromptEntries, TokenLogprobs, vllm_prompt_logprobs
 from .reasoning import ReasoningSplitter
-from .schemas import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, SamplingFields, error_body
+from .schemas import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, SamplingFields,
+                      custom_input, custom_names, error_body)
 from .stream import TextStream, prediction_tokens
 from .structured import StructuredOutputs
 
@@ -742,7 +743,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                                "max_completion_tokens")
             req.max_tokens = req.max_completion_tokens
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        for message, sent in zip(messages, req.messages):
+            if sent.tool_calls:  # a custom tool's call as its function form (`ToolCall.template_call`)
+                message["tool_calls"] = [call.template_call() for call in sent.tool_calls]
+        tools = [t.template_tool() for t in req.tools] if req.tools else None
         chat_media(messages)
         prefill = final_message_prefill(req, messages)
         prompt, images = prompt_of(messages, tools, "messages", prefill,
@@ -753,6 +757,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": model_name}
         parse_calls = req.tool_choice != "none"
+        custom = custom_names(req.tools)
         streams = [text_stream(req.stop, [TOOL_CALL_START] if parse_calls else [], prompt, req.min_tokens,
                                req.include_stop_str_in_output) for _ in range(req.n)]
         lps = [logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs") for _ in range(req.n)]
@@ -768,13 +773,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             """(choice k's whole text, OpenAI tool_calls, finish_reason) once its generation has finished."""
             stream = streams[k]
             tail = stream.text[len(stream.visible()):]
-            calls = parse_tool_calls(tail) if parse_calls and not stream.stopped else []
+            calls = parse_tool_calls(tail, custom) if parse_calls and not stream.stopped else []
             calls = calls if req.parallel_tool_calls else calls[:1]
             if not calls:
                 return stream.text, [], finish
-            tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                           "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for c in calls]
-            return stream.visible(), tool_calls, "tool_calls"
+            return stream.visible(), [chat_tool_call(c, custom) for c in calls], "tool_calls"
 
         scored = prompt_entries_for(req)  # vLLM's prompt_logprobs: computed with the first choice
 
@@ -902,6 +905,16 @@ def prometheus_text(rows) -> str:
             v = str(v) if isinstance(v, int) else repr(float(v))  # counters stay exact integers
             out.append(f"{name}{{{labels}}} {v}" if labels else f"{name} {v}")
     return "\n".join(out) + "\n"
+
+
+def chat_tool_call(call: dict, custom: frozenset[str]) -> dict:
+    """A parsed call (`parse_tool_calls`) as a Chat Completions tool call: a function's, or a custom tool's
+    (`type: "custom"`) holding its input text."""
+    head = {"id": f"call_{uuid.uuid4().hex[:24]}"}
+    if call["name"] not in custom:
+        return {**head, "type": "function", "function": {"name": call["name"],
+                                                         "arguments": json.dumps(call["arguments"])}}
+    return {**head, "type": "custom", "custom": {"name": call["name"], "input": custom_input(call["arguments"])}}
 
 
 def _media_parts(messages: list[dict], takes_images: bool) -> None:

@@ -24,14 +24,15 @@ import time
 import uuid
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .documents import openai_file_parts
 from .images import content_of, data_url_part
 from .response_store import ResponseStore
-from .schemas import ClientTool, JsonSchemaSpec, OutputSpec, ResponseFormat
+from .schemas import (CUSTOM_INPUT, ClientTool, CustomToolSpec, JsonSchemaSpec, OutputSpec, ResponseFormat,
+                      client_tools, custom_input, custom_names)
 
 RESPONSES_PATH = "/v1/responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -42,6 +43,20 @@ class FunctionTool(ClientTool):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    def template_tool(self) -> dict:
+        """The tool as the chat template takes it."""
+        return {"type": "function", "function": self.model_dump(exclude_none=True, exclude={"type"})}
+
+    def call_tool(self) -> dict:
+        """The tool as a forced call's grammar takes it ({"name", "parameters"})."""
+        return {"name": self.name, "parameters": self.parameters}
+
+
+class CustomTool(CustomToolSpec):
+    """OpenAI's custom tool in the Responses API's flat form (`CustomToolSpec`)."""
+
+    type: Literal["custom"]
 
 
 class TextFormat(BaseModel):
@@ -87,7 +102,7 @@ class ResponsesRequest(BaseModel):
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
     stream: bool = False
-    tools: list[FunctionTool] | None = None
+    tools: list[FunctionTool | CustomTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # false: at most one function_call (as on Chat Completions)
     previous_response_id: str | None = None
@@ -98,6 +113,11 @@ class ResponsesRequest(BaseModel):
     truncation: Literal["auto", "disabled"] = "disabled"  # auto: the earliest turns dropped to fit the context
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     reasoning: dict[str, Any] | None = None  # {"effort": "none"}: no think block; other settings: unbounded
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_models(cls, v: Any) -> Any:
+        return client_tools(v, FunctionTool, CustomTool)
 
     @property
     def thinking_budget(self) -> int | None:
@@ -174,18 +194,21 @@ def chat_messages(req: ResponsesRequest, images: bool = False) -> list[dict]:
             out.append({"role": role, "content": _content(item.get("content"), f"{where}.content", images)})
             if role == "assistant" and pending:
                 out[-1]["reasoning_content"], pending = pending, None
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             if not isinstance(item.get("name"), str) or not item["name"]:
-                raise ValueError(f"{where}.name: a function_call item needs a non-empty name")
+                raise ValueError(f"{where}.name: a {kind} item needs a non-empty name")
+            if kind == "custom_tool_call" and not isinstance(item.get("input"), str):
+                raise ValueError(f"{where}.input: a custom_tool_call item needs its input text")
+            arguments = item.get("arguments") or "{}" if kind == "function_call" else {CUSTOM_INPUT: item["input"]}
             call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+                    "function": {"name": item["name"], "arguments": arguments}}
             if out and out[-1]["role"] == "assistant":  # calls after (or beside) the assistant's text
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             if pending:
                 out[-1]["reasoning_content"], pending = pending, None
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             content = output if isinstance(output, str) else _content(output, f"{where}.output", images)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
@@ -194,7 +217,8 @@ def chat_messages(req: ResponsesRequest, images: bool = False) -> list[dict]:
                      if isinstance(p, dict)]
             pending = "\n".join(t for t in texts if isinstance(t, str) and t) or None
         else:
-            raise ValueError(f"{where}.type: expected message, function_call or function_call_output, got {kind!r}")
+            raise ValueError(f"{where}.type: expected message, function_call, function_call_output, custom_tool_call, "
+                             f"custom_tool_call_output or reasoning, got {kind!r}")
     return out
 
 
@@ -202,8 +226,10 @@ def _parse_calls(req: ResponsesRequest) -> bool:
     """Whether tool calls in the answer become function_call items ('none': they stay text)."""
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or not choice["name"]:
-            raise ValueError('tool_choice: expected "auto", "none", "required" or {"type": "function", "name": ...}')
+        if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str) \
+                or not choice["name"]:
+            raise ValueError('tool_choice: expected "auto", "none", "required" or {"type": "function" | "custom", '
+                             '"name": ...}')
         return True
     if choice not in ("auto", "none", "required"):
         raise ValueError(f'tool_choice: expected "auto", "none", "required" or a named function, got {choice!r}')
@@ -220,7 +246,7 @@ def _output_spec(req: ResponsesRequest) -> OutputSpec | None:
         return spec
     if spec is not None:
         raise ValueError("give a forced tool call (tool_choice) or text.format, not both")
-    tools = [{"name": t.name, "parameters": t.parameters} for t in req.tools or []]
+    tools = [t.call_tool() for t in req.tools or []]
     return OutputSpec.forced_call(tools, choice["name"] if isinstance(choice, dict) else None,
                                   req.parallel_tool_calls)
 
@@ -352,8 +378,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
                 messages = chat_messages(req.model_copy(update={"input": items}), takes_images)
             except ValueError as e:
                 raise api_error(f"previous_response_id: {e}", "previous_response_id") from None
-        tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                 for t in req.tools] if req.tools else None
+        tools = [t.template_tool() for t in req.tools] if req.tools else None
         prompt, images = prompt_of(messages, tools, "input", variables=req.template_variables())
         if req.truncation == "auto":
             prompt, images = fitted(req, items, tools, prompt, images)
@@ -387,6 +412,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
         def logprobs(entries: list) -> list[dict]:
             """An output_text part's `logprobs` (the chat format's items); none when not asked for."""
             return lp.chat(entries)["content"] if lp is not None else []
+        custom = custom_names(req.tools)
         rid, mid, rsid = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex[:24]}", f"rs_{uuid.uuid4().hex[:24]}"
         created = int(time.time())
 
@@ -415,13 +441,21 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
             return {"type": "reasoning", "id": rsid, "summary": [], "content": [{"type": "reasoning_text",
                                                                                "text": text_}]}
 
+        def call_item(call: dict) -> dict:
+            """A parsed call as its output item: a function_call, or a custom_tool_call holding the input text."""
+            if call["name"] not in custom:
+                return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
+                        "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": call["name"],
+                        "arguments": json.dumps(call["arguments"]), "status": "completed"}
+            return {"type": "custom_tool_call", "id": f"ctc_{uuid.uuid4().hex[:24]}",
+                    "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": call["name"],
+                    "input": custom_input(call["arguments"]), "status": "completed"}
+
         def answer(finish: str) -> tuple[str, list[dict]]:
-            """(the answer's whole text, function_call items) of the finished generation."""
-            calls = parse_tool_calls(stream.text[len(stream.visible()):]) if parse_calls else []
+            """(the answer's whole text, function_call / custom_tool_call items) of the finished generation."""
+            calls = parse_tool_calls(stream.text[len(stream.visible()):], custom) if parse_calls else []
             calls = calls if req.parallel_tool_calls else calls[:1]
-            items = [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}",
-                      "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": c["name"],
-                      "arguments": json.dumps(c["arguments"]), "status": "completed"} for c in calls]
+            items = [call_item(c) for c in calls]
             whole = stream.visible() if items else stream.text
             stream.settle(whole, bool(items))
             return whole, items
@@ -535,12 +569,12 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
                 output.append(item)
             for item in calls:
                 index = len(output)
+                field, kind = ("input", "custom_tool_call_input") if item["type"] == "custom_tool_call" else \
+                    ("arguments", "function_call_arguments")
                 emit("response.output_item.added", output_index=index,
-                     item={**item, "arguments": "", "status": "in_progress"})
-                emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                     delta=item["arguments"])
-                emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                     arguments=item["arguments"])
+                     item={**item, field: "", "status": "in_progress"})
+                emit(f"response.{kind}.delta", item_id=item["id"], output_index=index, delta=item[field])
+                emit(f"response.{kind}.done", item_id=item["id"], output_index=index, **{field: item[field]})
                 emit("response.output_item.done", output_index=index, item=item)
                 output.append(item)
             final = keep(response(status_of(finish), output, finish))

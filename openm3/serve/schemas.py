@@ -11,10 +11,12 @@ import dataclasses
 import json
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..data.chat_template import check_template_variables
+from ..engine.cfg_grammar import CfgGrammar
 from ..engine.penalties import MAX_BIAS, Penalties
+from ..engine.regex_grammar import RegexGrammar
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completions batch): each is a generation
@@ -302,10 +304,32 @@ class FunctionCall(BaseModel):
     arguments: str = "{}"  # a JSON object, as a string (OpenAI's format)
 
 
+class CustomCall(BaseModel):
+    name: str = Field(min_length=1)
+    input: str  # the free-form text a custom tool was called with
+
+
 class ToolCall(BaseModel):
+    """An assistant message's tool call: a function's (`function`) or a custom tool's (`type: "custom"`,
+    `custom`)."""
+
     id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    type: Literal["function", "custom"] = "function"
+    function: FunctionCall | None = None
+    custom: CustomCall | None = None
+
+    @model_validator(mode="after")
+    def _its_call(self) -> "ToolCall":
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a tool call of type {self.type!r} needs its {self.type!r} object")
+        return self
+
+    def template_call(self) -> dict:
+        """The call as the chat template takes it (a custom tool's text as its one argument)."""
+        if self.type == "function":
+            return {"id": self.id, "type": "function", "function": self.function.model_dump()}
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.custom.name, "arguments": {CUSTOM_INPUT: self.custom.input}}}
 
 
 class ChatMessage(BaseModel):
@@ -376,14 +400,147 @@ class Tool(ClientTool):
     type: Literal["function"] = "function"
     function: FunctionDef
 
+    def template_tool(self) -> dict:
+        """The tool as the chat template takes it."""
+        return self.model_dump(exclude_none=True)
+
+    def call_tool(self) -> dict:
+        """The tool as a forced call's grammar takes it ({"name", "parameters"})."""
+        return {"name": self.function.name, "parameters": self.function.parameters}
+
+
+CUSTOM_INPUT = "input"  # the parameter a custom tool's free-form text is written in
+
+
+class CustomToolSpec(BaseModel):
+    """OpenAI's custom tool: a free-form text input (`format` `text`, the default) or one a grammar derives
+    (Responses: `{"type": "grammar", "syntax": "lark" | "regex", "definition": ...}`; Chat Completions nests the
+    last two under `grammar`). The model sees it as a function with one string parameter, `CUSTOM_INPUT` (the
+    grammar in its description), and its calls come back holding that text as written. A forced call
+    (`tool_choice`) follows the grammar (`openm3.engine.tool_grammar`); an unforced one is parsed as written."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    format: dict[str, Any] | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # messages that start with "." name a field below `format` (`client_tools` joins them to the path)
+        if v is None or v.get("type") == "text":
+            return v
+        if v.get("type") != "grammar":
+            raise ValueError(f".type: expected 'text' or 'grammar', got {v.get('type')!r}")
+        nested = isinstance(v.get("grammar"), dict)  # Chat Completions' form
+        grammar, at = (v["grammar"], ".grammar") if nested else (v, "")
+        if grammar.get("syntax") not in ("lark", "regex"):
+            raise ValueError(f"{at}.syntax: expected 'lark' or 'regex', got {grammar.get('syntax')!r}")
+        if not isinstance(grammar.get("definition"), str) or not grammar["definition"].strip():
+            raise ValueError(f"{at}.definition: expected the grammar's text")
+        try:  # compiled once here, so a grammar this server cannot follow fails the request, not a later call
+            (CfgGrammar if grammar["syntax"] == "lark" else RegexGrammar)(grammar["definition"])
+        except ValueError as e:
+            raise ValueError(f"{at}.definition: {e}") from None
+        return v
+
+    @property
+    def grammar(self) -> dict[str, Any] | None:
+        """{"syntax", "definition"} of a grammar format (None: free text)."""
+        if self.format is None or self.format.get("type") != "grammar":
+            return None
+        grammar = self.format["grammar"] if isinstance(self.format.get("grammar"), dict) else self.format
+        return {"syntax": grammar["syntax"], "definition": grammar["definition"]}
+
+    def template_tool(self) -> dict:
+        about = "Free-form text input (not JSON)."
+        if self.grammar is not None:
+            about += f" It must follow this {self.grammar['syntax']} grammar:\n{self.grammar['definition']}"
+        parameters = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string", "description": about}},
+                      "required": [CUSTOM_INPUT]}
+        function = {"name": self.name, "parameters": parameters}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+    def call_tool(self) -> dict:
+        tool = {"name": self.name, "parameters": self.template_tool()["function"]["parameters"]}
+        if self.grammar is not None:
+            tool["text_grammar"] = {"parameter": CUSTOM_INPUT, **self.grammar}
+        return tool
+
+
+class ChatCustomTool(BaseModel):
+    """A custom tool in Chat Completions' form: `{"type": "custom", "custom": {name, description, format}}`."""
+
+    type: Literal["custom"]
+    custom: CustomToolSpec
+
+    @property
+    def name(self) -> str:
+        return self.custom.name
+
+    def template_tool(self) -> dict:
+        return self.custom.template_tool()
+
+    def call_tool(self) -> dict:
+        return self.custom.call_tool()
+
+
+def client_tools(v: Any, function_model: type[BaseModel], custom_model: type[BaseModel]) -> Any:
+    """A request's `tools` list as models (a `mode="before"` validator): entries of type "custom" as
+    `custom_model`, every other one as `function_model` (whose check refuses hosted tools); a ValueError naming
+    the entry and field."""
+    if not isinstance(v, list):
+        return v
+    out = []
+    for i, entry in enumerate(v):
+        if isinstance(entry, (function_model, custom_model)):
+            out.append(entry)
+            continue
+        model = custom_model if isinstance(entry, dict) and entry.get("type") == "custom" else function_model
+        try:
+            out.append(model.model_validate(entry))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in first["loc"])
+            message = first["msg"].removeprefix("Value error, ")
+            raise ValueError(f"tools[{i}]{where}{'' if message.startswith('.') else ': '}{message}") from None
+    return out
+
+
+def custom_input(arguments: dict) -> str:
+    """A custom tool call's input text from its parsed arguments (`CUSTOM_INPUT`'s value, or the one value the
+    model wrote under another name)."""
+    value = arguments[CUSTOM_INPUT] if CUSTOM_INPUT in arguments else next(iter(arguments.values()), "")
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def custom_names(tools: list | None) -> frozenset[str]:
+    """The names of a request's custom tools (their calls' inputs stay text)."""
+    return frozenset(t.name for t in tools or [] if isinstance(t, (CustomToolSpec, ChatCustomTool)))
+
 
 class NamedFunction(BaseModel):
     name: str = Field(min_length=1)
 
 
 class NamedToolChoice(BaseModel):
-    type: Literal["function"] = "function"
-    function: NamedFunction
+    """A named tool to call: `{"type": "function", "function": {"name"}}` or `{"type": "custom", "custom":
+    {"name"}}`."""
+
+    type: Literal["function", "custom"] = "function"
+    function: NamedFunction | None = None
+    custom: NamedFunction | None = None
+
+    @model_validator(mode="after")
+    def _its_name(self) -> "NamedToolChoice":
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a tool_choice of type {self.type!r} needs {{{self.type!r}: {{'name': ...}}}}")
+        return self
+
+    @property
+    def name(self) -> str:
+        return getattr(self, self.type).name
 
 
 class Prediction(BaseModel):
@@ -432,7 +589,7 @@ class ChatCompletionRequest(SamplingFields, TemplateVariables):
     add_generation_prompt: bool = True  # vLLM's: the assistant's opening after the conversation
     continue_final_message: bool = False  # vLLM's: the answer continues the final (assistant) message
     prediction: Prediction | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool | ChatCustomTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -460,6 +617,11 @@ class ChatCompletionRequest(SamplingFields, TemplateVariables):
             variables.setdefault("reasoning_effort", self.reasoning_effort)
         return variables or None
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_models(cls, v: Any) -> Any:
+        return client_tools(v, Tool, ChatCustomTool)
+
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, v: int | None, info) -> int | None:
@@ -476,8 +638,8 @@ class ChatCompletionRequest(SamplingFields, TemplateVariables):
             return spec
         if spec is not None:
             raise ValueError("give a forced tool call (tool_choice) or an output format, not both")
-        tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools or []]
-        return OutputSpec.forced_call(tools, None if choice == "required" else choice.function.name,
+        tools = [t.call_tool() for t in self.tools or []]
+        return OutputSpec.forced_call(tools, None if choice == "required" else choice.name,
                                       self.parallel_tool_calls)
 
 
