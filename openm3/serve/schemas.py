@@ -373,8 +373,8 @@ def check_tool_type(data: Any, client_types: tuple[str | None, ...], api: str) -
     if not isinstance(data, dict) or data.get("type") in client_types:
         return data
     kind = data.get("type")
-    described = "function tools (name, description, JSON-schema parameters)" if api == "openai" else \
-        "custom tools (name, description, input_schema)"
+    described = "function tools (name, description, JSON-schema parameters) or custom tools (a free-form input)" \
+        if api == "openai" else "custom tools (name, description, input_schema)"
     if api == "openai" and kind in OPENAI_HOSTED_TOOLS or api == "anthropic" and isinstance(kind, str) \
             and kind.startswith(ANTHROPIC_SERVER_TOOLS):
         owner = "OpenAI's" if api == "openai" else "Anthropic's"
