@@ -54,9 +54,10 @@ def test_served_model_names_option(tok, tmp_path):
     assert r.status_code == 200 and r.json()["model"] == "m3"
 
 
-def test_vllm_option_names():
+def test_vllm_option_names(monkeypatch):
     """vLLM's spellings of the same options, so its launch commands carry over: --served-model-name,
-    --max-model-len, --max-num-seqs, --no-enable-prefix-caching."""
+    --max-model-len, --max-num-seqs, --no-enable-prefix-caching, and the tool / reasoning parser switches of a
+    MiniMax launch."""
     from openm3.serve.cli import build_parser
 
     ours = build_parser().parse_args(["--preset", "m3-tiny", "--model-name", "a", "b", "--max-total-tokens", "512",
@@ -66,3 +67,17 @@ def test_vllm_option_names():
     assert vars(ours) == vars(vllm)
     assert (vllm.model_name, vllm.max_total_tokens, vllm.max_batch, vllm.no_prefix_caching) == (["a", "b"], 512, 4,
                                                                                                   True)
+    # a vLLM launch command for MiniMax's models: its tool and reasoning parser names are taken as ours
+    from openm3.serve.cli import build_app
+
+    launch = build_parser().parse_args(["--preset", "m3-tiny", "--max-batch", "1", "--enable-auto-tool-choice",
+                                        "--tool-call-parser", "minimax_m2", "--trust-remote-code",
+                                        "--reasoning-parser", "minimax_m2_append_think"])
+    import openm3.serve.app as app_module
+
+    made, real = {}, app_module.create_app
+    monkeypatch.setattr(app_module, "create_app", lambda *a, **kw: made.update(kw) or real(*a, **kw))
+    assert TestClient(build_app(launch)).get("/v1/models").status_code == 200
+    assert made["reasoning_parser"] == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--preset", "m3-tiny", "--tool-call-parser", "hermes"])

@@ -25,6 +25,9 @@ import sys
 from typing import Sequence
 
 
+VLLM_REASONING_PARSERS = {"minimax_m2": "m3", "minimax_m2_append_think": "none"}  # vLLM's name -> ours
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..engine.generate import add_chat_template_argument, add_model_arguments, add_speculative_argument
 
@@ -72,9 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "launch each decode step before reading the last one's tokens back (default: on a GPU; the host's "
                    "work overlaps the GPU's; same tokens; steps with speculation or a constrained request run as "
                    "usual)")
-    p.add_argument("--reasoning-parser", default="m3", choices=["m3", "none"],
+    p.add_argument("--reasoning-parser", default="m3", choices=["m3", "none", *VLLM_REASONING_PARSERS],
                    help="m3 (default): the chat APIs return the model's <think> block apart from its answer "
-                   "(reasoning_content, thinking blocks, reasoning items); none: it stays in the text")
+                   "(reasoning_content, thinking blocks, reasoning items); none: it stays in the text (vLLM's "
+                   "names for MiniMax's format: minimax_m2 is m3, minimax_m2_append_think is none)")
+    p.add_argument("--tool-call-parser", default="m3", choices=["m3", "minimax_m2"],
+                   help="the tool-call markup the chat APIs parse: M3's <minimax:tool_call> blocks, which vLLM's "
+                   "minimax_m2 parser reads too (the only one: taken so a vLLM launch command carries over)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice 'auto'; always on here (accepted, no effect)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="vLLM's switch; this server runs no code from a checkpoint (accepted, no effect)")
     p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                    help="compute every prompt whole (default: a request whose prompt starts with an earlier "
                    "request's prompt and answer, as an agent's next turn does, reads those tokens' cached pages and "
@@ -152,7 +163,7 @@ def build_app(args: argparse.Namespace):
               file=sys.stderr)
     return create_app(backend, tokenizer, model_name=names[0], model_aliases=names[1:], max_total_tokens=limit,
                       chat_template=template, default_template_variables=variables, default_sampling=sampling,
-                      reasoning_parser=args.reasoning_parser, api_key=args.api_key or None,
+                      reasoning_parser=VLLM_REASONING_PARSERS.get(args.reasoning_parser, args.reasoning_parser), api_key=args.api_key or None,
                       stored_responses=args.stored_responses, responses_dir=args.responses_dir)
 
 
