@@ -145,6 +145,8 @@ def test_chat_completions_custom_tool_calls_and_their_round_trip(tok, stream):
         {k: v for k, v in call.items() if k != "index"}]},
         {"role": "tool", "tool_call_id": call["id"], "content": "Done."}]
     assert client.post("/v1/chat/completions", json={**req, "messages": follow, "stream": False}).status_code == 200
+    counted = client.post("/tokenize", json={"messages": follow, "tools": [CHAT_PATCH]}).json()
+    assert counted["tokens"] == backend.prompts[1]
     items = [question, {"type": "message", "role": "assistant", "content": [{"type": "output_text",
                                                                               "text": "Patching."}]},
              {"type": "custom_tool_call", "call_id": call["id"], "name": "apply_patch", "input": PATCH},

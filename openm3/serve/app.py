@@ -62,7 +62,7 @@ from .images import data_url_part
 from .logprobs import PromptEntries, TokenLogprobs, vllm_prompt_logprobs
 from .reasoning import ReasoningSplitter
 from .schemas import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, SamplingFields,
-                      custom_input, custom_names, error_body)
+                      custom_input, custom_names, error_body, template_messages)
 from .stream import TextStream, prediction_tokens
 from .structured import StructuredOutputs
 
@@ -742,10 +742,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 raise APIError("give max_tokens or max_completion_tokens, not two different values",
                                "max_completion_tokens")
             req.max_tokens = req.max_completion_tokens
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        for message, sent in zip(messages, req.messages):
-            if sent.tool_calls:  # a custom tool's call as its function form (`ToolCall.template_call`)
-                message["tool_calls"] = [call.template_call() for call in sent.tool_calls]
+        messages = template_messages(req.messages)
         tools = [t.template_tool() for t in req.tools] if req.tools else None
         chat_media(messages)
         prefill = final_message_prefill(req, messages)

@@ -496,6 +496,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
                 if running.get(rid) is job:
                     keep(final)
                     running.pop(rid, None)
+                else:  # deleted meanwhile: not even its in-progress state may stay behind
+                    store.delete(rid)
 
             queued = keep(response("queued", []))
             running[rid] = job

@@ -326,9 +326,10 @@ class ToolCall(BaseModel):
 
     def template_call(self) -> dict:
         """The call as the chat template takes it (a custom tool's text as its one argument)."""
+        head = {} if self.id is None else {"id": self.id}
         if self.type == "function":
-            return {"id": self.id, "type": "function", "function": self.function.model_dump()}
-        return {"id": self.id, "type": "function",
+            return {**head, "type": "function", "function": self.function.model_dump()}
+        return {**head, "type": "function",
                 "function": {"name": self.custom.name, "arguments": {CUSTOM_INPUT: self.custom.input}}}
 
 
@@ -351,6 +352,17 @@ class ChatMessage(BaseModel):
                     raise ValueError(f"content[{j}]: {kind!r} parts are not supported (text, image_url, video_url "
                                      f"and file parts only: the served engine has no audio input)")
         return v
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Chat Completions messages as the chat template takes them (custom tool calls in their function form)."""
+    out = []
+    for message in messages:
+        entry = message.model_dump(exclude_none=True)
+        if message.tool_calls:
+            entry["tool_calls"] = [call.template_call() for call in message.tool_calls]
+        out.append(entry)
+    return out
 
 
 class FunctionDef(BaseModel):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from .schemas import ChatMessage, TemplateVariables, Tool
+from .schemas import ChatCustomTool, ChatMessage, TemplateVariables, Tool, client_tools, template_messages
 
 
 class TokenizeRequest(TemplateVariables):
@@ -22,10 +22,15 @@ class TokenizeRequest(TemplateVariables):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    tools: list[Tool] | None = None
+    tools: list[Tool | ChatCustomTool] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool = False
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_models(cls, v: Any) -> Any:
+        return client_tools(v, Tool, ChatCustomTool)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -50,8 +55,8 @@ def add_token_routes(app, *, tokenizer, check_model: Callable, max_total_tokens:
         if req.prompt is not None:
             ids = tokenizer.encode(req.prompt)
         else:
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            messages = template_messages(req.messages)
+            tools = [t.template_tool() for t in req.tools] if req.tools else None
             check_images(messages)
             ids, _ = prompt_of(messages, tools, "messages", generation_prompt=req.add_generation_prompt,
                                variables=req.template_variables())
