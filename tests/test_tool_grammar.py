@@ -129,3 +129,34 @@ def test_bad_tool_choices():
         ToolCallGrammar([])
     with pytest.raises(ValueError, match="max_calls must be a positive int"):
         ToolCallGrammar(TOOLS, max_calls=0)
+
+
+def test_text_grammar_values_full_masks_equal_checking_each_token():
+    """A custom tool's input under a text grammar (`text_grammar`): the full mask (walked by whole characters
+    there, by bytes elsewhere) equals checking each token whole, with non-ASCII tokens and tokens that end inside a
+    character (refused inside the value); the value ends only where the grammar has a sentence."""
+    import torch
+
+    from openm3.engine.constrained import TokenBytes, TransitionCache
+
+    tool = {"name": "t", "parameters": {"type": "object", "properties": {"input": {"type": "string"}}},
+            "text_grammar": {"parameter": "input", "syntax": "lark",
+                             "definition": 'start: WORD ("<" WORD)*\nWORD: /[a-zé日]+/'}}
+    pieces = [bytes([b]) for b in range(0x20, 0x7F)] + [b"\n", b"</", b"</parameter>", b"</parameter>\n</invoke>\n",
+                                                       START, END, b'<invoke name="t">\n', b'<parameter name="input">']
+    pieces += ["é".encode(), "éa".encode(), "日".encode(), "é".encode()[:1], "日".encode()[:2], b"a" + "é".encode()[:1]]
+    vocab = TokenBytes(pieces)
+    g = ToolCallGrammar([tool], "t")
+    transitions = TransitionCache(g, vocab)
+    head = START + b'\n<invoke name="t">\n<parameter name="input">'
+    for text in [b"", b"a", "é".encode(), "日a<".encode(), b"ab</", b"ab</param"]:
+        state = g.advance(g.start, head + text)
+        assert state is not None, text
+        want = torch.tensor([g.advance(state, p) is not None for p in pieces])
+        assert torch.equal(transitions.full_mask(state), want), text
+    state = g.advance(g.start, head + b"ab")
+    allowed = {p for p, ok in zip(pieces, transitions.full_mask(state)) if ok}
+    assert {"é".encode(), "éa".encode(), "日".encode(), b"</parameter>", b"<"} <= allowed
+    assert not {"é".encode()[:1], "日".encode()[:2], b"a" + "é".encode()[:1], b" ", b"\n"} & allowed
+    assert g.advance(g.start, head + b"</parameter>") is None  # an empty value is no sentence
+    assert g.advance(g.start, head + b"a<</parameter>") is None

@@ -120,6 +120,14 @@ class ToolCallGrammar:
     def complete(self, state) -> bool:
         return state[0] == "done"
 
+    @staticmethod
+    def whole_characters_at(state) -> bool:
+        """Inside a text grammar's value (no character's first bytes held) `TransitionCache` walks tokens a
+        character at a time, since a token may not end inside one there; elsewhere a byte at a time."""
+        return state[0] == "text" and state[-1][:1] < b"\x80"
+
+    character_length = staticmethod(utf8_length)  # a character's bytes at data[i] (0: data ends inside it)
+
     def can_continue(self, state) -> bool:
         return state[0] != "done"
 
