@@ -1,9 +1,11 @@
-"""Background responses (OpenAI's Responses API, `background: true`): answered at once as "queued", generated in a
-thread, read back with GET, stopped with `POST /v1/responses/{id}/cancel`; what cannot work is a 400 naming the
-field, and a response a stopped server left unfinished reads as failed."""
+"""Background responses (OpenAI's Responses API, `background: true`): answered at once as "queued" (or, streamed,
+with their events, which `GET ?stream=true` replays), generated in a thread, read back with GET, stopped with
+`POST /v1/responses/{id}/cancel`; what cannot work is a 400 naming the field, and a response a stopped server left
+unfinished reads as failed."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -14,7 +16,7 @@ from openm3.data.tokenizer import EOS
 from openm3.serve import create_app
 from openm3.serve.response_store import ResponseStore
 
-from test_serve import NAME, Scripted, tok  # noqa: F401 - the fixture
+from test_serve import NAME, Scripted, named_events, tok  # noqa: F401 - the fixture
 
 
 class Gated:
@@ -122,13 +124,15 @@ def test_deleting_a_background_response_in_flight_stops_it(tok):
     assert client.get(f"/v1/responses/{rid}").status_code == 404
 
 
-@pytest.mark.parametrize("body, param, says", [
-    ({"background": True, "store": False}, "background", "must be stored"),
-    ({"background": True, "stream": True}, "stream", "does not stream background responses")])
-def test_background_requests_that_cannot_work_are_400s(tok, body, param, says):
+def test_background_requests_that_cannot_work_are_400s(tok):
     client = make(tok, Scripted(tok.encode("ok" + EOS), tok.vocab_size))
-    r = client.post("/v1/responses", json={"model": NAME, "input": "x", **body})
-    assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.json()["error"]["message"]
+    r = client.post("/v1/responses", json={"model": NAME, "input": "x", "background": True, "store": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    assert "must be stored" in r.json()["error"]["message"]
+    rid = client.post("/v1/responses", json={"model": NAME, "input": "x", "background": True}).json()["id"]
+    poll(client, rid)
+    r = client.get(f"/v1/responses/{rid}", params={"stream": "true"})  # made without stream: nothing to replay
+    assert r.status_code == 400 and "made with stream: true" in r.json()["error"]["message"]
     none = make(tok, Scripted(tok.encode("ok" + EOS), tok.vocab_size), stored_responses=0)
     r = none.post("/v1/responses", json={"model": NAME, "input": "x", "background": True})
     assert r.status_code == 400 and "stores no responses" in r.json()["error"]["message"]
@@ -149,3 +153,46 @@ def test_a_restart_reads_an_unfinished_background_response_as_failed(tmp_path):
                                                         "background": True, "error": None})
     again = ResponseStore(4, str(tmp_path)).get(rid)
     assert again["status"] == "failed" and "stopped before" in again["error"]["message"]
+
+
+def test_a_streamed_background_response_replays_and_outlives_its_client(tok):
+    """`background` with `stream`: the events come as a plain stream's do; `GET ?stream=true` replays them (from
+    after `starting_after`), live while it runs; a client that drops the stream does not stop the generation."""
+    answer = "alpha beta gamma" + EOS
+    plain = named_events(make(tok, Scripted(tok.encode(answer), tok.vocab_size)).post(
+        "/v1/responses", json={"model": NAME, "input": "hi", "stream": True}))
+    backend = Gated(tok.encode(answer), tok.vocab_size)
+    client = make(tok, backend)
+    backend.step(2)
+    with client.stream("POST", "/v1/responses", json={"model": NAME, "input": "hi", "stream": True,
+                                                      "background": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+    rid = json.loads(first[len("data: "):])["response"]["id"]  # response.created; then the client went away
+    assert poll(client, rid, lambda s: s == "in_progress")["status"] == "in_progress"
+    backend.step(len(tok.encode(answer)) - 2)
+    done = poll(client, rid)
+    assert done["status"] == "completed" and done["background"] is True
+    assert done["output"][-1]["content"][0]["text"] == "alpha beta gamma"
+    events = named_events(client.get(f"/v1/responses/{rid}", params={"stream": "true"}))
+    assert [e["type"] for e in events] == [e["type"] for e in plain]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["response"] == done
+    later = named_events(client.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": 3}))
+    assert later == events[4:]
+
+
+def test_cancelling_a_streamed_background_response_ends_its_stream(tok):
+    backend = Gated(tok.encode("one two three four five six" + EOS), tok.vocab_size)
+    client = make(tok, backend)
+    backend.step(2)
+    with client.stream("POST", "/v1/responses", json={"model": NAME, "input": "x", "stream": True,
+                                                      "background": True}) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    rid = json.loads(first[len("data: "):])["response"]["id"]
+    assert poll(client, rid, lambda s: s == "in_progress")["status"] == "in_progress"
+    threading.Timer(0.2, backend.step).start()
+    assert client.post(f"/v1/responses/{rid}/cancel").json()["status"] == "cancelled"
+    events = named_events(client.get(f"/v1/responses/{rid}", params={"stream": "true"}))
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "cancelled"
+    assert poll(client, rid)["status"] == "cancelled"

@@ -153,7 +153,8 @@ def test_openai_responses_input_token_count(oai):
 
 def test_openai_background_response_retrieved_and_cancelled(oai):
     """`background=True` comes back queued (or further); `retrieve` polls it to its end, `cancel` returns a
-    finished one as it is, and a plain response's cancel is the SDK's BadRequestError."""
+    finished one as it is, and a plain response's cancel is the SDK's BadRequestError; with `stream=True` too, and
+    `retrieve(stream=True, starting_after=)` resumes its events."""
     import time
 
     first = oai.responses.create(model=NAME, input="hi", max_output_tokens=4, background=True, temperature=0)
@@ -167,6 +168,12 @@ def test_openai_background_response_retrieved_and_cancelled(oai):
     assert oai.responses.cancel(first.id).status == done.status
     with pytest.raises(openai.BadRequestError, match="only background responses can be cancelled"):
         oai.responses.cancel(plain.id)
+    # streamed: the SDK's event types, then the same events again from the server's log, resumed after the second
+    events = list(oai.responses.create(model=NAME, input="hi", max_output_tokens=4, background=True, stream=True,
+                                       temperature=0))
+    assert events[0].type == "response.created" and events[-1].response.output_text == plain.output_text
+    again = list(oai.responses.retrieve(events[0].response.id, stream=True, starting_after=1))
+    assert [e.sequence_number for e in again] == [e.sequence_number for e in events[2:]]
 
 
 def test_openai_custom_tools_forced_through_both_apis(oai):

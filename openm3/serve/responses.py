@@ -18,6 +18,7 @@ Errors are OpenAI's error bodies, as on the other endpoints.
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -255,12 +256,55 @@ CANCEL_WAIT_S = 10.0  # how long a cancel request waits for the generation to st
 UNFINISHED = ("queued", "in_progress")  # a background response's statuses before it ends
 
 
+REPLAYS = 64  # finished streamed background responses whose events `GET ...?stream=true` can still replay
+
+
+def _error_event(message: str) -> dict:
+    return {"type": "error", "code": "server_error", "message": message, "param": None}
+
+
+class EventLog:
+    """A streamed background response's events, appended by the thread generating it and read, from any position
+    and by any number of readers, until it is closed."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.closed = False
+        self._cond = threading.Condition()
+
+    def put(self, event: dict) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def replay(self, put: Callable[[dict], None], start: int, stop: threading.Event) -> None:
+        """`put`s the events from index `start` on as they come, until the log is closed and read to its end or
+        `stop` is set (the reader went away; the generation goes on)."""
+        i = start
+        while not stop.is_set():
+            with self._cond:
+                self._cond.wait_for(lambda: len(self.events) > i or self.closed, timeout=0.5)
+                new, done = self.events[i:], self.closed
+            for event in new:
+                put(event)
+            i += len(new)
+            if done and not new:
+                return
+
+
 class _Background:
-    """A background response in flight: the event that stops it and the thread generating it."""
+    """A background response in flight: the event that stops it, the thread generating it and, for a streamed
+    one, the log of its events."""
 
     def __init__(self):
         self.cancel = threading.Event()
         self.thread: threading.Thread | None = None
+        self.log: EventLog | None = None
 
 
 def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, check_model: Callable, run: Callable,
@@ -273,6 +317,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
     `store`."""
 
     running: dict[str, _Background] = {}  # background responses in flight, by id
+    replays: collections.OrderedDict[str, EventLog] = collections.OrderedDict()  # finished streamed ones' events
 
     def missing(response_id: str) -> Exception:
         return api_error(f"response_id: no stored response {response_id!r} (this server keeps the last "
@@ -285,8 +330,20 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
         return found
 
     @app.get(RESPONSES_PATH + "/{response_id}")
-    def get_response(response_id: str):
-        return stored(response_id, store.get)
+    def get_response(response_id: str, stream: bool = False, starting_after: int | None = None):
+        """The stored response; with `stream=true` a background response made with `stream: true` is streamed
+        again, from its first event or the one after sequence number `starting_after` (a client that lost its
+        connection resumes there), live while it generates."""
+        if not stream:
+            return stored(response_id, store.get)
+        job = running.get(response_id)
+        log = job.log if job is not None else replays.get(response_id)
+        if log is None:
+            stored(response_id, store.get)  # a 404 when there is no such response at all
+            raise api_error(f"stream: only a background response made with stream: true can be streamed again "
+                            f"(this server keeps the events of the last {REPLAYS} such responses)", "stream")
+        start = 0 if starting_after is None else starting_after + 1
+        return sse(lambda put, stop: log.replay(put, start, stop), named_events=True, error_chunk=_error_event)
 
     @app.get(RESPONSES_PATH + "/{response_id}/input_items")
     def get_input_items(response_id: str):
@@ -384,6 +441,47 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
             prompt, images = fitted(req, items, tools, prompt, images)
         return prompt, images, items, own, parse_calls, tools
 
+    def launch(rid: str, generate: Callable, keep: Callable[[dict], dict], response: Callable, streamed: bool) -> Any:
+        """Starts a background response: stored as "queued", generated in a thread by `generate` (`complete(cancel,
+        on_start)`, or `produce(put, cancel, settle)` for a streamed one, whose events also go to an `EventLog` that
+        this request and later `GET ...?stream=true` calls read), its final state stored unless it was deleted
+        meanwhile. Returns the queued response, or the stream of its events."""
+        job = _Background()
+        if streamed:
+            job.log = EventLog()
+
+        def settle(final: dict) -> dict:
+            if running.get(rid) is job:  # not deleted meanwhile
+                keep(final)
+            return final
+
+        def work() -> None:
+            try:
+                if streamed:
+                    settle(response("in_progress", []))
+                    generate(job.log.put, job.cancel, settle)
+                else:
+                    settle(generate(job.cancel, lambda: settle(response("in_progress", []))))
+            except Exception as e:  # noqa: BLE001 - the stored response (and the stream) say what went wrong
+                settle({**response("failed", []), "error": {"code": "server_error", "message": str(e)}})
+                if streamed:
+                    job.log.put(_error_event(f"generation failed: {e}"))
+            if running.pop(rid, None) is not job:  # deleted meanwhile: not even its in-progress state may stay
+                store.delete(rid)
+            if streamed:
+                replays[rid] = job.log
+                while len(replays) > REPLAYS:
+                    replays.popitem(last=False)
+                job.log.close()
+
+        queued = keep(response("queued", []))
+        running[rid] = job
+        job.thread = threading.Thread(target=work, name=f"openm3-{rid}", daemon=True)
+        job.thread.start()
+        if streamed:
+            return sse(lambda put, stop: job.log.replay(put, 0, stop), named_events=True, error_chunk=_error_event)
+        return queued
+
     @app.post(RESPONSES_PATH + "/input_tokens")
     def input_tokens(req: ResponsesRequest):
         """OpenAI's input token count: the prompt a Responses request with this body would run on (stored earlier
@@ -396,9 +494,6 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
         if req.background and not req.store:
             raise api_error("background: a background response must be stored (store: true), since GET is how its "
                             "result is read", "background")
-        if req.background and req.stream:
-            raise api_error(f"stream: this server does not stream background responses; send background: true "
-                            f"without stream and poll GET {RESPONSES_PATH}/{{id}}", "stream")
         if req.background and store.capacity == 0:
             raise api_error("background: this server stores no responses (--stored-responses 0), so a background "
                             "response could not be read back", "background")
@@ -481,34 +576,12 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
                 return response("cancelled", output)
             return response(status_of(finish), output, finish)
 
-        if req.background:
-            job = _Background()
-
-            def admitted() -> None:
-                if running.get(rid) is job:  # not deleted meanwhile
-                    keep(response("in_progress", []))
-
-            def work() -> None:
-                try:
-                    final = complete(job.cancel, admitted)
-                except Exception as e:  # noqa: BLE001 - the stored response says what went wrong
-                    final = {**response("failed", []), "error": {"code": "server_error", "message": str(e)}}
-                if running.get(rid) is job:
-                    keep(final)
-                    running.pop(rid, None)
-                else:  # deleted meanwhile: not even its in-progress state may stay behind
-                    store.delete(rid)
-
-            queued = keep(response("queued", []))
-            running[rid] = job
-            job.thread = threading.Thread(target=work, name=f"openm3-{rid}", daemon=True)
-            job.thread.start()
-            return queued
-
-        if not req.stream:
+        if not req.stream and not req.background:
             return keep(complete())
 
-        def produce(put, cancelled) -> None:
+        def produce(put, cancelled, settle: Callable[[dict], dict] = keep) -> None:
+            """Streams the response's events through `put`, stopping when `cancelled` is set (a background
+            response's cancel: stored as "cancelled"); `settle` stores the final response."""
             seq = iter(range(1 << 62))
 
             def emit(kind: str, **fields) -> None:
@@ -579,8 +652,10 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
                 emit(f"response.{kind}.done", item_id=item["id"], output_index=index, **{field: item[field]})
                 emit("response.output_item.done", output_index=index, item=item)
                 output.append(item)
-            final = keep(response(status_of(finish), output, finish))
+            final = settle(response("cancelled", output) if req.background and cancelled.is_set() else
+                           response(status_of(finish), output, finish))
             emit("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
 
-        return sse(produce, named_events=True,
-                   error_chunk=lambda m: {"type": "error", "code": "server_error", "message": m, "param": None})
+        if req.background:
+            return launch(rid, produce if req.stream else complete, keep, response, req.stream)
+        return sse(produce, named_events=True, error_chunk=_error_event)
