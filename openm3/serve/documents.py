@@ -93,22 +93,22 @@ def titled(text: str, *titles: Any) -> list[dict]:
     return heading(*titles) + [{"type": "text", "text": text}, {"type": "text", "text": "\n\n"}]
 
 
-def openai_file_parts(part: dict, where: str, field: str = "file_data") -> list[dict]:
+def openai_file_parts(part: dict, where: str) -> list[dict]:
     """OpenAI's file part (Chat Completions' `file` object or a Responses `input_file` part, given as the dict
     holding `file_data` / `file_id` / `file_url` / `filename`) as template text parts."""
-    if part.get(field) is None:
+    data = part.get("file_data")
+    if data is None:
         if part.get("file_id") is not None:
-            raise ValueError(f"{where}.file_id: this server keeps no files; send {field} as a base64 data URL "
+            raise ValueError(f"{where}.file_id: this server keeps no files; send file_data as a base64 data URL "
                              f"({_FILE_DATA})")
         if part.get("file_url") is not None:
-            raise ValueError(f"{where}.file_url: this server fetches nothing; send {field} as a base64 data URL")
-        raise ValueError(f"{where}.{field}: expected the file as a base64 data URL ({_FILE_DATA})")
-    data = part[field]
+            raise ValueError(f"{where}.file_url: this server fetches nothing; send file_data as a base64 data URL")
+        raise ValueError(f"{where}.file_data: expected the file as a base64 data URL ({_FILE_DATA})")
+    name = f"{where}.file_data"
     if isinstance(data, str) and not data.startswith("data:"):  # bare base64: a PDF or text by its bytes
         filename = part.get("filename") if isinstance(part.get("filename"), str) else ""
-        raw = decode_base64(data, f"{where}.{field}")
-        kind = PDF if raw[:5] == b"%PDF-" or filename.lower().endswith(".pdf") else "text/plain"
-        text = file_text(raw, kind, f"{where}.{field}")
+        raw = decode_base64(data, name)
+        text = file_text(raw, PDF if raw[:5] == b"%PDF-" or filename.lower().endswith(".pdf") else "text/plain", name)
     else:
-        text = data_url_text(data, f"{where}.{field}")
+        text = data_url_text(data, name)
     return titled(text, part.get("filename"))
