@@ -206,3 +206,38 @@ def test_bad_custom_tools_are_400s_naming_the_entry(tok, tool, where):
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert where in message and "Value error" not in message, message
+
+
+def test_a_codex_shaped_turn_and_its_follow_up(tok):
+    """The body an agent like Codex sends to the Responses API (a strict function, a custom apply_patch with its
+    Lark grammar, reasoning settings, store false, encrypted reasoning asked for, a prompt cache key, verbosity),
+    streamed; then the next turn with everything sent back: reasoning, message, custom call and output, function
+    call and output."""
+    backend, client = patching(tok)
+    shell = {"type": "function", "name": "shell", "description": "Runs a command.", "strict": False,
+             "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {
+                 "type": "string"}}, "workdir": {"type": "string"}}, "required": ["command"],
+                 "additionalProperties": False}}
+    body = {"model": NAME, "instructions": "You are a coding agent.", "tools": [shell, APPLY_PATCH],
+            "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
+            "store": False, "stream": True, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "abc",
+            "text": {"verbosity": "medium"},
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix f."}]}]}
+    events = named_events(client.post("/v1/responses", json=body))
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and final["store"] is False
+    call = final["output"][-1]
+    assert call["type"] == "custom_tool_call" and call["input"] == PATCH
+    assert client.get(f"/v1/responses/{final['id']}").status_code == 404  # store: false
+    follow = body["input"] + [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Look."}],
+         "encrypted_content": None},
+        {**final["output"][0]}, {**call},
+        {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "Done!"},
+        {"type": "function_call", "call_id": "call_2", "name": "shell", "arguments": '{"command": ["pytest"]}'},
+        {"type": "function_call_output", "call_id": "call_2", "output": "1 passed"}]
+    events = named_events(client.post("/v1/responses", json={**body, "input": follow}))
+    assert events[-1]["type"] == "response.completed"
+    prompt = tok.decode(backend.prompts[-1])
+    for text in ("Look.", "*** Begin Patch", "Done!", "pytest", "1 passed"):
+        assert text in prompt, text
