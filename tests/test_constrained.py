@@ -192,6 +192,60 @@ def test_a_reasoning_block_cannot_end_the_output_before_the_answer():
     assert c.pick(logits, SamplingParams()) == EOS
 
 
+class Bracketed:
+    """A toy grammar: `[`, 1 to 3 digits, `]`. State: None before `[`, then the digits read, then "done"."""
+
+    start = "open"
+
+    def advance(self, state, data: bytes):
+        for b in data:
+            if state == "open":
+                state = 0 if b == ord("[") else None
+            elif isinstance(state, int) and chr(b).isdigit() and state < 3:
+                state += 1
+            elif isinstance(state, int) and b == ord("]") and state >= 1:
+                state = "done"
+            else:
+                return None
+        return state
+
+    def complete(self, state) -> bool:
+        return state == "done"
+
+    def can_continue(self, state) -> bool:
+        return state != "done"
+
+
+def test_a_trigger_token_opens_the_grammar_each_time_and_text_around_is_free():
+    """With `trigger` the text is free (stops too) until the trigger is sampled; from it the grammar holds (no stop,
+    refused tokens masked) until its document is whole; then free again, and the next trigger opens it anew."""
+    pieces = [None, None, None, b"[", b"]", b"1", b"12", b"a", b" "]
+    ids = {p: t for t, p in enumerate(pieces)}
+    c = GrammarConstraint(TransitionCache(Bracketed(), TokenBytes(pieces)), [EOS], think=(T0, T1),
+                          trigger=ids[b"["])
+    sampling = SamplingParams()
+
+    def pick(*wanted: int) -> int:  # the model's preferences, most wanted first
+        logits = torch.zeros(len(pieces))
+        for rank, token in enumerate(wanted):
+            logits[token] = 50.0 - rank
+        return c.pick(logits, sampling)
+
+    assert pick(ids[b"a"]) == ids[b"a"] and c.phase == "free" and c.complete
+    assert pick(T0) == T0 and pick(ids[b"["]) == ids[b"["] and c.phase == "thinking"  # reasoning: no grammar
+    assert pick(T1) == T1 and c.phase == "free"
+    for _ in range(2):  # two calls, text between them
+        assert pick(ids[b"["]) == ids[b"["] and c.phase == "grammar" and not c.complete
+        assert pick(EOS, ids[b"a"], ids[b"]"], ids[b"12"]) == ids[b"12"]  # no stop, no text, no empty call
+        assert pick(ids[b"12"], ids[b"]"]) == ids[b"]"]  # a fourth digit is refused
+        assert c.phase == "free" and c.complete
+        assert pick(ids[b" "]) == ids[b" "]
+    assert pick(EOS) == EOS  # outside a call a stop ends the output
+    with pytest.raises(ValueError, match="does not begin with token"):
+        GrammarConstraint(TransitionCache(Bracketed(), TokenBytes(pieces)), [EOS], trigger=ids[b"a"]).pick(
+            torch.nn.functional.one_hot(torch.tensor(ids[b"a"]), len(pieces)).float() * 50, sampling)
+
+
 def test_a_constraint_needs_a_stop_token():
     with pytest.raises(ValueError, match="stop_tokens"):
         GrammarConstraint(TransitionCache(Digits(2), TokenBytes(PIECES)), [])

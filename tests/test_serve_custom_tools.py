@@ -241,3 +241,26 @@ def test_a_codex_shaped_turn_and_its_follow_up(tok):
     prompt = tok.decode(backend.prompts[-1])
     for text in ("Look.", "*** Begin Patch", "Done!", "pytest", "1 passed"):
         assert text in prompt, text
+
+
+def test_constrain_tool_calls_makes_every_unforced_call_well_formed(tok):
+    """`constrain_tool_calls` (`openm3 serve --constrain-tool-calls`): under tool_choice auto, a random model pushed
+    to open tool-call blocks (a logit bias on the block's start token) writes well-formed calls whose custom input
+    follows its grammar; without it the same request writes none that parse."""
+    from openm3.data.tokenizer import TOOL_CALL_START
+
+    tool = {"type": "custom", "custom": {"name": "emit", "format": {"type": "grammar", "grammar": {
+        "syntax": "regex", "definition": "[0-9]{3}"}}}}
+    start = tok.special_ids[TOOL_CALL_START]
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Call it."}], "tools": [tool], "max_tokens": 160,
+            "logit_bias": {str(start): 100}, "reasoning_effort": "none"}
+    found = {}
+    for on in (True, False):
+        client = TestClient(create_app(ModelBackend(tiny_model(tok, 2048)), tok, model_name=NAME,
+                                       max_total_tokens=2048, constrain_tool_calls=on))
+        found[on] = [client.post("/v1/chat/completions", json={**body, "seed": seed}).json()["choices"][0]
+                     for seed in range(2)]
+    for choice in found[True]:
+        calls = choice["message"].get("tool_calls") or []
+        assert calls and all(re.fullmatch("[0-9]{3}", c["custom"]["input"]) for c in calls), choice
+    assert not any(choice["message"].get("tool_calls") for choice in found[False])

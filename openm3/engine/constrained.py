@@ -31,6 +31,10 @@ token, as vLLM applies it after the reasoning parser's end. The block itself is 
 end the output: a stop token is refused inside it while the grammar still owes a document, so a forced tool call or
 a schema's JSON always follows the reasoning unless the token limit cuts it (vLLM lets a stop end the output there,
 an answer the request asked for then missing; a random model does that often).
+
+With a `trigger` token the grammar applies only from that token on, and again each time it is sampled: the text
+around is free, and each stretch from the trigger to the grammar's whole document follows the grammar (tool calls
+under `tool_choice: auto`: free text, but every call the model opens is well formed).
 """
 
 from __future__ import annotations
@@ -359,10 +363,12 @@ class GrammarConstraint:
     once the output is a whole document; think: (start, end) token ids of a reasoning block the answer may open
     with before the grammar applies (None: the grammar applies from the first token); thinking: the prompt has
     opened that block already (the grammar applies after its end token); lazy_checks: tokens checked one by
-    one in a pick before the state's full mask decides it instead."""
+    one in a pick before the state's full mask decides it instead; trigger: a token from which on the grammar
+    applies, once per time it is sampled (None: from the first token, once; see the module docstring)."""
 
     def __init__(self, transitions: TransitionCache, stop_tokens: Sequence[int],
-                 think: tuple[int, int] | None = None, thinking: bool = False, lazy_checks: int = 512):
+                 think: tuple[int, int] | None = None, thinking: bool = False, lazy_checks: int = 512,
+                 trigger: int | None = None):
         self.transitions = transitions
         self.lazy_checks = lazy_checks
         self.full_masks = 0  # picks that the full mask decided
@@ -373,6 +379,9 @@ class GrammarConstraint:
         self._stops: torch.Tensor | None = None  # `_stops_on`'s tensor
         self.state = self.grammar.start
         self.phase = "start" if think is not None else "grammar"  # 'start' -> ('thinking' ->) 'grammar'
+        self.trigger = trigger
+        if trigger is not None:  # 'free' -> (the trigger) 'grammar' -> (a whole document) 'free' ...
+            self.phase = "thinking" if thinking else "free"
         if not self.stop_tokens:
             raise ValueError("stop_tokens: a constrained request needs a stop token to end on")
         if thinking:
@@ -383,7 +392,7 @@ class GrammarConstraint:
     def read(self, data: bytes) -> None:
         """Advances over text the output already holds (an assistant prefill the answer continues); ValueError
         when the grammar refuses it."""
-        if not data:
+        if not data or self.phase == "free":  # free text: nothing to check
             return
         if self.phase == "thinking":
             raise ValueError("cannot be read inside a think block")
@@ -394,7 +403,9 @@ class GrammarConstraint:
 
     @property
     def complete(self) -> bool:
-        """The output so far is a whole document (reasoning aside)."""
+        """The output so far is a whole document (reasoning aside; with a trigger: no document is open)."""
+        if self.trigger is not None:
+            return self.phase != "grammar"
         return self.phase != "thinking" and self.grammar.complete(self.state)
 
     def pick(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None,
@@ -404,15 +415,21 @@ class GrammarConstraint:
         min_p times the most likely allowed one are dropped before top-k / top-p (sampled picks only)."""
         if not 0 <= min_p <= 1:
             raise ValueError(f"min_p must lie in [0, 1], got {min_p!r}")
-        if self.phase == "thinking":
-            if not self.grammar.complete(self.state):  # the answer is still owed: no stop inside the block
-                logits = logits.index_fill(0, self._stops_on(logits.device), float("-inf"))
-            if min_p and not sampling.greedy:  # no grammar inside the think block: over the whole row
+        if self.phase in ("thinking", "free"):
+            if self.trigger is None and not self.grammar.complete(self.state):  # the answer is still owed: no
+                logits = logits.index_fill(0, self._stops_on(logits.device), float("-inf"))  # stop in the block
+            if min_p and not sampling.greedy:  # no grammar in free text: over the whole row
                 logits = logits.masked_fill(logits < logits.max() + sampling.temperature * math.log(min_p),
                                             float("-inf"))
             token = int(sample(logits[None], sampling, generator)[0])
-            if token == self.think[1]:
-                self.phase = "grammar"
+            if self.phase == "thinking" and token == self.think[1]:
+                self.phase = "grammar" if self.trigger is None else "free"
+            elif self.phase == "free" and self.think is not None and token == self.think[0]:
+                self.phase = "thinking"  # a trigger inside the think block is the model's reasoning
+            elif self.phase == "free" and token == self.trigger:
+                self.state, self.phase = self.transitions.next(self.grammar.start, token), "grammar"
+                if self.state is None:
+                    raise ValueError(f"trigger: the grammar does not begin with token {token}")
             return token
         row = logits.float().cpu().masked_fill(~self._allowed_first(), float("-inf"))  # one host copy per step
         self._plain_now = self.transitions.takes_plain_text(self.state)
@@ -426,6 +443,8 @@ class GrammarConstraint:
         self.phase = "grammar"
         if token not in self.stop_tokens:
             self.state = self.transitions.next(self.state, token)
+            if self.trigger is not None and self.grammar.complete(self.state):  # the document is whole: free again
+                self.state, self.phase = self.grammar.start, "free"
         return token
 
     # ------------------------------------------------------------------ internals

@@ -314,19 +314,19 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check_model: Callabl
             raise api_error("give output_config.format or output_format, not both", "output_format")
         fmt = req.output_format or (req.output_config.format if req.output_config else None)
         kind = (req.tool_choice or {}).get("type", "auto")
+        tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
+                 for t in _tools(req) or []]
         if kind in ("any", "tool"):
             if fmt is not None:
                 raise api_error("give a forced tool call (tool_choice) or an output format, not both", "tool_choice")
-            tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
-                     for t in _tools(req) or []]
             def spec() -> OutputSpec:
                 return OutputSpec.forced_call(tools, req.tool_choice.get("name") if kind == "tool" else None,
                                               parallel=not _one_call(req))
 
             return constraint_maker(spec, "tool_choice", prompt, prefill)()
-        if fmt is None:
-            return None
-        return constraint_maker(lambda: OutputSpec(fmt.schema_), "output_format", prompt, prefill)()
+        auto = (tools, not _one_call(req)) if tools and kind == "auto" else None
+        return constraint_maker(lambda: None if fmt is None else OutputSpec(fmt.schema_), "output_format", prompt,
+                                prefill, auto)()
 
     @app.post(MESSAGES_PATH)
     def messages(req: MessagesRequest):

@@ -142,7 +142,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                model_aliases: Sequence[str] = (), default_template_variables: dict | None = None,
                default_sampling: dict | None = None,
                reasoning_parser: str = "m3", api_key: str | None = None, stored_responses: int = 1024,
-               responses_dir: str | None = None):
+               responses_dir: str | None = None, constrain_tool_calls: bool = False):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
     chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
     None renders with openm3's built-in M3 template. model_aliases: more names requests may give the model (vLLM's
@@ -157,7 +157,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     api_key: as vLLM's `--api-key`, requests under `/v1` must carry it (`Authorization: Bearer KEY`, or
     Anthropic's `x-api-key: KEY`), else a 401.
     stored_responses: Responses API responses kept in memory for `previous_response_id` (the last ones; 0: none);
-    responses_dir: a directory where they are kept on disk too, and read back at start (None: memory only)."""
+    responses_dir: a directory where they are kept on disk too, and read back at start (None: memory only).
+    constrain_tool_calls: under `tool_choice` auto, every tool-call block the model opens follows the tools' call
+    grammar (a custom tool's input its grammar), the text around stays free; each such request then picks its
+    tokens on the host, as structured outputs do (slower steps; off by default, as vLLM leaves auto calls free)."""
     from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -490,16 +493,23 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     structured = StructuredOutputs(tokenizer)
 
     def constraint_maker(spec_of: Callable[[], OutputSpec | None], param: str,
-                         chat_prompt_ids: list[int] | None = None, prefill: str = ""
+                         chat_prompt_ids: list[int] | None = None, prefill: str = "",
+                         auto_calls: tuple[list[dict], bool] | None = None
                          ) -> Callable[[], GrammarConstraint | None]:
         """Makes each choice's constraint for what the answer must be (`structured.py`): `spec_of()` gives the
         `OutputSpec` (its ValueError becomes the 400; None: plain text, no constraint). A chat answer
         (`chat_prompt_ids` given) may open with its think block when the reasoning parser is on. prefill: the
         answer's given start (a continued final message, Anthropic's prefill), which each constraint reads first
         (no think block then); a 400 naming messages if the grammar refuses it. A 400 naming `param` for a spec
-        the grammar cannot honour or a backend that cannot constrain."""
+        the grammar cannot honour or a backend that cannot constrain. auto_calls: (the tools as a forced call's
+        grammar takes them, parallel calls allowed) of a request whose model may call them (`tool_choice` auto):
+        with `constrain_tool_calls` (and a backend that constrains) each call block it opens follows their
+        grammar, the text around stays free."""
         try:
             spec = spec_of()
+            if spec is None and auto_calls is not None and auto_calls[0] and constrain_tool_calls \
+                    and getattr(backend, "supports_constraints", False):
+                spec = OutputSpec.auto_calls(*auto_calls)
             if spec is None:
                 return lambda: None
             if not getattr(backend, "supports_constraints", False):
@@ -760,7 +770,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         lps = [logprobs_for((req.top_logprobs or 0) if req.logprobs else None, "logprobs") for _ in range(req.n)]
         seeds = choice_seeds(req, req.n)
         constraint_param = "tool_choice" if req.tool_choice not in (None, "auto", "none") else "response_format"
-        constrain = constraint_maker(req.output_spec, constraint_param, prompt, prefill)
+        auto = ([t.call_tool() for t in req.tools], req.parallel_tool_calls) \
+            if req.tools and req.tool_choice in (None, "auto") else None
+        constrain = constraint_maker(req.output_spec, constraint_param, prompt, prefill, auto)
         prediction = tokenizer.encode(req.prediction.text()) if req.prediction is not None else None
         if prediction is not None and len(prediction) > max_total_tokens:
             raise APIError(f"prediction has {len(prediction)} tokens; at most the configured maximum of "

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="m3", choices=["m3", "minimax_m2"],
                    help="the tool-call markup the chat APIs parse: M3's <minimax:tool_call> blocks, which vLLM's "
                    "minimax_m2 parser reads too (the only one: taken so a vLLM launch command carries over)")
+    p.add_argument("--constrain-tool-calls", action="store_true",
+                   help="under tool_choice auto, make every tool-call block the model opens follow the tools' "
+                   "schemas (and a custom tool's input its grammar), as a forced call does; the text around stays "
+                   "free (each such request's tokens are then picked on the host: slower steps)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's switch for tool_choice 'auto'; always on here (accepted, no effect)")
     p.add_argument("--trust-remote-code", action="store_true",
@@ -163,7 +167,8 @@ def build_app(args: argparse.Namespace):
               file=sys.stderr)
     return create_app(backend, tokenizer, model_name=names[0], model_aliases=names[1:], max_total_tokens=limit,
                       chat_template=template, default_template_variables=variables, default_sampling=sampling,
-                      reasoning_parser=VLLM_REASONING_PARSERS.get(args.reasoning_parser, args.reasoning_parser), api_key=args.api_key or None,
+                      reasoning_parser=VLLM_REASONING_PARSERS.get(args.reasoning_parser, args.reasoning_parser),
+                      constrain_tool_calls=args.constrain_tool_calls, api_key=args.api_key or None,
                       stored_responses=args.stored_responses, responses_dir=args.responses_dir)
 
 

@@ -500,7 +500,10 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
         prompt, images, items, own, parse_calls, tools = prompt_for(req)
         max_new = check(req, prompt, "input")
         forced = req.tool_choice not in (None, "auto", "none")
-        constraint = constraint_maker(lambda: _output_spec(req), "tool_choice" if forced else "text", prompt)()
+        auto = ([t.call_tool() for t in req.tools], req.parallel_tool_calls) \
+            if req.tools and req.tool_choice in (None, "auto") else None
+        constraint = constraint_maker(lambda: _output_spec(req), "tool_choice" if forced else "text", prompt,
+                                      auto_calls=auto)()
         stream = text_stream([], [TOOL_CALL_START] if parse_calls else [], prompt)
         lp = logprobs_for(req.logprobs, "include")
 

@@ -40,7 +40,8 @@ class OutputSpec:
     one of `choices` (vLLM's guided choice), text that `regex` matches whole (vLLM's guided regex), text that the
     context-free `grammar` derives (vLLM's guided grammar: Lark's EBNF or GBNF, `cfg_grammar.py`), or a tool-call
     block (`tools`: the tools as JSON, [{"name", "parameters"}]; `tool_name`: that one tool, else any;
-    `max_calls`: most calls in it, None: no bound)."""
+    `max_calls`: most calls in it, None: no bound; `triggered`: the text is free and the block's grammar holds
+    only from each tool-call start the model writes: `openm3 serve --constrain-tool-calls`)."""
 
     schema: Any = None
     strict: bool = False
@@ -50,6 +51,7 @@ class OutputSpec:
     tools: str | None = None
     tool_name: str | None = None
     max_calls: int | None = None
+    triggered: bool = False
 
     @classmethod
     def forced_call(cls, tools: list[dict] | None, name: str | None, parallel: bool = True) -> "OutputSpec":
@@ -58,6 +60,12 @@ class OutputSpec:
         if not tools:
             raise ValueError("forcing a tool call needs tools")
         return cls(tools=json.dumps(tools, sort_keys=True), tool_name=name, max_calls=None if parallel else 1)
+
+    @classmethod
+    def auto_calls(cls, tools: list[dict], parallel: bool = True) -> "OutputSpec":
+        """The calls the model chooses to write under `tool_choice: auto`: free text, and every tool-call block it
+        opens a well-formed one over `tools` (at most one call in a block unless `parallel`)."""
+        return cls(tools=json.dumps(tools, sort_keys=True), max_calls=None if parallel else 1, triggered=True)
 
 
 class JsonSchemaSpec(BaseModel):

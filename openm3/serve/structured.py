@@ -6,8 +6,10 @@ constraint per choice (`openm3.engine.constrained.GrammarConstraint` over `openm
 the schema, one of the given strings, text the pattern matches, or a sentence of the grammar, as with vLLM's
 structured outputs. A forced
 tool call (`tool_choice` 'required' or a named function; Anthropic's `any` / `tool`) constrains the answer to a
-tool-call block in M3's markup (`openm3.engine.tool_grammar`). A chat answer may still open with its think block: the
-grammar applies after it (the reasoning parser splits it off as usual).
+tool-call block in M3's markup (`openm3.engine.tool_grammar`); with `openm3 serve --constrain-tool-calls`, an
+unforced answer's text stays free and each tool-call block the model opens follows the same grammar (a custom tool's
+input its own). A chat answer may still open with its think block: the grammar applies after it (the reasoning
+parser splits it off as usual).
 
 Compiling a schema and the memo of its token transitions are kept for the last `max_grammars` schemas, so an agent
 that sends the same schema with every request pays the checks once.
@@ -48,7 +50,8 @@ class StructuredOutputs:
         ids = self.tokenizer.special_ids
         pair = (ids[THINK_START], ids[THINK_END]) if think else None
         eos = self.tokenizer.eos_id
-        return lambda: GrammarConstraint(transitions, [eos], think=pair, thinking=thinking)
+        trigger = ids[TOOL_CALL_START] if spec.triggered else None
+        return lambda: GrammarConstraint(transitions, [eos], think=pair, thinking=thinking, trigger=trigger)
 
     def _transitions(self, spec: OutputSpec) -> TransitionCache:
         key = json.dumps([spec.schema, spec.strict, spec.choices, spec.regex, spec.grammar, spec.tools,
