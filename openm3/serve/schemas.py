@@ -317,20 +317,29 @@ class CustomCall(BaseModel):
     input: str  # the free-form text a custom tool was called with
 
 
-class ToolCall(BaseModel):
+class _FunctionOrCustom(BaseModel):
+    """OpenAI's shape of a tool reference: `type` ("function" or "custom") names the field that holds it."""
+
+    kind: ClassVar[str] = "tool reference"  # errors name it
+
+    type: Literal["function", "custom"] = "function"
+
+    @model_validator(mode="after")
+    def _its_object(self):
+        if getattr(self, self.type) is None:
+            raise ValueError(f"a {self.kind} of type {self.type!r} needs its {self.type!r} object")
+        return self
+
+
+class ToolCall(_FunctionOrCustom):
     """An assistant message's tool call: a function's (`function`) or a custom tool's (`type: "custom"`,
     `custom`)."""
 
+    kind: ClassVar[str] = "tool call"
+
     id: str | None = None
-    type: Literal["function", "custom"] = "function"
     function: FunctionCall | None = None
     custom: CustomCall | None = None
-
-    @model_validator(mode="after")
-    def _its_call(self) -> "ToolCall":
-        if getattr(self, self.type) is None:
-            raise ValueError(f"a tool call of type {self.type!r} needs its {self.type!r} object")
-        return self
 
     def template_call(self) -> dict:
         """The call as the chat template takes it (a custom tool's text as its one argument)."""
@@ -544,19 +553,14 @@ class NamedFunction(BaseModel):
     name: str = Field(min_length=1)
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_FunctionOrCustom):
     """A named tool to call: `{"type": "function", "function": {"name"}}` or `{"type": "custom", "custom":
     {"name"}}`."""
 
-    type: Literal["function", "custom"] = "function"
+    kind: ClassVar[str] = "tool_choice"
+
     function: NamedFunction | None = None
     custom: NamedFunction | None = None
-
-    @model_validator(mode="after")
-    def _its_name(self) -> "NamedToolChoice":
-        if getattr(self, self.type) is None:
-            raise ValueError(f"a tool_choice of type {self.type!r} needs {{{self.type!r}: {{'name': ...}}}}")
-        return self
 
     @property
     def name(self) -> str:
