@@ -1,10 +1,26 @@
-"""Holding `BatchedGenerator`'s worker at a known point, and calls from several threads at once (shared by CPU
-tests; not a test module)."""
+"""Holding `BatchedGenerator`'s worker at a known point, calls from several threads at once, and the tiny model
+and prompts they run (shared by CPU tests; not a test module)."""
 
 from __future__ import annotations
 
 import threading
 import time
+
+import torch
+
+from openm3.models import M3TextConfig, M3TextModel
+
+
+def tiny_model() -> M3TextModel:
+    """The tiny random text model the batching tests run (seed 0, two kept index blocks)."""
+    torch.manual_seed(0)
+    return M3TextModel(M3TextConfig.from_name("m3-tiny", index_topk_blocks=2)).eval()
+
+
+def random_prompts(model, lens, seed=1) -> list[list[int]]:
+    """Random prompts of the given lengths over the model's vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
 
 
 def run_concurrently(calls):

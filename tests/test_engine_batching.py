@@ -14,19 +14,15 @@ from openm3.engine.batching import BatchedGenerator
 from openm3.engine.sampling import SamplingParams
 from openm3.models import M3TextConfig, M3TextModel
 
-from batching_utils import hold_until_queued, run_concurrently
+from batching_utils import random_prompts, tiny_model, hold_until_queued, run_concurrently
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = M3TextConfig.from_name("m3-tiny", index_topk_blocks=2)
-    return M3TextModel(config).eval()
+    return tiny_model()
 
 
-def _prompts(model, lens, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+_prompts = random_prompts
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])

@@ -18,20 +18,16 @@ from openm3.engine.batching import BatchedGenerator
 from openm3.engine.sampling import SamplingParams, filter_logits
 from openm3.engine.spec_gate import SpeculationGate
 from openm3.engine.speculative import SpeculativeConfig, TokenHistory, ngram_drafts, step_drafts, verify
-from openm3.models import M3TextConfig, M3TextModel
 
-from batching_utils import run_concurrently
+from batching_utils import random_prompts, tiny_model, run_concurrently
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return M3TextModel(M3TextConfig.from_name("m3-tiny", index_topk_blocks=2)).eval()
+    return tiny_model()
 
 
-def _prompts(model, lens, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+_prompts = random_prompts
 
 
 # ---------------------------------------------------------------------------------------------- lookup, config

@@ -196,3 +196,36 @@ def test_cancelling_a_streamed_background_response_ends_its_stream(tok):
     events = named_events(client.get(f"/v1/responses/{rid}", params={"stream": "true"}))
     assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "cancelled"
     assert poll(client, rid)["status"] == "cancelled"
+
+
+class Unadmitted:
+    """A concurrent backend whose requests wait for a place in the batch that never frees (as behind long
+    requests), ending only when the server sets their `abort` event."""
+
+    concurrent = True
+    supports_abort = True
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.waiting, self.aborted = threading.Event(), threading.Event()
+
+    def __call__(self, prompt, *, max_new_tokens, sampling, stop_tokens, seed, on_token, abort=None):
+        self.waiting.set()
+        if abort is not None and abort.wait(30):
+            self.aborted.set()
+            return "abort"
+        return "length"
+
+
+def test_cancelling_a_queued_background_response_ends_it_before_it_is_admitted(tok):
+    backend = Unadmitted(tok.vocab_size)
+    client = make(tok, backend)
+    rid = client.post("/v1/responses", json={"model": NAME, "input": "hi", "background": True}).json()["id"]
+    assert backend.waiting.wait(10)
+    assert client.get(f"/v1/responses/{rid}").json()["status"] == "queued"
+    start = time.monotonic()
+    r = client.post(f"/v1/responses/{rid}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert backend.aborted.wait(5) and time.monotonic() - start < 5  # not the cancel's 10 s wait for a token
+    stored = poll(client, rid)
+    assert stored["status"] == "cancelled" and stored["output"] == []

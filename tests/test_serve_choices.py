@@ -134,7 +134,8 @@ def test_choices_run_together_on_a_concurrent_backend_and_fail_together(tok):
                      raise_server_exceptions=False)
     r = app.post("/v1/completions", json={"model": NAME, "prompt": "x", "n": 3, "max_tokens": 3000, "seed": 7})
     assert r.status_code == 500 and "choice failed" in r.json()["error"]["message"]
-    assert sorted(calls) == [7, 8, 9] and len(sampled) < 1000  # 6,000 tokens (~6 s) had they run on
+    # 6,000 tokens (~6 s) had they run on; a choice not started yet when another failed does not start at all
+    assert set(calls) <= {7, 8, 9} and len(set(calls)) == len(calls) >= 2 and len(sampled) < 1000
 
 
 BAD = [

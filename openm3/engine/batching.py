@@ -16,7 +16,10 @@ prefill beside earlier ones, taking turns, so a short prompt does not wait for a
 at most `prefill_chunks_per_step` chunk forwards (default 1) run between two decode steps, however many groups
 prefill, so a running request's longest gap is one chunk's forward. A request leaves the
 batch after a stop token or `max_new_tokens`, or when its `on_token` raises (the exception is re-raised in its
-caller: that is how a server ends a request early), and its pages go back to the pool at once.
+caller), and its pages go back to the pool at once. A caller that gives up on a request (a client gone, a
+cancelled job) sets its `abort` event: the request ends with finish reason 'abort' wherever it is, before its
+admission if it still waits, between two prefill chunks (its group's prefill stops once every unfinished request
+of the group is aborted) or before its next token, so a prompt nobody waits for any more is not prefilled.
 
 Prefix caching (on by default, `prefix_caching=False` turns it off; `openm3.engine.cache`): every full page a
 request wrote, its prompt's and its answer's, stays cached after it ends until the memory is needed, and a later
@@ -86,6 +89,7 @@ class _Request:
     on_prompt_logprobs: Callable[[list], None] | None = None
     prompt_entries: list = dataclasses.field(default_factory=list)  # PromptLogprob of prompt tokens 1..L-1
     constraint: GrammarConstraint | PenalizedPicker | None = None  # picks its tokens (grammar, penalties)
+    abort: threading.Event | None = None  # set by the caller: end the request where it is (finish 'abort')
     outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
     history: TokenHistory | None = None  # prompt + outputs, where speculative drafts are looked up
     prefilled: bool = False
@@ -125,6 +129,7 @@ class BatchedGenerator:
 
     concurrent = True
     takes_predictions = True  # `draft_context=`: a predicted output's tokens
+    supports_abort = True  # `abort=`: an event that ends the request where it is
     supports_logprobs = True
     supports_constraints = True
 
@@ -190,10 +195,11 @@ class BatchedGenerator:
                  logprobs: int | None = None, on_logprobs: Callable[[float, list], None] | None = None,
                  prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[list], None] | None = None,
                  constraint: GrammarConstraint | PenalizedPicker | None = None,
-                 draft_context: Sequence[int] | None = None) -> str:
+                 draft_context: Sequence[int] | None = None, abort: threading.Event | None = None) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
-        returns 'stop' or 'length' when it ends. images: `(pixel_values, grid_thw)` of the prompt's image
-        placeholders (VL models only). on_cached(n): called once, before the first token, with the number of
+        returns 'stop' or 'length' when it ends, 'abort' when `abort` was set first (see the module docstring:
+        the worker checks it before admitting the request, between prefill chunks and before each token).
+        images: `(pixel_values, grid_thw)` of the prompt's image placeholders (VL models only). on_cached(n): called once, before the first token, with the number of
         prompt tokens the prefix cache held. logprobs (0-20) and on_logprobs(logprob, top): before each
         `on_token`, the token's log probability under the model and the `logprobs` most likely tokens as [(id,
         logprob)] (`sampling.token_logprobs`). prompt_logprobs (0-20) and on_prompt_logprobs(entries): once, before
@@ -220,7 +226,7 @@ class BatchedGenerator:
         req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen, vision,
                        on_cached=on_cached, logprobs=logprobs, on_logprobs=on_logprobs,
                        prompt_logprobs=prompt_logprobs, on_prompt_logprobs=on_prompt_logprobs,
-                       constraint=constraint)
+                       constraint=constraint, abort=abort)
         if self.prefix_caching:  # hashed here, in the caller's thread, not in the worker's
             req.salt = b"" if vision is None else vision.digest()
             req.keys = page_keys(ids, self.cache.layout.page_size, req.salt)
@@ -290,11 +296,23 @@ class BatchedGenerator:
                     item = self._inbox.get_nowait()
             except queue.Empty:
                 pass
+            self._drop_aborted()
             with torch.no_grad():
                 self._admit()
                 self._prefill_round()
                 if self._running or self._launched is not None:
                     self._decode()
+
+    def _drop_aborted(self) -> None:
+        """Ends the waiting and running requests whose `abort` is set (prefill groups check theirs in `_prefill`,
+        where a chunk's rows still name their requests by position)."""
+        if any(_aborted(r) for r in self._waiting):
+            kept = [r for r in self._waiting if not _aborted(r)]
+            for req in [r for r in self._waiting if _aborted(r)]:
+                self._end(req, finish="abort")
+            self._waiting = collections.deque(kept)
+        for req in [r for r in self._running if _aborted(r)]:
+            self._end(req, finish="abort")  # a row of it in a step launched ahead is dropped at hand-over
 
     def _admit(self) -> None:
         """Admits the waiting requests that fit as a new prefill group. With prefix caching, a request whose next
@@ -356,6 +374,12 @@ class BatchedGenerator:
         done samples its first token at once; the group joins the running batch when its last prompt is done, so
         the batch (and its CUDA graph) changes once per group while the running requests decode between chunks."""
         while True:
+            unfinished = [req for req in group.requests if not req.done.is_set()]
+            if all(_aborted(req) for req in unfinished):  # nobody waits for the rest of this prefill
+                for req in unfinished:
+                    self._end(req, finish="abort")
+                self._groups.remove(group)
+                return
             try:
                 chunk = next(group.chunks)
             except Exception as e:  # noqa: BLE001 - the group's unfinished requests fail, the worker goes on
@@ -512,6 +536,9 @@ class BatchedGenerator:
     def _give(self, req: _Request, token: int, row: torch.Tensor) -> bool:
         """Hands one sampled token (sampled from logits `row` [V]) to its request; False when the request ended
         with it."""
+        if _aborted(req):
+            self._end(req, finish="abort")
+            return False
         req.last, req.produced = token, req.produced + 1
         self.generated_tokens += 1
         req.outputs.append(token)
@@ -580,3 +607,7 @@ class BatchedGenerator:
              "plainly (their drafts not expected to pay for a speculative step)",
              sum(g.said_no for g in (self.gate, self.prediction_gate) if g is not None)),
         ])
+
+
+def _aborted(req: _Request) -> bool:
+    return req.abort is not None and req.abort.is_set()

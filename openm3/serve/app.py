@@ -22,6 +22,11 @@ A backend whose `supports_logprobs` is true (both of openm3's) also takes `logpr
 Completions' `logprobs` (and `echo`) and vLLM's `prompt_logprobs` on both return them (`logprobs.py`); for any
 other backend asking for them is a 400.
 
+A backend whose `supports_abort` is true (`BatchedGenerator`) also takes `abort=`, an event the server sets when
+nobody waits for the answer any more (a streaming client disconnected, a background response cancelled, another
+choice of the request failed): the request then ends where it is, without waiting for its next token, so a
+long prompt whose client left is not prefilled to the end.
+
 A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`)
 takes images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded
 into placeholder runs as in training), Chat Completions also vLLM's `video_url` parts (animated images), and call
@@ -34,18 +39,18 @@ the concatenated deltas of a stream equal the non-streamed text. Stop strings en
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import contextlib
 import dataclasses
 import hmac
 import json
-import queue
 import random
 import threading
 import time
 import uuid
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from ..data.chat import parse_tool_calls
 from ..data.chat_template import check_template_variables
@@ -71,7 +76,8 @@ class Backend(Protocol):
     """Generates from token ids, calling `on_token(id)` per sampled token; returns 'stop' | 'length'.
 
     Optional: `vl_config` (an `M3VLConfig`) when it takes images, passed as `images=` (only to requests that
-    have some)."""
+    have some); `supports_abort = True` when it takes `abort=` (a `threading.Event` the server sets when nobody
+    waits for the answer any more; the backend then ends the request where it is and returns 'abort')."""
 
     def __call__(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
                  stop_tokens: Sequence[int], seed: int, on_token: Callable[[int], None]) -> str: ...
@@ -458,10 +464,15 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             extra.update(logprobs=logprobs.top, on_logprobs=logprobs.on_logprobs)
         if prompt_entries is not None:
             extra.update(prompt_logprobs=prompt_entries.top, on_prompt_logprobs=prompt_entries.on_prompt)
+        if cancelled is not None and getattr(backend, "supports_abort", False):
+            extra["abort"] = cancelled  # ends it while it waits or prefills too, not only at its next token
         with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
             try:
-                return backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=stop_ids, seed=seed,
-                               on_token=on_token, **extra)
+                if cancelled is not None and cancelled.is_set():  # given up on while it waited for the lock
+                    return "stop"
+                finish = backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=stop_ids,
+                                 seed=seed, on_token=on_token, **extra)
+                return "stop" if finish == "abort" else finish
             except _Stop:
                 return "stop"
             finally:
@@ -644,23 +655,36 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         """Streams the chunks `produce(put, cancelled)` puts (it runs in a worker thread) as SSE events: Chat
         Completions' `data:` lines closed by `[DONE]`, or events named by each chunk's `type` (Anthropic's
         Messages, OpenAI's Responses). A failure after the status line is sent is reported in the stream as
-        `error_chunk(message)` (default: OpenAI's error body)."""
-        chunks: queue.Queue = queue.Queue()
+        `error_chunk(message)` (default: OpenAI's error body).
+
+        The events are read on the server's event loop (no thread waits on them), so a client that disconnects
+        is noticed at once, while its request still waits for a place or prefills, not only at its next chunk:
+        `cancelled` is set, which ends the generation wherever it is (`run` passes it on as the backend's
+        `abort`)."""
         cancelled = threading.Event()
 
-        def work() -> None:
-            try:
-                produce(chunks.put, cancelled)
-            except Exception as e:  # the status line is sent already: report in the stream
-                message = f"generation failed: {e}"
-                chunks.put(error_chunk(message) if error_chunk else error_body(message, None, kind="server_error"))
-            finally:
-                chunks.put(None)
+        async def events() -> AsyncIterator[str]:
+            loop = asyncio.get_running_loop()
+            chunks: asyncio.Queue = asyncio.Queue()
 
-        def events() -> Iterator[str]:
+            def put(chunk: dict | None) -> None:  # from the generating threads
+                try:
+                    loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+                except RuntimeError:  # the event loop is closed (the server stopped): nobody reads this stream
+                    cancelled.set()
+
+            def work() -> None:
+                try:
+                    produce(put, cancelled)
+                except Exception as e:  # the status line is sent already: report in the stream
+                    message = f"generation failed: {e}"
+                    put(error_chunk(message) if error_chunk else error_body(message, None, kind="server_error"))
+                finally:
+                    put(None)
+
             threading.Thread(target=work, daemon=True).start()
             try:
-                while (chunk := chunks.get()) is not None:
+                while (chunk := await chunks.get()) is not None:
                     if named_events:
                         yield f"event: {chunk['type']}\ndata: {json.dumps(chunk)}\n\n"
                     else:

@@ -575,8 +575,8 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
             reasoning, text_ = stream.split(whole)
             output = [reasoning_item(reasoning)] if reasoning is not None else []
             output += ([message(text_, entries=message_entries())] if text_ or not calls else []) + calls
-            if cancel is not None and cancel.is_set():
-                return response("cancelled", output)
+            if cancel is not None and cancel.is_set():  # no items where it was cancelled before its first token
+                return response("cancelled", output if stream.sampled else [])
             return response(status_of(finish), output, finish)
 
         if not req.stream and not req.background:

@@ -1,0 +1,168 @@
+"""Aborting requests of `BatchedGenerator` (`abort=`, an event its caller sets when nobody waits for the answer any
+more): a waiting request ends without being admitted, a prefill ends between two chunks, a running request before
+its next token; each returns 'abort', its pages go back, and the requests beside it are not disturbed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from openm3.engine import generate
+from openm3.engine.batching import BatchedGenerator
+
+from batching_utils import random_prompts, tiny_model, hold_until_queued, run_concurrently
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+_prompts = random_prompts
+
+
+def _counting_chunks(monkeypatch, on_chunk):
+    """Makes the batcher's prefill call `on_chunk(n)` after its n-th chunk forward (in the worker thread)."""
+    import openm3.engine.batching as batching
+
+    real, count = batching.prefill_chunks, [0]
+
+    def counted(*args, **kwargs):
+        for item in real(*args, **kwargs):
+            count[0] += 1
+            on_chunk(count[0])
+            yield item
+
+    monkeypatch.setattr(batching, "prefill_chunks", counted)
+    return count
+
+
+def test_a_waiting_request_aborted_is_never_admitted(model):
+    first, second = _prompts(model, [20, 30], seed=2)
+    want = generate(model, [first], max_new_tokens=30)[0][0].tokens
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=1)  # the second request waits for the first
+    abort, ended_while_running, got = threading.Event(), [], []
+    sender = []
+
+    def send_second():
+        return gen(second, max_new_tokens=5, abort=abort)
+
+    def on_first(tok):
+        got.append(tok)
+        if len(got) == 2:
+            sender.append(run_in_thread(send_second))
+            hold_until_queued(gen, 1)(tok)  # it is in the inbox: the worker moves it to the waiting queue
+        elif len(got) == 4:
+            abort.set()
+        elif len(got) == 25:
+            ended_while_running.append(sender[0].done.is_set())
+
+    assert gen(first, max_new_tokens=30, on_token=on_first) == "length"
+    sender[0].join()
+    gen.close()
+    assert sender[0].result == "abort"
+    assert ended_while_running == [True]  # it did not wait for the first request to end
+    assert got == want
+    assert gen.prompt_tokens == len(first)  # never admitted: its prompt was not prefilled
+    assert gen.finished == {"length": 1, "abort": 1}
+    assert gen.cache.free_pages == gen.plan.num_pages
+
+
+def test_a_prefill_aborted_between_chunks_stops_and_files_what_it_computed(model, monkeypatch):
+    """An 8-chunk prompt aborted after its third chunk: no fourth chunk runs, and with prefix caching the pages
+    it computed serve a later request with the same prompt (whose tokens are `generate`'s)."""
+    (prompt,) = _prompts(model, [7 * 16 + 5], seed=3)
+    abort = threading.Event()
+    chunks = _counting_chunks(monkeypatch, lambda n: n == 3 and abort.set())
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=2, chunk_size=16)
+    got = []
+    assert gen(prompt, max_new_tokens=4, on_token=got.append, abort=abort) == "abort"
+    assert chunks[0] == 3 and got == []
+    assert gen.cache.free_pages == gen.plan.num_pages
+    cached = []
+    again = []
+    assert gen(prompt, max_new_tokens=4, on_token=again.append, on_cached=cached.append) == "length"
+    gen.close()
+    assert cached == [48]  # the three chunks' full pages
+    assert again == generate(model, [prompt], max_new_tokens=4)[0][0].tokens
+
+
+def test_one_aborted_request_of_a_prefill_group_ends_and_the_others_finish(model, monkeypatch):
+    lead, a, b = _prompts(model, [9, 40, 45], seed=4)
+    want_b = generate(model, [b], max_new_tokens=6)[0][0].tokens
+    abort = threading.Event()
+    # chunk 1 is the lead's prompt; chunks 2-4 hold a and b together (one group): a is aborted after chunk 2
+    _counting_chunks(monkeypatch, lambda n: n == 2 and abort.set())
+    gen = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=32)
+    got_a, got_b = [], []
+    results = []
+
+    def on_lead(tok, held=hold_until_queued(gen, 2)):
+        if not results:
+            results.append(None)
+            threads = [run_in_thread(lambda: gen(a, max_new_tokens=6, on_token=got_a.append, abort=abort)),
+                       run_in_thread(lambda: gen(b, max_new_tokens=6, on_token=got_b.append))]
+            results[0] = threads
+            held(tok)
+
+    assert gen(lead, max_new_tokens=12, on_token=on_lead) == "length"
+    for t in results[0]:
+        t.join()
+    gen.close()
+    assert [t.result for t in results[0]] == ["abort", "length"]
+    assert got_a == [] and got_b == want_b
+    assert gen.cache.free_pages == gen.plan.num_pages
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_a_running_request_aborted_ends_before_its_next_token(model, overlap):
+    prompts = _prompts(model, [25, 30], seed=5)
+    want = [generate(model, [p], max_new_tokens=20)[0][0].tokens for p in prompts]
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=2, overlap=overlap)
+    abort, got = threading.Event(), [[], []]
+
+    def on_first(tok):
+        got[0].append(tok)
+        if len(got[0]) == 5:
+            abort.set()
+
+    results = run_concurrently([
+        lambda: gen(prompts[0], max_new_tokens=20, on_token=on_first, abort=abort),
+        lambda: gen(prompts[1], max_new_tokens=20, on_token=got[1].append)])
+    gen.close()
+    assert results == ["abort", "length"]
+    assert got[0] == want[0][:5] and got[1] == want[1]
+    assert gen.cache.free_pages == gen.plan.num_pages
+
+
+def test_an_abort_set_before_the_call_returns_at_once(model):
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=2)
+    abort = threading.Event()
+    abort.set()
+    got = []
+    assert gen(_prompts(model, [30])[0], max_new_tokens=5, on_token=got.append, abort=abort) == "abort"
+    gen.close()
+    assert got == [] and gen.prompt_tokens == 0 and gen.steps == 0
+
+
+class _Thread(threading.Thread):
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.done = fn, None, threading.Event()
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001
+            self.result = e
+        self.done.set()
+
+    def join(self, timeout=120):
+        super().join(timeout)
+
+
+def run_in_thread(fn) -> _Thread:
+    t = _Thread(fn)
+    t.start()
+    return t
