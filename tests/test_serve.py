@@ -97,8 +97,9 @@ def test_api_key(model, tok):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
     assert client.post("/v1/chat/completions", json=chat, headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.get("/v1/models", headers={"x-api-key": "s3cret"}).status_code == 200
-    r = client.post("/v1/messages", json={**chat, "max_tokens": 2})
+    r = client.post("/v1/messages", json={**chat, "max_tokens": 2}, headers={"X-Request-Id": "t" * 300})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.headers["request-id"] == r.headers["x-request-id"] == "t" * 128  # named, and cut to 128 characters
     assert client.post("/v1/messages", json=chat, headers={"x-api-key": "s3cret"}).status_code == 200
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
     with pytest.raises(ValueError, match="api_key"):

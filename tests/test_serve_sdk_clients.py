@@ -289,3 +289,22 @@ def test_anthropic_tools_this_server_cannot_run_are_refused_with_why(claude, too
     assert "tools.1" in str(e.value) and "input_schema" in str(e.value)
     typed = {**client_tool, "type": "custom"}  # the explicit client-tool type is served
     assert claude.messages.create(model=NAME, max_tokens=4, messages=USER, tools=[typed]).type == "message"
+
+
+def test_each_sdk_reads_the_request_id_of_its_answers(oai, claude):
+    chat = oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat._request_id.startswith("req_")
+    raw = oai.chat.completions.with_raw_response.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        extra_headers={"X-Request-Id": "trace-42"})
+    assert raw.request_id == "trace-42" and raw.parse().choices
+    with oai.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                     stream=True) as stream:
+        assert stream.response.headers["x-request-id"].startswith("req_")
+        assert list(stream)
+    message = claude.messages.with_raw_response.create(model=NAME, max_tokens=3,
+                                                       messages=[{"role": "user", "content": "hi"}])
+    assert message.request_id.startswith("req_") and message.parse().content is not None
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.request_id.startswith("req_")

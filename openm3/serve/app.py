@@ -125,6 +125,9 @@ class APIError(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
 
+REQUEST_ID_CHARS = 128  # a client's X-Request-Id longer than this is cut
+
+
 class _Stop(Exception):
     """Raised from on_token to end a generation (a stop string was found, or the client went away)."""
 
@@ -273,6 +276,17 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             routes = {r.path for r in app.routes if "POST" in getattr(r, "methods", ())}
             path = request.url.path if request.url.path in routes else "other"  # bounded label values
             served[(path, response.status_code)] += 1
+        return response
+
+    @app.middleware("http")  # added last, so outermost: a 401 or a validation error carries it too
+    async def _request_id(request: Request, call_next):
+        """Every answer names its request, as OpenAI's (`x-request-id`, which its SDKs expose as `_request_id`) and
+        Anthropic's (`request-id`) do: the client's `X-Request-Id` when it sent one (vLLM's
+        `--enable-request-id-headers`), else a new `req_...` id, so a client's log line and the server's meet."""
+        rid = request.headers.get("x-request-id", "")[:REQUEST_ID_CHARS] or f"req_{uuid.uuid4().hex}"
+        response = await call_next(request)
+        response.headers["x-request-id"] = rid
+        response.headers["request-id"] = rid
         return response
 
     @app.get("/metrics")
