@@ -467,6 +467,16 @@ def test_repeated_conversation_reports_cached_prompt_tokens(model, tok):
     assert int(samples["openm3:cache_pages_cached"]) > 0
     assert samples['openm3:http_requests_total{path="/v1/chat/completions",status="200"}'] == "2"
     assert "# TYPE openm3:generation_tokens_total counter" in metrics.text
+    # vLLM's request histograms: 5 requests of 4 tokens, each admitted (prefix caching reports admissions)
+    assert "# TYPE openm3:time_to_first_token_seconds histogram" in metrics.text
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens"):
+        assert samples[f"openm3:{name}_count"] == samples[f'openm3:{name}_bucket{{le="+Inf"}}'] == "5", name
+    assert samples["openm3:inter_token_latency_seconds_count"] == str(5 * 3)
+    assert float(samples["openm3:request_generation_tokens_sum"]) == 20
+    assert float(samples["openm3:request_prompt_tokens_sum"]) == 5 * prompt
+    ttft = [int(v) for k, v in samples.items() if k.startswith("openm3:time_to_first_token_seconds_bucket")]
+    assert ttft == sorted(ttft) and ttft[-1] == 5  # cumulative
 
 
 BAD = [

@@ -65,6 +65,7 @@ from .generation_config import sampling_defaults
 from .documents import openai_file_parts
 from .images import data_url_part
 from .logprobs import PromptEntries, TokenLogprobs, vllm_prompt_logprobs
+from .metrics import RequestLatency, prometheus_text
 from .reasoning import ReasoningSplitter
 from .schemas import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, SamplingFields,
                       custom_input, custom_names, error_body, template_messages)
@@ -268,6 +269,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         return {"status": "ok"}
 
     served = collections.Counter()  # POST requests answered, by (path, status); unknown paths as "other"
+    latency = RequestLatency(max_total_tokens)  # per-generation histograms for /metrics (vLLM's names)
 
     @app.middleware("http")
     async def _count(request: Request, call_next):
@@ -298,6 +300,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         rows = [("http_requests_total", "counter", "POST requests answered, by path and status",
                  {f'path="{path}",status="{status}"': n for (path, status), n in sorted(served.items())})]
+        rows += latency.rows()
         rows += backend.metrics() if hasattr(backend, "metrics") else []
         return PlainTextResponse(prometheus_text(rows), media_type="text/plain; version=0.0.4")
 
@@ -444,6 +447,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             constraint = PenalizedPicker(penalties, prompt, sorted(hidden), inner=constraint)
 
         started: list[bool] = []
+        timer = latency.start(len(prompt))
 
         def start() -> None:
             if on_start is not None and not started:
@@ -452,9 +456,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
         def on_cached(n: int) -> None:
             stream.cached = n
+            timer.admitted()
             start()
 
         def on_token(tok: int) -> None:
+            timer.token()
             start()
             stream.sampled += 1
             if tok in hidden and tok != eos:
@@ -480,8 +486,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             extra.update(prompt_logprobs=prompt_entries.top, on_prompt_logprobs=prompt_entries.on_prompt)
         if cancelled is not None and getattr(backend, "supports_abort", False):
             extra["abort"] = cancelled  # ends it while it waits or prefills too, not only at its next token
-        with contextlib.nullcontext() if getattr(backend, "concurrent", False) else lock:
+        concurrent_ = getattr(backend, "concurrent", False)
+        with contextlib.nullcontext() if concurrent_ else lock:
             try:
+                if not concurrent_:  # one request at a time: the lock was its place in the queue
+                    timer.admitted()
                 if cancelled is not None and cancelled.is_set():  # given up on while it waited for the lock
                     return "stop"
                 finish = backend(prompt, max_new_tokens=max_new, sampling=sampling, stop_tokens=stop_ids,
@@ -490,6 +499,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             except _Stop:
                 return "stop"
             finally:
+                timer.end()
                 start()
 
     def logprobs_for(top: int | None, param: str) -> TokenLogprobs | None:
@@ -936,22 +946,6 @@ class CompletionChoice:
                 out["prompt_logprobs"] = vllm_prompt_logprobs(self.stream.tokenizer, self.prompt,
                                                               self.prompt_entries.entries, self.prompt_logprobs)
         return out
-
-
-def prometheus_text(rows) -> str:
-    """Prometheus' text exposition of (name, type, help, value) rows; a dict value holds one sample per label set:
-    its keys are either label strings (`a="x",b="y"`) or plain values of a `reason` label."""
-    out = []
-    for name, kind, text, value in rows:
-        name = f"openm3:{name}"
-        out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-        samples = value.items() if isinstance(value, dict) else [(None, value)]
-        for labels, v in samples:
-            if labels is not None and "=" not in labels:
-                labels = f'reason="{labels}"'
-            v = str(v) if isinstance(v, int) else repr(float(v))  # counters stay exact integers
-            out.append(f"{name}{{{labels}}} {v}" if labels else f"{name} {v}")
-    return "\n".join(out) + "\n"
 
 
 def chat_tool_call(call: dict, custom: frozenset[str]) -> dict:
