@@ -62,6 +62,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from . import anthropic, responses, tokens
 from .generation_config import sampling_defaults
+from .disconnect import DisconnectWatch, client_gone
 from .documents import openai_file_parts
 from .images import data_url_part
 from .logprobs import PromptEntries, TokenLogprobs, vllm_prompt_logprobs
@@ -433,6 +434,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         request's `stop_token_ids`; they are counted but not decoded. A request's logits adjustments
         (`SamplingFields.penalties`) pick its tokens around its constraint, if any (`PenalizedPicker`)."""
         sampling = SamplingParams(req.temperature, req.top_p, req.top_k)
+        if cancelled is None:  # a non-streamed request: stopped when its client disconnects
+            cancelled = client_gone()
         if seed is None:
             seed = req.seed if req.seed is not None else random.getrandbits(31)
         eos = tokenizer.eos_id
@@ -659,7 +662,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         """Runs one job per choice, `job(cancelled)`: all at once on a concurrent backend (the engine decodes them
         together), one after another otherwise; returns their results in order. When one fails the others are
         cancelled, and its exception is raised once they have ended."""
-        cancelled = threading.Event() if cancelled is None else cancelled
+        if cancelled is None:  # a non-streamed request's: set when its client disconnects, or by a failed choice
+            cancelled = client_gone() or threading.Event()
 
         def guarded(job):
             try:
@@ -912,6 +916,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                                    store=responses.ResponseStore(stored_responses, responses_dir))
     tokens.add_token_routes(app, tokenizer=tokenizer, check_model=check_model, max_total_tokens=max_total_tokens,
                             vocab=vocab, prompt_of=prompt_of, api_error=APIError, check_images=chat_media)
+    app.add_middleware(DisconnectWatch)  # outermost: the endpoints below it see client_gone()
     return app
 
 

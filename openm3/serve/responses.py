@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
+from .disconnect import client_gone
 from .documents import openai_file_parts
 from .images import content_of, data_url_part
 from .response_store import ResponseStore
@@ -568,7 +569,9 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
             return final
 
         def complete(cancel: threading.Event | None = None, on_start: Callable[[], None] | None = None) -> dict:
-            """The finished response of an unstreamed generation (status "cancelled" where `cancel` stopped it)."""
+            """The finished response of an unstreamed generation (status "cancelled" where `cancel` stopped it, or
+            its client disconnected first)."""
+            cancel = cancel if cancel is not None else client_gone()
             finish = run(req, prompt, max_new, stream, lambda _k, _t: None, cancel, images=images,
                          constraint=constraint, logprobs=lp, on_start=on_start)
             whole, calls = answer(finish)
