@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the error body.
 
 Only the fields the server honours are declared; unknown fields are ignored, as OpenAI clients send many
-(`user`, `metadata`, ...). Asking for what it cannot give (a forced tool call, `best_of`) is refused with a 400
-naming the field rather than answered without it. Responses are plain dicts built in `app.py`: their shapes are OpenAI's.
+(`user`, `metadata`, ...). Asking for what it cannot give (`best_of`, ...) is refused with a 400 naming the field
+rather than answered without it. Responses are plain dicts built in `app.py`: their shapes are OpenAI's.
 """
 
 from __future__ import annotations
