@@ -10,6 +10,7 @@ import pytest
 
 from openm3.engine import generate
 from openm3.engine.batching import BatchedGenerator
+from openm3.engine.sampling import SamplingParams
 
 from batching_utils import random_prompts, tiny_model, hold_until_queued, run_concurrently
 
@@ -166,3 +167,40 @@ def run_in_thread(fn) -> _Thread:
     t = _Thread(fn)
     t.start()
     return t
+
+
+def test_the_one_request_backend_aborts_between_prefill_chunks_and_tokens(model, monkeypatch):
+    """`openm3 serve --max-batch 1`'s backend (`ModelBackend`, one `generate` per request) takes `abort` too."""
+    from openm3.serve.app import ModelBackend
+
+    import openm3.engine.scheduler as scheduler
+
+    (prompt,) = _prompts(model, [7 * 16 + 5], seed=7)
+    backend = ModelBackend(model, chunk_size=16)
+    forwards, abort = [], threading.Event()
+    real = scheduler._forward
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        if len(forwards) == 3:
+            abort.set()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "_forward", counted)
+    got = []
+    common = dict(sampling=SamplingParams(), stop_tokens=[], seed=0)
+    assert backend(prompt, max_new_tokens=4, on_token=got.append, abort=abort, **common) == "abort"
+    assert len(forwards) == 3 and got == []  # the prompt's 8 chunks stopped after the third
+    monkeypatch.setattr(scheduler, "_forward", real)
+    abort.clear()
+
+    def stop_after_two(tok):
+        got.append(tok)
+        if len(got) == 2:
+            abort.set()
+
+    assert backend(prompt, max_new_tokens=6, on_token=stop_after_two, abort=abort, **common) == "abort"
+    assert got == generate(model, [prompt], max_new_tokens=6)[0][0].tokens[:2]
+    assert backend(prompt, max_new_tokens=2, on_token=got.append, abort=abort, **common) == "abort"  # set before
+    with pytest.raises(ValueError, match="chunk_size"):
+        ModelBackend(model, chunk_size=0)

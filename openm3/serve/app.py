@@ -87,15 +87,19 @@ class Backend(Protocol):
 
 class ModelBackend:
     """Runs `openm3.engine.generate` on one model (its device and dtype pick the kernels): a text model, or a VL
-    model (`vl_config` set) that also takes images."""
+    model (`vl_config` set) that also takes images. chunk_size: prefill tokens per forward; an `abort` set
+    meanwhile ends the request after the chunk in flight (or before its next token)."""
 
     supports_logprobs = True
     supports_constraints = True
+    supports_abort = True
 
     takes_predictions = True  # `draft_context=`: a predicted output's tokens (`generate`'s draft_contexts)
 
-    def __init__(self, model, speculative=None):
-        self.model = model
+    def __init__(self, model, speculative=None, chunk_size: int = 8192):
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.model, self.chunk_size = model, chunk_size
         self.speculative = speculative  # a SpeculativeConfig, or None
         self.vocab_size = text_model(model).config.vocab_size
         self.vl_config = model.config if is_vision_language(model) else None
@@ -104,19 +108,37 @@ class ModelBackend:
                  images: PromptImages | None = None, logprobs: int | None = None,
                  on_logprobs: Callable[[float, list], None] | None = None, prompt_logprobs: int | None = None,
                  on_prompt_logprobs: Callable[[list], None] | None = None,
-                 constraint: GrammarConstraint | None = None, draft_context: list[int] | None = None) -> str:
+                 constraint: GrammarConstraint | None = None, draft_context: list[int] | None = None,
+                 abort: threading.Event | None = None) -> str:
         from ..engine.generate import generate
+
+        def check(_consumed: int = 0) -> None:
+            if abort is not None and abort.is_set():
+                raise _Aborted
+
+        def token(_b: int, tok: int) -> None:
+            check()
+            on_token(tok)
 
         report = None if on_logprobs is None else (lambda _b, lp, top: on_logprobs(lp, top))
         report_prompt = None if on_prompt_logprobs is None else (lambda _b, entries: on_prompt_logprobs(entries))
-        results, _ = generate(self.model, [prompt], max_new_tokens=max_new_tokens, sampling=sampling,
-                              stop_tokens=stop_tokens, seed=seed, on_token=lambda _b, tok: on_token(tok),
-                              max_total_tokens=len(prompt) + max_new_tokens,
-                              images=None if images is None else [images], speculative=self.speculative,
-                              logprobs=logprobs, on_logprobs=report, prompt_logprobs=prompt_logprobs,
-                              on_prompt_logprobs=report_prompt, constraints=[constraint],
-                              draft_contexts=[draft_context])
+        try:
+            check()
+            results, _ = generate(self.model, [prompt], max_new_tokens=max_new_tokens, sampling=sampling,
+                                  stop_tokens=stop_tokens, seed=seed, on_token=token, chunk_size=self.chunk_size,
+                                  on_prefill=None if abort is None else check,
+                                  max_total_tokens=len(prompt) + max_new_tokens,
+                                  images=None if images is None else [images], speculative=self.speculative,
+                                  logprobs=logprobs, on_logprobs=report, prompt_logprobs=prompt_logprobs,
+                                  on_prompt_logprobs=report_prompt, constraints=[constraint],
+                                  draft_contexts=[draft_context])
+        except _Aborted:
+            return "abort"
         return results[0].finish_reason
+
+
+class _Aborted(Exception):
+    """Raised from `ModelBackend`'s callbacks to end `generate` once its request's abort is set."""
 
 
 class APIError(Exception):

@@ -152,7 +152,7 @@ def build_app(args: argparse.Namespace):
     if args.prefill_chunks_per_step < 1:
         raise ValueError(f"--prefill-chunks-per-step: expected >= 1, got {args.prefill_chunks_per_step}")
     if args.max_batch == 1:
-        backend = ModelBackend(model, speculative)
+        backend = ModelBackend(model, speculative, chunk_size=args.chunk_size)
     else:
         budget = args.token_budget if args.token_budget is not None else args.max_batch * limit
         if budget < limit:
