@@ -477,6 +477,8 @@ def test_repeated_conversation_reports_cached_prompt_tokens(model, tok):
     assert float(samples["openm3:request_prompt_tokens_sum"]) == 5 * prompt
     ttft = [int(v) for k, v in samples.items() if k.startswith("openm3:time_to_first_token_seconds_bucket")]
     assert ttft == sorted(ttft) and ttft[-1] == 5  # cumulative
+    live = client.app.state.stats_log.latency.live()  # what the periodic stats line reads
+    assert live == {"in_flight": 0, "waiting": 0, "prompt": 5 * prompt, "generated": 20}
 
 
 BAD = [

@@ -4,10 +4,12 @@ token-length buckets, and a request's clock recording queue, prefill, first-toke
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from openm3.serve.metrics import Histogram, RequestLatency, length_buckets, prometheus_text
+from openm3.serve.stats_log import StatsLog
 
 
 def test_a_histogram_counts_each_value_in_the_first_bucket_that_holds_it():
@@ -62,3 +64,55 @@ def test_a_request_timer_records_each_phase_once():
     unadmitted.end()
     assert latency.queue.snapshot()[2] == 1 and latency.decode.snapshot()[2] == 1
     assert latency.e2e.snapshot()[2] == 2 and latency.ttft.snapshot()[2] == 1
+
+
+def test_the_stats_line_reports_an_intervals_throughput_requests_and_cache():
+    now = [100.0]
+    latency = RequestLatency(max_total_tokens=4096)
+    engine = {"cache_pages": 40, "cache_pages_used": 10, "prompt_tokens_total": 0, "prefix_cache_hit_tokens_total": 0}
+    rows = lambda: [(k, "gauge", "", v) for k, v in engine.items()]  # noqa: E731 - the backend's metrics rows
+    stats = StatsLog(latency, rows, clock=lambda: now[0])
+    assert stats.line() is None  # nothing ran
+    first = latency.start(prompt_tokens=100)
+    first.admitted()
+    for _ in range(5):
+        first.token()
+    latency.start(prompt_tokens=20)  # not placed yet: waiting
+    engine.update(prompt_tokens_total=100, prefix_cache_hit_tokens_total=40)
+    now[0] += 2.0
+    assert stats.line() == ("openm3 stats: prompt 60.0 tokens/s, generation 2.5 tokens/s, running 1 reqs, "
+                            "waiting 1 reqs, cache 25.0% used, prefix cache hits 40.0%")
+    now[0] += 1.0
+    first.end()
+    assert stats.line() == ("openm3 stats: prompt 0.0 tokens/s, generation 0.0 tokens/s, running 0 reqs, "
+                            "waiting 1 reqs, cache 25.0% used")  # the waiting one is still in flight
+
+
+def test_the_stats_thread_prints_while_there_is_work_and_stops():
+    import io
+
+    latency = RequestLatency(max_total_tokens=64)
+    out = io.StringIO()
+    stop = StatsLog(latency).start(0.02, out=out)
+    timer = latency.start(prompt_tokens=8)
+    timer.token()
+    deadline = time.monotonic() + 10
+    while "openm3 stats:" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    timer.end()
+    stop.set()
+    assert "running 1 reqs, waiting 0 reqs" in out.getvalue()  # no backend figures: no cache part
+    assert "cache" not in out.getvalue()
+    with pytest.raises(ValueError, match="interval"):
+        StatsLog(latency).start(0)
+
+
+def test_the_stats_options_parse_and_a_bad_interval_fails_before_the_model_loads(capsys):
+    from openm3.serve.cli import build_parser, main
+
+    args = build_parser().parse_args(["--preset", "m3-tiny", "--disable-log-stats", "--log-stats-interval", "2.5"])
+    assert args.disable_log_stats and args.log_stats_interval == 2.5
+    assert not build_parser().parse_args(["--preset", "m3-tiny"]).disable_log_stats
+    with pytest.raises(SystemExit):
+        main(["--preset", "m3-tiny", "--log-stats-interval", "0"])
+    assert "--log-stats-interval: expected seconds > 0" in capsys.readouterr().err

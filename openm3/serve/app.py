@@ -67,6 +67,7 @@ from .documents import openai_file_parts
 from .images import data_url_part
 from .logprobs import PromptEntries, TokenLogprobs, vllm_prompt_logprobs
 from .metrics import RequestLatency, prometheus_text
+from .stats_log import StatsLog
 from .reasoning import ReasoningSplitter
 from .schemas import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OutputSpec, SamplingFields,
                       custom_input, custom_names, error_body, template_messages)
@@ -293,6 +294,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     served = collections.Counter()  # POST requests answered, by (path, status); unknown paths as "other"
     latency = RequestLatency(max_total_tokens)  # per-generation histograms for /metrics (vLLM's names)
+    app.state.stats_log = StatsLog(latency, getattr(backend, "metrics", None))  # `openm3 serve` starts its thread
 
     @app.middleware("http")
     async def _count(request: Request, call_next):

@@ -71,17 +71,26 @@ class RequestTimer:
         self.arrived = self.last = time.perf_counter()
         self.admitted_at: float | None = None
         self.first: float | None = None
-        self.tokens, self.ended = 0, False
+        self.tokens, self.ended, self.placed = 0, False, False
+        latency._count(in_flight=1, waiting=1, prompt=prompt_tokens)
+
+    def _place(self) -> None:
+        if not self.placed:  # admitted, or (a backend that does not say) its first token came
+            self.placed = True
+            self.latency._count(waiting=-1)
 
     def admitted(self) -> None:
         """It got its place in the batch (a backend that reports admissions: `on_cached`)."""
         if self.admitted_at is None:
             self.admitted_at = time.perf_counter()
             self.latency.queue.observe(self.admitted_at - self.arrived)
+            self._place()
 
     def token(self) -> None:
         now = time.perf_counter()
+        self.latency._count(generated=1)
         if self.first is None:
+            self._place()
             self.first = now
             self.latency.ttft.observe(now - self.arrived)
             if self.admitted_at is not None:
@@ -96,6 +105,7 @@ class RequestTimer:
             return
         self.ended = True
         now, lat = time.perf_counter(), self.latency
+        lat._count(in_flight=-1, waiting=0 if self.placed else -1)
         lat.e2e.observe(now - self.arrived)
         if self.first is not None:
             lat.decode.observe(now - self.first)
@@ -114,9 +124,22 @@ class RequestLatency:
                                                                            for _ in range(5))
         lengths = length_buckets(max(1, max_total_tokens))
         self.prompt_tokens, self.generation_tokens = Histogram(lengths), Histogram(lengths)
+        self._live = {"in_flight": 0, "waiting": 0, "prompt": 0, "generated": 0}
+        self._lock = threading.Lock()
 
     def start(self, prompt_tokens: int) -> RequestTimer:
         return RequestTimer(self, prompt_tokens)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for key, n in deltas.items():
+                self._live[key] += n
+
+    def live(self) -> dict[str, int]:
+        """Requests in flight and waiting for their place (admission, or else their first token) now, and the
+        prompt tokens handed over and tokens sampled so far (for the periodic stats line)."""
+        with self._lock:
+            return dict(self._live)
 
     def rows(self) -> list[tuple[str, str, str, Histogram]]:
         return [
