@@ -318,3 +318,39 @@ def test_overlap_defaults_follow_the_device(model):
         assert parser.parse_args(base).overlap is None
         assert parser.parse_args(base + ["--overlap"]).overlap is True
         assert parser.parse_args(base + ["--no-overlap"]).overlap is False
+
+
+def test_a_request_whose_pick_fails_fails_alone_and_an_unforeseen_failure_ends_all_in_flight(model):
+    """A sampling failure (here a picker that raises, as `torch.multinomial` does on non-finite logits) fails its
+    own request; a failure outside every narrower handler fails the admitted requests instead of leaving their
+    callers waiting on a dead worker, and the worker serves the next request."""
+    from openm3.engine.penalties import Penalties, PenalizedPicker
+
+    class Exploding(PenalizedPicker):
+        def pick(self, row, sampling, gen):
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    prompts = _prompts(model, [20, 24], seed=9)
+    want = generate(model, [prompts[1]], max_new_tokens=6)[0][0].tokens
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=2)
+    got = []
+    results = run_concurrently([
+        lambda: gen(prompts[0], max_new_tokens=6, constraint=Exploding(Penalties(presence=0.5), prompts[0])),
+        lambda: gen(prompts[1], max_new_tokens=6, on_token=got.append)])
+    assert isinstance(results[0], RuntimeError) and "inf, nan" in str(results[0])
+    assert results[1] == "length" and got == want
+
+    real, calls = gen._decode, []
+
+    def broken():  # fails once, at the first step that decodes both requests
+        if len(gen._running) == 2 and not calls:
+            calls.append(1)
+            raise RuntimeError("a bug in the step")
+        real()
+
+    gen._decode = broken
+    results = run_concurrently([lambda: gen(prompts[0], max_new_tokens=40), lambda: gen(prompts[1], max_new_tokens=40)])
+    assert [str(r) for r in results] == ["a bug in the step"] * 2
+    assert gen(prompts[1], max_new_tokens=6, on_token=(again := []).append) == "length" and again == want
+    gen.close()
+    assert gen.cache.free_pages == gen.plan.num_pages

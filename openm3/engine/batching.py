@@ -296,12 +296,31 @@ class BatchedGenerator:
                     item = self._inbox.get_nowait()
             except queue.Empty:
                 pass
-            self._drop_aborted()
-            with torch.no_grad():
-                self._admit()
-                self._prefill_round()
-                if self._running or self._launched is not None:
-                    self._decode()
+            try:
+                self._drop_aborted()
+                with torch.no_grad():
+                    self._admit()
+                    self._prefill_round()
+                    if self._running or self._launched is not None:
+                        self._decode()
+            except Exception as e:  # noqa: BLE001 - unforeseen: fail what is in flight, keep serving
+                self._fail_in_flight(e)
+
+    def _fail_in_flight(self, error: BaseException) -> None:
+        """Ends every admitted request with `error` (a failure no narrower handler caught), so no caller waits
+        forever on a worker that died; the waiting requests stay queued and the worker goes on."""
+        self._launched = None
+        admitted = list(self._running) + [r for g in self._groups for r in g.requests]
+        self._groups.clear()
+        for req in admitted:
+            if req.done.is_set():
+                continue
+            try:
+                self._end(req, error=error)
+            except Exception:  # noqa: BLE001 - its pages may be in an odd state: its caller still hears
+                req.finish, req.error = None, error
+                req.done.set()
+        self._running.clear()
 
     def _drop_aborted(self) -> None:
         """Ends the waiting and running requests whose `abort` is set (prefill groups check theirs in `_prefill`,
@@ -527,10 +546,14 @@ class BatchedGenerator:
             for i, token in zip(greedy, logits.index_select(0, rows).argmax(dim=-1).tolist()):
                 tokens[i] = token
         for req, row, token in zip(batch, logits, tokens):
-            if req.constraint is not None:
-                token = req.constraint.pick(row, req.sampling, req.gen)
-            elif token is None:  # its own generator: the draws `generate` would make for it alone
-                token = int(sample(row[None], req.sampling, req.gen)[0])
+            try:
+                if req.constraint is not None:
+                    token = req.constraint.pick(row, req.sampling, req.gen)
+                elif token is None:  # its own generator: the draws `generate` would make for it alone
+                    token = int(sample(row[None], req.sampling, req.gen)[0])
+            except Exception as e:  # noqa: BLE001 - e.g. a row of non-finite logits: this request fails alone
+                self._end(req, error=e)
+                continue
             self._give(req, token, row)
 
     def _give(self, req: _Request, token: int, row: torch.Tensor) -> bool:
