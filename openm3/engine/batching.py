@@ -199,8 +199,8 @@ class BatchedGenerator:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
         returns 'stop' or 'length' when it ends, 'abort' when `abort` was set first (see the module docstring:
         the worker checks it before admitting the request, between prefill chunks and before each token).
-        images: `(pixel_values, grid_thw)` of the prompt's image placeholders (VL models only). on_cached(n): called once, before the first token, with the number of
-        prompt tokens the prefix cache held. logprobs (0-20) and on_logprobs(logprob, top): before each
+        images: `(pixel_values, grid_thw)` of the prompt's image placeholders (VL models only). on_cached(n):
+        called once, before the first token, with the number of prompt tokens the prefix cache held. logprobs (0-20) and on_logprobs(logprob, top): before each
         `on_token`, the token's log probability under the model and the `logprobs` most likely tokens as [(id,
         logprob)] (`sampling.token_logprobs`). prompt_logprobs (0-20) and on_prompt_logprobs(entries): once, before
         the first token, `sampling.PromptLogprob` (logprob, top, rank) of every prompt token after the first (the
