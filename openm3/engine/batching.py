@@ -197,19 +197,19 @@ class BatchedGenerator:
                  constraint: GrammarConstraint | PenalizedPicker | None = None,
                  draft_context: Sequence[int] | None = None, abort: threading.Event | None = None) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
-        returns 'stop' or 'length' when it ends, 'abort' when `abort` was set first (see the module docstring:
-        the worker checks it before admitting the request, between prefill chunks and before each token).
-        images: `(pixel_values, grid_thw)` of the prompt's image placeholders (VL models only). on_cached(n):
-        called once, before the first token, with the number of prompt tokens the prefix cache held. logprobs (0-20) and on_logprobs(logprob, top): before each
-        `on_token`, the token's log probability under the model and the `logprobs` most likely tokens as [(id,
-        logprob)] (`sampling.token_logprobs`). prompt_logprobs (0-20) and on_prompt_logprobs(entries): once, before
-        the first token, `sampling.PromptLogprob` (logprob, top, rank) of every prompt token after the first (the
-        whole prompt is then computed, not read from the prefix cache). constraint: a `GrammarConstraint`
-        (`openm3.engine.constrained`) or a `PenalizedPicker` (`openm3.engine.penalties`) that picks this request's
-        tokens (structured outputs, logit bias and penalties; speculative drafts are kept while they equal its
-        picks). draft_context: token ids the
-        speculative drafts may also be looked up in (a predicted output; without `speculative`, this request
-        looks drafts up with `prediction_speculative`, the others beside it do not).
+        returns 'stop' or 'length' when it ends, 'abort' when `abort` was set first (see the module docstring: the
+        worker checks it before admitting the request, between prefill chunks and before each token). images:
+        `(pixel_values, grid_thw)` of the prompt's image placeholders (VL models only). on_cached(n): called once,
+        before the first token, with the number of prompt tokens the prefix cache held. logprobs (0-20) and
+        on_logprobs(logprob, top): before each `on_token`, the token's log probability under the model and the
+        `logprobs` most likely tokens as [(id, logprob)] (`sampling.token_logprobs`). prompt_logprobs (0-20) and
+        on_prompt_logprobs(entries): once, before the first token, `sampling.PromptLogprob` (logprob, top, rank) of
+        every prompt token after the first (the whole prompt is then computed, not read from the prefix cache).
+        constraint: a `GrammarConstraint` (`openm3.engine.constrained`) or a `PenalizedPicker`
+        (`openm3.engine.penalties`) that picks this request's tokens (structured outputs, logit bias and penalties;
+        speculative drafts are kept while they equal its picks). draft_context: token ids the speculative drafts may
+        also be looked up in (a predicted output; without `speculative`, this request looks drafts up with
+        `prediction_speculative`, the others beside it do not).
         ValueError for a bad request or one that can never fit the cache; an exception raised by a callback ends
         the request and is re-raised here."""
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
