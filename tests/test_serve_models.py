@@ -81,3 +81,30 @@ def test_vllm_option_names(monkeypatch):
     assert made["reasoning_parser"] == "none"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--preset", "m3-tiny", "--tool-call-parser", "hermes"])
+
+
+def test_more_of_a_vllm_launch_command_is_taken_or_refused_by_name(tok, tmp_path):
+    """--max-num-batched-tokens (our --chunk-size), --enforce-eager, and switches whose behaviour is the default
+    here are taken; a vLLM option whose value this server cannot honour is an error naming it, not ignored."""
+    from openm3.serve.cli import build_app, build_parser
+
+    path = str(tok.save(tmp_path / "tok"))
+    base = ["--preset", "m3-tiny", "--tokenizer", path, "--max-total-tokens", "64"]
+    launch = base + ["--max-num-batched-tokens", "32", "--enforce-eager", "--enable-prefix-caching",
+                     "--enable-chunked-prefill", "--disable-log-requests", "-tp", "1", "--kv-cache-dtype", "auto"]
+    for batch in ("2", "1"):  # the batching backend and the one-request one
+        args = build_parser().parse_args(launch + ["--max-num-seqs", batch])
+        client = TestClient(build_app(args))
+        backend = client.app.state.stats_log.backend_metrics
+        r = client.post("/v1/completions", json={"model": "m3-tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert args.chunk_size == 32 and args.enforce_eager
+        if batch == "2":
+            gen = backend.__self__
+            assert gen.chunk_size == 32 and gen.graphs is None  # eager decode steps
+            gen.close()
+    for extra, match in ((["-tp", "2"], "--tensor-parallel-size"), (["--gpu-memory-utilization", "0.9"],
+                         "--gpu-memory-utilization.*--token-budget"), (["--kv-cache-dtype", "fp8"], "--index-dtype fp8"),
+                         (["--enable-prefix-caching", "--no-prefix-caching"], "contradict")):
+        with pytest.raises(ValueError, match=match):
+            build_app(build_parser().parse_args(base + extra))

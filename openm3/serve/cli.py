@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(continuous batching); 1 serves one request at a time (--max-num-seqs is vLLM's name)")
     p.add_argument("--token-budget", type=int, default=None, help="tokens the shared cache is planned for, all "
                    "running requests' prompt + max_tokens together (default: --max-batch x --max-total-tokens)")
-    p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
+    p.add_argument("--chunk-size", "--max-num-batched-tokens", type=int, default=8192,
+                   help="prefill tokens per forward (--max-num-batched-tokens is vLLM's name for its step's token "
+                   "budget; here decode steps run apart from prefill chunks)")
     p.add_argument("--prefill-chunks-per-step", type=int, default=1, help="prefill forwards between two decode "
                    "steps while requests decode (prompts being prefilled take turns): a running request waits at "
                    "most this many chunks' forwards for its next token")
@@ -103,6 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the stored responses in DIR too (one JSON file each, written atomically) and read "
                    "them back at start, so previous_response_id works across restarts (default: memory only)")
     add_speculative_argument(p)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="decode steps run eagerly, not replayed as CUDA graphs (vLLM's flag)")
+    vllm = p.add_argument_group("vLLM launch options taken so a vLLM command carries over")
+    vllm.add_argument("--enable-prefix-caching", action="store_true", help="on by default here (no effect)")
+    vllm.add_argument("--enable-chunked-prefill", action="store_true", help="prefill is always chunked (no effect)")
+    vllm.add_argument("--disable-log-requests", "--no-enable-log-requests", action="store_true",
+                      help="this server logs no requests (no effect)")
+    vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                      help="1 only: one server runs on one device")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=None,
+                      help="not taken: the cache is planned in tokens (--token-budget)")
+    vllm.add_argument("--kv-cache-dtype", default="auto",
+                      help="auto only: K/V pages are kept in the model's dtype (fp8 is for MSA index keys: "
+                      "--index-dtype fp8)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line on stderr (throughputs, running / waiting requests, cache use)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
@@ -125,6 +141,7 @@ def build_app(args: argparse.Namespace):
     from ..engine.warmup import warm_up
     from .app import ModelBackend, create_app
 
+    check_vllm_options(args)
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
     speculative = speculative_option(args.speculative_config)  # before the model loads
@@ -156,7 +173,7 @@ def build_app(args: argparse.Namespace):
     if args.prefill_chunks_per_step < 1:
         raise ValueError(f"--prefill-chunks-per-step: expected >= 1, got {args.prefill_chunks_per_step}")
     if args.max_batch == 1:
-        backend = ModelBackend(model, speculative, chunk_size=args.chunk_size)
+        backend = ModelBackend(model, speculative, chunk_size=args.chunk_size, cuda_graphs=not args.enforce_eager)
     else:
         budget = args.token_budget if args.token_budget is not None else args.max_batch * limit
         if budget < limit:
@@ -164,7 +181,7 @@ def build_app(args: argparse.Namespace):
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative,
-                                   overlap=args.overlap)
+                                   overlap=args.overlap, cuda_graphs=False if args.enforce_eager else None)
     if args.compile:  # compile now for the step shapes, not while the first requests wait
         seconds = warm_up(backend, text_model(model).config.vocab_size, args.max_batch, max_total_tokens=limit)
         print(f"--compile: the decoder layers compiled for serving in {seconds:.1f} s (warm-up requests)",
@@ -174,6 +191,21 @@ def build_app(args: argparse.Namespace):
                       reasoning_parser=VLLM_REASONING_PARSERS.get(args.reasoning_parser, args.reasoning_parser),
                       constrain_tool_calls=args.constrain_tool_calls, api_key=args.api_key or None,
                       stored_responses=args.stored_responses, responses_dir=args.responses_dir)
+
+
+def check_vllm_options(args: argparse.Namespace) -> None:
+    """ValueError naming a vLLM option whose value this server cannot honour (rather than ignoring it)."""
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size: openm3 serve runs on one device, got {args.tensor_parallel_size} "
+                         f"(start one server per GPU)")
+    if args.gpu_memory_utilization is not None:
+        raise ValueError("--gpu-memory-utilization: the cache is planned in tokens here; pass --token-budget "
+                         "(tokens all running requests hold together) instead")
+    if args.kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype: only 'auto' (K/V pages in the model's dtype), got "
+                         f"{args.kv_cache_dtype!r}; an fp8 cache here is for MSA index keys: --index-dtype fp8")
+    if args.enable_prefix_caching and args.no_prefix_caching:
+        raise ValueError("--enable-prefix-caching and --no-prefix-caching contradict each other")
 
 
 def default_sampling(args: argparse.Namespace) -> dict:
