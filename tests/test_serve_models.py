@@ -103,8 +103,10 @@ def test_more_of_a_vllm_launch_command_is_taken_or_refused_by_name(tok, tmp_path
             gen = backend.__self__
             assert gen.chunk_size == 32 and gen.graphs is None  # eager decode steps
             gen.close()
-    for extra, match in ((["-tp", "2"], "--tensor-parallel-size"), (["--gpu-memory-utilization", "0.9"],
-                         "--gpu-memory-utilization.*--token-budget"), (["--kv-cache-dtype", "fp8"], "--index-dtype fp8"),
-                         (["--enable-prefix-caching", "--no-prefix-caching"], "contradict")):
+    refused = [(["-tp", "2"], "--tensor-parallel-size"),
+               (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization.*--token-budget"),
+               (["--kv-cache-dtype", "fp8"], "--index-dtype fp8"),
+               (["--enable-prefix-caching", "--no-prefix-caching"], "contradict")]
+    for extra, match in refused:
         with pytest.raises(ValueError, match=match):
             build_app(build_parser().parse_args(base + extra))
