@@ -24,19 +24,20 @@ _prompts = random_prompts
 
 
 def _counting_chunks(monkeypatch, on_chunk):
-    """Makes the batcher's prefill call `on_chunk(n)` after its n-th chunk forward (in the worker thread)."""
+    """Makes the batcher's prefill call `on_chunk(n)` after its n-th chunk forward (in the worker thread); returns
+    the list of the chunks' prompt tokens, filled as they run."""
     import openm3.engine.batching as batching
 
-    real, count = batching.prefill_chunks, [0]
+    real, consumed = batching.prefill_chunks, []  # the prompt tokens of each chunk
 
     def counted(*args, **kwargs):
         for item in real(*args, **kwargs):
-            count[0] += 1
-            on_chunk(count[0])
+            consumed.append(item.consumed)
+            on_chunk(len(consumed))
             yield item
 
     monkeypatch.setattr(batching, "prefill_chunks", counted)
-    return count
+    return consumed
 
 
 def test_a_waiting_request_aborted_is_never_admitted(model):
@@ -79,7 +80,7 @@ def test_a_prefill_aborted_between_chunks_stops_and_files_what_it_computed(model
     gen = BatchedGenerator(model, token_budget=1024, max_batch=2, chunk_size=16)
     got = []
     assert gen(prompt, max_new_tokens=4, on_token=got.append, abort=abort) == "abort"
-    assert chunks[0] == 3 and got == []
+    assert len(chunks) == 3 and got == []
     assert gen.cache.free_pages == gen.plan.num_pages
     cached = []
     again = []
@@ -89,12 +90,13 @@ def test_a_prefill_aborted_between_chunks_stops_and_files_what_it_computed(model
     assert again == generate(model, [prompt], max_new_tokens=4)[0][0].tokens
 
 
-def test_one_aborted_request_of_a_prefill_group_ends_and_the_others_finish(model, monkeypatch):
+def test_one_aborted_request_of_a_prefill_group_leaves_it_and_the_others_finish(model, monkeypatch):
     lead, a, b = _prompts(model, [9, 40, 45], seed=4)
     want_b = generate(model, [b], max_new_tokens=6)[0][0].tokens
     abort = threading.Event()
-    # chunk 1 is the lead's prompt; chunks 2-4 hold a and b together (one group): a is aborted after chunk 2
-    _counting_chunks(monkeypatch, lambda n: n == 2 and abort.set())
+    # chunk 1 is the lead's prompt; then a and b prefill as one group, 32 tokens per chunk; a is aborted after
+    # chunk 2: the group's later chunks hold b's prompt alone
+    chunks = _counting_chunks(monkeypatch, lambda n: n == 2 and abort.set())
     gen = BatchedGenerator(model, token_budget=2048, max_batch=4, chunk_size=32)
     got_a, got_b = [], []
     results = []
@@ -113,6 +115,8 @@ def test_one_aborted_request_of_a_prefill_group_ends_and_the_others_finish(model
     gen.close()
     assert [t.result for t in results[0]] == ["abort", "length"]
     assert got_a == [] and got_b == want_b
+    # b's prompt ran whole, a's only in part (chunk 2 holds the first 32 tokens of whichever came first)
+    assert len(lead) + len(b) <= sum(chunks) < len(lead) + len(b) + len(a)
     assert gen.cache.free_pages == gen.plan.num_pages
 
 

@@ -18,8 +18,8 @@ prefill, so a running request's longest gap is one chunk's forward. A request le
 batch after a stop token or `max_new_tokens`, or when its `on_token` raises (the exception is re-raised in its
 caller), and its pages go back to the pool at once. A caller that gives up on a request (a client gone, a
 cancelled job) sets its `abort` event: the request ends with finish reason 'abort' wherever it is, before its
-admission if it still waits, between two prefill chunks (its group's prefill stops once every unfinished request
-of the group is aborted) or before its next token, so a prompt nobody waits for any more is not prefilled.
+admission if it still waits, between two prefill chunks (its prompt leaves its group's next forwards) or before
+its next token, so a prompt nobody waits for any more is not prefilled.
 
 Prefix caching (on by default, `prefix_caching=False` turns it off; `openm3.engine.cache`): every full page a
 request wrote, its prompt's and its answer's, stays cached after it ends until the memory is needed, and a later
@@ -103,10 +103,16 @@ class _Request:
 
 @dataclasses.dataclass(eq=False)
 class _Group:
-    """Requests admitted together and their prefill's `prefill_chunks` iterator (one forward per `next`)."""
+    """Requests admitted together and their prefill's `prefill_chunks` iterator (one forward per `next`); the
+    positions of those aborted mid-prefill, which its next forwards leave out."""
 
     requests: list
     chunks: Iterator
+    dropped: set = dataclasses.field(default_factory=set)
+
+    def prefilled(self) -> bool:
+        """Every request's prompt is done or left out."""
+        return all(req.prefilled or b in self.dropped for b, req in enumerate(self.requests))
 
 
 class BatchedGenerator:
@@ -370,9 +376,11 @@ class BatchedGenerator:
                     self._end(req, error=e)
         self._waiting.extendleft(reversed(deferred))
         if new:
+            dropped: set[int] = set()
             self._groups.append(_Group(new, prefill_chunks(
                 self.model, self.cache, [r.id for r in new], [r.prompt for r in new], chunk_size=self.chunk_size,
-                images=[r.images for r in new], all_logits=[r.on_prompt_logprobs is not None for r in new])))
+                images=[r.images for r in new], all_logits=[r.on_prompt_logprobs is not None for r in new],
+                dropped=dropped), dropped))
 
     def _prefill_round(self) -> None:
         """The prefill work before the next decode step: with requests decoding (and interleaving), at most
@@ -393,12 +401,13 @@ class BatchedGenerator:
         done samples its first token at once; the group joins the running batch when its last prompt is done, so
         the batch (and its CUDA graph) changes once per group while the running requests decode between chunks."""
         while True:
-            unfinished = [req for req in group.requests if not req.done.is_set()]
-            if all(_aborted(req) for req in unfinished):  # nobody waits for the rest of this prefill
-                for req in unfinished:
+            for b, req in enumerate(group.requests):
+                if _aborted(req) and not req.done.is_set():
                     self._end(req, finish="abort")
-                self._groups.remove(group)
-                return
+                if req.done.is_set():  # ended (its pages are gone): its prompt's next chunks are not run
+                    group.dropped.add(b)
+            if group.prefilled():  # the rest were dropped
+                break
             try:
                 chunk = next(group.chunks)
             except Exception as e:  # noqa: BLE001 - the group's unfinished requests fail, the worker goes on
@@ -416,7 +425,7 @@ class BatchedGenerator:
                 if self.prefix_caching:
                     self.cache.register(req.id, req.keys)
             self._emit(done, chunk.logits)
-            if all(req.prefilled for req in group.requests):
+            if group.prefilled():
                 break
             if self.interleave_prefill:
                 return

@@ -15,7 +15,7 @@ inside a prefix the cache holds already (an agent's earlier screenshots) are not
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -231,10 +231,12 @@ def prefill(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[
 
 def prefill_chunks(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Sequence[torch.Tensor], *,
                    chunk_size: int = 8192, images: Sequence[PromptImages | None] | None = None,
-                   all_logits: Sequence[bool] | None = None) -> Iterator[Chunk]:
+                   all_logits: Sequence[bool] | None = None, dropped: Collection[int] = ()) -> Iterator[Chunk]:
     """`prefill` one forward at a time (a server decodes its running requests between them): checks the arguments
     and embeds the images when first advanced, then yields a `Chunk` after each forward. Arguments as `prefill`'s;
-    a prompt with `all_logits[b]` takes at most `all_logits_rows` tokens per forward (its rows' memory)."""
+    a prompt with `all_logits[b]` takes at most `all_logits_rows` tokens per forward (its rows' memory).
+    dropped: indices of prompts to leave out from the next forward on (read before each one: a caller may add to
+    it between two chunks, e.g. for a request nobody waits for any more)."""
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if len(seq_ids) != len(prompts):
@@ -253,14 +255,14 @@ def prefill_chunks(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Se
     if len(every) != len(prompts):
         raise ValueError(f"all_logits ({len(every)}) and prompts ({len(prompts)}) must match")
     cap = all_logits_rows(lm.config.vocab_size)
-    while any(d < p.numel() for d, p in zip(done, prompts)):
+    while any(d < p.numel() for b, (d, p) in enumerate(zip(done, prompts)) if b not in dropped):
         batch, pieces, starts, rows, owners, slices = [], [], [], [], [], []
         kept: dict[int, tuple[int, int, int]] = {}  # b -> (position, first row, rows) of the kept rows
         last: list[int] = []  # the finished prompts' next-token rows, as indices into `rows`
         budget, row = chunk_size, 0
         for b, prompt in enumerate(prompts):
             n = min(prompt.numel() - done[b], budget, cap if every[b] else budget)
-            if n <= 0:
+            if n <= 0 or b in dropped:
                 continue
             if every[b]:
                 kept[b] = (done[b], len(rows), n)
