@@ -330,7 +330,7 @@ class BatchedGenerator:
 
     def _drop_aborted(self) -> None:
         """Ends the waiting and running requests whose `abort` is set (prefill groups check theirs in `_prefill`,
-        where a chunk's rows still name their requests by position)."""
+        which also leaves their prompts out of the group's next forwards)."""
         if any(_aborted(r) for r in self._waiting):
             kept = [r for r in self._waiting if not _aborted(r)]
             for req in [r for r in self._waiting if _aborted(r)]:

@@ -22,10 +22,10 @@ A backend whose `supports_logprobs` is true (both of openm3's) also takes `logpr
 Completions' `logprobs` (and `echo`) and vLLM's `prompt_logprobs` on both return them (`logprobs.py`); for any
 other backend asking for them is a 400.
 
-A backend whose `supports_abort` is true (`BatchedGenerator`) also takes `abort=`, an event the server sets when
-nobody waits for the answer any more (a streaming client disconnected, a background response cancelled, another
-choice of the request failed): the request then ends where it is, without waiting for its next token, so a
-long prompt whose client left is not prefilled to the end.
+A backend whose `supports_abort` is true (both of openm3's) also takes `abort=`, an event the server sets when
+nobody waits for the answer any more (its client disconnected, streamed or not: `disconnect.py`; a background
+response cancelled; another choice of the request failed): the request then ends where it is, without waiting for
+its next token, so a long prompt whose client left is not prefilled to the end.
 
 A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`)
 takes images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded
