@@ -328,6 +328,13 @@ for s in "${stages[@]}"; do
         --micro-batch 8 2>&1 | tee "$OUT/train_mfu16.log" | tail -2 | cut -c1-700 ;;
     mfu) python3 -m benchmarks.train_throughput --out "$OUT" --only mfu --steps 3 --warmup 2 2>&1 \
            | tee "$OUT/train_mfu.log" | tail -4 ;;
+    servetools)  # --constrain-tool-calls' cost through the app `openm3 serve` builds; the device image has no
+      # fastapi: carry the serve extra's wheels (`bash scripts/serve_wheels.sh` here, then run with carry [".whl"])
+      if [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+          .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+      fi
+      python3 -m benchmarks.serve_tools --out "$OUT" ${SERVE_TOOLS_ARGS:-} 2>&1 | tee "$OUT/serve_tools.log" | tail -4 ;;
     *) echo "unknown stage $s" ;;
   esac
 done
