@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from openm3.data.tokenizer import EOS
 from openm3.engine.tool_grammar import END, START, ToolCallGrammar
 from openm3.serve import ModelBackend, create_app
+from openm3.serve.responses import ResponsesRequest, _output_spec
 
 from test_serve import NAME, Scripted, named_events, tiny_model, tok  # noqa: F401 - the fixture
 
@@ -264,3 +265,54 @@ def test_constrain_tool_calls_makes_every_unforced_call_well_formed(tok):
         calls = choice["message"].get("tool_calls") or []
         assert calls and all(re.fullmatch("[0-9]{3}", c["custom"]["input"]) for c in calls), choice
     assert not any(choice["message"].get("tool_calls") for choice in found[False])
+
+
+def test_allowed_tools_keep_calls_to_the_allowed_ones(tok):
+    """OpenAI's `allowed_tools` choice (both APIs): every tool stays in the prompt, and the model calls only the
+    allowed ones; "auto" needs no --constrain-tool-calls (only the grammar can keep the restriction), "required"
+    forces a call among them. A random model pushed to open tool-call blocks, allowed only `emit` of two tools."""
+    from openm3.data.tokenizer import TOOL_CALL_START
+
+    def tool(name, pattern):
+        return {"name": name, "format": {"type": "grammar", "grammar": {"syntax": "regex", "definition": pattern}}}
+
+    chat_tools = [{"type": "custom", "custom": tool("emit", "[0-9]{3}")},
+                  {"type": "custom", "custom": tool("other", "[a-z]{3}")}]
+    flat_tools = [{"type": "custom", **tool("emit", "[0-9]{3}")}, {"type": "custom", **tool("other", "[a-z]{3}")}]
+    start = tok.special_ids[TOOL_CALL_START]
+    client = TestClient(create_app(ModelBackend(tiny_model(tok, 2048)), tok, model_name=NAME, max_total_tokens=2048))
+    for mode, bias in (("auto", {str(start): 100}), ("required", {})):
+        chat_choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+            {"type": "custom", "custom": {"name": "emit"}}]}}
+        for seed in range(2):
+            r = client.post("/v1/chat/completions", json={
+                "model": NAME, "messages": [{"role": "user", "content": "Call it."}], "tools": chat_tools,
+                "tool_choice": chat_choice, "max_tokens": 160, "logit_bias": bias, "reasoning_effort": "none",
+                "seed": seed})
+            assert r.status_code == 200, r.text
+            calls = r.json()["choices"][0]["message"].get("tool_calls") or []
+            assert calls and all(c["custom"]["name"] == "emit" and re.fullmatch("[0-9]{3}", c["custom"]["input"])
+                                 for c in calls), calls
+            flat_choice = {"type": "allowed_tools", "mode": mode, "tools": [{"type": "custom", "name": "emit"}]}
+            req = ResponsesRequest(model=NAME, input="x", tools=flat_tools, tool_choice=flat_choice)
+            spec = _output_spec(req)  # the Responses API has no logit_bias to push the model into a call
+            assert [t["name"] for t in json.loads(spec.tools)] == ["emit"] and spec.triggered == (mode == "auto")
+            if mode == "auto":
+                continue
+            r = client.post("/v1/responses", json={
+                "model": NAME, "input": "Call it.", "tools": flat_tools, "max_output_tokens": 160, "seed": seed,
+                "tool_choice": flat_choice, "reasoning": {"effort": "none"}})
+            assert r.status_code == 200, r.text
+            items = [i for i in r.json()["output"] if i["type"] == "custom_tool_call"]
+            assert items and all(i["name"] == "emit" and re.fullmatch("[0-9]{3}", i["input"]) for i in items), items
+    ask = [{"role": "user", "content": "x"}]
+    chat_bad = [{"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]},
+                {"mode": "any", "tools": []}]
+    flat_bad = [{"mode": "auto", "tools": "emit"}, {"mode": "required", "tools": [{"type": "custom", "name": "nope"}]}]
+    bad = [("/v1/chat/completions", {"messages": ask, "tools": chat_tools,
+                                     "tool_choice": {"type": "allowed_tools", "allowed_tools": c}}) for c in chat_bad]
+    bad += [("/v1/responses", {"input": "x", "tools": flat_tools, "tool_choice": {"type": "allowed_tools", **c}})
+            for c in flat_bad]
+    for path, body in bad:
+        r = client.post(path, json={"model": NAME, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text

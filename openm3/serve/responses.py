@@ -34,7 +34,7 @@ from .documents import openai_file_parts
 from .images import content_of, data_url_part
 from .response_store import ResponseStore
 from .schemas import (CUSTOM_INPUT, ClientTool, CustomToolSpec, JsonSchemaSpec, OutputSpec, ResponseFormat,
-                      client_tools, custom_input, custom_names)
+                      allowed_tools_spec, client_tools, custom_input, custom_names)
 
 RESPONSES_PATH = "/v1/responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -228,10 +228,13 @@ def _parse_calls(req: ResponsesRequest) -> bool:
     """Whether tool calls in the answer become function_call items ('none': they stay text)."""
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if isinstance(choice, dict):
+        if choice.get("type") == "allowed_tools":
+            _allowed_names(choice)
+            return True
         if choice.get("type") not in ("function", "custom") or not isinstance(choice.get("name"), str) \
                 or not choice["name"]:
-            raise ValueError('tool_choice: expected "auto", "none", "required" or {"type": "function" | "custom", '
-                             '"name": ...}')
+            raise ValueError('tool_choice: expected "auto", "none", "required", {"type": "function" | "custom", '
+                             '"name": ...} or {"type": "allowed_tools", "mode", "tools"}')
         return True
     if choice not in ("auto", "none", "required"):
         raise ValueError(f'tool_choice: expected "auto", "none", "required" or a named function, got {choice!r}')
@@ -249,8 +252,22 @@ def _output_spec(req: ResponsesRequest) -> OutputSpec | None:
     if spec is not None:
         raise ValueError("give a forced tool call (tool_choice) or text.format, not both")
     tools = [t.call_tool() for t in req.tools or []]
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return allowed_tools_spec(tools, _allowed_names(choice), choice["mode"], req.parallel_tool_calls)
     return OutputSpec.forced_call(tools, choice["name"] if isinstance(choice, dict) else None,
                                   req.parallel_tool_calls)
+
+
+def _allowed_names(choice: dict) -> list[str]:
+    """The tool names of a Responses `{"type": "allowed_tools", "mode": "auto" | "required", "tools": [{"type":
+    "function" | "custom", "name"}]}` choice; ValueError for another shape."""
+    tools = choice.get("tools")
+    if choice.get("mode") not in ("auto", "required") or not isinstance(tools, list) or not tools or any(
+            not isinstance(t, dict) or t.get("type") not in ("function", "custom")
+            or not isinstance(t.get("name"), str) or not t["name"] for t in tools):
+        raise ValueError('tool_choice: an allowed_tools choice is {"type": "allowed_tools", "mode": "auto" | '
+                         '"required", "tools": [{"type": "function" | "custom", "name": ...}, ...]}')
+    return [t["name"] for t in tools]
 
 
 CANCEL_WAIT_S = 10.0  # how long a cancel request waits for the generation to stop

@@ -567,6 +567,38 @@ class NamedToolChoice(_FunctionOrCustom):
         return getattr(self, self.type).name
 
 
+class AllowedTools(BaseModel):
+    """OpenAI's allowed tools (Chat Completions' `{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}`):
+    the model may call only these of the request's tools, which all stay in the prompt (so its cached prefix stays
+    the same while the allowed set changes); mode "required": it must call one or more of them."""
+
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+    def names(self) -> list[str]:
+        return [t.name for t in self.tools]
+
+
+class AllowedToolsChoice(BaseModel):
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+def allowed_tools_spec(tools: list[dict], names: list[str], mode: str, parallel: bool) -> OutputSpec:
+    """The grammar of an `allowed_tools` choice over `tools` (the call forms, [{"name", "parameters"}]): a forced
+    call among the allowed ones ("required"), or free text whose every tool-call block calls one of them ("auto":
+    only the grammar can keep that, so it applies whatever `--constrain-tool-calls` says). ValueError naming a
+    tool the request does not define."""
+    known = {t["name"] for t in tools}
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise ValueError(f"tool_choice: allowed tools {missing} are not among the request's tools")
+    subset = [t for t in tools if t["name"] in set(names)]
+    if mode == "required":
+        return OutputSpec.forced_call(subset, None, parallel)
+    return OutputSpec.auto_calls(subset, parallel)
+
+
 class Prediction(BaseModel):
     """OpenAI's predicted output (`{"type": "content", "content": ...}`): text the answer is expected to largely
     repeat (a file being edited). A server running speculative decoding looks its drafts up in it too, so the
@@ -602,7 +634,8 @@ class ChatCompletionRequest(SamplingFields, TemplateVariables):
     """`POST /v1/chat/completions`; max_tokens (or its newer name max_completion_tokens) defaults to what the
     context limit leaves after the prompt. tool_choice: 'auto' (default) lets the model decide; 'none' returns
     any tool call the model writes as plain content; 'required' (one or more calls) and a named function (one call
-    of it) constrain decoding to a tool-call block (`openm3.engine.tool_grammar`). parallel_tool_calls false: at
+    of it) constrain decoding to a tool-call block (`openm3.engine.tool_grammar`); `AllowedToolsChoice` restricts
+    the calls to some of the tools (`allowed_tools_spec`). parallel_tool_calls false: at
     most one call (a forced call's grammar allows one; with 'auto' the calls after the first are dropped).
     prediction: a predicted output, a draft source for speculative decoding (`Prediction`). vLLM's
     add_generation_prompt false leaves the assistant's opening off the prompt; continue_final_message true
@@ -614,7 +647,7 @@ class ChatCompletionRequest(SamplingFields, TemplateVariables):
     continue_final_message: bool = False  # vLLM's: the answer continues the final (assistant) message
     prediction: Prediction | None = None
     tools: list[Tool | ChatCustomTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
@@ -663,6 +696,9 @@ class ChatCompletionRequest(SamplingFields, TemplateVariables):
         if spec is not None:
             raise ValueError("give a forced tool call (tool_choice) or an output format, not both")
         tools = [t.call_tool() for t in self.tools or []]
+        if isinstance(choice, AllowedToolsChoice):
+            allowed = choice.allowed_tools
+            return allowed_tools_spec(tools, allowed.names(), allowed.mode, self.parallel_tool_calls)
         return OutputSpec.forced_call(tools, None if choice == "required" else choice.name,
                                       self.parallel_tool_calls)
 
