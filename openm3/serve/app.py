@@ -308,7 +308,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             served[(path, response.status_code)] += 1
         return response
 
-    @app.middleware("http")  # added last, so outermost: a 401 or a validation error carries it too
+    @app.middleware("http")  # outside the other HTTP middlewares: a 401 or a validation error carries it too
     async def _request_id(request: Request, call_next):
         """Every answer names its request, as OpenAI's (`x-request-id`, which its SDKs expose as `_request_id`) and
         Anthropic's (`request-id`) do: the client's `X-Request-Id` when it sent one (vLLM's
