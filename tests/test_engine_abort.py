@@ -1,6 +1,7 @@
 """Aborting requests of `BatchedGenerator` (`abort=`, an event its caller sets when nobody waits for the answer any
 more): a waiting request ends without being admitted, a prefill ends between two chunks, a running request before
-its next token; each returns 'abort', its pages go back, and the requests beside it are not disturbed."""
+its next token; each returns 'abort', its pages go back, and the requests beside it are not disturbed. Also the
+order waiting requests are admitted in (`scheduling='priority'`)."""
 
 from __future__ import annotations
 
@@ -208,3 +209,33 @@ def test_the_one_request_backend_aborts_between_prefill_chunks_and_tokens(model,
     assert backend(prompt, max_new_tokens=2, on_token=got.append, abort=abort, **common) == "abort"  # set before
     with pytest.raises(ValueError, match="chunk_size"):
         ModelBackend(model, chunk_size=0)
+
+
+def test_priority_scheduling_admits_lower_values_first(model):
+    """scheduling='priority' (vLLM's --scheduling-policy priority): with one place in the batch, of two waiting
+    requests the one with the lower `priority` runs first though it came second; 'fcfs' refuses priorities."""
+    lead, late, urgent = _prompts(model, [12, 14, 16], seed=11)
+    gen = BatchedGenerator(model, token_budget=1024, max_batch=1, scheduling="priority")
+    order, threads = [], []
+
+    def on_lead(tok, held=[]):  # noqa: B006 - queues the two others while the lead decodes
+        if not held:
+            held.append(1)
+            threads.append(run_in_thread(lambda: gen(late, max_new_tokens=2, priority=5,
+                                                     on_token=lambda t: order.append("late"))))
+            hold_until_queued(gen, 1)(tok)
+            threads.append(run_in_thread(lambda: gen(urgent, max_new_tokens=2, priority=-1,
+                                                     on_token=lambda t: order.append("urgent"))))
+            hold_until_queued(gen, 2)(tok)  # both in the inbox before the worker goes on
+
+    assert gen(lead, max_new_tokens=4, on_token=on_lead) == "length"
+    for t in threads:
+        t.join()
+    gen.close()
+    assert [t.result for t in threads] == ["length", "length"]
+    assert order == ["urgent", "urgent", "late", "late"]
+    fcfs = BatchedGenerator(model, token_budget=1024, max_batch=1)
+    with pytest.raises(ValueError, match="priority"):
+        fcfs(lead, max_new_tokens=2, priority=1)
+    with pytest.raises(ValueError, match="scheduling"):
+        BatchedGenerator(model, token_budget=1024, scheduling="lifo")

@@ -110,3 +110,25 @@ def test_more_of_a_vllm_launch_command_is_taken_or_refused_by_name(tok, tmp_path
     for extra, match in refused:
         with pytest.raises(ValueError, match=match):
             build_app(build_parser().parse_args(base + extra))
+
+
+def test_request_priority_needs_the_priority_policy(tok, tmp_path):
+    """vLLM's `priority` field: a 400 naming it on a first-come-first-served server; taken (all three OpenAI-style
+    endpoints' bodies) under --scheduling-policy priority, which needs the batching engine."""
+    from openm3.serve.cli import build_app, build_parser
+
+    base = ["--preset", "m3-tiny", "--tokenizer", str(tok.save(tmp_path / "tok")), "--max-total-tokens", "64"]
+    bodies = [("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+              ("/v1/responses", {"input": "hi", "max_output_tokens": 2})]
+    for policy, status in (("fcfs", 400), ("priority", 200)):
+        client = TestClient(build_app(build_parser().parse_args(base + ["--max-batch", "2", "--scheduling-policy",
+                                                                        policy])))
+        for path, body in bodies:
+            r = client.post(path, json={"model": "m3-tiny", "priority": -3, **body})
+            assert r.status_code == status, r.text
+            if status == 400:
+                assert r.json()["error"]["param"] == "priority"
+        client.app.state.stats_log.backend_metrics.__self__.close()
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        build_app(build_parser().parse_args(base + ["--max-batch", "1", "--scheduling-policy", "priority"]))

@@ -5,10 +5,10 @@
     finish_reason = gen(prompt_ids, max_new_tokens=..., sampling=..., stop_tokens=..., seed=..., on_token=fn,
                         images=None)
 
-blocks its caller until that request ends, while the worker runs all admitted requests together: it admits
-waiting requests whose pages fit (first come, first served; a request waits while the cache is full and fails at
-once if it could never fit), prefills them in chunks, and decodes one token for every running request per step
-(one forward for the whole batch; CUDA graphs on a GPU, as in `generate`). Prefill chunks and decode steps
+blocks its caller until that request ends, while the worker runs all admitted requests together: it admits waiting
+requests whose pages fit (first come, first served, or by priority; a request waits while the cache is full and
+fails at once if it could never fit), prefills them in chunks, and decodes one token for every running request per
+step (one forward for the whole batch; CUDA graphs on a GPU, as in `generate`). Prefill chunks and decode steps
 alternate, so a long prompt that arrives delays the running requests' next tokens by one chunk's forward at a
 time, not by its whole prefill (`interleave_prefill=False` runs each prefill whole first). Requests admitted
 together form a prefill group, which joins the decode batch when its last prompt is done; groups admitted later
@@ -90,6 +90,8 @@ class _Request:
     prompt_entries: list = dataclasses.field(default_factory=list)  # PromptLogprob of prompt tokens 1..L-1
     constraint: GrammarConstraint | PenalizedPicker | None = None  # picks its tokens (grammar, penalties)
     abort: threading.Event | None = None  # set by the caller: end the request where it is (finish 'abort')
+    priority: int = 0  # with scheduling='priority': lower values are admitted first
+    arrival: int = 0  # order of arrival (ties of priority)
     outputs: list = dataclasses.field(default_factory=list)  # sampled tokens
     history: TokenHistory | None = None  # prompt + outputs, where speculative drafts are looked up
     prefilled: bool = False
@@ -126,6 +128,9 @@ class BatchedGenerator:
     (groups take turns); speculative: n-gram speculative decoding (see the module docstring);
     prediction_speculative: where `speculative` is None, the speculation of requests with a predicted output
     (`draft_context`; default `speculative.PREDICTION_DRAFTS`, adaptive), None: such requests decode plainly.
+    scheduling: 'fcfs' (default) admits waiting requests in their order of arrival; 'priority' (vLLM's
+    `--scheduling-policy priority`) by their `priority` (lower first), then arrival; running requests are not
+    preempted.
     model: an `M3TextModel` or an `M3ForConditionalGeneration` (`vl_config` is then its config, else None).
     The signature of a call is the `Backend` protocol of `openm3.serve`, `concurrent = True` tells the server not
     to serialise calls, `supports_logprobs` that it takes `logprobs=` / `on_logprobs=`, and `takes_predictions`
@@ -142,7 +147,11 @@ class BatchedGenerator:
     def __init__(self, model, *, token_budget: int, max_batch: int = 8, chunk_size: int = 8192, index_dtype=None,
                  cuda_graphs: bool | None = None, prefix_caching: bool = True, interleave_prefill: bool = True,
                  prefill_chunks_per_step: int = 1, speculative: SpeculativeConfig | None = None,
-                 prediction_speculative: SpeculativeConfig | None = PREDICTION_DRAFTS, overlap: bool | None = None):
+                 prediction_speculative: SpeculativeConfig | None = PREDICTION_DRAFTS, overlap: bool | None = None,
+                 scheduling: str = "fcfs"):
+        if scheduling not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling must be 'fcfs' or 'priority', got {scheduling!r}")
+        self.scheduling = scheduling
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -185,6 +194,7 @@ class BatchedGenerator:
         self.accepted_tokens = 0  # of them, confirmed by the model and kept
         self.finished: collections.Counter = collections.Counter()  # ended requests by reason (or 'error')
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque = collections.deque()
         self._running: list[_Request] = []
@@ -201,7 +211,8 @@ class BatchedGenerator:
                  logprobs: int | None = None, on_logprobs: Callable[[float, list], None] | None = None,
                  prompt_logprobs: int | None = None, on_prompt_logprobs: Callable[[list], None] | None = None,
                  constraint: GrammarConstraint | PenalizedPicker | None = None,
-                 draft_context: Sequence[int] | None = None, abort: threading.Event | None = None) -> str:
+                 draft_context: Sequence[int] | None = None, abort: threading.Event | None = None,
+                 priority: int = 0) -> str:
         """Generates for one prompt (token ids), calling `on_token(id)` per sampled token in this request's order;
         returns 'stop' or 'length' when it ends, 'abort' when `abort` was set first (see the module docstring: the
         worker checks it before admitting the request, between prefill chunks and before each token). images:
@@ -218,6 +229,11 @@ class BatchedGenerator:
         `prediction_speculative`, the others beside it do not).
         ValueError for a bad request or one that can never fit the cache; an exception raised by a callback ends
         the request and is re-raised here."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority and self.scheduling != "priority":
+            raise ValueError(f"priority: this generator admits first come, first served (scheduling='fcfs'); "
+                             f"priority {priority} needs scheduling='priority'")
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
         check_logprobs(logprobs, on_logprobs)
         check_logprobs(prompt_logprobs, on_prompt_logprobs)
@@ -232,7 +248,7 @@ class BatchedGenerator:
         req = _Request(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens), on_token, gen, vision,
                        on_cached=on_cached, logprobs=logprobs, on_logprobs=on_logprobs,
                        prompt_logprobs=prompt_logprobs, on_prompt_logprobs=on_prompt_logprobs,
-                       constraint=constraint, abort=abort)
+                       constraint=constraint, abort=abort, priority=priority, arrival=next(self._arrivals))
         if self.prefix_caching:  # hashed here, in the caller's thread, not in the worker's
             req.salt = b"" if vision is None else vision.digest()
             req.keys = page_keys(ids, self.cache.layout.page_size, req.salt)
@@ -347,6 +363,8 @@ class BatchedGenerator:
         computing = {k for g in self._groups for req in g.requests if not req.prefilled for k in req.keys}
         room = self.max_batch - len(self._running) - sum(len(g.requests) for g in self._groups)
         page_size = self.cache.layout.page_size
+        if self.scheduling == "priority" and len(self._waiting) > 1:
+            self._waiting = collections.deque(sorted(self._waiting, key=lambda r: (r.priority, r.arrival)))
         while self._waiting and len(new) < room:
             req = self._waiting.popleft()
             length = req.prompt.numel()

@@ -386,6 +386,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                            f"maximum of {max_total_tokens} tokens", "max_tokens")
         if isinstance(req, SamplingFields):
             check_adjustments(req)
+        if getattr(req, "priority", 0) and getattr(backend, "scheduling", "fcfs") != "priority":
+            raise APIError(f"priority: this server admits requests first come, first served; start it with "
+                           f"--scheduling-policy priority to take priorities (got {req.priority})", "priority")
         if getattr(req, "thinking_budget", None) is not None:
             param = getattr(req, "thinking_param", "thinking")  # the field that asked for the budget
             if think_ids is None:
@@ -514,6 +517,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             extra.update(logprobs=logprobs.top, on_logprobs=logprobs.on_logprobs)
         if prompt_entries is not None:
             extra.update(prompt_logprobs=prompt_entries.top, on_prompt_logprobs=prompt_entries.on_prompt)
+        if getattr(req, "priority", 0):  # `check` refused it unless the backend schedules by priority
+            extra["priority"] = req.priority
         if cancelled is not None and getattr(backend, "supports_abort", False):
             extra["abort"] = cancelled  # ends it while it waits or prefills too, not only at its next token
         concurrent_ = getattr(backend, "concurrent", False)

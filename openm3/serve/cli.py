@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the stored responses in DIR too (one JSON file each, written atomically) and read "
                    "them back at start, so previous_response_id works across restarts (default: memory only)")
     add_speculative_argument(p)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="the order waiting requests are admitted in: fcfs (first come, first served) or priority "
+                   "(a request's `priority` field, lower first, then arrival; vLLM's option; no preemption)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="decode steps run eagerly, not replayed as CUDA graphs (vLLM's flag)")
     vllm = p.add_argument_group("vLLM launch options taken so a vLLM command carries over")
@@ -172,6 +175,9 @@ def build_app(args: argparse.Namespace):
         raise ValueError(f"--max-batch: expected >= 1, got {args.max_batch}")
     if args.prefill_chunks_per_step < 1:
         raise ValueError(f"--prefill-chunks-per-step: expected >= 1, got {args.prefill_chunks_per_step}")
+    if args.max_batch == 1 and args.scheduling_policy != "fcfs":
+        raise ValueError("--scheduling-policy priority: needs the batching engine (--max-batch above 1); one request "
+                         "at a time runs in arrival order")
     if args.max_batch == 1:
         backend = ModelBackend(model, speculative, chunk_size=args.chunk_size, cuda_graphs=not args.enforce_eager)
     else:
@@ -181,7 +187,8 @@ def build_app(args: argparse.Namespace):
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative,
-                                   overlap=args.overlap, cuda_graphs=False if args.enforce_eager else None)
+                                   overlap=args.overlap, cuda_graphs=False if args.enforce_eager else None,
+                                   scheduling=args.scheduling_policy)
     if args.compile:  # compile now for the step shapes, not while the first requests wait
         seconds = warm_up(backend, text_model(model).config.vocab_size, args.max_batch, max_total_tokens=limit)
         print(f"--compile: the decoder layers compiled for serving in {seconds:.1f} s (warm-up requests)",

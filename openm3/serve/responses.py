@@ -103,6 +103,7 @@ class ResponsesRequest(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
+    priority: int = 0  # vLLM's extension: with --scheduling-policy priority, lower values are admitted first
     stream: bool = False
     tools: list[FunctionTool | CustomTool] | None = None
     tool_choice: str | dict[str, Any] | None = None

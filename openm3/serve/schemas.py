@@ -133,7 +133,8 @@ class SamplingFields(BaseModel):
     (`openm3.engine.penalties`). vLLM's `include_stop_str_in_output` keeps the stop string that ended the text;
     `truncate_prompt_tokens` k keeps the prompt's last k tokens (-1: as many as the context limit leaves beside
     max_tokens, or one new token); `bad_words`: words the answer may not write (`Penalties.bad_words`);
-    `prompt_logprobs` k: each prompt token's log probability, rank and k alternatives (not with `stream`)."""
+    `prompt_logprobs` k: each prompt token's log probability, rank and k alternatives (not with `stream`);
+    `priority`: a request's place in the queue under `--scheduling-policy priority` (lower first)."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -165,6 +166,7 @@ class SamplingFields(BaseModel):
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="vLLM's: each prompt token's log "
                                         "probability and rank, with this many alternatives (not with stream)")
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values are admitted first
 
     @field_validator("prompt_logprobs")
     @classmethod
