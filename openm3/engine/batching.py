@@ -347,11 +347,13 @@ class BatchedGenerator:
     def _drop_aborted(self) -> None:
         """Ends the waiting and running requests whose `abort` is set (prefill groups check theirs in `_prefill`,
         which also leaves their prompts out of the group's next forwards)."""
-        if any(_aborted(r) for r in self._waiting):
-            kept = [r for r in self._waiting if not _aborted(r)]
-            for req in [r for r in self._waiting if _aborted(r)]:
+        kept, aborted = collections.deque(), []
+        for req in self._waiting:  # one read of each event: one set meanwhile is seen next round, not lost
+            (aborted if _aborted(req) else kept).append(req)
+        if aborted:
+            self._waiting = kept
+            for req in aborted:
                 self._end(req, finish="abort")
-            self._waiting = collections.deque(kept)
         for req in [r for r in self._running if _aborted(r)]:
             self._end(req, finish="abort")  # a row of it in a step launched ahead is dropped at hand-over
 
