@@ -89,8 +89,8 @@ class Backend(Protocol):
 class ModelBackend:
     """Runs `openm3.engine.generate` on one model (its device and dtype pick the kernels): a text model, or a VL
     model (`vl_config` set) that also takes images. chunk_size: prefill tokens per forward; an `abort` set
-    meanwhile ends the request after the chunk in flight (or before its next token); cuda_graphs=False: decode
-    steps run eagerly."""
+    meanwhile ends the request after the chunk in flight (or before its next token); cuda_graphs: as `generate`'s
+    (False: decode steps run eagerly)."""
 
     supports_logprobs = True
     supports_constraints = True
@@ -98,11 +98,11 @@ class ModelBackend:
 
     takes_predictions = True  # `draft_context=`: a predicted output's tokens (`generate`'s draft_contexts)
 
-    def __init__(self, model, speculative=None, chunk_size: int = 8192, cuda_graphs: bool = True):
+    def __init__(self, model, speculative=None, chunk_size: int = 8192, cuda_graphs: bool | None = None):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.model, self.chunk_size = model, chunk_size
-        self.cuda_graphs = None if cuda_graphs else False  # None: generate's default (graphs on a CUDA device)
+        self.cuda_graphs = cuda_graphs  # as `generate`'s (None: graphs on a CUDA device)
         self.speculative = speculative  # a SpeculativeConfig, or None
         self.vocab_size = text_model(model).config.vocab_size
         self.vl_config = model.config if is_vision_language(model) else None

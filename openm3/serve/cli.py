@@ -178,8 +178,9 @@ def build_app(args: argparse.Namespace):
     if args.max_batch == 1 and args.scheduling_policy != "fcfs":
         raise ValueError("--scheduling-policy priority: needs the batching engine (--max-batch above 1); one request "
                          "at a time runs in arrival order")
+    graphs = False if args.enforce_eager else None  # None: the engine's default (CUDA graphs on a GPU)
     if args.max_batch == 1:
-        backend = ModelBackend(model, speculative, chunk_size=args.chunk_size, cuda_graphs=not args.enforce_eager)
+        backend = ModelBackend(model, speculative, chunk_size=args.chunk_size, cuda_graphs=graphs)
     else:
         budget = args.token_budget if args.token_budget is not None else args.max_batch * limit
         if budget < limit:
@@ -187,7 +188,7 @@ def build_app(args: argparse.Namespace):
         backend = BatchedGenerator(model, token_budget=budget, max_batch=args.max_batch, chunk_size=args.chunk_size,
                                    index_dtype=args.index_dtype, prefix_caching=not args.no_prefix_caching,
                                    prefill_chunks_per_step=args.prefill_chunks_per_step, speculative=speculative,
-                                   overlap=args.overlap, cuda_graphs=False if args.enforce_eager else None,
+                                   overlap=args.overlap, cuda_graphs=graphs,
                                    scheduling=args.scheduling_policy)
     if args.compile:  # compile now for the step shapes, not while the first requests wait
         seconds = warm_up(backend, text_model(model).config.vocab_size, args.max_batch, max_total_tokens=limit)
