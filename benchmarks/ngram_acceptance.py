@@ -8,7 +8,8 @@ over held-out documents, as if the model wrote each document exactly.
 Two tasks. `continue`: for each held-out document of a corpus (tokenized with openm3's local tokenizer, or a
 checkpoint's), decoding starts after its first `--start` tokens. `rewrite` (what an agent does when it rewrites a
 file it was shown): the prompt is the whole document, the answer the document again with one line in
-`--edit-every` replaced by a line of another document. In both, at each step the drafts come from `ngram_drafts` over the tokens so far,
+`--edit-every` replaced by a line of another document. In both, at each step the drafts come from `ngram_drafts`
+over the tokens so far,
 the leading drafts equal to the document's next tokens are kept, and the step yields those plus one more token (as
 `verify` does when the model's choice is the document's). Reported per corpus, number of drafts and shortest
 lookup: tokens per step (what a step-bound decode gains at most, before the cost of the longer step), the share of

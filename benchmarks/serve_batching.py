@@ -116,7 +116,8 @@ def main(argv=None) -> int:
         if args.rounds > 1:
             res["rounds"][key].update(walls_s=walls, tokens_per_s_each=[tokens / w for w in walls])
         each = "" if args.rounds == 1 else " (rounds: " + ", ".join(f"{tokens / w:.1f}" for w in walls) + ")"
-        print(f"max batch {b:3d}{' overlap' if overlap else ''}: {n} requests, {tokens} new tokens in {walls[0]:.3f} s = "
+        label = f"max batch {b:3d}{' overlap' if overlap else ''}"
+        print(f"{label}: {n} requests, {tokens} new tokens in {walls[0]:.3f} s = "
               f"{tokens / walls[0]:9.1f} tokens/s{each} (prefill included; {batcher.steps} decode steps, batch sizes "
               f"{dict(batcher.batch_sizes)}; graphs {counts})", flush=True)
         del batcher

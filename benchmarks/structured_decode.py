@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     for t, piece in enumerate(vocab.pieces):
         if piece:
             index["pieces"].setdefault(piece, t)
-    modes = {"greedy": SamplingParams(), "top_p-0.9": SamplingParams(1.0, top_p=0.9), "temperature-1": SamplingParams(1.0)}
+    modes = {"greedy": SamplingParams(), "top_p-0.9": SamplingParams(1.0, top_p=0.9),
+             "temperature-1": SamplingParams(1.0)}
     rows, baseline = [], {}
     gen = torch.Generator().manual_seed(args.seed)
     for mode, sampling in modes.items():  # what the unconstrained sampler costs on the same rows (host)
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
                             tokens += len(times)
                 row = dict(format=fmt, logits=kind, sampling=mode, docs=args.docs, tokens=tokens, ended=ended,
                            full_masks=full_masks,
-                           cold_ms_mean=statistics.fmean(cold_ms), cold_ms_p99=sorted(cold_ms)[int(0.99 * len(cold_ms))],
+                           cold_ms_mean=statistics.fmean(cold_ms),
+                           cold_ms_p99=sorted(cold_ms)[int(0.99 * len(cold_ms))],
                            warm_ms_mean=statistics.fmean(warm_ms), warm_ms_median=statistics.median(warm_ms),
                            warm_ms_p99=sorted(warm_ms)[int(0.99 * len(warm_ms))])
                 rows.append(row)

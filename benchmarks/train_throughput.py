@@ -191,7 +191,8 @@ def profile_step(trainer) -> dict:
 
 
 def sync_sites(step, top: int = 25) -> list[dict]:
-    """One call of `step` (e.g. a trainer's `train_step`) under `torch.cuda.set_sync_debug_mode("warn")`: each host sync (a `.tolist()`, `.item()`,
+    """One call of `step` (e.g. a trainer's `train_step`) under `torch.cuda.set_sync_debug_mode("warn")`: each host
+    sync (a `.tolist()`, `.item()`,
     a blocking copy) and the innermost openm3 / benchmarks frames that caused it, counted per call site. A sync
     drains the launch queue, so the GPU idles while Python issues the next kernels."""
     import traceback as tb

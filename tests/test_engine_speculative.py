@@ -425,7 +425,8 @@ def steady_gates(monkeypatch) -> None:
     tests' decisions depend on the kept drafts only; the step times are still recorded (checked below)."""
     import importlib
 
-    for module in (importlib.import_module("openm3.engine.batching"), importlib.import_module("openm3.engine.generate")):
+    for name in ("openm3.engine.batching", "openm3.engine.generate"):
+        module = importlib.import_module(name)
         monkeypatch.setattr(module, "SpeculationGate", lambda: SpeculationGate(use_times=False))
 
 

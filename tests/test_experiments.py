@@ -28,7 +28,8 @@ def test_summary_means_and_spreads():
     assert native["colour_qa_accuracy"] == (0.75, pytest.approx(math.sqrt(0.125)))
     assert summary["text-only"]["bpb/topics"] == (3.5, 0.0) and "indexer_recall" not in native
     table = recipes.summary_table(summary)
-    assert "| native | 5 | 3.000 ± 0.707 | 2.500 ± 0.707 | 3.500 ± 0.707 | 0.75 ± 0.35 | 0.50 ± 0.00 | - |" in table
+    row = "| native | 5 | 3.000 ± 0.707 | 2.500 ± 0.707 | 3.500 ± 0.707 | 0.75 ± 0.35 | 0.50 ± 0.00 | - |"
+    assert row in table
     assert "seeds [0, 1]" in table
 
 

@@ -626,8 +626,8 @@ def test_a_predicted_output_speeds_speculation_and_changes_nothing(model, tok, s
 
     def answer(**extra) -> tuple[str, int, dict]:
         before = gen.accepted_tokens
-        r = client.post("/v1/chat/completions", json={**body, **extra, "stream": stream,
-                                                      **({"stream_options": {"include_usage": True}} if stream else {})})
+        usage = {"stream_options": {"include_usage": True}} if stream else {}
+        r = client.post("/v1/chat/completions", json={**body, **extra, "stream": stream, **usage})
         assert r.status_code == 200, r.text
         if stream:
             chunks = events(r)

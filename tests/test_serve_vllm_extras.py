@@ -1,6 +1,7 @@
 """vLLM's request extras through `openm3 serve`: `include_stop_str_in_output` (Completions and Chat Completions,
 whole and streamed), `truncate_prompt_tokens` (the prompt's last k tokens, -1: what the context limit leaves),
-`bad_words` and Chat Completions' `add_generation_prompt` / `continue_final_message`, each against an answer built another way
+`bad_words` and Chat Completions' `add_generation_prompt` / `continue_final_message`, each against an answer built
+another way
 (the engine on the cut prompt, a Completions request on the rendered text) and with a 400 naming the field for a
 request vLLM refuses too."""
 

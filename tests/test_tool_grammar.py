@@ -144,7 +144,8 @@ def test_text_grammar_values_full_masks_equal_checking_each_token():
                              "definition": 'start: WORD ("<" WORD)*\nWORD: /[a-zé日]+/'}}
     pieces = [bytes([b]) for b in range(0x20, 0x7F)] + [b"\n", b"</", b"</parameter>", b"</parameter>\n</invoke>\n",
                                                        START, END, b'<invoke name="t">\n', b'<parameter name="input">']
-    pieces += ["é".encode(), "éa".encode(), "日".encode(), "é".encode()[:1], "日".encode()[:2], b"a" + "é".encode()[:1]]
+    pieces += ["é".encode(), "éa".encode(), "日".encode(), "é".encode()[:1], "日".encode()[:2],
+               b"a" + "é".encode()[:1]]
     vocab = TokenBytes(pieces)
     g = ToolCallGrammar([tool], "t")
     transitions = TransitionCache(g, vocab)

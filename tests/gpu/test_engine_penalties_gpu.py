@@ -1,6 +1,7 @@
 """Logit bias and penalties on the GPU (`openm3.engine.penalties`): the pickers adjust bf16 logits rows on the
 device; greedy answers through `generate` with CUDA graphs equal those of eager steps and of speculative steps,
-`BatchedGenerator`'s (graphs, beside a plain request) equal them up to a bf16 near-tie, and min_tokens holds a biased stop token back.
+`BatchedGenerator`'s (graphs, beside a plain request) equal them up to a bf16 near-tie, and min_tokens holds a biased
+stop token back.
 
     .venv/bin/python -m pytest -q -m gpu tests/gpu/test_engine_penalties_gpu.py
 """

@@ -470,7 +470,8 @@ def attention_launch(group: int, head_dim: int, block_size: int, dtype: torch.dt
         # neighbouring queries select overlapping blocks (-22% at 32K) but cost masked dot work otherwise (+32% at
         # 128K with i.i.d. selections, and only -4% left for overlapping ones there): one token per tile is the
         # robust default where nothing better was measured (at G = 16 the hybrid below picks per tile; its K/V
-        # gather alone takes 50.5 ms of its 51.9 at 128K, session 17). TMA loads beat pointer loads; whole-block dk/dv programs read q and dO once per block,
+        # gather alone takes 50.5 ms of its 51.9 at 128K, session 17). TMA loads beat pointer loads; whole-block
+        # dk/dv programs read q and dO once per block,
         # and fusing dq into them (atomics) beats a second K/V gather.
         # dk/dv work items of at most 512 queries: a hot block (the first, the own blocks of a dense stretch) is
         # split over more programs, which add their parts with fp32 atomics. At G = 4, 2 x 8K tokens: fwd+bwd

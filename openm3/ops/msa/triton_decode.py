@@ -29,7 +29,8 @@ batch of sequences of different lengths. A decode step (`decode_msa`):
 Where a 1M-token batch-1 fp8 step goes (H200, session 19, `python -m benchmarks.msa_floors --parts tail`: kernel
 ends inside a CUDA graph): scoring 35.4 us (streaming the keys alone: ~33), shrink 39.1, attention 44.9, combine
 46.0; session 20, with 32 shrink groups there (`_default_shrink_groups`): scoring 34.8, shrink 36.9, attention
-43.4, combine 44.5. All 512 scoring programs run in one wave (90 registers, 38 KB of shared memory: 5 fit per SM), so every
+43.4, combine 44.5. All 512 scoring programs run in one wave (90 registers, 38 KB of shared memory: 5 fit per SM),
+so every
 group of candidates is complete only at the end and the tail is a chain of dependent latencies; the folded
 shrink (16 programs each reducing 4 x 512 keys after the last loads) ends the scoring kernel at 46.0 instead.
 
