@@ -112,6 +112,7 @@ _DELEGATED: dict[str, tuple[str, str]] = {
     "eval": ("openm3.eval_cli:main", "evaluate a checkpoint: held-out bits per byte, image / video QA, indexer recall"),
     "demo": ("openm3.demo:main", "train m3-tiny natively multimodal on CPU, evaluate it, write a report"),
     "serve": ("openm3.serve.cli:main", "serve a model behind the OpenAI / Anthropic HTTP APIs"),
+    "bench": ("openm3.bench_cli:main", "list the benchmarks of a source checkout, or run one (most need a GPU)"),
 }
 
 

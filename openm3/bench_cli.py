@@ -1,0 +1,91 @@
+"""`openm3 bench`: the benchmarks of a source checkout (`benchmarks/`, one script per question) from the CLI.
+
+    openm3 bench                   # each benchmark with the question it answers
+    openm3 bench NAME [ARGS ...]   # runs `python -m benchmarks.NAME ARGS ...` in this process; `NAME --help`: its flags
+
+The benchmarks are not part of the installed package (a wheel carries `openm3` only), so the command looks for
+`benchmarks/` beside the package's directory (a clone installed with `pip install -e .`, as `scripts/setup.sh`
+does), then in the working directory. Most of them time Triton kernels or CUDA graphs and need a GPU; each writes its
+figures as JSON under `--out` where it takes one (`benchmarks/results/` holds the recorded ones).
+"""
+
+from __future__ import annotations
+
+import ast
+import runpy
+import sys
+import textwrap
+from pathlib import Path
+
+USAGE = "usage: openm3 bench [NAME [ARGS ...]]   (no NAME: the list)"
+
+
+def benchmarks_dir() -> Path:
+    """The checkout's `benchmarks/` folder; FileNotFoundError (saying where it looked) when there is none."""
+    package_root = Path(__file__).resolve().parents[1]
+    tried = []
+    for root in (package_root, Path.cwd()):
+        folder = root / "benchmarks"
+        if (folder / "__init__.py").is_file():
+            return folder
+        tried.append(str(folder))
+    raise FileNotFoundError("openm3 bench runs the benchmarks of a source checkout and found none (looked in "
+                            + ", ".join(dict.fromkeys(tried)) + "): clone the repository and run it from there")
+
+
+def available(folder: Path) -> dict[str, str]:
+    """{name: first sentence of its docstring} for each benchmark script (modules starting with '_' are helpers),
+    read without importing them (an import may need CUDA or the benchmark's own dependencies)."""
+    out = {}
+    for path in sorted(folder.glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))) or ""
+        paragraph = " ".join(doc.split("\n\n")[0].split())
+        end = paragraph.find(". ")
+        out[path.stem] = paragraph if end < 0 else paragraph[:end + 1]
+    return out
+
+
+def _listing(found: dict[str, str], width: int = 118) -> str:
+    """The names in a column, each question wrapped beside its name."""
+    pad = max(map(len, found), default=0) + 2
+    lines = []
+    for name, question in found.items():
+        wrapped = textwrap.wrap(question, width - pad) or [""]
+        lines += [name.ljust(pad) + wrapped[0], *(" " * pad + rest for rest in wrapped[1:])]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    try:
+        folder = benchmarks_dir()
+    except FileNotFoundError as err:
+        print(f"openm3 bench: error: {err}", file=sys.stderr)
+        return 2
+    found = available(folder)
+    if not argv:
+        print(f"benchmarks in {folder} (openm3 bench NAME --help for a benchmark's flags):\n")
+        print(_listing(found))
+        return 0
+    name, rest = argv[0], argv[1:]
+    name = name[:-3] if name.endswith(".py") else name
+    if name not in found:
+        raise ValueError(f"no benchmark named {argv[0]!r}; expected one of: {', '.join(found)}\n{USAGE}")
+    root = str(folder.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    saved = sys.argv
+    sys.argv = [f"openm3 bench {name}", *rest]
+    try:
+        runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
+    except SystemExit as done:  # argparse's --help and errors, or the benchmark's own exit status
+        code = done.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0

@@ -1,0 +1,49 @@
+"""`openm3 bench`: the checkout's benchmarks listed with their questions, one run by name with its own flags, and
+errors that name what was expected."""
+
+import json
+from pathlib import Path
+
+from openm3 import bench_cli
+from openm3.cli import main
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_listing_names_every_benchmark_with_its_question(capsys):
+    assert main(["bench"]) == 0
+    out = capsys.readouterr().out
+    scripts = sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+    assert scripts and list(bench_cli.available(BENCHMARKS)) == scripts
+    listed = [line.split()[0] for line in out.splitlines()[2:] if line and not line.startswith(" ")]
+    assert listed == scripts
+    assert "msa_decode" in out and "vs dense attention" in out  # msa_decode's docstring, wrapped beside its name
+    assert all(len(line) <= 118 for line in out.splitlines()[1:])
+
+
+def test_unknown_benchmark_is_an_error_naming_the_choices(capsys):
+    assert main(["bench", "msa_decod"]) == 2
+    err = capsys.readouterr().err
+    assert "no benchmark named 'msa_decod'" in err and "msa_decode" in err
+
+
+def test_runs_a_benchmark_with_its_flags(capsys, tmp_path):
+    assert main(["bench", "ngram_acceptance", "--help"]) == 0
+    assert "--lookup-min" in capsys.readouterr().out
+    assert main(["bench", "ngram_acceptance.py", "--bogus"]) == 2  # its own argparse error, passed on
+    args = ["--docs", "1", "--max-tokens", "600", "--start", "100", "--corpora", "topics", "--drafts", "2",
+            "--lookup-min", "2", "--out", str(tmp_path)]
+    assert main(["bench", "ngram_acceptance", *args]) == 0
+    written = list(tmp_path.glob("ngram_acceptance_continue_*.json"))
+    assert len(written) == 1
+    result = json.loads(written[0].read_text())
+    assert result["corpora"]["topics"] and result["start"] == 100
+
+
+def test_outside_a_checkout_it_says_where_it_looked(monkeypatch, tmp_path, capsys):
+    fake = tmp_path / "site-packages" / "openm3" / "bench_cli.py"
+    monkeypatch.setattr(bench_cli, "__file__", str(fake))
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "source checkout" in err and str(tmp_path / "site-packages" / "benchmarks") in err
