@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 pins=()
-for name in fastapi starlette pydantic pydantic_core typing-inspection annotated-types typing_extensions anyio; do
+# httpx2 and its own: starlette's TestClient (the benchmark's client) imports it, or httpx where that is missing
+for name in fastapi starlette pydantic pydantic_core typing-inspection annotated-types typing_extensions anyio \
+    httpx2 httpcore2 h11 idna sniffio; do
   pins+=("$name==$(version "$name")")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
