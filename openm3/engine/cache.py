@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import msa
+from ..ops.attention import dense_attention
 from ..ops.msa import decode
 from ..ops.msa.backend import pick_backend
 from ..ops.host import copy_from_host
@@ -598,10 +600,12 @@ class PagedCache:
 
     def _attend_reference(self, layer, q, qi, st: _Step, *, scale, topk, local_blocks):
         ps = self.layout.page_size
-        if qi is None:
-            o, _ = decode.paged_dense_attention(q, self.k[layer], self.v[layer], st.block_table, st.cu_seqlens_q,
-                                                st.lens, block_size=ps, scale=scale)
-            return o
+        if qi is None:  # dense layers: the model's own dense op (SDPA) over each sequence's cached tokens; the
+            # paged reference (`decode.paged_dense_attention`, every block selected) gathers each query's keys
+            k, v = (decode.gather_pages(pool, st.block_table, st.lens, ps).to(q.dtype)
+                    for pool in (self.k[layer], self.v[layer]))
+            cu_k = torch.tensor([0, *itertools.accumulate(st.lens)], dtype=torch.int32, device=q.device)
+            return dense_attention(q, k, v, st.cu_seqlens_q, scale=scale, cu_seqlens_k=cu_k)
         idx = decode.paged_select_blocks(qi, self.ki[layer], st.block_table, st.cu_seqlens_q, st.lens,
                                          block_size=ps, topk=topk, local_blocks=local_blocks,
                                          ki_scale=self.ki_scale[layer])

@@ -68,6 +68,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         vb = v[ks:ke].transpose(0, 1).unsqueeze(0)
         if q_len == k_len:
             ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=hq != hkv)
+        elif q_len == 1:  # one decode query sees every key: no mask
+            ob = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=hq != hkv)
         else:
             pos = torch.arange(k_len - q_len, k_len, device=q.device)
             mask = torch.arange(k_len, device=q.device)[None, :] <= pos[:, None]
