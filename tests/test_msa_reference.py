@@ -149,9 +149,13 @@ SPARSE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("shared_range", [0, 1, ref.SHARED_RANGE_MAX], ids=lambda r: f"shared{r}")
 @pytest.mark.parametrize("workspace", [ref.DEFAULT_WORKSPACE, 4096], ids=["ws-default", "ws4096"])
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: c.id)
-def test_sparse_attention_equals_masked_dense(case, workspace):
+def test_sparse_attention_equals_masked_dense(case, workspace, shared_range, monkeypatch):
+    """Every query gathering its blocks (0), the queries below topk * block_size (1) or below the default multiple
+    of it scanning a range shared by their chunk, the rest gathering: the same outputs and gradients."""
+    monkeypatch.setattr(ref, "SHARED_RANGE_MAX", shared_range)
     x = make_inputs(case, seed=1)
     block_idx = select(x, case)
     assert any(-(-lk // case.bs) > case.topk for lk in case.kv_lens)  # really sparse

@@ -28,6 +28,11 @@ from ._checks import (Segment, check_attention_inputs, check_block_idx, check_bl
 __all__ = ["select_blocks", "index_lse", "sparse_attention", "indexer_kl", "DEFAULT_WORKSPACE"]
 
 DEFAULT_WORKSPACE = 1 << 22  # elements (16 MiB in fp32) per chunk intermediate
+# Sparse attention's queries scan one key range shared by their chunk (masked to their blocks) while it holds at
+# most this many times topk * block_size keys, and gather their own blocks' keys beyond. Copying each query's keys
+# costs more than dots over keys it does not attend to, up to a point (CPU, m3-small's shape, one 8,000-token
+# prefill: 162 s at 2, 93 s at 4, 99 s at 8; a 4,000-token one: 68.5 s at 1, 27-29 s at 2-4).
+SHARED_RANGE_MAX = 4
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -62,6 +67,19 @@ def _sparse_tile(blocks: torch.Tensor, qpos: torch.Tensor, block_size: int) -> t
     pos = (blocks.long()[..., None] * block_size + offs).flatten(2)
     valid = (blocks[..., None] >= 0).expand(*blocks.shape, block_size).flatten(2) & (pos <= qpos[None, :, None])
     return pos.masked_fill(~valid, 0), valid
+
+
+def _selected_range(blocks: torch.Tensor, qpos: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys [0, qpos[-1]] as one range shared by the chunk, masked to each query's selected blocks: pos [1, 1,
+    L] and valid [Hi, C, L]. The same key sets as `_sparse_tile` (blocks int32 [Hi, C, K]) without gathering each
+    query's own copy of them: cheaper while L is a few times K * block_size at most (`SHARED_RANGE_MAX`)."""
+    length = int(qpos[-1]) + 1
+    num_blocks = -(-length // block_size)
+    chosen = torch.zeros(*blocks.shape[:2], num_blocks + 1, dtype=torch.bool, device=blocks.device)
+    chosen.scatter_(2, torch.where(blocks >= 0, blocks.long(), num_blocks), True)  # -1 slots land in a spare column
+    pos = torch.arange(length, device=blocks.device)
+    valid = chosen[:, :, pos // block_size] & (pos[None, None, :] <= qpos[None, :, None])
+    return pos[None, None, :], valid
 
 
 def _dense_tiles(qpos: torch.Tensor, num_heads: int, tile: int):
@@ -247,10 +265,10 @@ class _SparseAttention(torch.autograd.Function):
         o = q.new_zeros(q.shape, dtype=cdt)
         lse = q.new_full(q.shape[:2], -math.inf, dtype=cdt)
         for c in _attention_chunks(q, k, v, block_idx, segments, block_size, workspace):
-            s = (c.q @ c.k.transpose(-1, -2)) * scale  # [Hi, C, G, S]
+            s = _matmul(c.q, c.k.transpose(-1, -2)) * scale  # [Hi, C, G, S] (S = L for a shared range)
             lse_c = _masked_lse(s, c.valid[:, :, None])  # [Hi, C, G]
             p = _probs(s, lse_c, c.valid[:, :, None])
-            o[c.rows] = (p @ c.v).permute(1, 0, 2, 3).flatten(1, 2)
+            o[c.rows] = _matmul(p, c.v).permute(1, 0, 2, 3).flatten(1, 2)
             lse[c.rows] = lse_c.permute(1, 0, 2).flatten(1)
         ctx.save_for_backward(q, k, v, block_idx, o, lse)
         ctx.meta = (segments, block_size, scale, workspace)
@@ -271,11 +289,16 @@ class _SparseAttention(torch.autograd.Function):
             do_c = _heads_first(do[c.rows], c.q.shape[0])  # [Hi, C, G, D]
             o_c = _heads_first(o[c.rows], c.q.shape[0])
             lse_c = lse[c.rows].unflatten(1, (c.q.shape[0], -1)).transpose(0, 1)  # [Hi, C, G]
-            s = (c.q @ c.k.transpose(-1, -2)) * scale
+            s = _matmul(c.q, c.k.transpose(-1, -2)) * scale
             p = _probs(s, lse_c, c.valid[:, :, None])  # [Hi, C, G, S]
-            dp = do_c @ c.v.transpose(-1, -2)
+            dp = _matmul(do_c, c.v.transpose(-1, -2))
             ds = p * (dp - (do_c * o_c).sum(-1, keepdim=True)) * scale
-            dq[c.rows] = (ds @ c.k).permute(1, 0, 2, 3).flatten(1, 2)
+            dq[c.rows] = _matmul(ds, c.k).permute(1, 0, 2, 3).flatten(1, 2)
+            if c.shared:  # one key range for the whole chunk: p and ds are 0 off each query's blocks
+                keys = slice(c.k_start, c.k_start + c.pos.shape[-1])
+                dk_t[:, keys] += torch.einsum("hcgs,hcgd->hsd", ds, c.q)
+                dv_t[:, keys] += torch.einsum("hcgs,hcgd->hsd", p, do_c)
+                continue
             dk_c = ds.transpose(-1, -2) @ c.q  # [Hi, C, S, D]
             dv_c = p.transpose(-1, -2) @ do_c
             keep = c.valid[..., None]
@@ -285,6 +308,14 @@ class _SparseAttention(torch.autograd.Function):
         dk = dk_t.transpose(0, 1).to(k.dtype)
         dv = dv_t.transpose(0, 1).to(v.dtype)
         return dq.to(q.dtype), dk, dv, None, None, None, None, None
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [Hi, C, G, X] @ b [Hi, C or 1, X, Y] -> [Hi, C, G, Y]; a b shared by the chunk's queries (C = 1) as one
+    matmul per head (broadcasting would copy it for every query)."""
+    if b.shape[1] == 1 and a.shape[1] > 1:
+        return (a.flatten(1, 2) @ b[:, 0]).unflatten(1, a.shape[1:3])
+    return a @ b
 
 
 def _heads_first(x: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -298,30 +329,43 @@ class _Chunk:
 
     rows: slice  # the chunk's queries in the packed [T] axis
     q: torch.Tensor  # [Hi, C, G, D]
-    k: torch.Tensor  # [Hi, C, S, D] keys of the selected blocks
-    v: torch.Tensor  # [Hi, C, S, D]
-    pos: torch.Tensor  # [Hi, C, S] key positions relative to k_start (0 where not valid)
-    valid: torch.Tensor  # [Hi, C, S] selected and causal
+    k: torch.Tensor  # [Hi, C, S, D] keys of the selected blocks, or [Hi, 1, L, D]: the shared range [0, L)
+    v: torch.Tensor  # [Hi, C, S, D] or [Hi, 1, L, D]
+    pos: torch.Tensor  # [Hi, C, S] key positions relative to k_start (0 where not valid), or [1, 1, L]
+    valid: torch.Tensor  # [Hi, C, S or L] selected and causal
     k_start: int  # the sequence's first key in the packed [Tk] axis
+    shared: bool  # k, v, pos: one key range for the whole chunk
 
 
 def _attention_chunks(q, k, v, block_idx, segments: list[Segment], block_size: int, workspace: int):
-    """Yield one `_Chunk` per query chunk of every sequence; S = topk * block_size."""
+    """Yield one `_Chunk` per query chunk of every sequence; S = topk * block_size. Queries at positions below
+    SHARED_RANGE_MAX * S scan their causal keys as one range shared by the chunk, masked to each query's blocks
+    (`_selected_range`); the later ones gather each query's selected blocks (`_sparse_tile`). The key sets, and so
+    the results, are the same."""
     cdt = _compute_dtype(q)
     hkv, topk, d = k.shape[1], block_idx.shape[-1], q.shape[-1]
     groups = q.shape[1] // hkv
-    per_row = hkv * topk * block_size * max(d, groups)
-    rows_per_chunk = _rows_per_chunk(workspace, per_row)
+    span = topk * block_size
+    shared_rows = _rows_per_chunk(workspace, hkv * SHARED_RANGE_MAX * span * groups)  # [Hi, C, G, L] scores
+    sparse_rows = _rows_per_chunk(workspace, hkv * span * max(d, groups))  # and [Hi, C, S, D] gathered keys
     for seg in segments:
         k_t = k[seg.k_start:seg.k_start + seg.k_len].transpose(0, 1)  # [Hkv, Lk, D]
         v_t = v[seg.k_start:seg.k_start + seg.k_len].transpose(0, 1)
-        for c0 in range(0, seg.q_len, rows_per_chunk):
-            c1 = min(c0 + rows_per_chunk, seg.q_len)
+        boundary = min(max(SHARED_RANGE_MAX * span - seg.offset, 0), seg.q_len)  # the first gathering query
+        c0 = 0
+        while c0 < seg.q_len:
+            c1 = min(c0 + shared_rows, boundary) if c0 < boundary else min(c0 + sparse_rows, seg.q_len)
             rows = slice(seg.q_start + c0, seg.q_start + c1)
             qpos = torch.arange(seg.offset + c0, seg.offset + c1, device=q.device)
-            pos, valid = _sparse_tile(block_idx[:, rows], qpos, block_size)
-            yield _Chunk(rows, _heads_first(q[rows].to(cdt), hkv), _gather(k_t, pos).to(cdt),
-                         _gather(v_t, pos).to(cdt), pos, valid, seg.k_start)
+            shared = c0 < boundary
+            if shared:
+                pos, valid = _selected_range(block_idx[:, rows], qpos, block_size)
+                keys, values = (x[:, None, :pos.shape[-1]].to(cdt) for x in (k_t, v_t))
+            else:
+                pos, valid = _sparse_tile(block_idx[:, rows], qpos, block_size)
+                keys, values = _gather(k_t, pos).to(cdt), _gather(v_t, pos).to(cdt)
+            yield _Chunk(rows, _heads_first(q[rows].to(cdt), hkv), keys, values, pos, valid, seg.k_start, shared)
+            c0 = c1
 
 
 # --- indexer KL ---------------------------------------------------------------------------------------------
