@@ -233,10 +233,14 @@ KL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("shared_range", [0, 1, ref.SHARED_RANGE_MAX], ids=lambda r: f"shared{r}")
 @pytest.mark.parametrize("workspace", [ref.DEFAULT_WORKSPACE, 2048], ids=["ws-default", "ws2048"])
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 @pytest.mark.parametrize("case", KL_CASES, ids=lambda c: c.id)
-def test_indexer_kl_matches_explicit_formula(case, sparse, workspace):
+def test_indexer_kl_matches_explicit_formula(case, sparse, workspace, shared_range, monkeypatch):
+    """Selected keys gathered per query (0) or scanned as a range shared by the chunk (below 1x or the default
+    multiple of topk * block_size), and the dense warm-up: the same loss and gradients."""
+    monkeypatch.setattr(ref, "SHARED_RANGE_MAX", shared_range)
     x = make_inputs(case, dtype=torch.float64, seed=3)
     block_idx = select(x, case) if sparse else None
     for name in ("q", "k", "qi", "ki"):
@@ -264,9 +268,11 @@ KL_GRAD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("shared_range", [0, ref.SHARED_RANGE_MAX], ids=lambda r: f"shared{r}")
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 @pytest.mark.parametrize("case", KL_GRAD_CASES, ids=lambda c: c.id)
-def test_indexer_kl_gradcheck_fp64(case, sparse):
+def test_indexer_kl_gradcheck_fp64(case, sparse, shared_range, monkeypatch):
+    monkeypatch.setattr(ref, "SHARED_RANGE_MAX", shared_range)
     x = make_inputs(case, dtype=torch.float64, seed=4)
     block_idx = select(x, case) if sparse else None
 

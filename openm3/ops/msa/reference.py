@@ -70,7 +70,7 @@ def _sparse_tile(blocks: torch.Tensor, qpos: torch.Tensor, block_size: int) -> t
 
 
 def _selected_range(blocks: torch.Tensor, qpos: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys [0, qpos[-1]] as one range shared by the chunk, masked to each query's selected blocks: pos [1, 1,
+    """The keys [0, qpos[-1]] as one range shared by the chunk, masked to each query's selected blocks: pos [Hi, 1,
     L] and valid [Hi, C, L]. The same key sets as `_sparse_tile` (blocks int32 [Hi, C, K]) without gathering each
     query's own copy of them: cheaper while L is a few times K * block_size at most (`SHARED_RANGE_MAX`)."""
     length = int(qpos[-1]) + 1
@@ -79,7 +79,7 @@ def _selected_range(blocks: torch.Tensor, qpos: torch.Tensor, block_size: int) -
     chosen.scatter_(2, torch.where(blocks >= 0, blocks.long(), num_blocks), True)  # -1 slots land in a spare column
     pos = torch.arange(length, device=blocks.device)
     valid = chosen[:, :, pos // block_size] & (pos[None, None, :] <= qpos[None, :, None])
-    return pos[None, None, :], valid
+    return pos[None, None, :].expand(blocks.shape[0], 1, -1), valid
 
 
 def _dense_tiles(qpos: torch.Tensor, num_heads: int, tile: int):
@@ -331,7 +331,7 @@ class _Chunk:
     q: torch.Tensor  # [Hi, C, G, D]
     k: torch.Tensor  # [Hi, C, S, D] keys of the selected blocks, or [Hi, 1, L, D]: the shared range [0, L)
     v: torch.Tensor  # [Hi, C, S, D] or [Hi, 1, L, D]
-    pos: torch.Tensor  # [Hi, C, S] key positions relative to k_start (0 where not valid), or [1, 1, L]
+    pos: torch.Tensor  # [Hi, C, S] key positions relative to k_start (0 where not valid), or [Hi, 1, L]
     valid: torch.Tensor  # [Hi, C, S or L] selected and causal
     k_start: int  # the sequence's first key in the packed [Tk] axis
     shared: bool  # k, v, pos: one key range for the whole chunk
@@ -427,6 +427,7 @@ class _KLChunk:
     qi: torch.Tensor  # [Hi, C, Di]
     k_t: torch.Tensor  # [Hkv, Lk, D] the sequence's keys
     ki_t: torch.Tensor  # [1, Lk, Di] the sequence's index keys
+    shared: bool  # selected blocks scanned as one key range shared by the chunk (as in `_attention_chunks`)
 
 
 def _kl_chunks(q, k, qi, ki, block_idx, cfg: _KLConfig):
@@ -438,24 +439,32 @@ def _kl_chunks(q, k, qi, ki, block_idx, cfg: _KLConfig):
             continue
         k_t = k[seg.k_start:seg.k_start + seg.k_len].transpose(0, 1).to(cdt)
         ki_t = ki[seg.k_start:seg.k_start + seg.k_len].to(cdt)[None]
+        boundary, shared_rows = 0, 1  # the first query that gathers its blocks' keys; rows per shared chunk
         if block_idx is None:
             tile = _key_tile(cfg.workspace, cfg.block_size, seg.k_len)
             per_row = hkv * tile * groups
         else:
-            per_row = hkv * block_idx.shape[-1] * cfg.block_size * max(d, di, groups)
+            span = block_idx.shape[-1] * cfg.block_size
+            per_row = hkv * span * max(d, di, groups)
+            boundary = min(max(SHARED_RANGE_MAX * span - seg.offset, 0), seg.q_len)
+            shared_rows = _rows_per_chunk(cfg.workspace, hkv * SHARED_RANGE_MAX * span * groups)
         rows_per_chunk = _rows_per_chunk(cfg.workspace, per_row)
-        for c0 in range(0, seg.q_len, rows_per_chunk):
-            c1 = min(c0 + rows_per_chunk, seg.q_len)
+        c0 = 0
+        while c0 < seg.q_len:
+            c1 = min(c0 + shared_rows, boundary) if c0 < boundary else min(c0 + rows_per_chunk, seg.q_len)
             rows = slice(seg.q_start + c0, seg.q_start + c1)
             qpos = torch.arange(seg.offset + c0, seg.offset + c1, device=q.device)
             yield _KLChunk(rows, seg.k_start, qpos, _heads_first(q[rows].to(cdt), hkv),
-                           qi[rows].to(cdt).transpose(0, 1), k_t, ki_t)
+                           qi[rows].to(cdt).transpose(0, 1), k_t, ki_t, c0 < boundary)
+            c0 = c1
 
 
 def _kl_tiles(c: _KLChunk, block_idx, cfg: _KLConfig):
-    """Key tiles of a chunk: the selected blocks (one tile) or dense key ranges."""
+    """Key tiles of a chunk: the selected blocks (one tile: gathered, or a shared range masked to them) or dense key
+    ranges."""
     if block_idx is not None:
-        yield _sparse_tile(block_idx[:, c.rows], c.qpos, cfg.block_size)
+        tile = _selected_range if c.shared else _sparse_tile
+        yield tile(block_idx[:, c.rows], c.qpos, cfg.block_size)
     else:
         tile = _key_tile(cfg.workspace, cfg.block_size, c.k_t.shape[1])
         yield from _dense_tiles(c.qpos, c.q.shape[0], tile)
@@ -465,8 +474,8 @@ def _kl_logits(c: _KLChunk, pos, cfg: _KLConfig):
     """Teacher logits [Hi, C, G, S] and student logits [Hi, C, S] of one tile, plus the gathered index keys."""
     kg = _gather(c.k_t, pos)  # [Hi, C or 1, S, D]
     kig = _gather(c.ki_t, pos)  # [Hi, C or 1, S, Di]
-    a = (c.q @ kg.transpose(-1, -2)) * cfg.scale
-    z = (c.qi[:, :, None, :] @ kig.transpose(-1, -2)).squeeze(-2) * cfg.index_scale
+    a = _matmul(c.q, kg.transpose(-1, -2)) * cfg.scale
+    z = _matmul(c.qi[:, :, None, :], kig.transpose(-1, -2)).squeeze(-2) * cfg.index_scale
     return a, z, kig
 
 
@@ -530,8 +539,8 @@ class _IndexerKL(torch.autograd.Function):
             for pos, valid in _kl_tiles(c, block_idx, cfg):
                 p, r, _, kig = _teacher_student(c, pos, valid, lse_a, lse_z, cfg)
                 dz = (r - p) * coef  # [Hi, C, S]
-                dqi_c += (dz[:, :, None, :] @ kig).squeeze(-2)
-                if block_idx is None:  # dense tile: keys shared by the whole chunk
+                dqi_c += _matmul(dz[:, :, None, :], kig).squeeze(-2)
+                if block_idx is None or c.shared:  # keys shared by the whole chunk (dz is 0 off each key set)
                     dki[c.k_start + pos[0, 0]] += (dz.transpose(-1, -2) @ c.qi).sum(0)
                 else:
                     dki.index_put_((c.k_start + pos,), dz[..., None] * c.qi[:, :, None, :], accumulate=True)
