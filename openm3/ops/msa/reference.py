@@ -351,13 +351,9 @@ def _attention_chunks(q, k, v, block_idx, segments: list[Segment], block_size: i
     for seg in segments:
         k_t = k[seg.k_start:seg.k_start + seg.k_len].transpose(0, 1)  # [Hkv, Lk, D]
         v_t = v[seg.k_start:seg.k_start + seg.k_len].transpose(0, 1)
-        boundary = min(max(SHARED_RANGE_MAX * span - seg.offset, 0), seg.q_len)  # the first gathering query
-        c0 = 0
-        while c0 < seg.q_len:
-            c1 = min(c0 + shared_rows, boundary) if c0 < boundary else min(c0 + sparse_rows, seg.q_len)
+        for c0, c1, shared in _query_chunks(seg, span, shared_rows, sparse_rows):
             rows = slice(seg.q_start + c0, seg.q_start + c1)
             qpos = torch.arange(seg.offset + c0, seg.offset + c1, device=q.device)
-            shared = c0 < boundary
             if shared:
                 pos, valid = _selected_range(block_idx[:, rows], qpos, block_size)
                 keys, values = (x[:, None, :pos.shape[-1]].to(cdt) for x in (k_t, v_t))
@@ -365,7 +361,19 @@ def _attention_chunks(q, k, v, block_idx, segments: list[Segment], block_size: i
                 pos, valid = _sparse_tile(block_idx[:, rows], qpos, block_size)
                 keys, values = _gather(k_t, pos).to(cdt), _gather(v_t, pos).to(cdt)
             yield _Chunk(rows, _heads_first(q[rows].to(cdt), hkv), keys, values, pos, valid, seg.k_start, shared)
-            c0 = c1
+
+
+def _query_chunks(seg: Segment, span: int, shared_rows: int, rows: int):
+    """(c0, c1, shared) over a sequence's queries: chunks of `shared_rows` while their positions stay below
+    SHARED_RANGE_MAX * span (scanned as a shared key range), then chunks of `rows` (gathering their own keys); a
+    span of 0: only the latter."""
+    boundary = min(max(SHARED_RANGE_MAX * span - seg.offset, 0), seg.q_len)
+    c0 = 0
+    while c0 < seg.q_len:
+        shared = c0 < boundary
+        c1 = min(c0 + shared_rows, boundary) if shared else min(c0 + rows, seg.q_len)
+        yield c0, c1, shared
+        c0 = c1
 
 
 # --- indexer KL ---------------------------------------------------------------------------------------------
@@ -439,24 +447,20 @@ def _kl_chunks(q, k, qi, ki, block_idx, cfg: _KLConfig):
             continue
         k_t = k[seg.k_start:seg.k_start + seg.k_len].transpose(0, 1).to(cdt)
         ki_t = ki[seg.k_start:seg.k_start + seg.k_len].to(cdt)[None]
-        boundary, shared_rows = 0, 1  # the first query that gathers its blocks' keys; rows per shared chunk
+        span, shared_rows = 0, 1  # the dense warm-up scans key tiles, not selected blocks
         if block_idx is None:
             tile = _key_tile(cfg.workspace, cfg.block_size, seg.k_len)
             per_row = hkv * tile * groups
         else:
             span = block_idx.shape[-1] * cfg.block_size
             per_row = hkv * span * max(d, di, groups)
-            boundary = min(max(SHARED_RANGE_MAX * span - seg.offset, 0), seg.q_len)
             shared_rows = _rows_per_chunk(cfg.workspace, hkv * SHARED_RANGE_MAX * span * groups)
         rows_per_chunk = _rows_per_chunk(cfg.workspace, per_row)
-        c0 = 0
-        while c0 < seg.q_len:
-            c1 = min(c0 + shared_rows, boundary) if c0 < boundary else min(c0 + rows_per_chunk, seg.q_len)
+        for c0, c1, shared in _query_chunks(seg, span, shared_rows, rows_per_chunk):
             rows = slice(seg.q_start + c0, seg.q_start + c1)
             qpos = torch.arange(seg.offset + c0, seg.offset + c1, device=q.device)
             yield _KLChunk(rows, seg.k_start, qpos, _heads_first(q[rows].to(cdt), hkv),
-                           qi[rows].to(cdt).transpose(0, 1), k_t, ki_t, c0 < boundary)
-            c0 = c1
+                           qi[rows].to(cdt).transpose(0, 1), k_t, ki_t, shared)
 
 
 def _kl_tiles(c: _KLChunk, block_idx, cfg: _KLConfig):
