@@ -51,7 +51,7 @@ def test_after_the_warm_up_traffic_compiles_nothing_and_metrics_count_only_it():
         assert metrics["requests_finished_total"] == {} and metrics["prompt_tokens_total"] == 0
         _traffic(gen, vocab)
         assert _graphs() == warmed  # no shape of the traffic compiled again
-        assert set(gen.batch_sizes) >= {1, 2}
+        assert 1 in gen.batch_sizes and max(gen.batch_sizes) >= 2  # single and batched steps (which sizes: timing)
         metrics = {name: value for name, _, _, value in gen.metrics()}
         assert metrics["requests_finished_total"] == {"length": 10}
     finally:
