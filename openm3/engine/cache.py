@@ -39,7 +39,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
-import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
@@ -604,8 +603,7 @@ class PagedCache:
             # paged reference (`decode.paged_dense_attention`, every block selected) gathers each query's keys
             k, v = (decode.gather_pages(pool, st.block_table, st.lens, ps).to(q.dtype)
                     for pool in (self.k[layer], self.v[layer]))
-            cu_k = torch.tensor([0, *itertools.accumulate(st.lens)], dtype=torch.int32, device=q.device)
-            return dense_attention(q, k, v, st.cu_seqlens_q, scale=scale, cu_seqlens_k=cu_k)
+            return dense_attention(q, k, v, st.cu_seqlens_q, scale=scale, cu_seqlens_k=decode._cu(st.lens, q.device))
         idx = decode.paged_select_blocks(qi, self.ki[layer], st.block_table, st.cu_seqlens_q, st.lens,
                                          block_size=ps, topk=topk, local_blocks=local_blocks,
                                          ki_scale=self.ki_scale[layer])
