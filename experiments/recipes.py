@@ -127,14 +127,14 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
     tokenizer = get_tokenizer()
     cfg = run_config(args, recipe, seed, out / "train" / name)
     source = MixtureRows(tokenizer, cfg.seq_len, seed=seed, weights=DEMO_WEIGHTS, image_size=84, video_size=56,
-                         control=_control(args))
+                         control=_control(args), frames_per_clip=cfg.video_frames_per_clip)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)
     history = trainer.fit()
     t_train = time.perf_counter() - t0
     evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=args.windows,
                           qa={"colour_qa": args.image_qa, "video_qa": args.video_qa}, image_size=84, video_size=56,
-                          baseline_samples=BASELINE_SAMPLES)
+                          baseline_samples=BASELINE_SAMPLES, frames_per_clip=cfg.video_frames_per_clip)
     result = evaluator.evaluate(trainer.model)
     trainer.close()
     plan = cfg.plan()
@@ -152,7 +152,7 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
         "seconds": {"train": t_train, "total": time.perf_counter() - t0},
         **_settings(args, cfg),
     }
-    _write_json(out / "runs" / f"{name}.json", record)
+    write_json(out / "runs" / f"{name}.json", record)
     return record
 
 
@@ -168,14 +168,14 @@ def _settings(args: argparse.Namespace, cfg) -> dict:
     return json.loads(json.dumps({"config": cfg.to_dict(), "evaluation": evaluation, **data}))
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj) -> None:
     from openm3.train.checkpoint import write_text_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(obj, indent=1))
 
 
-def _mean_sd(values: list[float]) -> tuple[float, float]:
+def mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
@@ -193,7 +193,7 @@ def summarise(records: list[dict]) -> dict:
         for key in keys:
             vals = [r["bpb"][key[4:]] if key.startswith("bpb/") else r[key] for r in rs]
             if all(v is not None for v in vals):
-                row[key] = _mean_sd(vals)
+                row[key] = mean_sd(vals)
         row["colour_qa_text_only_baseline"] = rs[0]["colour_qa_text_only_baseline"]
         row["video_qa_text_only_baseline"] = rs[0]["video_qa_text_only_baseline"]
         out[recipe] = row
@@ -246,18 +246,37 @@ def text_loss_plot(records: list[dict], path: Path, args: argparse.Namespace) ->
     plt.close(fig)
 
 
-def _train_all(args: argparse.Namespace, todo: list[tuple[str, int]], out: Path):
-    """Yield each run's record as it finishes: in this process with `--jobs 1`, else in spawned processes."""
+def train_all(args: argparse.Namespace, todo: list[tuple], out: Path, run=None):
+    """Yield each run's record as it finishes, `run(args, *item, out)` for each item of `todo` (default
+    `run_one(args, recipe, seed, out)`): in this process with `args.jobs == 1`, else in spawned processes."""
+    run = run or run_one
     if args.jobs == 1:
-        for recipe, seed in todo:
-            yield run_one(args, recipe, seed, out)
+        for item in todo:
+            yield run(args, *item, out)
         return
     import multiprocessing
 
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(run_one, args, recipe, seed, out) for recipe, seed in todo]
+        futures = [pool.submit(run, args, *item, out) for item in todo]
         for fut in as_completed(futures):
             yield fut.result()
+
+
+def pending_runs(script: str, items: list[tuple], path_of, matches) -> tuple[list[tuple], list[dict]]:
+    """(items to train, records of those already trained): an item's run is done when `path_of(*item)` exists;
+    SystemExit naming it when `matches(record, *item)` says it was made with other settings."""
+    todo, records = [], []
+    for item in items:
+        done = path_of(*item)
+        if not done.exists():
+            todo.append(item)
+            continue
+        record = json.loads(done.read_text())
+        if not matches(record, *item):
+            raise SystemExit(f"{script}: {done} was made with other settings than these; give another --out (or "
+                             "delete it to train it again)")
+        records.append(record)
+    return todo, records
 
 
 def main(argv=None) -> int:
@@ -266,23 +285,17 @@ def main(argv=None) -> int:
 
     check_demo_extras()
     out = Path(args.out)
-    todo, records = [], []
-    for seed in args.seeds:
-        for recipe in args.recipes:
-            done = out / "runs" / f"{recipe}_s{seed}.json"
-            if done.exists():
-                record = json.loads(done.read_text())
-                cfg = run_config(args, recipe, seed, out / "train" / f"{recipe}_s{seed}")
-                if {k: record.get(k) for k in ("config", "evaluation")} != _settings(args, cfg):
-                    raise SystemExit(f"experiments.recipes: {done} was made with other settings than these; "
-                                     "give another --out (or delete it to train it again)")
-                records.append(record)
-            else:
-                todo.append((recipe, seed))
+
+    def matches(record: dict, recipe: str, seed: int) -> bool:
+        cfg = run_config(args, recipe, seed, out / "train" / f"{recipe}_s{seed}")
+        return {k: record.get(k) for k in ("config", "evaluation")} == _settings(args, cfg)
+
+    todo, records = pending_runs("experiments.recipes", [(r, s) for s in args.seeds for r in args.recipes],
+                                 lambda recipe, seed: out / "runs" / f"{recipe}_s{seed}.json", matches)
     print(f"experiments.recipes: {len(todo)} runs to train ({len(records)} already in {out / 'runs'}), "
           f"{args.jobs} at a time", flush=True)
     t0 = time.perf_counter()
-    for i, r in enumerate(_train_all(args, todo, out), 1):
+    for i, r in enumerate(train_all(args, todo, out), 1):
         records.append(r)
         print(f"[{i}/{len(todo)} {time.perf_counter() - t0:5.0f} s] {r['recipe']:9s} seed {r['seed']}: "
               f"bpb {r['bpb_mean']:.4f}, image QA {r['colour_qa_accuracy']:.2f}, video QA "
@@ -292,7 +305,7 @@ def main(argv=None) -> int:
     summary = summarise(records)
     import torch
 
-    _write_json(out / "summary.json", {
+    write_json(out / "summary.json", {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "settings": vars(args), "summary": summary,
         "runs": [{k: v for k, v in r.items() if k != "text_loss"} for r in records]})

@@ -91,13 +91,19 @@ def smoke(args: argparse.Namespace) -> int:
     arg("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB"),
 )
 def convert(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
     import torch
 
     from .models import load_pretrained
+    from .models.processor import VIDEO_PROCESSOR_CONFIG
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_pretrained(args.source, dtype=dtype)
     model.save_pretrained(args.target, max_shard_size=args.max_shard_size)
+    if (Path(args.source) / VIDEO_PROCESSOR_CONFIG).is_file():  # the video clip length the model was trained with
+        shutil.copyfile(Path(args.source) / VIDEO_PROCESSOR_CONFIG, Path(args.target) / VIDEO_PROCESSOR_CONFIG)
     print(f"openm3 convert: {args.source} -> {args.target} "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{next(model.parameters()).dtype})")

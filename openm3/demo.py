@@ -101,10 +101,10 @@ def main(argv=None) -> int:
     tokenizer = get_tokenizer()
     cfg = demo_config(args)
     source = MixtureRows(tokenizer, cfg.seq_len, seed=cfg.seed, weights=DEMO_WEIGHTS, image_size=84,
-                         video_size=56)
+                         video_size=56, frames_per_clip=cfg.video_frames_per_clip)
     evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=2,
                           qa={"colour_qa": args.image_qa, "video_qa": args.video_qa}, image_size=84, video_size=56,
-                          baseline_samples=BASELINE_SAMPLES)
+                          baseline_samples=BASELINE_SAMPLES, frames_per_clip=cfg.video_frames_per_clip)
     t_setup = time.perf_counter() - t_start
     print(f"openm3 demo: training m3-tiny (native multimodal, MSA) for {cfg.steps} steps on CPU "
           f"({torch.get_num_threads()} threads); report -> {out}", flush=True)

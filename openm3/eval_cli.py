@@ -126,6 +126,7 @@ def main(argv=None) -> int:
     from .data.tokenizer import M3Tokenizer, get_tokenizer
     from .engine.generate import tokenizer_path
     from .models import load_pretrained
+    from .models.processor import video_frames_per_clip
     from .train.eval import BASELINE_SAMPLES, Evaluator
 
     vl, text_config = read_checkpoint(args.checkpoint)
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
         evaluator = Evaluator(tokenizer, seq_len=args.seq_len, corpora=corpora, windows=args.windows,
                               qa={task: n for task, n in qa.items() if n > 0}, seed=args.seed,
                               image_size=args.image_size, video_size=args.video_size,
-                              baseline_samples=BASELINE_SAMPLES, recall=not args.no_recall)
+                              baseline_samples=BASELINE_SAMPLES, recall=not args.no_recall,
+                              frames_per_clip=video_frames_per_clip(args.checkpoint))
     except MissingDataError as err:
         raise ValueError(f"--corpora: {err}") from None
     model = load_pretrained(args.checkpoint, dtype=dtype, device=device)
@@ -183,9 +185,13 @@ def report(args, vision: bool, n_params: int, dtype, device, source, qa: dict, r
     lines += [f"  {k.removeprefix('bpb/'):<12}{v:7.4f}" for k, v in results.items() if k.startswith("bpb/")]
     if any(qa.values()):
         lines.append("QA accuracy (text-only: the best accuracy from the question alone):")
-        lines += [f"  {task:<12}{results[f'{task}/accuracy']:7.3f}   text-only "
-                  f"{results[f'{task}/text_only_baseline']:.3f}   ({n} question{'s' * (n > 1)})"
-                  for task, n in qa.items() if n]
+        for task, n in qa.items():
+            if not n:
+                continue
+            lines.append(f"  {task:<12}{results[f'{task}/accuracy']:7.3f}   text-only "
+                         f"{results[f'{task}/text_only_baseline']:.3f}   ({n} question{'s' * (n > 1)})")
+            lines += [f"    {k.split('/')[1]:<10}{v:7.3f}" for k, v in results.items()
+                      if k.startswith(f"{task}/") and k.count("/") == 2]
     if "indexer_recall" in results:
         layers = [(k.removeprefix("indexer_recall/layer"), v) for k, v in results.items()
                   if k.startswith("indexer_recall/")]

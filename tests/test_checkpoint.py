@@ -109,8 +109,15 @@ def test_dtype_device_and_tied_embeddings(tmp_path):
 
 
 def test_convert_command(hf_dir, tmp_path, capsys):
-    out = tmp_path / "converted"
-    assert main(["convert", str(hf_dir), str(out), "--dtype", "bfloat16", "--max-shard-size", "50KB"]) == 0
+    import shutil
+
+    from openm3.models.processor import VIDEO_PROCESSOR_CONFIG, save_video_processor_config, video_frames_per_clip
+
+    out, src = tmp_path / "converted", shutil.copytree(hf_dir, tmp_path / "source")
+    save_video_processor_config(src, 2)  # a release's video processor settings travel with its weights
+    assert main(["convert", str(src), str(out), "--dtype", "bfloat16", "--max-shard-size", "50KB"]) == 0
+    assert video_frames_per_clip(out) == 2 and (out / VIDEO_PROCESSOR_CONFIG).read_bytes() == \
+        (src / VIDEO_PROCESSOR_CONFIG).read_bytes()
     assert "torch.bfloat16" in capsys.readouterr().out
     names = _names(out)
     assert all(n.startswith("language_model.") for n in names) and len(set(names.values())) > 2

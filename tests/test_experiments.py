@@ -74,3 +74,46 @@ def test_set_overrides_config_fields_and_refuses_recipe_settings(capsys):
         with pytest.raises(SystemExit):
             recipes.parse_args(["--set", bad])
     assert "--set 'kl_weight'" in capsys.readouterr().err
+
+
+def test_clips_probe_trains_each_length_and_a_rerun_trains_nothing(tmp_path, capsys):
+    """experiments/clips.py's tower probe: runs differ only in the clip length, each records video QA per kind
+    next to the question-only baseline and the tower's time; M3-scale costs grow as attention_plan says."""
+    from experiments import clips
+
+    argv = ["--out", str(tmp_path), "--clips", "1", "all", "--seeds", "0", "--steps", "3", "--jobs", "1",
+            "--video-qa", "12", "--timing-videos", "2"]
+    assert clips.main(argv) == 0
+    first = json.loads((tmp_path / "summary.json").read_text())
+    runs = {r["clip"]: r for r in first["runs"]}
+    assert set(runs) == {"1", "all"} and runs["1"]["settings"]["clip"] == 1 and runs["all"]["settings"]["clip"] is None
+    for r in runs.values():
+        assert r["part"] == "probe" and 0 <= r["video_qa_accuracy"] <= 1 and r["tower_ms"] > 0
+        kinds = [k for k in clips.VIDEO_KINDS if r[f"video_qa/{k}"] is not None]
+        assert kinds and all(0 <= r[f"baseline/{k}"] <= 1 for k in clips.VIDEO_KINDS)
+    assert runs["1"]["train_loss_last_100"] != runs["all"]["train_loss_last_100"]  # the clips change the tower
+    costs = {(c["video"], c["clip"]): c for c in first["m3_costs"]}
+    short, whole = costs[("64 frames 448x448", "1")], costs[("64 frames 448x448", "all")]
+    assert short["linear_gflop"] == whole["linear_gflop"] and short["clip_patches"] == 32 * 32
+    assert whole["attention_gflop"] == pytest.approx(32 * short["attention_gflop"])  # 32x the patches per clip
+    assert "| all | all |" in (tmp_path / "summary.md").read_text()
+    capsys.readouterr()
+    assert clips.main(argv) == 0
+    assert "0 runs to train (2 already in" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="made with other settings"):
+        clips.main(argv + ["--video-qa", "4"])
+    for bad in (["--clips", "0"], ["--clips", "2", "2"], ["--steps", "0"], ["--part", "tower"]):
+        with pytest.raises(SystemExit):
+            clips.parse_args(bad)
+
+
+def test_clips_model_part_trains_the_vl_model_with_its_clips(tmp_path):
+    from experiments import clips
+
+    argv = ["--out", str(tmp_path), "--part", "model", "--clips", "2", "--seeds", "0", "--steps", "2", "--jobs", "1",
+            "--windows", "1", "--image-qa", "0", "--video-qa", "4", "--timing-videos", "2"]
+    assert clips.main(argv) == 0
+    (run,) = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert run["part"] == "model" and run["settings"]["config"]["video_frames_per_clip"] == 2
+    assert 0 <= run["video_qa_accuracy"] <= 1 and run["colour_qa_accuracy"] is None and run["bpb_mean"] > 0
+    assert "| 2 | 4 |" in (tmp_path / "summary.md").read_text()

@@ -327,6 +327,31 @@ def test_a_video_request_reaches_the_engine_as_training_writes_it(client, backen
                                                                         if t != tok.eos_id])
 
 
+def test_the_checkpoint_clip_length_reaches_the_video_processor(vl, tok, tmp_path):
+    """`create_app(video_frames_per_clip=)` cuts request videos into clips of that many temporal patches (the
+    prompt is unchanged); `openm3 serve --checkpoint` reads it from the checkpoint's video processor config and
+    names that file when it is bad, before loading any weights."""
+    from openm3.models.processor import VIDEO_PROCESSOR_CONFIG, M3VideoProcessor
+
+    backend = Recording(vl)
+    url = f"data:image/png;base64,{apng_base64(FRAMES, 500)}"
+    grids = []
+    for clip in (1, None):
+        app = create_app(backend, tok, model_name=NAME, max_total_tokens=LIMIT, video_frames_per_clip=clip)
+        r = TestClient(app).post("/v1/chat/completions", json={"model": NAME, **video_body(url)})
+        assert r.status_code == 200, r.text
+        grids.append(backend.calls[-1][1].video_grid_thw)
+        assert torch.equal(grids[-1], M3VideoProcessor(frames_per_clip=clip)([FRAMES])[1])
+    assert backend.calls[0][0] == backend.calls[1][0] and grids[0][:, 0].tolist() == [1, 1, 1]
+    assert grids[1][:, 0].tolist() == [3]
+    with pytest.raises(ValueError, match="video_frames_per_clip: expected a positive int"):
+        create_app(backend, tok, model_name=NAME, max_total_tokens=LIMIT, video_frames_per_clip=0)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / VIDEO_PROCESSOR_CONFIG).write_text('{"vision_segment_max_frames": "four"}')
+    with pytest.raises(ValueError, match=f"{VIDEO_PROCESSOR_CONFIG}: vision_segment_max_frames: expected"):
+        build_app(build_parser().parse_args(["--checkpoint", str(tmp_path / "ckpt")]))  # no weights there
+
+
 def test_batching_backend_answers_a_video_beside_an_image(vl, tok):
     """The server's default backend (continuous batching) with a video request and an image request in flight
     together: each answer is `generate`'s for its prompt alone."""

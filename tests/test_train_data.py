@@ -236,7 +236,11 @@ def test_real_model_trains_resumes_exactly_evaluates_and_exports(tmp_path, token
 
     from openm3.models.multimodal import load_pretrained
 
+    from openm3.models.processor import VIDEO_PROCESSOR_CONFIG, video_frames_per_clip
+
     resumed.export(tmp_path / "export")
+    assert (tmp_path / "export" / VIDEO_PROCESSOR_CONFIG).is_file()  # the clip length travels with the weights
+    assert video_frames_per_clip(tmp_path / "export") == resumed.cfg.video_frames_per_clip == 4
     loaded = load_pretrained(tmp_path / "export")
     batch = collate(source.rows("image", 0, 1))
     with torch.no_grad():

@@ -745,19 +745,22 @@ def run(args: argparse.Namespace) -> int:
 def chat_turn_prompt(args, tokenizer_file: str, vl_config, template_variables: dict | None = None):
     """(prompt ids, PromptImages or None) for a `--chat` `--prompt`: an optional `--system` turn, then one user turn
     of the chat template (the `--image` / `--video` files, then the text) and the generation prompt, built as
-    training and `openm3 serve` build it (`openm3.engine.media.chat_prompt`; `vl_config` None for a text model).
+    training and `openm3 serve` build it (`openm3.engine.media.chat_prompt`; `vl_config` None for a text model;
+    videos in clips of the `--checkpoint`'s recorded length).
     template_variables: the template's extra variables (`--chat-template-kwargs`, parsed). ValueError naming the
     file that cannot be read or decoded."""
     from ..data.tokenizer import M3Tokenizer
+    from ..models.processor import video_frames_per_clip
     from .media import chat_prompt
 
     parts = [{"type": kind, "path": f, "where": f"--{kind} {f}"}
              for kind, files in (("image", args.image), ("video", args.video)) for f in files]
     messages = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages.append({"role": "user", "content": parts + [{"type": "text", "text": args.prompt}]})
+    clip = {} if args.checkpoint is None else {"frames_per_clip": video_frames_per_clip(args.checkpoint)}
     return chat_prompt(M3Tokenizer.from_file(tokenizer_file), messages, vl_config=vl_config,
                        template=chat_template(args.chat_template, tokenizer_file),
-                       template_variables=template_variables)
+                       template_variables=template_variables, **clip)
 
 
 def _progress(total: int):

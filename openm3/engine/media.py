@@ -28,6 +28,7 @@ import torch
 from ..data.chat import render_chat
 from ..data.chat_template import check_template_variables
 from ..models.processor import IMAGE_TOKEN, VIDEO_TOKEN, M3ImageProcessor, M3VideoProcessor, VideoMeta, expand_prompt
+from ..models.vision import DEFAULT_FRAMES_PER_CLIP
 from .scheduler import PromptImages
 
 # Decoded images larger than this are refused before their pixels are read (the processor shrinks every image to
@@ -118,7 +119,8 @@ def media_parts(messages: Sequence[dict], kind: str) -> list[dict]:
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None, *, prefill: str = "",
                 vl_config=None, template=None, generation_prompt: bool = True,
-                template_variables: dict | None = None) -> tuple[list[int], PromptImages | None]:
+                template_variables: dict | None = None, frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP
+                ) -> tuple[list[int], PromptImages | None]:
     """(prompt token ids, images or None) of a conversation with the generation prompt (unless
     `generation_prompt` is false), then `prefill` text.
 
@@ -126,7 +128,8 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None
     None for a text model, whose prompt is the rendered text, encoded. template: a checkpoint's own chat template
     (`openm3.data.chat_template.ChatTemplate`) instead of the built-in `render_chat`. Raises ValueError naming
     the bad part. template_variables: more variables for a checkpoint's template (`ChatTemplate`'s `variables`);
-    checked, and unused by the built-in template, which reads none."""
+    checked, and unused by the built-in template, which reads none. frames_per_clip: temporal patches per video
+    clip, the span of the vision tower's attention (a checkpoint's `video_frames_per_clip`; None: whole videos)."""
     if template is not None:
         text = template(messages, tools, add_generation_prompt=generation_prompt, variables=template_variables)
     else:
@@ -139,7 +142,7 @@ def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None
     processor = M3ImageProcessor(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                                  merge_size=vision.spatial_merge_size)
     videos = M3VideoProcessor(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                              merge_size=vision.spatial_merge_size)
+                              merge_size=vision.spatial_merge_size, frames_per_clip=frames_per_clip)
     pixels, grids, video_pixels, video_grids, clips, metas = [], [], [], [], [], []
     for part in media_parts(messages, "image"):
         image = decode_image(part)

@@ -22,15 +22,17 @@ multiples of 28 pixels on each side.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from openm3.models.vision import DEFAULT_FRAMES_PER_CLIP
+from openm3.models.vision import DEFAULT_FRAMES_PER_CLIP, check_frames_per_clip
 
 IMAGE_TOKEN = "]<]image[>["
 VIDEO_TOKEN = "]<]video[>["
@@ -218,8 +220,7 @@ class M3VideoProcessor:
                  patch_size: int = 14, temporal_patch_size: int = 2, merge_size: int = 2,
                  frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP, do_resize: bool = True,
                  mean=CLIP_MEAN, std=CLIP_STD):
-        if frames_per_clip is not None and (not isinstance(frames_per_clip, int) or frames_per_clip <= 0):
-            raise ValueError(f"frames_per_clip: expected a positive int or None, got {frames_per_clip!r}")
+        check_frames_per_clip(frames_per_clip)
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.patch_size, self.temporal_patch_size, self.merge_size = patch_size, temporal_patch_size, merge_size
         self.frames_per_clip, self.do_resize, self.mean, self.std = frames_per_clip, do_resize, mean, std
@@ -248,6 +249,44 @@ class M3VideoProcessor:
             clips.extend(row)
             counts.append(len(row))
         return torch.cat(patches), torch.tensor(clips, dtype=torch.long), counts
+
+
+# transformers' VIDEO_PROCESSOR_NAME: the video processor's settings beside a checkpoint's weights. Its
+# `vision_segment_max_frames` is the clip length (temporal patches; null: whole videos) the tower attends over.
+VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
+
+
+def save_video_processor_config(directory, frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP) -> Path:
+    """Write ``directory/video_preprocessor_config.json`` with the keys of transformers'
+    ``MiniMaxM3VLVideoProcessor`` (its defaults, and ``vision_segment_max_frames = frames_per_clip``), so the clip
+    length a model was trained with travels with its weights (`video_frames_per_clip` reads it back)."""
+    check_frames_per_clip(frames_per_clip)
+    settings = {"video_processor_type": "MiniMaxM3VLVideoProcessor", "processor_class": "MiniMaxM3VLProcessor",
+                "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": VIDEO_MIN_PIXELS,
+                "max_pixels": VIDEO_MAX_PIXELS, "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD),
+                "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                "do_convert_rgb": True, "vision_segment_max_frames": frames_per_clip}
+    path = Path(directory) / VIDEO_PROCESSOR_CONFIG
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+    return path
+
+
+def video_frames_per_clip(directory) -> int | None:
+    """The clip length recorded beside a checkpoint: ``vision_segment_max_frames`` of its
+    ``video_preprocessor_config.json`` (None: each video one clip), or ``DEFAULT_FRAMES_PER_CLIP`` (transformers'
+    default) when the file or the key is absent. A file that is not a JSON object or a bad value raises
+    ``ValueError`` naming the file."""
+    path = Path(directory) / VIDEO_PROCESSOR_CONFIG
+    if not path.is_file():
+        return DEFAULT_FRAMES_PER_CLIP
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(settings).__name__}")
+    return check_frames_per_clip(settings.get("vision_segment_max_frames", DEFAULT_FRAMES_PER_CLIP),
+                                 f"{path}: vision_segment_max_frames")
 
 
 def image_replacement(grid: Sequence[int], merge_size: int = 2) -> str:

@@ -116,6 +116,15 @@ def _check_grid(grid_thw: torch.Tensor, merge: int) -> list[list[int]]:
     return rows
 
 
+def check_frames_per_clip(value, name: str = "frames_per_clip") -> int | None:
+    """``value`` if it is a clip length in temporal patches (a positive int) or None (a whole video per clip);
+    else ``ValueError`` naming ``name``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name}: expected a positive int (temporal patches per clip) or None (whole videos), "
+                         f"got {value!r}")
+    return value
+
+
 def split_clips(grid_thw: torch.Tensor, frames_per_clip: int | None) -> tuple[torch.Tensor, list[int]]:
     """Split each grid row into clips of at most ``frames_per_clip`` temporal patches (HF's chunking).
 
@@ -124,8 +133,7 @@ def split_clips(grid_thw: torch.Tensor, frames_per_clip: int | None) -> tuple[to
     after frame, so the clips of a row are consecutive slices of its patches and the packed
     ``pixel_values`` need no reordering.
     """
-    if frames_per_clip is not None and (not isinstance(frames_per_clip, int) or frames_per_clip <= 0):
-        raise ValueError(f"frames_per_clip: expected a positive int or None, got {frames_per_clip!r}")
+    check_frames_per_clip(frames_per_clip)
     rows = _check_grid(grid_thw, 1)
     clips, counts = [], []
     for t, h, w in rows:

@@ -60,6 +60,7 @@ from ..engine.media import chat_prompt
 from ..engine.penalties import Penalties, PenalizedPicker
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
+from ..models.vision import DEFAULT_FRAMES_PER_CLIP, check_frames_per_clip
 from . import anthropic, responses, tokens
 from .generation_config import sampling_defaults
 from .disconnect import DisconnectWatch, client_gone
@@ -179,7 +180,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                model_aliases: Sequence[str] = (), default_template_variables: dict | None = None,
                default_sampling: dict | None = None,
                reasoning_parser: str = "m3", api_key: str | None = None, stored_responses: int = 1024,
-               responses_dir: str | None = None, constrain_tool_calls: bool = False):
+               responses_dir: str | None = None, constrain_tool_calls: bool = False,
+               video_frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP):
     """The FastAPI app serving `backend` under `model_name`; prompt + max_tokens may not exceed max_total_tokens.
     chat_template: the checkpoint's own template (`openm3.data.chat_template.ChatTemplate`) for the chat endpoints;
     None renders with openm3's built-in M3 template. model_aliases: more names requests may give the model (vLLM's
@@ -197,7 +199,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     responses_dir: a directory where they are kept on disk too, and read back at start (None: memory only).
     constrain_tool_calls: under `tool_choice` auto, every tool-call block the model opens follows the tools' call
     grammar (a custom tool's input its grammar), the text around stays free; each such request then picks its
-    tokens on the host, as structured outputs do (slower steps; off by default, as vLLM leaves auto calls free)."""
+    tokens on the host, as structured outputs do (slower steps; off by default, as vLLM leaves auto calls free).
+    video_frames_per_clip: temporal patches per video clip for a VL backend, the span its vision tower was trained to
+    attend over (a checkpoint's `video_preprocessor_config.json`; None: whole videos)."""
     from fastapi import FastAPI, Header, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -227,6 +231,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {vocab}")
     vl_config = getattr(backend, "vl_config", None)
+    check_frames_per_clip(video_frames_per_clip, "video_frames_per_clip")
     think_ids = _think_ids(tokenizer)
     if vl_config is not None and vl_config.image_token_index != tokenizer.image_id:
         raise ValueError(f"tokenizer: its image placeholder ]<]image[>[ is token {tokenizer.image_id} but the "
@@ -431,6 +436,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         try:
             return chat_prompt(tokenizer, messages, tools, prefill=prefill, vl_config=vl_config,
                                template=chat_template, generation_prompt=generation_prompt,
+                               frames_per_clip=video_frames_per_clip,
                                template_variables={**default_template_variables, **(variables or {})} or None)
         except ValueError as e:
             raise APIError(str(e), param) from None

@@ -142,11 +142,15 @@ def build_app(args: argparse.Namespace):
     from ..engine.batching import BatchedGenerator
     from ..engine.scheduler import text_model
     from ..engine.warmup import warm_up
+    from ..models.processor import video_frames_per_clip
+    from ..models.vision import DEFAULT_FRAMES_PER_CLIP
     from .app import ModelBackend, create_app
 
     check_vllm_options(args)
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
+    # the video clip length the checkpoint was trained with (a bad video_preprocessor_config.json fails here)
+    clip = DEFAULT_FRAMES_PER_CLIP if args.checkpoint is None else video_frames_per_clip(args.checkpoint)
     speculative = speculative_option(args.speculative_config)  # before the model loads
     source = tokenizer_path(args.tokenizer, args.checkpoint)
     tokenizer = M3Tokenizer.from_file(source) if source else get_tokenizer()
@@ -198,7 +202,8 @@ def build_app(args: argparse.Namespace):
                       chat_template=template, default_template_variables=variables, default_sampling=sampling,
                       reasoning_parser=VLLM_REASONING_PARSERS.get(args.reasoning_parser, args.reasoning_parser),
                       constrain_tool_calls=args.constrain_tool_calls, api_key=args.api_key or None,
-                      stored_responses=args.stored_responses, responses_dir=args.responses_dir)
+                      stored_responses=args.stored_responses, responses_dir=args.responses_dir,
+                      video_frames_per_clip=clip)
 
 
 def check_vllm_options(args: argparse.Namespace) -> None:

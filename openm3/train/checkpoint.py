@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..models.vision import DEFAULT_FRAMES_PER_CLIP
 from .distributed import DistInfo, barrier
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -148,12 +149,15 @@ class CheckpointManager:
 
 
 def export_consolidated(model: nn.Module, build_model: Callable[[], nn.Module], out: str | Path,
-                        info: DistInfo, tokenizer=None) -> Path | None:
+                        info: DistInfo, tokenizer=None, *,
+                        video_frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP) -> Path | None:
     """Collective: gather the full weights and (rank 0) write them with the model's `save_pretrained`
-    (published M3 layout for openm3 models) and, if given, the `M3Tokenizer` (`tokenizer.json`, its config and
-    chat template), under a temporary name, then rename. Returns the path on rank 0. The weights are saved from a
-    fresh model: `build_model.skeleton()` when the builder has one (the same architecture built without reading a
-    checkpoint: a run started from one does not read it again), else `build_model()`."""
+    (published M3 layout for openm3 models), if given the `M3Tokenizer` (`tokenizer.json`, its config and chat
+    template), and for a vision-language model the video processor's settings with the clip length it was
+    trained with (`video_preprocessor_config.json`), under a temporary name, then rename. Returns the path on
+    rank 0. The weights are saved from a fresh model: `build_model.skeleton()` when the builder has one (the
+    same architecture built without reading a checkpoint: a run started from one does not read it again), else
+    `build_model()`."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -169,6 +173,10 @@ def export_consolidated(model: nn.Module, build_model: Callable[[], nn.Module], 
         fresh.save_pretrained(tmp)
         if tokenizer is not None:  # generate / serve (and transformers' AutoTokenizer) find it beside the weights
             tokenizer.save(tmp)
+        if hasattr(fresh, "vision_tower"):
+            from ..models.processor import save_video_processor_config
+
+            save_video_processor_config(tmp, video_frames_per_clip)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -2,6 +2,7 @@
 
     openm3 train --recipe native --steps 2000 --out runs/native
     openm3 train --config run.json --resume --export runs/native/model
+    openm3 train --recipe native --video-frames-per-clip all --out runs/native_whole_videos
     torchrun --nproc_per_node=2 -m openm3.train.cli --recipe native --out runs/native
 
 `--config` is a JSON object of `TrainConfig` fields; flags override it. `extra` may hold `weights` (source ->
@@ -54,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", type=Path, help="JSON file of TrainConfig fields (flags override it)")
     for name, kind, text in _FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=text)
+    p.add_argument("--video-frames-per-clip", dest="video_frames_per_clip", type=_clip_length, default=None,
+                   metavar="N|all", help="temporal patches (2 frames each) per video clip, the span of the vision "
+                   "tower's attention (default 4, as M3; all: each video one clip); the export records it")
     p.add_argument("--out", dest="out_dir", default=None, help="run folder: logs, TensorBoard, checkpoints "
                    "(default runs/train)")
     p.add_argument("--activation-checkpointing", action="store_true", default=None,
@@ -86,12 +90,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _clip_length(text: str):
+    if text == "all":
+        return ALL_FRAMES
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of temporal patches or 'all', got {text!r}")
+    return value
+
+
+ALL_FRAMES = "all"  # --video-frames-per-clip all: TrainConfig.video_frames_per_clip = None
+
+
 def build_config(args: argparse.Namespace) -> TrainConfig:
     base = json.loads(args.config.read_text()) if args.config else {}
     if not isinstance(base, dict):
         raise ValueError(f"--config must hold a JSON object of TrainConfig fields, got {type(base).__name__}")
     skip = {"config", "resume", "export", "threads"}
     overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
+    if overrides.get("video_frames_per_clip") == ALL_FRAMES:
+        overrides["video_frames_per_clip"] = None
     return TrainConfig.from_dict({**base, **overrides})
 
 
@@ -118,7 +139,8 @@ def main(argv=None) -> int:
     tokenizer = saved or get_tokenizer()
     extra = cfg.extra
     sizes = {"image_size": extra.get("image_size", 112), "video_size": extra.get("video_size", 56)}
-    source = MixtureRows(tokenizer, cfg.seq_len, seed=cfg.seed, weights=extra.get("weights"), **sizes)
+    source = MixtureRows(tokenizer, cfg.seq_len, seed=cfg.seed, weights=extra.get("weights"),
+                         frames_per_clip=cfg.video_frames_per_clip, **sizes)
     needed = {k for step in (0, cfg.steps - 1) for k, n in cfg.plan().rows(step).items() if n}
     missing = sorted(needed - set(source.kinds()))
     if missing:
@@ -129,7 +151,8 @@ def main(argv=None) -> int:
         build = model_builder(cfg.model, tokenizer)
     ev = extra.get("eval", {})
     evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=ev.get("windows", 2),
-                          qa=ev.get("qa", {"colour_qa": 50, "video_qa": 24}), **sizes)
+                          qa=ev.get("qa", {"colour_qa": 50, "video_qa": 24}),
+                          frames_per_clip=cfg.video_frames_per_clip, **sizes)
     trainer = Trainer(cfg, build, source, evaluator=evaluator)
     if args.resume and not trainer.resume():
         print(f"no checkpoint under {trainer.checkpoints.root}; starting from step 0")

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..models.vision import DEFAULT_FRAMES_PER_CLIP, check_frames_per_clip
 from .recipes import RecipePlan, make_plan
 
 MSA_STAGES = ("dense", "sparse")
@@ -41,6 +42,11 @@ class TrainConfig:
     vision_start_step: int | None = None
     cpt_steps: int | None = None
     cpt_lr_ratio: float = 0.3
+
+    # temporal patches (2 frames each) per video clip, the span of the vision tower's attention (M3: 4; None: each
+    # video one clip). The data source and evaluator take it from here (`openm3 train`, the demo, experiments);
+    # exports record it as the video processor's `vision_segment_max_frames`, which generate / serve / eval read
+    video_frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP
 
     lr: float = 3e-3
     vision_lr_scale: float = 1.0  # learning rate of the vision tower and projector, relative to `lr`
@@ -110,6 +116,7 @@ class TrainConfig:
         for name in ("ckpt_every", "eval_every", "log_every", "msa_switch_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_frames_per_clip(self.video_frames_per_clip, "video_frames_per_clip")
         if self.lr <= 0 or self.vision_lr_scale <= 0:
             raise ValueError(f"lr and vision_lr_scale must be > 0, got {self.lr}, {self.vision_lr_scale}")
         if self.kl_weight < 0 or self.aux_loss_weight < 0:

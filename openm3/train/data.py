@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..models.vision import DEFAULT_FRAMES_PER_CLIP, check_frames_per_clip
 from .batches import IGNORE, Row
 
 KIND_IDS = {"text": 0, "image": 1, "video": 2}
@@ -46,28 +47,33 @@ def processor_layout(kind: str, shape: tuple) -> list[tuple[int, int]]:
     return [(2 * g, (h // 28) * (w // 28)) for g in range(math.ceil(shape[0] / 2))]
 
 
-def vision_inputs(images: list[np.ndarray], videos: list) -> dict[str, torch.Tensor]:
+def vision_inputs(images: list[np.ndarray], videos: list,
+                  frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP) -> dict[str, torch.Tensor]:
     """Model inputs for a row's images (`pixel_values [N, 1176]`, `image_grid_thw [I, 3]`) and videos
-    (`pixel_values_videos [M, 1176]`, `video_grid_thw [K, 3]`, one row per clip)."""
+    (`pixel_values_videos [M, 1176]`, `video_grid_thw [K, 3]`, one row per clip of `frames_per_clip` temporal
+    patches, None: one per video; the tower attends within a clip; the placeholders do not depend on it)."""
     from ..models.processor import M3ImageProcessor, M3VideoProcessor
 
     out = {}
     if images:
         out["pixel_values"], out["image_grid_thw"] = M3ImageProcessor()(images)
     if videos:
-        out["pixel_values_videos"], out["video_grid_thw"], _ = M3VideoProcessor()([v.frames for v in videos])
+        out["pixel_values_videos"], out["video_grid_thw"], _ = M3VideoProcessor(frames_per_clip=frames_per_clip)(
+            [v.frames for v in videos])
     return out
 
 
-def row_from_packed(sample, kind: str) -> Row:
-    """`openm3.data.PackedSample` -> Row: `labels[t] = input_ids[t+1]` where that token is a target."""
+def row_from_packed(sample, kind: str, frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP) -> Row:
+    """`openm3.data.PackedSample` -> Row: `labels[t] = input_ids[t+1]` where that token is a target (videos in
+    clips of `frames_per_clip`, see `vision_inputs`)."""
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
     mask = torch.from_numpy(sample.loss_mask)
     labels = torch.full_like(ids, IGNORE)
     labels[:-1] = torch.where(mask[1:], ids[1:], torch.full_like(ids[1:], IGNORE))
     doc_lens = np.diff(sample.cu_seqlens).tolist()
     corpus = next((s for s in sample.sources if s != "pad"), "pad")
-    return Row(ids, labels, doc_lens, kind=kind, corpus=corpus, vision=vision_inputs(sample.images, sample.videos))
+    return Row(ids, labels, doc_lens, kind=kind, corpus=corpus,
+               vision=vision_inputs(sample.images, sample.videos, frames_per_clip))
 
 
 def _without_media(example):
@@ -127,10 +133,13 @@ class MixtureRows:
     - 'mismatched': they keep everything but carry the pixels of an earlier example of the same shape, so visual
       tokens pass through the model but say nothing about the text: does what the images show matter?
     - 'noise': their pixels are uniform noise of the same shape: do natural images matter at all?
+    `frames_per_clip`: temporal patches per video clip, the span of the vision tower's attention (None: whole
+    videos; `TrainConfig.video_frames_per_clip`).
     """
 
     def __init__(self, tokenizer, seq_len: int, *, seed: int = 0, weights: dict[str, float] | None = None,
-                 split: str = "train", image_size: int = 112, video_size: int = 56, control: str | None = None):
+                 split: str = "train", image_size: int = 112, video_size: int = 56, control: str | None = None,
+                 frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP):
         from ..data import DEFAULT_WEIGHTS, MixtureConfig, Mixture
         from .tasks import TASKS
 
@@ -144,6 +153,7 @@ class MixtureRows:
         if control is not None and control not in CONTROLS:
             raise ValueError(f"control: expected None or one of {CONTROLS}, got {control!r}")
         self.control = control
+        self.frames_per_clip = check_frames_per_clip(frames_per_clip)
         self.builders: dict[str, list[tuple[str, float, Callable[[np.random.Generator], object]]]] = {
             k: [] for k in KIND_IDS}
         for name, w in weights.items():
@@ -193,7 +203,7 @@ class MixtureRows:
         tokenized = (tokenize_example(ex, self.tokenizer, processor_layout) for ex in self.examples(kind, step))
         out = []
         for sample in pack(tokenized, self.seq_len, self.tokenizer.pad_id):
-            out.append(row_from_packed(sample, kind))
+            out.append(row_from_packed(sample, kind, self.frames_per_clip))
             if len(out) == count:
                 break
         return out

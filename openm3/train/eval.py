@@ -4,7 +4,8 @@
   divided by ln 2 and by the UTF-8 bytes those tokens decode to, so it is comparable across tokenizers.
 - **QA accuracy**: the answer whose tokens (plus end-of-turn) have the highest log-likelihood among the task's
   candidates, on samples drawn from a seed stream disjoint from training; next to it, the accuracy of the best
-  predictor that sees only the question (`tasks.text_only_baseline`).
+  predictor that sees only the question (`tasks.text_only_baseline`); a task whose samples have kinds
+  (`video_qa:direction`, ...) also gets each kind's accuracy (`video_qa/direction/accuracy`).
 - **indexer recall**: share of dense attention mass inside the selected blocks (`openm3.analysis.attention`),
   per MSA layer and averaged, on the held-out text windows.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.vision import DEFAULT_FRAMES_PER_CLIP, check_frames_per_clip
 from .tasks import QASample, qa_samples, text_only_baseline
 
 # training samples behind each task's text-only baseline in the reports (`openm3 demo`, `openm3 eval`,
@@ -94,12 +96,14 @@ class Evaluator:
 
     def __init__(self, tokenizer, *, seq_len: int = 512, corpora: list[str] | None = None, windows: int = 2,
                  qa: dict[str, int] | None = None, seed: int = 10_000, image_size: int = 56, video_size: int = 56,
-                 baseline_samples: int | dict[str, int] = 400, recall: bool = True):
+                 baseline_samples: int | dict[str, int] = 400, recall: bool = True,
+                 frames_per_clip: int | None = DEFAULT_FRAMES_PER_CLIP):
         from ..data.corpora import CORPORA
 
         self.tokenizer = tokenizer
         self.windows = heldout_windows(tokenizer, list(CORPORA if corpora is None else corpora), windows, seq_len)
         self.recall = recall
+        self.frames_per_clip = check_frames_per_clip(frames_per_clip)
         self.qa: dict[str, list[ScoredQA]] = {}
         self.baseline: dict[str, float] = {}
         sizes = dict(image_size=image_size, video_size=video_size)
@@ -127,7 +131,7 @@ class Evaluator:
         example = Example(render_segments(s.messages(), add_generation_prompt=True), s.images, s.videos)
         prompt = tokenize_example(example, self.tokenizer, processor_layout).input_ids.tolist()
         candidates = [self.tokenizer.encode(c + EOS) for c in s.candidates]
-        return ScoredQA(s, prompt, candidates, vision_inputs(s.images, s.videos))
+        return ScoredQA(s, prompt, candidates, vision_inputs(s.images, s.videos, self.frames_per_clip))
 
     def __call__(self, trainer, step: int) -> dict:
         return self.evaluate(trainer.model, trainer.info.device)
@@ -139,10 +143,16 @@ class Evaluator:
         try:
             result = self._text(model, device)
             for task, items in self.qa.items():
-                correct = sum(score_candidates(model, qa, device) == qa.sample.candidates.index(qa.sample.answer)
-                              for qa in items)
-                result[f"{task}/accuracy"] = correct / len(items)
+                right = [score_candidates(model, qa, device) == qa.sample.candidates.index(qa.sample.answer)
+                         for qa in items]
+                result[f"{task}/accuracy"] = sum(right) / len(items)
                 result[f"{task}/text_only_baseline"] = self.baseline[task]
+                by_kind: dict[str, list[bool]] = {}  # `video_qa:direction` -> video_qa/direction/accuracy
+                for qa, ok in zip(items, right):
+                    if ":" in qa.sample.task:
+                        by_kind.setdefault(qa.sample.task.split(":", 1)[1], []).append(ok)
+                for kind, oks in sorted(by_kind.items()):
+                    result[f"{task}/{kind}/accuracy"] = sum(oks) / len(oks)
         finally:
             model.train(was_training)
         return result

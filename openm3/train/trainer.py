@@ -139,6 +139,11 @@ class Trainer:
         self.cfg = cfg
         self.plan = cfg.plan()
         self.info = D.init_distributed(cfg.device)
+        for what, part in (("source", source), ("evaluator", evaluator)):
+            clip = getattr(part, "frames_per_clip", cfg.video_frames_per_clip)
+            if clip != cfg.video_frames_per_clip:
+                raise ValueError(f"{what} cuts videos into clips of {clip} temporal patches but "
+                                 f"cfg.video_frames_per_clip is {cfg.video_frames_per_clip}: give it the config's")
         self.source = source
         self.evaluator = evaluator
         self.build_model = self._seeded(build_model)
@@ -208,8 +213,10 @@ class Trainer:
         return True
 
     def export(self, out: str | Path, tokenizer=None) -> Path | None:
-        """Consolidated checkpoint in the published M3 layout (+ `tokenizer.json` of an `M3Tokenizer`)."""
-        return export_consolidated(self.model, self.build_model, out, self.info, tokenizer)
+        """Consolidated checkpoint in the published M3 layout (+ `tokenizer.json` of an `M3Tokenizer`; a VL model's
+        video clip length, `cfg.video_frames_per_clip`, as its video processor config)."""
+        return export_consolidated(self.model, self.build_model, out, self.info, tokenizer,
+                                   video_frames_per_clip=self.cfg.video_frames_per_clip)
 
     # ---- one optimizer step ------------------------------------------------------------------------------
     @contextmanager
