@@ -97,10 +97,14 @@ def test_training_checks_its_data_and_evaluator_against_the_config(tokenizer, tm
         Trainer(cfg, never_built, source, evaluator=evaluator)
 
 
-def test_train_cli_takes_a_clip_length_or_all(capsys):
+def test_train_cli_takes_a_clip_length_or_all(capsys, tmp_path):
     from openm3.train.cli import build_config, parse_args
 
     assert build_config(parse_args(["--video-frames-per-clip", "2"])).video_frames_per_clip == 2
+    save_video_processor_config(tmp_path, None)  # a run started from a checkpoint keeps its clips unless told
+    assert build_config(parse_args(["--init-from", str(tmp_path)])).video_frames_per_clip is None
+    given = parse_args(["--init-from", str(tmp_path), "--video-frames-per-clip", "1"])
+    assert build_config(given).video_frames_per_clip == 1
     assert build_config(parse_args(["--video-frames-per-clip", "all"])).video_frames_per_clip is None
     assert build_config(parse_args([])).video_frames_per_clip == DEFAULT_FRAMES_PER_CLIP
     for bad in ("0", "two"):

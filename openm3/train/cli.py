@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=text)
     p.add_argument("--video-frames-per-clip", dest="video_frames_per_clip", type=_clip_length, default=None,
                    metavar="N|all", help="temporal patches (2 frames each) per video clip, the span of the vision "
-                   "tower's attention (default 4, as M3; all: each video one clip); the export records it")
+                   "tower's attention (default 4, as M3, or --init-from's recorded one; all: each video one "
+                   "clip); the export records it")
     p.add_argument("--out", dest="out_dir", default=None, help="run folder: logs, TensorBoard, checkpoints "
                    "(default runs/train)")
     p.add_argument("--activation-checkpointing", action="store_true", default=None,
@@ -113,7 +114,12 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
     if overrides.get("video_frames_per_clip") == ALL_FRAMES:
         overrides["video_frames_per_clip"] = None
-    return TrainConfig.from_dict({**base, **overrides})
+    merged = {**base, **overrides}
+    if merged.get("init_from") and "video_frames_per_clip" not in merged:  # the checkpoint's, unless given
+        from ..models.processor import video_frames_per_clip
+
+        merged["video_frames_per_clip"] = video_frames_per_clip(merged["init_from"])
+    return TrainConfig.from_dict(merged)
 
 
 def main(argv=None) -> int:

@@ -136,14 +136,14 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, build_model: Callable[[], nn.Module], source: RowSource, *,
                  evaluator: Callable[["Trainer", int], dict] | None = None):
         cfg.check_world(D.world_size_from_env())  # bad batch split fails before any compute
-        self.cfg = cfg
-        self.plan = cfg.plan()
-        self.info = D.init_distributed(cfg.device)
         for what, part in (("source", source), ("evaluator", evaluator)):
             clip = getattr(part, "frames_per_clip", cfg.video_frames_per_clip)
             if clip != cfg.video_frames_per_clip:
                 raise ValueError(f"{what} cuts videos into clips of {clip} temporal patches but "
                                  f"cfg.video_frames_per_clip is {cfg.video_frames_per_clip}: give it the config's")
+        self.cfg = cfg
+        self.plan = cfg.plan()
+        self.info = D.init_distributed(cfg.device)
         self.source = source
         self.evaluator = evaluator
         self.build_model = self._seeded(build_model)
