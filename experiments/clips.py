@@ -13,7 +13,9 @@ playback: answers that need several frames, 4-16 frames of 56 pixels).
 
 `--part probe` (default): m3-tiny's vision tower, trained from scratch with one linear head per kind of question
 on its mean-pooled output (pooling mixes clips without their order, so only the tower relates frames to each
-other). Scored on held-out videos per kind, next to the best accuracy from the question alone.
+other; `--readout ordered` reads one pooled vector per temporal patch, in time order, through a GRU instead, as the
+language model can read the clips in order). Scored on held-out videos per kind, next to the best accuracy from
+the question alone.
 `--part model`: the README demo's native recipe (m3-tiny VL model, MSA, 256-token rows) with more video rows per
 step (`--video-rows`, `--steps`), scored as the demo is (video QA per kind, image QA, held-out bits per byte).
 At m3-tiny scale the whole model does not learn video QA (docs/experiments.md), so this part is for larger runs.
@@ -76,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: probe 1e-3 with AdamW, model the demo's 3e-3)")
     p.add_argument("--batch", type=int, default=16, help="probe: videos per step (default 16)")
+    p.add_argument("--readout", choices=("pooled", "ordered"), default="pooled",
+                   help="probe: heads on the tower's output mean-pooled over the video (default), or on a GRU over "
+                        "its temporal patches in order")
     p.add_argument("--vision-lr-scale", type=float, default=0.1,
                    help="model: learning rate of the vision tower and projector relative to --lr (default: the "
                         "demo's 0.1)")
@@ -112,6 +117,8 @@ def probe_settings(args: argparse.Namespace, clip: int | None, seed: int) -> dic
                 "batch": args.batch, "video_size": VIDEO_SIZE, "tower": {
                     k: getattr(tower, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers")},
                 "evaluation": {"video_qa": args.video_qa, "timing_videos": args.timing_videos}}
+    if args.readout != "pooled":  # absent for the default, so earlier runs still match
+        settings["readout"] = args.readout
     return json.loads(json.dumps(settings))
 
 
@@ -122,9 +129,12 @@ def _tiny_tower_config():
 
 
 class Probe:
-    """m3-tiny's vision tower and one linear head per kind of video question on its mean-pooled output."""
+    """m3-tiny's vision tower and one linear head per kind of video question, reading the tower's output either
+    mean-pooled over the whole video (`pooled`: clips mixed without their order) or as one mean-pooled vector per
+    temporal patch, in time order, through a one-layer GRU (`ordered`: the order of the clips is there to read, as
+    it is for the language model)."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, readout: str = "pooled"):
         import torch
 
         from openm3.models.vision import M3VisionModel
@@ -134,9 +144,20 @@ class Probe:
         hidden = self.tower.config.hidden_size
         counts = {"direction": 4, "first_mover": 2, "flashes": 8, "playback": 2}  # candidates per kind
         self.heads = torch.nn.ModuleDict({k: torch.nn.Linear(hidden, counts[k]) for k in VIDEO_KINDS})
+        self.gru = torch.nn.GRU(hidden, hidden, batch_first=True) if readout == "ordered" else None
 
     def parameters(self):
-        return [*self.tower.parameters(), *self.heads.parameters()]
+        extra = [] if self.gru is None else list(self.gru.parameters())
+        return [*self.tower.parameters(), *self.heads.parameters(), *extra]
+
+    def _read(self, clips: list, grid):
+        """One video's features from its clips' tower outputs ([t * h * w, hidden] each, frame after frame)."""
+        import torch
+
+        if self.gru is None:
+            return torch.cat(clips).mean(0)
+        steps = torch.cat([c.view(int(t), int(h * w), -1).mean(1) for c, (t, h, w) in zip(clips, grid.tolist())])
+        return self.gru(steps[None])[1][0, 0]
 
     def logits(self, samples, clip: int | None):
         """[(logits over the sample's candidates, index of its answer, kind)] for a batch of `video_qa` samples."""
@@ -148,10 +169,10 @@ class Probe:
         per_clip = torch.split(self.tower(pixels, grid), grid.prod(-1).tolist())
         out, k = [], 0
         for s, n in zip(samples, counts):
-            pooled = torch.cat(per_clip[k:k + n]).mean(0)
+            features = self._read(list(per_clip[k:k + n]), grid[k:k + n])
             k += n
             kind = s.task.split(":", 1)[1]
-            out.append((self.heads[kind](pooled), s.candidates.index(s.answer), kind))
+            out.append((self.heads[kind](features), s.candidates.index(s.answer), kind))
         return out
 
 
@@ -164,7 +185,7 @@ def run_probe(args: argparse.Namespace, clip: int | None, seed: int, out: Path) 
     from openm3.train.tasks import TASKS, qa_samples, text_only_baseline
 
     torch.set_num_threads(1)
-    probe, task = Probe(seed), TASKS["video_qa"]
+    probe, task = Probe(seed, args.readout), TASKS["video_qa"]
     opt = torch.optim.AdamW(probe.parameters(), lr=args.lr, weight_decay=0.01)
     t0 = time.perf_counter()
     losses = []

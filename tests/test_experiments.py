@@ -105,6 +105,11 @@ def test_clips_probe_trains_each_length_and_a_rerun_trains_nothing(tmp_path, cap
     for bad in (["--clips", "0"], ["--clips", "2", "2"], ["--steps", "0"], ["--part", "tower"]):
         with pytest.raises(SystemExit):
             clips.parse_args(bad)
+    ordered = ["--out", str(tmp_path / "ordered"), "--clips", "2", "--seeds", "0", "--steps", "2", "--jobs", "1",
+               "--video-qa", "8", "--timing-videos", "2", "--readout", "ordered"]
+    assert clips.main(ordered) == 0
+    (run,) = json.loads((tmp_path / "ordered" / "summary.json").read_text())["runs"]
+    assert run["settings"]["readout"] == "ordered" and "readout" not in runs["1"]["settings"]
 
 
 def test_clips_model_part_trains_the_vl_model_with_its_clips(tmp_path):
