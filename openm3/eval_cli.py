@@ -190,7 +190,7 @@ def report(args, vision: bool, n_params: int, dtype, device, source, qa: dict, r
                 continue
             lines.append(f"  {task:<12}{results[f'{task}/accuracy']:7.3f}   text-only "
                          f"{results[f'{task}/text_only_baseline']:.3f}   ({n} question{'s' * (n > 1)})")
-            lines += [f"    {k.split('/')[1]:<10}{v:7.3f}" for k, v in results.items()
+            lines += [f"    {k.split('/')[1]:<12}{v:5.3f}" for k, v in results.items()
                       if k.startswith(f"{task}/") and k.count("/") == 2]
     if "indexer_recall" in results:
         layers = [(k.removeprefix("indexer_recall/layer"), v) for k, v in results.items()

@@ -70,7 +70,7 @@ def test_vl_checkpoint_results_equal_the_evaluator(vl_checkpoint, tokenizer, tmp
     assert f"{r['bpb/stdlib']:7.4f}" in printed and f"{r['indexer_recall']:.3f}" in printed
     assert "colour_qa" in printed and "video_qa" in printed and "text-only" in printed
     kinds = [k for k in r if k.startswith("video_qa/") and k.count("/") == 2]
-    assert kinds and all(f"    {k.split('/')[1]:<10}{r[k]:7.3f}" in printed for k in kinds)  # each kind's line
+    assert kinds and all(f"    {k.split('/')[1]:<12}{r[k]:5.3f}" in printed for k in kinds)  # each kind's line
 
 
 def test_text_checkpoint_scores_text_and_refuses_qa(text_checkpoint, tmp_path, capsys, monkeypatch):
