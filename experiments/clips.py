@@ -181,7 +181,7 @@ def run_probe(args: argparse.Namespace, clip: int | None, seed: int, out: Path) 
     import numpy as np
     import torch
 
-    from openm3.train.eval import BASELINE_SAMPLES
+    from openm3.train.eval import BASELINE_SAMPLES, baseline_train_samples
     from openm3.train.tasks import TASKS, qa_samples, text_only_baseline
 
     torch.set_num_threads(1)
@@ -207,8 +207,7 @@ def run_probe(args: argparse.Namespace, clip: int | None, seed: int, out: Path) 
             for z, y, kind in probe.logits(test[i:i + 32], clip):
                 right[kind].append(int(z.argmax()) == y)
     probe.tower.train()
-    train = [task.sample(np.random.default_rng([0, 104729, i]), video_size=VIDEO_SIZE)
-             for i in range(BASELINE_SAMPLES["video_qa"])]
+    train = baseline_train_samples("video_qa", BASELINE_SAMPLES["video_qa"], video_size=VIDEO_SIZE)
     baseline = {k: text_only_baseline([s for s in train if s.task.endswith(k)], [s for s in test if s.task.endswith(k)])
                 for k in VIDEO_KINDS}
     record = {"part": "probe", "clip": clip_name(clip), "seed": seed, "steps": args.steps,

@@ -77,6 +77,16 @@ def heldout_windows(tokenizer, corpora: list[str], per_corpus: int, seq_len: int
     return out
 
 
+def baseline_train_samples(task: str, n: int, **sizes) -> list[QASample]:
+    """The `n` training-like samples of `task` the question-only baseline learns from (a fixed stream, disjoint
+    from the evaluation's)."""
+    import numpy as np
+
+    from .tasks import TASKS
+
+    return [TASKS[task].sample(np.random.default_rng([0, 104729, i]), **sizes) for i in range(n)]
+
+
 def score_candidates(model: nn.Module, qa: ScoredQA, device) -> int:
     """Index of the candidate with the highest summed log-likelihood."""
     seqs = [torch.tensor(qa.prompt + c) for c in qa.candidates]
@@ -111,16 +121,7 @@ class Evaluator:
             test = qa_samples(task, n, seed, **sizes)
             self.qa[task] = [self._prepare(s) for s in test]
             n_train = baseline_samples[task] if isinstance(baseline_samples, dict) else baseline_samples
-            train = [TASK.sample(rng, **sizes) for TASK, rng in self._train_stream(task, n_train)]
-            self.baseline[task] = text_only_baseline(train, test)
-
-    @staticmethod
-    def _train_stream(task: str, n: int):
-        import numpy as np
-
-        from .tasks import TASKS
-
-        return [(TASKS[task], np.random.default_rng([0, 104729, i])) for i in range(n)]
+            self.baseline[task] = text_only_baseline(baseline_train_samples(task, n_train, **sizes), test)
 
     def _prepare(self, s: QASample) -> ScoredQA:
         from ..data.chat import render_segments
