@@ -262,6 +262,18 @@ def train_all(args: argparse.Namespace, todo: list[tuple], out: Path, run=None):
             yield fut.result()
 
 
+def _with_new_defaults(config: dict | None) -> dict | None:
+    """A stored run's config with the TrainConfig fields added since it was made at their defaults, which is how
+    it ran (a field is added with the default that keeps the earlier behaviour)."""
+    from openm3.train.config import TrainConfig
+
+    if not isinstance(config, dict):
+        return config
+    added = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+             for f in dataclasses.fields(TrainConfig) if f.name not in config}
+    return {**json.loads(json.dumps(added)), **config}
+
+
 def pending_runs(script: str, items: list[tuple], path_of, matches) -> tuple[list[tuple], list[dict]]:
     """(items to train, records of those already trained): an item's run is done when `path_of(*item)` exists;
     SystemExit naming it when `matches(record, *item)` says it was made with other settings."""
@@ -288,7 +300,8 @@ def main(argv=None) -> int:
 
     def matches(record: dict, recipe: str, seed: int) -> bool:
         cfg = run_config(args, recipe, seed, out / "train" / f"{recipe}_s{seed}")
-        return {k: record.get(k) for k in ("config", "evaluation")} == _settings(args, cfg)
+        stored = {"config": _with_new_defaults(record.get("config")), "evaluation": record.get("evaluation")}
+        return stored == _settings(args, cfg)
 
     todo, records = pending_runs("experiments.recipes", [(r, s) for s in args.seeds for r in args.recipes],
                                  lambda recipe, seed: out / "runs" / f"{recipe}_s{seed}.json", matches)

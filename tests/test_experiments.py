@@ -58,8 +58,14 @@ def test_recipes_share_the_text_budget_and_a_rerun_trains_nothing(tmp_path, caps
     assert recipes.main(argv) == 0
     assert "0 runs to train (2 already in" in capsys.readouterr().out
     assert json.loads((tmp_path / "summary.json").read_text())["runs"] == first["runs"]
+    stored = tmp_path / "runs" / "cpt_s0.json"  # a run made before TrainConfig had video_frames_per_clip
+    record = json.loads(stored.read_text())
+    del record["config"]["video_frames_per_clip"]
+    stored.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert recipes.main(argv) == 0 and "0 runs to train (2 already in" in capsys.readouterr().out
     for changed in (["--windows", "2"], ["--set", "aux_loss_weight=0"], ["--blind"], ["--mismatched"],
-                    ["--noise"]):
+                    ["--noise"], ["--set", "video_frames_per_clip=2"]):
         with pytest.raises(SystemExit, match="made with other settings"):
             recipes.main(argv + changed)
 
