@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from experiments.recipes import mean_sd, pending_runs, train_all, write_json
+from openm3.train.cli import clip_length_arg
 
 PARTS = ("probe", "model")
 DEFAULT_CLIPS = ("1", "2", "4", "all")
@@ -49,14 +50,6 @@ VIDEO_SIZE = 56
 DEFAULT_STEPS = {"probe": 1500, "model": 720}
 # (frames, height, width) of the videos whose cost at M3's scale summary.md lists
 COST_VIDEOS = ((16, 448, 448), (64, 448, 448), (64, 672, 672))
-
-
-def _clip(text: str) -> int | None:
-    if text == "all":
-        return None
-    if not text.isdigit() or int(text) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of temporal patches or 'all', got {text!r}")
-    return int(text)
 
 
 def clip_name(clip: int | None) -> str:
@@ -68,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="reports/clips", help="results folder (default: reports/clips)")
     p.add_argument("--part", choices=PARTS, default="probe",
                    help="probe: the vision tower with linear heads (default); model: the whole VL model")
-    p.add_argument("--clips", nargs="+", type=_clip, default=[_clip(c) for c in DEFAULT_CLIPS], metavar="N|all",
+    p.add_argument("--clips", nargs="+", type=clip_length_arg,
+                   default=[clip_length_arg(c) for c in DEFAULT_CLIPS], metavar="N|all",
                    help="clip lengths in temporal patches of 2 frames (default: 1 2 4 all; the tasks' videos have "
                         "4-16 frames, so 8 equals all)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -91,16 +91,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _clip_length(text: str):
+def clip_length_arg(text: str) -> int | None:
+    """argparse type of a video clip length: a positive number of temporal patches, or 'all' (None)."""
     if text == "all":
-        return ALL_FRAMES
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
+        return None
+    if not text.isdigit() or int(text) <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of temporal patches or 'all', got {text!r}")
-    return value
+    return int(text)
+
+
+def _clip_length(text: str):
+    value = clip_length_arg(text)
+    return ALL_FRAMES if value is None else value  # None would read as "not given"
 
 
 ALL_FRAMES = "all"  # --video-frames-per-clip all: TrainConfig.video_frames_per_clip = None
