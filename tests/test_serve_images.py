@@ -387,6 +387,24 @@ def test_batching_backend_answers_a_video_beside_an_image(vl, tok):
         assert answers[kind]["content"] == tok.decode([t for t in results[0].tokens if t != tok.eos_id]), kind
 
 
+def test_an_mp4_video_reaches_the_engine_as_its_decoded_frames_would(client, backend):
+    """`data:video/mp4` (decoded by PyAV): the prompt and patches are those of the same frames sent losslessly as
+    an animated PNG at the stream's rate (8 fps: 125 ms a frame)."""
+    from test_video_decode import encode, whole_decode
+
+    mp4 = encode(FRAMES, rate=8)
+    frames = np.stack(whole_decode(mp4))
+    calls = []
+    for url in (f"data:video/mp4;base64,{base64.b64encode(mp4).decode()}",
+                f"data:image/png;base64,{apng_base64(frames, 125)}"):
+        r = client.post("/v1/chat/completions", json={"model": NAME, **video_body(url)})
+        assert r.status_code == 200, r.text
+        calls.append(backend.calls[-1])
+    (mp4_prompt, mp4_visual), (png_prompt, png_visual) = calls
+    assert mp4_prompt == png_prompt and torch.equal(mp4_visual.pixel_values_videos, png_visual.pixel_values_videos)
+    assert torch.equal(mp4_visual.video_grid_thw, png_visual.video_grid_thw)
+
+
 def test_long_videos_are_sampled_evenly():
     from openm3.engine.media import MAX_VIDEO_FRAMES, decode_video
 
@@ -400,11 +418,12 @@ def test_long_videos_are_sampled_evenly():
 def test_bad_video_parts_get_a_400_naming_the_part(client, text_client):
     jpeg = f"data:image/jpeg;base64,{B64}"
     r = client.post("/v1/chat/completions", json={"model": NAME, **video_body(jpeg)})
-    assert r.status_code == 400 and "messages[0].content[1].video_url.url: videos are accepted as animated" \
-        in _error(r), r.text
+    assert r.status_code == 400 and "messages[0].content[1].video_url.url: videos are accepted as data URLs of a " \
+        "video/* type (MP4, WebM, ...) or of an animated image/gif" in _error(r), r.text
     mp4 = "data:video/mp4;base64,AAAA"
     r = client.post("/v1/chat/completions", json={"model": NAME, **video_body(mp4)})
-    assert r.status_code == 400 and "this server has no video decoder" in _error(r), r.text
+    assert r.status_code == 400 and "messages[0].content[1]: the data is neither an animation Pillow can read nor a " \
+        "video PyAV can decode" in _error(r), r.text
     url = f"data:image/png;base64,{apng_base64(FRAMES, 500)}"
     r = text_client.post("/v1/chat/completions", json={"model": NAME, **video_body(url)})
     assert r.status_code == 400 and "messages[0].content[1]: 'video_url' parts are not supported by this server" \
@@ -438,7 +457,8 @@ def test_generate_cli_takes_image_and_video_files(vl, model, tok, tmp_path, caps
     results, _ = generate(vl, [prompt], max_new_tokens=3, images=[images])
     assert printed == tok.decode(results[0].tokens).strip()
     for bad, match in ((["--image", str(tmp_path / "missing.png")], "--image .*missing.png: cannot read"),
-                       (["--video", str(tmp_path / "ckpt" / "config.json")], "not an image Pillow can read")):
+                       (["--video", str(tmp_path / "ckpt" / "config.json")],
+                        "neither an animation Pillow can read nor a video PyAV can decode")):
         with pytest.raises(SystemExit, match=match):
             main(argv[:4] + bad + ["--device", "cpu"])
     with pytest.raises(SystemExit, match="need --prompt text and a vision-language --checkpoint"):

@@ -474,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an image file for a vision-language --checkpoint (repeatable): --prompt becomes a user "
                    "turn of the chat template holding the images, then the videos, then the text")
     p.add_argument("--video", action="append", default=[], metavar="PATH",
-                   help="a video as an animated GIF / WebP / PNG file (repeatable; at most 64 frames are kept)")
+                   help="a video file: MP4, WebM, ... (with PyAV) or an animated GIF / WebP / PNG (repeatable; at "
+                   "most 64 frames are kept)")
     p.add_argument("--chat", action="store_true",
                    help="--prompt is a user turn of the chat template (as `openm3 serve` renders a conversation), "
                    "followed by the assistant's generation prompt; generation stops at the end of the turn. "

@@ -27,10 +27,10 @@ nobody waits for the answer any more (its client disconnected, streamed or not: 
 response cancelled; another choice of the request failed): the request then ends where it is, without waiting for
 its next token, so a long prompt whose client left is not prefilled to the end.
 
-A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`)
-takes images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded
-into placeholder runs as in training), Chat Completions also vLLM's `video_url` parts (animated images), and call
-it with `images=PromptImages(...)`; for any other backend an image or video part is a 400 naming the part.
+A backend whose `vl_config` is set (`ModelBackend` or `BatchedGenerator` over an `M3ForConditionalGeneration`) takes
+images: the chat endpoints accept image parts as base64 data (`images.py`: decoded, processed and expanded into
+placeholder runs as in training), Chat Completions also vLLM's `video_url` parts (coded videos, animated images),
+and call it with `images=PromptImages(...)`; for any other backend an image or video part is a 400 naming the part.
 
 Text is produced incrementally by `TextStream` (`stream.py`), for streamed and non-streamed responses alike, so
 the concatenated deltas of a stream equal the non-streamed text. Stop strings end generation (raising from

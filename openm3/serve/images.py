@@ -1,12 +1,12 @@
 """Images and videos in chat requests: the three APIs' wire formats -> the chat template's media parts.
 
 OpenAI's Chat Completions carries an image as `{"type": "image_url", "image_url": {"url": "data:image/png;base64,
-..."}}` (and vLLM's extension a video as `{"type": "video_url", "video_url": {"url": "data:image/gif;base64,..."}}`:
-an animated GIF, WebP or PNG), OpenAI's Responses as `{"type": "input_image", "image_url": "data:..."}`, Anthropic's
-Messages as `{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ...}}`. Each
-endpoint turns its parts into the template's `{"type": "image"}` / `{"type": "video"}` parts (`data_url_part`,
-`base64_part`: they keep the base64 data and where the part was, for errors); `openm3.engine.media.chat_prompt`
-then decodes them and builds the prompt exactly as training writes it.
+..."}}` (and vLLM's extension a video as `{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}`:
+a `video/*` file PyAV decodes, or an animated GIF, WebP or PNG), OpenAI's Responses as `{"type": "input_image",
+"image_url": "data:..."}`, Anthropic's Messages as `{"type": "image", "source": {"type": "base64", "media_type":
+"image/png", "data": ...}}`. Each endpoint turns its parts into the template's `{"type": "image"}` / `{"type":
+"video"}` parts (`data_url_part`, `base64_part`: they keep the base64 data and where the part was, for errors);
+`openm3.engine.media.chat_prompt` then decodes them and builds the prompt exactly as training writes it.
 
 Only inline data is accepted: the server fetches nothing, so an http(s) URL is refused. Every error is a
 ValueError naming the part or field; the endpoints answer it with a 400.
@@ -17,13 +17,14 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 _DATA_URL = "data:image/png;base64,..."
-# Videos come as animated images Pillow decodes (`openm3.engine.media`: no video codec among the dependencies).
-VIDEO_MEDIA_TYPES = ("image/gif", "image/webp", "image/png", "image/apng")
+# Videos come as coded video files (any `video/*` type: MP4, WebM, ...; decoded by PyAV, the `video` extra) or as
+# animated images Pillow decodes (`openm3.engine.media`).
+ANIMATION_MEDIA_TYPES = ("image/gif", "image/webp", "image/png", "image/apng")
 
 
 def data_url_part(url: Any, where: str, field: str, video: bool = False) -> dict:
-    """The template's image part for an OpenAI image URL (its video part for vLLM's `video_url`: an animated GIF,
-    WebP or PNG), which must be a base64 data URL; `where.field` names it in errors."""
+    """The template's image part for an OpenAI image URL (its video part for vLLM's `video_url`: a `video/*` file
+    or an animated GIF, WebP or PNG), which must be a base64 data URL; `where.field` names it in errors."""
     name = f"{where}.{field}"
     if not isinstance(url, str) or not url:
         raise ValueError(f"{name}: expected a data URL string ({_DATA_URL}), got {type(url).__name__}")
@@ -36,9 +37,9 @@ def data_url_part(url: Any, where: str, field: str, video: bool = False) -> dict
     if not comma or "base64" not in params:
         raise ValueError(f"{name}: expected base64 data in the data URL ({_DATA_URL}), got 'data:{header[:40]}'")
     if video:
-        if media_type not in VIDEO_MEDIA_TYPES:
-            raise ValueError(f"{name}: videos are accepted as animated {', '.join(VIDEO_MEDIA_TYPES)} data URLs "
-                             f"(this server has no video decoder), got {media_type or 'no media type'!r}")
+        if not (media_type.startswith("video/") or media_type in ANIMATION_MEDIA_TYPES):
+            raise ValueError(f"{name}: videos are accepted as data URLs of a video/* type (MP4, WebM, ...) or of an "
+                             f"animated {', '.join(ANIMATION_MEDIA_TYPES)}, got {media_type or 'no media type'!r}")
         return {"type": "video", "data": data, "where": where}
     return _part(media_type, data, where, name)
 

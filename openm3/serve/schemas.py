@@ -287,7 +287,7 @@ class ImageURLPart(BaseModel):
 
 
 class VideoURL(BaseModel):
-    url: str  # a base64 data URL of an animated GIF / WebP / PNG (`openm3.serve.images`)
+    url: str  # a base64 data URL of a video/* file or an animated GIF / WebP / PNG (`openm3.serve.images`)
 
 
 class VideoURLPart(BaseModel):  # vLLM's extension of the OpenAI format
