@@ -322,6 +322,23 @@ def test_forced_tool_calls_through_every_api(tools_client):
     called(uses[0]["input"])
 
 
+def test_forced_call_string_values_keep_their_max_length(tools_client):
+    """A sampled forced call with a `maxLength` string parameter ends with the call, its value UTF-8 of at most
+    maxLength characters (the raw value once took stray UTF-8 continuation bytes past its length until
+    max_tokens)."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 10}}}}}]
+    r = tools_client.post("/v1/chat/completions", json={**ASK, "max_tokens": 120, "temperature": 1.0, "seed": 1,
+                                                         "n": 4, "tools": tools, "tool_choice": "required",
+                                                         "parallel_tool_calls": False})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice["message"]
+        [call] = choice["message"]["tool_calls"]
+        city = json.loads(call["function"]["arguments"])["city"]
+        assert len(city) <= 10 and "\ufffd" not in city, city
+
+
 FORCED_BAD = [
     ("no-tools", "/v1/chat/completions", {"messages": ASK["messages"], "tool_choice": "required"}, "tool_choice"),
     ("unknown-name", "/v1/chat/completions", {"messages": ASK["messages"], "tools": OPENAI_TOOLS, "tool_choice": {

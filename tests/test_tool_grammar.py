@@ -161,3 +161,111 @@ def test_text_grammar_values_full_masks_equal_checking_each_token():
     assert not {"é".encode()[:1], "日".encode()[:2], b"a" + "é".encode()[:1], b" ", b"\n"} & allowed
     assert g.advance(g.start, head + b"</parameter>") is None  # an empty value is no sentence
     assert g.advance(g.start, head + b"a<</parameter>") is None
+
+
+# A raw string value with length bounds (characters, not bytes), and one without; `free` takes any parameter name.
+BOUNDED = [{"name": "weather", "parameters": {"type": "object", "required": ["city"], "properties": {
+    "city": {"type": "string", "minLength": 2, "maxLength": 10}, "note": {"type": "string"}}}}, {"name": "free"}]
+HEADS = {"city": b'<invoke name="weather">\n<parameter name="city">',
+         "note": b'<invoke name="weather">\n<parameter name="note">',
+         "free": b'<invoke name="free">\n<parameter name="q">'}
+
+
+def in_value(which: str, text: bytes):
+    """The state after `text` inside the raw value `which` of `BOUNDED` (None: refused)."""
+    g = ToolCallGrammar(BOUNDED)
+    return g, g.advance(g.start, START + b"\n" + HEADS[which] + text)
+
+
+NOT_UTF8 = [
+    ("continuation-after-max", b"abcdefghij\x80"),
+    ("continuations-after-max", b"'pesith\x05ra" + b"\xbf" * 8),
+    ("stray-continuation", b"ab\x80"),
+    ("continuation-after-whole", "é".encode() + b"\xa9"),
+    ("lead-then-tag", b"a\xc3</parameter>"),
+    ("lead-then-ascii", b"a\xe2\x82a"),
+    ("overlong-c0", b"a\xc0\x80"),
+    ("overlong-e0", b"a\xe0\x80\x80"),
+    ("surrogate", b"a\xed\xa0\x80"),
+    ("above-u10ffff", b"a\xf4\x90\x80\x80"),
+    ("f5", b"a\xf5"),
+    ("marker", b"a" + END),
+]
+
+
+@pytest.mark.parametrize("which", ["city", "note", "free"])
+@pytest.mark.parametrize("text", [r[1] for r in NOT_UTF8], ids=[r[0] for r in NOT_UTF8])
+def test_raw_values_refuse_invalid_utf8(which, text):
+    """A raw value stays UTF-8: a continuation byte only where a character's lead opened one (within the range
+    that lead allows), no byte that starts no character, and the value ends only between characters."""
+    assert in_value(which, text)[1] is None
+    assert in_value(which, b"ab")[1] is not None
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("é€😀", True), ("é€😀😀é€😀😀é€", True), ("é€😀😀é€😀😀é€a", False), ("aaaaaaaaa😀", True),
+    ("aaaaaaaaaa😀", False), ("😀", False), ("😀é", True), ("", False), ("a", False), ("é<</", True)])
+def test_raw_string_lengths_count_characters(value, ok):
+    """minLength / maxLength count characters: 'é', '€' and '😀' (2, 3 and 4 bytes) are one each."""
+    g, state = in_value("city", value.encode() + b"</parameter>")
+    assert (state is not None) == ok, value
+    if ok:
+        state = g.advance(state, b'\n</invoke>\n' + END)
+        assert state is not None and g.complete(state)
+
+
+@pytest.mark.parametrize("value", ["abcdefghij", "é€😀😀é€😀😀é€", "aaaaaaaa<x"],
+                         ids=["ascii", "multi-byte", "broken-tag"])
+def test_after_max_length_only_the_end_tag_follows(value):
+    """With maxLength characters written, each next byte must be the next one of `</parameter>`."""
+    g, state = in_value("city", value.encode())
+    for k in range(len(b"</parameter>")):
+        allowed = [b for b in range(256) if g.advance(state, bytes((b,))) is not None]
+        assert allowed == [b"</parameter>"[k]], (value, k, allowed)
+        state = g.advance(state, b"</parameter>"[k:k + 1])
+
+
+@pytest.mark.parametrize("start, follow", [("é", range(0x80, 0xC0)), ("€", range(0x80, 0xC0)),
+                                           ("😀", range(0x80, 0xC0)), (b"\xe0", range(0xA0, 0xC0)),
+                                           (b"\xed", range(0x80, 0xA0)), (b"\xf0", range(0x90, 0xC0)),
+                                           (b"\xf4", range(0x80, 0x90))],
+                         ids=["c3", "e2", "f0-9f", "e0", "ed", "f0", "f4"])
+def test_inside_a_character_only_its_continuation_bytes_follow(start, follow):
+    """A token may end inside a character (a byte-level vocabulary splits them); the next byte is then one of the
+    continuation bytes its lead allows and nothing else, not even the end tag's `<`."""
+    head = start if isinstance(start, bytes) else start.encode()[:-1]
+    for which in ("city", "note", "free"):
+        g, state = in_value(which, b"a" + head)
+        assert [b for b in range(256) if g.advance(state, bytes((b,))) is not None] == list(follow), (start, which)
+
+
+def test_sampled_bounded_values_are_utf8_within_their_lengths():
+    """Random walks over a byte-level vocabulary (every byte a token, as a model's byte fallback allows, plus
+    characters whole and split): every value the mask lets through decodes as UTF-8 and holds minLength to
+    maxLength characters. Before values were checked as UTF-8, the walks ran into stray continuation bytes."""
+    from openm3.engine.constrained import TokenBytes, TransitionCache
+
+    pieces = [bytes([b]) for b in range(0xF8)] + [b"</parameter>", b"</", b"ab", b"a<", b"\n</invoke>\n"]
+    for ch in "é€😀日":
+        data = ch.encode()
+        pieces += [data] + [data[:i] for i in range(2, len(data))] + [data[i:] for i in range(1, len(data))]
+    pieces += ["aé".encode(), "é😀".encode()[:-1]]
+    vocab = TokenBytes(pieces)
+    close = pieces.index(b"</parameter>")
+    rng = random.Random(0)
+    for which in ("city", "note"):
+        g = ToolCallGrammar(BOUNDED, "weather")
+        transitions = TransitionCache(g, vocab)
+        head = g.advance(g.start, START + b"\n" + HEADS[which])
+        for _ in range(200):
+            state, out = head, b""
+            while state[0] == "raw":
+                allowed = transitions.full_mask(state).nonzero().flatten().tolist()
+                assert allowed, out
+                pick = close if close in allowed and rng.random() < 0.15 else rng.choice(allowed)
+                out += pieces[pick]
+                state = transitions.next(state, pick)
+            value = out[:out.index(b"</parameter>")].decode("utf-8")  # raises on invalid UTF-8
+            assert state[0] == "lits" and out.endswith(b"</parameter>"), out
+            if which == "city":
+                assert 2 <= len(value) <= 10, value

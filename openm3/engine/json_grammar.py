@@ -170,7 +170,8 @@ def _utf8_tables():
     return tuple(lead), tuple(pending)
 
 
-_UTF8_LEAD, _UTF8_PENDING = _utf8_tables()
+# shared with the tool-call grammar's raw values (`tool_grammar`)
+UTF8_LEAD, UTF8_PENDING = _utf8_tables()
 
 
 def _escape_table():
@@ -200,7 +201,7 @@ def _lex_string(data: bytes, i: int, utf8: int, esc: int):
     chars = 0
     while i < n:
         if utf8:
-            lo, hi, utf8 = _UTF8_PENDING[utf8]
+            lo, hi, utf8 = UTF8_PENDING[utf8]
             if not lo <= data[i] <= hi:
                 return -1, 0, 0, 0, False
             i += 1
@@ -225,7 +226,7 @@ def _lex_string(data: bytes, i: int, utf8: int, esc: int):
         if b == _BACKSLASH:
             esc = 1
         else:
-            utf8 = _UTF8_LEAD[b]  # a control byte, a lone continuation byte or a bad lead byte gives 0
+            utf8 = UTF8_LEAD[b]  # a control byte, a lone continuation byte or a bad lead byte gives 0
             if not utf8:
                 return -1, 0, 0, 0, False
         chars += 1

@@ -7,12 +7,12 @@ writes it,
 with NAME one of the allowed tools, KEY one of that tool's declared parameters (each at most once, the required
 ones all present before `</invoke>`; any name when the tool has no `properties`), and VALUE, as `render_tool_calls`
 writes it: one of the strings of an enum of strings, JSON that follows the parameter's schema for a single
-non-string type or an enum of other values (`json_grammar`), else raw text that does not contain `</parameter>`
-(strings, within their `minLength` / `maxLength` in characters; schemas of several types, schemas the matcher
-cannot compile). A tool may name a text grammar for one of its parameters (`"text_grammar": {"parameter": KEY,
-"syntax": "lark" | "regex", "definition": ...}`: OpenAI's custom tools with a grammar format, whose free-form input
-is that parameter); its VALUE is then a sentence of that grammar (`cfg_grammar` / `regex_grammar`) without
-`</parameter>` in it, and a token may not end inside one of its characters.
+non-string type or an enum of other values (`json_grammar`), else raw UTF-8 text that does not contain
+`</parameter>` (strings, within their `minLength` / `maxLength` in characters; schemas of several types, schemas
+the matcher cannot compile). A tool may name a text grammar for one of its parameters (`"text_grammar":
+{"parameter": KEY, "syntax": "lark" | "regex", "definition": ...}`: OpenAI's custom tools with a grammar format,
+whose free-form input is that parameter); its VALUE is then a sentence of that grammar (`cfg_grammar` /
+`regex_grammar`) without `</parameter>` in it, and a token may not end inside one of its characters.
 `<minimax:tool_call>` and `</minimax:tool_call>` are special tokens: the grammar reads them as the marker bytes
 `START` and `END`, which `TokenBytes.from_tokenizer(..., markers=)` gives them (bytes 0xF8-0xFF never occur in
 UTF-8 text, and `TokenBytes` leaves the byte tokens that hold them out of every grammar).
@@ -26,7 +26,7 @@ from typing import Sequence
 
 from .cfg_grammar import CfgGrammar
 from .constrained import ChoiceGrammar
-from .json_grammar import compile_schema, utf8_length
+from .json_grammar import UTF8_LEAD, UTF8_PENDING, compile_schema, utf8_length
 from .regex_grammar import RegexGrammar
 
 START, END = b"\xff\x01", b"\xff\x02"
@@ -165,7 +165,7 @@ class ToolCallGrammar:
                 if key in tool.texts:
                     after = ("text", name, seen | {key}, count, tool.texts[key].start, key, b"")
                 elif grammar is None:
-                    after = ("raw", name, seen | {key}, count, 0, 0, key)
+                    after = ("raw", name, seen | {key}, count, 0, 0, 0, key)
                 else:
                     after = ("json", name, seen | {key}, count, grammar.start, key)
                 out[lead + b'<parameter name="' + key.encode() + b'">'] = after
@@ -190,11 +190,11 @@ class ToolCallGrammar:
             return ("pname", name, seen, count, key + bytes((b,))) if b in _NAME_BYTES else None
         if kind == "pclose":
             _, name, seen, count, key = state
-            return ("raw", name, seen | {key.decode()}, count, 0, 0, None) if b == 0x3E else None
+            return ("raw", name, seen | {key.decode()}, count, 0, 0, 0, None) if b == 0x3E else None
         if kind == "raw":
-            _, name, seen, count, k, chars, key = state
+            _, name, seen, count, k, chars, utf8, key = state
             lo, hi = self.tools[name].lengths.get(key, (0, None))
-            return self._end_tag(name, seen, count, k, b, chars, key, lo, hi)
+            return self._raw_step(name, seen, count, k, chars, utf8, key, b, lo, hi)
         if kind == "json":
             _, name, seen, count, inner, key = state
             grammar = self.tools[name].values[key]
@@ -245,11 +245,15 @@ class ToolCallGrammar:
         return None if inner is None else ("text", name, seen, count, inner, key, b"")
 
     @staticmethod
-    def _end_tag(name, seen, count, k: int, b: int, chars: int, key, lo: int, hi: int | None):
-        """Raw text with `k` bytes of `</parameter>` matched (held: they are text if the tag breaks off) and
-        `chars` characters before them, then byte b; the text's length in characters lies in lo..hi."""
-        if b >= 0xF5:  # not UTF-8 (the marker bytes among them)
-            return None
+    def _raw_step(name, seen, count, k: int, chars: int, utf8: int, key, b: int, lo: int, hi: int | None):
+        """Raw text with `chars` characters, then `k` bytes of `</parameter>` (held: they are text if the tag breaks
+        off) or, where `utf8` is not 0, the first bytes of a multi-byte character (`UTF8_PENDING` state), then
+        byte b. The text stays valid UTF-8 (a byte-level vocabulary may split a character across tokens, so the
+        walk goes a byte at a time) and its length in characters lies in lo..hi: a character counts at its first
+        byte, so a lead byte needs room for one more character and its continuation bytes count for nothing."""
+        if utf8:  # inside a character: only the continuation byte its lead allows (no tag byte is held here)
+            low, high, utf8 = UTF8_PENDING[utf8]
+            return ("raw", name, seen, count, 0, chars, utf8, key) if low <= b <= high else None
         if b == _END_TAG[k]:
             k += 1
             if k == len(_END_TAG):
@@ -260,10 +264,14 @@ class ToolCallGrammar:
             if b == 0x3C:  # a new `<` may begin the tag
                 pending = 1
             else:
-                pending, chars = 0, chars + (not 0x80 <= b <= 0xBF)  # a continuation byte starts no character
+                pending, chars = 0, chars + 1
+                if b >= 0x80:
+                    utf8 = UTF8_LEAD[b]
+                    if not utf8:  # a stray continuation byte or one no character starts with (the markers' 0xFF)
+                        return None
         if hi is None:
             chars = min(chars, lo)  # counts above the minimum behave alike: fewer states, better memoization
         elif chars + (pending if chars < lo else 0) > hi:
             # too long, or held bytes that cannot end the text yet (too short) and would make it too long as text
             return None
-        return ("raw", name, seen, count, pending, chars, key)
+        return ("raw", name, seen, count, pending, chars, utf8, key)
