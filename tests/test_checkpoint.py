@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -215,8 +216,25 @@ def test_missing_files(broken, tmp_path):
     with pytest.raises(CheckpointError, match="neither model.safetensors.index.json nor model.safetensors"):
         load_text_model(broken)
     (broken / "config.json").unlink()
-    with pytest.raises(CheckpointError, match="config.json not found"):
+    with pytest.raises(CheckpointError, match=r"no config.json there, so not a model checkpoint$"):
         load_text_model(broken)
+
+
+def test_a_training_run_folder_is_named_as_one(tmp_path):
+    """Pointing a loader (eval, serve, generate, convert) at an `openm3 train` run folder, its checkpoints folder
+    or one of its sharded checkpoints says what it is and how to export the model from it."""
+    from openm3.models import load_pretrained
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000010"
+    step.mkdir(parents=True)
+    (step / "trainer_state.pt").write_bytes(b"")
+    (run / "checkpoints" / "LATEST").write_text(step.name)
+    export = f"`openm3 train --out {run} --resume --export DIR` writes the run's latest model to DIR"
+    for path, what in ((run, "folder"), (run / "checkpoints", "checkpoints folder"), (step, "sharded checkpoint")):
+        with pytest.raises(CheckpointError, match=re.escape(f"{path}: no config.json there, so not a model "
+                                                            f"checkpoint but a training run's {what}: {export}")):
+            load_pretrained(path)
 
 
 def test_large_loads_show_progress(published_dir, monkeypatch, capsys):

@@ -276,10 +276,11 @@ def test_train_cli_world_size_checked_before_compute(monkeypatch):
     assert called == []
 
 
-def test_train_cli_runs_and_resumes(tmp_path, tokenizer):
+def test_train_cli_runs_and_resumes(tmp_path, tokenizer, capsys):
     import json
 
     from openm3.train import cli
+    from openm3.train.config import TrainConfig
     from openm3.train.metrics import read_jsonl
 
     config = tmp_path / "run.json"
@@ -289,8 +290,18 @@ def test_train_cli_runs_and_resumes(tmp_path, tokenizer):
     out = tmp_path / "run"
     base = ["--config", str(config), "--model", "m3-tiny", "--recipe", "native", "--seq-len", "256",
             "--text-rows", "1", "--warmup-steps", "1", "--out", str(out), "--no-progress", "--device", "cpu"]
-    assert cli.main(base + ["--steps", "2"]) == 0
-    assert cli.main(base + ["--steps", "2", "--resume", "--export", str(tmp_path / "model")]) == 0
+    assert cli.main(base + ["--steps", "1", "--print-every", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "step 1/1: loss " in printed and "done: step 1/1, loss " in printed and "eval: bpb/stdlib " in printed
+    made = TrainConfig.from_json(out / "train_config.json")  # the run's settings, which --config takes back
+    assert (made.steps, made.seq_len, made.text_rows, made.print_every) == (1, 256, 1, 1)
+    assert cli.main(["--out", str(out), "--resume", "--steps", "2", "--export", str(tmp_path / "model")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"resuming {out} from step_00000001 (step 1 of 2); settings changed: steps=2\n")
+    assert "step 2/2: loss " in printed and f"exported to {tmp_path / 'model'}" in printed
+    assert TrainConfig.from_json(out / "train_config.json").to_dict() == {**made.to_dict(), "steps": 2}
+    assert cli.main(["--out", str(out), "--resume"]) == 0
+    assert "done: the run was at step 2 of 2 already (--steps N trains it further)" in capsys.readouterr().out
     log = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in log if "loss" in r] == [0, 1]
     assert any("eval/bpb/stdlib" in r for r in log)

@@ -304,12 +304,27 @@ def _parse_size(size: int | str) -> int:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _training_hint(root: Path) -> str:
+    """What to do when `root` is an `openm3 train` run folder, its checkpoints folder or one of its (sharded)
+    checkpoints instead of a model checkpoint; empty otherwise."""
+    if (root / "trainer_state.pt").is_file():
+        run, what = (root.parent.parent if root.parent.name == "checkpoints" else root.parent), "sharded checkpoint"
+    elif (root / "LATEST").is_file():
+        run, what = root.parent, "checkpoints folder"
+    elif (root / "checkpoints").is_dir() or (root / "train_config.json").is_file():
+        run, what = root, "folder"
+    else:
+        return ""
+    return (f" but a training run's {what}: `openm3 train --out {run} --resume --export DIR` writes the run's "
+            f"latest model to DIR, which loads here")
+
+
 def config_json(path) -> dict:
     """The parsed config.json of checkpoint directory `path`; raises CheckpointError if it is missing, not JSON,
     or of a model_type other than minimax_m3*."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
-        raise CheckpointError(f"{file}: config.json not found")
+        raise CheckpointError(f"{path}: no {CONFIG_FILE} there, so not a model checkpoint{_training_hint(Path(path))}")
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as err:

@@ -80,6 +80,16 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def saved_run(root: str | Path) -> tuple[Path, int, dict] | None:
+    """(the newest complete checkpoint under `root`, its step, the `TrainConfig` fields its run was made with) or
+    None when there is none; read on the host, before anything is built."""
+    path = latest_checkpoint(root)
+    if path is None:
+        return None
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    return path, state["step"], state["config"]
+
+
 class CheckpointManager:
     def __init__(self, root: str | Path, info: DistInfo, keep: int = 2):
         if keep <= 0:

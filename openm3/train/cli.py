@@ -7,14 +7,22 @@
 
 `--config` is a JSON object of `TrainConfig` fields; flags override it. `extra` may hold `weights` (source ->
 weight, see `openm3.train.data`), `image_size`, `video_size`, and `eval` (`windows`, `qa`: task -> samples).
-Bad settings (unknown recipe, decay before warmup, a global batch the world size does not divide, a missing
-`data` extra) fail before anything is built.
+Every run writes its settings to `train_config.json` in its folder (`--config` takes that file back).
+Bad settings (unknown recipe, decay before warmup, a global batch the world size does not divide, a context longer
+than the model's, a missing `data` extra) fail before anything is built.
+
+`--resume` continues the run in `--out` from its latest checkpoint, with the settings that run was made with (its
+checkpoint holds them): flags may change how it runs (steps, decay start, checkpoint and evaluation cadence,
+micro-batch, device, memory and speed options) but not what it trains (model, recipe, data, context, batch,
+learning rate, seed, ...), which fails naming each such setting; a folder without a checkpoint is an error too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import textwrap
 from pathlib import Path
 
 from .config import TrainConfig
@@ -31,12 +39,14 @@ _FLAGS = (
                        "recipe's mixture"),
     ("micro_batch", int, "rows per forward on each rank; gradients accumulate over the rest (default 2)"),
     ("lr", float, "peak learning rate (default 3e-3)"),
-    ("warmup_steps", int, "linear warm-up steps (default 10)"),
+    ("warmup_steps", int, "linear warm-up steps (default 10; half the steps of a run shorter than 20)"),
     ("decay_start", int, "step where the LR decay starts (default 80%% of --steps)"),
     ("msa_switch_step", int, "steps before it are the dense warm-up of the MSA layers (default 0)"),
     ("kl_weight", float, "weight of the indexer KL loss (default 1.0; 0 turns it off)"),
     ("seed", int, "seed of the model init, data order and sampling (default 0)"),
     ("ckpt_every", int, "checkpoint every N steps (default 0: only at the end)"),
+    ("print_every", int, "print a plain line (step, loss, tokens/s, learning rate) every N steps, e.g. for logs "
+                         "without the progress bar (default 0: never)"),
     ("eval_every", int, "evaluate every N steps (default 0: only at the end)"),
     ("vision_start_step", int, "recipe mid: step where vision rows start"),
     ("cpt_steps", int, "recipe cpt: vision steps after the decay"),
@@ -108,20 +118,85 @@ def _clip_length(text: str):
 ALL_FRAMES = "all"  # --video-frames-per-clip all: TrainConfig.video_frames_per_clip = None
 
 
+# TrainConfig fields a resumed run may change: how it runs, not what it trains (`--resume`)
+RESUMABLE = frozenset({
+    "steps", "decay_start", "ckpt_every", "keep_checkpoints", "eval_every", "log_every", "print_every", "progress",
+    "tensorboard", "device", "micro_batch", "activation_checkpointing", "ac_reuse_msa", "ac_keep_attention",
+    "kl_in_backward", "compile", "compile_backend", "prefetch", "overlap_steps", "out_dir"})
+
+
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    base = json.loads(args.config.read_text()) if args.config else {}
-    if not isinstance(base, dict):
-        raise ValueError(f"--config must hold a JSON object of TrainConfig fields, got {type(base).__name__}")
+    """The run's `TrainConfig`: `--config`'s fields, then the flags given; with `--resume`, the run's own settings
+    first (`resumed_config`)."""
+    given = _given_settings(args)
+    if getattr(args, "resume", False):
+        return resumed_config(given)
+    if given.get("init_from") and "video_frames_per_clip" not in given:  # the checkpoint's, unless given
+        from ..models.processor import video_frames_per_clip
+
+        given["video_frames_per_clip"] = video_frames_per_clip(given["init_from"])
+    return TrainConfig.from_dict(given)
+
+
+def _given_settings(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields of `--config` (a JSON file) with the flags given on top."""
+    base = {}
+    if args.config:
+        try:
+            base = json.loads(args.config.read_text())
+        except OSError as e:
+            raise ValueError(f"--config: cannot read {str(args.config)!r} ({e.strerror or e})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config: {str(args.config)!r} is not valid JSON ({e})") from None
+        if not isinstance(base, dict):
+            raise ValueError(f"--config must hold a JSON object of TrainConfig fields, got {type(base).__name__}")
     skip = {"config", "resume", "export", "threads"}
     overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
     if overrides.get("video_frames_per_clip") == ALL_FRAMES:
         overrides["video_frames_per_clip"] = None
-    merged = {**base, **overrides}
-    if merged.get("init_from") and "video_frames_per_clip" not in merged:  # the checkpoint's, unless given
-        from ..models.processor import video_frames_per_clip
+    return {**base, **overrides}
 
-        merged["video_frames_per_clip"] = video_frames_per_clip(merged["init_from"])
-    return TrainConfig.from_dict(merged)
+
+def resumed_config(given: dict) -> TrainConfig:
+    """The settings of the run in `given`'s out_dir, read from its latest checkpoint, with the `given` ones that
+    may change on a resume (`RESUMABLE`) applied. ValueError when the folder holds no checkpoint, or naming every
+    given setting that would change what the run trains."""
+    from .checkpoint import saved_run
+
+    out = Path(given.get("out_dir", TrainConfig.out_dir))
+    found = saved_run(out / "checkpoints")
+    if found is None:
+        raise ValueError(f"--resume: no complete checkpoint under {out / 'checkpoints'} (is --out the run's "
+                         f"folder? without --resume a new run starts there)")
+    path, step, saved = found
+    fields = TrainConfig.__dataclass_fields__
+    saved = {k: v for k, v in saved.items() if k in fields}  # a field since removed is not read
+    before = TrainConfig.from_dict(saved).to_dict()
+    after = TrainConfig.from_dict({**saved, **given}).to_dict()
+    changed = [k for k in given if after[k] != before[k]]
+    refused = [k for k in changed if k not in RESUMABLE]
+    if refused:
+        raise ValueError(f"--resume: the run in {out} was made with " + ", ".join(
+            f"{k}={before[k]!r} (given {after[k]!r})" for k in refused) + "; a resumed run keeps what it trains "
+            "(see its train_config.json), or start a new run in another --out")
+    cfg = TrainConfig.from_dict({**saved, **given})
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 says it
+        return cfg
+    print(f"resuming {out} from {path.name} (step {step} of {cfg.steps})"
+          + (f"; settings changed: {', '.join(f'{k}={after[k]!r}' for k in changed)}" if changed else ""))
+    if "steps" in changed and "decay_start" not in given:
+        print(f"  the learning-rate decay still starts at step {cfg.decay_start} (--decay-start moves it)")
+    return cfg
+
+
+def check_context(cfg: TrainConfig, text_config) -> None:
+    """Packed rows no longer than the model's context (`max_position_embeddings`): a longer run would train
+    positions the model's config does not claim (and on a CPU likely run out of memory first)."""
+    if cfg.seq_len > text_config.max_position_embeddings:
+        source = f"init_from {cfg.init_from!r}" if cfg.init_from else f"model {cfg.model!r}"
+        raise ValueError(f"seq_len={cfg.seq_len} is longer than the context of {source} (max_position_embeddings="
+                         f"{text_config.max_position_embeddings}); pass --seq-len up to that, or a model made for "
+                         f"longer contexts")
 
 
 def main(argv=None) -> int:
@@ -157,23 +232,39 @@ def main(argv=None) -> int:
         build = checkpoint_builder(cfg.init_from, tokenizer, multimodal=bool(needed & {"image", "video"}))
     else:
         build = model_builder(cfg.model, tokenizer)
+    check_context(cfg, build.text_config)
     ev = extra.get("eval", {})
     evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=ev.get("windows", 2),
                           qa=ev.get("qa", {"colour_qa": 50, "video_qa": 24}),
                           frames_per_clip=cfg.video_frames_per_clip, **sizes)
     trainer = Trainer(cfg, build, source, evaluator=evaluator)
-    if args.resume and not trainer.resume():
-        print(f"no checkpoint under {trainer.checkpoints.root}; starting from step 0")
+    if args.resume and not trainer.resume():  # resumed_config found one: it went while the model was built
+        raise ValueError(f"--resume: the checkpoint under {trainer.checkpoints.root} is gone")
     trainer.fit()
     if args.export:
         trainer.export(args.export, tokenizer)
     if trainer.info.is_main:
-        last = trainer.history[-1] if trainer.history else {}
-        print(f"done: step {trainer.step}/{cfg.steps}, loss {last.get('loss', float('nan')):.4f}; "
-              f"logs in {cfg.out_dir}")
+        print(summary(trainer, args.export))
     trainer.close()
     D.shutdown_distributed()
     return 0
+
+
+def summary(trainer, export: Path | None) -> str:
+    """The lines `openm3 train` ends with: where the run stands, its last evaluation, where things are."""
+    cfg = trainer.cfg
+    if trainer.history:
+        head = f"done: step {trainer.step}/{cfg.steps}, loss {trainer.history[-1]['loss']:.4f}"
+    else:
+        head = f"done: the run was at step {trainer.step} of {cfg.steps} already (--steps N trains it further)"
+    lines = [head]
+    if trainer.last_eval:
+        lines += textwrap.wrap("eval: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in trainer.last_eval.items()), 116,
+                               subsequent_indent="  ", break_on_hyphens=False)
+    lines.append(f"logs in {cfg.out_dir} (metrics.jsonl, train_config.json)"
+                 + (f"; exported to {export}" if export else ""))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,8 @@ class TrainConfig:
 
     lr: float = 3e-3
     vision_lr_scale: float = 1.0  # learning rate of the vision tower and projector, relative to `lr`
-    warmup_steps: int = 10
-    decay_start: int | None = None  # None: 80% of steps
+    warmup_steps: int | None = None  # None: 10, or half the steps of a run shorter than 20 steps
+    decay_start: int | None = None  # None: 80% of steps (at least the warm-up)
     min_lr_ratio: float = 0.1
     decay_shape: str = "linear"
     weight_decay: float = 0.1
@@ -73,6 +73,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 0  # 0: only at the end
     log_every: int = 1
+    print_every: int = 0  # rank 0 prints a plain line every N steps (logs without the progress bar); 0: never
     progress: bool = True
     tensorboard: bool = True
 
@@ -108,12 +109,14 @@ class TrainConfig:
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
+        if self.warmup_steps is None:
+            self.warmup_steps = min(10, self.steps // 2)
         if self.decay_start is None:
             self.decay_start = max(self.warmup_steps, int(0.8 * self.steps))
         for name in ("seq_len", "micro_batch", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("ckpt_every", "eval_every", "log_every", "msa_switch_step"):
+        for name in ("ckpt_every", "eval_every", "log_every", "print_every", "msa_switch_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         check_frames_per_clip(self.video_frames_per_clip, "video_frames_per_clip")

@@ -11,7 +11,8 @@ from torch import nn
 
 def model_builder(name: str, tokenizer, *, multimodal: bool = True, **overrides) -> Callable[[], nn.Module]:
     """A zero-argument constructor of preset `name` (`m3-tiny`, `m3-small`, `m3`) whose vocabulary and
-    placeholder ids are the tokenizer's. `overrides` are `M3TextConfig` fields."""
+    placeholder ids are the tokenizer's. `overrides` are `M3TextConfig` fields. Its `text_config` attribute is the
+    text decoder's config (read before anything is built)."""
     from ..models.config import PRESETS, M3TextConfig
 
     if name not in PRESETS:
@@ -21,13 +22,15 @@ def model_builder(name: str, tokenizer, *, multimodal: bool = True, **overrides)
         from ..models.text import M3TextModel
 
         config = M3TextConfig.from_name(name, **overrides)
-        return lambda: M3TextModel(config)
+        build, build.text_config = (lambda: M3TextModel(config)), config
+        return build
 
     from ..models.multimodal import M3ForConditionalGeneration, M3VLConfig
 
     config = M3VLConfig.from_name(name, image_token_index=tokenizer.image_id, video_token_index=tokenizer.video_id,
                                   **overrides)
-    return lambda: M3ForConditionalGeneration(config)
+    build, build.text_config = (lambda: M3ForConditionalGeneration(config)), config.text_config
+    return build
 
 
 def checkpoint_tokenizer(path: str | Path):
@@ -55,7 +58,8 @@ def checkpoint_builder(path: str | Path, tokenizer, *, multimodal: bool) -> Call
     `load_pretrained` reads, fp8 releases dequantized) in float32: a training run's starting point. Checks first,
     without reading weights, that it suits the run: a vision-language checkpoint when `multimodal` (the recipe has
     image or video rows), the tokenizer's ids inside its vocabulary, and the tokenizer's image / video
-    placeholder ids for a VL checkpoint. Raises ValueError naming `init_from`."""
+    placeholder ids for a VL checkpoint. Raises ValueError naming `init_from`. Its `text_config` attribute is the
+    text decoder's config and its `skeleton` builds the architecture without reading weights."""
     import torch
 
     from ..models.checkpoint import CheckpointError, load_pretrained, read_configs
@@ -78,6 +82,8 @@ def checkpoint_builder(path: str | Path, tokenizer, *, multimodal: bool) -> Call
                          f"{config.image_token_index} / {config.video_token_index}")
     def build() -> nn.Module:
         return load_pretrained(root, dtype=torch.float32).train()
+
+    build.text_config = text
 
     # the same architecture without reading the weights (an export needs only its structure to save into)
     if is_vl:

@@ -80,6 +80,13 @@ class Progress:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self.bar.update(1)
 
+    def write(self, line: str) -> None:
+        """A line printed above the bar (or alone without one)."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -9,6 +9,7 @@ rank's share in micro-batches, forward each (MSA dense warm-up or sparse stage),
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +26,7 @@ from ..layers.attention import kl_in_backward
 from ..layers.recompute import reuse_contexts
 from ..models.text import check_input_ids, input_ids_checked_by_caller, residual_stream_dtype
 from .batches import IGNORE, Batch, RowSource, shard_micro_batches, step_rows
-from .checkpoint import CheckpointManager, export_consolidated, latest_checkpoint
+from .checkpoint import CheckpointManager, export_consolidated, latest_checkpoint, write_text_atomic
 from .config import TrainConfig
 from .losses import token_losses
 from .metrics import MetricsLogger, Progress
@@ -172,7 +173,10 @@ class Trainer:
         self.step = 0
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints", self.info, cfg.keep_checkpoints)
         self.logger = MetricsLogger(self.out_dir, enabled=self.info.is_main, tensorboard=cfg.tensorboard)
+        if self.info.is_main:  # the run's settings, readable (`openm3 train --config` takes the file back)
+            write_text_atomic(self.out_dir / "train_config.json", json.dumps(cfg.to_dict(), indent=1, default=str))
         self.history: list[dict] = []
+        self.last_eval: dict = {}  # the latest `evaluate` result
         on_gpu = self.info.device.type == "cuda"
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="openm3-rows") \
             if cfg.prefetch == "on" or (cfg.prefetch == "auto" and on_gpu) else None
@@ -349,6 +353,7 @@ class Trainer:
             result = self.evaluator(self, self.step)
         record = {"step": self.step - 1, **{f"eval/{k}": v for k, v in result.items()}}
         self.logger.log(record)
+        self.last_eval = result
         return result
 
     def fit(self, until: int | None = None) -> list[dict]:
@@ -369,6 +374,10 @@ class Trainer:
             if record["step"] % cfg.log_every == 0 or record["step"] + 1 == until:
                 self.logger.log(record)
             progress.update(record["loss"], record["tokens_per_s"])
+            done = record["step"] + 1
+            if self.info.is_main and cfg.print_every and (done % cfg.print_every == 0 or done == until):
+                progress.write(f"step {done}/{self.plan.steps}: loss {record['loss']:.4f}, "
+                               f"{record['tokens_per_s']:,.0f} tokens/s, lr {record['lr']:.3g}")
 
         pending: PendingStep | None = None
         try:

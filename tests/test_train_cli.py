@@ -1,0 +1,99 @@
+"""`openm3 train`'s settings: `--resume` takes the run's own settings from its checkpoint (changes to how it runs
+applied, changes to what it trains refused by name, no checkpoint an error), a short run gets a warm-up that fits,
+`--config` and `--seq-len` mistakes fail before any compute. (`tests/test_train_data.py` trains and resumes through
+the CLI end to end.)"""
+
+import json
+
+import pytest
+import torch
+
+from openm3.train import cli
+from openm3.train.config import TrainConfig
+
+
+def fake_run(out, step: int = 5, **fields) -> TrainConfig:
+    """A run folder holding one complete checkpoint (its meta and trainer state, no shards: enough for the
+    settings) of a run made with `fields`."""
+    cfg = TrainConfig(out_dir=str(out), **fields)
+    ckpt = out / "checkpoints" / f"step_{step:08d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": step}))
+    torch.save({"step": step, "config": cfg.to_dict()}, ckpt / "trainer_state.pt")
+    return cfg
+
+
+def settings(argv):
+    return cli.build_config(cli.parse_args(argv))
+
+
+def test_resume_takes_the_runs_own_settings(tmp_path, capsys):
+    made = fake_run(tmp_path / "run", recipe="text-only", seq_len=128, steps=40, lr=1e-3, seed=3)
+    cfg = settings(["--out", str(tmp_path / "run"), "--resume"])
+    assert cfg.to_dict() == made.to_dict()
+    assert capsys.readouterr().out.strip() == f"resuming {tmp_path / 'run'} from step_00000005 (step 5 of 40)"
+
+
+def test_resume_applies_changes_to_how_the_run_goes(tmp_path, capsys):
+    made = fake_run(tmp_path / "run", steps=40)
+    cfg = settings(["--out", str(tmp_path / "run"), "--resume", "--steps", "60", "--micro-batch", "1",
+                    "--ckpt-every", "5", "--seq-len", str(made.seq_len)])  # a setting given as it was is no change
+    assert (cfg.steps, cfg.micro_batch, cfg.ckpt_every, cfg.decay_start) == (60, 1, 5, made.decay_start)
+    printed = capsys.readouterr().out
+    assert "settings changed: steps=60, micro_batch=1, ckpt_every=5\n" in printed
+    assert f"the learning-rate decay still starts at step {made.decay_start} (--decay-start moves it)" in printed
+    cfg = settings(["--out", str(tmp_path / "run"), "--resume", "--steps", "60", "--decay-start", "50"])
+    assert cfg.decay_start == 50 and "decay still starts" not in capsys.readouterr().out
+
+
+def test_resume_refuses_changes_to_what_the_run_trains(tmp_path):
+    fake_run(tmp_path / "run", recipe="native", seq_len=256)
+    config = tmp_path / "more.json"
+    config.write_text(json.dumps({"lr": 1e-2}))
+    with pytest.raises(ValueError, match=r"^--resume: the run in .*run was made with lr=0.003 \(given 0.01\), "
+                                         r"recipe='native' \(given 'text-only'\), seq_len=256 \(given 128\); a "
+                                         r"resumed run keeps what it trains \(see its train_config.json\)"):
+        settings(["--out", str(tmp_path / "run"), "--resume", "--config", str(config), "--recipe", "text-only",
+                  "--seq-len", "128"])
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    (tmp_path / "typo").mkdir()
+    for out in (tmp_path / "typo", tmp_path / "nowhere"):
+        with pytest.raises(ValueError, match=f"^--resume: no complete checkpoint under {out / 'checkpoints'}"):
+            settings(["--out", str(out), "--resume"])
+
+
+def test_resume_reads_a_checkpoint_of_an_older_version(tmp_path):
+    """A field the code no longer has is not read; one added since takes its default."""
+    made = fake_run(tmp_path / "run")
+    path = tmp_path / "run" / "checkpoints" / "step_00000005" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    state["config"]["retired_setting"] = 1
+    del state["config"]["print_every"]
+    torch.save(state, path)
+    assert settings(["--out", str(tmp_path / "run"), "--resume"]).to_dict() == made.to_dict()
+
+
+@pytest.mark.parametrize("steps,warmup,decay", [(1, 0, 0), (5, 2, 4), (19, 9, 15), (20, 10, 16), (100, 10, 80)])
+def test_a_short_run_gets_a_warmup_that_fits(steps, warmup, decay):
+    cfg = TrainConfig(steps=steps)
+    assert (cfg.warmup_steps, cfg.decay_start) == (warmup, decay)
+    assert TrainConfig(steps=steps, warmup_steps=0).warmup_steps == 0
+
+
+def test_config_file_mistakes_name_the_flag(tmp_path):
+    with pytest.raises(ValueError, match=r"^--config: cannot read '.*missing.json' \(No such file"):
+        settings(["--config", str(tmp_path / "missing.json")])
+    (tmp_path / "bad.json").write_text("{steps: 3}")
+    with pytest.raises(ValueError, match=r"^--config: '.*bad.json' is not valid JSON"):
+        settings(["--config", str(tmp_path / "bad.json")])
+
+
+def test_a_context_longer_than_the_model_fails_before_the_model_is_built(monkeypatch):
+    built = []
+    monkeypatch.setattr("openm3.train.trainer.Trainer.__init__", lambda *a, **k: built.append(1))
+    with pytest.raises(ValueError, match=r"^seq_len=9000 is longer than the context of model 'm3-tiny' "
+                                         r"\(max_position_embeddings=8192\)"):
+        cli.main(["--seq-len", "9000", "--device", "cpu"])
+    assert built == []
