@@ -35,17 +35,19 @@ def command(name: str, help: str, *arguments: tuple[tuple, dict]):
     arg("--prompt", default="def fibonacci(n):\n    return", help="text to run (byte-level token ids)"),
     arg("--config", default="m3-tiny", help="model preset (m3-tiny, m3-small, m3)"),
     arg("--checkpoint", default=None, help="load this checkpoint directory instead of a random --config model"),
-    arg("--seed", type=int, default=0, help="random init seed"),
-    arg("--device", default="cpu", help="torch device"),
-    arg("--topk", type=int, default=5, help="number of next-token predictions to print"),
+    arg("--seed", type=int, default=0, help="random init seed (default: %(default)s)"),
+    arg("--device", default="cpu", help="torch device (default: %(default)s)"),
+    arg("--topk", type=int, default=5, help="number of next-token predictions to print (default: %(default)s)"),
 )
 def smoke(args: argparse.Namespace) -> int:
     import torch
 
+    from .engine.generate import check_device
     from .models import M3TextConfig, M3TextModel, load_text_model
 
     if args.topk < 1:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
+    check_device(args.device)  # ValueError naming --device for one this machine lacks
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     if args.checkpoint:
@@ -89,6 +91,7 @@ def smoke(args: argparse.Namespace) -> int:
     arg("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
         help="parameter dtype to write (default: the source's)"),
     arg("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB"),
+    arg("--overwrite", action="store_true", help="write into a target directory that holds files already"),
 )
 def convert(args: argparse.Namespace) -> int:
     import shutil
@@ -97,17 +100,30 @@ def convert(args: argparse.Namespace) -> int:
     import torch
 
     from .models import load_pretrained
-    from .models.processor import VIDEO_PROCESSOR_CONFIG
 
+    source, target = Path(args.source), Path(args.target)
+    if target.exists() and source.exists() and target.resolve() == source.resolve():
+        raise ValueError("target: the same directory as source; write the conversion elsewhere")
+    if target.is_dir() and any(target.iterdir()) and not args.overwrite:
+        raise ValueError(f"target: {target} holds files already; pass --overwrite to write into it")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_pretrained(args.source, dtype=dtype)
-    model.save_pretrained(args.target, max_shard_size=args.max_shard_size)
-    if (Path(args.source) / VIDEO_PROCESSOR_CONFIG).is_file():  # the video clip length the model was trained with
-        shutil.copyfile(Path(args.source) / VIDEO_PROCESSOR_CONFIG, Path(args.target) / VIDEO_PROCESSOR_CONFIG)
-    print(f"openm3 convert: {args.source} -> {args.target} "
+    model = load_pretrained(source, dtype=dtype)
+    model.save_pretrained(target, max_shard_size=args.max_shard_size)
+    side = [f for f in sorted(source.iterdir()) if f.is_file() and _travels_with_weights(f.name)]
+    for f in side:  # tokenizer, chat template, generation and processor configs: what the weights are used with
+        shutil.copyfile(f, target / f.name)
+    print(f"openm3 convert: {source} -> {target} "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"{next(model.parameters()).dtype})")
+          f"{next(model.parameters()).dtype}; copied {', '.join(f.name for f in side) or 'no other files'})")
     return 0
+
+
+def _travels_with_weights(name: str) -> bool:
+    """Whether a checkpoint directory's file `name` is copied as it is by `convert`: everything but the weights,
+    their index and config.json, which the conversion writes."""
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+    return not (name == "config.json" or name.endswith(weights) or name.endswith(".index.json")
+                or name.startswith("."))
 
 
 # Commands whose module parses its own arguments: `openm3 NAME ...` calls `module.function(argv)`.
@@ -136,7 +152,10 @@ def _run_delegated(name: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="openm3", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"openm3 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, arguments, fn) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

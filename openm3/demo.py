@@ -1,4 +1,4 @@
-"""`openm3 demo`: train m3-tiny natively multimodal on CPU in about five minutes and write a report folder.
+"""`openm3 demo`: train m3-tiny natively multimodal on CPU in a few minutes and write a report folder.
 
     openm3 demo [--out reports/demo] [--steps N]
 

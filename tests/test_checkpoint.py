@@ -128,8 +128,37 @@ def test_convert_command(hf_dir, tmp_path, capsys):
         assert torch.equal(converted.state_dict()[name], tensor.bfloat16()), name
     assert main(["smoke", "--checkpoint", str(out), "--prompt", "hi"]) == 2  # vocab 97 cannot hold byte ids
     assert "vocab_size 97 < 256" in capsys.readouterr().err
-    assert main(["convert", str(tmp_path / "nowhere"), str(out)]) == 2
+    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "elsewhere")]) == 2
     assert "checkpoint directory not found" in capsys.readouterr().err
+
+
+def test_convert_carries_the_files_the_weights_are_used_with(hf_dir, tmp_path, capsys):
+    """A tokenizer, chat template and generation config beside the weights are copied; a target holding files
+    needs --overwrite, and the source itself is refused as the target."""
+    src = shutil.copytree(hf_dir, tmp_path / "source")
+    side = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "chat_template.jinja": "{{ messages }}",
+            "generation_config.json": '{"temperature": 0.7}'}
+    for name, text in side.items():
+        (src / name).write_text(text)
+    out = tmp_path / "converted"
+    assert main(["convert", str(src), str(out)]) == 0
+    assert all((out / name).read_text() == text for name, text in side.items())
+    assert "copied chat_template.jinja, generation_config.json, tokenizer.json, tokenizer_config.json" in \
+        capsys.readouterr().out
+    assert main(["convert", str(src), str(out)]) == 2
+    assert f"target: {out} holds files already; pass --overwrite" in capsys.readouterr().err
+    assert main(["convert", str(src), str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
+    assert next(load_pretrained(out).parameters()).dtype == torch.bfloat16
+    assert main(["convert", str(src), str(src), "--overwrite"]) == 2
+    assert "target: the same directory as source" in capsys.readouterr().err
+
+
+def test_cli_version(capsys):
+    from openm3 import __version__
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"openm3 {__version__}"
 
 
 # ------------------------------------------------------------------------------------------------ failures

@@ -157,13 +157,11 @@ def test_streamed_cli_output_keeps_characters_split_across_tokens(capsys):
     (["--preset", "m3-huge", "--prompt-ids", "1"], "unknown config name"),
     (["--checkpoint", "/nonexistent/ckpt", "--prompt-ids", "1"], "does not exist"),
     (["--preset", "m3-tiny", "--prompt-ids", "1", "--top-p", "1.5"], "top_p"),
-    (["--preset", "m3-tiny", "--prompt", "hi"], "needs --tokenizer"),
     (["--preset", "m3-tiny", "--prompt-ids", ""], "prompt 0 is empty"),
     (["--preset", "m3-tiny", "--prompt-ids", "1,x"], "comma-separated ints"),
     (["--preset", "m3-tiny", "--random-prompt", "9000"], "configured maximum"),
     (["--preset", "m3-tiny", "--prompt-ids", "1", "--presence-penalty", "3"], "presence penalty"),
-], ids=["unknown-preset", "missing-checkpoint", "top-p", "text-without-tokenizer", "empty", "bad-ids", "too-long",
-        "penalty"])
+], ids=["unknown-preset", "missing-checkpoint", "top-p", "empty", "bad-ids", "too-long", "penalty"])
 def test_cli_bad_requests(argv, match):
     with pytest.raises(SystemExit, match=match):
         main(argv + ["--device", "cpu"])

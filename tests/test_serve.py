@@ -518,6 +518,61 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, path, body, par
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
 
 
+HI = [{"role": "user", "content": "hi"}]
+BODY_ERRORS = [  # (id, path, how the body is sent, the message, the param)
+    ("no-content-type", "/v1/chat/completions", {"content": json.dumps({"model": NAME, "messages": HI})},
+     "body: expected a JSON object sent with content-type: application/json, got no content-type header", None),
+    ("form-content-type", "/v1/chat/completions",
+     {"content": "{}", "headers": {"content-type": "application/x-www-form-urlencoded"}},
+     "body: expected a JSON object sent with content-type: application/json, got content-type "
+     "application/x-www-form-urlencoded", None),
+    ("not-json", "/v1/chat/completions", {"content": '{"model": ', "headers": {"content-type": "application/json"}},
+     "body: not valid JSON (Expecting value at character 10)", None),
+    ("not-an-object", "/v1/completions", {"json": [1, 2]}, "body: expected a JSON object, got a list", None),
+    ("empty", "/v1/completions", {"content": b"", "headers": {"content-type": "application/json"}},
+     "body: expected a JSON object, got an empty body", None),
+    ("union", "/v1/chat/completions", {"json": {"model": NAME, "messages": HI, "stop": 5}},
+     "stop: expected a string or a list of strings, got an integer (5)", "stop"),
+    ("union-literals", "/v1/chat/completions", {"json": {"model": NAME, "messages": HI, "tool_choice": "any"}},
+     "tool_choice: expected 'auto', 'none', 'required' or an object, got a string ('any')", "tool_choice"),
+    ("union-branch", "/v1/completions", {"json": {"model": NAME, "prompt": [[1, "a"]]}},
+     "prompt[0][1]: expected an integer, got a string ('a')", "prompt"),
+    ("tagged-union", "/v1/chat/completions",
+     {"json": {"model": NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}},
+     "messages[0].content[0].text: expected a string, got an integer (5)", "messages"),
+    ("literal", "/v1/chat/completions", {"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}},
+     "messages[0].role: expected 'system', 'developer', 'user', 'assistant' or 'tool', got a string ('robot')",
+     "messages"),
+    ("type", "/v1/chat/completions", {"json": {"model": NAME, "messages": HI, "max_tokens": "x"}},
+     "max_tokens: expected an integer, got a string ('x')", "max_tokens"),
+    ("missing", "/v1/chat/completions", {"json": {"messages": HI}}, "model: a required field is missing", "model"),
+    ("tool-field", "/v1/chat/completions", {"json": {"model": NAME, "messages": HI, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": 5}}]}},
+     "tools[0].function.parameters: expected an object, got an integer (5)", "tools"),
+]
+
+
+@pytest.mark.parametrize("path,send,message,param", [b[1:] for b in BODY_ERRORS], ids=[b[0] for b in BODY_ERRORS])
+def test_invalid_bodies_say_what_was_expected(client, path, send, message, param):
+    """A body that is not a JSON object (sent without content-type: application/json, as `curl -d` does, or not JSON
+    at all) and a field of the wrong type (a union's branches named in words, not pydantic's labels) get a message
+    naming the place and what was expected, in OpenAI's form and, on /v1/messages, in Anthropic's."""
+    r = client.post(path, **send)
+    assert r.status_code == 400 and r.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                                          "param": param, "code": None}
+    if param is None:  # the same message in Anthropic's error form
+        r = client.post("/v1/messages", **send)
+        assert r.status_code == 400 and r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                                               "message": message}}
+
+
+def test_invalid_query_parameters_name_the_parameter(client):
+    r = client.get("/v1/responses/resp_1", params={"starting_after": "abc"})
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "starting_after: expected an integer, got a string ('abc')", "type": "invalid_request_error",
+        "param": "starting_after", "code": None}
+
+
 def test_image_part_error_names_the_part(client):
     body = {"model": NAME, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}

@@ -102,6 +102,7 @@ def test_cancel_stops_a_background_response_and_keeps_what_it_wrote(tok):
     stored = poll(client, rid)
     assert stored["status"] == "cancelled" and stored["incomplete_details"] is None
     text = stored["output"][0]["content"][0]["text"]
+    assert stored["output"][0]["status"] == "incomplete"  # the message was cut
     assert text and "one two three four five six".startswith(text) and text != "one two three four five six"
     assert client.post(f"/v1/responses/{rid}/cancel").json() == stored  # idempotent
 

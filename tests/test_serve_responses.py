@@ -61,6 +61,7 @@ def test_responses_answer_equals_the_chat_endpoint(client, stream, form):
     assert body["output"][0]["content"][0] == {"type": "output_text", "text": want, "annotations": [], "logprobs": []}
     finish = chat["choices"][0]["finish_reason"]
     assert body["status"] == ("incomplete" if finish == "length" else "completed")
+    assert body["output"][0]["status"] == body["status"]  # the message item is incomplete too where it was cut
     assert body["incomplete_details"] == ({"reason": "max_output_tokens"} if finish == "length" else None)
     assert body["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
     assert body["usage"]["output_tokens"] == chat["usage"]["completion_tokens"]
@@ -99,10 +100,15 @@ def test_function_call_round_trip_renders_like_the_chat_endpoint(tok, stream):
      r"input\[0\]\.content\[0\]: input_image parts are not supported"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice", "forcing a tool call"),
     ({"input": [{"type": "web_search_call"}]}, "input", r"input\[0\]\.type"),
-    ({}, "input", "Field required"),
+    ({}, "input", "a required field is missing"),
+    ({"input": 5}, "input", r"^input: expected a string or a list of objects, got an integer \(5\)$"),
+    ({"input": "hi", "max_output_tokens": 200}, "max_output_tokens",
+     r"^max_output_tokens=200 exceeds the \d+ tokens left of the configured maximum of 96 after the \d+ tokens of "
+     r"input$"),
     ({"input": "hi", "temperature": 3}, "temperature", "less than or equal to 2"),
     ({"input": "word " * 200}, "input", "configured maximum"),
-], ids=["previous-response", "image", "forced-tool", "unknown-item", "no-input", "temperature", "too-long"])
+], ids=["previous-response", "image", "forced-tool", "unknown-item", "no-input", "input-not-a-string-or-list",
+        "too-many-output-tokens", "temperature", "too-long"])
 def test_bad_requests_name_the_field(client, body, param, match):
     r = client.post("/v1/responses", json={"model": NAME, **body})
     assert r.status_code == 400, r.text

@@ -286,7 +286,7 @@ def test_anthropic_tools_this_server_cannot_run_are_refused_with_why(claude, too
     client_tool = {"name": "Bash", "description": "run", "input_schema": {"type": "object"}}
     with pytest.raises(anthropic.BadRequestError, match=why) as e:
         claude.messages.create(model=NAME, max_tokens=4, messages=USER, tools=[client_tool, tool])
-    assert "tools.1" in str(e.value) and "input_schema" in str(e.value)
+    assert "tools[1]" in str(e.value) and "input_schema" in str(e.value)
     typed = {**client_tool, "type": "custom"}  # the explicit client-tool type is served
     assert claude.messages.create(model=NAME, max_tokens=4, messages=USER, tools=[typed]).type == "message"
 

@@ -91,6 +91,15 @@ class GenerationStats:
         tokens = self.decode_tokens - self.first_step_tokens - self.capture_tokens
         return tokens / rest if rest > 0 and tokens > 0 else float("nan")
 
+    def _decode_line(self) -> str:
+        if self.decode_tokens == 0:  # max_new_tokens 1, or a stop token first
+            return "decode: no decode steps (each sequence ended with the token sampled after prefill)"
+        steady = self.steady_decode_tokens_per_s
+        after = "no later steps to time" if steady != steady else f"after it {steady:.2f} tokens/s"  # nan: none
+        return (f"decode: {self.decode_tokens} token{'s' if self.decode_tokens != 1 else ''} in "
+                f"{self.decode_s:.3f} s = {self.decode_tokens_per_s:.2f} tokens/s (first step "
+                f"{self.first_step_s:.3f} s; {after})")
+
     def _graph_line(self) -> str:
         ahead = ", each launched ahead of the host" if self.overlapped else ""
         if self.graph_captures is None:
@@ -109,9 +118,7 @@ class GenerationStats:
         gib = 2.0 ** 30
         lines = [f"prompt tokens {self.prompt_tokens}, time to first token {self.ttft_s:.3f} s "
                  f"({self.prefill_tokens_per_s:.1f} prefill tokens/s)",
-                 f"decode: {self.decode_tokens} tokens in {self.decode_s:.3f} s = "
-                 f"{self.decode_tokens_per_s:.2f} tokens/s (first step {self.first_step_s:.3f} s; after it "
-                 f"{self.steady_decode_tokens_per_s:.2f} tokens/s)",
+                 self._decode_line(),
                  self._graph_line(),
                  *([self._speculative_line()] if self.speculative else []),
                  self.plan,
@@ -484,8 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="a tokenizer.json or a directory holding one, for --prompt and to print "
                    "text (default: the --checkpoint directory's, if it has one)")
     add_chat_template_argument(p)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: "
+                   "%(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the top one")
@@ -497,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="times each token's count in the output, subtracted from its logit")
     p.add_argument("--stop", default="", help="comma-separated stop token ids")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward")
+    p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward (default: %(default)s)")
     p.add_argument("--token-budget", type=int, default=None, help="tokens to plan the cache for")
     p.add_argument("--max-total-tokens", type=int, default=None, help="prompt + new tokens limit")
     p.add_argument("--index-dtype", default=None, choices=["bf16", "fp16", "fp32", "fp8"],
@@ -581,10 +589,29 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
-    """--device / --dtype with their defaults: CUDA in bf16 when there is a GPU, else CPU in fp32."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """--device / --dtype with their defaults: CUDA in bf16 when there is a GPU, else CPU in fp32 (ValueError naming
+    --device for one this machine does not have: `check_device`)."""
+    device = check_device(args.device)
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return device, dtype
+
+
+def check_device(name: str | None, flag: str = "--device") -> torch.device:
+    """The torch device `name` (None: cuda if available, else cpu); ValueError naming `flag` for a name torch does
+    not read, or a CUDA device this machine does not have (before anything is built on it)."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{flag}: expected a torch device such as cpu, cuda or cuda:1, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"{flag} {name}: CUDA is not available on this machine ({why}); use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return device
 
 
 def tokenizer_path(tokenizer: str | None, checkpoint: str | None) -> str | None:
@@ -666,7 +693,14 @@ def run(args: argparse.Namespace) -> int:
             variables = parse_template_variables(args.chat_template_kwargs, "--chat-template-kwargs")
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+    if args.max_new_tokens < 1:  # checked before the model loads (and a prefill progress bar is drawn)
+        raise SystemExit(f"error: --max-new-tokens: expected >= 1, got {args.max_new_tokens}")
+    if args.chunk_size < 1:
+        raise SystemExit(f"error: --chunk-size: expected >= 1, got {args.chunk_size}")
+    if args.random_prompt is not None and args.random_prompt <= 0:
+        raise SystemExit(f"error: --random-prompt must be > 0, got {args.random_prompt}")
     try:
+        device, dtype = device_and_dtype(args)
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
         penalties = Penalties(presence=args.presence_penalty, frequency=args.frequency_penalty,
                               repetition=args.repetition_penalty, min_p=args.min_p)
@@ -683,9 +717,19 @@ def run(args: argparse.Namespace) -> int:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(path)
+    if args.prompt is not None and tokenizer is None and args.checkpoint is None:
+        from ..data.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer().backend  # a preset's, as `openm3 serve --preset` takes: openm3's own (cached)
     if args.prompt is not None and tokenizer is None:
-        raise SystemExit("error: --prompt needs --tokenizer PATH/tokenizer.json (or pass --prompt-ids)")
-    device, dtype = device_and_dtype(args)
+        from ..models.checkpoint import CheckpointError, config_json
+
+        try:  # a directory that is no checkpoint at all (a training run's folder, say) is the error to report
+            config_json(args.checkpoint)
+        except CheckpointError as e:
+            raise SystemExit(f"error: --checkpoint: {e}") from None
+        raise SystemExit(f"error: --prompt needs --tokenizer PATH: {args.checkpoint} holds no tokenizer.json (pass "
+                         "a tokenizer.json or a directory holding one), or pass --prompt-ids")
     try:
         model = load_model(args, device, dtype, vision=media)
     except ValueError as e:
@@ -713,8 +757,6 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise SystemExit(f"error: --prompt-ids must be comma-separated ints, got {args.prompt_ids!r}")
     else:
-        if args.random_prompt <= 0:
-            raise SystemExit(f"error: --random-prompt must be > 0, got {args.random_prompt}")
         gen = torch.Generator().manual_seed(args.seed)
         prompt = torch.randint(0, model.config.vocab_size, (args.random_prompt,), generator=gen).tolist()
 

@@ -74,6 +74,7 @@ from .schemas import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, Out
                       custom_input, custom_names, error_body, template_messages)
 from .stream import TextStream, prediction_tokens
 from .structured import StructuredOutputs
+from .validation import describe_invalid
 
 
 class Backend(Protocol):
@@ -273,11 +274,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None
-        where = ".".join(loc) or "body"
-        message = f"{where}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}"  # a validator's text
+        message, param = describe_invalid(exc.errors(), exc.body, request.headers.get("content-type"))
         if _anthropic(request):
             return JSONResponse(anthropic.error_body(message), status_code=400)
         return JSONResponse(error_body(message, param), status_code=400)
@@ -387,8 +384,10 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         if max_new is None:
             max_new = min(room, default_sampling.get("max_new_tokens", room))
         if max_new > room:
-            raise APIError(f"max_tokens={max_new} with a {len(prompt)}-token {prompt_param} exceeds the configured "
-                           f"maximum of {max_total_tokens} tokens", "max_tokens")
+            name = next((f for f in ("max_output_tokens", "max_completion_tokens") if f in req.model_fields_set),
+                        "max_tokens")  # the field the request set
+            raise APIError(f"{name}={max_new} exceeds the {room} tokens left of the configured maximum of "
+                           f"{max_total_tokens} after the {len(prompt)} tokens of {prompt_param}", name)
         if isinstance(req, SamplingFields):
             check_adjustments(req)
         if getattr(req, "priority", 0) and getattr(backend, "scheduling", "fcfs") != "priority":

@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("OPENM3_API_KEY"),
                    help="requests under /v1 must carry this key (Authorization: Bearer KEY, or x-api-key: KEY), as "
                    "vLLM's --api-key (default: $OPENM3_API_KEY; none: no check)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface "
+                   "(default: %(default)s)")
+    p.add_argument("--port", type=port, default=8000, help="TCP port to listen on, 0-65535 (default: %(default)s)")
     p.add_argument("--max-total-tokens", "--max-model-len", type=int, default=None,
                    help="prompt + new tokens per request (default: min(32768, the model's max_position_embeddings); "
                    "--max-model-len is vLLM's name)")
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "preset's vision tower; placeholder ids from the tokenizer) that takes images. A --checkpoint is "
                    "served as one when its config.json has a vision_config")
     p.add_argument("--max-batch", "--max-num-seqs", type=int, default=8, help="requests decoded together "
-                   "(continuous batching); 1 serves one request at a time (--max-num-seqs is vLLM's name)")
+                   "(continuous batching); 1 serves one request at a time (--max-num-seqs is vLLM's name; default: "
+                   "%(default)s)")
     p.add_argument("--token-budget", type=int, default=None, help="tokens the shared cache is planned for, all "
                    "running requests' prompt + max_tokens together (default: --max-batch x --max-total-tokens)")
     p.add_argument("--chunk-size", "--max-num-batched-tokens", type=int, default=8192,
@@ -133,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def port(text: str) -> int:
+    """--port's type: a TCP port number, 0-65535 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {value}")
+    return value
+
+
 def build_app(args: argparse.Namespace):
     """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
     from ..data.chat_template import parse_template_variables
@@ -147,6 +160,7 @@ def build_app(args: argparse.Namespace):
     from .app import ModelBackend, create_app
 
     check_vllm_options(args)
+    device, dtype = device_and_dtype(args)  # a device this machine lacks fails before anything loads
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
     # the video clip length the checkpoint was trained with (a bad video_preprocessor_config.json fails here)
@@ -157,7 +171,6 @@ def build_app(args: argparse.Namespace):
     template = chat_template(args.chat_template, source)
     variables = parse_template_variables(args.default_chat_template_kwargs, "--default-chat-template-kwargs")
     sampling = default_sampling(args)
-    device, dtype = device_and_dtype(args)
     if args.vision and args.preset is None:
         raise ValueError("--vision: only with --preset (a --checkpoint is a vision-language model when its "
                          "config.json has a vision_config)")
@@ -184,6 +197,7 @@ def build_app(args: argparse.Namespace):
                          "at a time runs in arrival order")
     graphs = False if args.enforce_eager else None  # None: the engine's default (CUDA graphs on a GPU)
     if args.max_batch == 1:
+        budget = None
         backend = ModelBackend(model, speculative, chunk_size=args.chunk_size, cuda_graphs=graphs)
     else:
         budget = args.token_budget if args.token_budget is not None else args.max_batch * limit
@@ -198,12 +212,33 @@ def build_app(args: argparse.Namespace):
         seconds = warm_up(backend, text_model(model).config.vocab_size, args.max_batch, max_total_tokens=limit)
         print(f"--compile: the decoder layers compiled for serving in {seconds:.1f} s (warm-up requests)",
               file=sys.stderr)
-    return create_app(backend, tokenizer, model_name=names[0], model_aliases=names[1:], max_total_tokens=limit,
-                      chat_template=template, default_template_variables=variables, default_sampling=sampling,
-                      reasoning_parser=VLLM_REASONING_PARSERS.get(args.reasoning_parser, args.reasoning_parser),
-                      constrain_tool_calls=args.constrain_tool_calls, api_key=args.api_key or None,
-                      stored_responses=args.stored_responses, responses_dir=args.responses_dir,
-                      video_frames_per_clip=clip)
+    app = create_app(backend, tokenizer, model_name=names[0], model_aliases=names[1:], max_total_tokens=limit,
+                     chat_template=template, default_template_variables=variables, default_sampling=sampling,
+                     reasoning_parser=VLLM_REASONING_PARSERS.get(args.reasoning_parser, args.reasoning_parser),
+                     constrain_tool_calls=args.constrain_tool_calls, api_key=args.api_key or None,
+                     stored_responses=args.stored_responses, responses_dir=args.responses_dir,
+                     video_frames_per_clip=clip)
+    app.state.summary = summary(args, model, names, limit, tokenizer, source, device, dtype, budget)
+    return app
+
+
+def summary(args: argparse.Namespace, model, names: list[str], limit: int, tokenizer, source: str | None, device,
+            dtype, budget: int | None) -> str:
+    """What the server serves, the two lines `openm3 serve` prints before it listens: the model's names, where it
+    came from, its size, dtype and device, the request limits and the tokenizer."""
+    from ..data.tokenizer import default_cache_dir
+    from ..engine.scheduler import is_vision_language
+
+    n = sum(p.numel() for p in model.parameters())
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    origin = (f"checkpoint {args.checkpoint}" if args.checkpoint is not None else
+              f"preset {args.preset} with random weights (seed {args.seed})")
+    kind = "vision-language model, " if is_vision_language(model) else ""
+    batch = "one request at a time" if budget is None else f"up to {args.max_batch} at once in a {budget}-token cache"
+    where = source or f"openm3's trained tokenizer, cached under {default_cache_dir()}"
+    return (f"openm3 serve: {' / '.join(repr(m) for m in names)} = {origin}: {kind}{size} parameters, "
+            f"{str(dtype).removeprefix('torch.')} on {device}\n"
+            f"  requests: at most {limit} tokens each, {batch}; tokenizer: {where} ({tokenizer.vocab_size} tokens)")
 
 
 def check_vllm_options(args: argparse.Namespace) -> None:
@@ -265,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         app = build_app(args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    print(app.state.summary, file=sys.stderr, flush=True)
     if not args.disable_log_stats:
         app.state.stats_log.start(args.log_stats_interval)
     uvicorn.run(app, host=args.host, port=args.port)

@@ -580,6 +580,11 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
         def status_of(finish: str) -> str:
             return "incomplete" if finish == "length" else "completed"
 
+        def item_status(finish: str, cancelled: bool) -> str:
+            """The message item's status: "incomplete" where its text was cut (max_output_tokens, a cancel), as
+            OpenAI marks it."""
+            return "incomplete" if cancelled else status_of(finish)
+
         def keep(final: dict) -> dict:
             """The finished response, stored first when the request asked (`store`)."""
             if req.store:
@@ -595,8 +600,10 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
             whole, calls = answer(finish)
             reasoning, text_ = stream.split(whole)
             output = [reasoning_item(reasoning)] if reasoning is not None else []
-            output += ([message(text_, entries=message_entries())] if text_ or not calls else []) + calls
-            if cancel is not None and cancel.is_set():  # no items where it was cancelled before its first token
+            cancelled = cancel is not None and cancel.is_set()
+            output += ([message(text_, item_status(finish, cancelled), message_entries())] if text_ or not calls
+                       else []) + calls
+            if cancelled:  # no items where it was cancelled before its first token
                 return response("cancelled", output if stream.sampled else [])
             return response(status_of(finish), output, finish)
 
@@ -663,7 +670,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
                 emit("response.output_text.done", item_id=mid, output_index=index, content_index=0, text=text_,
                      logprobs=part["logprobs"])
                 emit("response.content_part.done", item_id=mid, output_index=index, content_index=0, part=part)
-                item = message(text_, entries=entries)
+                item = message(text_, item_status(finish, req.background and cancelled.is_set()), entries)
                 emit("response.output_item.done", output_index=index, item=item)
                 output.append(item)
             for item in calls:

@@ -17,6 +17,7 @@ from ..data.chat_template import check_template_variables
 from ..engine.cfg_grammar import CfgGrammar
 from ..engine.penalties import MAX_BIAS, Penalties
 from ..engine.regex_grammar import RegexGrammar
+from .validation import explain
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completions batch): each is a generation
@@ -532,9 +533,7 @@ def client_tools(v: Any, function_model: type[BaseModel], custom_model: type[Bas
         try:
             out.append(model.model_validate(entry))
         except ValidationError as e:
-            first = e.errors()[0]
-            where = "".join(f".{p}" if isinstance(p, str) else f"[{p}]" for p in first["loc"])
-            message = first["msg"].removeprefix("Value error, ")
+            where, message = explain(e.errors(), entry)
             raise ValueError(f"tools[{i}]{where}{'' if message.startswith('.') else ': '}{message}") from None
     return out
 

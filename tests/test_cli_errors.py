@@ -1,0 +1,135 @@
+"""The command lines' rough edges: `openm3 generate`, `openm3 serve` and `openm3 smoke` refuse a device this machine
+lacks (and `serve` a port out of range) with one line naming the option, show their defaults in --help, report a
+generation without decode steps without NaNs, and `serve` says what it serves before it listens."""
+
+import pytest
+import torch
+
+from openm3.cli import main as openm3_main
+from openm3.data.tokenizer import TokenizerSettings, get_tokenizer
+from openm3.engine.generate import GenerationStats, build_parser as generate_parser, check_device, main as generate
+from openm3.serve.cli import build_parser as serve_parser
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """A machine without CUDA, whatever this one has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())  # argparse wraps help text anywhere
+
+
+def test_check_device_names_the_option(no_cuda):
+    assert check_device("cpu") == torch.device("cpu") and check_device(None) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^--device cuda: CUDA is not available on this machine \(.*\); use "
+                       r"--device cpu$"):
+        check_device("cuda")
+    with pytest.raises(ValueError, match=r"^--device: expected a torch device such as cpu, cuda or cuda:1, got "
+                       r"'gpu'$"):
+        check_device("gpu")
+
+
+def test_commands_refuse_a_cuda_device_the_machine_lacks(no_cuda, capsys):
+    """One line naming --device, before any model is built, from each command that takes it."""
+    with pytest.raises(SystemExit, match=r"^error: --device cuda: CUDA is not available"):
+        generate(["--preset", "m3-tiny", "--prompt-ids", "1", "--device", "cuda"])
+    assert openm3_main(["smoke", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.startswith("openm3 smoke: error: --device cuda: CUDA is not available")
+    from openm3.serve.cli import main as serve
+
+    with pytest.raises(SystemExit, match=r"^error: --device cuda:0: CUDA is not available"):
+        serve(["--preset", "m3-tiny", "--device", "cuda:0"])
+
+
+@pytest.mark.parametrize("value", ["99999", "-1", "http"])
+def test_serve_port_is_checked_by_the_parser(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        serve_parser().parse_args(["--preset", "m3-tiny", "--port", value])
+    assert exit_.value.code == 2
+    assert "argument --port: expected a port number 0-65535, got " in capsys.readouterr().err
+    assert serve_parser().parse_args(["--preset", "m3-tiny", "--port", "0"]).port == 0
+
+
+def test_help_shows_the_defaults():
+    text = flat(generate_parser().format_help())
+    assert "tokens to generate at most (default: 32)" in text and "0 = greedy (default: 0.0)" in text
+    text = flat(serve_parser().format_help())
+    for shown in ("(default: 127.0.0.1)", "0-65535 (default: 8000)", "vLLM's name; default: 8)"):
+        assert shown in text
+
+
+def test_generate_checks_chunk_size_before_the_progress_bar(capsys):
+    with pytest.raises(SystemExit, match=r"^error: --chunk-size: expected >= 1, got 0$"):
+        generate(["--preset", "m3-tiny", "--prompt-ids", "1,2,3", "--chunk-size", "0", "--device", "cpu"])
+    with pytest.raises(SystemExit, match=r"^error: --max-new-tokens: expected >= 1, got 0$"):
+        generate(["--preset", "m3-tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "0", "--device", "cpu"])
+    assert "prefill" not in capsys.readouterr().err
+
+
+def test_generate_with_a_preset_takes_the_tokenizer_serve_takes(capsys):
+    """`--preset` with `--prompt` and no `--tokenizer`: openm3's own tokenizer, as `openm3 serve --preset`."""
+    from openm3.data.tokenizer import get_tokenizer
+
+    text = "def main():\n    return"
+    assert generate(["--preset", "m3-tiny", "--prompt", text, "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert f"prompt tokens {len(get_tokenizer().encode(text))}," in capsys.readouterr().err
+
+
+def test_generate_from_a_checkpoint_without_a_tokenizer_asks_for_one(tmp_path):
+    from openm3.models import M3TextConfig, M3TextModel
+
+    M3TextModel(M3TextConfig.from_name("m3-tiny")).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match=f"--prompt needs --tokenizer PATH: {tmp_path / 'ckpt'} holds no "
+                                         f"tokenizer.json"):
+        generate(["--checkpoint", str(tmp_path / "ckpt"), "--prompt", "hi", "--device", "cpu"])
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # an `openm3 train` run folder: that is the error
+    with pytest.raises(SystemExit, match="--checkpoint: .*run: no config.json there, so not a model checkpoint but "
+                                         "a training run's folder"):
+        generate(["--checkpoint", str(tmp_path / "run"), "--prompt", "hi", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("new,line", [
+    (1, "decode: no decode steps (each sequence ended with the token sampled after prefill)"),
+    (2, "decode: 1 token in "),
+])
+def test_generate_report_without_decode_steps_reads_well(new, line, capsys):
+    """max_new_tokens 1: prefill samples the only token; 2: one decode step, nothing after it to time."""
+    argv = ["--preset", "m3-tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", str(new), "--device", "cpu"]
+    assert generate(argv) == 0
+    err = capsys.readouterr().err
+    assert line in err and "nan" not in err
+    assert ("no later steps to time" in err) == (new == 2)
+
+
+def test_stats_summary_without_decode_tokens():
+    text = GenerationStats(prompt_tokens=3, ttft_s=0.5).summary()
+    assert "no decode steps" in text and "nan" not in text
+    one = GenerationStats(prompt_tokens=3, ttft_s=0.5, decode_tokens=1, decode_s=0.1, first_step_s=0.1,
+                          first_step_tokens=1, decode_steps=1).summary()
+    assert "decode: 1 token in 0.100 s = 10.00 tokens/s (first step 0.100 s; no later steps to time)" in one
+
+
+def test_serve_says_what_it_serves_before_it_listens(tmp_path, monkeypatch, capsys):
+    """`openm3 serve` prints the model, its source, size, dtype and device, the limits and the tokenizer, then
+    starts uvicorn (stubbed here)."""
+    import uvicorn
+
+    tok = get_tokenizer(TokenizerSettings(vocab_size=1024, chars_per_corpus=150_000), tmp_path / "cache")
+    path = tok.save(tmp_path / "tok")
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: ran.append((host, port)))
+    from openm3.serve.cli import main as serve
+
+    assert serve(["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64", "--max-batch", "2",
+                  "--device", "cpu", "--port", "0", "--disable-log-stats", "--model-name", "tiny", "alias"]) == 0
+    assert ran == [("127.0.0.1", 0)]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("openm3 serve: 'tiny' / 'alias' = preset m3-tiny with random weights (seed 0): ")
+    assert lines[0].endswith("M parameters, float32 on cpu")
+    assert lines[1] == (f"  requests: at most 64 tokens each, up to 2 at once in a 128-token cache; tokenizer: "
+                        f"{path} (1024 tokens)")
