@@ -32,9 +32,10 @@ def command(name: str, help: str, *arguments: tuple[tuple, dict]):
 
 @command(
     "smoke", "build a random M3 model, run one forward pass over a prompt, print the next-token top-k",
-    arg("--prompt", default="def fibonacci(n):\n    return", help="text to run (byte-level token ids)"),
-    arg("--config", default="m3-tiny", help="model preset (m3-tiny, m3-small, m3)"),
-    arg("--checkpoint", default=None, help="load this checkpoint directory instead of a random --config model"),
+    arg("--prompt", default="def fibonacci(n):\n    return", help="text to run (byte-level token ids, or the "
+        "--checkpoint's tokenizer.json when it has one)"),
+    arg("--preset", "--config", dest="config", default="m3-tiny", help="model preset (m3-tiny, m3-small, m3)"),
+    arg("--checkpoint", default=None, help="load this checkpoint directory instead of a random --preset model"),
     arg("--seed", type=int, default=0, help="random init seed (default: %(default)s)"),
     arg("--device", default="cpu", help="torch device (default: %(default)s)"),
     arg("--topk", type=int, default=5, help="number of next-token predictions to print (default: %(default)s)"),
@@ -50,19 +51,22 @@ def smoke(args: argparse.Namespace) -> int:
     check_device(args.device)  # ValueError naming --device for one this machine lacks
     torch.manual_seed(args.seed)
     start = time.perf_counter()
+    tokenizer = None
     if args.checkpoint:
         model = load_text_model(args.checkpoint, device=args.device)
-        source = f"checkpoint {args.checkpoint}"
+        source = f"checkpoint {args.checkpoint}" + (" (its text decoder)" if _has_vision(args.checkpoint) else "")
+        tokenizer = _checkpoint_tokenizer(args.checkpoint)
     else:
         with torch.device(args.device):
             model = M3TextModel(M3TextConfig.from_name(args.config)).eval()
         source = f"{args.config}, random init, seed {args.seed}"
     built = time.perf_counter() - start
     config = model.config
-    if config.vocab_size < 256:
+    if tokenizer is None and config.vocab_size < 256:
         raise ValueError(f"vocab_size {config.vocab_size} < 256 cannot hold byte ids")
-    # Byte-level ids (0-255) until the trained tokenizer is wired in: the model is random anyway.
-    ids = torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.long, device=args.device)
+    # a random model's ids are byte values (0-255); a checkpoint's are its tokenizer's when it has one
+    ids = tokenizer.encode(args.prompt).ids if tokenizer is not None else list(args.prompt.encode("utf-8"))
+    ids = torch.tensor(ids, dtype=torch.long, device=args.device)
     if ids.numel() == 0:
         raise ValueError("--prompt must not be empty")
     start = time.perf_counter()
@@ -76,20 +80,46 @@ def smoke(args: argparse.Namespace) -> int:
     mlps = ", ".join(f"{config.mlp_layer_types.count(t)} {t}" for t in dict.fromkeys(config.mlp_layer_types))
     print(f"openm3 smoke: {source}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{config.num_hidden_layers} layers ({kinds}; MLP: {mlps}), ready in {built:.2f}s on {args.device}")
-    print(f"prompt: {args.prompt!r} -> {ids.numel()} byte-level token ids; forward {elapsed * 1000:.1f} ms")
+    kind = "byte-level token ids" if tokenizer is None else "token ids of its tokenizer.json"
+    print(f"prompt: {args.prompt!r} -> {ids.numel()} {kind}; forward {elapsed * 1000:.1f} ms")
     print(f"next-token top-{args.topk}:")
     for rank, (p, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
-        label = repr(bytes([i]))[1:] if i < 256 else f"<id {i}>"
+        if tokenizer is not None:
+            label = repr(tokenizer.decode([i], skip_special_tokens=False))
+        else:
+            label = repr(bytes([i]))[1:] if i < 256 else f"<id {i}>"
         print(f"  {rank}. id {i:5d} {label:10s} p={p:.4f}")
     return 0
+
+
+def _has_vision(checkpoint: str) -> bool:
+    from .models.checkpoint import config_json
+
+    return config_json(checkpoint).get("vision_config") is not None
+
+
+def _checkpoint_tokenizer(checkpoint: str):
+    """The checkpoint's tokenizer.json as a `tokenizers.Tokenizer`, or None (none there, or the `data` extra's
+    tokenizers package missing: byte-level ids then)."""
+    from pathlib import Path
+
+    path = Path(checkpoint) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(str(path))
 
 
 @command(
     "convert", "rewrite a checkpoint (transformers' or the published layout) in the published layout",
     arg("source", help="checkpoint directory to read"),
     arg("target", help="directory to write"),
-    arg("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-        help="parameter dtype to write (default: the source's)"),
+    arg("--dtype", choices=("bf16", "fp16", "fp32", "bfloat16", "float16", "float32"), default=None,
+        metavar="bf16|fp16|fp32", help="parameter dtype to write (also bfloat16, float16, float32; default: the "
+        "source's)"),
     arg("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB"),
     arg("--overwrite", action="store_true", help="write into a target directory that holds files already"),
 )
@@ -97,8 +127,7 @@ def convert(args: argparse.Namespace) -> int:
     import shutil
     from pathlib import Path
 
-    import torch
-
+    from .engine.generate import DTYPES
     from .models import load_pretrained
 
     source, target = Path(args.source), Path(args.target)
@@ -106,7 +135,7 @@ def convert(args: argparse.Namespace) -> int:
         raise ValueError("target: the same directory as source; write the conversion elsewhere")
     if target.is_dir() and any(target.iterdir()) and not args.overwrite:
         raise ValueError(f"target: {target} holds files already; pass --overwrite to write into it")
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dtype = DTYPES[args.dtype] if args.dtype else None
     model = load_pretrained(source, dtype=dtype)
     model.save_pretrained(target, max_shard_size=args.max_shard_size)
     side = [f for f in sorted(source.iterdir()) if f.is_file() and _travels_with_weights(f.name)]

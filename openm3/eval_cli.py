@@ -30,13 +30,16 @@ TASKS = {"image_qa": "colour_qa", "video_qa": "video_qa"}  # option -> QA task o
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from .engine.generate import DTYPES
+
     p = argparse.ArgumentParser(prog="openm3 eval", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory (config.json + "
                    "safetensors, e.g. what `openm3 train --export DIR` or `openm3 demo` writes)")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding one (default: the "
                    "checkpoint's tokenizer.json, else the bundled tokenizer)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", choices=list(DTYPES), metavar="bf16|fp16|fp32",
+                   help="parameter dtype (also bfloat16, float16, float32; default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--seq-len", type=int, default=512, metavar="N", help="tokens per held-out window (default: 512)")
     p.add_argument("--windows", type=int, default=2, metavar="N", help="held-out documents per corpus (default: 2)")
     p.add_argument("--corpora", nargs="+", metavar="NAME",
@@ -86,22 +89,6 @@ def read_checkpoint(path: str):
         raise ValueError(f"--checkpoint: {err}") from None
 
 
-def device_and_dtype(args: argparse.Namespace):
-    """--device (default cuda if available, else cpu) and --dtype (default bf16 on CUDA, fp32 on CPU)."""
-    import torch
-
-    from .engine.generate import device_and_dtype as defaults
-
-    try:
-        cuda = args.device is not None and torch.device(args.device).type == "cuda"
-    except RuntimeError as err:
-        raise ValueError(f"--device: {err}") from None
-    if cuda and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine")
-    device, dtype = defaults(argparse.Namespace(device=args.device, dtype=None))
-    return device, getattr(torch, args.dtype) if args.dtype else dtype
-
-
 def qa_counts(args: argparse.Namespace, vl, tokenizer) -> dict[str, int]:
     """Questions per QA task: the options, by default 70 image and 24 video questions for a VL checkpoint (as the
     demo) and none for a text-only one, which refuses QA."""
@@ -124,7 +111,7 @@ def main(argv=None) -> int:
 
     from .data.corpora import CORPORA, MissingDataError
     from .data.tokenizer import M3Tokenizer, get_tokenizer
-    from .engine.generate import tokenizer_path
+    from .engine.generate import device_and_dtype, tokenizer_path
     from .models import load_pretrained
     from .models.processor import video_frames_per_clip
     from .train.eval import BASELINE_SAMPLES, Evaluator

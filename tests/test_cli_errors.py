@@ -72,8 +72,6 @@ def test_generate_checks_chunk_size_before_the_progress_bar(capsys):
 
 def test_generate_with_a_preset_takes_the_tokenizer_serve_takes(capsys):
     """`--preset` with `--prompt` and no `--tokenizer`: openm3's own tokenizer, as `openm3 serve --preset`."""
-    from openm3.data.tokenizer import get_tokenizer
-
     text = "def main():\n    return"
     assert generate(["--preset", "m3-tiny", "--prompt", text, "--max-new-tokens", "2", "--device", "cpu"]) == 0
     assert f"prompt tokens {len(get_tokenizer().encode(text))}," in capsys.readouterr().err
@@ -133,3 +131,18 @@ def test_serve_says_what_it_serves_before_it_listens(tmp_path, monkeypatch, caps
     assert lines[0].endswith("M parameters, float32 on cpu")
     assert lines[1] == (f"  requests: at most 64 tokens each, up to 2 at once in a 128-token cache; tokenizer: "
                         f"{path} (1024 tokens)")
+
+
+def test_smoke_reads_a_checkpoint_with_its_tokenizer(tmp_path, capsys):
+    """`openm3 smoke --checkpoint` with a tokenizer.json beside the weights encodes the prompt and names the top
+    tokens with it (a random preset keeps byte-level ids); `--preset` is `--config`'s name elsewhere."""
+    from openm3.models import M3TextConfig, M3TextModel
+
+    tok = get_tokenizer()
+    M3TextModel(M3TextConfig.from_name("m3-tiny", vocab_size=tok.vocab_size)).save_pretrained(tmp_path / "ckpt")
+    tok.save(tmp_path / "ckpt")
+    assert openm3_main(["smoke", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "def main():"]) == 0
+    out = capsys.readouterr().out
+    assert f"-> {len(tok.encode('def main():'))} token ids of its tokenizer.json;" in out
+    assert openm3_main(["smoke", "--preset", "m3-tiny", "--prompt", "abc"]) == 0
+    assert "-> 3 byte-level token ids;" in capsys.readouterr().out

@@ -82,6 +82,12 @@ def test_a_short_run_gets_a_warmup_that_fits(steps, warmup, decay):
     assert TrainConfig(steps=steps, warmup_steps=0).warmup_steps == 0
 
 
+def test_flag_spellings_shared_with_generate_and_serve():
+    cfg = settings(["--preset", "m3-small", "--param-dtype", "bf16"])
+    assert (cfg.model, cfg.param_dtype) == ("m3-small", "bfloat16")
+    assert settings(["--param-dtype", "fp32"]).param_dtype == "float32"
+
+
 def test_config_file_mistakes_name_the_flag(tmp_path):
     with pytest.raises(ValueError, match=r"^--config: cannot read '.*missing.json' \(No such file"):
         settings(["--config", str(tmp_path / "missing.json")])

@@ -32,7 +32,9 @@ from .penalties import Penalties, PenalizedPicker
 from .spec_gate import SpeculationGate
 from .speculative import PREDICTION_DRAFTS, SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --dtype names of the CLIs (generate, serve, eval, convert): the short ones and torch's own
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -584,7 +586,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="local checkpoint directory (config.json + safetensors)")
     src.add_argument("--preset", help="model preset with random weights: m3 | m3-small | m3-tiny")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES), metavar="bf16|fp16|fp32",
+                   help="parameter dtype (also bfloat16, float16, float32; default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
 
 
@@ -592,7 +595,7 @@ def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     """--device / --dtype with their defaults: CUDA in bf16 when there is a GPU, else CPU in fp32 (ValueError naming
     --device for one this machine does not have: `check_device`)."""
     device = check_device(args.device)
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return device, dtype
 
 

@@ -51,7 +51,8 @@ _FLAGS = (
     ("vision_start_step", int, "recipe mid: step where vision rows start"),
     ("cpt_steps", int, "recipe cpt: vision steps after the decay"),
     ("device", str, "auto (cuda if available, default) | cpu | cuda"),
-    ("param_dtype", str, "auto (bf16 on CUDA, fp32 on CPU, default) | float32 | bfloat16"),
+    ("param_dtype", lambda text: {"bf16": "bfloat16", "fp32": "float32"}.get(text, text),
+     "auto (bf16 on CUDA, fp32 on CPU, default) | float32 (fp32) | bfloat16 (bf16)"),
     ("init_from", str, "start from the weights of this checkpoint directory (an --export, save_pretrained, a "
                        "release; either layout, fp8 too): its config.json decides the model (not --model) and its "
                        "tokenizer.json, if any, tokenizes the data"),
@@ -64,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="openm3 train", description=__doc__.split("\n")[0])
     p.add_argument("--config", type=Path, help="JSON file of TrainConfig fields (flags override it)")
     for name, kind, text in _FLAGS:
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=text)
+        aliases = ["--preset"] if name == "model" else []  # generate's and serve's name for it
+        p.add_argument(f"--{name.replace('_', '-')}", *aliases, dest=name, type=kind, default=None, help=text)
     p.add_argument("--video-frames-per-clip", dest="video_frames_per_clip", type=_clip_length, default=None,
                    metavar="N|all", help="temporal patches (2 frames each) per video clip, the span of the vision "
                    "tower's attention (default 4, as M3, or --init-from's recorded one; all: each video one "
