@@ -408,3 +408,39 @@ def test_warmup_kl_kept_from_the_backbone(tmp_path):
         torch.testing.assert_close(weights[False][name], weights[True][name], rtol=0, atol=1e-7, msg=name)
     assert not torch.allclose(weights[False]["layers.0.self_attn.q_proj.weight"],
                               weights[True]["layers.0.self_attn.q_proj.weight"], rtol=0, atol=1e-6)
+
+
+# ---- the Python API's guards (a user audit) ------------------------------------------------------------------
+def test_a_trainer_with_other_settings_does_not_resume_a_run(tmp_path):
+    """`Trainer.resume` compares the trainer's config with the run's (its checkpoint holds it): what the run
+    trains may not change (each differing setting named, nothing loaded), how it runs may; the run's
+    train_config.json is written by `fit`, so a refused trainer leaves it as it was."""
+    cfg = toy_cfg(tmp_path, steps=6)
+    Trainer(cfg, ToyLM, ToySource()).fit(until=2)
+    TrainConfig.from_json(tmp_path / "run" / "train_config.json")  # written by fit
+    saved = (tmp_path / "run" / "train_config.json").read_text()
+    first = Trainer(cfg, ToyLM, ToySource())
+    first.save_checkpoint()
+    changed = Trainer(toy_cfg(tmp_path, steps=6, lr=3e-2, seq_len=16), ToyLM, ToySource())
+    with pytest.raises(ValueError, match=r"^resume: .*step_00000000 is a run made with seq_len=24 \(this trainer's "
+                                         r"16\), lr=0.01 \(this trainer's 0.03\); a resumed run keeps what it "
+                                         r"trains"):
+        changed.resume()
+    assert changed.step == 0 and (tmp_path / "run" / "train_config.json").read_text() == saved
+    longer = Trainer(toy_cfg(tmp_path, steps=9, micro_batch=1, ckpt_every=2), ToyLM, ToySource())
+    assert longer.resume() and longer.step == 0 and longer.fit()[-1]["step"] == 8
+
+
+def test_a_trainer_takes_a_model_builder_not_a_model(tmp_path):
+    with pytest.raises(ValueError, match=r"^build_model must be a zero-argument callable returning a fresh model "
+                                         r".*got ToyLM"):
+        Trainer(toy_cfg(tmp_path), ToyLM(), ToySource())
+
+
+def test_rows_refuse_labels_equal_to_their_inputs():
+    """transformers' habit (labels = input_ids, shifted inside the model) would train 'predict this token'."""
+    ids = torch.tensor([5, 6, 7, 8])
+    with pytest.raises(ValueError, match="Row.labels equal Row.input_ids at every labelled position"):
+        Row(ids, ids.clone(), [4])
+    Row(ids, torch.tensor([6, 7, 8, IGNORE]), [4])  # aligned: the next token
+    Row(torch.tensor([3, 3, 3]), torch.tensor([3, 3, IGNORE]), [3])  # a repeated token's next token is itself

@@ -50,8 +50,8 @@ def test_resume_refuses_changes_to_what_the_run_trains(tmp_path):
     fake_run(tmp_path / "run", recipe="native", seq_len=256)
     config = tmp_path / "more.json"
     config.write_text(json.dumps({"lr": 1e-2}))
-    with pytest.raises(ValueError, match=r"^--resume: the run in .*run was made with lr=0.003 \(given 0.01\), "
-                                         r"recipe='native' \(given 'text-only'\), seq_len=256 \(given 128\); a "
+    with pytest.raises(ValueError, match=r"^--resume: the run in .*run was made with recipe='native' \(given "
+                                         r"'text-only'\), seq_len=256 \(given 128\), lr=0.003 \(given 0.01\); a "
                                          r"resumed run keeps what it trains \(see its train_config.json\)"):
         settings(["--out", str(tmp_path / "run"), "--resume", "--config", str(config), "--recipe", "text-only",
                   "--seq-len", "128"])

@@ -24,9 +24,12 @@ IGNORE = -100
 
 @dataclass
 class Row:
-    """One packed sequence. `input_ids, labels: [L]` int64; `doc_lens`: lengths of the documents in it (sum L);
-    `vision`: model inputs for its images/videos (e.g. `pixel_values [N, P]`, `image_grid_thw [n, 3]`),
-    concatenated along dim 0 when rows are batched; `corpus`: name of the text corpus or vision task."""
+    """One packed sequence. `input_ids, labels: [L]` int64, labels aligned with the inputs: `labels[i]` is the token
+    that follows position i (`input_ids[i + 1]` inside a document), IGNORE (-100) where nothing is to be predicted
+    (a document's last token, prompts, placeholders); a transformers habit, labels equal to the inputs (models
+    there shift inside), is refused. `doc_lens`: lengths of the documents in it (sum L); `vision`: model inputs for
+    its images/videos (e.g. `pixel_values [N, P]`, `image_grid_thw [n, 3]`), concatenated along dim 0 when rows
+    are batched; `corpus`: name of the text corpus or vision task."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -42,6 +45,12 @@ class Row:
         if sum(self.doc_lens) != self.input_ids.numel() or any(n <= 0 for n in self.doc_lens):
             raise ValueError(f"Row.doc_lens must be positive and sum to {self.input_ids.numel()}, "
                              f"got {self.doc_lens}")
+        kept = self.labels != IGNORE
+        if (int(kept.sum()) > 1 and torch.equal(self.labels[kept], self.input_ids[kept])
+                and self.input_ids[kept].unique().numel() > 1):
+            raise ValueError("Row.labels equal Row.input_ids at every labelled position: labels[i] must be the next "
+                             "token, input_ids[i + 1] (IGNORE = -100 at a document's last token); openm3 does not "
+                             "shift them inside the model as transformers does")
 
 
 class RowSource(Protocol):

@@ -12,9 +12,10 @@ Bad settings (unknown recipe, decay before warmup, a global batch the world size
 than the model's, a missing `data` extra) fail before anything is built.
 
 `--resume` continues the run in `--out` from its latest checkpoint, with the settings that run was made with (its
-checkpoint holds them): flags may change how it runs (steps, decay start, checkpoint and evaluation cadence,
-micro-batch, device, memory and speed options) but not what it trains (model, recipe, data, context, batch,
-learning rate, seed, ...), which fails naming each such setting; a folder without a checkpoint is an error too.
+checkpoint holds them): flags may change how it runs (`config.RESUMABLE`: steps, decay start, checkpoint and
+evaluation cadence, micro-batch, device, memory and speed options) but not what it trains (model, recipe, data,
+context, batch, learning rate, seed, ...), which fails naming each such setting; a folder without a checkpoint is
+an error too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 import textwrap
 from pathlib import Path
 
-from .config import TrainConfig
+from .config import TrainConfig, known_fields, resume_conflicts
 
 
 # (TrainConfig field, type, help) of the plain value flags; defaults are TrainConfig's
@@ -120,13 +121,6 @@ def _clip_length(text: str):
 ALL_FRAMES = "all"  # --video-frames-per-clip all: TrainConfig.video_frames_per_clip = None
 
 
-# TrainConfig fields a resumed run may change: how it runs, not what it trains (`--resume`)
-RESUMABLE = frozenset({
-    "steps", "decay_start", "ckpt_every", "keep_checkpoints", "eval_every", "log_every", "print_every", "progress",
-    "tensorboard", "device", "micro_batch", "activation_checkpointing", "ac_reuse_msa", "ac_keep_attention",
-    "kl_in_backward", "compile", "compile_backend", "prefetch", "overlap_steps", "out_dir"})
-
-
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's `TrainConfig`: `--config`'s fields, then the flags given; with `--resume`, the run's own settings
     first (`resumed_config`)."""
@@ -171,17 +165,15 @@ def resumed_config(given: dict) -> TrainConfig:
         raise ValueError(f"--resume: no complete checkpoint under {out / 'checkpoints'} (is --out the run's "
                          f"folder? without --resume a new run starts there)")
     path, step, saved = found
-    fields = TrainConfig.__dataclass_fields__
-    saved = {k: v for k, v in saved.items() if k in fields}  # a field since removed is not read
-    before = TrainConfig.from_dict(saved).to_dict()
-    after = TrainConfig.from_dict({**saved, **given}).to_dict()
-    changed = [k for k in given if after[k] != before[k]]
-    refused = [k for k in changed if k not in RESUMABLE]
+    saved = known_fields(saved)
+    cfg = TrainConfig.from_dict({**saved, **given})
+    refused = resume_conflicts(saved, cfg)
     if refused:
         raise ValueError(f"--resume: the run in {out} was made with " + ", ".join(
-            f"{k}={before[k]!r} (given {after[k]!r})" for k in refused) + "; a resumed run keeps what it trains "
+            f"{k}={was!r} (given {now!r})" for k, was, now in refused) + "; a resumed run keeps what it trains "
             "(see its train_config.json), or start a new run in another --out")
-    cfg = TrainConfig.from_dict({**saved, **given})
+    before, after = TrainConfig.from_dict(saved).to_dict(), cfg.to_dict()
+    changed = [k for k in given if after[k] != before[k]]
     if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 says it
         return cfg
     print(f"resuming {out} from {path.name} (step {step} of {cfg.steps})"

@@ -136,6 +136,7 @@ class TrainConfig:
         self.plan()  # validates recipe, schedule (decay before warmup) and mixture
 
     def plan(self) -> RecipePlan:
+        """The recipe's plan: rows of each data kind per step and the learning-rate schedule."""
         return make_plan(self.recipe, steps=self.steps, text_rows=self.text_rows, warmup_steps=self.warmup_steps,
                          decay_start=self.decay_start, min_lr_ratio=self.min_lr_ratio,
                          decay_shape=self.decay_shape, mixture=self.mixture,
@@ -156,10 +157,12 @@ class TrainConfig:
                                  f"by world_size={world_size}")
 
     def to_dict(self) -> dict:
+        """Every field, as plain Python values (what checkpoints and `train_config.json` hold)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
+        """A config from a dict of fields (missing ones at their defaults); ValueError naming unknown fields."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -168,4 +171,26 @@ class TrainConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "TrainConfig":
+        """A config from a JSON file of fields, e.g. a run's `train_config.json`."""
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# Fields a resumed run may change: how it runs (length, cadences, memory and speed options), not what it trains
+RESUMABLE = frozenset({
+    "steps", "decay_start", "ckpt_every", "keep_checkpoints", "eval_every", "log_every", "print_every", "progress",
+    "tensorboard", "device", "micro_batch", "activation_checkpointing", "ac_reuse_msa", "ac_keep_attention",
+    "kl_in_backward", "compile", "compile_backend", "prefetch", "overlap_steps", "out_dir"})
+
+
+def known_fields(saved: dict) -> dict:
+    """A stored config's fields this version has (one since removed is dropped; one added since takes its default
+    in `TrainConfig.from_dict`)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: v for k, v in saved.items() if k in names}
+
+
+def resume_conflicts(saved: dict, cfg: TrainConfig) -> list[tuple[str, object, object]]:
+    """(field, the run's value, cfg's value) for every field outside RESUMABLE where `cfg` differs from the
+    settings a run was made with (`saved`, as its checkpoint stores them)."""
+    before, now = TrainConfig.from_dict(known_fields(saved)).to_dict(), cfg.to_dict()
+    return [(k, before[k], now[k]) for k in now if k not in RESUMABLE and now[k] != before[k]]

@@ -26,8 +26,8 @@ from ..layers.attention import kl_in_backward
 from ..layers.recompute import reuse_contexts
 from ..models.text import check_input_ids, input_ids_checked_by_caller, residual_stream_dtype
 from .batches import IGNORE, Batch, RowSource, shard_micro_batches, step_rows
-from .checkpoint import CheckpointManager, export_consolidated, latest_checkpoint, write_text_atomic
-from .config import TrainConfig
+from .checkpoint import CheckpointManager, export_consolidated, is_complete, latest_checkpoint, write_text_atomic
+from .config import TrainConfig, resume_conflicts
 from .losses import token_losses
 from .metrics import MetricsLogger, Progress
 
@@ -173,8 +173,6 @@ class Trainer:
         self.step = 0
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints", self.info, cfg.keep_checkpoints)
         self.logger = MetricsLogger(self.out_dir, enabled=self.info.is_main, tensorboard=cfg.tensorboard)
-        if self.info.is_main:  # the run's settings, readable (`openm3 train --config` takes the file back)
-            write_text_atomic(self.out_dir / "train_config.json", json.dumps(cfg.to_dict(), indent=1, default=str))
         self.history: list[dict] = []
         self.last_eval: dict = {}  # the latest `evaluate` result
         on_gpu = self.info.device.type == "cuda"
@@ -184,6 +182,11 @@ class Trainer:
         self._values_read_at = -math.inf  # when the last step's logged values reached the host
 
     def _seeded(self, build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        if isinstance(build, nn.Module) or not callable(build):
+            raise ValueError(f"build_model must be a zero-argument callable returning a fresh model (e.g. "
+                             f"`lambda: M3TextModel(config)`: the trainer seeds and builds it, again for exports), "
+                             f"got {type(build).__name__}")
+
         def wrapped() -> nn.Module:
             torch.manual_seed(self.cfg.seed)
             return build()
@@ -206,10 +209,20 @@ class Trainer:
         return self.checkpoints.save(self.step, self.model, self.optimizer, self.trainer_state(), **kwargs)
 
     def resume(self, path: str | Path | None = None) -> bool:
-        """Restore the latest (or the given) checkpoint; returns False when there is none."""
+        """Restore the latest (or the given) checkpoint; returns False when there is none. ValueError, before
+        anything is loaded, naming each setting of `cfg` that differs from the run's where a resumed run must keep
+        it (what it trains: `config.RESUMABLE` lists what may change)."""
         path = latest_checkpoint(self.checkpoints.root) if path is None else Path(path)
         if path is None:
             return False
+        if not is_complete(path):
+            raise ValueError(f"checkpoint {path} is not a complete checkpoint directory (no meta.json)")
+        saved = torch.load(path / "trainer_state.pt", weights_only=False)["config"]
+        conflicts = resume_conflicts(saved, self.cfg)
+        if conflicts:
+            raise ValueError(f"resume: {path} is a run made with " + ", ".join(
+                f"{k}={was!r} (this trainer's {now!r})" for k, was, now in conflicts) + "; a resumed run keeps "
+                "what it trains: build the Trainer with the run's settings (its train_config.json)")
         state = self.checkpoints.load(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["data_position"]["step"]
@@ -364,6 +377,8 @@ class Trainer:
         evaluation or checkpoint after it)."""
         cfg = self.cfg
         until = self.plan.steps if until is None else min(until, self.plan.steps)
+        if self.info.is_main:  # the run's settings, readable (`openm3 train --config` takes the file back)
+            write_text_atomic(self.out_dir / "train_config.json", json.dumps(cfg.to_dict(), indent=1, default=str))
         progress = Progress(self.plan.steps, self.step, enabled=self.info.is_main and cfg.progress)
 
         def finish(pending: PendingStep) -> None:
