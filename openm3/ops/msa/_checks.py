@@ -152,6 +152,12 @@ def _check_cu(cu, name: str, total: int) -> list[int]:
     return values
 
 
+def check_workspace(workspace) -> None:
+    """`workspace` (the reference's bound on elements per chunk intermediate) is an int >= 1."""
+    if isinstance(workspace, bool) or not isinstance(workspace, int) or workspace < 1:
+        raise ValueError(f"workspace must be an int >= 1 (elements per chunk intermediate), got {workspace!r}")
+
+
 def check_seqlens(cu_seqlens, num_queries: int, cu_seqlens_k=None, num_keys: int | None = None,
                   *, device: torch.device | None = None) -> list[Segment]:
     """Validate `cu_seqlens` (ends at `num_queries`) and `cu_seqlens_k` (ends at `num_keys`; defaults to

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import (Segment, check_attention_inputs, check_block_idx, check_block_params, check_index_inputs,
-                      check_indexer_kl_inputs, check_scale, check_seqlens)
+                      check_indexer_kl_inputs, check_scale, check_seqlens, check_workspace)
 
 __all__ = ["select_blocks", "index_lse", "sparse_attention", "indexer_kl", "DEFAULT_WORKSPACE"]
 
@@ -37,11 +37,6 @@ SHARED_RANGE_MAX = 4
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _check_workspace(workspace) -> None:
-    if isinstance(workspace, bool) or not isinstance(workspace, int) or workspace < 1:
-        raise ValueError(f"workspace must be an int >= 1 (elements per chunk intermediate), got {workspace!r}")
 
 
 def _rows_per_chunk(workspace: int, per_row: int) -> int:
@@ -132,7 +127,7 @@ def select_blocks(qi, ki, cu_seqlens, *, block_size: int, topk: int, local_block
     hi, di = check_index_inputs(qi, ki)
     check_block_params(block_size=block_size, topk=topk, local_blocks=local_blocks)
     check_scale(index_scale, "index_scale")
-    _check_workspace(workspace)
+    check_workspace(workspace)
     segments = check_seqlens(cu_seqlens, qi.shape[0], cu_seqlens_k, ki.shape[0], device=qi.device)
     cdt = _compute_dtype(qi)
     index_scale = di ** -0.5 if index_scale is None else float(index_scale)
@@ -201,7 +196,7 @@ def index_lse(qi, ki, block_idx, cu_seqlens, *, block_size: int, index_scale: fl
     hi, di = check_index_inputs(qi, ki)
     check_block_params(block_size=block_size)
     check_scale(index_scale, "index_scale")
-    _check_workspace(workspace)
+    check_workspace(workspace)
     segments = check_seqlens(cu_seqlens, qi.shape[0], cu_seqlens_k, ki.shape[0], device=qi.device)
     check_block_idx(block_idx, num_heads=hi, segments=segments, block_size=block_size)
     cdt = _compute_dtype(qi)
@@ -247,7 +242,7 @@ def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: 
     hq, hkv, d = check_attention_inputs(q, k, v)
     check_block_params(block_size=block_size)
     check_scale(scale)
-    _check_workspace(workspace)
+    check_workspace(workspace)
     segments = check_seqlens(cu_seqlens, q.shape[0], cu_seqlens_k, k.shape[0], device=q.device)
     if block_idx is None:
         raise ValueError("block_idx must be an int32 tensor of shape [Hi, T, topk], got None")
@@ -407,7 +402,7 @@ def indexer_kl(q, k, qi, ki, block_idx, cu_seqlens, *, block_size: int, scale: f
     _, _, d, di, segments = check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, lse,
                                                     block_size=block_size, scale=scale, index_scale=index_scale,
                                                     block_idx_values=validate_block_idx, index_lse=index_lse)
-    _check_workspace(workspace)
+    check_workspace(workspace)
     scale = d ** -0.5 if scale is None else float(scale)
     index_scale = di ** -0.5 if index_scale is None else float(index_scale)
     cfg = _KLConfig(segments, block_size, scale, index_scale, workspace)

@@ -35,8 +35,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import (check_attention_inputs, check_block_idx, check_block_params, check_scale,
                       check_seqlens)
-from .triton_common import (attention_launch, interpreting, key_block_work, next_pow2, query_positions,
-                            query_tiling, tile_candidates)
+from .triton_common import (attention_launch, check_triton_inputs, interpreting, key_block_work, next_pow2,
+                            query_positions, query_tiling, tile_candidates)
 
 __all__ = ["sparse_attention"]
 
@@ -636,6 +636,7 @@ VALIDATE_BLOCK_IDX = True
 def _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale, values=True) -> None:
     """The reference's validation plus what the kernels additionally need."""
     _, hkv, _ = check_attention_inputs(q, k, v)
+    check_triton_inputs(q=q, k=k, v=v)
     check_block_params(block_size=block_size)
     check_scale(scale)
     segments = check_seqlens(cu_seqlens, q.shape[0], cu_seqlens_k, k.shape[0], device=q.device)

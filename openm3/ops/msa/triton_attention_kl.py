@@ -20,6 +20,7 @@ import torch
 
 from ._checks import check_indexer_kl_inputs
 from .triton_attention import _check_inputs, sparse_attention
+from .triton_common import check_triton_inputs
 from .triton_kl import _teacher_dtype, indexer_kl, teacher_fits
 
 
@@ -77,6 +78,7 @@ def sparse_attention_with_kl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     are the KL's constants). When a backward is to come, kl's value is written by it (0 before): read it after
     `backward()`."""
     _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scale, validate_block_idx)
+    check_triton_inputs(qi=qi, ki=ki)
     check_indexer_kl_inputs(q, k, qi, ki, block_idx, cu_seqlens, cu_seqlens_k, None, block_size=block_size,
                             scale=scale, index_scale=index_scale, block_idx_values=False, index_lse=index_lse)
     if not (torch.is_grad_enabled() and (qi.requires_grad or ki.requires_grad)):

@@ -51,7 +51,8 @@ cores (`_split_query`): each key tile goes from its TMA buffer into a wgmma with
 registers. Measured (session 3): scoring alone at 1M batch 1 39.3 vs 41.1 us (the per-tile conversion was not what
 bounded it), at batch 32 1.15 vs 1.04 ms; opt-in. Shapes depend only on (B, Q, max_blocks), all lengths and page ids
 are read on the device, and nothing syncs with the host, so a decode step can be captured in a CUDA graph. Set
-`TRITON_INTERPRET=1` before importing this module to run it on CPU tensors (fp32/fp16 only there).
+`TRITON_INTERPRET=1` before importing this module to run it on CPU tensors (fp32/fp16 only there: bf16 is
+refused, `triton_common.check_triton_inputs`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .decode import FP8_DTYPE, SCALE_DTYPES, SCALE_E8M0
-from .triton_common import arrival_counters, interpreting
+from .triton_common import arrival_counters, check_triton_inputs, interpreting
 
 _NEG_INF = tl.constexpr(float("-inf"))  # globals read by kernels must be constexpr
 # decode_msa's default attention split: 2 selected blocks from this many sequences up (sequences, not query rows, so
@@ -685,6 +686,7 @@ def decode_select_blocks(qi: torch.Tensor, ki_pages: torch.Tensor, block_table: 
     ~64 long rows, as at 1M tokens batch 1-16, else 16, `_default_shrink_groups`; fold_shrink sizes its own
     groups).
     """
+    check_triton_inputs(qi=qi, ki_pages=ki_pages)
     cand, n_cand = _select_candidates(qi, ki_pages, block_table, seq_lens, q_len=q_len, block_size=block_size,
                                       topk=topk, local_blocks=local_blocks, ki_scale=ki_scale,
                                       segment_blocks=segment_blocks, stages=stages, num_warps=num_warps,
@@ -768,6 +770,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     attention over every cached block. Returns (o [B*q_len, Hq, D] in q.dtype, lse [B*q_len, Hq] fp32).
     Matches `decode.paged_sparse_attention` / `decode.paged_dense_attention`.
     """
+    check_triton_inputs(q=q, k_pages=k_pages, v_pages=v_pages)
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("q", q, 3, q_len, batch)
     _, hkv = _check_kv(q, k_pages, v_pages)
@@ -818,6 +821,7 @@ def decode_msa(q: torch.Tensor, qi: torch.Tensor, k_pages: torch.Tensor, v_pages
     gives each query what a one-query step gives it, bit for bit). Other knobs as in
     `decode_select_blocks` / `decode_attention` (num_warps: scoring; attention_warps: attention).
     """
+    check_triton_inputs(q=q, qi=qi, k_pages=k_pages, v_pages=v_pages, ki_pages=ki_pages)
     batch = _check_table(block_table, seq_lens, q_len)
     _check_decode("q", q, 3, q_len, batch)
     block_size, hkv = _check_kv(q, k_pages, v_pages)

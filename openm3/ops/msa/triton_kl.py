@@ -47,7 +47,7 @@ import triton.language as tl
 from ..fused import fused_on_cuda
 from ._checks import check_indexer_kl_inputs
 from .triton_attention import _LOG2E, _key_operands, _load_tile_rows, _tile_scores, _tile_walk
-from .triton_common import (attention_launch, block_rows, interpreting, largest_pow2_divisor,
+from .triton_common import (attention_launch, block_rows, check_triton_inputs, interpreting, largest_pow2_divisor,
                             next_pow2, query_positions, query_tiling, token_runs, with_overrides)
 
 __all__ = ["indexer_kl", "kl_launch", "KLLaunch"]
@@ -771,6 +771,7 @@ def indexer_kl(q: torch.Tensor, k: torch.Tensor, qi: torch.Tensor, ki: torch.Ten
                                              block_size=block_size, scale=scale, index_scale=index_scale,
                                              block_idx_values=validate_block_idx and VALIDATE_BLOCK_IDX,
                                              index_lse=index_lse)
+    check_triton_inputs(q=q, k=k, qi=qi, ki=ki)
     if block_idx is not None:
         block_idx = block_idx.contiguous()
     if torch.float64 in (q.dtype, qi.dtype):
