@@ -123,6 +123,8 @@ class M3Tokenizer:
         return self.backend.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
+        """The token ids of ``text``; nothing is added (no ``]~!b[``: the chat template writes it), and special
+        token strings in the text (``[e~[``, ``]<]image[>[``, ...) become their ids. ValueError for a non-str."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -131,6 +133,8 @@ class M3Tokenizer:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of token ids ``ids`` (ints, or a 1-D tensor); special tokens are kept unless
+        ``skip_special_tokens``, so ``decode(encode(s)) == s``."""
         return self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int:

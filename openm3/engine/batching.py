@@ -61,12 +61,13 @@ from ..ops.host import to_device
 from .cache import CacheFullError, CacheLayout, PagedCache, page_keys, plan_cache
 from .constrained import GrammarConstraint
 from .penalties import PenalizedPicker
-from .generate import LaunchedStep, check_constraints, check_prompts
+from .generate import LaunchedStep, check_constraints, check_prompts, check_stop_tokens
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, prompt_rows_logprobs, sample, token_logprobs
 from .spec_gate import SpeculationGate
 from .speculative import PREDICTION_DRAFTS, SpeculativeConfig, TokenHistory, keep_verified, step_drafts
-from .scheduler import PromptImages, check_images, decode_step, is_vision_language, prefill_chunks, text_model
+from .scheduler import (PromptImages, check_images, check_inference_model, decode_step, is_vision_language,
+                        prefill_chunks, text_model)
 
 __all__ = ["BatchedGenerator"]
 
@@ -161,6 +162,7 @@ class BatchedGenerator:
         for name, value in (("speculative", speculative), ("prediction_speculative", prediction_speculative)):
             if value is not None and not isinstance(value, SpeculativeConfig):
                 raise ValueError(f"{name} must be a SpeculativeConfig or None, got {type(value).__name__}")
+        check_inference_model(model)  # a model in training mode would compute its indexer KL at every forward
         self.model = model
         self.text = text_model(model)
         self.config = self.text.config
@@ -237,6 +239,7 @@ class BatchedGenerator:
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
         check_logprobs(logprobs, on_logprobs)
         check_logprobs(prompt_logprobs, on_prompt_logprobs)
+        stop_tokens = check_stop_tokens(stop_tokens)
         check_constraints([constraint], 1, stop_tokens)
         (vision,) = check_images(self.model, [ids], None if images is None else [images])
         pages = self.cache.pages_for(ids.numel() + max_new_tokens)

@@ -15,6 +15,7 @@ memory against the plan (weights + cache + an estimate of the chunk's workspace)
 from __future__ import annotations
 
 import argparse
+import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .constrained import GrammarConstraint
 from .graphs import DecodeGraphs
 from .sampling import SamplingParams, check_logprobs, prompt_rows_logprobs, sample, token_logprobs
-from .scheduler import check_images, decode_step, is_vision_language, prefill, text_model
+from .scheduler import check_images, check_inference_model, decode_step, is_vision_language, prefill, text_model
 from .penalties import Penalties, PenalizedPicker
 from .spec_gate import SpeculationGate
 from .speculative import PREDICTION_DRAFTS, SpeculativeConfig, TokenHistory, keep_verified, step_drafts
@@ -147,16 +148,31 @@ def workspace_estimate(config, chunk_size: int, dtype: torch.dtype, vocab_rows: 
 
 
 def check_prompts(prompts, vocab_size: int, max_new_tokens: int, max_total_tokens: int) -> list[torch.Tensor]:
-    """Validates token-id prompts; returns them as int64 tensors."""
+    """Validates token-id prompts (a list of prompts, each a list or 1-D int tensor of ids; or a 2-D tensor's rows);
+    returns them as int64 tensors. A flat list of ids or a 1-D tensor is refused: one prompt is `[ids]`, not `ids`."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    batch = isinstance(prompts, torch.Tensor) and prompts.dim() == 2
+    if not batch and (isinstance(prompts, (str, torch.Tensor)) or not hasattr(prompts, "__len__")
+                      or any(_is_token_id(p) for p in prompts)):
+        got = ("text: tokenize it first" if isinstance(prompts, str) else
+               f"a {prompts.dim()}-D tensor" if isinstance(prompts, torch.Tensor) else
+               "a flat list of ints" if hasattr(prompts, "__len__") else type(prompts).__name__)
+        raise ValueError(f"prompts: expected a list of prompts, each a list / 1-D tensor of token ids; got {got}"
+                         + ("" if isinstance(prompts, str) else ": wrap it as [ids]"))
     if len(prompts) == 0:
         raise ValueError("prompts must hold at least one prompt")
     out = []
     for i, p in enumerate(prompts):
-        ids = torch.as_tensor(p, dtype=torch.int64).reshape(-1)
+        if isinstance(p, str):
+            raise ValueError(f"prompt {i}: expected token ids, got text: tokenize it first")
+        ids = torch.as_tensor(p)
         if ids.numel() == 0:
             raise ValueError(f"prompt {i} is empty: give at least one token")
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"prompt {i}: expected a list / 1-D tensor of int token ids, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        ids = ids.to(torch.int64)
         if ids.min() < 0 or ids.max() >= vocab_size:
             raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab_size})")
         if ids.numel() + max_new_tokens > max_total_tokens:
@@ -166,11 +182,31 @@ def check_prompts(prompts, vocab_size: int, max_new_tokens: int, max_total_token
     return out
 
 
+def _is_token_id(x) -> bool:
+    """An int (Python, numpy) or a 0-d tensor: an element of a flat prompt."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_stop_tokens(stop_tokens) -> set[int]:
+    """The stop tokens as a set: an int is one stop token, None none, else an iterable of ints (a list, a tuple, a
+    1-D tensor). ValueError naming stop_tokens for anything else."""
+    if stop_tokens is None:
+        return set()
+    if _is_token_id(stop_tokens):
+        return {int(stop_tokens)}
+    if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__") \
+            or not all(_is_token_id(t) for t in stop_tokens):
+        raise ValueError(f"stop_tokens: expected a token id or a sequence of token ids, got {stop_tokens!r:.80}")
+    return {int(t) for t in stop_tokens}
+
+
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
-             sampling: SamplingParams = SamplingParams(), stop_tokens: Sequence[int] = (), chunk_size: int = 8192,
-             token_budget: int | None = None, index_dtype=None, max_total_tokens: int | None = None,
-             seed: int = 0, on_token: Callable[[int, int], None] | None = None,
+             sampling: SamplingParams = SamplingParams(), stop_tokens: int | Sequence[int] = (),
+             chunk_size: int = 8192, token_budget: int | None = None, index_dtype=None,
+             max_total_tokens: int | None = None, seed: int = 0, on_token: Callable[[int, int], None] | None = None,
              on_prefill: Callable[[int], None] | None = None, cuda_graphs: bool | None = None,
              images: Sequence | None = None, speculative: SpeculativeConfig | None = None,
              logprobs: int | None = None, on_logprobs: Callable[[int, float, list], None] | None = None,
@@ -180,13 +216,15 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     """Generates continuations of a batch of token-id prompts.
 
     model: an `M3TextModel`, or an `M3ForConditionalGeneration` (its text decoder's dtype and device are the
-    cache's); prompts: B lists of token ids; images: None, or one entry per prompt, None or `(pixel_values
-    [N, 1176], grid_thw [I, 3])` as `M3ImageProcessor` returns them, or a `PromptImages` that also carries
-    videos (VL models only: the prompt's image and video placeholders take the visual tokens, see
-    `openm3.engine.scheduler.check_images`);
-    stop_tokens: generation of a sequence ends after any of them; token_budget: tokens the cache is planned for
-    (default: exactly what the batch reserves; a batch beyond it raises CacheFullError before any work);
-    index_dtype: index-key cache dtype (None = model dtype, 'bf16', 'fp8'); max_total_tokens: prompt +
+    cache's), in eval mode (`model.eval()` or `for_inference(model)`; the checkpoint loaders return it so; a
+    model in training mode is refused); prompts: B lists (or 1-D tensors) of token ids, `[ids]` for one prompt (a
+    flat list of ints is refused); images: None, or one entry per prompt, None or `(pixel_values [N, 1176],
+    grid_thw [I, 3])` as `M3ImageProcessor` returns them, a `PromptImages` that also carries videos, or the
+    `VisionBatch` of `M3Processor` (VL models only: the prompt's image and video placeholders take the visual
+    tokens, see `openm3.engine.scheduler.check_images`);
+    stop_tokens: a token id or several: generation of a sequence ends after any of them; token_budget: tokens the
+    cache is planned for (default: exactly what the batch reserves; a batch beyond it raises CacheFullError before
+    any work); index_dtype: index-key cache dtype (None = model dtype, 'bf16', 'fp8'); max_total_tokens: prompt +
     max_new_tokens limit per sequence (default: config.max_position_embeddings); on_token(b, token) streams
     each sampled token; on_prefill(n) reports prefill progress in tokens. cuda_graphs: decode steps replay one
     CUDA graph per batch (`openm3.engine.graphs`; default: on when the model is on a CUDA device).
@@ -210,20 +248,22 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     +15% decode tokens/s), off elsewhere.
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
+    check_inference_model(model)
+    lm = text_model(model)
+    config = lm.config
+    limit = max_total_tokens or config.max_position_embeddings
+    ids = check_prompts(prompts, config.vocab_size, max_new_tokens, limit)
+    stop = check_stop_tokens(stop_tokens)
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
     check_logprobs(logprobs, on_logprobs)
     check_logprobs(prompt_logprobs, on_prompt_logprobs)
-    check_constraints(constraints, len(prompts), stop_tokens)
+    check_constraints(constraints, len(ids), stop)
     if constraints is not None and not any(constraints):
         constraints = None
     if overlap and (speculative is not None or constraints is not None or draft_contexts is not None):
         raise ValueError("overlap=True decodes without drafts or constraints: pass speculative=None, "
                          "constraints=None and draft_contexts=None with it")
-    lm = text_model(model)
-    config = lm.config
-    limit = max_total_tokens or config.max_position_embeddings
-    ids = check_prompts(prompts, config.vocab_size, max_new_tokens, limit)
     vision = check_images(model, ids, images)
     param = next(lm.parameters())
     device, dtype = param.device, param.dtype
@@ -247,7 +287,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     cache = PagedCache(plan, device)
     cache.admit(reserve)  # all or nothing, before any work
     gen = torch.Generator(device=device).manual_seed(seed)
-    stop = set(int(t) for t in stop_tokens)
     results = [GenerationResult(prompt_len=p.numel()) for p in ids]
     if draft_contexts is not None and len(draft_contexts) != len(ids):
         raise ValueError(f"draft_contexts: expected one entry per prompt ({len(ids)}), got {len(draft_contexts)}")

@@ -19,6 +19,7 @@ from typing import Callable, Collection, Iterator, NamedTuple, Sequence
 
 import torch
 
+from ..models.processor import VisionBatch
 from .cache import PagedCache
 
 
@@ -54,15 +55,26 @@ def text_model(model):
     return model.language_model if is_vision_language(model) else model
 
 
+def check_inference_model(model) -> None:
+    """ValueError when `model` (or a VL model's text decoder) is in training mode: the engine runs models in eval
+    mode, as `openm3.engine.for_inference` and the checkpoint loaders leave them. (A freshly built
+    `M3TextModel(config)` is in training mode, where its forward computes the indexer KL, which a cached forward
+    cannot.)"""
+    if model.training or text_model(model).training:
+        raise ValueError(f"model is in training mode: call model.eval() (or openm3.engine.for_inference(model)) "
+                         f"before generating with this {type(model).__name__}")
+
+
 def _on_host(grid) -> torch.Tensor | None:
     return None if grid is None else torch.as_tensor(grid).cpu()
 
 
 def check_images(model, prompts: Sequence[torch.Tensor], images) -> list[PromptImages | None]:
-    """Validates the per-prompt `images` (None, or one entry per prompt: None or `(pixel_values, grid_thw)`)
-    against the host prompts (int64 [L_b]); returns them as `PromptImages` (grids on the host). Images need a
-    VL model, and each prompt's image placeholders must match its images' visual tokens (a VL model's prompt
-    without images may hold none). Reads nothing from the device."""
+    """Validates the per-prompt `images` (None, or one entry per prompt: None, `(pixel_values, grid_thw)`, a
+    `PromptImages` or the `VisionBatch` that `openm3.models.M3Processor` returns) against the host prompts (int64
+    [L_b]); returns them as `PromptImages` (grids on the host). Images need a VL model, and each prompt's image
+    and video placeholders must match its images' and videos' visual tokens (a VL model's prompt without images
+    may hold none). Reads nothing from the device."""
     if images is None:
         images = [None] * len(prompts)
     elif not isinstance(images, (list, tuple)) or len(images) != len(prompts):
@@ -80,10 +92,13 @@ def check_images(model, prompts: Sequence[torch.Tensor], images) -> list[PromptI
     out: list[PromptImages | None] = []
     for b, (prompt, im) in enumerate(zip(prompts, images)):
         where = f"images[{b}]"
+        if isinstance(im, VisionBatch):  # the processor's: its clip counts and metadata only shaped the prompt
+            im = None if im.pixel_values is None and im.pixel_values_videos is None else \
+                (im.pixel_values, im.image_grid_thw, im.pixel_values_videos, im.video_grid_thw)
         if im is not None:
             if not isinstance(im, (tuple, list)) or len(im) not in (2, 4):
                 raise ValueError(f"{where}: expected (pixel_values [N, {width}], grid_thw [I, 3]), a PromptImages "
-                                 f"(with videos) or None, got {type(im).__name__}")
+                                 f"(with videos), a VisionBatch or None, got {type(im).__name__}")
             pixels, grid, video_pixels, video_grid = (*im, None, None)[:4]
             im = PromptImages(pixels, _on_host(grid), video_pixels, _on_host(video_grid))
         try:
@@ -239,6 +254,7 @@ def prefill_chunks(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Se
     it between two chunks, e.g. for a request nobody waits for any more)."""
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_inference_model(model)
     if len(seq_ids) != len(prompts):
         raise ValueError(f"seq_ids ({len(seq_ids)}) and prompts ({len(prompts)}) must match")
     host = [p.cpu() for p in prompts]

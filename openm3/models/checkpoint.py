@@ -304,6 +304,20 @@ def _parse_size(size: int | str) -> int:
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def check_dtype(dtype) -> torch.dtype | None:
+    """The parameter dtype a load asks for: a floating torch.dtype as given, torch's name of one as a string
+    ('bfloat16', 'float16', 'float32'), or None for None / 'auto' (config.json's, see `load_text_model`).
+    ValueError naming `dtype` for anything else."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    if dtype == "auto":
+        return None
+    raise ValueError(f"dtype must be a floating torch.dtype, one of {['auto', *sorted(_DTYPES)]} or None, "
+                     f"got {dtype!r}")
+
+
 def _training_hint(root: Path) -> str:
     """What to do when `root` is an `openm3 train` run folder, its checkpoints folder or one of its (sharded)
     checkpoints instead of a model checkpoint; empty otherwise."""
@@ -501,18 +515,18 @@ def _plan(source: TensorSource, params: dict[str, torch.Tensor], tied: bool) -> 
     return plan
 
 
-def load_pretrained(path, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+def load_pretrained(path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
                     ) -> M3TextModel | M3ForConditionalGeneration:
     """Load an M3 model from a local checkpoint directory (either layout, see the module docstring).
 
     Returns `M3ForConditionalGeneration` (text decoder + vision tower + projector) when config.json is a VL config
     with a `vision_config`, else `M3TextModel`; `load_text_model` reads only the text decoder of either.
-    dtype: parameter dtype (default: the `dtype` / `torch_dtype` of config.json, else float32).
-    device: where to allocate the model (default CPU). Returns the model in eval mode.
-    source: the checkpoint's `TensorSource` when the caller has built it already (the VL loader reads the vision
-    tensors through the same one: config.json and the fp8 scales are read once).
+    dtype: parameter dtype, a floating torch.dtype or its name ('bfloat16', 'float16', 'float32'); None or 'auto':
+    the `dtype` / `torch_dtype` of config.json, else float32. device: where to allocate the model (default CPU).
+    Returns the model in eval mode.
     """
     root = _checkpoint_dir(path)
+    check_dtype(dtype)
     if config_json(root).get("vision_config") is not None:
         from .multimodal import load_pretrained as load_vl
 
@@ -527,18 +541,18 @@ def _checkpoint_dir(path) -> Path:
     return root
 
 
-def load_text_model(path, dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
+def load_text_model(path, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, *,
                     source: TensorSource | None = None) -> M3TextModel:
     """Load the M3 text decoder from a local checkpoint directory, text-only or VL (vision tensors are skipped).
 
-    dtype: parameter dtype (default: the `dtype` / `torch_dtype` of config.json, else float32).
-    device: where to allocate the model (default CPU). Returns the model in eval mode.
+    dtype: parameter dtype, a floating torch.dtype or its name ('bfloat16', 'float16', 'float32'); None or 'auto':
+    the `dtype` / `torch_dtype` of config.json, else float32. device: where to allocate the model (default CPU).
+    Returns the model in eval mode.
     source: the checkpoint's `TensorSource` when the caller has built it already (the VL loader reads the vision
     tensors through the same one: config.json and the fp8 scales are read once).
     """
     root = _checkpoint_dir(path)
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    dtype = check_dtype(dtype)
     config = read_config(root)
     if dtype is None:
         raw = config_json(root)

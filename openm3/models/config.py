@@ -188,10 +188,15 @@ class M3TextConfig:
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "M3TextConfig":
-        """A preset (`m3`, `m3-small`, `m3-tiny`), optionally with fields overridden."""
+        """A preset (`m3`, `m3-small`, `m3-tiny`), optionally with fields overridden. A `num_hidden_layers` override
+        without `layer_types` / `mlp_layer_types` gets them from the preset's pattern at the new depth (its first
+        layers dense attention with a dense MLP, the rest MSA with MoE)."""
         if name not in PRESETS:
             raise ValueError(f"unknown config name {name!r}; expected one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name](), **overrides})
+        depth = {"layers": overrides["num_hidden_layers"]} if "num_hidden_layers" in overrides else {}
+        if depth:
+            _positive_int("num_hidden_layers", depth["layers"])
+        return cls(**{**PRESETS[name](**depth), **overrides})
 
 
 # Fields that some MiniMax configs carry; M3 (and this implementation) supports only these values.
@@ -244,37 +249,38 @@ def _read_rope(data: dict[str, Any]) -> None:
         data["rotary_dim"] = rotary_dim
 
 
-def _m3() -> dict[str, Any]:
+def _dense_then_sparse(layers: int, dense: int) -> dict[str, Any]:
+    """The presets' layer pattern: the first `dense` layers (at most all) dense attention with a dense MLP, the rest
+    MSA with MoE."""
+    first = min(dense, layers)
+    return dict(num_hidden_layers=layers,
+                layer_types=["full_attention"] * first + ["minimax_m3_sparse"] * (layers - first),
+                mlp_layer_types=["dense"] * first + ["sparse"] * (layers - first))
+
+
+def _m3(layers: int = 60) -> dict[str, Any]:
     # The real model: layers 0-2 dense attention with a dense MLP, layers 3-59 MSA with MoE (~428B total).
-    layers = 60
-    return dict(layer_types=["full_attention"] * 3 + ["minimax_m3_sparse"] * (layers - 3),
-                mlp_layer_types=["dense"] * 3 + ["sparse"] * (layers - 3))
+    return _dense_then_sparse(layers, 3)
 
 
-def _m3_small() -> dict[str, Any]:
+def _m3_small(layers: int = 16) -> dict[str, Any]:
     # ~1.1B parameters (~0.3B active): fits one H200 with optimizer state for long-context and training runs.
     # MSA shapes are M3's: head dim 128, index 4x128, blocks of 128, top-16.
-    layers = 16
-    return dict(vocab_size=32768, hidden_size=2048, intermediate_size=512, num_hidden_layers=layers,
+    return dict(vocab_size=32768, hidden_size=2048, intermediate_size=512,
                 num_attention_heads=16, num_key_value_heads=4, head_dim=128, rotary_dim=64,
                 max_position_embeddings=1 << 20, num_local_experts=16, num_experts_per_tok=2,
                 shared_intermediate_size=1024, dense_intermediate_size=4096,
-                layer_types=["full_attention"] + ["minimax_m3_sparse"] * (layers - 1),
-                mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
-                bos_token_id=None, eos_token_id=None)
+                bos_token_id=None, eos_token_id=None, **_dense_then_sparse(layers, 1))
 
 
-def _m3_tiny() -> dict[str, Any]:
+def _m3_tiny(layers: int = 4) -> dict[str, Any]:
     # CPU tests and the demo: dense and MSA attention, dense MLP and MoE, small blocks.
-    layers = 4
-    return dict(vocab_size=4096, hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
+    return dict(vocab_size=4096, hidden_size=128, intermediate_size=128,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=16, rope_theta=10000.0,
                 max_position_embeddings=8192, index_n_heads=2, index_head_dim=32, index_block_size=16,
                 index_topk_blocks=4, index_local_blocks=1, num_local_experts=8, num_experts_per_tok=2,
                 shared_intermediate_size=128, dense_intermediate_size=256,
-                layer_types=["full_attention"] + ["minimax_m3_sparse"] * (layers - 1),
-                mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
-                bos_token_id=None, eos_token_id=None)
+                bos_token_id=None, eos_token_id=None, **_dense_then_sparse(layers, 1))
 
 
 PRESETS = {"m3": _m3, "m3-small": _m3_small, "m3-tiny": _m3_tiny}

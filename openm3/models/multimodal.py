@@ -125,6 +125,16 @@ class M3ForConditionalGeneration(nn.Module):
         if not any(p.is_meta for p in self.vision_tower.parameters()):
             self.reset_vision_parameters()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The text decoder's parameter dtype (`openm3.models.load_pretrained` loads the tower in the same one)."""
+        return self.language_model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device the text decoder's parameters are on."""
+        return self.language_model.device
+
     def gradient_checkpointing_enable(self, keep_attention: bool = False) -> None:
         """Checkpoint the decoder layers and the tower's blocks (see `M3TextModel.gradient_checkpointing_enable`)."""
         self.language_model.gradient_checkpointing_enable(keep_attention)
@@ -208,7 +218,8 @@ class M3ForConditionalGeneration(nn.Module):
 
         Images are ``pixel_values: [N, 1176]`` with ``image_grid_thw: [I, 3]``; videos are
         ``pixel_values_videos: [M, 1176]`` with ``video_grid_thw: [K, 3]``, one row per clip, as the processor
-        writes them. ``frames_per_clip`` splits video rows further (experiments; None keeps the rows)."""
+        writes them (``M3Processor``'s ``VisionBatch``: ``model(ids, **vision.model_inputs())``).
+        ``frames_per_clip`` splits video rows further (experiments; None keeps the rows)."""
         embeds = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
                             frames_per_clip)
         return self.language_model(inputs_embeds=embeds, **text_kwargs)
@@ -219,7 +230,14 @@ class M3ForConditionalGeneration(nn.Module):
         return save_pretrained(self, path, max_shard_size=max_shard_size)
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "M3ForConditionalGeneration":
+    def from_pretrained(cls, path, dtype: torch.dtype | str | None = None, device=None
+                        ) -> "M3ForConditionalGeneration":
+        """The VL model of local checkpoint directory ``path`` (a config.json with a ``vision_config``; either
+        layout, fp8 weights dequantized), in eval mode; ``load_pretrained`` below.
+
+        dtype: a floating torch.dtype, or 'bfloat16' / 'float16' / 'float32', or None / 'auto' for config.json's
+        ``dtype`` (float32 when it has none); the tower and projector take the text decoder's. device: where the
+        weights are allocated (default CPU)."""
         return load_pretrained(path, dtype=dtype, device=device)
 
 
@@ -294,14 +312,16 @@ def read_config(path) -> M3VLConfig:
                                               f"{err}") from None
 
 
-def load_pretrained(path, dtype: torch.dtype | None = None, device=None) -> M3ForConditionalGeneration:
-    """Load the VL model from a local checkpoint directory in either layout; returns it in eval mode.
+def load_pretrained(path, dtype: torch.dtype | str | None = None, device=None) -> M3ForConditionalGeneration:
+    """Load the VL model from a local checkpoint directory in either layout; returns it in eval mode. dtype: as
+    ``openm3.models.checkpoint.load_text_model``'s.
 
     The text model is loaded by ``openm3.models.checkpoint`` (which skips vision tensors); the vision tower
     and projector are then filled shard by shard here. Every vision weight must be present exactly once."""
     root = Path(path)
     if not root.is_dir():
         raise text_checkpoint.CheckpointError(f"{root}: checkpoint directory not found")
+    dtype = text_checkpoint.check_dtype(dtype)
     config = read_config(root)
     source = text_checkpoint.TensorSource(root)  # dequantizes fp8 weights, hides their scales
     language_model = text_checkpoint.load_text_model(root, dtype=dtype, device=device, source=source)

@@ -171,6 +171,12 @@ class VisionBatch:
     num_chunks_per_video: list[int] | None = None
     video_metadata: list[VideoMeta | None] | None = None
 
+    def model_inputs(self) -> dict[str, torch.Tensor | None]:
+        """The keyword arguments of ``M3ForConditionalGeneration.forward`` (``model(ids, **batch.model_inputs())``):
+        the pixels and grids. ``num_chunks_per_video`` and ``video_metadata`` only shape the prompt's text."""
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
+                "pixel_values_videos": self.pixel_values_videos, "video_grid_thw": self.video_grid_thw}
+
 
 class M3ImageProcessor:
     """Images -> ``(pixel_values [N, 1176], image_grid_thw [I, 3])``; every image has ``t = 1``.
@@ -362,6 +368,17 @@ class M3Processor:
 
     def __call__(self, text: str, images=None, videos=None,
                  video_metadata: Sequence[VideoMeta | None] | None = None) -> tuple[str, list[int] | None, VisionBatch]:
+        """One prompt: ``text`` holds one ``IMAGE_TOKEN`` / ``VIDEO_TOKEN`` marker per image / video, in order.
+
+        Returns ``(prompt, ids, vision)``: the text with each marker expanded into its placeholder run, its token
+        ids (``encode(prompt)``; None without ``encode``) and the ``VisionBatch`` of packed pixels and grids
+        (``video_metadata``, per video, time-stamps its frames in the prompt). To run them::
+
+            prompt, ids, vision = processor(text, images=[image])
+            out = model(torch.tensor(ids), **vision.model_inputs())  # M3ForConditionalGeneration, logits [T, V]
+            results, stats = openm3.engine.generate(model, [ids], images=[vision])  # one VisionBatch per prompt
+
+        Raises ``ValueError`` when the markers and the images / videos do not match in number."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a str, got {type(text).__name__}")
         batch = VisionBatch(video_metadata=list(video_metadata) if video_metadata is not None else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -78,10 +79,17 @@ class DecoderLayer(nn.Module):
 
 
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int, *, read_range: bool = True) -> None:
-    """`input_ids` must be an int tensor [T] with ids in [0, vocab_size). The range check reads the ids' minimum
+    """`input_ids` must be a 1-D int tensor [T] with ids in [0, vocab_size). The range check reads the ids' minimum
     and maximum back (one device sync for a GPU tensor; free on the host); `read_range=False` skips it."""
-    if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be an int tensor [T], got {input_ids.dtype} {tuple(input_ids.shape)}")
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a 1-D int tensor [T], got {type(input_ids).__name__}")
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be an int tensor [T] of one dimension (a batch's sequences packed end to "
+                         f"end, their boundaries in cu_seqlens), got shape {tuple(input_ids.shape)}"
+                         + ("; for B rows of length T pass input_ids.flatten() and "
+                            "cu_seqlens=torch.arange(B + 1, dtype=torch.int32) * T" if input_ids.dim() == 2 else ""))
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if read_range and input_ids.numel():
         lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
         if lo < 0 or hi >= vocab_size:
@@ -168,13 +176,29 @@ class M3TextModel(CheckpointSwitch, nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
-    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB") -> None:
-        """Write config.json, safetensors shards and their index in the published MiniMax layout."""
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (the embedding's; `.to(dtype)` casts them all)."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device the parameters are on (the embedding's)."""
+        return self.embed_tokens.weight.device
+
+    def save_pretrained(self, path, *, max_shard_size: int | str = "5GB") -> Path:
+        """Write config.json, safetensors shards and their index in the published MiniMax layout (atomically,
+        `openm3.models.checkpoint.write_checkpoint`); returns `path` as a Path."""
         from .checkpoint import save_pretrained
-        save_pretrained(self, path, max_shard_size=max_shard_size)
+        return save_pretrained(self, path, max_shard_size=max_shard_size)
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "M3TextModel":
+    def from_pretrained(cls, path, dtype: torch.dtype | str | None = None, device=None) -> "M3TextModel":
+        """The text decoder of local checkpoint directory `path` (text-only or VL, either published layout; fp8
+        weights dequantized), in eval mode; `openm3.models.checkpoint.load_text_model`.
+
+        dtype: a floating torch.dtype, or 'bfloat16' / 'float16' / 'float32', or None / 'auto' for config.json's
+        `dtype` (float32 when it has none). device: where the weights are allocated (default CPU)."""
         from .checkpoint import load_text_model
         return load_text_model(path, dtype=dtype, device=device)
 
@@ -214,6 +238,9 @@ class M3TextModel(CheckpointSwitch, nn.Module):
             raise ValueError(f"msa_stage must be 'sparse' or 'dense', got {msa_stage!r}")
         dense_warmup = msa_stage == "dense"
         compute_kl = self.training if return_kl is None else return_kl
+        if cache is not None and return_kl is None and self.training:
+            raise ValueError("cache: the model is in training mode (where the indexer KL is computed by default): "
+                             "call model.eval() first (or openm3.engine.for_inference(model))")
         if cache is not None and (compute_kl or return_block_idx or dense_warmup):
             raise ValueError("cache: return_kl, msa_stage='dense' and return_block_idx are not available with a "
                              "cache")
