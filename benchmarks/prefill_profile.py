@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--index-dtype", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("prefill_profile needs a CUDA GPU")
 
     from openm3.engine.cache import CacheLayout, PagedCache, plan_cache
     from openm3.engine.scheduler import prefill

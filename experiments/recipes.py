@@ -8,8 +8,9 @@ learning-rate decay ("mid") or after it, as continued pre-training ("cpt"); "tex
 recipe trains on the same text rows in the same order (`openm3.train.recipes`), so held-out text quality compares
 fairly; vision rows come on top while vision is on. Each run uses the README demo's settings (m3-tiny with MSA
 layers, 256-token rows, one text row plus `--image-rows` image rows and `--video-rows` video rows per step while
-vision is on) and is then evaluated as the demo is: held-out bits per byte per corpus, image and video QA
-accuracy next to the best accuracy a model that sees only the question can reach, indexer recall.
+vision is on) and is then evaluated as the demo is, on more data (`--windows`, `--video-qa`): held-out bits per
+byte per corpus, image and video QA accuracy next to the best accuracy a model that sees only the question can
+reach, indexer recall.
 
 `--set FIELD=VALUE` changes a TrainConfig field in every run, for ablations (`--set aux_loss_weight=0`).
 `--blind` keeps the vision rows' text (questions, answers, captions) and drops their pixels: a control for what
@@ -53,10 +54,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: the demo's 3e-3)")
     p.add_argument("--image-rows", type=int, default=2, help="image rows per text row while vision is on")
     p.add_argument("--video-rows", type=int, default=1, help="video rows per text row while vision is on")
-    p.add_argument("--windows", type=int, default=4, help="held-out documents per corpus for bits per byte")
-    p.add_argument("--image-qa", type=int, default=70, help="image questions scored per run")
-    p.add_argument("--video-qa", type=int, default=48, help="video questions scored per run")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel")
+    p.add_argument("--windows", type=int, default=4,
+                   help="held-out documents per corpus for bits per byte (default 4; the demo: 2)")
+    p.add_argument("--image-qa", type=int, default=70, help="image questions scored per run (default 70)")
+    p.add_argument("--video-qa", type=int, default=48,
+                   help="video questions scored per run (default 48; the demo: 24)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="runs in parallel (default: 2, or 1 on one core)")
     p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                    help="TrainConfig fields for every run, for ablations (e.g. aux_loss_weight=0 kl_weight=0); "
                         "values are JSON, else strings")

@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
     except SystemExit as done:  # argparse's --help and errors, or the benchmark's own exit status
         code = done.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        if isinstance(code, int) or code is None:
+            return code or 0
+        print(code, file=sys.stderr)  # a message (`raise SystemExit("... needs a CUDA GPU")`): say it, as Python would
+        return 1
     finally:
         sys.argv = saved
     return 0

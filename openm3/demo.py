@@ -14,7 +14,9 @@ holds:
 - `loss_curve.png`, `attention_map.png` (text-to-image attention on an image question), `indexer_blocks.png`
   (the key blocks the indexer chose for every query of a long held-out text);
 - `samples.md`: generations, including answers about an image and a video;
-- `metrics.jsonl` (every step), `model/` (consolidated checkpoint in the published M3 layout).
+- `metrics.jsonl` (every step), `model/` (consolidated checkpoint in the published M3 layout), and the training
+  run's own files: `train_config.json`, `checkpoints/` (the last one, ~36 MB: `openm3 train --out DIR --resume`
+  continues it), `tensorboard/`.
 """
 
 from __future__ import annotations
@@ -106,8 +108,9 @@ def main(argv=None) -> int:
                           qa={"colour_qa": args.image_qa, "video_qa": args.video_qa}, image_size=84, video_size=56,
                           baseline_samples=BASELINE_SAMPLES, frames_per_clip=cfg.video_frames_per_clip)
     t_setup = time.perf_counter() - t_start
+    threads = torch.get_num_threads()
     print(f"openm3 demo: training m3-tiny (native multimodal, MSA) for {cfg.steps} steps on CPU "
-          f"({torch.get_num_threads()} threads); report -> {out}", flush=True)
+          f"({threads} thread{'s' if threads > 1 else ''}); report -> {out}", flush=True)
     trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)
     t0 = time.perf_counter()
     history = trainer.fit()
@@ -149,7 +152,8 @@ def main(argv=None) -> int:
     beats = metrics["image_qa_accuracy"] > metrics["image_qa_text_only_accuracy"]
     print(f"image QA accuracy {metrics['image_qa_accuracy']:.2f} vs text-only "
           f"{metrics['image_qa_text_only_accuracy']:.2f} ({'beats' if beats else 'does NOT beat'} the text-only "
-          f"model); video QA {metrics['video_qa_accuracy']:.2f}"
+          f"model); video QA {metrics['video_qa_accuracy']:.2f} vs text-only "
+          f"{metrics['video_qa_text_only_accuracy']:.2f}"
           f"; indexer recall {metrics['indexer_recall']:.2f}; {metrics['seconds']['total']:.0f} s in total")
     print(f"report written to {out.resolve()}")
     return 0
@@ -202,7 +206,7 @@ def report_figures(model, tokenizer, evaluator, history: list[dict], out: Path) 
     rec = layers[last]
     recall_sum, n = indexer_recall(rec.q, rec.k, out_.block_idx[last], rec.cu_seqlens, block_size)
     title = (f"blocks chosen by the indexer: layer {last}, index head 0\n{len(window.ids)} held-out "
-             f"{window.corpus} tokens, indexer recall {recall_sum / n:.2f}")
+             f"{window.corpus} tokens (4x the training rows), indexer recall here {recall_sum / n:.2f}")
     plots.indexer_blocks(out_.block_idx[last][0].numpy(), block_size, out / "indexer_blocks.png", title=title)
 
 

@@ -47,3 +47,14 @@ def test_outside_a_checkout_it_says_where_it_looked(monkeypatch, tmp_path, capsy
     assert main(["bench"]) == 2
     err = capsys.readouterr().err
     assert "source checkout" in err and str(tmp_path / "site-packages" / "benchmarks") in err
+
+
+def test_a_benchmarks_exit_message_is_printed(capsys, monkeypatch):
+    """A benchmark that stops with a message (`raise SystemExit("... needs a CUDA GPU")`) says it through `openm3
+    bench` too, as `python -m benchmarks.NAME` would."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("moe_decode", "prefill_profile"):
+        assert main(["bench", name]) == 1
+        assert capsys.readouterr().err.strip() == f"{name} needs a CUDA GPU"

@@ -264,6 +264,11 @@ def test_a_training_run_folder_is_named_as_one(tmp_path):
         with pytest.raises(CheckpointError, match=re.escape(f"{path}: no config.json there, so not a model "
                                                             f"checkpoint but a training run's {what}: {export}")):
             load_pretrained(path)
+    (run / "model").mkdir()  # a run that exported into its folder (`openm3 demo`): that is the way
+    (run / "model" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=re.escape(f"a training run's folder; its exported model is "
+                                                        f"{run / 'model'}")):
+        load_pretrained(run)
 
 
 def test_large_loads_show_progress(published_dir, monkeypatch, capsys):
@@ -277,3 +282,18 @@ def test_large_loads_show_progress(published_dir, monkeypatch, capsys):
     load_text_model(published_dir)
     err = capsys.readouterr().err
     assert f"loading {published_dir.name}" in err and "100%" in err
+
+
+def test_saved_files_follow_the_umask(hf_dir, tmp_path):
+    """safetensors writes its files 0600; a saved checkpoint's shards are readable as its other files are (a
+    checkpoint shared with another user or a container of another UID)."""
+    import os
+    import stat
+
+    mask = os.umask(0o022)
+    try:
+        out = load_pretrained(hf_dir).save_pretrained(tmp_path / "saved", max_shard_size="50KB")
+    finally:
+        os.umask(mask)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {0o644}, modes

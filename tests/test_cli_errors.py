@@ -146,3 +146,13 @@ def test_smoke_reads_a_checkpoint_with_its_tokenizer(tmp_path, capsys):
     assert f"-> {len(tok.encode('def main():'))} token ids of its tokenizer.json;" in out
     assert openm3_main(["smoke", "--preset", "m3-tiny", "--prompt", "abc"]) == 0
     assert "-> 3 byte-level token ids;" in capsys.readouterr().out
+
+
+def test_generate_and_serve_take_cpu_threads(capsys, monkeypatch):
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    assert generate(["--preset", "m3-tiny", "--prompt-ids", "1,2", "--max-new-tokens", "1", "--device", "cpu",
+                     "--threads", "1"]) == 0
+    assert set_to == [1] and serve_parser().parse_args(["--preset", "m3-tiny", "--threads", "2"]).threads == 2
+    with pytest.raises(SystemExit, match="--threads must be >= 1, got 0"):
+        generate(["--preset", "m3-tiny", "--prompt-ids", "1", "--device", "cpu", "--threads", "0"])

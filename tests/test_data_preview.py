@@ -65,4 +65,9 @@ def test_data_cli_dispatches(tmp_path, capsys):
 
     assert data_main(["preview", "--out", str(tmp_path), "--count", "1"]) == 0
     assert (tmp_path / "index.md").is_file()
-    assert data_main(["nonsense"]) == 2 and "usage: openm3 data" in capsys.readouterr().err
+    capsys.readouterr()
+    assert data_main(["nonsense"]) == 2 and "error: unknown command 'nonsense': one of preview, tokenizer" in \
+        capsys.readouterr().err
+    assert data_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: openm3 data {preview,tokenizer}") and "  tokenizer  train openm3's" in out

@@ -628,12 +628,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=list(DTYPES), metavar="bf16|fp16|fp32",
                    help="parameter dtype (also bfloat16, float16, float32; default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's, one per core; on a shared or busy machine fewer can "
+                        "be much faster)")
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
     """--device / --dtype with their defaults: CUDA in bf16 when there is a GPU, else CPU in fp32 (ValueError naming
-    --device for one this machine does not have: `check_device`)."""
+    --device for one this machine does not have: `check_device`); sets torch's CPU threads to --threads if given."""
     device = check_device(args.device)
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return device, dtype
 

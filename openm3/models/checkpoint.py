@@ -222,6 +222,7 @@ def write_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], config_d
             # clone: published pieces are views of one fused parameter, and safetensors refuses shared storage
             save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in shard}, str(tmp / file),
                       metadata={"format": "pt"})
+            os.chmod(tmp / file, 0o666 & ~_umask())  # safetensors writes 0600; the other files follow the umask
             weight_map.update({n: file for n, _ in shard})
             total += sum(t.numel() * t.element_size() for _, t in shard)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -232,6 +233,13 @@ def write_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], config_d
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, then setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _plan_shards(named_tensors: Iterable[tuple[str, torch.Tensor]], limit: int
@@ -329,6 +337,8 @@ def _training_hint(root: Path) -> str:
         run, what = root, "folder"
     else:
         return ""
+    if (run / "model" / CONFIG_FILE).is_file():  # `openm3 demo` exports there
+        return f" but a training run's {what}; its exported model is {run / 'model'}"
     return (f" but a training run's {what}: `openm3 train --out {run} --resume --export DIR` writes the run's "
             f"latest model to DIR, which loads here")
 
