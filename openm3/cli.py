@@ -99,18 +99,18 @@ def _has_vision(checkpoint: str) -> bool:
 
 
 def _checkpoint_tokenizer(checkpoint: str):
-    """The checkpoint's tokenizer.json as a `tokenizers.Tokenizer`, or None (none there, or the `data` extra's
-    tokenizers package missing: byte-level ids then)."""
-    from pathlib import Path
+    """The checkpoint's tokenizer.json (found as `generate` finds it) as a `tokenizers.Tokenizer`, or None (none
+    there, or the `data` extra's tokenizers package missing: byte-level ids then)."""
+    from .engine.generate import tokenizer_path
 
-    path = Path(checkpoint) / "tokenizer.json"
-    if not path.is_file():
+    path = tokenizer_path(None, checkpoint)
+    if path is None:
         return None
     try:
         from tokenizers import Tokenizer
     except ImportError:
         return None
-    return Tokenizer.from_file(str(path))
+    return Tokenizer.from_file(path)
 
 
 @command(
