@@ -334,7 +334,9 @@ for s in "${stages[@]}"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
           .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
       fi
-      python3 -m benchmarks.serve_tools --out "$OUT" ${SERVE_TOOLS_ARGS:-} 2>&1 | tee "$OUT/serve_tools.log" | tail -4 ;;
+      # the tokenizer serve_wheels.sh exported (training one needs the data extra's corpora, absent there)
+      python3 -m benchmarks.serve_tools --out "$OUT" ${SERVE_TOOLS_ARGS:-} \
+        $([ -f .whl/tokenizer/tokenizer.json ] && echo --tokenizer .whl/tokenizer) 2>&1 | tee "$OUT/serve_tools.log" | tail -4 ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -14,7 +14,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from openm3.engine.batching import BatchedGenerator
+from openm3.engine.constrained import TokenBytes
 from openm3.engine.tool_grammar import END, START
+from openm3.models import M3TextConfig, M3TextModel
 from openm3.serve import ModelBackend, create_app
 from openm3.serve.responses import ResponsesRequest, _output_spec
 from openm3.serve.schemas import ChatCompletionRequest
@@ -355,3 +357,43 @@ def test_bad_forced_calls_name_the_field(model, tok, path, body, param):
     r = app.post(path, json={"model": NAME, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_model_wider_than_the_tokenizer_is_constrained(tok):
+    """m3-small's 32768 logits over the 4096-token trained tokenizer (what `openm3 serve --preset m3-small` runs):
+    the grammar masks are as wide as the logits (ids past the tokenizer's never allowed), in JSON answers and in
+    forced tool calls, on the batching backend too."""
+    torch.manual_seed(0)
+    config = M3TextConfig.from_name("m3-tiny", vocab_size=tok.vocab_size + 200, num_hidden_layers=2,
+                                    layer_types=["full_attention", "minimax_m3_sparse"],
+                                    mlp_layer_types=["dense", "sparse"], index_topk_blocks=2,
+                                    max_position_embeddings=1024)
+    wide = M3TextModel(config).eval()
+    table = TokenBytes.from_tokenizer(tok, vocab_size=config.vocab_size)
+    assert len(table) == config.vocab_size and table.pieces[tok.vocab_size:] == [None] * 200  # never allowed
+    with pytest.raises(ValueError, match="vocab_size"):
+        TokenBytes.from_tokenizer(tok, vocab_size=tok.vocab_size - 1)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"enum": ["Oslo", "Rome"]}}}}}]
+    calls = 0
+    for backend in (ModelBackend(wide), BatchedGenerator(wide, token_budget=4096, max_batch=4, chunk_size=64)):
+        app = TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=1024))
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 2, "n": 2}):
+            r = app.post("/v1/chat/completions", json={**ASK, **sampling, "response_format": FORMAT})
+            assert r.status_code == 200, r.text
+            for choice in r.json()["choices"]:
+                valid(choice["message"]["content"])
+            r = app.post("/v1/chat/completions", json={**ASK, **sampling, "max_tokens": 120, "tools": tools,
+                                                       "tool_choice": "required", "parallel_tool_calls": False})
+            assert r.status_code == 200, r.text
+            for choice in r.json()["choices"]:
+                if choice["finish_reason"] == "length":  # a random model may think (free text) until max_tokens
+                    assert choice["message"]["reasoning_content"] and not choice["message"]["content"], choice
+                    continue
+                assert choice["finish_reason"] == "tool_calls", choice
+                [call] = choice["message"]["tool_calls"]
+                assert json.loads(call["function"]["arguments"])["city"] in ("Oslo", "Rome")
+                calls += 1
+        if isinstance(backend, BatchedGenerator):
+            backend.close()
+    assert calls >= 3  # of 6 answers
