@@ -198,3 +198,22 @@ def test_verify_constrained_picks_only_the_tokens_kept():
     assert run([1, 2, 4], room=9)[-1] == 0
     with pytest.raises(ValueError, match="len\\(drafts\\) \\+ 1"):
         run([1, 2, 4, 0], room=9)
+
+
+def test_logits_wider_than_the_vocabulary_table_never_pick_past_it(tok):
+    """A model may have more logits than its tokenizer has tokens (m3-small: 32768 over 4096): a constraint built
+    on the tokenizer's table picks among the table's tokens however likely the ids past it are, greedy and
+    sampled; logits narrower than the table are refused."""
+    vocab = TokenBytes.from_tokenizer(tok)
+    width = len(vocab) + 50
+    letters = [t for t, p in enumerate(vocab.pieces) if p and all(b in Words.ALLOWED for b in p)]
+    logits = torch.zeros(width)
+    logits[len(vocab):] = 50.0  # far the most likely, and never allowed
+    logits[letters[7]] = 5.0
+    assert make(tok, vocab).pick(logits, SamplingParams(0.0)) == letters[7]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        assert make(tok, vocab).pick(logits, SamplingParams(1.0, top_p=0.9), generator) < len(vocab)
+        assert make(tok, vocab).pick(logits, SamplingParams(1.0), generator) < len(vocab)
+    with pytest.raises(ValueError, match="fewer than the vocabulary"):
+        make(tok, vocab).pick(torch.zeros(len(vocab) - 1), SamplingParams(0.0))

@@ -168,7 +168,7 @@ class TransitionCache:
             return self._next[key]
         except KeyError:
             pass
-        piece = self.vocab.pieces[token]
+        piece = self.vocab.pieces[token] if token < len(self.vocab) else None  # past the table: never allowed
         after = None if piece is None else self.grammar.advance(state, piece)
         if len(self._next) >= self.max_entries:
             self._next.clear()
@@ -437,6 +437,11 @@ class GrammarConstraint:
                 if self.state is None:
                     raise ValueError(f"trigger: the grammar does not begin with token {token}")
             return token
+        width = len(self.transitions.vocab)
+        if logits.shape[-1] != width:  # a model wider than its tokenizer: the ids past the table are never allowed
+            if logits.shape[-1] < width:
+                raise ValueError(f"logits: {logits.shape[-1]} of them, fewer than the vocabulary's {width} tokens")
+            logits = logits[:width]
         row = logits.float().cpu().masked_fill(~self._allowed_first(), float("-inf"))  # one host copy per step
         self._plain_now = self.transitions.takes_plain_text(self.state)
         token = self._choose(logits, row, sampling, generator, min_p if not sampling.greedy else 0.0)
