@@ -50,6 +50,8 @@ from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 from benchmarks.msa_decode import capture_graph, replay_time_ms
 
+RUNS_ON = "GPU (CPU: smoke)"  # what `openm3 bench` lists beside it
+
 DEFAULT_STEPS = "plain,plain,plain,spec,spec,spec,spec,plain,plain,plain,clean,plain,plain,reset,plain,plain,plain"
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 

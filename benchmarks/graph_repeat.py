@@ -23,6 +23,8 @@ import torch
 from benchmarks._timing import write_result
 from benchmarks.msa_decode import capture_graph, replay_time_ms
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 
 def launch_chain(n: int = 150):
     """`n` dependent tiny kernels: a graph of this is bound by the time between its nodes, not by their work

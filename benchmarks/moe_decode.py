@@ -23,6 +23,8 @@ import torch
 from benchmarks._timing import write_result
 from benchmarks.msa_decode import graph_time_ms
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 
 def _graph_us(fn, layers: int, reps: int) -> float:
     """Median us per layer of `fn()` (which runs all layers), 10 calls captured in one CUDA graph."""

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from benchmarks._timing import event_time_ms, write_result
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 
 def variants(experts: int, hidden: int):
     def linear(x, w):
@@ -109,6 +111,8 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_router needs a CUDA GPU")
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "hidden": args.hidden, "experts": args.experts, "tokens": {}}

@@ -23,6 +23,8 @@ import torch
 
 from benchmarks._timing import event_time_ms, write_result
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 
 def _median_ms(fn, reps: int) -> float:
     for _ in range(3):

@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
 BLOCK, TOPK, LOCAL = 128, 16, 1
 HBM_BYTES_PER_S = 4.8e12

@@ -44,6 +44,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from benchmarks._inputs import DI, HI, HKV, HQ, D, m3_inputs
 from openm3.ops.msa.triton_decode import _token_scales
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 BLOCK, TOPK, LOCAL = 128, 16, 1
 
 

@@ -25,6 +25,8 @@ from benchmarks._inputs import REGIMES, m3_inputs
 from benchmarks._timing import write_result
 from benchmarks.msa_kernels import bench_ms
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 BLOCK, TOPK, LOCAL = 128, 16, 1
 ATTN = ["", "block_n=128", "num_warps=8", "num_stages=2", "dkdv_block_m=16", "dkdv_block_m=64",
         "dkdv_num_warps=4", "dq_in_dkdv=0", "block_m=32", "dkdv_num_stages=3", "dkdv_num_stages=1", "dkdv_block_n=64",

@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from benchmarks._inputs import D, DI, HI, HKV, HQ, REGIMES, m3_inputs
 from benchmarks._timing import event_time_ms
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 BLOCK, TOPK, LOCAL = 128, 16, 1
 GIB = 1024 ** 3
 

@@ -16,6 +16,8 @@ import torch
 
 from benchmarks._inputs import m3_inputs
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 BLOCK, TOPK, LOCAL = 128, 16, 1
 
 

@@ -27,6 +27,8 @@ import numpy as np
 
 from benchmarks._timing import write_result
 
+RUNS_ON = "CPU"  # what `openm3 bench` lists beside it
+
 
 def replay(tokens: np.ndarray, start: int, cfg) -> dict:
     """Speculative decoding of tokens[start:] with the document as the model's answers."""

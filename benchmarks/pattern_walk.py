@@ -18,6 +18,8 @@ import torch
 from benchmarks._timing import write_result
 from benchmarks.structured_decode import PATTERNED, vocabulary
 
+RUNS_ON = "CPU"  # what `openm3 bench` lists beside it
+
 
 def main(argv=None) -> int:
     from openm3.engine.constrained import TransitionCache

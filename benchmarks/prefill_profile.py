@@ -18,6 +18,8 @@ import torch
 from benchmarks._timing import profiled_times, top_host_ops, write_result
 from benchmarks.train_throughput import kernel_breakdown
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

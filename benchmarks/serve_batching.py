@@ -28,6 +28,8 @@ import torch
 from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 
+RUNS_ON = "GPU or CPU"  # what `openm3 bench` lists beside it
+
 
 def run_round(gen, prompts, news: list[int]) -> float:
     threads = [threading.Thread(target=lambda p=p, n=n: gen(p, max_new_tokens=n)) for p, n in zip(prompts, news)]

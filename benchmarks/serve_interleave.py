@@ -24,6 +24,8 @@ import torch
 from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 
+RUNS_ON = "CPU"  # what `openm3 bench` lists beside it
+
 
 def run(batcher, short: list[int], longs: list[list[int]], new: int) -> dict:
     stamps, admitted, firsts, sent = [], [], {}, {}

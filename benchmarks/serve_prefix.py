@@ -23,6 +23,8 @@ import torch
 from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 
+RUNS_ON = "GPU or CPU"  # what `openm3 bench` lists beside it
+
 
 def conversation(batcher, first: list[int], extra: list[list[int]], new: int) -> list[dict]:
     """Runs the turns on `batcher`; returns per turn: prompt length, cached tokens, TTFT and total seconds."""

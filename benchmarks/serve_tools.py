@@ -25,6 +25,8 @@ import torch
 
 from benchmarks._timing import write_result
 
+RUNS_ON = "GPU (CPU: smoke)"  # what `openm3 bench` lists beside it
+
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the repository.",
     "parameters": {"type": "object", "required": ["path"], "properties": {

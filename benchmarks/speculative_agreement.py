@@ -22,6 +22,8 @@ from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 from benchmarks.speculative_decode import scripted_drafts
 
+RUNS_ON = "CPU"  # what `openm3 bench` lists beside it
+
 
 def run(model, prompts, new: int, drafts_from=None, k: int = 4, eager: bool = False):
     """generate (greedy) twice, the second kept: each sequence's tokens and, per token, (logprob, top-2)."""

@@ -35,6 +35,8 @@ import torch
 from benchmarks._inputs import engine_parser, random_text_model
 from benchmarks._timing import write_result
 
+RUNS_ON = "GPU or CPU"  # what `openm3 bench` lists beside it
+
 
 KEY_TOKENS = 64  # a prompt is found by its first tokens (random prompts: distinct); hashing a whole 128K-token
 # prompt per call took ~8 ms of host time per step, which the step waits for (sessions before 28 timed that too)

@@ -35,6 +35,8 @@ import torch
 
 from benchmarks._timing import write_result
 
+RUNS_ON = "CPU"  # what `openm3 bench` lists beside it
+
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["path", "line", "mode"],
           "properties": {"path": {"type": "string"}, "line": {"type": "integer"},
                          "mode": {"enum": ["read", "write", "append"]},

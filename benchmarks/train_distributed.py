@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+RUNS_ON = "2 GPUs or CPU"  # what `openm3 bench` lists beside it
+
 STEPS, CTX, ROWS = 4, 1024, 4
 
 

@@ -72,6 +72,8 @@ import torch
 
 from benchmarks._timing import idle_gaps, profiled_times, top_host_ops
 
+RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
+
 PEAK_BF16 = {"H200": 989.5e12, "H100": 989.5e12}
 
 

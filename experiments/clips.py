@@ -40,7 +40,7 @@ import statistics
 import time
 from pathlib import Path
 
-from experiments.recipes import mean_sd, pending_runs, train_all, write_json
+from experiments.recipes import fmt_mean_sd, mean_sd, over_seeds, pending_runs, train_all, write_json
 from openm3.train.cli import clip_length_arg
 
 PARTS = ("probe", "model")
@@ -352,7 +352,7 @@ def m3_costs(clips: list[int | None]) -> list[dict]:
 
 
 def summary_table(part: str, summary: dict, costs: list[dict]) -> str:
-    fmt = lambda ms, d=2: "-" if ms is None else f"{ms[0]:.{d}f} ± {ms[1]:.{d}f}"  # noqa: E731
+    fmt = lambda ms, d=2: fmt_mean_sd(ms, d)  # noqa: E731
     extra = ["image QA", "bpb mean", "video loss (last 100 steps)"] if part == "model" else ["loss (last 100 steps)"]
     head = ["clip (temporal patches)", "frames", "video QA", *VIDEO_KINDS, *extra, "tower fwd+bwd ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -366,7 +366,7 @@ def summary_table(part: str, summary: dict, costs: list[dict]) -> str:
     first = next(iter(summary.values()))
     seeds = sorted({s for row in summary.values() for s in row["seeds"]})
     kinds = ", ".join(f"{k} {first[f'baseline/{k}']:.2f}" for k in VIDEO_KINDS if f"baseline/{k}" in first)
-    lines += ["", f"Mean ± sample standard deviation over seeds {seeds}. Best accuracy from the question alone: "
+    lines += ["", f"{over_seeds(seeds)} Best accuracy from the question alone: "
                   f"video QA {first['video_qa_text_only_baseline']:.2f}" + (f" ({kinds})" if kinds else "") + ".",
               "", "M3's tower (hidden 1280, intermediate 5120), forward GFLOP per layer for one video:", "",
               "| video | clip | patches per clip | attention | linear layers | attention share |",

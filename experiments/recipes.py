@@ -179,8 +179,23 @@ def write_json(path: Path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1))
 
 
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def mean_sd(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for one value: one seed has no spread)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def fmt_mean_sd(ms: tuple[float, float | None] | None, digits: int) -> str:
+    """A table cell: '-' for no value, the mean alone for one seed, else 'mean ± sd'."""
+    if ms is None:
+        return "-"
+    return f"{ms[0]:.{digits}f}" if ms[1] is None else f"{ms[0]:.{digits}f} ± {ms[1]:.{digits}f}"
+
+
+def over_seeds(seeds: list[int]) -> str:
+    """The table's note on what its cells are."""
+    if len(seeds) == 1:
+        return f"One seed ({seeds[0]}): no spread to show (more seeds: --seeds 0 1 2)."
+    return f"Mean ± sample standard deviation over seeds {seeds}."
 
 
 def summarise(records: list[dict]) -> dict:
@@ -208,7 +223,7 @@ def summary_table(summary: dict) -> str:
     corpora = sorted(k[4:] for k in next(iter(summary.values())) if k.startswith("bpb/"))
     head = ["recipe", "vision steps", "bpb mean", *(f"bpb {c}" for c in corpora), "image QA", "video QA",
             "indexer recall"]
-    fmt = lambda ms, d=3: "-" if ms is None else f"{ms[0]:.{d}f} ± {ms[1]:.{d}f}"  # noqa: E731
+    fmt = lambda ms, d=3: fmt_mean_sd(ms, d)  # noqa: E731
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for recipe, row in summary.items():
         cells = [recipe, str(row["vision_steps"]), fmt(row.get("bpb_mean")),
@@ -218,7 +233,7 @@ def summary_table(summary: dict) -> str:
     first = next(iter(summary.values()))
     lines.append("")
     seeds = sorted({seed for row in summary.values() for seed in row["seeds"]})
-    lines.append(f"Mean ± sample standard deviation over seeds {seeds}. QA accuracy of the best model that "
+    lines.append(f"{over_seeds(seeds)} QA accuracy of the best model that "
                  f"sees only the question: image {first['colour_qa_text_only_baseline']:.2f}, video "
                  f"{first['video_qa_text_only_baseline']:.2f}. Every recipe: {first['text_tokens']:,} text tokens.")
     return "\n".join(lines) + "\n"
@@ -243,7 +258,8 @@ def text_loss_plot(records: list[dict], path: Path, args: argparse.Namespace) ->
                label="cpt: vision on")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"text-row cross-entropy ({k}-step mean)")
-    ax.set_title(f"m3-tiny, one text-token budget, mean of {len(args.seeds)} seeds")
+    seeds = f"mean of {len(args.seeds)} seeds" if len(args.seeds) > 1 else f"seed {args.seeds[0]}"
+    ax.set_title(f"m3-tiny, one text-token budget, {seeds}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)

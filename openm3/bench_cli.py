@@ -5,12 +5,14 @@
 
 The benchmarks are not part of the installed package (a wheel carries `openm3` only), so the command looks for
 `benchmarks/` beside the package's directory (a clone installed with `pip install -e .`, as `scripts/setup.sh`
-does), then in the working directory. Most of them time Triton kernels or CUDA graphs and need a GPU; each writes its
-figures as JSON under `--out` where it takes one (`benchmarks/results/` holds the recorded ones).
+does), then in the working directory. Most of them time Triton kernels or CUDA graphs and need a GPU (the list says
+where each runs: its `RUNS_ON`); each writes its figures as JSON under `--out` where it takes one
+(`benchmarks/results/` holds the recorded ones).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import runpy
 import sys
@@ -33,27 +35,39 @@ def benchmarks_dir() -> Path:
                             + ", ".join(dict.fromkeys(tried)) + "): clone the repository and run it from there")
 
 
-def available(folder: Path) -> dict[str, str]:
-    """{name: first sentence of its docstring} for each benchmark script (modules starting with '_' are helpers),
-    read without importing them (an import may need CUDA or the benchmark's own dependencies)."""
+def _runs_on(tree: ast.Module) -> str | None:
+    """A benchmark's module-level `RUNS_ON = "..."` (where it runs: "GPU", "CPU", ...), None when it has none."""
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["RUNS_ON"]
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            return node.value.value
+    return None
+
+
+def available(folder: Path) -> dict[str, tuple[str, str]]:
+    """{name: (first sentence of its docstring, where it runs: its `RUNS_ON` or "?")} for each benchmark script
+    (modules starting with '_' are helpers), read without importing them (an import may need CUDA or the
+    benchmark's own dependencies)."""
     out = {}
     for path in sorted(folder.glob("*.py")):
         if path.name.startswith("_"):
             continue
-        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))) or ""
-        paragraph = " ".join(doc.split("\n\n")[0].split())
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        paragraph = " ".join((ast.get_docstring(tree) or "").split("\n\n")[0].split())
         end = paragraph.find(". ")
-        out[path.stem] = paragraph if end < 0 else paragraph[:end + 1]
+        out[path.stem] = (paragraph if end < 0 else paragraph[:end + 1], _runs_on(tree) or "?")
     return out
 
 
-def _listing(found: dict[str, str], width: int = 118) -> str:
-    """The names in a column, each question wrapped beside its name."""
+def _listing(found: dict[str, tuple[str, str]], width: int = 118) -> str:
+    """The names and where each runs in columns, each question wrapped beside them."""
     pad = max(map(len, found), default=0) + 2
+    pad_where = max((len(where) for _, where in found.values()), default=0) + 2
     lines = []
-    for name, question in found.items():
-        wrapped = textwrap.wrap(question, width - pad) or [""]
-        lines += [name.ljust(pad) + wrapped[0], *(" " * pad + rest for rest in wrapped[1:])]
+    for name, (question, where) in found.items():
+        wrapped = textwrap.wrap(question, width - pad - pad_where) or [""]
+        lines += [name.ljust(pad) + where.ljust(pad_where) + wrapped[0],
+                  *(" " * (pad + pad_where) + rest for rest in wrapped[1:])]
     return "\n".join(lines)
 
 
@@ -69,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     found = available(folder)
     if not argv:
-        print(f"benchmarks in {folder} (openm3 bench NAME --help for a benchmark's flags):\n")
+        print(f"benchmarks in {folder}, where each runs and what it answers (openm3 bench NAME --help: its flags):\n")
         print(_listing(found))
         return 0
     name, rest = argv[0], argv[1:]
@@ -79,8 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     root = str(folder.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
-    saved = sys.argv
+    saved, saved_parser = sys.argv, argparse.ArgumentParser.__init__
     sys.argv = [f"openm3 bench {name}", *rest]
+
+    def named(self, *args, **kwargs):  # runpy's alter_sys sets argv[0] to the script's path: name the command
+        if not args and kwargs.get("prog") is None:  # (a parser given its own prog keeps it)
+            kwargs["prog"] = f"openm3 bench {name}"
+        saved_parser(self, *args, **kwargs)
+
+    argparse.ArgumentParser.__init__ = named
     try:
         runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
     except SystemExit as done:  # argparse's --help and errors, or the benchmark's own exit status
@@ -90,5 +111,5 @@ def main(argv: list[str] | None = None) -> int:
         print(code, file=sys.stderr)  # a message (`raise SystemExit("... needs a CUDA GPU")`): say it, as Python would
         return 1
     finally:
-        sys.argv = saved
+        sys.argv, argparse.ArgumentParser.__init__ = saved, saved_parser
     return 0

@@ -17,7 +17,11 @@ def test_listing_names_every_benchmark_with_its_question(capsys):
     assert scripts and list(bench_cli.available(BENCHMARKS)) == scripts
     listed = [line.split()[0] for line in out.splitlines()[2:] if line and not line.startswith(" ")]
     assert listed == scripts
-    assert "msa_decode" in out and "vs dense attention" in out  # msa_decode's docstring, wrapped beside its name
+    where = {name: w for name, (_, w) in bench_cli.available(BENCHMARKS).items()}
+    assert "?" not in where.values(), where  # every benchmark says where it runs (its RUNS_ON)
+    assert where["msa_decode"] == "GPU" and where["ngram_acceptance"] == "CPU"
+    assert any(line.split()[:2] == ["msa_decode", "GPU"] for line in out.splitlines())
+    assert "vs dense attention" in " ".join(out.split())  # msa_decode's docstring, wrapped beside its name
     assert all(len(line) <= 118 for line in out.splitlines()[1:])
 
 
@@ -29,7 +33,8 @@ def test_unknown_benchmark_is_an_error_naming_the_choices(capsys):
 
 def test_runs_a_benchmark_with_its_flags(capsys, tmp_path):
     assert main(["bench", "ngram_acceptance", "--help"]) == 0
-    assert "--lookup-min" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--lookup-min" in out and out.startswith("usage: openm3 bench ngram_acceptance ")  # not the file's name
     assert main(["bench", "ngram_acceptance.py", "--bogus"]) == 2  # its own argparse error, passed on
     args = ["--docs", "1", "--max-tokens", "600", "--start", "100", "--corpora", "topics", "--drafts", "2",
             "--lookup-min", "2", "--out", str(tmp_path)]
@@ -55,6 +60,6 @@ def test_a_benchmarks_exit_message_is_printed(capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in ("moe_decode", "prefill_profile"):
+    for name in ("moe_decode", "prefill_profile", "moe_router"):
         assert main(["bench", name]) == 1
         assert capsys.readouterr().err.strip() == f"{name} needs a CUDA GPU"

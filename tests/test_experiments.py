@@ -26,11 +26,14 @@ def test_summary_means_and_spreads():
     assert native["seeds"] == [0, 1] and native["bpb/stdlib"] == (2.5, pytest.approx(math.sqrt(0.5)))
     assert native["bpb_mean"] == (3.0, pytest.approx(math.sqrt(0.5)))
     assert native["colour_qa_accuracy"] == (0.75, pytest.approx(math.sqrt(0.125)))
-    assert summary["text-only"]["bpb/topics"] == (3.5, 0.0) and "indexer_recall" not in native
+    assert summary["text-only"]["bpb/topics"] == (3.5, None) and "indexer_recall" not in native  # one seed
     table = recipes.summary_table(summary)
     row = "| native | 5 | 3.000 ± 0.707 | 2.500 ± 0.707 | 3.500 ± 0.707 | 0.75 ± 0.35 | 0.50 ± 0.00 | - |"
-    assert row in table
-    assert "seeds [0, 1]" in table
+    assert row in table and "| text-only | 0 | 3.000 | 2.500 | 3.500 | 0.10 | 0.50 | - |" in table
+    assert "Mean ± sample standard deviation over seeds [0, 1]." in table
+    alone = recipes.summary_table(recipes.summarise(runs[:1]))
+    assert "| native | 5 | 2.500 | 2.000 | 3.000 | 1.00 | 0.50 | - |" in alone and "±" not in alone
+    assert "One seed (0): no spread" in alone
 
 
 def test_bad_settings_fail_before_training(capsys):
