@@ -154,6 +154,34 @@ def test_out_of_vocabulary_ids_fail_on_the_host_before_the_forward(tmp_path):
     assert not t.model.input_ids_prechecked
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                                                "8589934592 bytes")], ids=["cuda", "cpu"])
+def test_running_out_of_memory_says_what_to_change(tmp_path, monkeypatch, error):
+    """Out of memory in a step (CUDA's error, or the CPU allocator's RuntimeError) is an OutOfMemoryError naming
+    the settings that would lower the memory, with the original error chained; other errors pass unchanged."""
+    t = Trainer(toy_cfg(tmp_path, steps=4), ToyLM, ToySource())
+    step = t.launch_step
+
+    def failing():
+        if t.step == 2:
+            raise error
+        return step()
+
+    monkeypatch.setattr(t, "launch_step", failing)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        t.fit()
+    message = str(caught.value)
+    assert "after 2 completed steps" in message and "2 rows of 24 tokens" in message
+    assert "--micro-batch (now 2" in message and "--activation-checkpointing" in message and "--seq-len" in message
+    assert ("more GPUs" in message) == isinstance(error, torch.OutOfMemoryError)
+    assert caught.value.__cause__ is error
+    other = Trainer(toy_cfg(tmp_path, "other", steps=4), ToyLM, ToySource())
+    monkeypatch.setattr(other, "launch_step", lambda: (_ for _ in ()).throw(RuntimeError("something else")))
+    with pytest.raises(RuntimeError, match="^something else$"):
+        other.fit()
+
+
 def test_micro_batch_size_does_not_change_the_update(tmp_path):
     b = Trainer(toy_cfg(tmp_path, "b", steps=3, micro_batch=4, aux_loss_weight=0.0, kl_weight=0.0), ToyLM,
                 ToySource()).fit()

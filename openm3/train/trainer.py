@@ -396,24 +396,56 @@ class Trainer:
 
         pending: PendingStep | None = None
         try:
-            while self.step < until:
-                queued = self.launch_step()
-                if pending is not None:
-                    finish(pending)
-                pending = queued
-                last = self.step == self.plan.steps
-                evaluate = cfg.eval_every and (self.step % cfg.eval_every == 0) or last
-                save = cfg.ckpt_every and (self.step % cfg.ckpt_every == 0) or last
-                if not cfg.overlap_steps or evaluate or save or self.step == until:
-                    finish(pending)
-                    pending = None
-                if evaluate:
-                    self.evaluate()
-                if save:
-                    self.save_checkpoint()
+            with self._memory_advice():
+                while self.step < until:
+                    queued = self.launch_step()
+                    if pending is not None:
+                        finish(pending)
+                    pending = queued
+                    last = self.step == self.plan.steps
+                    evaluate = cfg.eval_every and (self.step % cfg.eval_every == 0) or last
+                    save = cfg.ckpt_every and (self.step % cfg.ckpt_every == 0) or last
+                    if not cfg.overlap_steps or evaluate or save or self.step == until:
+                        finish(pending)
+                        pending = None
+                    if evaluate:
+                        self.evaluate()
+                    if save:
+                        self.save_checkpoint()
         finally:
             progress.close()
         return self.history
+
+    @contextmanager
+    def _memory_advice(self):
+        """Running out of device memory (CUDA's OutOfMemoryError, the CPU allocator's error) re-raised as
+        torch.OutOfMemoryError saying what to change; the original error stays chained below it."""
+        try:
+            yield
+        except RuntimeError as err:
+            on_cpu = "can't allocate memory" in str(err)
+            if not (isinstance(err, torch.OutOfMemoryError) or on_cpu):
+                raise
+            raise torch.OutOfMemoryError(self._memory_hint(on_cpu)) from err
+
+    def _memory_hint(self, on_cpu: bool) -> str:
+        cfg, info = self.cfg, self.info
+        where = "host" if on_cpu else f"{info.device.type} device"
+        if not on_cpu and info.device.type == "cuda":
+            total = torch.cuda.get_device_properties(info.device).total_memory
+            where += (f" ({torch.cuda.max_memory_allocated(info.device) / 2**30:.1f} GiB peak allocated of "
+                      f"{total / 2**30:.1f} GiB)")
+        tips = []
+        if cfg.micro_batch > 1:
+            tips.append(f"a smaller --micro-batch (now {cfg.micro_batch}; the step keeps its rows through gradient "
+                        "accumulation)")
+        if not cfg.activation_checkpointing:
+            tips.append("--activation-checkpointing")
+        tips.append(f"a shorter --seq-len (now {cfg.seq_len})")
+        if not on_cpu:
+            tips.append(f"more GPUs (torchrun --nproc_per_node N shards the model; now {info.world_size})")
+        return (f"training ran out of {where} memory after {self.step} completed steps, {cfg.micro_batch} rows of "
+                f"{cfg.seq_len} tokens per forward on each rank: try " + ", ".join(tips[:-1]) + f" or {tips[-1]}")
 
     def close(self) -> None:
         if self._prefetcher is not None:
