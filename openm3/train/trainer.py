@@ -430,11 +430,14 @@ class Trainer:
 
     def _memory_hint(self, on_cpu: bool) -> str:
         cfg, info = self.cfg, self.info
-        where = "host" if on_cpu else f"{info.device.type} device"
-        if not on_cpu and info.device.type == "cuda":
-            total = torch.cuda.get_device_properties(info.device).total_memory
-            where += (f" ({torch.cuda.max_memory_allocated(info.device) / 2**30:.1f} GiB peak allocated of "
-                      f"{total / 2**30:.1f} GiB)")
+        if on_cpu:
+            where = "host memory"
+        elif info.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(info.device) / 2**30
+            total = torch.cuda.get_device_properties(info.device).total_memory / 2**30
+            where = f"GPU memory ({peak:.1f} GiB peak allocated of {total:.1f} GiB)"
+        else:
+            where = f"{info.device.type} memory"
         tips = []
         if cfg.micro_batch > 1:
             tips.append(f"a smaller --micro-batch (now {cfg.micro_batch}; the step keeps its rows through gradient "
@@ -444,7 +447,7 @@ class Trainer:
         tips.append(f"a shorter --seq-len (now {cfg.seq_len})")
         if not on_cpu:
             tips.append(f"more GPUs (torchrun --nproc_per_node N shards the model; now {info.world_size})")
-        return (f"training ran out of {where} memory after {self.step} completed steps, {cfg.micro_batch} rows of "
+        return (f"training ran out of {where} after {self.step} completed steps, {cfg.micro_batch} rows of "
                 f"{cfg.seq_len} tokens per forward on each rank: try " + ", ".join(tips[:-1]) + f" or {tips[-1]}")
 
     def close(self) -> None:
