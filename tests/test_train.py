@@ -182,6 +182,21 @@ def test_running_out_of_memory_says_what_to_change(tmp_path, monkeypatch, error)
         other.fit()
 
 
+def test_a_failing_evaluation_loses_no_training(tmp_path):
+    """The checkpoint of a step goes to disk before that step's evaluation: an evaluation that fails leaves the
+    trained steps resumable."""
+
+    def evaluator(trainer, step):
+        raise RuntimeError("evaluation broke")
+
+    t = Trainer(toy_cfg(tmp_path, steps=3), ToyLM, ToySource(), evaluator=evaluator)
+    with pytest.raises(RuntimeError, match="evaluation broke"):
+        t.fit()
+    assert latest_checkpoint(t.checkpoints.root).name == "step_00000003"
+    again = Trainer(toy_cfg(tmp_path, steps=3), ToyLM, ToySource())
+    assert again.resume() and again.step == 3
+
+
 def test_micro_batch_size_does_not_change_the_update(tmp_path):
     b = Trainer(toy_cfg(tmp_path, "b", steps=3, micro_batch=4, aux_loss_weight=0.0, kl_weight=0.0), ToyLM,
                 ToySource()).fit()
@@ -287,9 +302,9 @@ def test_overlapped_steps_read_values_one_step_late_and_change_nothing(tmp_path)
         runs[overlap] = (t, t.fit())
     L, R = "launch", "read"
     assert runs[True][0].events == [(L, 0), (L, 1), (R, 0), (R, 1), ("save", 2), (L, 2), (L, 3), (R, 2), (R, 3),
-                                    ("save", 4), (L, 4), (R, 4), ("eval", 5), ("save", 5)]
+                                    ("save", 4), (L, 4), (R, 4), ("save", 5), ("eval", 5)]
     assert runs[False][0].events == [(L, 0), (R, 0), (L, 1), (R, 1), ("save", 2), (L, 2), (R, 2), (L, 3), (R, 3),
-                                     ("save", 4), (L, 4), (R, 4), ("eval", 5), ("save", 5)]
+                                     ("save", 4), (L, 4), (R, 4), ("save", 5), ("eval", 5)]
     timing = ("tokens_per_s",)
     strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
     assert strip(runs[True][1]) == strip(runs[False][1])

@@ -357,6 +357,33 @@ def test_train_starts_from_a_checkpoint(tmp_path, tokenizer, source, monkeypatch
     assert built == [str(export)]
 
 
+def test_train_from_a_text_only_checkpoint_evaluates_without_questions(tmp_path, monkeypatch, tokenizer):
+    """`--init-from` a text-only checkpoint: the run's evaluation asks no image / video questions (the model has
+    no vision tower; it crashed at the last evaluation, with no checkpoint written, before session 47), and a
+    config that asks for them fails before training."""
+    import json
+
+    from openm3.models import M3TextConfig, M3TextModel
+    from openm3.train import cli
+    from openm3.train.metrics import read_jsonl
+
+    path = tmp_path / "ckpt"
+    M3TextModel(M3TextConfig.from_name("m3-tiny", vocab_size=tokenizer.vocab_size, num_hidden_layers=2)
+                ).save_pretrained(path)
+    monkeypatch.setattr("openm3.data.get_tokenizer", lambda *a, **k: tokenizer)
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"extra": {"eval": {"windows": 1}}}))
+    argv = ["--init-from", str(path), "--recipe", "text-only", "--steps", "2", "--seq-len", "64", "--text-rows", "1",
+            "--micro-batch", "1", "--no-progress", "--device", "cpu", "--config", str(config)]
+    assert cli.main([*argv, "--out", str(tmp_path / "run")]) == 0
+    evals = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if any(k.startswith("eval/") for k in r)]
+    assert evals and not any("qa" in k for r in evals for k in r) and "eval/bpb/stdlib" in evals[-1]
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+    config.write_text(json.dumps({"extra": {"eval": {"windows": 1, "qa": {"colour_qa": 4}}}}))
+    with pytest.raises(ValueError, match="extra.eval.qa asks for .*colour_qa.* but the model is text-only"):
+        cli.main([*argv, "--out", str(tmp_path / "asks")])
+
+
 @pytest.mark.parametrize("case,message", [
     ("missing", "init_from: .*checkpoint directory not found"),
     ("text-only", "init_from: .* holds a text-only M3 model, but the recipe trains on images or videos"),

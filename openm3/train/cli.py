@@ -193,6 +193,18 @@ def check_context(cfg: TrainConfig, text_config) -> None:
                          f"longer contexts")
 
 
+def eval_questions(ev: dict, build) -> dict:
+    """The evaluation's image / video question counts (`extra.eval.qa`): 50 image and 24 video questions for a
+    vision-language model, none for a text-only one (`--init-from` a text checkpoint), which cannot take them."""
+    if getattr(build, "multimodal", True):
+        return ev.get("qa", {"colour_qa": 50, "video_qa": 24})
+    asked = {task: n for task, n in ev.get("qa", {}).items() if n}
+    if asked:
+        raise ValueError(f"extra.eval.qa asks for {asked}, but the model is text-only (its checkpoint has no vision "
+                         "tower): image and video questions need a vision-language model")
+    return {}
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -228,8 +240,7 @@ def main(argv=None) -> int:
         build = model_builder(cfg.model, tokenizer)
     check_context(cfg, build.text_config)
     ev = extra.get("eval", {})
-    evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=ev.get("windows", 2),
-                          qa=ev.get("qa", {"colour_qa": 50, "video_qa": 24}),
+    evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=ev.get("windows", 2), qa=eval_questions(ev, build),
                           frames_per_clip=cfg.video_frames_per_clip, **sizes)
     trainer = Trainer(cfg, build, source, evaluator=evaluator)
     if args.resume and not trainer.resume():  # resumed_config found one: it went while the model was built

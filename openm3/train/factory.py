@@ -12,7 +12,8 @@ from torch import nn
 def model_builder(name: str, tokenizer, *, multimodal: bool = True, **overrides) -> Callable[[], nn.Module]:
     """A zero-argument constructor of preset `name` (`m3-tiny`, `m3-small`, `m3`) whose vocabulary and
     placeholder ids are the tokenizer's. `overrides` are `M3TextConfig` fields. Its `text_config` attribute is the
-    text decoder's config (read before anything is built)."""
+    text decoder's config (read before anything is built), its `multimodal` whether it builds the vision-language
+    model."""
     from ..models.config import PRESETS, M3TextConfig
 
     if name not in PRESETS:
@@ -23,6 +24,7 @@ def model_builder(name: str, tokenizer, *, multimodal: bool = True, **overrides)
 
         config = M3TextConfig.from_name(name, **overrides)
         build, build.text_config = (lambda: M3TextModel(config)), config
+        build.multimodal = False
         return build
 
     from ..models.multimodal import M3ForConditionalGeneration, M3VLConfig
@@ -30,6 +32,7 @@ def model_builder(name: str, tokenizer, *, multimodal: bool = True, **overrides)
     config = M3VLConfig.from_name(name, image_token_index=tokenizer.image_id, video_token_index=tokenizer.video_id,
                                   **overrides)
     build, build.text_config = (lambda: M3ForConditionalGeneration(config)), config.text_config
+    build.multimodal = True
     return build
 
 
@@ -59,7 +62,8 @@ def checkpoint_builder(path: str | Path, tokenizer, *, multimodal: bool) -> Call
     without reading weights, that it suits the run: a vision-language checkpoint when `multimodal` (the recipe has
     image or video rows), the tokenizer's ids inside its vocabulary, and the tokenizer's image / video
     placeholder ids for a VL checkpoint. Raises ValueError naming `init_from`. Its `text_config` attribute is the
-    text decoder's config and its `skeleton` builds the architecture without reading weights."""
+    text decoder's config, its `multimodal` whether the checkpoint is a vision-language one, and its `skeleton`
+    builds the architecture without reading weights."""
     import torch
 
     from ..models.checkpoint import CheckpointError, load_pretrained, read_configs
@@ -83,7 +87,7 @@ def checkpoint_builder(path: str | Path, tokenizer, *, multimodal: bool) -> Call
     def build() -> nn.Module:
         return load_pretrained(root, dtype=torch.float32).train()
 
-    build.text_config = text
+    build.text_config, build.multimodal = text, is_vl
 
     # the same architecture without reading the weights (an export needs only its structure to save into)
     if is_vl:

@@ -408,10 +408,10 @@ class Trainer:
                     if not cfg.overlap_steps or evaluate or save or self.step == until:
                         finish(pending)
                         pending = None
+                    if save:  # before the evaluation: an evaluation that fails loses no training
+                        self.save_checkpoint()
                     if evaluate:
                         self.evaluate()
-                    if save:
-                        self.save_checkpoint()
         finally:
             progress.close()
         return self.history
