@@ -317,3 +317,19 @@ def test_responses_logprobs_need_a_backend_with_them(tok):
     assert r.status_code == 400 and r.json()["error"]["param"] == "include"
     r = client.post("/v1/responses", json={"model": NAME, "input": "x", "top_logprobs": 21})
     assert r.status_code == 400 and "top_logprobs" in r.text
+
+
+def test_completion_top_logprobs_keep_every_alternative(tok):
+    """Completions' `top_logprobs` is a dict keyed by text: ids past the tokenizer (a model with more logits than
+    tokens, as m3-small over the trained tokenizer) are keyed `token_id:N`, and of alternatives that decode alike
+    the most likely keeps the key (the last one used to overwrite it)."""
+    from openm3.serve.logprobs import TokenLogprobs
+
+    fffd = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"][:2]  # byte tokens of no whole char
+    assert len(fffd) == 2
+    word = tok.encode(" the")[0]
+    top = [(word, -0.5), (tok.vocab_size + 7, -1.0), (fffd[0], -2.0), (tok.vocab_size + 9, -3.0), (fffd[1], -4.0)]
+    entries = TokenLogprobs(tok, 5).completion([(word, -0.5, top)])
+    assert entries["top_logprobs"] == [{" the": -0.5, f"token_id:{tok.vocab_size + 7}": -1.0, "\ufffd": -2.0,
+                                        f"token_id:{tok.vocab_size + 9}": -3.0}]
+    assert entries["tokens"] == [" the"]

@@ -102,9 +102,19 @@ class TokenLogprobs:
         for text in tokens:
             offsets.append(self._offset)
             self._offset += len(text)
-        tops = [None if top is None else {self._text(i): v for i, v in top} for _, _, top in entries]
+        tops = [None if top is None else self._top_dict(top) for _, _, top in entries]
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": tops if self.top else None, "text_offset": offsets}
+
+
+    def _top_dict(self, top: list) -> dict[str, float]:
+        """{text: logprob} of the alternatives, most likely first. Keys must differ: an id past the tokenizer (a
+        model may have more logits than it has tokens) is keyed `token_id:N` (vLLM's form), and of alternatives
+        that decode alike (e.g. two halves of a character, both U+FFFD) the most likely keeps the key."""
+        out: dict[str, float] = {}
+        for i, v in top:
+            out.setdefault(self._text(i) if i < self.tokenizer.vocab_size else f"token_id:{i}", v)
+        return out
 
 
 class PromptEntries:
