@@ -39,16 +39,19 @@ def command(name: str, help: str, *arguments: tuple[tuple, dict]):
     arg("--seed", type=int, default=0, help="random init seed (default: %(default)s)"),
     arg("--device", default="cpu", help="torch device (default: %(default)s)"),
     arg("--topk", type=int, default=5, help="number of next-token predictions to print (default: %(default)s)"),
+    arg("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's, one per core; "
+        "on a shared or busy machine fewer can be much faster)"),
 )
 def smoke(args: argparse.Namespace) -> int:
     import torch
 
-    from .engine.generate import check_device
+    from .engine.generate import check_device, set_threads
     from .models import M3TextConfig, M3TextModel, load_text_model
 
     if args.topk < 1:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
     check_device(args.device)  # ValueError naming --device for one this machine lacks
+    set_threads(args.threads)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     tokenizer = None

@@ -146,6 +146,13 @@ def test_smoke_reads_a_checkpoint_with_its_tokenizer(tmp_path, capsys):
     assert f"-> {len(tok.encode('def main():'))} token ids of its tokenizer.json;" in out
     assert openm3_main(["smoke", "--preset", "m3-tiny", "--prompt", "abc"]) == 0
     assert "-> 3 byte-level token ids;" in capsys.readouterr().out
+    threads = torch.get_num_threads()
+    try:
+        assert openm3_main(["smoke", "--prompt", "abc", "--threads", "1"]) == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert openm3_main(["smoke", "--threads", "0"]) == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_generate_and_serve_take_cpu_threads(capsys, monkeypatch):

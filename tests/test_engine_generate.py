@@ -38,6 +38,21 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward(model):
     assert "cache plan: 3 pages x 16 tokens" in stats.summary()  # 24 + 7 reserved tokens -> 2 + 1 pages
 
 
+def test_the_workspace_estimate_follows_the_prompts_not_the_model_limits(model):
+    """The memory plan's workspace is that of the chunk the prompts fill and of their context, not of a whole
+    `chunk_size` chunk over `max_position_embeddings` keys (m3-small's estimate for a 200-token prompt was ~2 GiB,
+    1 GiB of it block scores for 1M keys)."""
+    from openm3.engine.generate import workspace_estimate
+    from openm3.models.config import M3TextConfig
+
+    small = M3TextConfig.from_name("m3-small", num_hidden_layers=2)
+    short = workspace_estimate(small, 200, torch.float32, 1, context=200 + 16)
+    assert short < 0.05 * 2**30 < 1.5 * 2**30 < workspace_estimate(small, 8192, torch.float32, 1)
+    assert workspace_estimate(small, 200, torch.float32, 1, context=1 << 20) - short == 200 * 4 * 4 * (8192 - 2)
+    _, stats = generate(model, [[5, 6, 7] * 7, [1, 2]], max_new_tokens=4, chunk_size=64)
+    assert stats.workspace_bytes == workspace_estimate(model.config, 23, torch.float32, 2, context=21 + 4)
+
+
 def test_stop_token_ends_a_sequence(model):
     first, _ = generate(model, [[1, 2, 3]], max_new_tokens=3)
     stop = first[0].tokens[1]
@@ -161,7 +176,8 @@ def test_streamed_cli_output_keeps_characters_split_across_tokens(capsys):
     (["--preset", "m3-tiny", "--prompt-ids", "1,x"], "comma-separated ints"),
     (["--preset", "m3-tiny", "--random-prompt", "9000"], "configured maximum"),
     (["--preset", "m3-tiny", "--prompt-ids", "1", "--presence-penalty", "3"], "presence penalty"),
-], ids=["unknown-preset", "missing-checkpoint", "top-p", "empty", "bad-ids", "too-long", "penalty"])
+    (["--preset", "m3-tiny", "--prompt-ids", "1", "--stop", "2,zz"], "--stop: expected comma-separated token ids"),
+], ids=["unknown-preset", "missing-checkpoint", "top-p", "empty", "bad-ids", "too-long", "penalty", "stop"])
 def test_cli_bad_requests(argv, match):
     with pytest.raises(SystemExit, match=match):
         main(argv + ["--device", "cpu"])

@@ -133,9 +133,12 @@ class GenerationStats:
         return "\n".join(lines)
 
 
-def workspace_estimate(config, chunk_size: int, dtype: torch.dtype, vocab_rows: int) -> int:
-    """Rough peak activation bytes of one prefill chunk: the residual stream and its temporaries, q/k/v and the
-    index projections, the widest MLP/MoE intermediate, fp32 MSA selection scores, and the logits rows."""
+def workspace_estimate(config, chunk_size: int, dtype: torch.dtype, vocab_rows: int,
+                       context: int | None = None) -> int:
+    """Rough peak activation bytes of one prefill chunk (`chunk_size` tokens: pass the chunk the prompts fill):
+    the residual stream and its temporaries, q/k/v and the index projections, the widest MLP/MoE intermediate,
+    fp32 MSA selection scores over the blocks of `context` keys (default: the model's whole context), and the
+    logits rows."""
     el = torch.empty((), dtype=dtype).element_size()
     c = config
     per_token = (6 * c.hidden_size
@@ -143,7 +146,8 @@ def workspace_estimate(config, chunk_size: int, dtype: torch.dtype, vocab_rows: 
                  + (c.index_n_heads + 1) * c.index_head_dim
                  + 3 * max(c.dense_intermediate_size, c.intermediate_size * c.num_experts_per_tok,
                            c.shared_intermediate_size)) * el
-    selection = 4 * c.index_n_heads * (c.max_position_embeddings // c.index_block_size)  # fp32 block scores
+    keys = c.max_position_embeddings if context is None else min(context, c.max_position_embeddings)
+    selection = 4 * c.index_n_heads * -(-keys // c.index_block_size)  # fp32 block scores
     return chunk_size * (per_token + selection) + vocab_rows * c.vocab_size * 4
 
 
@@ -278,7 +282,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
                              f"max_new_tokens per sequence) but the token budget is {token_budget}")
     stats = GenerationStats(prompt_tokens=sum(p.numel() for p in ids), cache_bytes=plan.total_bytes,
                             weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-                            workspace_bytes=workspace_estimate(config, chunk_size, dtype, len(ids)),
+                            workspace_bytes=workspace_estimate(config, min(chunk_size, sum(p.numel() for p in ids)),
+                                                               dtype, len(ids), max(reserve.values())),
                             plan=plan.summary(), speculative=speculative.describe() if speculative else "")
     cuda = device.type == "cuda"
     if cuda:
@@ -544,7 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted from output tokens' logits")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="times each token's count in the output, subtracted from its logit")
-    p.add_argument("--stop", default="", help="comma-separated stop token ids")
+    p.add_argument("--stop", default="", help="comma-separated stop token ids (e.g. 2,7); --chat also stops at the "
+                   "end of the assistant's turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward (default: %(default)s)")
     p.add_argument("--token-budget", type=int, default=None, help="tokens to plan the cache for")
@@ -633,15 +639,19 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "be much faster)")
 
 
-def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
-    """--device / --dtype with their defaults: CUDA in bf16 when there is a GPU, else CPU in fp32 (ValueError naming
-    --device for one this machine does not have: `check_device`); sets torch's CPU threads to --threads if given."""
-    device = check_device(args.device)
-    threads = getattr(args, "threads", None)
+def set_threads(threads: int | None) -> None:
+    """`--threads`: torch's CPU threads (None: leave torch's default); ValueError naming the option below 1."""
     if threads is not None:
         if threads < 1:
             raise ValueError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+
+
+def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
+    """--device / --dtype with their defaults: CUDA in bf16 when there is a GPU, else CPU in fp32 (ValueError naming
+    --device for one this machine does not have: `check_device`); sets torch's CPU threads to --threads if given."""
+    device = check_device(args.device)
+    set_threads(getattr(args, "threads", None))
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return device, dtype
 
@@ -662,6 +672,16 @@ def check_device(name: str | None, flag: str = "--device") -> torch.device:
         raise ValueError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                          f"cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     return device
+
+
+def stop_token_ids(text: str) -> list[int]:
+    """`--stop`: comma-separated token ids (ValueError naming the option for anything else)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [part for part in parts if not part.isdigit()]
+    if bad:
+        raise ValueError(f"--stop: expected comma-separated token ids (e.g. --stop 2,7), got {text!r}; stop "
+                         "strings are the server's `stop` field")
+    return [int(part) for part in parts]
 
 
 def tokenizer_path(tokenizer: str | None, checkpoint: str | None) -> str | None:
@@ -754,7 +774,7 @@ def run(args: argparse.Namespace) -> int:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
         penalties = Penalties(presence=args.presence_penalty, frequency=args.frequency_penalty,
                               repetition=args.repetition_penalty, min_p=args.min_p)
-        stop = [int(s) for s in args.stop.split(",") if s.strip()]
+        stop = stop_token_ids(args.stop)
         speculative = speculative_option(args.speculative_config)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
