@@ -36,6 +36,7 @@ def command(name: str, help: str, *arguments: tuple[tuple, dict]):
         "--checkpoint's tokenizer.json when it has one)"),
     arg("--preset", "--config", dest="config", default="m3-tiny", help="model preset (m3-tiny, m3-small, m3)"),
     arg("--checkpoint", default=None, help="load this checkpoint directory instead of a random --preset model"),
+    arg("--layers", type=int, default=None, metavar="N", help="the preset at N decoder layers (its pattern kept)"),
     arg("--seed", type=int, default=0, help="random init seed (default: %(default)s)"),
     arg("--device", default="cpu", help="torch device (default: %(default)s)"),
     arg("--topk", type=int, default=5, help="number of next-token predictions to print (default: %(default)s)"),
@@ -45,13 +46,14 @@ def command(name: str, help: str, *arguments: tuple[tuple, dict]):
 def smoke(args: argparse.Namespace) -> int:
     import torch
 
-    from .engine.generate import check_device, set_threads
+    from .engine.generate import check_device, preset_depth, set_threads
     from .models import M3TextConfig, M3TextModel, load_text_model
 
     if args.topk < 1:
         raise ValueError(f"--topk must be >= 1, got {args.topk}")
     check_device(args.device)  # ValueError naming --device for one this machine lacks
     set_threads(args.threads)
+    depth = preset_depth(args)  # ValueError for --layers with --checkpoint
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     tokenizer = None
@@ -61,7 +63,7 @@ def smoke(args: argparse.Namespace) -> int:
         tokenizer = _checkpoint_tokenizer(args.checkpoint)
     else:
         with torch.device(args.device):
-            model = M3TextModel(M3TextConfig.from_name(args.config)).eval()
+            model = M3TextModel(M3TextConfig.from_name(args.config, **depth)).eval()
         source = f"{args.config}, random init, seed {args.seed}"
     built = time.perf_counter() - start
     config = model.config

@@ -153,6 +153,10 @@ def test_smoke_reads_a_checkpoint_with_its_tokenizer(tmp_path, capsys):
         torch.set_num_threads(threads)
     assert openm3_main(["smoke", "--threads", "0"]) == 2
     assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+    assert openm3_main(["smoke", "--prompt", "abc", "--layers", "2"]) == 0
+    assert "2 layers (1 full_attention, 1 minimax_m3_sparse; MLP: 1 dense, 1 sparse)" in capsys.readouterr().out
+    assert openm3_main(["smoke", "--checkpoint", str(tmp_path / "ckpt"), "--layers", "2"]) == 2
+    assert "--layers: only with --preset" in capsys.readouterr().err
 
 
 def test_generate_and_serve_take_cpu_threads(capsys, monkeypatch):

@@ -177,7 +177,9 @@ def test_streamed_cli_output_keeps_characters_split_across_tokens(capsys):
     (["--preset", "m3-tiny", "--random-prompt", "9000"], "configured maximum"),
     (["--preset", "m3-tiny", "--prompt-ids", "1", "--presence-penalty", "3"], "presence penalty"),
     (["--preset", "m3-tiny", "--prompt-ids", "1", "--stop", "2,zz"], "--stop: expected comma-separated token ids"),
-], ids=["unknown-preset", "missing-checkpoint", "top-p", "empty", "bad-ids", "too-long", "penalty", "stop"])
+    (["--preset", "m3-tiny", "--prompt-ids", "1", "--layers", "0"], "--layers must be >= 1"),
+], ids=["unknown-preset", "missing-checkpoint", "top-p", "empty", "bad-ids", "too-long", "penalty", "stop",
+        "layers"])
 def test_cli_bad_requests(argv, match):
     with pytest.raises(SystemExit, match=match):
         main(argv + ["--device", "cpu"])

@@ -6,6 +6,7 @@ call in the next prompt) is the server's real path.
 """
 
 import json
+import re
 import threading
 import time
 
@@ -612,6 +613,25 @@ def test_cli_compile_serves_the_same_tokens(tok, tmp_path, monkeypatch, capsys):
         texts.append(r.json()["choices"][0]["text"])
     assert all(layer._compiled_call_impl is not None for layer in compiled[0].layers)
     assert texts[0] == texts[1]
+
+
+def test_cli_builds_a_preset_at_another_depth(tok, tmp_path):
+    """`--layers N` builds the preset at N decoder layers (its pattern kept), with --preset only."""
+    path = tok.save(tmp_path / "tok")
+    base = ["--preset", "m3-tiny", "--tokenizer", str(path), "--max-total-tokens", "64", "--max-batch", "1"]
+    app = build_app(build_parser().parse_args(base + ["--layers", "3"]))
+    assert "preset m3-tiny at 3 layers with random weights" in app.state.summary
+    size = re.compile(r"([0-9.]+)M parameters")
+    four = build_app(build_parser().parse_args(base)).state.summary
+    assert float(size.search(app.state.summary)[1]) < float(size.search(four)[1])  # m3-tiny has 4
+    r = TestClient(app).post("/v1/completions", json={"model": "m3-tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    with pytest.raises(ValueError, match="--layers must be >= 1"):
+        build_app(build_parser().parse_args(base + ["--layers", "0"]))
+    ckpt = tmp_path / "ckpt"
+    tiny_model(tok).save_pretrained(ckpt)
+    with pytest.raises(ValueError, match="--layers: only with --preset"):
+        build_app(build_parser().parse_args(["--checkpoint", str(ckpt), "--tokenizer", str(path), "--layers", "2"]))
 
 
 def test_cli_builds_an_app_from_a_preset(tok, tmp_path, monkeypatch):

@@ -631,6 +631,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="local checkpoint directory (config.json + safetensors)")
     src.add_argument("--preset", help="model preset with random weights: m3 | m3-small | m3-tiny")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="with --preset: N decoder layers instead of the preset's (its pattern kept: the first "
+                        "dense, the rest MSA with MoE), e.g. m3-small's shapes at 2 layers on a CPU")
     p.add_argument("--dtype", default=None, choices=list(DTYPES), metavar="bf16|fp16|fp32",
                    help="parameter dtype (also bfloat16, float16, float32; default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -710,11 +713,24 @@ def load_model(args, device: torch.device, dtype: torch.dtype, *, vision: bool =
     if args.checkpoint is not None:
         load = load_pretrained if vision else load_text_model
         return for_inference(load(args.checkpoint, dtype=dtype, device=device))
-    config = M3TextConfig.from_name(args.preset)  # ValueError naming the presets for an unknown one
+    config = M3TextConfig.from_name(args.preset, **preset_depth(args))  # ValueError naming the presets
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = M3TextModel(config)
     return for_inference(model.to(dtype))
+
+
+def preset_depth(args) -> dict:
+    """`--layers N` as a preset override ({"num_hidden_layers": N}; {} without it); ValueError naming the option
+    for N < 1 or with --checkpoint (a checkpoint's depth is its weights')."""
+    layers = getattr(args, "layers", None)
+    if layers is None:
+        return {}
+    if getattr(args, "checkpoint", None) is not None:
+        raise ValueError("--layers: only with --preset (a --checkpoint has the layers its weights hold)")
+    if layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {layers}")
+    return {"num_hidden_layers": layers}
 
 
 def for_inference(model: torch.nn.Module) -> torch.nn.Module:

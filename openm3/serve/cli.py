@@ -150,8 +150,8 @@ def build_app(args: argparse.Namespace):
     """The app for parsed arguments (model loaded, tokenizer checked); ValueError on a bad argument."""
     from ..data.chat_template import parse_template_variables
     from ..data.tokenizer import M3Tokenizer, get_tokenizer
-    from ..engine.generate import (chat_template, compile_layers, device_and_dtype, load_model, speculative_option,
-                                   tokenizer_path)
+    from ..engine.generate import (chat_template, compile_layers, device_and_dtype, load_model, preset_depth,
+                                   speculative_option, tokenizer_path)
     from ..engine.batching import BatchedGenerator
     from ..engine.scheduler import text_model
     from ..engine.warmup import warm_up
@@ -161,6 +161,7 @@ def build_app(args: argparse.Namespace):
 
     check_vllm_options(args)
     device, dtype = device_and_dtype(args)  # a device this machine lacks fails before anything loads
+    preset_depth(args)  # --layers: with --preset only, checked before anything loads
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise ValueError(f"--checkpoint: directory {args.checkpoint!r} does not exist")
     # the video clip length the checkpoint was trained with (a bad video_preprocessor_config.json fails here)
@@ -232,7 +233,8 @@ def summary(args: argparse.Namespace, model, names: list[str], limit: int, token
     n = sum(p.numel() for p in model.parameters())
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     origin = (f"checkpoint {args.checkpoint}" if args.checkpoint is not None else
-              f"preset {args.preset} with random weights (seed {args.seed})")
+              f"preset {args.preset}" + (f" at {args.layers} layers" if getattr(args, "layers", None) else "")
+              + f" with random weights (seed {args.seed})")
     kind = "vision-language model, " if is_vision_language(model) else ""
     batch = "one request at a time" if budget is None else f"up to {args.max_batch} at once in a {budget}-token cache"
     where = source or f"openm3's trained tokenizer, cached under {default_cache_dir()}"
@@ -277,11 +279,11 @@ def _vision_preset(args: argparse.Namespace, tokenizer, device, dtype):
     """A random `M3ForConditionalGeneration` of the preset (seeded), its placeholder ids the tokenizer's."""
     import torch
 
-    from ..engine.generate import for_inference
+    from ..engine.generate import for_inference, preset_depth
     from ..models import M3ForConditionalGeneration, M3VLConfig
 
     config = M3VLConfig.from_name(args.preset, image_token_index=tokenizer.image_id,
-                                  video_token_index=tokenizer.video_id)
+                                  video_token_index=tokenizer.video_id, **preset_depth(args))
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = M3ForConditionalGeneration(config)
