@@ -103,3 +103,31 @@ def test_a_context_longer_than_the_model_fails_before_the_model_is_built(monkeyp
                                          r"\(max_position_embeddings=8192\)"):
         cli.main(["--seq-len", "9000", "--device", "cpu"])
     assert built == []
+
+
+def test_layers_trains_the_preset_at_another_depth(tmp_path, monkeypatch):
+    """`--layers N` (TrainConfig.layers): the preset's model at N decoder layers, its pattern kept; part of what a
+    run trains (a resume refuses a change); refused with --init-from and below 1."""
+    from openm3.train import factory
+
+    cfg = settings(["--model", "m3-small", "--layers", "2", "--out", str(tmp_path / "run")])
+    assert cfg.layers == 2
+    built = []
+    real = factory.model_builder
+    monkeypatch.setattr(factory, "model_builder", lambda *a, **k: built.append(k) or real(*a, **k))
+    monkeypatch.setattr("openm3.train.trainer.Trainer.__init__", lambda self, *a, **k: (_ for _ in ()).throw(
+        RuntimeError("built")))
+    with pytest.raises(RuntimeError, match="built"):
+        cli.main(["--model", "m3-tiny", "--layers", "3", "--recipe", "text-only", "--out", str(tmp_path / "x"),
+                  "--device", "cpu"])
+    assert built == [{"num_hidden_layers": 3}]
+    config = factory.model_builder("m3-small", type("T", (), {"vocab_size": 4096, "image_id": 1, "video_id": 2})(),
+                                   num_hidden_layers=2).text_config
+    assert config.layer_types == ["full_attention", "minimax_m3_sparse"] and config.hidden_size == 2048
+    fake_run(tmp_path / "made", model="m3-small", layers=2)
+    with pytest.raises(ValueError, match=r"layers=2 \(given 4\)"):
+        settings(["--out", str(tmp_path / "made"), "--resume", "--layers", "4"])
+    for bad, message in ((["--layers", "0"], "layers must be a positive int"),
+                         (["--layers", "2", "--init-from", str(tmp_path)], "layers: only for a preset model")):
+        with pytest.raises(ValueError, match=message):
+            settings(bad + ["--out", str(tmp_path / "bad")])

@@ -32,6 +32,8 @@ from .config import TrainConfig, known_fields, resume_conflicts
 # (TrainConfig field, type, help) of the plain value flags; defaults are TrainConfig's
 _FLAGS = (
     ("model", str, "preset: m3-tiny (CPU, default), m3-small (one GPU), m3"),
+    ("layers", int, "the preset at N decoder layers (its pattern kept: the first dense, the rest MSA with MoE); "
+                    "default: the preset's"),
     ("recipe", str, "text-only | native (vision from step 0, default) | mid (vision from --vision-start-step) | "
                     "cpt (vision for --cpt-steps after the decay)"),
     ("steps", int, "optimizer steps (default 100)"),
@@ -237,7 +239,7 @@ def main(argv=None) -> int:
     if cfg.init_from:
         build = checkpoint_builder(cfg.init_from, tokenizer, multimodal=bool(needed & {"image", "video"}))
     else:
-        build = model_builder(cfg.model, tokenizer)
+        build = model_builder(cfg.model, tokenizer, **({"num_hidden_layers": cfg.layers} if cfg.layers else {}))
     check_context(cfg, build.text_config)
     ev = extra.get("eval", {})
     evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=ev.get("windows", 2), qa=eval_questions(ev, build),

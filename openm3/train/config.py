@@ -29,6 +29,7 @@ class TrainConfig:
     """
 
     model: str = "m3-tiny"
+    layers: int | None = None  # the preset at this many decoder layers (its pattern kept); None: the preset's
     # a checkpoint directory whose weights start the run (an earlier run's export, `save_pretrained`, a release;
     # either layout, fp8 too): its config.json then decides the model instead of `model`, and the tokenizer.json
     # beside it (if any) tokenizes the data (`openm3 train`; the `Trainer` takes its model from its caller)
@@ -113,6 +114,10 @@ class TrainConfig:
             self.warmup_steps = min(10, self.steps // 2)
         if self.decay_start is None:
             self.decay_start = max(self.warmup_steps, int(0.8 * self.steps))
+        if self.layers is not None and (not isinstance(self.layers, int) or self.layers <= 0):
+            raise ValueError(f"layers must be a positive int or None, got {self.layers!r}")
+        if self.layers is not None and self.init_from:
+            raise ValueError("layers: only for a preset model; init_from's checkpoint has the layers of its weights")
         for name in ("seq_len", "micro_batch", "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
