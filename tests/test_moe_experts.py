@@ -91,6 +91,8 @@ def test_no_rows_and_bad_arguments():
         expert_linear(torch.zeros(2, 16), weight, offs, splits=0)
     with pytest.raises(ValueError, match="even number of output features"):
         expert_linear(torch.zeros(2, 16), torch.zeros(3, 7, 16), offs, swiglu=(1.0, 7.0))
+    with pytest.raises(ValueError, match="bfloat16 is refused by the Triton expert_linear kernel under Triton's CPU"):
+        expert_linear(torch.zeros(2, 16, dtype=torch.bfloat16), weight.bfloat16(), offs)  # the interpreter's bf16 dot
 
 
 @pytest.mark.parametrize("experts, tokens", [(6, 1), (6, 5), (6, EXPERT_LINEAR_BASE_PAIRS // 2),

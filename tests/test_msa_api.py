@@ -163,6 +163,11 @@ run("env", lambda: msa.indexer_kl(q, k, qi, ki, block_idx, cu, block_size=16))
 del os.environ["OPENM3_MSA_BACKEND"]
 run("select_kernel", lambda: triton_select.select_blocks(qi, ki, cu, block_size=16, topk=2))
 run("decode_kernel", lambda: triton_decode.decode_attention(q[:1], pages, pages, table, lens, None, q_len=1))
+from openm3.ops.moe_experts import expert_linear
+from openm3.ops.moe_routing import route_topk, sort_pairs
+run("expert_linear", lambda: expert_linear(torch.randn(3, 16), torch.randn(2, 8, 16), torch.tensor([1, 3]).int()))
+run("route_topk", lambda: route_topk(torch.randn(3, 4), torch.zeros(4), 2))
+run("sort_pairs", lambda: sort_pairs(torch.zeros(3, 2, dtype=torch.long), torch.randn(3, 8), 4))
 '''
 
 
@@ -192,7 +197,9 @@ def test_triton_on_cpu_without_the_interpreter_raises_valueerror():
         if label in forced:
             assert msg.startswith(f"{forced[label]} picks the Triton MSA backend for a tensor on cpu"), msg
     assert got["select_kernel"][1].startswith("the Triton MSA kernels got qi on cpu, ki on cpu, but")
-    assert set(got) == set(forced) | {"select_kernel", "decode_kernel"}
+    assert got["expert_linear"][1].startswith("the Triton expert_linear kernel got rows on cpu, weight on cpu, but")
+    assert got["sort_pairs"][1].startswith("the Triton sort_pairs kernel got x on cpu, but")
+    assert set(got) == set(forced) | {"select_kernel", "decode_kernel", "expert_linear", "route_topk", "sort_pairs"}
 
 
 def test_triton_interpret_set_after_import_raises_valueerror():

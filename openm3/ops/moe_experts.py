@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .msa.triton_common import check_triton_inputs
+
 __all__ = ["EXPERT_LINEAR_BASE_PAIRS", "EXPERT_LINEAR_PAIRS_PER_EXPERT", "expert_linear",
            "expert_linear_max_pairs"]
 
@@ -61,6 +63,7 @@ def expert_linear(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
         raise ValueError(f"splits must be an int >= 1, got {splits!r}")
     if swiglu is not None and out_features % 2:
         raise ValueError(f"swiglu needs an even number of output features (gate, then up), got {out_features}")
+    check_triton_inputs("the Triton expert_linear kernel", rows=rows, weight=weight)  # CPU without the interpreter
     n_out = out_features // 2 if swiglu is not None else out_features
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     weight = weight if weight.stride(-1) == 1 and weight.stride(1) == weight.shape[2] else weight.contiguous()

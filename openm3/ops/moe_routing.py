@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .msa.triton_common import check_triton_inputs
+
 __all__ = ["SORT_PAIRS_MAX", "route_topk", "sort_pairs"]
 
 # sort_pairs's work grows with pairs squared (every program counts its pairs' places against all pairs, once per
@@ -41,6 +43,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.
         raise ValueError(f"bias must be [{e}] on {logits.device}, got {tuple(bias.shape)} on {bias.device}")
     if not 1 <= k <= e:
         raise ValueError(f"k must be in [1, {e}], got {k}")
+    check_triton_inputs("the Triton route_topk kernel", dots=False, logits=logits)
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     if n:
@@ -62,6 +65,7 @@ def sort_pairs(experts: torch.Tensor, x: torch.Tensor, num_experts: int
         raise ValueError(f"x must be [N={n}, hidden] on {experts.device}, got {tuple(x.shape)} on {x.device}")
     if n * k > SORT_PAIRS_MAX:
         raise ValueError(f"sort_pairs takes at most SORT_PAIRS_MAX = {SORT_PAIRS_MAX} pairs, got {n * k}")
+    check_triton_inputs("the Triton sort_pairs kernel", dots=False, x=x)
     rows = torch.empty(n * k, x.shape[1], dtype=x.dtype, device=x.device)
     pos = torch.empty(n * k, dtype=torch.int64, device=x.device)
     offs = (torch.empty if n else torch.zeros)(num_experts, dtype=torch.int32, device=x.device)  # kernel: all

@@ -26,22 +26,26 @@ from .backend import interpreting, triton_unavailable
 NO_BLOCK = torch.iinfo(torch.int32).max
 
 
-def check_triton_inputs(**tensors: torch.Tensor | None) -> None:
+def check_triton_inputs(kernel: str = "the Triton MSA kernels", /, *, dots: bool = True,
+                        **tensors: torch.Tensor | None) -> None:
     """Fail fast (ValueError) where the Triton kernels cannot run on these tensors or would return wrong numbers;
     every Triton entry point calls it with its floating inputs (None entries are skipped):
 
     - the process cannot run Triton kernels on the tensors' device (CPU tensors without Triton's CPU interpreter,
       or `TRITON_INTERPRET` changed after triton was imported: `backend.triton_unavailable`);
     - bf16 under the interpreter: Triton 3.6's interpreter computes `tl.dot` of bf16 operands wrong (errors ~1e9,
-      `scripts/triton_interpreter_bugs.py`), so the kernels take fp32/fp16 there."""
+      `scripts/triton_interpreter_bugs.py`), so the kernels take fp32/fp16 there (`dots=False`: a kernel that
+      multiplies none of them, which may take bf16).
+
+    `kernel` names the caller in the messages (the other ops' Triton kernels use it too)."""
     given = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     reason = triton_unavailable(on_cpu=any(not t.is_cuda for t in given.values()))
     if reason is not None:
         where = ", ".join(f"{name} on {t.device}" for name, t in given.items())
-        raise ValueError(f"the Triton MSA kernels got {where}, but {reason}")
+        raise ValueError(f"{kernel} got {where}, but {reason}")
     bf16 = [name for name, t in given.items() if t.dtype == torch.bfloat16]
-    if bf16 and interpreting():
-        raise ValueError(f"{', '.join(bf16)}: bfloat16 is refused by the Triton MSA kernels under Triton's CPU "
+    if dots and bf16 and interpreting():
+        raise ValueError(f"{', '.join(bf16)}: bfloat16 is refused by {kernel} under Triton's CPU "
                          f"interpreter (TRITON_INTERPRET=1), whose tl.dot of bf16 operands returns wrong numbers "
                          f"(scripts/triton_interpreter_bugs.py). Under the interpreter pass float32 or float16 "
                          f"tensors, or run the reference backend (msa.use_backend('reference'), "
