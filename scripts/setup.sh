@@ -7,8 +7,11 @@ extras="${1:-}"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-# Pin the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+# Pin torch first: an unpinned torch would pull a multi-GB CUDA build. Where pip's index serves the CPU build under
+# this version (these machines' local index does), the pin takes it; plain PyPI's Linux wheel is the CUDA build:
+# OPENM3_TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU one from PyTorch's index instead.
+.venv/bin/python -m pip install -q --disable-pip-version-check \
+  ${OPENM3_TORCH_INDEX:+--index-url "$OPENM3_TORCH_INDEX"} torch==2.13.0
 if [ -n "$extras" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${extras}]"
 else

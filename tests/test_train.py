@@ -139,6 +139,8 @@ def test_training_reduces_loss_and_logs(tmp_path):
     log = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in log if "loss" in r] == list(range(25))
     assert {"lr", "tokens_per_s", "indexer_kl", "aux_loss", "grad_norm"} <= set(log[0])
+    written = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert written["warmup_steps"] == 2 and written["decay_start"] is None  # given / derived from steps
 
 
 def test_out_of_vocabulary_ids_fail_on_the_host_before_the_forward(tmp_path):

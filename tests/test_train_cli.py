@@ -131,3 +131,21 @@ def test_layers_trains_the_preset_at_another_depth(tmp_path, monkeypatch):
                          (["--layers", "2", "--init-from", str(tmp_path)], "layers: only for a preset model")):
         with pytest.raises(ValueError, match=message):
             settings(bad + ["--out", str(tmp_path / "bad")])
+
+
+def test_a_runs_train_config_json_derives_the_schedule_again_for_other_steps(tmp_path):
+    """`train_config.json` leaves the warm-up and decay start it derived from `steps` as null, so `--config` with
+    another `--steps` derives them again (it kept the old run's: a shorter run failed, a longer one decayed early);
+    ones given explicitly stay."""
+    made = TrainConfig(steps=20, out_dir=str(tmp_path / "run"))
+    assert (made.warmup_steps, made.decay_start) == (10, 16)
+    assert made.settings()["warmup_steps"] is None and made.settings()["decay_start"] is None
+    assert made.to_dict()["decay_start"] == 16  # checkpoints keep the resolved values
+    path = tmp_path / "train_config.json"
+    path.write_text(json.dumps(made.settings()))
+    shorter = settings(["--config", str(path), "--steps", "2", "--out", str(tmp_path / "a")])
+    longer = settings(["--config", str(path), "--steps", "40", "--out", str(tmp_path / "b")])
+    assert (shorter.warmup_steps, shorter.decay_start) == (1, 1) and (longer.warmup_steps, longer.decay_start) == (
+        10, 32)
+    pinned = TrainConfig(steps=20, decay_start=12)
+    assert pinned.settings()["decay_start"] == 12 and pinned.settings()["warmup_steps"] is None

@@ -519,8 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "paged MSA cache (chunked prefill, Triton decode kernels on CUDA).")
     add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer: --tokenizer, or a tokenizer.json in the "
-                        "--checkpoint directory)")
+    prompt.add_argument("--prompt", help="prompt text, tokenized by --tokenizer, else the --checkpoint directory's "
+                        "tokenizer.json, else (with --preset) openm3's own tokenizer")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     prompt.add_argument("--random-prompt", type=int, metavar="N", help="N random token ids (long-context runs)")
     p.add_argument("--image", action="append", default=[], metavar="PATH",

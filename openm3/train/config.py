@@ -110,6 +110,8 @@ class TrainConfig:
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
+        # the fields derived from `steps` here (None given): `settings()` gives them back as None
+        self._derived = tuple(name for name in ("warmup_steps", "decay_start") if getattr(self, name) is None)
         if self.warmup_steps is None:
             self.warmup_steps = min(10, self.steps // 2)
         if self.decay_start is None:
@@ -162,8 +164,13 @@ class TrainConfig:
                                  f"by world_size={world_size}")
 
     def to_dict(self) -> dict:
-        """Every field, as plain Python values (what checkpoints and `train_config.json` hold)."""
+        """Every field, as plain Python values, the derived ones resolved (what checkpoints hold)."""
         return dataclasses.asdict(self)
+
+    def settings(self) -> dict:
+        """`to_dict()` with the fields derived from `steps` (`warmup_steps`, `decay_start` left at None) as None:
+        what `train_config.json` holds, so that `--config` with another `--steps` derives them again."""
+        return {**self.to_dict(), **{name: None for name in self._derived}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

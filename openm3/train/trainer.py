@@ -378,7 +378,7 @@ class Trainer:
         cfg = self.cfg
         until = self.plan.steps if until is None else min(until, self.plan.steps)
         if self.info.is_main:  # the run's settings, readable (`openm3 train --config` takes the file back)
-            write_text_atomic(self.out_dir / "train_config.json", json.dumps(cfg.to_dict(), indent=1, default=str))
+            write_text_atomic(self.out_dir / "train_config.json", json.dumps(cfg.settings(), indent=1, default=str))
         progress = Progress(self.plan.steps, self.step, enabled=self.info.is_main and cfg.progress)
 
         def finish(pending: PendingStep) -> None:
