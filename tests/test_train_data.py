@@ -276,6 +276,27 @@ def test_train_cli_world_size_checked_before_compute(monkeypatch):
     assert called == []
 
 
+@pytest.mark.parametrize("recipe", ["text-only", "mid"])
+def test_a_run_whose_vision_tower_has_no_optimizer_state_yet_resumes_exactly(tmp_path, tokenizer, source, recipe):
+    """The vision-language model trained on text rows only (recipe text-only; mid before its vision starts): the
+    vision tower gets no gradient, so its checkpoint holds no optimizer state for it; the resume loads the state
+    the checkpoint holds (it asked for every parameter's and failed: no text-only run could resume) and goes on
+    exactly as the run that was not cut, across the start of vision for `mid`."""
+    build = model_builder("m3-tiny", tokenizer)
+    kw = dict(recipe=recipe, steps=5, ckpt_every=2, **({"vision_start_step": 3} if recipe == "mid" else {}))
+    full = Trainer(real_cfg(tmp_path, "full", **kw), build, source).fit()
+    cut = Trainer(real_cfg(tmp_path, "cut", **kw), build, source)
+    cut.fit(until=3)
+    del cut
+    resumed = Trainer(real_cfg(tmp_path, "cut", **kw), build, source)
+    assert resumed.resume() and resumed.step == 2
+    assert not any(resumed.optimizer.state.get(p) for n, p in resumed.model.named_parameters()
+                   if n.startswith("vision_tower."))
+    rest = resumed.fit()
+    assert [r["loss"] for r in rest] == [r["loss"] for r in full[2:]]
+    assert [r["vision"] for r in full] == ([0] * 5 if recipe == "text-only" else [0, 0, 0, 1, 1])
+
+
 def test_train_cli_runs_and_resumes(tmp_path, tokenizer, capsys):
     import json
 

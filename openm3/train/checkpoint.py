@@ -141,17 +141,25 @@ class CheckpointManager:
     def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Collective: restore model, optimizer and this rank's RNG; returns the trainer state dict."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         path = Path(path)
         if not is_complete(path):
             raise ValueError(f"checkpoint {path} is not a complete checkpoint directory (no meta.json)")
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        # get_state_dict gives every parameter optimizer state (zeros), but the run's parameters that never had a
+        # gradient (the vision tower of a text-only run, or of a mid / cpt run before its vision starts) have
+        # none in the checkpoint: load only the state it holds, and leave the others without, as they were
+        saved = {key[len("optim.state."):].rsplit(".", 1)[0] for key in
+                 dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if key.startswith("optim.state.")}
+        optim_sd["state"] = {name: value for name, value in optim_sd["state"].items() if name in saved}
         state = {"model": model_sd, "optim": optim_sd}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path), no_dist=not self.info.distributed)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        optimizer.state.clear()
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
         rng_file = path / f"rng_rank{self.info.rank}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
