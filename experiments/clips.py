@@ -36,6 +36,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -272,6 +273,7 @@ def run_model(args: argparse.Namespace, clip: int | None, seed: int, out: Path) 
                           qa={k: n for k, n in (("colour_qa", args.image_qa), ("video_qa", args.video_qa)) if n},
                           image_size=84, video_size=VIDEO_SIZE, baseline_samples=BASELINE_SAMPLES,
                           frames_per_clip=clip)
+    shutil.rmtree(cfg.out_dir, ignore_errors=True)  # a run cut short before its record trains again from scratch
     t0 = time.perf_counter()
     trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)
     history = trainer.fit()

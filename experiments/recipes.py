@@ -32,6 +32,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -132,6 +133,7 @@ def run_one(args: argparse.Namespace, recipe: str, seed: int, out: Path) -> dict
     cfg = run_config(args, recipe, seed, out / "train" / name)
     source = MixtureRows(tokenizer, cfg.seq_len, seed=seed, weights=DEMO_WEIGHTS, image_size=84, video_size=56,
                          control=_control(args), frames_per_clip=cfg.video_frames_per_clip)
+    shutil.rmtree(cfg.out_dir, ignore_errors=True)  # a run cut short before its record trains again from scratch
     t0 = time.perf_counter()
     trainer = Trainer(cfg, model_builder("m3-tiny", tokenizer), source)
     history = trainer.fit()

@@ -199,6 +199,59 @@ def test_a_failing_evaluation_loses_no_training(tmp_path):
     assert again.resume() and again.step == 3
 
 
+def test_an_evaluation_cut_short_runs_again_on_resume(tmp_path):
+    """A crash in the evaluation after a checkpoint (written first) leaves the step without its evaluation: the
+    resumed run evaluates it before going on, at the last step too; one that was logged is not redone."""
+    calls = []
+
+    def evaluator(trainer, step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise RuntimeError("killed mid-evaluation")
+        return {"score": float(step)}
+
+    cfg = toy_cfg(tmp_path, steps=4, eval_every=2, ckpt_every=2)
+    with pytest.raises(RuntimeError, match="killed"):
+        Trainer(cfg, ToyLM, ToySource(), evaluator=evaluator).fit()
+    again = Trainer(cfg, ToyLM, ToySource(), evaluator=evaluator)
+    assert again.resume() and again.step == 2
+    again.fit()
+    assert calls == [2, 2, 4]
+    evals = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "eval/score" in r]
+    assert evals == [1, 3]
+    done = Trainer(cfg, ToyLM, ToySource(), evaluator=evaluator)
+    assert done.resume() and done.step == 4
+    done.fit()
+    assert calls == [2, 2, 4]  # logged already: not again
+
+
+def test_a_new_run_refuses_a_folder_with_checkpoints_and_starts_its_log_anew(tmp_path):
+    """A new run (no resume) in a folder holding another run's checkpoints is refused (it would prune them as it
+    saved its own, and a later resume would find theirs); in a folder holding only the log of an attempt that
+    crashed before its first checkpoint it starts the log anew (no steps twice)."""
+    cfg = toy_cfg(tmp_path, steps=2)
+    log = tmp_path / "run" / "metrics.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text(json.dumps({"step": 0, "loss": 9.0}) + "\n" + json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    Trainer(cfg, ToyLM, ToySource()).fit()
+    assert [r["step"] for r in read_jsonl(log) if "loss" in r] == [0, 1]
+    assert all(r["loss"] != 9.0 for r in read_jsonl(log))
+    with pytest.raises(ValueError, match="holds checkpoints of another run .latest: step_00000002.*resume"):
+        Trainer(cfg, ToyLM, ToySource()).fit()
+
+
+def test_a_metrics_line_cut_short_is_dropped(tmp_path):
+    """A last line cut short (a crash or a full disk mid-write) is dropped with a warning; a bad line before the
+    last one is an error naming the file and line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "lo')
+    with pytest.warns(UserWarning, match="line 2 is not whole JSON"):
+        assert read_jsonl(path) == [{"step": 0, "loss": 1.0}]
+    path.write_text('{"step": 0, "lo\n{"step": 1, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl: line 1 is not JSON"):
+        read_jsonl(path)
+
+
 def test_micro_batch_size_does_not_change_the_update(tmp_path):
     b = Trainer(toy_cfg(tmp_path, "b", steps=3, micro_batch=4, aux_loss_weight=0.0, kl_weight=0.0), ToyLM,
                 ToySource()).fit()

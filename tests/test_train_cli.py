@@ -149,3 +149,13 @@ def test_a_runs_train_config_json_derives_the_schedule_again_for_other_steps(tmp
         10, 32)
     pinned = TrainConfig(steps=20, decay_start=12)
     assert pinned.settings()["decay_start"] == 12 and pinned.settings()["warmup_steps"] is None
+
+
+def test_a_new_run_in_a_folder_with_checkpoints_is_refused(tmp_path):
+    """Without --resume, an --out holding a run's checkpoints fails before anything is built (a new run there
+    pruned the old checkpoints' neighbours, its own included, and a later --resume found the old run's)."""
+    fake_run(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"--out .*run holds another run's checkpoints \(latest: step_00000005\): "
+                                         r"--resume continues that run; a new run needs another --out"):
+        settings(["--out", str(tmp_path / "run"), "--steps", "3"])
+    assert settings(["--out", str(tmp_path / "run"), "--resume"]).steps == 100

@@ -133,7 +133,14 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         from ..models.processor import video_frames_per_clip
 
         given["video_frames_per_clip"] = video_frames_per_clip(given["init_from"])
-    return TrainConfig.from_dict(given)
+    cfg = TrainConfig.from_dict(given)
+    from .checkpoint import latest_checkpoint
+
+    done = latest_checkpoint(Path(cfg.out_dir) / "checkpoints")
+    if done is not None:  # a new run there would prune them as it saves, and a later --resume find theirs
+        raise ValueError(f"--out {cfg.out_dir} holds another run's checkpoints (latest: {done.name}): --resume "
+                         "continues that run; a new run needs another --out (or that folder deleted)")
+    return cfg
 
 
 def _given_settings(args: argparse.Namespace) -> dict:

@@ -8,6 +8,7 @@ back to the resumed step so the file holds one uninterrupted history.
 from __future__ import annotations
 
 import json
+import warnings
 import math
 from pathlib import Path
 
@@ -21,10 +22,22 @@ def _tensorboard_writer(log_dir: Path):
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file ([] when it does not exist). A last line cut short (a crash or a full disk
+    mid-write) is dropped with a warning; an unreadable line before it is a ValueError naming the file and line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    out = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                warnings.warn(f"{path}: line {n} is not whole JSON (a write cut short?): dropped")
+                break
+            raise ValueError(f"{path}: line {n} is not JSON ({err})") from None
+    return out
 
 
 class MetricsLogger:

@@ -29,7 +29,7 @@ from .batches import IGNORE, Batch, RowSource, shard_micro_batches, step_rows
 from .checkpoint import CheckpointManager, export_consolidated, is_complete, latest_checkpoint, write_text_atomic
 from .config import TrainConfig, resume_conflicts
 from .losses import token_losses
-from .metrics import MetricsLogger, Progress
+from .metrics import MetricsLogger, Progress, read_jsonl
 
 KINDS = ("text", "image", "video")
 
@@ -175,6 +175,8 @@ class Trainer:
         self.logger = MetricsLogger(self.out_dir, enabled=self.info.is_main, tensorboard=cfg.tensorboard)
         self.history: list[dict] = []
         self.last_eval: dict = {}  # the latest `evaluate` result
+        self._resumed = False  # resume() restored a checkpoint
+        self._evaluation_owed = False  # the resumed checkpoint's step evaluates, and its record is missing
         on_gpu = self.info.device.type == "cuda"
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="openm3-rows") \
             if cfg.prefetch == "on" or (cfg.prefetch == "auto" and on_gpu) else None
@@ -227,7 +229,16 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["data_position"]["step"]
         self.logger.truncate_after(self.step)
+        self._resumed = True
+        # the checkpoint is written before its step's evaluation: one the run did not live to log runs first in fit
+        records = read_jsonl(self.logger.path)
+        self._evaluation_owed = self.evaluator is not None and self._evaluates_at(self.step) and not any(
+            r.get("step") == self.step - 1 and any(k.startswith("eval/") for k in r) for r in records)
         return True
+
+    def _evaluates_at(self, step: int) -> bool:
+        """Whether the run evaluates after `step` completed steps (its `eval_every`, and its last step)."""
+        return bool(self.cfg.eval_every and step % self.cfg.eval_every == 0) or step == self.plan.steps
 
     def export(self, out: str | Path, tokenizer=None) -> Path | None:
         """Consolidated checkpoint in the published M3 layout (+ `tokenizer.json` of an `M3Tokenizer`; a VL model's
@@ -379,6 +390,12 @@ class Trainer:
         until = self.plan.steps if until is None else min(until, self.plan.steps)
         if self.info.is_main:  # the run's settings, readable (`openm3 train --config` takes the file back)
             write_text_atomic(self.out_dir / "train_config.json", json.dumps(cfg.settings(), indent=1, default=str))
+        if self.step == 0 and not self._resumed:
+            done = latest_checkpoint(self.checkpoints.root)
+            if done is not None:  # a new run would prune them as it saves its own, and --resume then find theirs
+                raise ValueError(f"out_dir {self.out_dir} holds checkpoints of another run (latest: {done.name}): "
+                                 "resume() continues it (`openm3 train --resume`); a new run needs another out_dir")
+            self.logger.truncate_after(0)  # records of an attempt that crashed before its first checkpoint
         progress = Progress(self.plan.steps, self.step, enabled=self.info.is_main and cfg.progress)
 
         def finish(pending: PendingStep) -> None:
@@ -397,13 +414,16 @@ class Trainer:
         pending: PendingStep | None = None
         try:
             with self._memory_advice():
+                if self._evaluation_owed:
+                    self._evaluation_owed = False
+                    self.evaluate()
                 while self.step < until:
                     queued = self.launch_step()
                     if pending is not None:
                         finish(pending)
                     pending = queued
                     last = self.step == self.plan.steps
-                    evaluate = cfg.eval_every and (self.step % cfg.eval_every == 0) or last
+                    evaluate = self._evaluates_at(self.step)
                     save = cfg.ckpt_every and (self.step % cfg.ckpt_every == 0) or last
                     if not cfg.overlap_steps or evaluate or save or self.step == until:
                         finish(pending)
