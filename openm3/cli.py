@@ -132,8 +132,11 @@ def convert(args: argparse.Namespace) -> int:
     import shutil
     from pathlib import Path
 
+    import uuid
+
     from .engine.generate import DTYPES
     from .models import load_pretrained
+    from .models.checkpoint import replace_directory
 
     source, target = Path(args.source), Path(args.target)
     if target.exists() and source.exists() and target.resolve() == source.resolve():
@@ -142,10 +145,18 @@ def convert(args: argparse.Namespace) -> int:
         raise ValueError(f"target: {target} holds files already; pass --overwrite to write into it")
     dtype = DTYPES[args.dtype] if args.dtype else None
     model = load_pretrained(source, dtype=dtype)
-    model.save_pretrained(target, max_shard_size=args.max_shard_size)
-    side = [f for f in sorted(source.iterdir()) if f.is_file() and _travels_with_weights(f.name)]
-    for f in side:  # tokenizer, chat template, generation and processor configs: what the weights are used with
-        shutil.copyfile(f, target / f.name)
+    # the weights and the files they are used with (tokenizer, chat template, generation and processor configs)
+    # written beside the target, then put in place at once: a crash never leaves weights without their tokenizer
+    work = target.parent / f".{target.name}.{uuid.uuid4().hex[:12]}.partial"
+    try:
+        model.save_pretrained(work, max_shard_size=args.max_shard_size)
+        side = [f for f in sorted(source.iterdir()) if f.is_file() and _travels_with_weights(f.name)]
+        for f in side:
+            shutil.copyfile(f, work / f.name)
+        replace_directory(work, target, keep_other_files=True)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     print(f"openm3 convert: {source} -> {target} "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{next(model.parameters()).dtype}; copied {', '.join(f.name for f in side) or 'no other files'})")

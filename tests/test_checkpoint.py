@@ -132,16 +132,25 @@ def test_convert_command(hf_dir, tmp_path, capsys):
     assert "checkpoint directory not found" in capsys.readouterr().err
 
 
-def test_convert_carries_the_files_the_weights_are_used_with(hf_dir, tmp_path, capsys):
-    """A tokenizer, chat template and generation config beside the weights are copied; a target holding files
-    needs --overwrite, and the source itself is refused as the target."""
+def test_convert_carries_the_files_the_weights_are_used_with(hf_dir, tmp_path, capsys, monkeypatch):
+    """A tokenizer, chat template and generation config beside the weights are copied, into the directory that
+    takes the target's name (a crash never leaves weights without them); a target holding files needs
+    --overwrite, and the source itself is refused as the target."""
+    from openm3.models import checkpoint as ck
+
     src = shutil.copytree(hf_dir, tmp_path / "source")
     side = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "chat_template.jinja": "{{ messages }}",
             "generation_config.json": '{"temperature": 0.7}'}
     for name, text in side.items():
         (src / name).write_text(text)
     out = tmp_path / "converted"
+    placed = []
+    real = ck.replace_directory
+    monkeypatch.setattr(ck, "replace_directory", lambda tmp, dst, **kw: placed.append(
+        (dst, sorted(p.name for p in tmp.iterdir()))) or real(tmp, dst, **kw))
     assert main(["convert", str(src), str(out)]) == 0
+    assert placed[-1][0] == out and set(side) <= set(placed[-1][1]) and "config.json" in placed[-1][1]
+    assert ck.leftover_copies(out) == []
     assert all((out / name).read_text() == text for name, text in side.items())
     assert "copied chat_template.jinja, generation_config.json, tokenizer.json, tokenizer_config.json" in \
         capsys.readouterr().out

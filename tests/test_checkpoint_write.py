@@ -85,6 +85,50 @@ def test_failed_write_leaves_previous_checkpoint(tmp_path):
     assert _hidden_entries(out) == []
 
 
+def test_a_write_cut_short_between_the_renames_is_named_and_cleaned_up(tmp_path, monkeypatch):
+    """The swap keeps the other files in the new directory before it renames (a crash never exposes weights
+    without their tokenizer); a crash between the two renames (the target absent, both copies hidden beside it)
+    makes the loader's error name them, and the next write removes them."""
+    import os
+
+    from openm3.models import checkpoint as ck
+
+    out = tmp_path / "ck"
+    _tiny_text().save_pretrained(out)
+    (out / "tokenizer.json").write_text("{}")
+    seen = []
+    real_rename = os.rename
+
+    def rename(src, dst):  # what the new directory holds when it takes the target's name
+        if str(dst) == str(out):
+            seen.append(sorted(p.name for p in ck.Path(src).iterdir()))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(ck.os, "rename", rename)
+    _tiny_text().save_pretrained(out)
+    assert "tokenizer.json" in seen[-1] and (out / "tokenizer.json").read_text() == "{}"
+
+    def killed(src, dst):  # the process dies once the old directory is out of the way
+        if str(dst) == str(out):
+            raise KeyboardInterrupt  # (not caught as an error: the restore below it is what a kill skips)
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(ck.os, "rename", killed)
+    monkeypatch.setattr(ck.shutil, "rmtree", lambda *a, **k: None)  # the kill skips the clean-up too
+    with pytest.raises(KeyboardInterrupt):
+        _tiny_text().save_pretrained(out)
+    monkeypatch.undo()
+    if out.exists():  # the swap's own restore ran (it catches BaseException): take it away as a kill would
+        real_rename(out, tmp_path / f".ck.{'0' * 12}.old")
+    left = ck.leftover_copies(out)
+    assert left and all(p.name.endswith((".old", ".partial")) for p in left)
+    with pytest.raises(CheckpointError, match=r"checkpoint directory not found \(a write to it was cut short; "
+                                              r"beside it: \.ck\."):
+        load_text_model(out)
+    _tiny_text().save_pretrained(out)
+    assert ck.leftover_copies(out) == [] and load_text_model(out) is not None
+
+
 def test_write_checkpoint_bad_inputs(tmp_path):
     good = [("t", torch.zeros(2))]
     with pytest.raises(ValueError, match="named_tensors must hold at least one tensor"):

@@ -89,6 +89,20 @@ def test_cache_hit_and_key(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2
 
 
+def test_a_cached_tokenizer_cut_short_is_trained_again(tmp_path):
+    """A cache file a power loss or a full disk left empty or cut short is trained again (with a warning), not a
+    raw parse error on every later run."""
+    settings = TokenizerSettings(vocab_size=600, chars_per_corpus=20_000, corpora=("topics",))
+    first = get_tokenizer(settings, tmp_path)
+    path = tmp_path / f"tokenizer-{settings.key()}" / "tokenizer.json"
+    for broken in ("", path.read_text()[:100]):
+        path.write_text(broken)
+        with pytest.warns(UserWarning, match="is unreadable .* training it again"):
+            again = get_tokenizer(settings, tmp_path)
+        assert again.backend.to_str() == first.backend.to_str()
+        assert get_tokenizer(settings, tmp_path).backend.to_str() == first.backend.to_str()  # cached again
+
+
 def test_training_is_deterministic():
     settings = TokenizerSettings(vocab_size=800, chars_per_corpus=30_000, corpora=("topics", "bible_web"))
     assert train_tokenizer(settings).backend.to_str() == train_tokenizer(settings).backend.to_str()

@@ -295,6 +295,15 @@ def test_a_run_whose_vision_tower_has_no_optimizer_state_yet_resumes_exactly(tmp
     rest = resumed.fit()
     assert [r["loss"] for r in rest] == [r["loss"] for r in full[2:]]
     assert [r["vision"] for r in full] == ([0] * 5 if recipe == "text-only" else [0, 0, 0, 1, 1])
+    if recipe == "mid":  # an export over an earlier one swaps whole directories (it deleted the old one first)
+        from openm3.models.checkpoint import leftover_copies
+
+        out = tmp_path / "export"
+        resumed.export(out, tokenizer)
+        (out / "stale.txt").write_text("from the export before")
+        resumed.export(out, tokenizer)
+        assert (out / "tokenizer.json").is_file() and not (out / "stale.txt").exists()
+        assert leftover_copies(out) == [] and not out.with_name("export.tmp").exists()
 
 
 def test_train_cli_runs_and_resumes(tmp_path, tokenizer, capsys):

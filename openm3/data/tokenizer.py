@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -235,11 +236,16 @@ def get_tokenizer(settings: TokenizerSettings | None = None, cache_dir: str | Pa
     entry = directory / f"tokenizer-{settings.key()}"
     path = entry / "tokenizer.json"
     if path.is_file():
-        return M3Tokenizer.from_file(path)
+        try:
+            return M3Tokenizer.from_file(path)
+        except Exception as err:  # a file a power loss or a full disk cut short: trained again, as on first use
+            warnings.warn(f"the cached tokenizer {path} is unreadable ({err}); training it again")
     tok = train_tokenizer(settings)
     entry.mkdir(parents=True, exist_ok=True)
     tmp = entry / f"tokenizer.json.{os.getpid()}.tmp"
     tok.backend.save(str(tmp))
+    with open(tmp, "rb+") as f:  # on disk before the rename makes it the cache's
+        os.fsync(f.fileno())
     (entry / "settings.json").write_text(json.dumps(asdict(settings), indent=1, sort_keys=True))
     os.replace(tmp, path)
     return tok

@@ -29,6 +29,7 @@ To extend the mapping (e.g. for the VL model), add rows to `_LOAD_RULES` / `_SAV
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -278,20 +279,50 @@ def _sibling(out: Path, tag: str) -> Path:
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
     """Rename the finished directory `tmp` to `out`, carrying over `out`'s non-checkpoint files if it exists."""
-    if not out.exists():
+    replace_directory(tmp, out, keep_other_files=True)
+
+
+def replace_directory(tmp: Path, out: Path, *, keep_other_files: bool) -> None:
+    """Put the finished directory `tmp` at `out` (both on one file system). keep_other_files: `out`'s entries that
+    are not checkpoint files and that `tmp` lacks (a tokenizer, a chat template) are hard-linked (copied where
+    links fail) into `tmp` first, so no `out` is ever seen without them. A crash leaves `out` whole, old or new,
+    except between the two renames, when it is absent and both copies sit beside it as hidden `.NAME.*.old` /
+    `.partial` directories (the loader's not-found error names them); those an earlier crash left are removed
+    after a swap succeeds."""
+    tmp, out = Path(tmp), Path(out)
+    if out.exists():
+        if keep_other_files:
+            for entry in out.iterdir():
+                if _is_checkpoint_file(entry.name) or (tmp / entry.name).exists():
+                    continue
+                if entry.is_dir():
+                    shutil.copytree(entry, tmp / entry.name)
+                else:
+                    try:
+                        os.link(entry, tmp / entry.name)
+                    except OSError:
+                        shutil.copy2(entry, tmp / entry.name)
+        old = _sibling(out, "old")
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
         os.rename(tmp, out)
-        return
-    old = _sibling(out, "old")
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    for entry in old.iterdir():
-        if not _is_checkpoint_file(entry.name):
-            os.rename(entry, out / entry.name)
-    shutil.rmtree(old)
+    for stale in leftover_copies(out):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def leftover_copies(out: Path) -> list[Path]:
+    """The hidden `.NAME.*.old` / `.partial` directories beside `out` that a crashed write left."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    return sorted(p for p in out.parent.glob(f".{glob.escape(out.name)}.*") if p.is_dir()
+                  and re.fullmatch(rf"\.{re.escape(out.name)}\.[0-9a-f]{{12}}\.(old|partial)", p.name))
 
 
 def _parse_size(size: int | str) -> int:
@@ -547,7 +578,11 @@ def load_pretrained(path, dtype: torch.dtype | str | None = None, device: torch.
 def _checkpoint_dir(path) -> Path:
     root = Path(path)
     if not root.is_dir():
-        raise CheckpointError(f"{root}: checkpoint directory not found")
+        left = leftover_copies(root)
+        raise CheckpointError(f"{root}: checkpoint directory not found" + (
+            f" (a write to it was cut short; beside it: {', '.join(p.name for p in left)}: an .old directory is "
+            f"the checkpoint before, a .partial one the new, maybe incomplete; rename one to {root.name})"
+            if left else ""))
     return root
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..models.checkpoint import replace_directory
 from ..models.vision import DEFAULT_FRAMES_PER_CLIP
 from .distributed import DistInfo, barrier
 
@@ -195,9 +196,7 @@ def export_consolidated(model: nn.Module, build_model: Callable[[], nn.Module], 
             from ..models.processor import save_video_processor_config
 
             save_video_processor_config(tmp, video_frames_per_clip)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        replace_directory(tmp, out, keep_other_files=False)  # no moment without a whole export, old or new
         result = out
     barrier(info)
     return result
