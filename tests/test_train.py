@@ -252,6 +252,22 @@ def test_a_metrics_line_cut_short_is_dropped(tmp_path):
         read_jsonl(path)
 
 
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
+    """The newest `keep` checkpoints stay, the one just written always among them (checkpoints of steps that sort
+    after it, from another run, used to make it the first deleted), and a pruned one loses its mark first."""
+    from openm3.train.checkpoint import CheckpointManager
+    from openm3.train.distributed import DistInfo
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = CheckpointManager(tmp_path, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+                                keep=2)
+    for step in (5, 6, 3):
+        manager.save(step, model, opt, {"step": step})
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000003", "step_00000006"]
+    assert latest_checkpoint(tmp_path).name == "step_00000003"
+
+
 def test_micro_batch_size_does_not_change_the_update(tmp_path):
     b = Trainer(toy_cfg(tmp_path, "b", steps=3, micro_batch=4, aux_loss_weight=0.0, kl_weight=0.0), ToyLM,
                 ToySource()).fit()

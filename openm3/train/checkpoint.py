@@ -128,13 +128,15 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             write_text_atomic(self.root / "LATEST", final.name)
-            self._prune()
+            self._prune(final)
         barrier(self.info)
         return final
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if is_complete(p))
-        for old in done[:-self.keep]:
+    def _prune(self, current: Path) -> None:
+        """Keep the newest `keep` complete checkpoints, `current` (the one just written) always among them."""
+        done = sorted(p for p in self.root.glob("step_*") if is_complete(p) and p != current)
+        for old in done[:max(0, len(done) - (self.keep - 1))]:
+            (old / "meta.json").unlink(missing_ok=True)  # first: a deletion cut short leaves no "complete" mark
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob("step_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)

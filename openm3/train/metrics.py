@@ -13,12 +13,12 @@ import math
 from pathlib import Path
 
 
-def _tensorboard_writer(log_dir: Path):
+def _tensorboard_writer(log_dir: Path, purge_step: int | None = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is the optional `train` extra
         return None
-    return SummaryWriter(str(log_dir))
+    return SummaryWriter(str(log_dir), purge_step=purge_step)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -60,6 +60,10 @@ class MetricsLogger:
 
         keep = [r for r in read_jsonl(self.path) if r.get("step", -1) < step]
         write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
+        if self.tb is not None:  # TensorBoard's points of those steps go too (else a resume plots them twice)
+            log_dir = self.tb.log_dir
+            self.tb.close()
+            self.tb = _tensorboard_writer(Path(log_dir), purge_step=step)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
