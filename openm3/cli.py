@@ -132,11 +132,9 @@ def convert(args: argparse.Namespace) -> int:
     import shutil
     from pathlib import Path
 
-    import uuid
-
     from .engine.generate import DTYPES
     from .models import load_pretrained
-    from .models.checkpoint import replace_directory
+    from .models.checkpoint import hidden_sibling, replace_directory
 
     source, target = Path(args.source), Path(args.target)
     if target.exists() and source.exists() and target.resolve() == source.resolve():
@@ -147,7 +145,7 @@ def convert(args: argparse.Namespace) -> int:
     model = load_pretrained(source, dtype=dtype)
     # the weights and the files they are used with (tokenizer, chat template, generation and processor configs)
     # written beside the target, then put in place at once: a crash never leaves weights without their tokenizer
-    work = target.parent / f".{target.name}.{uuid.uuid4().hex[:12]}.partial"
+    work = hidden_sibling(target, "partial")
     try:
         model.save_pretrained(work, max_shard_size=args.max_shard_size)
         side = [f for f in sorted(source.iterdir()) if f.is_file() and _travels_with_weights(f.name)]

@@ -236,8 +236,10 @@ def test_a_new_run_refuses_a_folder_with_checkpoints_and_starts_its_log_anew(tmp
     Trainer(cfg, ToyLM, ToySource()).fit()
     assert [r["step"] for r in read_jsonl(log) if "loss" in r] == [0, 1]
     assert all(r["loss"] != 9.0 for r in read_jsonl(log))
+    settings = (tmp_path / "run" / "train_config.json").read_text()
     with pytest.raises(ValueError, match="holds checkpoints of another run .latest: step_00000002.*resume"):
-        Trainer(cfg, ToyLM, ToySource()).fit()
+        Trainer(toy_cfg(tmp_path, steps=2, lr=0.5), ToyLM, ToySource()).fit()
+    assert (tmp_path / "run" / "train_config.json").read_text() == settings  # the other run's, untouched
 
 
 def test_a_metrics_line_cut_short_is_dropped(tmp_path):

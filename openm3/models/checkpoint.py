@@ -214,7 +214,7 @@ def write_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], config_d
     shards = _plan_shards(named_tensors, limit)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(out, "partial")
+    tmp = hidden_sibling(out, "partial")
     tmp.mkdir()  # (not mkdtemp: its 0700 mode would become the checkpoint's)
     try:
         weight_map, total = {}, 0
@@ -229,7 +229,7 @@ def write_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], config_d
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         (tmp / CONFIG_FILE).write_text(config_text)
-        _swap_into_place(tmp, out)
+        replace_directory(tmp, out, keep_other_files=True)  # out's tokenizer and the like stay
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -272,14 +272,9 @@ def _is_checkpoint_file(name: str) -> bool:
     return name in (CONFIG_FILE, INDEX_FILE) or (name.startswith("model") and name.endswith(".safetensors"))
 
 
-def _sibling(out: Path, tag: str) -> Path:
+def hidden_sibling(out: Path, tag: str) -> Path:
     """A fresh hidden name beside `out` (same file system, so renames between them are atomic)."""
     return out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.{tag}"
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished directory `tmp` to `out`, carrying over `out`'s non-checkpoint files if it exists."""
-    replace_directory(tmp, out, keep_other_files=True)
 
 
 def replace_directory(tmp: Path, out: Path, *, keep_other_files: bool) -> None:
@@ -302,7 +297,7 @@ def replace_directory(tmp: Path, out: Path, *, keep_other_files: bool) -> None:
                         os.link(entry, tmp / entry.name)
                     except OSError:
                         shutil.copy2(entry, tmp / entry.name)
-        old = _sibling(out, "old")
+        old = hidden_sibling(out, "old")
         os.rename(out, old)
         try:
             os.rename(tmp, out)

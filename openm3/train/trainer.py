@@ -388,14 +388,14 @@ class Trainer:
         evaluation or checkpoint after it)."""
         cfg = self.cfg
         until = self.plan.steps if until is None else min(until, self.plan.steps)
-        if self.info.is_main:  # the run's settings, readable (`openm3 train --config` takes the file back)
-            write_text_atomic(self.out_dir / "train_config.json", json.dumps(cfg.settings(), indent=1, default=str))
         if self.step == 0 and not self._resumed:
             done = latest_checkpoint(self.checkpoints.root)
             if done is not None:  # a new run would prune them as it saves its own, and --resume then find theirs
                 raise ValueError(f"out_dir {self.out_dir} holds checkpoints of another run (latest: {done.name}): "
                                  "resume() continues it (`openm3 train --resume`); a new run needs another out_dir")
             self.logger.truncate_after(0)  # records of an attempt that crashed before its first checkpoint
+        if self.info.is_main:  # the run's settings, readable (`openm3 train --config` takes the file back)
+            write_text_atomic(self.out_dir / "train_config.json", json.dumps(cfg.settings(), indent=1, default=str))
         progress = Progress(self.plan.steps, self.step, enabled=self.info.is_main and cfg.progress)
 
         def finish(pending: PendingStep) -> None:
