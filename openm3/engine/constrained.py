@@ -69,16 +69,11 @@ class TokenBytes:
         return len(self.pieces)
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, markers: dict[int, bytes] | None = None,
-                       vocab_size: int | None = None) -> "TokenBytes":
+    def from_tokenizer(cls, tokenizer, markers: dict[int, bytes] | None = None) -> "TokenBytes":
         """The bytes of an `M3Tokenizer`'s tokens (a byte-level BPE: each token's string maps back to bytes
         through the byte-to-character table of its pre-tokenizer); special tokens get None, except those in
         `markers` ({id: bytes}, bytes no text holds, e.g. `tool_grammar.START`), which a grammar may then take.
-        vocab_size: the model's logits width when it is wider than the tokenizer (the ids past the tokenizer's get
-        None: never allowed), so masks line up with the logits rows."""
-        if vocab_size is not None and vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"vocab_size: the model's {vocab_size} logits are fewer than the tokenizer's "
-                             f"{tokenizer.vocab_size} tokens")
+        A model may have more logits than the tokenizer has tokens: `GrammarConstraint` never allows those."""
         backend = tokenizer.backend
         markers = markers or {}
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
@@ -95,7 +90,7 @@ class TokenBytes:
                 pieces.append(None if max(piece) >= _NOT_UTF8 else piece)  # no text holds them (marker bytes)
             else:  # not a byte-level token (an added plain-text token): its decoding
                 pieces.append(tokenizer.decode([i]).encode("utf-8"))
-        return cls(pieces + [None] * ((vocab_size or 0) - len(pieces)))
+        return cls(pieces)
 
 
 def _byte_decoder() -> dict[str, int]:

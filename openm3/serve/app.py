@@ -565,7 +565,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             need_logprobs("prompt_logprobs")
         return PromptEntries(max(tops), echo)
 
-    structured = StructuredOutputs(tokenizer, vocab_size=vocab)  # masks as wide as the model's logits
+    structured = StructuredOutputs(tokenizer)
 
     def constraint_maker(spec_of: Callable[[], OutputSpec | None], param: str,
                          chat_prompt_ids: list[int] | None = None, prefill: str = "",

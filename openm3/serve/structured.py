@@ -33,10 +33,10 @@ from .schemas import OutputSpec
 
 class StructuredOutputs:
     """Per-choice constraints for response formats over one tokenizer (its token bytes are read once, at the first
-    structured request). vocab_size: the model's logits width (default: the tokenizer's; a model may have more)."""
+    structured request)."""
 
-    def __init__(self, tokenizer, max_grammars: int = 16, vocab_size: int | None = None):
-        self.tokenizer, self.max_grammars, self.vocab_size = tokenizer, max_grammars, vocab_size
+    def __init__(self, tokenizer, max_grammars: int = 16):
+        self.tokenizer, self.max_grammars = tokenizer, max_grammars
         self._vocab: TokenBytes | None = None
         self._grammars: collections.OrderedDict[str, TransitionCache] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -74,8 +74,7 @@ class StructuredOutputs:
             if self._vocab is None:  # the tool-call tokens as the tool grammar's marker bytes
                 ids = self.tokenizer.special_ids
                 self._vocab = TokenBytes.from_tokenizer(self.tokenizer, markers={ids[TOOL_CALL_START]: START,
-                                                                                 ids[TOOL_CALL_END]: END},
-                                                   vocab_size=self.vocab_size)
+                                                                                 ids[TOOL_CALL_END]: END})
             transitions = self._grammars.setdefault(key, TransitionCache(grammar, self._vocab))
             while len(self._grammars) > self.max_grammars:
                 self._grammars.popitem(last=False)
