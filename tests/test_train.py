@@ -270,6 +270,22 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000003"
 
 
+def test_a_latest_pointer_to_a_missing_checkpoint_is_said(tmp_path):
+    """LATEST naming a checkpoint deleted from outside: the newest complete one is taken, with a warning."""
+    from openm3.train.checkpoint import CheckpointManager
+    from openm3.train.distributed import DistInfo
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = CheckpointManager(tmp_path, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    for step in (1, 2):
+        manager.save(step, model, opt, {"step": step})
+    (tmp_path / "LATEST").write_text("step_00000009")
+    with pytest.warns(UserWarning, match="names step_00000009, which is not a complete checkpoint; taking the "
+                                         "newest complete one, step_00000002"):
+        assert latest_checkpoint(tmp_path).name == "step_00000002"
+
+
 def test_micro_batch_size_does_not_change_the_update(tmp_path):
     b = Trainer(toy_cfg(tmp_path, "b", steps=3, micro_batch=4, aux_loss_weight=0.0, kl_weight=0.0), ToyLM,
                 ToySource()).fit()

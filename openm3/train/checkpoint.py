@@ -70,14 +70,19 @@ def is_complete(path: Path) -> bool:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root` (LATEST first, else the highest complete step dir)."""
+    """The newest complete checkpoint under `root` (LATEST first, else the highest complete step dir; a LATEST
+    naming no complete checkpoint, which only a deletion from outside leaves, is said in a warning)."""
     root = Path(root)
     pointer = root / "LATEST"
+    named = None
     if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if is_complete(candidate):
-            return candidate
+        named = root / pointer.read_text().strip()
+        if is_complete(named):
+            return named
     done = sorted(p for p in root.glob("step_*") if is_complete(p)) if root.is_dir() else []
+    if named is not None:
+        warnings.warn(f"{pointer} names {named.name}, which is not a complete checkpoint; "
+                      + (f"taking the newest complete one, {done[-1].name}" if done else "there is none"))
     return done[-1] if done else None
 
 
