@@ -46,7 +46,8 @@ def command(name: str, help: str, *arguments: tuple[tuple, dict]):
 def smoke(args: argparse.Namespace) -> int:
     import torch
 
-    from .engine.generate import check_device, preset_depth, set_threads
+    from .engine.generate import check_device, preset_depth
+    from .threads import set_threads
     from .models import M3TextConfig, M3TextModel, load_text_model
 
     if args.topk < 1:

@@ -127,8 +127,6 @@ def main(argv=None) -> int:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings="
                          f"{text_config.max_position_embeddings}")
     qa = qa_counts(args, vl, tokenizer)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
     corpora = list(args.corpora or CORPORA)

@@ -159,3 +159,9 @@ def test_a_new_run_in_a_folder_with_checkpoints_is_refused(tmp_path):
                                          r"--resume continues that run; a new run needs another --out"):
         settings(["--out", str(tmp_path / "run"), "--steps", "3"])
     assert settings(["--out", str(tmp_path / "run"), "--resume"]).steps == 100
+
+
+def test_threads_below_one_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"^--threads must be >= 1, got 0$"):
+        cli.main(["--out", str(tmp_path / "run"), "--steps", "2", "--threads", "0"])
+    assert not (tmp_path / "run").exists()

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from ..ops.host import to_device
+from ..threads import set_threads
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .constrained import GrammarConstraint
 from .graphs import DecodeGraphs
@@ -640,14 +641,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch CPU threads (default: torch's, one per core; on a shared or busy machine fewer can "
                         "be much faster)")
-
-
-def set_threads(threads: int | None) -> None:
-    """`--threads`: torch's CPU threads (None: leave torch's default); ValueError naming the option below 1."""
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
 
 
 def device_and_dtype(args) -> tuple[torch.device, torch.dtype]:

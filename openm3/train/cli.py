@@ -102,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--export", type=Path, help="write a consolidated checkpoint (published M3 layout) here at the end")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     return p.parse_args(argv)
 
 
@@ -215,8 +215,7 @@ def eval_questions(ev: dict, build) -> dict:
 
 
 def main(argv=None) -> int:
-    import torch
-
+    from ..threads import set_threads
     from . import distributed as D
     from .data import check_data_extra
 
@@ -224,8 +223,7 @@ def main(argv=None) -> int:
     cfg = build_config(args)  # validates recipe, schedule, mixture
     cfg.check_world(D.world_size_from_env())
     check_data_extra()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
 
     from ..data import get_tokenizer
     from .data import MixtureRows
