@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -66,6 +67,60 @@ def test_overwrite_replaces_checkpoint_keeps_other_files(tmp_path):
                                                       "model.safetensors.index.json", "tokenizer.json"]
     assert torch.equal(load_file(str(out / "model-00001-of-00001.safetensors"))["t0"], torch.full((8,), 5.0))
     assert _hidden_entries(out) == []
+
+
+def record_syncs(monkeypatch) -> list[tuple]:
+    """Events in order: ("sync", path) for each os.fsync (the path its descriptor names), ("rename", src, dst) for
+    each os.rename / os.replace."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to name a descriptor's file")
+    events, fsync, rename, replace = [], os.fsync, os.rename, os.replace
+
+    def synced(fd):
+        events.append(("sync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def renamed(real):
+        def call(src, dst, **kw):
+            events.append(("rename", str(src), str(dst)))
+            return real(src, dst, **kw)
+        return call
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "rename", renamed(rename))
+    monkeypatch.setattr(os, "replace", renamed(replace))
+    return events
+
+
+def assert_published_synced(events: list[tuple], out) -> None:
+    """Every file and folder now under `out` was flushed before the rename that made it `out`, and `out`'s parent
+    after it (so the new name is on disk too)."""
+    out = str(out)
+    at = max(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == out)
+    src = events[at][1]
+    before = set()  # flushed before that rename, under the names they had then (a flushed file keeps its data
+    for event in events[:at]:  # through a rename: write_text_atomic's temporary file)
+        if event[0] == "sync":
+            before.add(event[1])
+        else:
+            before |= {event[2] + p[len(event[1]):] for p in before if p == event[1] or p.startswith(event[1] + "/")}
+    for folder, _, files in os.walk(out):
+        for name in files + [""]:
+            written = os.path.join(folder, name).rstrip("/").replace(out, src, 1)
+            assert written in before, f"{written} was not flushed before its rename to {out}"
+    assert ("sync", os.path.dirname(out)) in events[at + 1:], f"{out}'s parent was not flushed after the rename"
+
+
+def test_a_checkpoint_is_on_disk_before_its_name_is(tmp_path, monkeypatch):
+    """Power loss: each shard, the index, the config and the kept tokenizer are fsynced, then the directory is
+    renamed into place and the parent's names fsynced."""
+    out = tmp_path / "ck"
+    write_checkpoint([("t0", torch.ones(4))], {"v": 1}, out)
+    (out / "tokenizer.json").write_text("{}")
+    events = record_syncs(monkeypatch)
+    write_checkpoint([(f"t{i}", torch.full((256,), float(i))) for i in range(3)], {"v": 2}, out, "1KB")
+    assert len(list(out.glob("model-*.safetensors"))) == 3 and (out / "tokenizer.json").is_file()
+    assert_published_synced(events, out)
 
 
 def test_failed_write_leaves_previous_checkpoint(tmp_path):

@@ -270,6 +270,24 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_00000003"
 
 
+def test_a_training_checkpoint_is_on_disk_before_its_name_is(tmp_path, monkeypatch):
+    """Power loss: DCP's shards, the RNG and trainer state and meta.json are fsynced before the rename that
+    completes the checkpoint; the run folder's names after it, and LATEST is replaced the same way."""
+    from test_checkpoint_write import assert_published_synced, record_syncs
+
+    from openm3.train.checkpoint import CheckpointManager
+    from openm3.train.distributed import DistInfo
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = CheckpointManager(tmp_path, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    events = record_syncs(monkeypatch)
+    final = manager.save(4, model, opt, {"step": 4})
+    assert {p.name for p in final.iterdir()} >= {"meta.json", "trainer_state.pt", "rng_rank0.pt", ".metadata"}
+    assert_published_synced(events, final)
+    assert_published_synced(events, tmp_path / "LATEST")
+
+
 def test_a_latest_pointer_to_a_missing_checkpoint_is_said(tmp_path):
     """LATEST naming a checkpoint deleted from outside: the newest complete one is taken, with a warning."""
     from openm3.train.checkpoint import CheckpointManager

@@ -272,6 +272,25 @@ def _is_checkpoint_file(name: str) -> bool:
     return name in (CONFIG_FILE, INDEX_FILE) or (name.startswith("model") and name.endswith(".safetensors"))
 
 
+def sync_dir(path) -> None:
+    """fsync the directory `path` itself: the names it holds (a rename into it, a new file) reach the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root) -> None:
+    """fsync every file and directory under `root` (and `root`): before a rename publishes a directory written
+    with plain writes, so that after a power loss the published name never stands for data not yet on disk."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        sync_dir(folder)
+
+
 def hidden_sibling(out: Path, tag: str) -> Path:
     """A fresh hidden name beside `out` (same file system, so renames between them are atomic)."""
     return out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.{tag}"
@@ -283,30 +302,33 @@ def replace_directory(tmp: Path, out: Path, *, keep_other_files: bool) -> None:
     links fail) into `tmp` first, so no `out` is ever seen without them. A crash leaves `out` whole, old or new,
     except between the two renames, when it is absent and both copies sit beside it as hidden `.NAME.*.old` /
     `.partial` directories (the loader's not-found error names them); those an earlier crash left are removed
-    after a swap succeeds."""
+    after a swap succeeds. Everything under `tmp` is flushed to disk before the rename, and the parent's names
+    after it, so a power loss does not leave `out` naming data that never reached the disk."""
     tmp, out = Path(tmp), Path(out)
-    if out.exists():
-        if keep_other_files:
-            for entry in out.iterdir():
-                if _is_checkpoint_file(entry.name) or (tmp / entry.name).exists():
-                    continue
-                if entry.is_dir():
-                    shutil.copytree(entry, tmp / entry.name)
-                else:
-                    try:
-                        os.link(entry, tmp / entry.name)
-                    except OSError:
-                        shutil.copy2(entry, tmp / entry.name)
-        old = hidden_sibling(out, "old")
+    if out.exists() and keep_other_files:
+        for entry in out.iterdir():
+            if _is_checkpoint_file(entry.name) or (tmp / entry.name).exists():
+                continue
+            if entry.is_dir():
+                shutil.copytree(entry, tmp / entry.name)
+            else:
+                try:
+                    os.link(entry, tmp / entry.name)
+                except OSError:
+                    shutil.copy2(entry, tmp / entry.name)
+    sync_tree(tmp)
+    old = hidden_sibling(out, "old") if out.exists() else None
+    if old is not None:
         os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
+    try:
         os.rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out)
+        raise
+    sync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     for stale in leftover_copies(out):
         shutil.rmtree(stale, ignore_errors=True)
 

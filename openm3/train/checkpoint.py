@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..models.checkpoint import replace_directory
+from ..models.checkpoint import replace_directory, sync_dir
 from ..models.vision import DEFAULT_FRAMES_PER_CLIP
 from .distributed import DistInfo, barrier
 
@@ -48,6 +48,15 @@ def write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    sync_dir(path.parent)
+
+
+def save_synced(obj, path: Path) -> None:
+    """`torch.save` of `obj` to `path`, flushed to disk before it returns."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def rng_state() -> dict:
@@ -121,17 +130,18 @@ class CheckpointManager:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
                      no_dist=not self.info.distributed)
-        torch.save(rng_state(), tmp / f"rng_rank{self.info.rank}.pt")
+        save_synced(rng_state(), tmp / f"rng_rank{self.info.rank}.pt")
         if _after_shards is not None:  # test hook: simulate a crash after the shards, before completion
             _after_shards()
         barrier(self.info)
         if self.info.is_main:
-            torch.save(trainer_state, tmp / "trainer_state.pt")
+            save_synced(trainer_state, tmp / "trainer_state.pt")
             meta = {"step": step, "world_size": self.info.world_size, "time": time.time()}
-            write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
+            write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))  # syncs tmp's names too
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            sync_dir(self.root)
             write_text_atomic(self.root / "LATEST", final.name)
             self._prune(final)
         barrier(self.info)
