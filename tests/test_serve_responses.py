@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 import test_serve
 from openm3.data.tokenizer import EOS
 from openm3.serve import create_app
+from test_files import dead_pid
 from test_serve import CALL_TEXT, NAME, TOOLS, Scripted, named_events
 
 tok, model, client = test_serve.tok, test_serve.model, test_serve.client  # module-scoped fixtures, shared
@@ -186,7 +187,7 @@ def test_stored_responses_keep_the_last_ones(tok):
 def test_stored_responses_survive_a_restart_with_a_directory(tok, tmp_path):
     """`responses_dir`: a conversation stored by one server is continued by the next one over the same directory
     (the same prompt as sending it whole); a deleted or evicted response's file goes; a half-written temporary
-    file and a corrupt file left by a crash are skipped."""
+    file (removed) and a corrupt file left by a crash are skipped."""
     backend = Scripted(tok.encode("Hi." + EOS), tok.vocab_size)
 
     def server(**kw):
@@ -198,10 +199,12 @@ def test_stored_responses_survive_a_restart_with_a_directory(tok, tmp_path):
     gone = first.post("/v1/responses", json={"model": NAME, "input": "x"}).json()["id"]
     assert first.delete(f"/v1/responses/{gone}").status_code == 200
     assert sorted(p.name for p in tmp_path.iterdir()) == [r1["id"] + ".json"]
-    (tmp_path / f"{r1['id']}.json.123.tmp").write_text('{"items": [')  # a write a crash cut short
+    cut_short = tmp_path / f"{r1['id']}.json.{dead_pid()}.140234.tmp"  # a write a crash cut short
+    cut_short.write_text('{"items": [')
     (tmp_path / "resp_0123456789abcdef0123456789abcdef.json").write_text("{not json")
 
     second = server()
+    assert not cut_short.exists()  # removed at start
     assert second.get(f"/v1/responses/{r1['id']}").json() == r1
     second.post("/v1/responses", json={"model": NAME, "input": "b", "previous_response_id": r1["id"]})
     whole = [{"type": "message", "role": "user", "content": "a"}] + r1["output"] + \

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from test_files import dead_pid
 
 from openm3.data.chat import render_chat
 from openm3.data.corpora import load_corpus
@@ -101,6 +102,16 @@ def test_a_cached_tokenizer_cut_short_is_trained_again(tmp_path):
             again = get_tokenizer(settings, tmp_path)
         assert again.backend.to_str() == first.backend.to_str()
         assert get_tokenizer(settings, tmp_path).backend.to_str() == first.backend.to_str()  # cached again
+
+
+def test_a_crashed_writers_temporary_file_is_removed(tmp_path):
+    settings = TokenizerSettings(vocab_size=600, chars_per_corpus=20_000, corpora=("topics",))
+    entry = tmp_path / f"tokenizer-{settings.key()}"
+    entry.mkdir()
+    orphan = entry / f"tokenizer.json.{dead_pid()}.tmp"
+    orphan.write_text('{"version"')
+    get_tokenizer(settings, tmp_path)
+    assert sorted(p.name for p in entry.iterdir()) == ["settings.json", "tokenizer.json"]
 
 
 def test_training_is_deterministic():

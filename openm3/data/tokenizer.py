@@ -16,11 +16,13 @@ import hashlib
 import json
 import os
 import platform
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..files import remove_orphaned_temporaries
 from .corpora import CORPORA, load_corpus, require
 
 PAD = "]!p~["
@@ -242,6 +244,7 @@ def get_tokenizer(settings: TokenizerSettings | None = None, cache_dir: str | Pa
             warnings.warn(f"the cached tokenizer {path} is unreadable ({err}); training it again")
     tok = train_tokenizer(settings)
     entry.mkdir(parents=True, exist_ok=True)
+    remove_orphaned_temporaries(entry, re.escape("tokenizer.json"))
     tmp = entry / f"tokenizer.json.{os.getpid()}.tmp"
     tok.backend.save(str(tmp))
     with open(tmp, "rb+") as f:  # on disk before the rename makes it the cache's

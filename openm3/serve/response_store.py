@@ -23,6 +23,8 @@ import re
 import threading
 from collections import OrderedDict
 
+from ..files import remove_orphaned_temporaries
+
 __all__ = ["ResponseStore"]
 
 
@@ -52,6 +54,7 @@ class ResponseStore:
     def _load(self) -> None:
         """The responses found in `directory`, least recently used first (past `capacity`: removed); unreadable
         files are skipped."""
+        remove_orphaned_temporaries(self.directory, _ID.pattern + r"\.json")  # writes a crashed server cut short
         found = []
         for name in os.listdir(self.directory):
             rid, ext = os.path.splitext(name)
