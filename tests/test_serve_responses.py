@@ -229,8 +229,8 @@ def test_a_failing_backend_reports_in_the_stream(tok):
     req = {"model": NAME, "input": "x"}
     r = client.post("/v1/responses", json=req)
     assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]
-    chunks = sequenced(client.post("/v1/responses", json={**req, "stream": True}))
-    assert chunks[-1]["type"] == "error" and "out of memory" in chunks[-1]["message"]
+    chunks = sequenced(client.post("/v1/responses", json={**req, "stream": True}))  # (and stored: odd_requests)
+    assert chunks[-1]["type"] == "response.failed" and "out of memory" in chunks[-1]["response"]["error"]["message"]
 
 
 def test_truncation_auto_drops_the_earliest_turns_to_fit(client, tok):

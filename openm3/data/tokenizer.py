@@ -127,13 +127,23 @@ class M3Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The token ids of ``text``; nothing is added (no ``]~!b[``: the chat template writes it), and special
-        token strings in the text (``[e~[``, ``]<]image[>[``, ...) become their ids. ValueError for a non-str."""
+        token strings in the text (``[e~[``, ``]<]image[>[``, ...) become their ids. ValueError for a non-str;
+        `NotUnicode` (a ValueError) for a str holding a lone surrogate (JSON's "\\ud800" parses to one)."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=False).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            _check_unicode(text)
+            raise
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        try:
+            return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        except TypeError:
+            for text in texts:
+                _check_unicode(text)
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of token ids ``ids`` (ints, or a 1-D tensor); special tokens are kept unless
@@ -224,6 +234,20 @@ def train_tokenizer(settings: TokenizerSettings | None = None, texts: Iterator[s
     )
     backend.train_from_iterator(texts if texts is not None else training_texts(settings), trainer=trainer)
     return M3Tokenizer(backend)
+
+
+class NotUnicode(ValueError):
+    """A str that is not valid Unicode text (a lone surrogate): nothing can encode it."""
+
+
+def _check_unicode(text: str) -> None:
+    """`NotUnicode` naming the first lone surrogate of `text`, if it holds one (not where: the text may be a
+    rendered prompt, not the caller's)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise NotUnicode(f"the text holds a lone surrogate {text[e.start]!r}, which is not valid Unicode (a pair "
+                         f"such as '\\ud83d\\ude00' is)") from None
 
 
 def default_cache_dir() -> Path:

@@ -167,9 +167,10 @@ class PenalizedPicker:
             if word[-1] < vocab and (head == 0 or (len(self._output) >= head
                                                     and self._output[-head:] == list(word[:-1]))):
                 out[word[-1]] = -math.inf
-        if p.repetition != 1:
-            scaled = torch.where(out > 0, out / p.repetition, out * p.repetition)
-            out = torch.where(self._seen, scaled, out)
+        if p.repetition != 1:  # finite logits stay finite (a tiny or huge penalty saturates; masked stay -inf)
+            big = torch.finfo(out.dtype).max
+            scaled = torch.where(out > 0, out / p.repetition, out * p.repetition).clamp(-big, big)
+            out = torch.where(self._seen & (out > -math.inf), scaled, out)
         if p.frequency:
             out -= p.frequency * self._counts
         if p.presence:

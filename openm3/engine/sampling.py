@@ -8,9 +8,12 @@ from typing import NamedTuple
 import torch
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's too): logits / 1e-40 overflow to inf
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy (argmax); top_k 0 = off; top_p in (0, 1], 1 = off.
+    """temperature 0 = greedy (argmax), and so is any below `GREEDY_BELOW`; top_k 0 = off; top_p in (0, 1], 1 = off.
 
     With temperature > 0, logits are divided by it, then only the top_k most likely tokens are kept, then the
     smallest set of the most likely tokens whose probability reaches top_p (the most likely token always stays).
@@ -30,7 +33,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

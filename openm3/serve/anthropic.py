@@ -30,7 +30,7 @@ from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .documents import decode_base64, file_text, heading, titled
 from .images import base64_part, content_of
-from .schemas import ClientTool, OutputSpec
+from .schemas import MAX_STOP_SEQUENCES, SEED, ClientTool, OutputSpec
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -108,7 +108,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float = Field(default=1.0, ge=0, le=1)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: SEED | None = None
     output_format: OutputFormat | None = None
     output_config: OutputConfig | None = None
 
@@ -124,6 +124,8 @@ class MessagesRequest(CountTokensRequest):
     def _stops(cls, v: list[str] | None) -> list[str]:
         if any(not s for s in v or []):
             raise ValueError("stop_sequences must be non-empty strings")
+        if len(v or []) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop_sequences: at most {MAX_STOP_SEQUENCES} on this server, got {len(v)}")
         return list(v or [])
 
 

@@ -54,7 +54,7 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from ..data.chat import parse_tool_calls
 from ..data.chat_template import check_template_variables
-from ..data.tokenizer import THINK_END, THINK_START, TOOL_CALL_START
+from ..data.tokenizer import THINK_END, THINK_START, TOOL_CALL_START, NotUnicode
 from ..engine.constrained import GrammarConstraint
 from ..engine.media import chat_prompt
 from ..engine.penalties import Penalties, PenalizedPicker
@@ -254,6 +254,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                                 status_code=404 if exc.code == "model_not_found" else exc.status)
         return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=exc.status)
 
+    @app.exception_handler(NotUnicode)
+    async def _not_unicode(request: Request, exc: NotUnicode):
+        """A request string with a lone surrogate ("\\ud800" in its JSON) that reached the tokenizer outside a
+        check naming its field: a 400 all the same."""
+        return await _api_error(request, APIError(f"a string in the request is not valid Unicode: {exc}", None))
+
     @app.exception_handler(Exception)
     async def _failed(request: Request, exc: Exception):
         message = f"{type(exc).__name__}: {exc}"
@@ -415,6 +421,11 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise APIError(f"{param}: token ids {bad} are outside the vocabulary (0..{vocab - 1})", param)
+        held = {tokenizer.eos_id} | set(req.stop_token_ids or [])
+        if req.min_tokens and (all(t in held for t in penalties.allowed) if penalties.allowed is not None
+                               else len(held) >= vocab):
+            raise APIError("min_tokens: every token this request allows is a stop token (the end-of-turn token and "
+                           "stop_token_ids), so none could be picked before min_tokens", "min_tokens")
         if penalties.active and not getattr(backend, "supports_constraints", False):
             raise APIError("this server's backend does not adjust logits (penalties, logit_bias, min_tokens, "
                            "min_p, bad_words)", _first_adjustment(req))

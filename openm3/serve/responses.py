@@ -33,7 +33,7 @@ from .disconnect import client_gone
 from .documents import openai_file_parts
 from .images import content_of, data_url_part
 from .response_store import ResponseStore
-from .schemas import (CUSTOM_INPUT, ClientTool, CustomToolSpec, JsonSchemaSpec, OutputSpec, ResponseFormat,
+from .schemas import (CUSTOM_INPUT, SEED, ClientTool, CustomToolSpec, JsonSchemaSpec, OutputSpec, ResponseFormat,
                       allowed_tools_spec, client_tools, custom_input, custom_names)
 
 RESPONSES_PATH = "/v1/responses"
@@ -102,7 +102,7 @@ class ResponsesRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: SEED | None = None
     priority: int = 0  # vLLM's extension: with --scheduling-policy priority, lower values are admitted first
     stream: bool = False
     tools: list[FunctionTool | CustomTool] | None = None
@@ -216,8 +216,11 @@ def chat_messages(req: ResponsesRequest, images: bool = False) -> list[dict]:
             content = output if isinstance(output, str) else _content(output, f"{where}.output", images)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
         elif kind == "reasoning":
-            texts = [p.get("text", "") for p in item.get("content") or item.get("summary") or []
-                     if isinstance(p, dict)]
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list):
+                raise ValueError(f"{where}.{'content' if item.get('content') else 'summary'}: expected a list of "
+                                 f"parts, got {type(parts).__name__}")
+            texts = [p.get("text", "") for p in parts if isinstance(p, dict)]
             pending = "\n".join(t for t in texts if isinstance(t, str) and t) or None
         else:
             raise ValueError(f"{where}.type: expected message, function_call, function_call_output, custom_tool_call, "
@@ -334,6 +337,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
     /v1/responses/input_tokens`) on `app`, sharing `create_app`'s validation, prompt building (input_image parts
     are accepted when `takes_images`), generation, log probabilities and streaming; stored responses go to
     `store`."""
+    from fastapi import Query
 
     running: dict[str, _Background] = {}  # background responses in flight, by id
     replays: collections.OrderedDict[str, EventLog] = collections.OrderedDict()  # finished streamed ones' events
@@ -349,7 +353,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
         return found
 
     @app.get(RESPONSES_PATH + "/{response_id}")
-    def get_response(response_id: str, stream: bool = False, starting_after: int | None = None):
+    def get_response(response_id: str, stream: bool = False, starting_after: int | None = Query(None, ge=-1)):
         """The stored response; with `stream=true` a background response made with `stream: true` is streamed
         again, from its first event or the one after sequence number `starting_after` (a client that lost its
         connection resumes there), live while it generates."""
@@ -653,8 +657,13 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
                     emit("response.output_text.delta", item_id=mid, output_index=len(opened) - 1, content_index=0,
                          delta=d, logprobs=logprobs(lp.take(stream.content_span()) if lp is not None else []))
 
-            finish = run(req, prompt, max_new, stream, delta, cancelled, images=images, constraint=constraint,
-                         logprobs=lp)
+            try:
+                finish = run(req, prompt, max_new, stream, delta, cancelled, images=images, constraint=constraint,
+                             logprobs=lp)
+            except Exception as e:  # noqa: BLE001 - stored as failed; the stream ends as OpenAI's do then
+                failed = settle({**response("failed", []), "error": {"code": "server_error", "message": str(e)}})
+                emit("response.failed", response=failed)
+                return
             whole, calls = answer(finish)
             for kind, d in stream.end_parts(whole):
                 delta(kind, d)

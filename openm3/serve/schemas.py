@@ -20,6 +20,9 @@ from ..engine.regex_grammar import RegexGrammar
 from .validation import explain
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+SEED = Annotated[int, Field(ge=-2**63, le=2**63 - 1, description="the sampler's seed (an int64, as vLLM takes)")]
+MAX_STOP_SEQUENCES = 64  # Anthropic's stop_sequences (OpenAI's stop: 4): every one is matched at every token
+MAX_BAD_WORDS = 256  # vLLM's bad_words: each is matched at every token on the engine's thread
 MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completions batch): each is a generation
 
 
@@ -145,7 +148,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: SEED | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
@@ -156,7 +159,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
-    repetition_penalty: float = Field(default=1.0, gt=0)  # vLLM's extensions from here on
+    repetition_penalty: float = Field(default=1.0, gt=0, allow_inf_nan=False)  # vLLM's extensions from here on
     min_p: float = Field(default=0.0, ge=0, le=1)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
@@ -164,7 +167,7 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="vLLM's: each prompt token's log "
                                         "probability and rank, with this many alternatives (not with stream)")
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values are admitted first
