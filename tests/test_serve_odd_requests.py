@@ -165,3 +165,37 @@ def test_a_streamed_response_whose_generation_fails_ends_failed_and_is_stored(to
     assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": "out of memory"}
     stored = client.get(f"/v1/responses/{failed['id']}").json()
     assert stored["status"] == "failed" and stored["error"] == failed["error"]
+
+
+def _tools(api: str, names: list[str]) -> list[dict]:
+    if api == "anthropic":
+        return [{"name": n, "input_schema": {"type": "object"}} for n in names]
+    if api == "responses":
+        return [{"type": "function", "name": n, "parameters": {"type": "object"}} for n in names]
+    return [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
+
+
+@pytest.mark.parametrize("api,path,body", [
+    ("chat", "/v1/chat/completions", chat()),
+    ("anthropic", "/v1/messages", chat()),
+    ("responses", "/v1/responses", {"model": NAME, "input": "hi", "max_output_tokens": 3}),
+], ids=["chat", "messages", "responses"])
+def test_tool_names_that_break_the_markup_or_repeat_are_400s(scripted, api, path, body):
+    """A name is written into `<invoke name="...">` as it is: a quote or a newline broke the call's markup, and
+    two tools of one name could not be told apart."""
+    for names in (['say"hi'], ["a\nb"], ["<tag>"], ["ok", "ok"]):
+        r = scripted.post(path, json={**body, "tools": _tools(api, names)})
+        assert r.status_code == 400, (names, r.text)
+    assert "is tools[0]'s name too" in r.text
+    r = scripted.post(path, json={**body, "tools": _tools(api, ["read_file", "mcp__git__log", "ns.tool:v2"])})
+    assert r.status_code == 200, r.text
+
+
+def test_misleading_messages_and_loose_types(scripted):
+    r = scripted.post("/tokenize", json={"model": NAME})
+    assert error_of(r)["message"] == "body: give prompt or messages, not both or neither"
+    r = scripted.post("/v1/completions", json={"model": NAME, "prompt": [True, 2], "max_tokens": 2})
+    assert r.status_code == 400 and error_of(r)["param"] == "prompt"  # true is not token id 1
+    r = scripted.post("/v1/messages", json={"model": NAME, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": None}]}]})
+    assert r.status_code == 400 and "messages[0].content[0].text: expected a string, got NoneType" in r.text

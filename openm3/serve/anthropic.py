@@ -30,7 +30,7 @@ from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .documents import decode_base64, file_text, heading, titled
 from .images import base64_part, content_of
-from .schemas import MAX_STOP_SEQUENCES, SEED, ClientTool, OutputSpec
+from .schemas import MAX_STOP_SEQUENCES, SEED, ClientTool, OutputSpec, ToolName, check_unique_names
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -39,7 +39,7 @@ class AnthropicTool(ClientTool):
     client_types: ClassVar[tuple[str | None, ...]] = ("custom", None)
     api: ClassVar[str] = "anthropic"
 
-    name: str = Field(min_length=1)
+    name: ToolName
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
 
@@ -76,6 +76,12 @@ class CountTokensRequest(BaseModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: ThinkingConfig | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct(cls, v: list[AnthropicTool] | None) -> list[AnthropicTool] | None:
+        check_unique_names([t.name for t in v or []])
+        return v
 
     def template_variables(self) -> dict[str, Any] | None:
         if self.thinking is None or self.thinking.type not in ("enabled", "disabled"):
@@ -219,7 +225,9 @@ def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
         thinking: list[str] = []
         for j, block in enumerate(message.content):
             kind = block.get("type")
-            if kind == "text" and isinstance(block.get("text"), str):
+            if kind == "text":
+                if not isinstance(block.get("text"), str):
+                    raise ValueError(f"{where}[{j}].text: expected a string, got {type(block.get('text')).__name__}")
                 parts.append({"type": "text", "text": block["text"]})
             elif kind == "thinking" and message.role == "assistant" and isinstance(block.get("thinking"), str):
                 thinking.append(block["thinking"])  # rendered back as the turn's reasoning

@@ -33,7 +33,7 @@ from .disconnect import client_gone
 from .documents import openai_file_parts
 from .images import content_of, data_url_part
 from .response_store import ResponseStore
-from .schemas import (CUSTOM_INPUT, SEED, ClientTool, CustomToolSpec, JsonSchemaSpec, OutputSpec, ResponseFormat,
+from .schemas import (CUSTOM_INPUT, SEED, ClientTool, ToolName, CustomToolSpec, JsonSchemaSpec, OutputSpec, ResponseFormat,
                       allowed_tools_spec, client_tools, custom_input, custom_names)
 
 RESPONSES_PATH = "/v1/responses"
@@ -42,7 +42,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 class FunctionTool(ClientTool):
     type: Literal["function"] = "function"
-    name: str = Field(min_length=1)
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
 

@@ -11,7 +11,8 @@ import dataclasses
 import json
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from ..data.chat_template import check_template_variables
 from ..engine.cfg_grammar import CfgGrammar
@@ -23,6 +24,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 SEED = Annotated[int, Field(ge=-2**63, le=2**63 - 1, description="the sampler's seed (an int64, as vLLM takes)")]
 MAX_STOP_SEQUENCES = 64  # Anthropic's stop_sequences (OpenAI's stop: 4): every one is matched at every token
 MAX_BAD_WORDS = 256  # vLLM's bad_words: each is matched at every token on the engine's thread
+# A tool's name goes into the model's markup as written (`<invoke name="NAME">`): OpenAI and Anthropic take
+# [a-zA-Z0-9_-]{1,64}; this server refuses only what would break the markup (quotes, angle brackets, whitespace)
+ToolName = Annotated[str, Field(min_length=1, max_length=256, pattern=r'^[^"<>&\s]+$')]
 MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completions batch): each is a generation
 
 
@@ -237,7 +241,7 @@ class CompletionRequest(SamplingFields):
     prompt i's j-th). echo: each choice starts with its prompt (and, with logprobs, the prompt tokens' log
     probabilities: a scoring request); with `max_tokens: 0` (OpenAI's legacy scoring form) nothing follows it."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # (strict: true is not token id 1)
     max_tokens: int | None = Field(default=16, ge=0, description="0 with echo: the prompt scored, nothing generated")
     logprobs: int | None = Field(default=None, ge=0, le=20, description="top alternatives per token (0: the "
                                  "sampled token's alone); null: no log probabilities")
@@ -389,7 +393,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 class FunctionDef(BaseModel):
-    name: str = Field(min_length=1)
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
@@ -454,7 +458,7 @@ class CustomToolSpec(BaseModel):
     grammar in its description), and its calls come back holding that text as written. A forced call
     (`tool_choice`) follows the grammar (`openm3.engine.tool_grammar`); an unforced one is parsed as written."""
 
-    name: str = Field(min_length=1)
+    name: ToolName
     description: str | None = None
     format: dict[str, Any] | None = None
 
@@ -538,7 +542,22 @@ def client_tools(v: Any, function_model: type[BaseModel], custom_model: type[Bas
         except ValidationError as e:
             where, message = explain(e.errors(), entry)
             raise ValueError(f"tools[{i}]{where}{'' if message.startswith('.') else ': '}{message}") from None
+    check_unique_names([tool_name(t) for t in out])
     return out
+
+
+def tool_name(tool: BaseModel) -> str:
+    """The name of a validated tool entry (a chat `Tool` nests it under `function`)."""
+    return tool.function.name if hasattr(tool, "function") else tool.name
+
+
+def check_unique_names(names: list[str]) -> None:
+    """ValueError naming the first tool whose name an earlier one has (a call could not tell them apart)."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise ValueError(f"tools[{i}].name: {name!r} is tools[{seen[name]}]'s name too; tool names must differ")
+        seen[name] = i
 
 
 def custom_input(arguments: dict) -> str:

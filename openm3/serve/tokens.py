@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, StrictInt, field_validator, model_validator
 
 from .schemas import ChatCustomTool, ChatMessage, TemplateVariables, Tool, client_tools, template_messages
 
@@ -41,7 +41,7 @@ class TokenizeRequest(TemplateVariables):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 def add_token_routes(app, *, tokenizer, check_model: Callable, max_total_tokens: int, vocab: int,

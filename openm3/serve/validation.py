@@ -46,6 +46,8 @@ def describe_invalid(errors: list[dict], body: Any, content_type: str | None = N
             return f"body: expected a JSON object sent with content-type: application/json, got {got}", None
         if body is None or first.get("type") == "missing":
             return "body: expected a JSON object, got an empty body", None
+        if isinstance(body, dict) and first.get("type") == "value_error":  # a check of the object as a whole
+            return f"body: {_message(first)}", None
         return f"body: expected a JSON object, got {_got(body)}", None
     path, message = _explain(pairs, body, [])
     where = _where(path).lstrip(".") or "body"
