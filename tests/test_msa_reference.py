@@ -283,6 +283,28 @@ def test_indexer_kl_gradcheck_fp64(case, sparse, shared_range, monkeypatch):
     assert torch.autograd.gradcheck(fn, (x["qi"].requires_grad_(), x["ki"].requires_grad_()))
 
 
+def test_a_second_derivative_is_refused_not_wrong():
+    """The backwards use the forward's saved o / lse, so differentiating them again gave wrong Hessian-vector
+    products with no error (sparse attention: off by ~1x the gradient's scale): they refuse, as the Triton path
+    and PyTorch's fused attention do, also where the loss reaches the input by another path too (a gradient
+    penalty beside the loss: the second-order part was dropped without a word); first derivatives with
+    create_graph=True stay right."""
+    case = GRAD_CASES[0]
+    x = make_inputs(case, dtype=torch.float64, seed=2)
+    block_idx = select(x, case)
+    q, qi = x["q"].requires_grad_(), x["qi"].requires_grad_()
+    o, _ = ref.sparse_attention(q, x["k"], x["v"], block_idx, x["cu_seqlens"], block_size=case.bs,
+                                cu_seqlens_k=x["cu_seqlens_k"])
+    kl = ref.indexer_kl(x["q"].detach(), x["k"], qi, x["ki"], block_idx, x["cu_seqlens"], block_size=case.bs,
+                        cu_seqlens_k=x["cu_seqlens_k"])
+    for out, wrt, name in (((o ** 2).sum(), q, "sparse_attention"), (kl, qi, "indexer_kl")):
+        (grad,) = torch.autograd.grad(out, wrt, create_graph=True, retain_graph=True)
+        (plain,) = torch.autograd.grad(out, wrt, retain_graph=True)
+        assert torch.equal(grad.detach(), plain)
+        with pytest.raises(RuntimeError, match=f"^{name}: its gradient cannot be differentiated again"):
+            torch.autograd.grad(out + (grad ** 2).sum(), wrt)
+
+
 def test_indexer_kl_uses_lse_from_sparse_attention():
     case = Case((150, 37), 8, 2, 16, 8, 16, 3)
     x = make_inputs(case, seed=5)

@@ -17,6 +17,7 @@ than about `workspace` elements plus the inputs and outputs themselves, whatever
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -253,6 +254,47 @@ def sparse_attention(q, k, v, block_idx, cu_seqlens, *, block_size: int, scale: 
     return _SparseAttention.apply(q, k, v, block_idx, segments, block_size, scale, workspace)
 
 
+class _NoSecondDerivative(torch.autograd.Function):
+    """`count` gradients that a reference backward computed, passed through unchanged but tied to the tensors they
+    depend on (the op's inputs, the incoming gradients), so that differentiating them again raises instead of
+    coming out wrong: the backwards' formulas use the forward's saved o / lse as constants."""
+
+    @staticmethod
+    def forward(ctx, op: str, count: int, *tensors):
+        ctx.op = op
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(f"{ctx.op}: its gradient cannot be differentiated again (a second derivative, "
+                           f"create_graph=True): the reference's backward treats the forward's softmax statistics "
+                           f"as constants, and the Triton kernels have no double backward either")
+
+
+def _first_order(op: str):
+    """A Function's backward decorator: the backward runs without building a graph and, under create_graph,
+    returns its gradients through `_NoSecondDerivative` tied to the incoming gradients and to the saved tensors
+    the backward leaves in `ctx.unpacked` (saved tensors may be unpacked once only, under activation
+    checkpointing). Not `torch.autograd.function.once_differentiable`, whose error node hangs off detached
+    copies: the engine never reaches it, so a second derivative through the op came out as 0 or as an "unused
+    tensor" error."""
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            with torch.no_grad():
+                out = backward(ctx, *grads)
+            unpacked = ctx.__dict__.pop("unpacked", ())
+            deps = [t for t in (*unpacked, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not torch.is_grad_enabled() or not deps:
+                return out
+            present = [g for g in out if g is not None]
+            tied = iter(_NoSecondDerivative.apply(op, len(present), *present, *deps))
+            return tuple(None if g is None else next(tied) for g in out)
+        return wrapper
+    return decorate
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_idx, segments, block_size, scale, workspace):
@@ -272,8 +314,9 @@ class _SparseAttention(torch.autograd.Function):
         return o.to(q.dtype), lse_out
 
     @staticmethod
+    @_first_order("sparse_attention")
     def backward(ctx, do, _dlse):
-        q, k, v, block_idx, o, lse = ctx.saved_tensors
+        q, k, v, block_idx, o, lse = ctx.unpacked = ctx.saved_tensors
         segments, block_size, scale, workspace = ctx.meta
         cdt = o.dtype
         dq = torch.zeros_like(o)
@@ -523,8 +566,9 @@ class _IndexerKL(torch.autograd.Function):
         return total / max(count, 1)
 
     @staticmethod
+    @_first_order("indexer_kl")
     def backward(ctx, grad):
-        qi, ki, q, k, block_idx, lse_a_all, lse_z_all = ctx.saved_tensors
+        qi, ki, q, k, block_idx, lse_a_all, lse_z_all = ctx.unpacked = ctx.saved_tensors
         cfg = ctx.cfg
         cdt = lse_z_all.dtype
         dqi = qi.new_zeros(qi.shape, dtype=cdt)
