@@ -180,6 +180,41 @@ def test_stop_tokens_of_other_types_are_refused(model, stop):
         generate(model, [[5, 17, 300]], max_new_tokens=4, stop_tokens=stop)
 
 
+@pytest.mark.parametrize("kw,message", [
+    ({"sampling": {"temperature": 0.7}}, "sampling must be an openm3.engine.SamplingParams"),
+    ({"sampling": None}, "sampling must be an openm3.engine.SamplingParams"),
+    ({"seed": None}, "seed must be an int"), ({"seed": 2**64}, "seed must be an int"),
+    ({"on_token": 5}, "on_token must be callable or None"),
+    ({"cuda_graphs": True}, "cuda_graphs=True needs a model on a CUDA device"),
+], ids=["dict", "none", "seed-none", "seed-big", "on-token", "graphs-on-cpu"])
+def test_generate_refuses_bad_arguments_before_any_work(model, monkeypatch, kw, message):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("openm3.engine.generate"), "PagedCache", lambda *a, **k: pytest.fail("a cache was made"))
+    with pytest.raises(ValueError, match=message):
+        generate(model, [[5, 17, 300]], max_new_tokens=2, **kw)
+
+
+def test_one_callers_bad_sampling_fails_only_its_own_call(model):
+    """A dict as `sampling` reached the worker and ended every request decoding beside it with an AttributeError."""
+    gen = BatchedGenerator(model, token_budget=256, cuda_graphs=False)
+    try:
+        with pytest.raises(ValueError, match=r"sampling must be an openm3.engine.SamplingParams\(.*\), got dict"):
+            gen([5, 17, 300], max_new_tokens=4, sampling={"temperature": 0.7})
+        tokens = []
+        assert gen([5, 17, 300], max_new_tokens=4, on_token=tokens.append) == "length" and len(tokens) == 4
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_a_temperature_that_is_not_finite_is_refused(temperature):
+    from openm3.engine import SamplingParams
+
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature)
+
+
 # ---------------------------------------------------------------------------------------------- 5. presets
 
 @pytest.mark.parametrize("name,layers,dense", [("m3-tiny", 2, 1), ("m3-tiny", 7, 1), ("m3-small", 3, 1),

@@ -63,7 +63,7 @@ from .constrained import GrammarConstraint
 from .penalties import PenalizedPicker
 from .generate import LaunchedStep, check_constraints, check_prompts, check_stop_tokens
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, check_logprobs, prompt_rows_logprobs, sample, token_logprobs
+from .sampling import SamplingParams, check_logprobs, check_run, prompt_rows_logprobs, sample, token_logprobs
 from .spec_gate import SpeculationGate
 from .speculative import PREDICTION_DRAFTS, SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 from .scheduler import (PromptImages, check_images, check_inference_model, decode_step, is_vision_language,
@@ -233,6 +233,7 @@ class BatchedGenerator:
         the request and is re-raised here."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
+        check_run(sampling, seed, {"on_token": on_token, "on_cached": on_cached})
         if priority and self.scheduling != "priority":
             raise ValueError(f"priority: this generator admits first come, first served (scheduling='fcfs'); "
                              f"priority {priority} needs scheduling='priority'")

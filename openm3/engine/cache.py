@@ -157,7 +157,8 @@ def plan_cache(layout: CacheLayout, token_budget: int, *, kv_dtype: torch.dtype 
     if not isinstance(token_budget, int) or token_budget <= 0:
         raise ValueError(f"token_budget must be a positive int, got {token_budget!r}")
     if kv_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"kv_dtype must be bf16, fp16 or fp32, got {kv_dtype}")
+        raise ValueError(f"kv_dtype must be torch.bfloat16, torch.float16 or torch.float32 (the model's dtype), got "
+                         f"{kv_dtype!r}")
     num_pages = -(-token_budget // layout.page_size)
     return CachePlan(layout, num_pages, kv_dtype, resolve_index_dtype(index_dtype, kv_dtype))
 

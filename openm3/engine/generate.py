@@ -28,7 +28,7 @@ from ..threads import set_threads
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .constrained import GrammarConstraint
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, check_logprobs, prompt_rows_logprobs, sample, token_logprobs
+from .sampling import SamplingParams, check_logprobs, check_run, prompt_rows_logprobs, sample, token_logprobs
 from .scheduler import check_images, check_inference_model, decode_step, is_vision_language, prefill, text_model
 from .penalties import Penalties, PenalizedPicker
 from .spec_gate import SpeculationGate
@@ -227,7 +227,10 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     grid_thw [I, 3])` as `M3ImageProcessor` returns them, a `PromptImages` that also carries videos, or the
     `VisionBatch` of `M3Processor` (VL models only: the prompt's image and video placeholders take the visual
     tokens, see `openm3.engine.scheduler.check_images`);
-    stop_tokens: a token id or several: generation of a sequence ends after any of them; token_budget: tokens the
+    stop_tokens: a token id or several: generation of a sequence ends after any of them (none by default: unlike
+    transformers' `generate`, the config's `eos_token_id` stops nothing unless passed here, as the CLIs and the
+    server do); seed: of the one `torch.Generator` that samples the whole batch, so a prompt's sampled tokens
+    depend on the prompts sampled beside it (`BatchedGenerator` gives each request its own); token_budget: tokens the
     cache is planned for (default: exactly what the batch reserves; a batch beyond it raises CacheFullError before
     any work); index_dtype: index-key cache dtype (None = model dtype, 'bf16', 'fp8'); max_total_tokens: prompt +
     max_new_tokens limit per sequence (default: config.max_position_embeddings); on_token(b, token) streams
@@ -259,6 +262,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     limit = max_total_tokens or config.max_position_embeddings
     ids = check_prompts(prompts, config.vocab_size, max_new_tokens, limit)
     stop = check_stop_tokens(stop_tokens)
+    check_run(sampling, seed, {"on_token": on_token, "on_prefill": on_prefill})
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
     check_logprobs(logprobs, on_logprobs)
@@ -272,6 +276,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     vision = check_images(model, ids, images)
     param = next(lm.parameters())
     device, dtype = param.device, param.dtype
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a model on a CUDA device, got one on {device}")
     if overlap is None:
         overlap = device.type == "cuda" and speculative is None and constraints is None and draft_contexts is None
     layout = CacheLayout.from_config(config)

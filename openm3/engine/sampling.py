@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,8 +26,8 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
@@ -34,6 +36,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def check_run(sampling, seed, callbacks: dict) -> None:
+    """ValueError naming the argument for a `sampling` that is not a `SamplingParams`, a `seed` that is not an int,
+    or a callback (name -> value) that is neither None nor callable: before any work (in `BatchedGenerator` a bad
+    one reached the worker and failed every request decoding with it)."""
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be an openm3.engine.SamplingParams(temperature, top_p, top_k), got "
+                         f"{type(sampling).__name__}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not -2**63 <= seed < 2**64:
+        raise ValueError(f"seed must be an int (int64 or uint64), got {seed!r}")
+    for name, fn in callbacks.items():
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be callable or None, got {type(fn).__name__}")
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
