@@ -33,8 +33,8 @@ from .disconnect import client_gone
 from .documents import openai_file_parts
 from .images import content_of, data_url_part
 from .response_store import ResponseStore
-from .schemas import (CUSTOM_INPUT, SEED, ClientTool, ToolName, CustomToolSpec, JsonSchemaSpec, OutputSpec, ResponseFormat,
-                      allowed_tools_spec, client_tools, custom_input, custom_names)
+from .schemas import (CUSTOM_INPUT, SEED, ClientTool, CustomToolSpec, JsonSchemaSpec, OutputSpec, ResponseFormat,
+                      ToolName, allowed_tools_spec, client_tools, custom_input, custom_names)
 
 RESPONSES_PATH = "/v1/responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
