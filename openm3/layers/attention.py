@@ -129,7 +129,8 @@ class Attention(nn.Module):
         q, k, v, qi, ki = self.project(x, cos, sin, detach_index_input=compute_kl and not grad_to_x)
         o, kl, block_idx = self.attend(q, k, v, qi, ki, cu_seqlens, compute_kl=compute_kl, dense_warmup=dense_warmup,
                                        return_block_idx=return_block_idx, cache=cache)
-        return AttentionOutput(self.o_proj(o.reshape(x.shape[0], -1)), kl, block_idx)
+        # the width spelt out: with T = 0 tokens, -1 would be ambiguous
+        return AttentionOutput(self.o_proj(o.reshape(x.shape[0], self.num_heads * self.head_dim)), kl, block_idx)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, detach_index_input: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -98,7 +98,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> list[int]:
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
         raise ValueError(f"cu_seqlens: expected an integer tensor [S+1] with S >= 1, got "
                          f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    bounds = host_list(cu_seqlens)  # read once per tensor, not once per block (a device sync on CUDA)
+    bounds = host_list(cu_seqlens, "cu_seqlens")  # read once per tensor, not once per block (a device sync on CUDA)
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     if bounds[0] != 0 or bounds[-1] != total or min(lengths) <= 0:
         raise ValueError(f"cu_seqlens: expected strictly increasing from 0 to {total}, got {bounds}")

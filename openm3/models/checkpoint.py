@@ -10,6 +10,9 @@ Two layouts are read (and may even be mixed):
   shared_experts.*, e_score_correction_bias}`, split `gate_proj`/`up_proj`, `self_attn.index_{q,k}_{proj,norm}`.
   Vision tower and projector tensors (and MTP heads) are skipped by this text-only loader.
 
+The model's own `state_dict()` names load too (`save_file(model.state_dict(), ...)` beside a config.json): they
+are transformers' names without `model.` (the VL model's: `language_model.` + them), fused parameters whole.
+
 Either layout may be FP8 block-quantized, as MiniMax's releases are (config.json's `quantization_config`,
 `openm3.models.fp8`): those weights are dequantized as they are read (`TensorSource`) and the model holds them in
 its dtype (config.json's `dtype` / `torch_dtype`, or the one asked for); `save_pretrained` writes them unquantized.
@@ -61,7 +64,8 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- name mapping
-# Checkpoint name prefix -> our prefix (first match wins).
+# Checkpoint name prefix -> our prefix (first match wins). A name with none of them may be one of the model's own
+# (`map_checkpoint_name`).
 _PREFIXES = (
     ("language_model.model.", ""),   # published
     ("language_model.lm_head.", "lm_head."),
@@ -131,6 +135,10 @@ _SAVE_RULES = (
 _SAVE_RULES = tuple((re.compile(p), names) for p, names in _SAVE_RULES)
 
 
+# (`params` lacks it with tied embeddings, where `_plan` skips a checkpoint's copy)
+_LM_HEAD = "lm_head.weight"
+
+
 def map_checkpoint_name(name: str, params: dict[str, torch.Tensor]) -> _Target | None:
     """The target of checkpoint tensor `name` among `params` (our names), None if the name is to be skipped.
     Raises CheckpointError for a name that matches nothing."""
@@ -148,8 +156,15 @@ def map_checkpoint_name(name: str, params: dict[str, torch.Tensor]) -> _Target |
                 groups = m.groups()
                 expert = int(groups[expert_group]) if expert_group is not None else None
                 return _Target(template.format(*groups), expert, half)
-        if body in params:
+        if body in params or body == _LM_HEAD:
             return _Target(body)
+    else:
+        # The model's own `state_dict()` names (a `save_file(model.state_dict())`; `language_model.` + them from
+        # the VL model's): transformers' names without `model.`, already in the fused layout, so they fill
+        # whole parameters. No published name lacks a prefix, and none of ours starts with `model.`.
+        own = name.removeprefix("language_model.")
+        if own in params or own == _LM_HEAD:
+            return _Target(own)
     raise CheckpointError(name)
 
 
@@ -357,21 +372,46 @@ def _parse_size(size: int | str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- load
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The dtypes a model's parameters may have. fp8 is not among them: an fp8 checkpoint is dequantized into one of
+# these as it is read (`TensorSource`).
+PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# the names a load's `dtype` argument takes (torch's, optionally with its `torch.` prefix)
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# config.json's `dtype` / `torch_dtype`: torch's names and the usual short spellings
+_CONFIG_DTYPES = {**_DTYPES, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
+                  "fp32": torch.float32, "float": torch.float32, "float64": torch.float64, "fp64": torch.float64,
+                  "double": torch.float64}
 
 
 def check_dtype(dtype) -> torch.dtype | None:
-    """The parameter dtype a load asks for: a floating torch.dtype as given, torch's name of one as a string
-    ('bfloat16', 'float16', 'float32'), or None for None / 'auto' (config.json's, see `load_text_model`).
-    ValueError naming `dtype` for anything else."""
-    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+    """The parameter dtype a load asks for: torch.bfloat16, float16, float32 or float64 as given, torch's name of one
+    of the first three as a string ('bfloat16', 'float16', 'float32', with or without `torch.`), or None for None /
+    'auto' (config.json's, see `load_text_model`). ValueError naming `dtype` for anything else, fp8 dtypes included
+    (the model computes in its parameters' dtype; an fp8 checkpoint is dequantized as it loads)."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in PARAM_DTYPES):
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
     if dtype == "auto":
         return None
-    raise ValueError(f"dtype must be a floating torch.dtype, one of {['auto', *sorted(_DTYPES)]} or None, "
-                     f"got {dtype!r}")
+    raise ValueError(f"dtype must be a floating torch.dtype, one of {['auto', *_DTYPES]} or None, got {dtype!r} "
+                     f"(parameters may be torch.bfloat16, torch.float16, torch.float32 or torch.float64; fp8 "
+                     f"checkpoints are dequantized into one of these as they load)")
+
+
+def config_dtype(raw: dict, file) -> torch.dtype:
+    """The parameter dtype config.json `raw` (at `file`) names in `dtype` / `torch_dtype`, float32 when it names
+    none. CheckpointError naming the field for a name that is not a parameter dtype (`_CONFIG_DTYPES`)."""
+    for key in ("dtype", "torch_dtype"):
+        name = raw.get(key)
+        if name is None:
+            continue
+        dtype = _CONFIG_DTYPES.get(name.removeprefix("torch.").lower()) if isinstance(name, str) else None
+        if dtype is None:
+            raise CheckpointError(f"{file}: {key}={name!r} is not a parameter dtype: expected one of "
+                                  f"{sorted(_CONFIG_DTYPES)} (or pass dtype= to the loader)")
+        return dtype
+    return torch.float32
 
 
 def _training_hint(root: Path) -> str:
@@ -579,8 +619,9 @@ def load_pretrained(path, dtype: torch.dtype | str | None = None, device: torch.
 
     Returns `M3ForConditionalGeneration` (text decoder + vision tower + projector) when config.json is a VL config
     with a `vision_config`, else `M3TextModel`; `load_text_model` reads only the text decoder of either.
-    dtype: parameter dtype, a floating torch.dtype or its name ('bfloat16', 'float16', 'float32'); None or 'auto':
-    the `dtype` / `torch_dtype` of config.json, else float32. device: where to allocate the model (default CPU).
+    dtype: parameter dtype, torch.bfloat16 / float16 / float32 / float64 or the name of one of the first three
+    ('bfloat16', 'float16', 'float32'); None or 'auto': the `dtype` / `torch_dtype` of config.json, else float32.
+    device: where to allocate the model (default CPU).
     Returns the model in eval mode.
     """
     root = _checkpoint_dir(path)
@@ -607,8 +648,9 @@ def load_text_model(path, dtype: torch.dtype | str | None = None, device: torch.
                     source: TensorSource | None = None) -> M3TextModel:
     """Load the M3 text decoder from a local checkpoint directory, text-only or VL (vision tensors are skipped).
 
-    dtype: parameter dtype, a floating torch.dtype or its name ('bfloat16', 'float16', 'float32'); None or 'auto':
-    the `dtype` / `torch_dtype` of config.json, else float32. device: where to allocate the model (default CPU).
+    dtype: parameter dtype, torch.bfloat16 / float16 / float32 / float64 or the name of one of the first three
+    ('bfloat16', 'float16', 'float32'); None or 'auto': the `dtype` / `torch_dtype` of config.json, else float32.
+    device: where to allocate the model (default CPU).
     Returns the model in eval mode.
     source: the checkpoint's `TensorSource` when the caller has built it already (the VL loader reads the vision
     tensors through the same one: config.json and the fp8 scales are read once).
@@ -617,9 +659,7 @@ def load_text_model(path, dtype: torch.dtype | str | None = None, device: torch.
     dtype = check_dtype(dtype)
     config = read_config(root)
     if dtype is None:
-        raw = config_json(root)
-        name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-        dtype = _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+        dtype = config_dtype(config_json(root), root / CONFIG_FILE)
     device = torch.device(device if device is not None else "cpu")
 
     source = source if source is not None else TensorSource(root)

@@ -14,6 +14,7 @@ and `to_dict` writes both, so a config openm3 saves means the same thing to both
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,14 +83,14 @@ class M3TextConfig:
                      "head_dim", "max_position_embeddings"):
             _positive_int(name, getattr(self, name))
         for name in ("rms_norm_eps", "rope_theta", "swiglu_alpha", "swiglu_limit", "routed_scaling_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"M3TextConfig.{name} must be a positive number, got {value!r}")
+            _finite_number(name, getattr(self, name), positive=True)
+        for name in ("initializer_range", "router_aux_loss_coef"):
+            _finite_number(name, getattr(self, name), positive=False)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"M3TextConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
-        if not isinstance(self.rotary_dim, int) or self.rotary_dim < 0 or self.rotary_dim % 2 \
-                or self.rotary_dim > self.head_dim:
+        rotary = self.rotary_dim
+        if not isinstance(rotary, int) or isinstance(rotary, bool) or not 0 <= rotary <= self.head_dim or rotary % 2:
             raise ValueError(f"M3TextConfig.rotary_dim must be an even int in [0, head_dim={self.head_dim}], "
                              f"got {self.rotary_dim!r}")
         _per_layer("layer_types", self.layer_types, ATTENTION_TYPES, self.num_hidden_layers)
@@ -114,6 +115,14 @@ class M3TextConfig:
             _positive_int("dense_intermediate_size", self.dense_intermediate_size)
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"M3TextConfig.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+            if value is not None and not all(_token_id(i, self.vocab_size) for i in ids):
+                kind = ("None, a token id or a list of token ids (ints" if name == "eos_token_id"
+                        else "None or a token id (an int")
+                raise ValueError(f"M3TextConfig.{name} must be {kind} in [0, vocab_size={self.vocab_size})), "
+                                 f"got {value!r}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -173,6 +182,11 @@ class M3TextConfig:
         _read_rope(data)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in data.items() if k in names}
+        vocab = known.get("vocab_size", cls.vocab_size)
+        for key in ("bos_token_id", "eos_token_id"):
+            # the defaults are M3's ids: a config of a smaller vocabulary that names none has none
+            if key not in known and isinstance(vocab, int) and getattr(cls, key) >= vocab:
+                known[key] = None
         extra = {k: v for k, v in data.items() if k not in names and k not in _DROPPED_KEYS}
         return cls(**known, extra=extra)
 
@@ -211,6 +225,17 @@ _DROPPED_KEYS = {"model_type", "architectures", "transformers_version", "dtype",
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"M3TextConfig.{name} must be a positive int, got {value!r}")
+
+
+def _finite_number(name: str, value: Any, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not math.isfinite(value)) or value < 0 or (positive and value == 0):
+        raise ValueError(f"M3TextConfig.{name} must be a finite number {'> 0' if positive else '>= 0'}, "
+                         f"got {value!r}")
+
+
+def _token_id(value: Any, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def _per_layer(name: str, values: list[str], allowed: tuple[str, ...], num_layers: int) -> None:

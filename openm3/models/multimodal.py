@@ -7,8 +7,9 @@ merged 2 x 2 patch group, and the projected vision features overwrite those posi
 
 Checkpoints: ``from_pretrained`` reads the layout MiniMax publishes (``language_model.model.*``,
 ``vision_tower.vision_model.*``, ``multi_modal_projector.*``, ``patch_merge_mlp.*``; transformers also
-writes this layout with ``save_pretrained``) and transformers' in-memory layout (``model.language_model.*``,
-``model.vision_tower.*``, ``model.multi_modal_projector.*``, ``lm_head.*``); ``save_pretrained`` writes the
+writes this layout with ``save_pretrained``), transformers' in-memory layout (``model.language_model.*``,
+``model.vision_tower.*``, ``model.multi_modal_projector.*``, ``lm_head.*``) and this model's own ``state_dict()``
+names (transformers' without ``model.``); ``save_pretrained`` writes the
 published one, through ``openm3.models.checkpoint.write_checkpoint`` (atomic). The text tensors go through
 ``openm3.models.checkpoint``; the vision tensors are mapped here, shard by shard.
 ``openm3.models.load_pretrained`` returns this model for a config.json with a ``vision_config``.
@@ -51,11 +52,12 @@ class M3VLConfig:
         vocab = self.text_config.vocab_size
         for name in ("image_token_index", "video_token_index"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value < vocab:
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
                 raise ValueError(f"{name}: expected a token id in [0, vocab_size={vocab}), got {value!r}")
         if self.image_token_index == self.video_token_index:
             raise ValueError(f"video_token_index: must differ from image_token_index {self.image_token_index}")
-        if not isinstance(self.projector_hidden_size, int) or self.projector_hidden_size <= 0:
+        if not isinstance(self.projector_hidden_size, int) or isinstance(self.projector_hidden_size, bool) \
+                or self.projector_hidden_size <= 0:
             raise ValueError(f"projector_hidden_size: expected a positive int, got {self.projector_hidden_size!r}")
 
     @property
@@ -235,9 +237,9 @@ class M3ForConditionalGeneration(nn.Module):
         """The VL model of local checkpoint directory ``path`` (a config.json with a ``vision_config``; either
         layout, fp8 weights dequantized), in eval mode; ``load_pretrained`` below.
 
-        dtype: a floating torch.dtype, or 'bfloat16' / 'float16' / 'float32', or None / 'auto' for config.json's
-        ``dtype`` (float32 when it has none); the tower and projector take the text decoder's. device: where the
-        weights are allocated (default CPU)."""
+        dtype: torch.bfloat16 / float16 / float32 / float64, 'bfloat16' / 'float16' / 'float32', or None / 'auto'
+        for config.json's ``dtype`` (float32 when it has none); the tower and projector take the text decoder's.
+        device: where the weights are allocated (default CPU)."""
         return load_pretrained(path, dtype=dtype, device=device)
 
 
@@ -251,6 +253,9 @@ _VISION_LOAD = tuple((re.compile(p), t) for p, t in (
     (r"patch_merge_mlp\.linear_([12])\.(.+)", "multi_modal_projector.merge_linear_{0}.{1}"),
     (r"model\.(vision_tower\..+)", "{0}"),
     (r"model\.(multi_modal_projector\..+)", "{0}"),
+    # the model's own state_dict() names (transformers' without `model.`)
+    (r"(vision_tower\.(?:embeddings|layers|pre_layrnorm)\..+)", "{0}"),
+    (r"(multi_modal_projector\.merge_linear_[12]\..+)", "{0}"),
 ))
 _VISION_NAME = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.")
 

@@ -24,6 +24,7 @@ from ..layers.norm import RMSNorm
 from ..layers.recompute import CheckpointSwitch
 from ..layers.rope import rope_cos_sin
 from ..ops.attention import check_cu_seqlens
+from ..ops.host import check_not_meta
 from .config import M3TextConfig
 
 
@@ -90,10 +91,29 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, *, read_range: boo
                             "cu_seqlens=torch.arange(B + 1, dtype=torch.int32) * T" if input_ids.dim() == 2 else ""))
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    check_not_meta(input_ids, "input_ids")
     if read_range and input_ids.numel():
         lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got [{lo}, {hi}]")
+
+
+def check_position_ids(position_ids: torch.Tensor, num_tokens: int, max_positions: int) -> None:
+    """`position_ids` must be an int tensor [T] (not bool). On the host their values must also lie in
+    [0, max_positions) (one min/max over T ints); a GPU tensor's values are not read (that would wait for the
+    device on every forward)."""
+    if not isinstance(position_ids, torch.Tensor):
+        raise ValueError(f"position_ids must be an int tensor [T={num_tokens}], got {type(position_ids).__name__}")
+    dtype = position_ids.dtype
+    if position_ids.shape != (num_tokens,) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(f"position_ids must be an int tensor [T={num_tokens}], got {dtype} "
+                         f"{tuple(position_ids.shape)}")
+    check_not_meta(position_ids, "position_ids")
+    if position_ids.device.type == "cpu" and num_tokens:
+        lo, hi = torch.stack(torch.aminmax(position_ids)).tolist()
+        if lo < 0 or hi >= max_positions:
+            raise ValueError(f"position_ids must lie in [0, max_position_embeddings={max_positions}), "
+                             f"got [{lo}, {hi}]")
 
 
 @contextmanager
@@ -197,8 +217,9 @@ class M3TextModel(CheckpointSwitch, nn.Module):
         """The text decoder of local checkpoint directory `path` (text-only or VL, either published layout; fp8
         weights dequantized), in eval mode; `openm3.models.checkpoint.load_text_model`.
 
-        dtype: a floating torch.dtype, or 'bfloat16' / 'float16' / 'float32', or None / 'auto' for config.json's
-        `dtype` (float32 when it has none). device: where the weights are allocated (default CPU)."""
+        dtype: torch.bfloat16 / float16 / float32 / float64, 'bfloat16' / 'float16' / 'float32', or None / 'auto'
+        for config.json's `dtype` (float32 when it has none). device: where the weights are allocated (default
+        CPU)."""
         from .checkpoint import load_text_model
         return load_text_model(path, dtype=dtype, device=device)
 
@@ -224,16 +245,20 @@ class M3TextModel(CheckpointSwitch, nn.Module):
         """
         x = self._embed(input_ids, inputs_embeds)
         t = x.shape[0]
+        if x.is_meta:  # (meta inputs are refused by `_embed`)
+            raise ValueError("the model's parameters are on the meta device (no values): load weights first "
+                             "(openm3.models.load_pretrained, or to_empty + reset_parameters)")
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, t], dtype=torch.int32, device=x.device)
+        elif isinstance(cu_seqlens, torch.Tensor):
+            check_not_meta(cu_seqlens, "cu_seqlens")
         offsets = check_cu_seqlens(cu_seqlens, t, "cu_seqlens")
         if position_ids is None:
             if cache is not None:
                 raise ValueError("position_ids are required with a cache (absolute positions of the new tokens)")
             position_ids = _positions(offsets, x.device)
-        elif position_ids.shape != (t,) or position_ids.dtype.is_floating_point:
-            raise ValueError(f"position_ids must be an int tensor [T={t}], got {position_ids.dtype} "
-                             f"{tuple(position_ids.shape)}")
+        else:
+            check_position_ids(position_ids, t, self.config.max_position_embeddings)
         if msa_stage not in ("sparse", "dense"):
             raise ValueError(f"msa_stage must be 'sparse' or 'dense', got {msa_stage!r}")
         dense_warmup = msa_stage == "dense"
@@ -279,9 +304,19 @@ class M3TextModel(CheckpointSwitch, nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [T] or inputs_embeds [T, hidden]")
         if inputs_embeds is not None:
-            if inputs_embeds.dim() != 2 or inputs_embeds.shape[1] != self.config.hidden_size:
-                raise ValueError(f"inputs_embeds must be [T, hidden={self.config.hidden_size}], got "
-                                 f"{tuple(inputs_embeds.shape)}")
+            if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 2 \
+                    or inputs_embeds.shape[1] != self.config.hidden_size or not inputs_embeds.is_floating_point():
+                got = (f"{inputs_embeds.dtype} {tuple(inputs_embeds.shape)}" if isinstance(inputs_embeds, torch.Tensor)
+                       else type(inputs_embeds).__name__)
+                raise ValueError(f"inputs_embeds must be a floating tensor [T, hidden={self.config.hidden_size}], "
+                                 f"got {got}")
+            check_not_meta(inputs_embeds, "inputs_embeds")
+            # Another dtype would reach the first projection as is and fail there; under an autocast (or inside
+            # `residual_stream_dtype`, which casts it) it is what the caller means.
+            if inputs_embeds.dtype != self.dtype and self.residual_dtype is None \
+                    and not torch.is_autocast_enabled(inputs_embeds.device.type):
+                raise ValueError(f"inputs_embeds must have the model's dtype {self.dtype} (or run under "
+                                 f"torch.autocast), got {inputs_embeds.dtype}")
             return self._to_residual(inputs_embeds)
         check_input_ids(input_ids, self.config.vocab_size, read_range=not self.input_ids_prechecked)
         return self._to_residual(self.embed_tokens(input_ids))

@@ -13,6 +13,7 @@ position differences and attention never crosses a clip, that restart changes no
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -54,9 +55,21 @@ class M3VisionConfig:
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_channels", "patch_size", "temporal_patch_size", "spatial_merge_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
+                     "num_channels", "image_size", "patch_size", "temporal_patch_size", "spatial_merge_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        for name, low in (("layer_norm_eps", "> 0"), ("rope_theta", "> 0"), ("initializer_range", ">= 0"),
+                          ("attention_dropout", ">= 0")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or (isinstance(value, float) and not math.isfinite(value)) or value < 0 \
+                    or (low == "> 0" and value == 0):
+                raise ValueError(f"{name}: expected a finite number {low}, got {value!r}")
+        if self.attention_dropout >= 1:
+            raise ValueError(f"attention_dropout: expected a probability in [0, 1), got {self.attention_dropout!r}")
+        if not isinstance(self.hidden_act, str):
+            raise ValueError(f"hidden_act: expected an activation name, got {self.hidden_act!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"num_attention_heads: must divide hidden_size {self.hidden_size}, "
                              f"got {self.num_attention_heads}")
@@ -70,8 +83,12 @@ class M3VisionConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "M3VisionConfig":
         """Build from a Hugging Face ``vision_config`` dict (unchanged); unknown keys land in ``extra``."""
+        if not isinstance(d, dict):
+            raise ValueError(f"vision_config: expected a dict, got {type(d).__name__}")
         d = dict(d)
         rope = d.pop("rope_parameters", None) or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"rope_parameters: expected a dict, got {rope!r}")
         rope_type = rope.get("rope_type", "axial")
         if rope_type != "axial":
             raise ValueError(f"rope_parameters.rope_type: expected 'axial', got {rope_type!r}")
@@ -80,7 +97,9 @@ class M3VisionConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "rope_theta"}
         kwargs = {k: d.pop(k) for k in list(d) if k in names}
         extra = {k: v for k, v in d.items() if k not in _HF_BOOKKEEPING}
-        return cls(**kwargs, rope_theta=float(theta), extra=extra)
+        if isinstance(theta, int) and not isinstance(theta, bool):
+            theta = float(theta)  # (any other type: __post_init__ names it)
+        return cls(**kwargs, rope_theta=theta, extra=extra)
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "M3VisionConfig":
@@ -105,10 +124,14 @@ VISION_PRESETS = {
 
 
 def _check_grid(grid_thw: torch.Tensor, merge: int) -> list[list[int]]:
-    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.dtype.is_floating_point:
+    if not isinstance(grid_thw, torch.Tensor):
+        raise ValueError(f"grid_thw: expected an integer tensor [G, 3] (t, h, w), got {type(grid_thw).__name__}")
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.dtype.is_floating_point \
+            or grid_thw.dtype.is_complex or grid_thw.dtype == torch.bool:
         raise ValueError(f"grid_thw: expected an integer tensor [G, 3] (t, h, w), got "
                          f"{grid_thw.dtype} {tuple(grid_thw.shape)}")
-    rows = host_list(grid_thw)  # a CUDA grid the trainer copied comes with its host values: no device read
+    # a CUDA grid the trainer copied comes with its host values: no device read
+    rows = host_list(grid_thw, "grid_thw")
     for t, h, w in rows:
         if t <= 0 or h <= 0 or w <= 0 or h % merge or w % merge:
             raise ValueError(f"grid_thw: expected positive t, h, w with h and w divisible by {merge}, "

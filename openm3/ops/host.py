@@ -15,13 +15,22 @@ import weakref
 
 import torch
 
-__all__ = ["copy_from_host", "host_list", "remember_host_list", "to_device"]
+__all__ = ["check_not_meta", "copy_from_host", "host_list", "remember_host_list", "to_device"]
 
 _CACHE: dict[int, tuple] = {}
 
 
-def host_list(t: torch.Tensor) -> list:
-    """`t.tolist()`, read from the device once per (tensor, version) for CUDA tensors."""
+def check_not_meta(t: torch.Tensor, name: str) -> None:
+    """ValueError naming `name` when `t` is a meta tensor (shapes without values: nothing can be computed from it)."""
+    if t.is_meta:
+        raise ValueError(f"{name} is a meta tensor ({t.dtype} {list(t.shape)}), which holds no values: pass it on "
+                         f"the CPU or a GPU")
+
+
+def host_list(t: torch.Tensor, name: str = "tensor") -> list:
+    """`t.tolist()`, read from the device once per (tensor, version) for CUDA tensors. ValueError naming `name`
+    (the argument it came in as) for a meta tensor, which has no values to read."""
+    check_not_meta(t, name)
     version = _cacheable_version(t)
     if version is None:
         return t.tolist()
