@@ -315,6 +315,30 @@ def test_choice_grammar():
         ChoiceGrammar(["a", ""])
 
 
+def test_long_choices_take_little_memory():
+    """The choices are searched sorted, not through a table of every prefix (quadratic in their length: a choice
+    of 100,000 characters once took gigabytes); prefixes, ends and what may follow come out as before."""
+    import tracemalloc
+
+    from openm3.engine.constrained import ChoiceGrammar
+
+    long = "é" * 50_000
+    tracemalloc.start()
+    try:
+        g = ChoiceGrammar([long, long + "!", "ab", "a\xff"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 5_000_000, peak
+    half = g.advance(g.start, long.encode()[:30_001])
+    assert half is not None and g.can_continue(half) and not g.complete(half)
+    whole = g.advance(half, long.encode()[30_001:])
+    assert g.complete(whole) and g.can_continue(whole) and g.complete(g.advance(whole, b"!"))
+    assert g.advance(whole, b"?") is None and not g.can_continue(whole + b"!")
+    assert g.advance(g.start, b"a") == b"a" and g.can_continue(b"a") and not g.complete(b"a")
+    assert g.complete(g.advance(b"a", "\xff".encode())) and g.advance(g.start, b"b") is None
+
+
 TWIN_DOCS = ['{"naïve": ["a\\"b", {"k\\u00e9y": "v €", "": 1}], "k2": "x\\\\y", "n": "😀"}',
              '{"name": "a\\nb", "n": 3, "extra": {"deep": ["s", "t\\"u"]}, "kind": "bc"}']
 TWIN_SCHEMA = {"type": "object", "required": ["name"],

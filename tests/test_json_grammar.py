@@ -597,3 +597,163 @@ def test_plain_text_is_taken_wherever_the_grammar_says_so():
     free = compile_schema({"type": "string"})
     assert free.takes_plain_text(free.advance(free.start, b'"ab'))
     assert not free.takes_plain_text(free.advance(free.start, b'"a\\'))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Large numbers, large schemas and malformed ones
+
+HUGE = [10 ** 9, 10 ** 18]
+
+
+def huge_schemas(n: int) -> list:
+    """(schema, pieces of a document that grows toward its count)"""
+    items, strings, keys = [b"[", b'"a"', b",", b"1", b",", b"null"], [b'"', b"aa", b"a"], [b"{", b'"k"', b":", b"1"]
+    return [({"type": "array", "minItems": n}, items), ({"type": "array", "maxItems": n}, items),
+            ({"type": "array", "minItems": n, "maxItems": n, "items": {"type": "integer"}}, [b"[", b"7", b",", b"8"]),
+            ({"type": "array", "prefixItems": [{"type": "string"}] * 3, "minItems": n},
+             [b'["a"', b",", b'"b"', b',"c"', b",", b"1"]),
+            ({"type": "string", "minLength": n}, strings), ({"type": "string", "maxLength": n}, strings),
+            ({"type": "string", "minLength": n, "maxLength": n}, strings),
+            ({"type": "string", "minLength": n, "pattern": "^[a-z]+$"}, strings),
+            ({"type": "string", "maxLength": n, "pattern": "^(a{256}){8}$"}, strings),
+            ({"type": "string", "minLength": n, "maxLength": n, "pattern": "^((a?){64}){16}$"}, strings),
+            ({"type": "object", "minProperties": n}, keys), ({"type": "object", "maxProperties": n}, keys),
+            ({"type": "object", "minProperties": n, "maxProperties": n}, keys),
+            ({"type": "object", "required": ["a"], "properties": {"a": {"type": "array", "minItems": n, "items": {
+                "$ref": "#/$defs/leaf"}}}, "$defs": {"leaf": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}}},
+             [b'{"a":[', b"null", b",", b'{"a":[null', b",null"])]
+
+
+@pytest.mark.parametrize("n", HUGE)
+def test_huge_counts_compile_at_once_and_decode_in_constant_steps(n):
+    """A count of 10**9 or 10**18 (minItems, maxLength, minProperties, ..., beside a pattern too) compiles in well
+    under a second (minItems once cost a loop over every item: minutes), and the matcher still reads documents
+    that grow toward it."""
+    for schema, pieces in huge_schemas(n):
+        started = time.perf_counter()
+        g = compile_schema(schema)
+        assert time.perf_counter() - started < 1.0, schema
+        state = g.start
+        for piece in pieces:
+            state = g.advance(state, piece)
+            assert state is not None, (schema, piece)
+        assert not g.complete(state) or "maxItems" in schema or "maxProperties" in schema, schema
+
+
+@pytest.mark.parametrize("minimum", [0, 1, 2, 3, 4, 5])
+def test_small_min_items_still_hold_with_prefix_items(minimum):
+    """minItems after prefixItems: the closing bracket comes only once there are enough items, whichever node they
+    take (the finiteness check looks at the prefix and one item past it: the rest share that node)."""
+    schema = {"type": "array", "prefixItems": [{"type": "string"}, {"type": "boolean"}], "items": {"type": "integer"},
+              "minItems": minimum}
+    g = compile_schema(schema)
+    docs = ["[]", '["a"]', '["a",true]', '["a",true,1]', '["a",true,1,2]', '["a",true,1,2,3]']
+    for doc in docs:
+        ok = len(json.loads(doc)) >= minimum
+        assert (g.advance(g.start, doc.encode()) is not None) == ok, doc
+        jsonschema.validate(json.loads(doc), schema) if ok else None
+
+
+def test_min_items_that_reach_a_node_without_an_end_are_refused():
+    """An array whose items past its prefix are that array again ends only while minItems stays within the prefix
+    (the finiteness check looks at the prefix and one item past it: every later item shares that node)."""
+    for k in range(3):
+        schema = {"type": "array", "prefixItems": [{"type": "null"}] * k, "items": {"$ref": "#"}, "minItems": k}
+        g = compile_schema(schema)
+        assert g.complete(g.advance(g.start, json.dumps([None] * k).encode()))
+        for minimum in (k + 1, k + 2, 10 ** 18):
+            started = time.perf_counter()
+            with pytest.raises(ValueError, match="no finite array"):
+                compile_schema({**schema, "minItems": minimum})
+            assert time.perf_counter() - started < 1.0
+    with pytest.raises(ValueError, match="no finite array"):  # the prefix itself recurses
+        compile_schema({"type": "array", "prefixItems": [{"type": "null"}, {"$ref": "#"}], "minItems": 2})
+
+
+def test_long_enum_values_and_keys_take_little_memory():
+    """Enum/const strings and declared keys are matched through their sorted spellings, not a table of every
+    prefix (quadratic: 20,000 characters once took 200 MB, 100,000 gigabytes); many values compile at once too."""
+    import tracemalloc
+
+    long = "é" + "a" * 20_000
+    tracemalloc.start()
+    try:
+        g = compile_schema({"type": "object", "additionalProperties": False, "required": [long], "properties": {
+            long: {"enum": [long, long + "b", "x"]}}})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20_000_000, peak
+    key = json.dumps(long, ensure_ascii=False).encode()
+    state = g.advance(g.start, b"{" + key[:9000])
+    state = g.advance(state, key[9000:] + b":" + key[:-1])
+    assert state is not None and g.advance(state, b"c") is None
+    assert g.complete(g.advance(state, b'"}')) and g.complete(g.advance(state, b'b"}'))
+    assert g.advance(g.start, b"{" + key[:-2] + b'b"') is None
+    started = time.perf_counter()
+    many = compile_schema({"enum": [str(k) for k in range(20_000)]})  # (a pairwise prefix check: minutes)
+    assert time.perf_counter() - started < 1.0
+    assert many.complete(many.advance(many.start, b'"19999"')) and many.advance(many.start, b'"20000') is None
+
+
+@pytest.mark.parametrize("pattern", ["[^\\x00-\\U0010ffff]", "[^\\s\\S]x", "\\ud800", "(?i)[^\\d\\D]"])
+def test_a_pattern_that_matches_no_string_is_refused(pattern):
+    """(The automaton knows; `regex`'s partial search, where such classes once went, says the empty text could
+    still grow into a match, and a started string then had no way on.)"""
+    with pytest.raises(ValueError, match="matches no string"):
+        compile_schema({"type": "string", "pattern": pattern})
+
+
+def test_a_fallback_pattern_with_huge_counts_is_refused_at_once():
+    """A pattern left to the `regex` package (a lookahead, or counts past the automaton's) whose counted repeats
+    `regex` would write out (`a{1000000000}`: minutes) is refused, naming the keyword."""
+    for pattern in ["(?=a)a{1000000000}", "a{100000}", "((a{100}){100}){100}"]:
+        started = time.perf_counter()
+        with pytest.raises(ValueError, match="'pattern'.*counted repeats"):
+            compile_schema({"type": "string", "pattern": pattern})
+        assert time.perf_counter() - started < 1.0
+    compile_schema({"type": "string", "pattern": "(?=a)a{1000}"})  # (smaller counts are fine)
+
+
+MALFORMED = [
+    ({"type": "nonsense"}, "schema at #: 'type' must be one of"),
+    ({"properties": 5}, "schema at #: 'properties' must be an object"),
+    ({"type": "object", "required": "a"}, "schema at #: 'required' must be a list of strings"),
+    ({"properties": {"a": {"$ref": "#/$defs/missing"}}}, "schema at #/properties/a: $ref '#/$defs/missing' not found"),
+    ({"items": {"minItems": -1}}, "schema at #/items: 'minItems' must be an int >= 0"),
+    ({"anyOf": [{"type": "string", "maxLength": 1, "minLength": 2}]}, "'minLength' 2 exceeds 'maxLength' 1"),
+    ({"properties": {"a": {"pattern": "[a-"}}}, "schema at #/properties/a: 'pattern' '[a-' does not compile"),
+    ({"oneOf": []}, "'oneOf' must be a non-empty list of schemas"),
+    ({"prefixItems": [{}, 3]}, "schema at #/prefixItems/1 must be an object or a boolean"),
+    ({"$defs": {"a": {"enum": 3}}, "properties": {"x": {"$ref": "#/$defs/a"}}}, "schema at #/$defs/a: 'enum' must be"),
+    ({"items": [{"type": "strin"}]}, "schema at #/items/0: 'type' must be one of"),
+]
+UNSUPPORTED_BUT_VALID = [  # (older drafts' forms say so: the oracle checks each against its own draft)
+    {"$schema": "http://json-schema.org/draft-03/schema#", "type": "object", "properties": {
+        "a": {"type": "string", "required": True, "nullable": True}}},  # draft 3's required, OpenAPI's nullable
+    {"not": {"type": "string"}, "patternProperties": {"^x": {"type": "integer"}}, "if": {"minLength": 3}},
+    {"allOf": [{"type": "object"}, {"required": ["a"]}]},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "items": [{"type": "string"}, True]},
+    {"$ref": "https://example.com/schema.json"}, {"$ref": "#anchor"}, {"type": "string", "pattern": "(?<=a)b"},
+    {"type": "integer", "enum": ["a"]},
+]
+
+
+@pytest.mark.parametrize("schema,message", MALFORMED, ids=[str(i) for i in range(len(MALFORMED))])
+def test_malformed_schemas_are_refused_alike_by_validate_schema_and_compile_schema(schema, message):
+    """`validate_schema` (what a forced tool call's parameters get) refuses what `compile_schema` (a
+    response_format's schema) refuses as malformed, with the same message."""
+    from openm3.engine.json_grammar import validate_schema
+
+    for check in (validate_schema, compile_schema):
+        with pytest.raises(ValueError) as err:
+            check(schema)
+        assert message in str(err.value), (check.__name__, str(err.value))
+
+
+@pytest.mark.parametrize("schema", UNSUPPORTED_BUT_VALID, ids=[str(i) for i in range(len(UNSUPPORTED_BUT_VALID))])
+def test_valid_schemas_pass_validate_schema_whatever_compile_schema_supports(schema):
+    from openm3.engine.json_grammar import validate_schema
+
+    validate_schema(schema)
+    jsonschema.validators.validator_for(schema).check_schema(schema)  # the oracle agrees it is valid

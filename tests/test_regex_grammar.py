@@ -5,6 +5,7 @@ pattern's (finite) language, written out, whole UTF-8 characters only, and decod
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -48,6 +49,32 @@ def test_multibyte_characters_and_bad_patterns(pattern):
     assert not g.complete(g.start) and g.advance(g.start, b"e") is None
     with pytest.raises(ValueError, match="does not compile"):
         RegexGrammar("[a-")
+
+
+@pytest.mark.parametrize("pattern", ["[^\x00-\U0010ffff]", "\\b", "(?!)", "\ud800", "[^\\d\\D]+x", "(?m)\\b",
+                                     "[\ud800-\udfff]"])
+def test_a_pattern_that_no_answer_can_match_is_refused(pattern):
+    """No text matches: the grammar's start could neither end the answer nor take a character, and decoding would
+    fail at its first token (a RuntimeError: a 500); refused when made instead, naming the pattern (a 400)."""
+    with pytest.raises(ValueError, match="matches no text"):
+        RegexGrammar(pattern)
+
+
+@pytest.mark.parametrize("pattern", ["", "x{0}", "a|[^\\s\\S]", "(?m)^$", "\\bx"])
+def test_patterns_that_match_the_empty_text_or_something_are_kept(pattern):
+    g = RegexGrammar(pattern)
+    assert g.complete(g.start) or any(g.advance(g.start, c.encode()) is not None for c in "ax")
+
+
+@pytest.mark.parametrize("pattern", ["a{1000000000}", "(a{1000}){1000}", "(?m)x{100000}", "((a{256}){256}){2}"])
+def test_counted_repeats_too_large_to_compile_are_refused_at_once(pattern):
+    """The `regex` package writes counted repeats out (`a{1000000000}`: minutes of one thread); past
+    `MAX_WRITTEN` items the pattern is refused at once instead."""
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="counted repeats"):
+        RegexGrammar(pattern)
+    assert time.perf_counter() - started < 1.0
+    RegexGrammar("(?m)x{1000}")  # (smaller counts compile)
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(1.0, top_p=0.9)], ids=["greedy", "top-p"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+import time
 
 import pytest
 import regex
@@ -43,9 +44,35 @@ def test_the_automaton_agrees_with_python(pattern, search):
 
 
 @pytest.mark.parametrize("pattern", [r"(?m)^a", r"(?a)\w", r"(?m:a)", r"a(?=b)", r"(a)\1", r"a^b", r"a$b", r"x{300}",
-                                     r"[^\d\D]", r"\p{L}", r"(?>a)"])
+                                     r"\p{L}", r"(?>a)", r"(a{256}){64}", r"((a{100}){100}){100}"])
 def test_syntax_outside_the_automaton_gives_none(pattern):
+    """(Nested counts past the automaton's size bound are left to `regex` too, and fast: no million states.)"""
+    started = time.perf_counter()
     assert compile_nfa(pattern, search=True) is None
+    assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize("pattern", [r"[^\d\D]", "[^\x00-\U0010ffff]", r"a[^\s\S]|[^\w\W]b", "\ud800",
+                                     "[\ud800-\udfff]+", r"(?i)[^\d\D]x"])
+@pytest.mark.parametrize("search", [True, False], ids=["search", "fullmatch"])
+def test_patterns_that_match_nothing_have_a_dead_start(pattern, search):
+    """A class no character passes, or a surrogate (no text holds one), gives an automaton whose start is not live
+    (its caller refuses the pattern), not None (which would leave it to `regex`, whose partial matching says that
+    the empty text could still grow into a match of `[^\x00-\U0010ffff]`)."""
+    nfa = compile_nfa(pattern, search=search)
+    assert nfa is not None and not nfa.live(nfa.start) and not nfa.completes(nfa.start, 0, None)
+    assert not nfa.live(nfa.step(nfa.start, "a"))
+
+
+def test_many_classes_that_need_every_character_checked_stay_fast():
+    """A negated class with a category may need every character checked to know it passes one: a few
+    milliseconds each, and past `_MAX_SCANS` such classes in one pattern it is left to `regex`."""
+    started = time.perf_counter()
+    many = "".join(f"[^\\d\\x00-/:-\\U0010ffff{chr(0x4e00 + k)}]?" for k in range(200))
+    assert compile_nfa(many, search=False) is None
+    assert time.perf_counter() - started < 1.0
+    few = compile_nfa(r"[^\D\x00-/:-\U0010ffff]", search=False)  # the digits 0-9 and no more
+    assert few is not None and few.matched(few.step(few.start, "7")) and not few.live(few.step(few.start, "a"))
 
 
 FLAGGED = [r"(?i)ab+c", r"(?i)[a-c]x", r"(?s)a.b", r"(?i:k)s", r"(?x) a b  # a comment", r"(?i)\u017f", r"(?i)[^a]b",
@@ -123,3 +150,51 @@ def test_completion_lengths_beyond_the_table_repeat():
     nfa = compile_nfa(r"^a{0,200}$", search=False)
     assert nfa.completes(nfa.start, 200, 10 ** 5) and not nfa.completes(nfa.start, 201, 10 ** 5)
     assert not nfa.completes(nfa.start, 201, None) and nfa.completes(nfa.start, 0, 0)
+
+
+@pytest.mark.parametrize("search", [True, False], ids=["search", "whole"])
+def test_huge_lengths_are_answered_at_once(search):
+    """`completes` with bounds of 10**18, on small automata and on ones of thousands of states (nested counts):
+    the longest match a state can still take comes from one pass over the automaton, not a step per character.
+    (A search's `$` also matches before a final newline: one character more.)"""
+    cases = [(r"^a{0,200}$", 200), (r"^(ab)+c?$", None), (r"^((a?){64}){16}$", 1024), (r"^(a{256}){16}$", 4096),
+             (r"^[0-9]{4}$", 4)]
+    for pattern, longest in cases:
+        started = time.perf_counter()
+        nfa = compile_nfa(pattern, search=search)
+        assert nfa is not None
+        longest = None if longest is None else longest + search
+        assert nfa.completes(nfa.start, 10 ** 18, None) == (longest is None), pattern
+        assert nfa.completes(nfa.start, 0, 10 ** 18)
+        if longest is not None:
+            assert nfa.completes(nfa.start, longest, None) and not nfa.completes(nfa.start, longest + 1, None)
+            if nfa.length_limit() is None:  # (a bounded question past a cut table is not answered: see below)
+                assert nfa.completes(nfa.start, longest, 10 ** 18)
+                assert not nfa.completes(nfa.start, longest + 1, 10 ** 18)
+        assert time.perf_counter() - started < 1.0, pattern
+
+
+def test_large_automata_tabulate_fewer_lengths_and_say_so():
+    """The exact-length sets of an automaton of thousands of states stop at a work budget: `length_limit` says up
+    to where `completes` is exact (a caller leaves a pattern with a longer maximum unenforced), and below it the
+    answers agree with the language (`^((a?){64}){16}$`: runs of 0 to 1024 a's)."""
+    started = time.perf_counter()
+    nfa = compile_nfa(r"^((a?){64}){16}$", search=False)
+    limit = nfa.length_limit()
+    assert limit is not None and 64 <= limit < 1024
+    assert all(nfa.completes(nfa.start, k, k) for k in range(0, limit, 7))
+    assert not nfa.completes(nfa.step(nfa.start, "b"), 0, limit - 1)
+    assert compile_nfa(r"^[a-z]{2,8}$", search=False).length_limit() is None  # small: the table is complete
+    assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.parametrize("pattern,size", [("a", 1), ("a{5}", 5), ("x{2,}", 3), ("x{,7}", 7), ("(ab){3}c", 7),
+                                          (r"\d{3}-\d{4}", 8), (r"\p{L}{10}", 10), ("[{]{5}", 5), (r"\{5}", 3),
+                                          ("a{b}", 4), ("[]a]{4}", 4), ("a{1000000000}", 10 ** 9),
+                                          ("((a{100}){100}){100}", 10 ** 6), ("(?:a|b){10}", 50)])
+def test_written_size_counts_what_repeats_write_out(pattern, size):
+    """What the `regex` package writes out for counted repeats (it takes minutes over `a{1000000000}`), measured
+    from the text: escapes, classes (a `{` inside one, `\\p{L}`) and groups as such."""
+    from openm3.engine.regex_nfa import written_size
+
+    assert written_size(pattern) == size

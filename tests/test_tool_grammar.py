@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import jsonschema
 import pytest
@@ -129,6 +130,65 @@ def test_bad_tool_choices():
         ToolCallGrammar([])
     with pytest.raises(ValueError, match="max_calls must be a positive int"):
         ToolCallGrammar(TOOLS, max_calls=0)
+
+
+BAD_PARAMETERS = [
+    ({"type": "nonsense"}, "schema at #: 'type' must be one of"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "$ref '#/$defs/missing' not found"),
+    ({"type": "object", "properties": 5}, "'properties' must be an object"),
+    ({"type": "object", "properties": {"a": {"type": "nonsense"}}}, "schema at #/properties/a: 'type'"),
+    ({"type": "object", "required": "a"}, "'required' must be a list of strings"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 2}}},
+     "'minLength' 3 exceeds 'maxLength' 2"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-"}}}, "does not compile"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "'required' names 'a', whose schema is false"),
+]
+
+
+@pytest.mark.parametrize("parameters,message", BAD_PARAMETERS, ids=[str(i) for i in range(len(BAD_PARAMETERS))])
+def test_malformed_parameters_are_refused_naming_the_tool(parameters, message):
+    """A tool's parameters get the checks a response_format schema gets (`validate_schema`): a malformed one is a
+    ValueError naming the tool and the keyword (once the tool was simply called with free text there)."""
+    tools = [TOOLS[1], {"name": "broken", "parameters": parameters}]
+    for name in (None, "read"):  # (every tool is checked, the one forced or not)
+        with pytest.raises(ValueError) as err:
+            ToolCallGrammar(tools, name=name)
+        assert str(err.value).startswith("tools: the parameters of tool 'broken': ") and message in str(err.value)
+
+
+def test_valid_parameters_the_matcher_lacks_keywords_for_are_written_raw():
+    """Valid JSON Schema the JSON matcher does not support (OpenAPI's nullable, draft 3's required, `not`, refs to
+    other documents) still makes a grammar: those values are raw text, as before. A `$ref` into the parameters'
+    `$defs` is followed (the value is then JSON that follows it), and a parameter whose schema is false cannot be
+    given."""
+    parameters = {"type": "object", "$defs": {"point": {"type": "object", "required": ["x"], "additionalProperties":
+                                                        False, "properties": {"x": {"type": "integer"}}}},
+                  "properties": {"a": {"type": "string", "nullable": True, "required": True},
+                                 "b": {"type": "integer", "not": {"const": 3}},
+                                 "c": {"type": "object", "properties": {"p": {"$ref": "#/$defs/point"}}},
+                                 "d": {"$ref": "https://example.com/d.json"}, "e": False}}
+    g = ToolCallGrammar([{"name": "t", "parameters": parameters}])
+    head = START + b'\n<invoke name="t">\n<parameter name="'
+    for key, value in (("a", "free text"), ("b", "x3"), ("d", "{anything")):
+        assert g.advance(g.start, head + f'{key}">{value}</parameter>\n</invoke>\n'.encode() + END) is not None
+    assert g.advance(g.start, head + b'c">{"p":{"x":1}}</parameter>\n') is not None
+    assert g.advance(g.start, head + b'c">{"p":{"x":"1"') is None and g.advance(g.start, head + b'c">{"p":{"y"') is None
+    assert g.advance(g.start, head + b'e">') is None
+
+
+@pytest.mark.parametrize("n", [10 ** 9, 10 ** 18])
+def test_huge_counts_in_parameters_compile_at_once(n):
+    """minItems / maxLength / minProperties of 10**9 or 10**18 in a forced call's parameters (minItems once cost
+    minutes of one thread here), and the call's values still grow toward them."""
+    parameters = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "array", "minItems": n}, "b": {"type": "string", "minLength": n, "maxLength": n},
+        "c": {"type": "object", "minProperties": n}, "d": {"type": "array", "maxItems": n, "items": {"type": "array",
+                                                                                              "minItems": n}}}}
+    started = time.perf_counter()
+    g = ToolCallGrammar([{"name": "f", "parameters": parameters}])
+    assert time.perf_counter() - started < 1.0
+    state = g.advance(g.start, START + b'\n<invoke name="f">\n<parameter name="a">[1,[],{},"x"')
+    assert state is not None and g.advance(state, b"]") is None
 
 
 def test_text_grammar_values_full_masks_equal_checking_each_token():

@@ -28,11 +28,13 @@ corner. Like `RegexGrammar`, the text grows by whole UTF-8 characters.
 
 from __future__ import annotations
 
+import bisect
+import collections
 import re
 from typing import Iterator
 
 from .json_grammar import utf8_length
-from .regex_nfa import Nfa, compile_nfa
+from .regex_nfa import Nfa, compile_nfa, strong_components
 
 __all__ = ["CfgGrammar"]
 
@@ -63,6 +65,7 @@ _TOKENS = {True: re.compile(_TOKEN.format(brackets=r"(?P<cls>\[(?:[^\]\\]|\\.)*\
            False: re.compile(_TOKEN.format(brackets=r"(?P<bracket>[\[\]])", braces="[{},]"), re.VERBOSE)}
 _PRIORITY = re.compile(r"\.-?\d+$")
 _MAX_TEMPLATE_DEPTH = 16  # templates expanded inside templates (a template that uses itself never ends)
+_MAX_REPEATED = 1 << 14  # elements that counted repetitions ({m,n}, ~ m..n) may write out in one grammar
 
 
 def _tokens(text: str, gbnf: bool) -> Iterator[tuple[str, str, int]]:
@@ -113,6 +116,7 @@ class _Compiler:
         self.defined: set[str] = set()
         self.terminals: set[int] = set()  # rules of Lark's terminals (uppercase names) and the groups inside them
         self.ignored: list[tuple] = []  # %ignore's elements
+        self.repeated = 0  # elements written out for counted repetitions (`_MAX_REPEATED`)
         toks = self._expand_templates(list(_tokens(text, self.gbnf)))
         starts = [i for i in range(len(toks) - 1)
                   if toks[i][0] == "name" and toks[i + 1][0] == "define"]
@@ -129,7 +133,7 @@ class _Compiler:
             if i not in changes and name in self.defined:
                 raise ValueError(f"grammar: rule {name!r} is defined twice")
             self.defined.add(name)
-            end = next(e for e in ends if e > i)
+            end = ends[bisect.bisect_right(ends, i)]  # (ends holds len(toks), past every start)
             body = toks[i + 2:end]
             first = len(self.rules)
             alternatives, j = self._alternatives(body, 0, name)
@@ -316,7 +320,9 @@ class _Compiler:
     def _nfa(self, pattern: str) -> Nfa:
         nfa = compile_nfa(pattern, search=False)
         if nfa is None:
-            raise ValueError(f"grammar: the regex {pattern!r} uses syntax the automaton lacks")
+            raise ValueError(f"grammar: the regex {pattern!r} uses syntax the automaton lacks (or is too large)")
+        if not nfa.live(nfa.start):  # a terminal nothing can match: its rules could start and never end
+            raise ValueError(f"grammar: the regex {pattern!r} matches no text")
         return nfa
 
     def _anonymous(self, alternatives: list[tuple]) -> tuple:
@@ -358,6 +364,8 @@ class _Compiler:
             if text.endswith("i") and literal:  # Lark's case-insensitive literal: each letter either case
                 return ("re", self._nfa("".join(f"[{re.escape(c.lower())}{re.escape(c.upper())}]" if c.lower()
                                                 != c.upper() else re.escape(c) for c in literal))), i + 1
+            if any(0xD800 <= ord(c) <= 0xDFFF for c in literal):  # no (UTF-8) text holds one
+                raise ValueError(f"grammar: the literal {text} holds a lone surrogate, which no text can")
             return (("lit", literal) if literal else None), i + 1
         if kind == "regex":  # Lark's /body/flags: the flags i, s and x as `re`'s, u (unicode) is the default
             body, _, flags = text[1:].rpartition("/")
@@ -415,6 +423,10 @@ class _Compiler:
                 most = least if "," not in text else (int(high) if high else None)
                 if most is not None and most < least:
                     raise ValueError(f"grammar: repetition {text} has its maximum below its minimum")
+                self.repeated += least + 1 if most is None else most  # (each is written out: a bound on that)
+                if self.repeated > _MAX_REPEATED:
+                    raise ValueError(f"grammar: repetition {text} takes the counted repetitions past "
+                                     f"{_MAX_REPEATED} elements in all; expected smaller counts (or * and +)")
                 seq = [atom] * least
                 if most is None:
                     seq.append(self._many(atom))
@@ -452,20 +464,37 @@ class CfgGrammar:
         return self._names.get(r, f"<group {r}>")
 
     def _rules_where(self, holds) -> set[int]:
-        """The least set of rules with an alternative whose every element `holds(element, set so far)`."""
+        """The least set of rules with an alternative whose every element holds: `holds(element)` for a terminal,
+        being in the set for a reference to a rule. A worklist over the references: time linear in the grammar
+        (sweeping the rules until nothing changes is quadratic on a long chain of rules)."""
+        waiting: dict[int, list] = {}  # rule -> the alternatives that refer to it, once per reference
+        left: dict[tuple[int, int], int] = {}  # alternative -> its references to rules not yet in the set
         found: set[int] = set()
-        changed = True
-        while changed:
-            changed = False
-            for r, alts in enumerate(self.rules):
-                if r not in found and any(all(holds(e, found) for e in alt) for alt in alts):
-                    found.add(r)
-                    changed = True
+        todo: list[int] = []
+        for r, alts in enumerate(self.rules):
+            for a, alt in enumerate(alts):
+                if not all(e[0] == "ref" or holds(e) for e in alt):
+                    continue
+                refs = [e[1] for e in alt if e[0] == "ref"]
+                left[r, a] = len(refs)
+                for t in refs:
+                    waiting.setdefault(t, []).append((r, a))
+                if not refs:
+                    todo.append(r)
+        while todo:
+            r = todo.pop()
+            if r in found:
+                continue
+            found.add(r)
+            for key in waiting.get(r, ()):
+                left[key] -= 1
+                if not left[key]:
+                    todo.append(key[0])
         return found
 
     def _check_productive(self) -> None:
         """Every rule must derive some text (else a stack could wait forever)."""
-        productive = self._rules_where(lambda e, found: e[0] != "ref" or e[1] in found)
+        productive = self._rules_where(lambda e: True)
         dead = sorted(self._rule_name(r) for r in range(len(self.rules)) if r not in productive)
         if dead:
             raise ValueError(f"grammar: rules that derive no text: {dead}")
@@ -481,7 +510,7 @@ class CfgGrammar:
 
     def _first_refs(self) -> dict[int, set[int]]:
         """rule -> the rules that can start it (reached before reading a character: through nullable elements)."""
-        nullable = self._rules_where(self._empty)
+        nullable = self._rules_where(lambda e: self._empty(e, set()))
         first: dict[int, set[int]] = {r: set() for r in range(len(self.rules))}
         for r, alts in enumerate(self.rules):
             for alt in alts:
@@ -499,17 +528,7 @@ class CfgGrammar:
         alternatives in its place, then `A: A x | y` becomes `A: y A'`, `A': x A' | (nothing)`. Recursion hidden
         behind a part that can be empty (`a: b a "x"` with `b` optional) stays, and `_check_left_recursion` names
         it."""
-        first = self._first_refs()
-        cyclic = []
-        for r in range(len(self.rules)):
-            seen, todo = set(), list(first[r])
-            while todo:
-                t = todo.pop()
-                if t not in seen:
-                    seen.add(t)
-                    todo += first[t]
-            if r in seen:
-                cyclic.append(r)
+        cyclic = self._left_cycles()
         for i, a in enumerate(cyclic):
             for b in cyclic[:i]:  # a's alternatives that start with an earlier rule b: b's alternatives instead
                 alts: list[tuple] = []
@@ -527,19 +546,20 @@ class CfgGrammar:
             self.rules.append([alt + (("ref", rest),) for alt in again] + [()])
             self._names[rest] = f"{self._rule_name(a)}'"
 
+    def _left_cycles(self) -> list[int]:
+        """The rules that can reach themselves before reading a character (in order): those in a strongly connected
+        component of `_first_refs` of more than one rule, or that start themselves."""
+        first = self._first_refs()
+        component = strong_components([sorted(first[r]) for r in range(len(self.rules))])
+        sizes = collections.Counter(component)
+        return [r for r in range(len(self.rules)) if sizes[component[r]] > 1 or r in first[r]]
+
     def _check_left_recursion(self) -> None:
         """A rule that can reach itself before reading a character would expand forever."""
-        first = self._first_refs()
-        for r in range(len(self.rules)):
-            seen, todo = set(), list(first[r])
-            while todo:
-                s = todo.pop()
-                if s == r:
-                    raise ValueError(f"grammar: rule {self._rule_name(r)!r} is left-recursive behind a part that "
-                                     f"can be empty (write repetition with * or +)")
-                if s not in seen:
-                    seen.add(s)
-                    todo += first[s]
+        cyclic = self._left_cycles()
+        if cyclic:
+            raise ValueError(f"grammar: rule {self._rule_name(cyclic[0])!r} is left-recursive behind a part that "
+                             f"can be empty (write repetition with * or +)")
 
     # ------------------------------------------------------------------------------------------ recognising
 
@@ -567,8 +587,11 @@ class CfgGrammar:
             kind, value = seq[pos]
             after = ((rule, alt, pos + 1), None, parent)
             if kind == "ref":
+                # a rule that ends an alternative returns straight to its parent (a tail call): repetition (`x*`,
+                # `x{0,n}`, right-recursive rules) then keeps stacks as deep as they were, so its states repeat
+                into = after if pos + 1 < len(seq) else parent
                 for a in range(len(self.rules[value])):
-                    todo.append(((value, a, 0), None, after))
+                    todo.append(((value, a, 0), None, into))
             elif kind == "lit":
                 out.add(((rule, alt, pos), 0, parent))
             else:

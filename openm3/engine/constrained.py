@@ -107,24 +107,31 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class ChoiceGrammar:
-    """A byte grammar whose documents are exactly the given strings (vLLM's guided choice). State: the bytes read."""
+    """A byte grammar whose documents are exactly the given strings (vLLM's guided choice). State: the bytes read.
+    The strings are kept sorted, so those that start with the bytes read lie side by side from the first one not
+    below them (a set of every prefix would take memory quadratic in their lengths)."""
 
     def __init__(self, choices: Sequence[str]):
         if not choices or any(not isinstance(c, str) or not c for c in choices):
             raise ValueError(f"choices: expected non-empty strings, got {list(choices)!r}")
         self.choices = frozenset(c.encode("utf-8") for c in choices)
-        self.prefixes = frozenset(c[:n] for c in self.choices for n in range(len(c) + 1))
+        self._sorted = sorted(self.choices)
         self.start = b""
+
+    def _first_from(self, state: bytes, longer: bool) -> bytes:
+        """The least choice that starts with `state` (and is longer, where asked), or b""."""
+        k = bisect.bisect_right(self._sorted, state) if longer else bisect.bisect_left(self._sorted, state)
+        return self._sorted[k] if k < len(self._sorted) and self._sorted[k].startswith(state) else b""
 
     def advance(self, state: bytes, data: bytes) -> bytes | None:
         after = state + data
-        return after if after in self.prefixes else None
+        return after if self._first_from(after, False) else None
 
     def complete(self, state: bytes) -> bool:
         return state in self.choices
 
     def can_continue(self, state: bytes) -> bool:
-        return any(len(c) > len(state) and c.startswith(state) for c in self.choices)
+        return bool(self._first_from(state, True))
 
 
 class TransitionCache:

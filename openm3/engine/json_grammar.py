@@ -31,18 +31,25 @@ Keywords
   form). The common syntax runs as an automaton (`openm3.engine.regex_nfa`: the state holds its state set and,
   beside `minLength` / `maxLength`, the characters so far: a character is taken only while a match can still end
   the string within the bounds); the rest through the `regex` package's partial search of the text so far, on
-  strings without a length bound. `$defs` / `definitions` hold subschemas.
+  strings without a length bound (counted repeats that `regex` would write out past `regex_nfa.MAX_WRITTEN` items,
+  such as `a{1000000000}`, are refused). `$defs` / `definitions` hold subschemas. A pattern that no string
+  matches is refused.
 - Ignored annotations: `title`, `description`, `default`, `examples`, `$schema`, `$id`, `$comment`, `deprecated`,
   `readOnly`, `writeOnly`.
 - Accepted but NOT enforced (documents may violate them): `format`, `minimum`, `maximum`, `exclusiveMinimum`,
   `exclusiveMaximum`, `multipleOf`, `uniqueItems`, and, on a string with a length bound, a `pattern` in syntax
-  the automaton lacks (flags, lookaround, backreferences: a bound could leave a started string no way to a match,
-  and that is not checked) or one whose lengths it cannot tabulate (a maxLength of 4096 or more over a pattern
-  whose exact-length sets do not repeat within that many characters).
+  the automaton lacks (flags, lookaround, backreferences, counts nested past its size: a bound could leave a
+  started string no way to a match, and that is not checked) or one whose lengths it cannot tabulate (a maxLength
+  of 4096 or more over a pattern whose exact-length sets do not repeat within that many characters; fewer for an
+  automaton of thousands of states, `Nfa.length_limit`).
 - Refused (ValueError; honouring them by halves would accept invalid documents or block valid ones):
   `patternProperties`, `propertyNames`, `dependentRequired`, `dependentSchemas`, `dependencies`, `if`, `then`,
   `else`, `not`, `contains`, `minContains`, `maxContains`, `unevaluatedProperties`, `unevaluatedItems`,
   `additionalItems`, `items` as a list, `$anchor`, `$dynamicRef`, `$dynamicAnchor`, and any unknown keyword.
+- Malformed (ValueError, before anything above): a `type` that names no type, `properties` that is not an object,
+  counts that are not ints >= 0, a `$ref` that points nowhere, ...: `validate_schema`, which a forced tool call's
+  parameters get too (it passes what is only refused above). Counts of any size (10**18) compile at once, and
+  reading toward them costs the same per byte.
 
 Spelling rules (what the matcher accepts beyond plain JSON syntax)
 - `enum` / `const` values match only their compact serialization, `json.dumps(v, ensure_ascii=False,
@@ -66,13 +73,14 @@ Spelling rules (what the matcher accepts beyond plain JSON syntax)
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from urllib.parse import unquote
 
-from .regex_nfa import Nfa, compile_nfa, nfa_lengths_limit
+from .regex_nfa import MAX_WRITTEN, Nfa, compile_nfa, written_size
 
-__all__ = ["JsonGrammar", "compile_schema", "utf8_length"]
+__all__ = ["JsonGrammar", "compile_schema", "utf8_length", "validate_schema"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # Keyword sets
@@ -278,16 +286,41 @@ def _canonical(value) -> str:
 # Compiled schema
 
 
-class _Literals:
-    """A set of literal spellings being matched byte by byte: all their prefixes, the whole ones, and the whole
-    ones no other one extends (reading one of those ends the value at once; `1` among [1, 12] waits a byte)."""
+class _Spellings:
+    """Byte strings, sorted: those that start with a given prefix lie side by side, found by binary search (a table
+    of every prefix would take memory quadratic in their lengths: gigabytes for a 100 KB enum string)."""
 
-    __slots__ = ("prefixes", "values", "final")
+    __slots__ = ("sorted",)
+
+    def __init__(self, spellings):
+        self.sorted = sorted(set(spellings))
+
+    def span(self, prefix: bytes) -> range:
+        """The indices in `sorted` of the strings that start with `prefix`."""
+        lo = bisect.bisect_left(self.sorted, prefix)
+        end = prefix.rstrip(b"\xff")  # the least string past every one that starts with prefix: end, one up
+        hi = len(self.sorted) if not end else bisect.bisect_left(self.sorted, end[:-1] + bytes((end[-1] + 1,)), lo)
+        return range(lo, hi)
+
+    def extends(self, prefix: bytes) -> bool:
+        """Whether some string starts with `prefix`."""
+        lo = bisect.bisect_left(self.sorted, prefix)
+        return lo < len(self.sorted) and self.sorted[lo].startswith(prefix)
+
+
+class _Literals:
+    """A set of literal spellings being matched byte by byte: the whole ones (`values`), what they start with
+    (`extends`), and the whole ones no other one extends (`final`: reading one of those ends the value at once; `1`
+    among [1, 12] waits a byte)."""
+
+    __slots__ = ("values", "extends", "final")
 
     def __init__(self, spellings):
         self.values = frozenset(spellings)
-        self.prefixes = frozenset(s[:k] for s in spellings for k in range(1, len(s) + 1))
-        self.final = frozenset(s for s in spellings if not any(t != s and t.startswith(s) for t in spellings))
+        ordered = _Spellings(self.values)
+        self.extends = ordered.extends
+        # a spelling another one extends comes right before one that extends it
+        self.final = frozenset(s for s, t in zip(ordered.sorted, ordered.sorted[1:] + [b""]) if not t.startswith(s))
 
 
 _TRUE, _FALSE, _NULL = _Literals([b"true"]), _Literals([b"false"]), _Literals([b"null"])
@@ -297,7 +330,7 @@ class _Object:
     """The object side of a schema: what keys may appear, what each key's value must be, when `}` may come."""
 
     __slots__ = ("pointer", "props", "forbidden", "required", "additional", "min_props", "max_props", "exact",
-                 "key_limit", "key_full", "key_prefixes")
+                 "key_limit", "key_full", "key_spellings")
 
     def __init__(self, pointer, props, forbidden, required, additional, min_props, max_props):
         self.pointer = pointer
@@ -311,14 +344,15 @@ class _Object:
         limit = _NO_LIMIT if max_props is None else max_props
         self.key_limit = min(limit, len(props)) if self.exact else limit
         # Exact spellings of the names a key may have to match (declared ones, and required ones that fall to
-        # additionalProperties): `"name"` -> name, and every prefix longer than `"` -> the names it may become.
+        # additionalProperties): `"name"` -> name, and the spellings sorted, for the names a prefix may become.
         names = set(props) | (set(required) if additional is not None else set())
         self.key_full = {json.dumps(k, ensure_ascii=False).encode(): k for k in names}
-        self.key_prefixes = {}
-        for spelling, name in self.key_full.items():
-            for k in range(2, len(spelling) + 1):
-                self.key_prefixes.setdefault(spelling[:k], set()).add(name)
-        self.key_prefixes = {p: frozenset(s) for p, s in self.key_prefixes.items()}
+        self.key_spellings = _Spellings(self.key_full)
+
+    def names_from(self, prefix: bytes) -> frozenset:
+        """The names whose spelling starts with `prefix`."""
+        spellings = self.key_spellings.sorted
+        return frozenset(self.key_full[spellings[k]] for k in self.key_spellings.span(prefix))
 
     def value_node(self, name):
         return self.props.get(name, self.additional)
@@ -693,9 +727,12 @@ class _Compiler:
         if not isinstance(source, str):
             raise ValueError(f"schema at {where}: 'pattern' must be a string, got {source!r}")
         nfa = compile_nfa(source, search=True)  # the common syntax, as an automaton
+        if nfa is not None and not nfa.live(nfa.start):
+            raise ValueError(f"schema at {where}: 'pattern' {source!r} matches no string")
         if nfa is not None and bounds != (0, None):
             lo, hi = bounds
-            if hi is not None and hi >= nfa_lengths_limit() and nfa.length_horizon() is None:
+            limit = nfa.length_limit()
+            if hi is not None and limit is not None and hi >= limit:
                 return None
             if not nfa.completes(nfa.start, lo, hi):
                 raise ValueError(f"schema at {where}: 'pattern' {source!r} matches no string of {lo} to "
@@ -703,21 +740,30 @@ class _Compiler:
         if nfa is not None:
             self.patterns = True
             return nfa
-        try:
-            import regex
-        except ImportError:
-            raise ValueError(f"schema at {where}: 'pattern' {source!r} needs the regex package (pip install regex, "
-                             f"or the serve extra)") from None
-        try:
-            compiled = regex.compile(source)
-        except regex.error as e:
-            raise ValueError(f"schema at {where}: 'pattern' {source!r} does not compile: {e}") from None
+        compiled = self.regex_pattern(source, where)
         if compiled.search("", partial=True) is None:
             raise ValueError(f"schema at {where}: 'pattern' {source!r} matches no string")
         if bounds != (0, None):
             return None
         self.patterns = True
         return compiled
+
+    @staticmethod
+    def regex_pattern(source: str, where: str):
+        """A `pattern` compiled by the `regex` package (syntax the automaton lacks); ValueError where it does not
+        compile, or where its counted repeats would take `regex` long to write out (`regex_nfa.written_size`)."""
+        if written_size(source) > MAX_WRITTEN:
+            raise ValueError(f"schema at {where}: 'pattern' {source[:100]!r}: its counted repeats ({{m,n}}) write "
+                             f"out more than {MAX_WRITTEN} items; expected smaller counts (or * and +)")
+        try:
+            import regex
+        except ImportError:
+            raise ValueError(f"schema at {where}: 'pattern' {source!r} needs the regex package (pip install regex, "
+                             f"or the serve extra)") from None
+        try:
+            return regex.compile(source)
+        except regex.error as e:
+            raise ValueError(f"schema at {where}: 'pattern' {source!r} does not compile: {e}") from None
 
     def object_side(self, body: dict, where: str, strict: bool) -> _Object:
         declared = body.get("properties", {})
@@ -836,8 +882,9 @@ class _Compiler:
                 optional = sum(1 for k, n in obj.props.items() if k not in obj.required and can_end(n))
                 unlimited = not obj.exact and can_end(obj.additional)
                 return unlimited or len(obj.required) + optional >= obj.min_props
-            if side == "array":
-                return all(can_end(basic.arr.item(k)) for k in range(basic.arr.min_items))
+            if side == "array":  # the items a shortest array needs: those past the prefix share one node
+                arr = basic.arr
+                return all(can_end(arr.item(k)) for k in range(min(arr.min_items, len(arr.prefix) + 1)))
             return True
 
         def sides(basic):
@@ -873,24 +920,108 @@ class _Compiler:
                 if node.arr.items is not None:
                     todo.append(node.arr.items)
 
+    # -- validating -----------------------------------------------------------------------------------------
 
-def compile_schema(schema, *, strict: bool = False, max_whitespace: int = 20) -> "JsonGrammar":
+    def validate(self, schema, where: str):
+        """`validate_schema`: the checks `compile` makes of what its keywords hold, over every subschema it would
+        read (and the targets of local `$ref`s), without its refusals of what it cannot honour."""
+        seen, todo = set(), [(schema, where)]
+        while todo:
+            sub, where = todo.pop()
+            if isinstance(sub, bool) or id(sub) in seen:
+                continue
+            if not isinstance(sub, dict):
+                raise ValueError(f"schema at {where} must be an object or a boolean, got {type(sub).__name__}")
+            seen.add(id(sub))
+            todo += self.validate_keywords(sub, where)
+
+    def validate_keywords(self, body: dict, where: str) -> list:
+        """One subschema's keywords checked as `compile` checks them -> its subschemas, (schema, pointer). As there,
+        a string's, an object's or an array's keywords count only where `type` allows that type (a draft-3
+        `"required": true` inside a string property is not read)."""
+        types = _type_set(body["type"], where) if "type" in body else set(_TYPES)
+        if "enum" in body and (not isinstance(body["enum"], list) or not body["enum"]):
+            raise ValueError(f"schema at {where}: 'enum' must be a non-empty list, got {body['enum']!r}")
+        subs = []
+        if "string" in types:
+            self.string_side(body, where)
+            if "pattern" in body:
+                source = body["pattern"]
+                if not isinstance(source, str):
+                    raise ValueError(f"schema at {where}: 'pattern' must be a string, got {source!r}")
+                try:
+                    re.compile(source)  # (no counted repeat written out)
+                except (re.error, OverflowError, RecursionError):
+                    self.regex_pattern(source, where)  # syntax of the `regex` package's own, or an error
+        if "object" in types:
+            declared = body.get("properties", {})
+            if not isinstance(declared, dict):
+                raise ValueError(f"schema at {where}: 'properties' must be an object, got "
+                                 f"{type(declared).__name__}")
+            subs += [(sub, f"{where}/properties/{_escape_pointer(name)}") for name, sub in declared.items()]
+            required = body.get("required", [])
+            if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+                raise ValueError(f"schema at {where}: 'required' must be a list of strings, got {required!r}")
+            lo, hi = self.count(body, "minProperties", where, 0), self.count(body, "maxProperties", where, None)
+            self.check_range(lo, hi, "minProperties", "maxProperties", where)
+            if "additionalProperties" in body:
+                subs.append((body["additionalProperties"], f"{where}/additionalProperties"))
+        listed = {k: body[k] for k in ("anyOf", "oneOf", "allOf") if k in body}
+        if "array" in types:
+            lo, hi = self.count(body, "minItems", where, 0), self.count(body, "maxItems", where, None)
+            self.check_range(lo, hi, "minItems", "maxItems", where)
+            listed.update((k, body[k]) for k in ("prefixItems", "items") if k in body)
+            if isinstance(listed.get("items", []), list):  # (a list: older drafts' form, valid if not read)
+                subs += [(sub, f"{where}/items/{k}") for k, sub in enumerate(listed.pop("items", []))]
+            else:
+                subs.append((listed.pop("items"), f"{where}/items"))
+        for keyword, schemas in listed.items():
+            if not isinstance(schemas, list) or (not schemas and keyword != "prefixItems"):
+                kind = "list" if keyword == "prefixItems" else "non-empty list"
+                raise ValueError(f"schema at {where}: '{keyword}' must be a {kind} of schemas, got {schemas!r}")
+            subs += [(sub, f"{where}/{keyword}/{k}") for k, sub in enumerate(schemas)]
+        if "$ref" in body:
+            ref = body["$ref"]
+            if not isinstance(ref, str):
+                raise ValueError(f"schema at {where}: $ref must be a string, got {ref!r}")
+            if ref == "#" or ref.startswith("#/"):  # (other refs, not local ones, are not followed)
+                subs.append(self.resolve(ref, where))
+        return subs
+
+
+def validate_schema(schema, *, root=None) -> None:
+    """Raises ValueError, naming the JSON pointer of the subschema and the keyword, where `schema` is not a valid
+    JSON Schema in what `compile_schema` reads: a subschema that is neither an object nor a boolean, a `type` that
+    names no type, an `enum` that is not a non-empty list, counts (`minItems`, `maxLength`, ...) that are not ints
+    >= 0 or whose minimum exceeds their maximum, a `pattern` that does not compile, `properties` / `required` /
+    `prefixItems` / `anyOf` / `oneOf` / `allOf` of the wrong kind, a local `$ref` that points nowhere: the checks
+    `compile_schema` makes too, so a schema it refuses as malformed is refused here. What it refuses for want of
+    support (keywords it lacks, unknown keywords, an `allOf` of several subschemas, `items` as a list, refs to
+    other documents) passes, as do schemas that no value satisfies. As there, a string's, an object's or an array's
+    keywords are read only where `type` allows that type (draft 3's `"required": true` inside a string property
+    passes). root: the document local `$ref`s point into (default: the schema itself)."""
+    _Compiler(schema if root is None else root, strict=False).validate(schema, "#")
+
+
+def compile_schema(schema, *, strict: bool = False, max_whitespace: int = 20, root=None) -> "JsonGrammar":
     """Compile a JSON Schema into a byte-level matcher.
 
     schema: a JSON Schema dict, or True / {} for any JSON value, or None for any JSON object (OpenAI json_object
     mode). strict: OpenAI `strict: true` (see the module docstring). max_whitespace: the longest whitespace run
-    allowed between tokens, before the value and after it. Raises ValueError naming the JSON pointer of the
-    subschema and the keyword when the schema cannot be honoured.
+    allowed between tokens, before the value and after it. root: the document local `$ref`s point into (default:
+    the schema itself; a tool's parameters for one parameter's schema). Raises ValueError naming the JSON pointer
+    of the subschema and the keyword when the schema cannot be honoured.
     """
     if not isinstance(max_whitespace, int) or isinstance(max_whitespace, bool) or max_whitespace < 0:
         raise ValueError(f"max_whitespace must be an int >= 0, got {max_whitespace!r}")
-    compiler = _Compiler(schema, bool(strict))
+    compiler = _Compiler(schema if root is None else root, bool(strict))
     if schema is None:
-        root = compiler.object_root()
+        node = compiler.object_root()
     else:
-        root = compiler.compile(schema, "#")
-    compiler.finish(root)
-    return JsonGrammar(root, max_whitespace, compiler.patterns)
+        compiler.validate(schema, "#")  # malformed first, as `validate_schema` (a tool's parameters) says it
+        node = compiler.compile(schema, "#")
+    compiler.finish(node)
+    return JsonGrammar(node, max_whitespace, compiler.patterns)
 
 
 class JsonGrammar:
@@ -1190,12 +1321,12 @@ class JsonGrammar:
     def _literal(self, config, data, i):
         _, info, prefix, parent = config
         whole = prefix + data[i:]
-        if whole in info.prefixes:
+        if info.extends(whole):
             return (parent if whole in info.final else (_LIT, info, whole, parent)), len(data)
         n = len(data)
         while i < n:
             p = prefix + data[i:i + 1]
-            if p not in info.prefixes:
+            if not info.extends(p):
                 return (parent if prefix in info.values else None), i
             prefix = p
             i += 1
@@ -1257,8 +1388,7 @@ class JsonGrammar:
         check_seen = bool(seen) or obj.max_props is not None
         while i < n:
             p = prefix + data[i:i + 1]
-            names = obj.key_prefixes.get(p)
-            if names is None or (check_seen and not obj.may_become(names, seen)):
+            if not (obj.may_become(obj.names_from(p), seen) if check_seen else obj.key_spellings.extends(p)):
                 return None, i
             prefix = p
             i += 1

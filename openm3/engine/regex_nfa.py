@@ -13,15 +13,24 @@ Python's `re` syntax and meaning (what `jsonschema` checks a `pattern` with), fo
 lazy: the same set of matches), `^` / `\\A` first and `$` / `\\Z` last, and the flags `i` (ignore case), `s` (`.`
 takes a newline too) and `x` (verbose), for the whole pattern (`(?i)`) or a group (`(?i:...)`); a character's test
 under a flag is `re`'s own, so case folding follows `re` exactly. Anything else (the flags `m`, `a` and `L`,
-backreferences, lookaround, anchors elsewhere, repeat counts above 256) gives None, and the caller keeps `regex`'s
-partial search.
+backreferences, lookaround, anchors elsewhere, repeat counts above 256, and automata of more than 16384 states, as
+nested counts make: `(a{256}){256}`) gives None, and the caller keeps `regex`'s partial search. A pattern that
+matches no text (`[^\\s\\S]`, a lone surrogate) gives an automaton whose start is not `live`: the caller refuses
+it.
 `search=True` is JSON Schema's rule (a match anywhere in the text), `search=False` a whole-text match.
+
+The length questions (`completes`) cost the same whatever the numbers asked (a `minLength` of 10**18 included):
+the longest match from every state comes from one pass over the automaton, and the table of exact lengths stops at
+`_MAX_LENGTHS` lengths or a work budget, whichever comes first (`length_limit` says where).
 """
 
 from __future__ import annotations
 
+import array
 import functools
+import math
 import re
+import sys
 from typing import Callable
 
 try:  # Python 3.11+
@@ -30,10 +39,15 @@ except ImportError:  # pragma: no cover - older Pythons
     import sre_constants as _c
     import sre_parse as _parser
 
-__all__ = ["Nfa", "compile_nfa", "nfa_lengths_limit"]
+__all__ = ["MAX_WRITTEN", "Nfa", "compile_nfa", "strong_components", "written_size"]
 
 _MAX_COUNT = 256  # a repeat bound above this is not expanded (None: the caller falls back)
+_MAX_STATES = 1 << 14  # an automaton past this many states is not built (None: the caller falls back)
 _MAX_LENGTHS = 4096  # exact-length sets computed before giving up on finding their period
+_LENGTH_WORK = 1 << 19  # states those sets may hold in all (a large automaton gets fewer lengths: see `_exact`)
+_MAX_SCANS = 16  # classes an automaton may test against every character (`_passes_some`)
+MAX_WRITTEN = 1 << 16  # `written_size` a pattern may have for the `regex` package (~0.1 s to compile at most)
+_COUNT = re.compile(r"\{(\d*)(,?)(\d*)\}")  # a counted repeat, as Python's `re` and `regex` read it
 _CATEGORIES = {_c.CATEGORY_DIGIT: r"\d", _c.CATEGORY_NOT_DIGIT: r"\D", _c.CATEGORY_SPACE: r"\s",
                _c.CATEGORY_NOT_SPACE: r"\S", _c.CATEGORY_WORD: r"\w", _c.CATEGORY_NOT_WORD: r"\W"}
 
@@ -43,6 +57,9 @@ _FOLLOWED = _c.SRE_FLAG_IGNORECASE | _c.SRE_FLAG_DOTALL  # flags that change wha
 
 class _Unsupported(Exception):
     pass
+
+
+_DEAD = None  # the test of a class that no character passes: its edge is left out (`_edge`)
 
 
 class Nfa:
@@ -60,11 +77,17 @@ class Nfa:
         self._by_length: list | None = None  # see `_exact`; made at the first length question
         self._seen_sets: dict = {}
         self._period: tuple[int, int] | None = None
-        self._succ: list = []
+        self._work = 0  # states in `_by_length` so far (`_LENGTH_WORK`)
+        self._back_eps: list = []  # state -> the states with an empty move to it
+        self._back_char: list = []  # state -> the states with a character edge to it
         self._masks: dict = {}
-        self._least: list | None = None  # see `_at_least`
+        self._longest: list | None = None  # see `_longest_paths`
+        self._shortest: int | None = None  # see `_restart_least`
+        self.scans = 0  # classes tested against every character while building (`_passes_some`)
 
     def new(self) -> int:
+        if len(self.eps) >= _MAX_STATES:
+            raise _Unsupported  # too large to build and question quickly
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -103,17 +126,19 @@ class Nfa:
 
     def completes(self, states: frozenset, least: int, most: int | None) -> bool:
         """Whether some text of k more characters, least <= k <= most (most None: no upper bound), leads from
-        `states` to a match. Needs `length_horizon()` not None when most is over `_MAX_LENGTHS`."""
+        `states` to a match. Exact for a `most` below `length_limit()` (lengths past it count as not matching)."""
         least = max(least, 0)
         if most is not None and most < least:
             return False
-        if self._restart and (most is None or most >= max(least, self._restart_least())):
+        shortest = self._restart_least() if self._restart else math.inf
+        if shortest < math.inf and (most is None or most >= max(least, shortest)):
             return True  # a match may begin at every character: any length from the shortest match on
         if most is None:
-            return not self._at_least(least).isdisjoint(states)
+            longest = self._longest_paths()
+            return any(longest[s] >= least for s in states)
         mask = self._length_mask(states)
         horizon = self.length_horizon()
-        top = most if horizon is None else min(most, horizon - 1)
+        top = min(most, (len(self._by_length) if horizon is None else horizon) - 1)
         if least <= top and mask >> least & ((1 << (top - least + 1)) - 1):
             return True
         if horizon is None or most < horizon:
@@ -127,34 +152,55 @@ class Nfa:
 
     def length_horizon(self) -> int | None:
         """H such that the states from which a match lies exactly k characters ahead repeat with some period for
-        k >= H (the lengths' table is then complete), or None when none was found within `_MAX_LENGTHS`."""
+        k >= H (the lengths' table is then complete), or None when none was found within `_MAX_LENGTHS` lengths
+        (or the work budget)."""
         self._exact(_MAX_LENGTHS)
         if self._period is None:
             return None
         j, p = self._period
         return j + p
 
+    def length_limit(self) -> int | None:
+        """`completes` is exact for every `most` below this; None: for any (`length_horizon()` is not None)."""
+        return None if self.length_horizon() is not None else len(self._by_length)
+
+    def _back_closure(self, states) -> frozenset:
+        """The states from which an empty path leads into `states`."""
+        out, todo = set(states), list(states)
+        while todo:
+            for s in self._back_eps[todo.pop()]:
+                if s not in out:
+                    out.add(s)
+                    todo.append(s)
+        return frozenset(out)
+
     def _exact(self, k: int) -> None:
-        """Extends `_by_length` (the states from which a match lies exactly 0, 1, ... characters ahead) to k."""
+        """Extends `_by_length` (the states from which a match lies exactly 0, 1, ... characters ahead) to k, or
+        until the sets hold `_LENGTH_WORK` states in all (each set costs time linear in its size: a large
+        automaton gets fewer lengths, which `length_limit` tells)."""
         if self._by_length is None:
-            closures = [self.closure([s]) for s in range(len(self.eps))]
-            self._succ = [frozenset(t for u in c for _, t in self.edges[u]) for c in closures]
-            first = frozenset(s for s, c in enumerate(closures) if not c.isdisjoint(self._final))
-            self._by_length, self._seen_sets, self._period = [first], {first: 0}, None
+            self._back_eps, self._back_char = [[] for _ in self.eps], [[] for _ in self.eps]
+            for s in range(len(self.eps)):
+                for t in self.eps[s]:
+                    self._back_eps[t].append(s)
+                for _, t in self.edges[s]:
+                    self._back_char[t].append(s)
+            first = self._back_closure(self._final)
+            self._by_length, self._seen_sets, self._period, self._work = [first], {first: 0}, None, len(first)
         sets = self._by_length
-        while self._period is None and len(sets) <= k:
-            last = sets[-1]
-            nxt = frozenset(s for s, succ in enumerate(self._succ) if not succ.isdisjoint(last))
+        while self._period is None and len(sets) <= k and self._work < _LENGTH_WORK:
+            nxt = self._back_closure({u for t in sets[-1] for u in self._back_char[t]})
             if nxt in self._seen_sets:
                 j = self._seen_sets[nxt]
                 self._period = (j, len(sets) - j)
                 return
             self._seen_sets[nxt] = len(sets)
+            self._work += len(nxt) + 1
             sets.append(nxt)
 
     def _length_mask(self, states: frozenset) -> int:
-        """Bit k set: a match lies exactly k characters ahead of `states`, for k below the horizon (or
-        `_MAX_LENGTHS`); memoised per state set."""
+        """Bit k set: a match lies exactly k characters ahead of `states`, for k below the horizon (or the lengths
+        tabulated: `length_limit`); memoised per state set."""
         mask = self._masks.get(states)
         if mask is None:
             self._exact(_MAX_LENGTHS)
@@ -167,33 +213,140 @@ class Nfa:
             self._masks[states] = mask
         return mask
 
-    def _at_least(self, least: int) -> frozenset:
-        """The states from which a match lies `least` or more characters ahead: `least` steps back from the live
-        states (a shrinking sequence: once two agree it stays)."""
-        self._exact(0)
-        if self._least is None:
-            self._least = [self._live]
-        sets = self._least
-        while len(sets) <= least and (len(sets) < 2 or sets[-1] != sets[-2]):
-            last = sets[-1]
-            sets.append(frozenset(s for s, succ in enumerate(self._succ) if not succ.isdisjoint(last)))
-        return sets[min(least, len(sets) - 1)]
+    def _longest_paths(self) -> list:
+        """state -> the most characters a match can still take from it (math.inf: no bound; -1: no match can
+        come), for every state at once: over the live states' graph (empty moves weigh 0, character edges 1), a
+        strongly connected component with a character edge inside is unbounded, any other takes the longest of
+        its ways out (components taken in `strong_components`' order: those they lead to first)."""
+        if self._longest is not None:
+            return self._longest
+        live = self._live
+        out = [[(t, 0) for t in self.eps[s] if t in live] + [(t, 1) for _, t in self.edges[s] if t in live]
+               if s in live else [] for s in range(len(self.eps))]
+        component = strong_components([[t for t, _ in edges] for edges in out])
+        members: list[list[int]] = [[] for _ in range(max(component, default=-1) + 1)]
+        for s in live:
+            members[component[s]].append(s)
+        longest = [-1] * len(self.eps)
+        for c, group in enumerate(members):
+            best = 0 if not self._final.isdisjoint(group) else -1
+            for u in group:
+                for t, weight in out[u]:
+                    if component[t] != c:
+                        best = max(best, weight + longest[t])
+                    elif weight:
+                        best = math.inf  # a cycle that reads characters
+            for u in group:
+                longest[u] = best
+        self._longest = longest
+        return longest
 
     def _restart_least(self) -> int:
-        """The fewest characters from the start states to a match (`search`: a match may begin anywhere)."""
-        mask = self._length_mask(self.start)
-        return (mask & -mask).bit_length() - 1 if mask else _MAX_LENGTHS
+        """The fewest characters from the start states to a match (`search`: a match may begin anywhere): a
+        breadth-first search, a character per layer (math.inf: none)."""
+        if self._shortest is None:
+            layer, seen, k = self.start, set(self.start), 0
+            while layer and self._final.isdisjoint(layer):
+                todo, layer = [t for s in layer for _, t in self.edges[s]], set()
+                while todo:  # the closure of the states one character on, each state once in all
+                    t = todo.pop()
+                    if t not in seen:
+                        seen.add(t)
+                        layer.add(t)
+                        todo += self.eps[t]
+                k += 1
+            self._shortest = k if layer else math.inf
+        return self._shortest
 
 
-def nfa_lengths_limit() -> int:
-    """Lengths `Nfa.completes` answers for any automaton: below this; above it, where `length_horizon()` is
-    not None."""
-    return _MAX_LENGTHS
+def written_size(pattern: str) -> int:
+    """How many items `pattern` holds once every counted repeat (`x{m,n}`) is written out max(m, n) times, a group
+    with all it holds: what the `regex` package builds, in time linear in it (`a{1000000000}` takes it minutes, and
+    `(a{1000}){1000}` most of a second). Read from the text alone, so any dialect's syntax is measured (escapes,
+    classes and groups skipped as such); other quantifiers count as one repeat."""
+    totals = [0]  # items so far in each open group, innermost last
+    last = 0  # items in what a count would repeat (the atom just read)
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        j = i + 1
+        if c == "\\":
+            j = i + 2
+            if pattern[i + 1:i + 2] in ("p", "P", "N", "x", "u", "U", "g") and pattern[j:j + 1] == "{":
+                j = pattern.find("}", j) + 1 or n  # \p{L}, \N{name}, \x{41}: one item, braces and all
+        elif c == "[":
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"  # a `]` first is a member
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            j += 1
+        elif c == "(":
+            totals.append(0)
+            last = 0
+            i = j
+            continue
+        elif c == ")" and len(totals) > 1:
+            group = totals.pop()
+            totals[-1] += group
+            last = group
+            i = j
+            continue
+        elif c == "{" and (m := _COUNT.match(pattern, i)) and (m.group(1) or m.group(3)):
+            low, comma, high = int(m.group(1) or 0), m.group(2), m.group(3)
+            times = max(int(high) if high else low + 1 if comma else low, low, 1)  # {m,}: m copies and a loop
+            totals[-1] += last * (times - 1)
+            last *= times
+            i = m.end()
+            continue
+        totals[-1] += 1
+        last = 1
+        i = j
+    return sum(totals)
+
+
+def strong_components(out: list) -> list[int]:
+    """The strongly connected components of a graph (`out`: node -> the nodes it leads to), by Tarjan's algorithm
+    without recursion: node -> its component's number, numbered so that a component leads only to itself and to
+    components numbered lower. Time linear in the graph."""
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    component = [-1] * len(out)
+    stack: list[int] = []
+    count = 0
+    for root in range(len(out)):
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        work = [(root, 0)]
+        while work:
+            s, i = work[-1]
+            if i < len(out[s]):
+                work[-1] = (s, i + 1)
+                t = out[s][i]
+                if t not in index:
+                    index[t] = low[t] = len(index)
+                    stack.append(t)
+                    work.append((t, 0))
+                elif component[t] < 0:  # on the stack: in the component being found
+                    low[s] = min(low[s], index[t])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[s])
+            if low[s] == index[s]:
+                while True:
+                    t = stack.pop()
+                    component[t] = count
+                    if t == s:
+                        break
+                count += 1
+    return component
 
 
 def compile_nfa(pattern: str, *, search: bool) -> Nfa | None:
     """The automaton of `pattern` (Python `re` syntax), or None where it uses syntax this module does not cover
-    (or does not compile)."""
+    (or does not compile, or is too large). Where no text matches, its start is not `live`."""
     try:
         tree = _parser.parse(pattern)
     except (re.error, TypeError, OverflowError, RecursionError):
@@ -211,31 +364,29 @@ def compile_nfa(pattern: str, *, search: bool) -> Nfa | None:
     nfa = Nfa()
     try:
         first, last = _sequence(nfa, items, flags)
+        final = {last}
+        if end is _c.AT_END and search:  # `$`: at the end, or before a newline that ends the text
+            after_newline = nfa.new()
+            nfa.edges[last].append((_literal("\n"), after_newline))
+            final.add(after_newline)
+        elif end is None and search:  # once a match is found, it stays found whatever follows
+            found = nfa.new()
+            nfa.edges[found].append((_any_char, found))
+            nfa.eps[last].append(found)
+            final = {found}
     except (_Unsupported, RecursionError):
         return None
-    final = {last}
-    if end is _c.AT_END and search:  # `$`: at the end, or before a newline that ends the text
-        after_newline = nfa.new()
-        nfa.edges[last].append((_literal("\n"), after_newline))
-        final.add(after_newline)
-    elif end is None and search:  # once a match is found, it stays found whatever follows
-        found = nfa.new()
-        nfa.edges[found].append((_any_char, found))
-        nfa.eps[last].append(found)
-        final = {found}
     begin = begin or not search  # a whole-text match starts at the start
     nfa.start = nfa.closure([first])
     nfa._restart = frozenset() if begin else nfa.start
     nfa._final = frozenset(final)
     nfa._live = _reaching(nfa, final)
-    if not nfa.live(nfa.start):
-        return None  # nothing matches (the caller's own check reports it)
     return nfa
 
 
 def _reaching(nfa: Nfa, final) -> frozenset:
     """The states from which a final state can be reached (every edge passes some character: classes that pass
-    none are not built)."""
+    none get no edge)."""
     back: list[list[int]] = [[] for _ in nfa.eps]
     for s in range(len(nfa.eps)):
         for t in nfa.eps[s]:
@@ -263,9 +414,10 @@ def _sequence(nfa: Nfa, items, flags: int) -> tuple[int, int]:
 def _item(nfa: Nfa, op, av, flags: int) -> tuple[int, int]:
     if op in (_c.LITERAL, _c.NOT_LITERAL, _c.IN):
         items = ((op, av),) if op is not _c.IN else tuple(av)
-        if op is _c.LITERAL and not flags & _c.SRE_FLAG_IGNORECASE:
-            return _edge(nfa, _literal(chr(av)))
-        return _edge(nfa, _in_class(items, bool(flags & _c.SRE_FLAG_IGNORECASE)))
+        if op is _c.LITERAL and not flags & _c.SRE_FLAG_IGNORECASE:  # (a lone surrogate is in no text)
+            return _edge(nfa, _DEAD if 0xD800 <= av <= 0xDFFF else _literal(chr(av)))
+        ignore_case = bool(flags & _c.SRE_FLAG_IGNORECASE)
+        return _edge(nfa, _in_class(items, ignore_case) if _passes_some(nfa, items, ignore_case) else _DEAD)
     if op is _c.ANY:
         return _edge(nfa, _any_char if flags & _c.SRE_FLAG_DOTALL else _not_newline)
     if op is _c.SUBPATTERN:
@@ -309,8 +461,10 @@ def _item(nfa: Nfa, op, av, flags: int) -> tuple[int, int]:
 
 
 def _edge(nfa: Nfa, test) -> tuple[int, int]:
+    """Two states and an edge between them that passes the characters `test` passes (none for _DEAD)."""
     a, b = nfa.new(), nfa.new()
-    nfa.edges[a].append((test, b))
+    if test is not _DEAD:
+        nfa.edges[a].append((test, b))
     return a, b
 
 
@@ -326,12 +480,9 @@ def _not_newline(c: str) -> bool:
     return c != "\n"
 
 
-@functools.lru_cache(maxsize=256)
-def _in_class(items: tuple, ignore_case: bool = False):
-    """A character class's test (a lone literal or a negated one is a class of one): its ranges, literals and
-    categories, negated if it says so (`re`'s meaning; with `ignore_case`, `re`'s own test under `re.IGNORECASE`,
-    so its case folding is `re`'s); _Unsupported for a class that no character passes (`[^\\d\\D]`: an automaton
-    edge must lead somewhere)."""
+def _class_parts(items: tuple) -> tuple[bool, set, list, list]:
+    """(negated, single characters, (low, high) ranges, category items) of a class's items; _Unsupported for an
+    item it cannot hold."""
     negate, singles, ranges, categories = False, set(), [], []
     for op, av in items:
         if op is _c.NEGATE:
@@ -344,14 +495,65 @@ def _in_class(items: tuple, ignore_case: bool = False):
         elif op is _c.RANGE:
             ranges.append((chr(av[0]), chr(av[1])))
         elif op is _c.CATEGORY and av in _CATEGORIES:
-            categories.append(re.compile(_CATEGORIES[av]).fullmatch)
+            categories.append(av)
         else:
             raise _Unsupported
+    return negate, singles, ranges, categories
+
+
+def _class_source(items: tuple, ignore_case: bool):
+    """The class written out again, compiled by `re` (with the ignore-case flag where asked)."""
+    negate, singles, ranges, categories = _class_parts(items)
+    body = "".join(re.escape(c) for c in sorted(singles)) \
+        + "".join(f"{re.escape(lo)}-{re.escape(hi)}" for lo, hi in ranges) \
+        + "".join(_CATEGORIES[av] for av in categories)
+    return re.compile(f"[{'^' if negate else ''}{body}]", re.IGNORECASE if ignore_case else 0)
+
+
+_SCANNED: dict = {}  # (items, ignore_case) -> whether some character passes: `_passes_some`'s full scans
+
+
+def _passes_some(nfa: Nfa, items: tuple, ignore_case: bool) -> bool:
+    """Whether some character (not a surrogate: no text holds one) passes the class. First a few likely ones (its
+    own, their neighbours, one of each category, the ends of Unicode: enough for a class that is not negated, or
+    a negated one without categories whose complement holds more than surrogates), then, where none does, every
+    character (`re` searching a text of them all: milliseconds), at most `_MAX_SCANS` classes per automaton
+    (_Unsupported past them)."""
+    compiled = _class_source(items, ignore_case)
+    _, singles, ranges, _ = _class_parts(items)
+    points = {ord(c) for c in singles} | {ord(c) for lo, hi in ranges for c in (lo, hi)}
+    points |= {p + d for p in points for d in (-1, 1)} | {0, 0x10FFFF} | {ord(c) for c in "0a _!A\n"}
+    likely = "".join(chr(p) for p in points if 0 <= p <= 0x10FFFF and not 0xD800 <= p <= 0xDFFF)
+    if compiled.search(likely) is not None:
+        return True
+    key = (items, ignore_case)
+    if key not in _SCANNED:
+        nfa.scans += 1
+        if nfa.scans > _MAX_SCANS:
+            raise _Unsupported
+        if len(_SCANNED) >= 1024:
+            _SCANNED.clear()
+        _SCANNED[key] = compiled.search(_every_character()) is not None
+    return _SCANNED[key]
+
+
+@functools.cache
+def _every_character() -> str:
+    """Every character but the surrogates, in order (made through UTF-32: ~0.1 s once)."""
+    codes = array.array("I" if array.array("I").itemsize == 4 else "L", range(0xD800))
+    codes.extend(range(0xE000, 0x110000))
+    return codes.tobytes().decode("utf-32-le" if sys.byteorder == "little" else "utf-32-be")
+
+
+@functools.lru_cache(maxsize=256)
+def _in_class(items: tuple, ignore_case: bool = False):
+    """A character class's test (a lone literal or a negated one is a class of one): its ranges, literals and
+    categories, negated if it says so (`re`'s meaning; with `ignore_case`, `re`'s own test under `re.IGNORECASE`,
+    so its case folding is `re`'s). It may pass no character (`[^\\d\\D]`; `_passes_some`, `_scan`)."""
+    negate, singles, ranges, names = _class_parts(items)
+    categories = [re.compile(_CATEGORIES[av]).fullmatch for av in names]
     if ignore_case:  # the same class written out again and compiled by `re` with the flag
-        body = "".join(re.escape(c) for c in sorted(singles)) \
-            + "".join(f"{re.escape(lo)}-{re.escape(hi)}" for lo, hi in ranges) \
-            + "".join(_CATEGORIES[av] for op, av in items if op is _c.CATEGORY)
-        folded = re.compile(f"[{'^' if negate else ''}{body}]", re.IGNORECASE).fullmatch
+        folded = _class_source(items, True).fullmatch
 
         @functools.lru_cache(maxsize=4096)
         def test(c: str) -> bool:
@@ -362,6 +564,4 @@ def _in_class(items: tuple, ignore_case: bool = False):
             hit = c in singles or any(lo <= c <= hi for lo, hi in ranges) or any(f(c) for f in categories)
             return hit != negate
 
-    if not any(test(chr(c)) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF):
-        raise _Unsupported
     return test

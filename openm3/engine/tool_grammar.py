@@ -9,7 +9,9 @@ ones all present before `</invoke>`; any name when the tool has no `properties`)
 writes it: one of the strings of an enum of strings, JSON that follows the parameter's schema for a single
 non-string type or an enum of other values (`json_grammar`), else raw UTF-8 text that does not contain
 `</parameter>` (strings, within their `minLength` / `maxLength` in characters; schemas of several types, schemas
-the matcher cannot compile). A tool may name a text grammar for one of its parameters (`"text_grammar":
+the matcher cannot compile). A tool's parameters must be a valid JSON Schema, as a `response_format` schema must
+(`json_grammar.validate_schema`: a ValueError naming the tool and the keyword); only keywords the matcher lacks
+leave a value raw text. A tool may name a text grammar for one of its parameters (`"text_grammar":
 {"parameter": KEY, "syntax": "lark" | "regex", "definition": ...}`: OpenAI's custom tools with a grammar format,
 whose free-form input is that parameter); its VALUE is then a sentence of that grammar (`cfg_grammar` /
 `regex_grammar`) without `</parameter>` in it, and a token may not end inside one of its characters.
@@ -26,7 +28,7 @@ from typing import Sequence
 
 from .cfg_grammar import CfgGrammar
 from .constrained import ChoiceGrammar
-from .json_grammar import UTF8_LEAD, UTF8_PENDING, compile_schema, utf8_length
+from .json_grammar import UTF8_LEAD, UTF8_PENDING, compile_schema, utf8_length, validate_schema
 from .regex_grammar import RegexGrammar
 
 START, END = b"\xff\x01", b"\xff\x02"
@@ -35,17 +37,33 @@ _NAME_BYTES = frozenset(range(0x20, 0x7F)) - frozenset(b'"<>')
 
 
 class _Tool:
+    """One tool: its parameters (a JSON Schema of an object, None: any) must be a valid schema (`validate_schema`,
+    the checks a `response_format` schema gets; ValueError naming the tool and the keyword); a parameter whose
+    schema is false may not be given."""
+
     def __init__(self, name: str, parameters: dict | None, text_grammar: dict | None = None):
         self.name = name
-        props = (parameters or {}).get("properties")
-        self.free = not isinstance(props, dict)  # no `properties`: any parameter names
-        self.props = dict(props) if isinstance(props, dict) else {}
-        self.required = frozenset(r for r in (parameters or {}).get("required", []) if r in self.props)
+        try:
+            validate_schema(True if parameters is None else parameters)
+        except ValueError as e:
+            raise ValueError(f"tools: the parameters of tool {name!r}: {e}") from None
+        parameters = parameters if isinstance(parameters, dict) else {}
+        # (checked where `type` allows an object, as a response_format's schema is; read as an object's here)
+        props, required = parameters.get("properties"), parameters.get("required", [])
+        props = props if isinstance(props, dict) else None
+        required = [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
+        self.free = props is None  # no `properties`: any parameter names
+        self.props = {key: schema for key, schema in (props or {}).items() if schema is not False}
+        for key in required:
+            if props is not None and props.get(key) is False:
+                raise ValueError(f"tools: the parameters of tool {name!r}: 'required' names {key!r}, whose schema "
+                                 f"is false (no value can satisfy it)")
+        self.required = frozenset(r for r in required if r in self.props)
         self.values = {}  # parameter -> JsonGrammar (None: raw text)
         self.lengths = {}  # raw-text parameter -> (minLength, maxLength or None) of a string schema
         self.texts = {}  # parameter -> the text grammar its value follows (a custom tool's input)
         for key, schema in self.props.items():
-            self.values[key] = _value_grammar(schema)
+            self.values[key] = _value_grammar(schema, parameters)
             if self.values[key] is None:
                 self.lengths[key] = _length_bounds(schema)
         if text_grammar is not None:
@@ -69,10 +87,11 @@ def _length_bounds(schema) -> tuple[int, int | None]:
     return (lo, hi) if valid else (0, None)
 
 
-def _value_grammar(schema):
+def _value_grammar(schema, parameters: dict):
     """How a parameter's value is written (`render_tool_calls`: strings raw, anything else as JSON): one of its
-    strings for an enum of strings, JSON for a schema of one non-string type or an enum of other values, raw text
-    (None) otherwise or when the schema does not compile."""
+    strings for an enum of strings, JSON for a schema of one non-string type or an enum of other values (its local
+    `$ref`s point into the tool's `parameters`), raw text (None) otherwise or when the schema does not compile
+    (keywords the matcher lacks: the call is still well formed)."""
     if not isinstance(schema, dict):
         return None
     enum = schema.get("enum")
@@ -82,7 +101,7 @@ def _value_grammar(schema):
     if (isinstance(kind, str) and kind != "string") or (isinstance(enum, list) and enum and not any(
             isinstance(v, str) for v in enum)):
         try:
-            return compile_schema(schema)
+            return compile_schema(schema, root=parameters)
         except ValueError:
             return None  # left raw text: the call is still well formed
     return None

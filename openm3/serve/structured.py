@@ -60,12 +60,14 @@ class StructuredOutputs:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
+        # Each raises ValueError (the caller's 400) for what no answer could follow, so decoding never finds that
+        # no token goes on: a pattern or grammar that matches no text, a tool whose parameters are malformed.
         if spec.tools is not None:
             grammar = ToolCallGrammar(json.loads(spec.tools), spec.tool_name, spec.max_calls)
         elif spec.choices is not None:
             grammar = ChoiceGrammar(spec.choices)
         elif spec.regex is not None:
-            grammar = RegexGrammar(spec.regex)  # ValueError for a pattern that does not compile
+            grammar = RegexGrammar(spec.regex)  # ValueError for a pattern that does not compile or matches nothing
         elif spec.grammar is not None:
             grammar = CfgGrammar(spec.grammar)  # ValueError for a grammar it cannot read or follow
         else:
