@@ -133,6 +133,7 @@ def test_the_audited_requests_are_answered_at_once(tok):
                                         max_total_tokens=1024, reasoning_parser="none", constrain_tool_calls=True))
     r = constrained.post("/v1/chat/completions", json={**ASK, "tools": [bad]})  # auto: the same grammar, checked
     assert r.status_code == 400 and "tools: the parameters of tool 'f'" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "tools" and r.json()["error"]["message"].startswith("tools: the")
     assert client.post("/v1/chat/completions", json={**ASK, "tools": [bad]}).status_code == 200  # (no grammar)
     r, seconds = timed(lambda: client.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 3,
                                                                     "guided_json": HUGE}))

@@ -595,7 +595,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             spec = spec_of()
             if spec is None and auto_calls is not None and auto_calls[0] and constrain_tool_calls \
                     and getattr(backend, "supports_constraints", False):
-                spec = OutputSpec.auto_calls(*auto_calls)
+                spec, param = OutputSpec.auto_calls(*auto_calls), "tools"  # (its errors are the tools')
             if spec is None:
                 return lambda: None
             if not getattr(backend, "supports_constraints", False):
@@ -603,7 +603,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             think = reasoning_parser == "m3" and chat_prompt_ids is not None and not prefill
             make = structured.factory(spec, think=think, thinking=think and opens_think(chat_prompt_ids))
         except ValueError as e:
-            raise APIError(f"{param}: {e}", param) from None
+            message = str(e)
+            raise APIError(message if message.startswith(f"{param}:") else f"{param}: {message}", param) from None
         if not prefill:
             return make
         try:
