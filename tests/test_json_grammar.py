@@ -13,6 +13,9 @@ import pytest
 
 from openm3.engine.json_grammar import JsonGrammar, compile_schema
 
+# Seconds a step that once took 8 s to minutes may take now (~0.5 s at most idle; CI's loaded 2 cores: ~1.4 s)
+FAST = 5.0
+
 # ---------------------------------------------------------------------------------------------------------------
 # Schemas, each with valid instances (`literal` ones only in the compact unicode spelling, which is the only one an
 # enum/const or an exactly-spelled key accepts) and the schema the oracle validates against.
@@ -632,7 +635,7 @@ def test_huge_counts_compile_at_once_and_decode_in_constant_steps(n):
     for schema, pieces in huge_schemas(n):
         started = time.perf_counter()
         g = compile_schema(schema)
-        assert time.perf_counter() - started < 1.0, schema
+        assert time.perf_counter() - started < FAST, schema
         state = g.start
         for piece in pieces:
             state = g.advance(state, piece)
@@ -665,7 +668,7 @@ def test_min_items_that_reach_a_node_without_an_end_are_refused():
             started = time.perf_counter()
             with pytest.raises(ValueError, match="no finite array"):
                 compile_schema({**schema, "minItems": minimum})
-            assert time.perf_counter() - started < 1.0
+            assert time.perf_counter() - started < FAST
     with pytest.raises(ValueError, match="no finite array"):  # the prefix itself recurses
         compile_schema({"type": "array", "prefixItems": [{"type": "null"}, {"$ref": "#"}], "minItems": 2})
 
@@ -692,7 +695,7 @@ def test_long_enum_values_and_keys_take_little_memory():
     assert g.advance(g.start, b"{" + key[:-2] + b'b"') is None
     started = time.perf_counter()
     many = compile_schema({"enum": [str(k) for k in range(20_000)]})  # (a pairwise prefix check: minutes)
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < FAST
     assert many.complete(many.advance(many.start, b'"19999"')) and many.advance(many.start, b'"20000') is None
 
 
@@ -711,7 +714,7 @@ def test_a_fallback_pattern_with_huge_counts_is_refused_at_once():
         started = time.perf_counter()
         with pytest.raises(ValueError, match="'pattern'.*counted repeats"):
             compile_schema({"type": "string", "pattern": pattern})
-        assert time.perf_counter() - started < 1.0
+        assert time.perf_counter() - started < FAST
     compile_schema({"type": "string", "pattern": "(?=a)a{1000}"})  # (smaller counts are fine)
 
 

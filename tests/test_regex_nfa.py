@@ -16,6 +16,9 @@ import regex
 
 from openm3.engine.regex_nfa import compile_nfa
 
+# Seconds a step that once took 8 s to minutes may take now (~0.5 s at most idle; CI's loaded 2 cores: ~1.4 s)
+FAST = 5.0
+
 PATTERNS = [r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$", r"^[a-z0-9_]+(/[a-z0-9_]+)*\.py$", r"ab+c", r"^(yes|no)$", r"x|y\d",
             r"^a.?b$", r"[^\s]+@[a-z]+\.com$", r"\d{2,3}", r"^$", r"(a|b)*abb", r"^\w+\s\w+$", r"a$", r"a\Z",
             r"\Aab", r"(?:ab|a)+?c{0,2}", r"[^a-c]", r"^é[日😀]?\W", r"^\S*\D$", r""]
@@ -49,7 +52,7 @@ def test_syntax_outside_the_automaton_gives_none(pattern):
     """(Nested counts past the automaton's size bound are left to `regex` too, and fast: no million states.)"""
     started = time.perf_counter()
     assert compile_nfa(pattern, search=True) is None
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < FAST
 
 
 @pytest.mark.parametrize("pattern", [r"[^\d\D]", "[^\x00-\U0010ffff]", r"a[^\s\S]|[^\w\W]b", "\ud800",
@@ -70,7 +73,7 @@ def test_many_classes_that_need_every_character_checked_stay_fast():
     started = time.perf_counter()
     many = "".join(f"[^\\d\\x00-/:-\\U0010ffff{chr(0x4e00 + k)}]?" for k in range(200))
     assert compile_nfa(many, search=False) is None
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < FAST
     few = compile_nfa(r"[^\D\x00-/:-\U0010ffff]", search=False)  # the digits 0-9 and no more
     assert few is not None and few.matched(few.step(few.start, "7")) and not few.live(few.step(few.start, "a"))
 
@@ -171,7 +174,7 @@ def test_huge_lengths_are_answered_at_once(search):
             if nfa.length_limit() is None:  # (a bounded question past a cut table is not answered: see below)
                 assert nfa.completes(nfa.start, longest, 10 ** 18)
                 assert not nfa.completes(nfa.start, longest + 1, 10 ** 18)
-        assert time.perf_counter() - started < 1.0, pattern
+        assert time.perf_counter() - started < FAST, pattern
 
 
 def test_large_automata_tabulate_fewer_lengths_and_say_so():
@@ -185,7 +188,7 @@ def test_large_automata_tabulate_fewer_lengths_and_say_so():
     assert all(nfa.completes(nfa.start, k, k) for k in range(0, limit, 7))
     assert not nfa.completes(nfa.step(nfa.start, "b"), 0, limit - 1)
     assert compile_nfa(r"^[a-z]{2,8}$", search=False).length_limit() is None  # small: the table is complete
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < FAST
 
 
 @pytest.mark.parametrize("pattern,size", [("a", 1), ("a{5}", 5), ("x{2,}", 3), ("x{,7}", 7), ("(ab){3}c", 7),
