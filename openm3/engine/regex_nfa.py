@@ -93,13 +93,7 @@ class Nfa:
         return len(self.eps) - 1
 
     def closure(self, states) -> frozenset:
-        out, todo = set(states), list(states)
-        while todo:
-            for t in self.eps[todo.pop()]:
-                if t not in out:
-                    out.add(t)
-                    todo.append(t)
-        return frozenset(out)
+        return _reachable(states, self.eps)
 
     def step(self, states: frozenset, ch: str) -> frozenset:
         """The states after one more character (the empty set: no match can come any more); memoised (at most
@@ -166,13 +160,7 @@ class Nfa:
 
     def _back_closure(self, states) -> frozenset:
         """The states from which an empty path leads into `states`."""
-        out, todo = set(states), list(states)
-        while todo:
-            for s in self._back_eps[todo.pop()]:
-                if s not in out:
-                    out.add(s)
-                    todo.append(s)
-        return frozenset(out)
+        return _reachable(states, self._back_eps)
 
     def _exact(self, k: int) -> None:
         """Extends `_by_length` (the states from which a match lies exactly 0, 1, ... characters ahead) to k, or
@@ -565,3 +553,14 @@ def _in_class(items: tuple, ignore_case: bool = False):
             return hit != negate
 
     return test
+
+
+def _reachable(states, adjacency) -> frozenset:
+    """`states` and every state reachable from them along `adjacency` (a list of successor lists)."""
+    out, todo = set(states), list(states)
+    while todo:
+        for t in adjacency[todo.pop()]:
+            if t not in out:
+                out.add(t)
+                todo.append(t)
+    return frozenset(out)
