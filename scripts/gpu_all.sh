@@ -14,6 +14,13 @@ for s in "${stages[@]}"; do
   case "$s" in
     tests)   timeout "${TESTS_TIMEOUT:-3000}" python3 -m pytest -v -m gpu tests/gpu -p no:cacheprovider 2>&1 \
                | tee "$OUT/gpu_tests.log" | grep -v PASSED | tail -40 ;;
+    tests1|tests2)  # the suite in two halves, each inside one 10-minute call (the whole took over 10 min in session 49)
+      first=(tests/gpu/test_engine_*.py tests/gpu/test_fused_helpers_gpu.py tests/gpu/test_host_gpu.py
+             tests/gpu/test_losses_gpu.py tests/gpu/test_moe_*.py tests/gpu/test_msa_attention_gpu.py)
+      if [ "$s" = tests1 ]; then files=("${first[@]}")
+      else files=(); for f in tests/gpu/test_*.py; do [[ " ${first[*]} " == *" $f "* ]] || files+=("$f"); done; fi
+      timeout "${TESTS_TIMEOUT:-580}" python3 -m pytest -v -m gpu "${files[@]}" -p no:cacheprovider --durations 10 \
+        2>&1 | tee "$OUT/gpu_$s.log" | grep -v PASSED | tail -40 ;;
     tests:*)  # tests:PATHS (split on spaces: node ids or files); a -k expression goes in TESTS_K="a or b"
       python3 -m pytest -q -m gpu ${s#tests:} ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider 2>&1 \
         | tee "$OUT/gpu_tests_sel.log" | tail -40 ;;

@@ -58,18 +58,32 @@ def run(tmp_path, overlap: bool, steps: int = 6, **kw) -> list[dict]:
         made.close()
 
 
+def assert_same_records(got: list[dict], want: list[dict]):
+    """Two runs of the same steps on the same kernels: losses within 2%. Grad norms are not compared with a tolerance
+    because the backward's atomics reorder sums between runs and bf16 training at this learning rate amplifies that:
+    two synced runs on an H100 gave 0.95 and 1.23 at step 3 (one step after the switch to sparse attention; the
+    other steps within 1%). Each record is asked instead to be nearer the record of its own step than those of the
+    steps beside it, as a record read a step early or late is not."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
+    for key in ("loss", "grad_norm"):
+        for i, a in enumerate(got):
+            beside = [j for j in (i - 1, i + 1) if 0 <= j < len(want)]
+            assert all(abs(a[key] - want[i][key]) < abs(a[key] - want[j][key]) for j in beside), \
+                (key, i, [r[key] for r in got], [r[key] for r in want])
+
+
 def test_overlapped_steps_on_cuda_match_synced_steps(tmp_path):
     torch.manual_seed(0)
     overlapped, synced = run(tmp_path, True), run(tmp_path, False)
     assert [r["step"] for r in overlapped] == [r["step"] for r in synced] == list(range(6))
     assert [r["msa_stage"] for r in overlapped] == [r["msa_stage"] for r in synced]
     assert {r["msa_stage"] for r in overlapped} == {"dense", "sparse"}
-    for a, b in zip(overlapped, synced):
+    for a in overlapped:
         assert all(math.isfinite(a[k]) for k in ("loss", "grad_norm", "indexer_kl"))
         assert a["tokens_per_s"] > 0
-        # the same kernels on the same inputs; atomics in the backward may reorder sums between runs
-        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
+    assert_same_records(overlapped, synced)
     assert overlapped[-1]["loss"] < overlapped[0]["loss"] - 0.2  # the same 4 rows each step (CPU fp32: -0.28 in 4)
 
 
@@ -87,9 +101,7 @@ def test_checkpointed_run_keeping_the_attention_matches(tmp_path, monkeypatch):
     (plain, n_plain), (kept, n_kept) = runs[False], runs[True]
     assert n_plain == 2 * n_kept > 0
     assert {r["msa_stage"] for r in kept} == {"dense", "sparse"}
-    for a, b in zip(kept, plain):
-        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
+    assert_same_records(kept, plain)
 
 
 def test_a_vision_language_run_on_text_rows_resumes_on_cuda(tmp_path):
