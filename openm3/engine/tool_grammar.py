@@ -38,15 +38,16 @@ _NAME_BYTES = frozenset(range(0x20, 0x7F)) - frozenset(b'"<>')
 
 class _Tool:
     """One tool: its parameters (a JSON Schema of an object, None: any) must be a valid schema (`validate_schema`,
-    the checks a `response_format` schema gets; ValueError naming the tool and the keyword); a parameter whose
-    schema is false may not be given."""
+    the checks a `response_format` schema gets; ValueError naming the tool, the field that holds its parameters,
+    `field`, and the keyword); a parameter whose schema is false may not be given."""
 
-    def __init__(self, name: str, parameters: dict | None, text_grammar: dict | None = None):
+    def __init__(self, name: str, parameters: dict | None, text_grammar: dict | None = None,
+                 field: str = "parameters"):
         self.name = name
         try:
             validate_schema(True if parameters is None else parameters)
         except ValueError as e:
-            raise ValueError(f"tools: the parameters of tool {name!r}: {e}") from None
+            raise ValueError(f"tools: the {field} of tool {name!r}: {e}") from None
         parameters = parameters if isinstance(parameters, dict) else {}
         # (checked where `type` allows an object, as a response_format's schema is; read as an object's here)
         props, required = parameters.get("properties"), parameters.get("required", [])
@@ -56,8 +57,8 @@ class _Tool:
         self.props = {key: schema for key, schema in (props or {}).items() if schema is not False}
         for key in required:
             if props is not None and props.get(key) is False:
-                raise ValueError(f"tools: the parameters of tool {name!r}: 'required' names {key!r}, whose schema "
-                                 f"is false (no value can satisfy it)")
+                raise ValueError(f"tools: the {field} of tool {name!r}: 'required' names {key!r}, whose schema is "
+                                 f"false (no value can satisfy it)")
         self.required = frozenset(r for r in required if r in self.props)
         self.values = {}  # parameter -> JsonGrammar (None: raw text)
         self.lengths = {}  # raw-text parameter -> (minLength, maxLength or None) of a string schema
@@ -69,11 +70,16 @@ class _Tool:
         if text_grammar is not None:
             key, syntax = text_grammar.get("parameter"), text_grammar.get("syntax")
             if key not in self.props:
-                raise ValueError(f"tool {name!r}: its text grammar's parameter {key!r} is not among its parameters")
+                raise ValueError(f"tools: the text grammar of tool {name!r} is for {key!r}, which is not among its "
+                                 f"parameters")
             if syntax not in ("lark", "regex"):
-                raise ValueError(f"tool {name!r}: a text grammar's syntax is 'lark' or 'regex', got {syntax!r}")
+                raise ValueError(f"tools: the text grammar of tool {name!r}: its syntax is 'lark' or 'regex', got "
+                                 f"{syntax!r}")
             definition = text_grammar.get("definition")
-            self.texts[key] = CfgGrammar(definition) if syntax == "lark" else RegexGrammar(definition)
+            try:
+                self.texts[key] = CfgGrammar(definition) if syntax == "lark" else RegexGrammar(definition)
+            except ValueError as e:
+                raise ValueError(f"tools: the text grammar of tool {name!r}: {e}") from None
 
 
 def _length_bounds(schema) -> tuple[int, int | None]:
@@ -108,16 +114,20 @@ def _value_grammar(schema, parameters: dict):
 
 
 class ToolCallGrammar:
-    """Tool-call blocks for `tools` ([{"name", "parameters"}], parameters a JSON Schema object); `name`: only that
-    tool (one call), else one or more calls of any of them, at most `max_calls` (None: no bound; 1 is OpenAI's
+    """Tool-call blocks for `tools` ([{"name", "parameters"}], parameters a JSON Schema object; Anthropic's tools
+    give them as "input_schema", which a malformed one's error names then); `name`: only that tool (one call), else
+    one or more calls of any of them, at most `max_calls` (None: no bound; 1 is OpenAI's
     `parallel_tool_calls: false`, Anthropic's `disable_parallel_tool_use`)."""
 
     def __init__(self, tools: Sequence[dict], name: str | None = None, max_calls: int | None = None):
-        self.tools = {t["name"]: _Tool(t["name"], t.get("parameters"), t.get("text_grammar")) for t in tools}
+        self.tools = {}
+        for t in tools:
+            field = "input_schema" if "input_schema" in t else "parameters"
+            self.tools[t["name"]] = _Tool(t["name"], t.get(field), t.get("text_grammar"), field)
         if not self.tools:
             raise ValueError("tools: a forced tool call needs at least one tool")
         if name is not None and name not in self.tools:
-            raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({sorted(self.tools)})")
+            raise ValueError(f"tool_choice: {name!r} is not among the tools ({sorted(self.tools)})")
         if max_calls is not None and (not isinstance(max_calls, int) or max_calls < 1):
             raise ValueError(f"max_calls must be a positive int or None, got {max_calls!r}")
         self.allowed = [name] if name is not None else sorted(self.tools)

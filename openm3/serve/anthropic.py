@@ -24,13 +24,14 @@ import json
 import uuid
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, field_validator
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
 from .documents import decode_base64, file_text, heading, titled
 from .images import base64_part, content_of
-from .schemas import MAX_STOP_SEQUENCES, SEED, ClientTool, OutputSpec, ToolName, check_unique_names
+from .schemas import MAX_STOP_SEQUENCES, SEED, ClientTool, Integer, OutputSpec, ToolName, check_unique_names
+from .validation import described
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -55,7 +56,7 @@ class ThinkingConfig(BaseModel):
     API's) leaves the thinking unbounded, as before this field was read."""
 
     type: str
-    budget_tokens: int | None = Field(default=None, ge=1, validate_default=True)
+    budget_tokens: Integer | None = Field(default=None, ge=1, validate_default=True)
 
     @field_validator("budget_tokens")
     @classmethod
@@ -95,7 +96,7 @@ class OutputFormat(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
     type: Literal["json_schema"]
-    schema_: dict[str, Any] | bool = Field(alias="schema")
+    schema_: dict[str, Any] | StrictBool = Field(alias="schema")
 
 
 class OutputConfig(BaseModel):
@@ -108,12 +109,12 @@ class MessagesRequest(CountTokensRequest):
     `{"type": "json_schema", "schema": ...}`. `thinking` bounds the model's think block (`thinking_budget`).
     Unknown fields (metadata, ...) are ignored."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: Integer = Field(ge=1)
     stop_sequences: list[str] | None = Field(default=None, validate_default=True)
-    stream: bool = False
-    temperature: float = Field(default=1.0, ge=0, le=1)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
+    stream: StrictBool = False
+    temperature: StrictFloat = Field(default=1.0, ge=0, le=1)
+    top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
+    top_k: Integer = Field(default=0, ge=0)
     seed: SEED | None = None
     output_format: OutputFormat | None = None
     output_config: OutputConfig | None = None
@@ -245,7 +246,10 @@ def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
                     out.append({"role": "user", "content": content_of(parts)})
                     parts = []
                 result = _result_parts(block.get("content") or "", f"{where}[{j}].content", images)
-                if block.get("is_error"):
+                failed = block.get("is_error", False)
+                if not isinstance(failed, bool):
+                    raise ValueError(f"{where}[{j}].is_error: expected a boolean, got {described(failed)}")
+                if failed:
                     result.insert(0, {"type": "text", "text": "Error: "})
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content_of(result)})
             elif kind == "image":
@@ -275,19 +279,23 @@ def _tools(req: CountTokensRequest) -> list[dict] | None:
 
 
 def _parse_calls(req: CountTokensRequest) -> bool:
-    """Whether tool calls in the answer become tool_use blocks (False: they stay text)."""
+    """Whether tool calls in the answer become tool_use blocks (False: they stay text); a ValueError naming the
+    field of `tool_choice` at fault."""
     kind = (req.tool_choice or {}).get("type", "auto")
     if kind == "tool" and not isinstance(req.tool_choice.get("name"), str):
         raise ValueError("tool_choice.name: a 'tool' choice names the tool")
     if kind not in ("auto", "none", "any", "tool"):
         raise ValueError(f"tool_choice.type: expected 'auto', 'none', 'any' or 'tool', got {kind!r}")
+    single = (req.tool_choice or {}).get("disable_parallel_tool_use", False)
+    if not isinstance(single, bool):  # (a boolean, as every other: "false" is not false)
+        raise ValueError(f"tool_choice.disable_parallel_tool_use: expected a boolean, got {described(single)}")
     return kind != "none"
 
 
 def _one_call(req: CountTokensRequest) -> bool:
-    """`tool_choice.disable_parallel_tool_use`: at most one tool_use block (a forced call's grammar allows one;
-    otherwise the calls after the first are dropped)."""
-    return bool((req.tool_choice or {}).get("disable_parallel_tool_use"))
+    """`tool_choice.disable_parallel_tool_use` (a boolean, `_parse_calls` checks): at most one tool_use block (a
+    forced call's grammar allows one; otherwise the calls after the first are dropped)."""
+    return (req.tool_choice or {}).get("disable_parallel_tool_use") is True
 
 
 def add_messages_routes(app, *, tokenizer, model_name: str, check_model: Callable, check: Callable, run: Callable,
@@ -324,8 +332,7 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check_model: Callabl
             raise api_error("give output_config.format or output_format, not both", "output_format")
         fmt = req.output_format or (req.output_config.format if req.output_config else None)
         kind = (req.tool_choice or {}).get("type", "auto")
-        tools = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
-                 for t in _tools(req) or []]
+        tools = [{"name": t.name, "input_schema": t.input_schema} for t in req.tools or []]  # (errors name it so)
         if kind in ("any", "tool"):
             if fmt is not None:
                 raise api_error("give a forced tool call (tool_choice) or an output format, not both", "tool_choice")

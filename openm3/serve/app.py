@@ -587,15 +587,17 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         (`chat_prompt_ids` given) may open with its think block when the reasoning parser is on. prefill: the
         answer's given start (a continued final message, Anthropic's prefill), which each constraint reads first
         (no think block then); a 400 naming messages if the grammar refuses it. A 400 naming `param` for a spec
-        the grammar cannot honour or a backend that cannot constrain. auto_calls: (the tools as a forced call's
-        grammar takes them, parallel calls allowed) of a request whose model may call them (`tool_choice` auto):
-        with `constrain_tool_calls` (and a backend that constrains) each call block it opens follows their
-        grammar, the text around stays free."""
+        the grammar cannot honour or a backend that cannot constrain; a tool definition the grammar refuses (its
+        message starts "tools:") names `tools` instead, whichever field asked for the grammar (a forced call, an
+        allowed_tools choice or `constrain_tool_calls`). auto_calls: (the tools as a forced call's grammar takes
+        them, parallel calls allowed) of a request whose model may call them (`tool_choice` auto): with
+        `constrain_tool_calls` (and a backend that constrains) each call block it opens follows their grammar, the
+        text around stays free."""
         try:
             spec = spec_of()
             if spec is None and auto_calls is not None and auto_calls[0] and constrain_tool_calls \
                     and getattr(backend, "supports_constraints", False):
-                spec, param = OutputSpec.auto_calls(*auto_calls), "tools"  # (its errors are the tools')
+                spec = OutputSpec.auto_calls(*auto_calls)
             if spec is None:
                 return lambda: None
             if not getattr(backend, "supports_constraints", False):
@@ -604,6 +606,8 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             make = structured.factory(spec, think=think, thinking=think and opens_think(chat_prompt_ids))
         except ValueError as e:
             message = str(e)
+            if message.startswith("tools:"):  # the tools' definitions are at fault, not the field that used them
+                param = "tools"
             raise APIError(message if message.startswith(f"{param}:") else f"{param}: {message}", param) from None
         if not prefill:
             return make

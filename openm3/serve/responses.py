@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, field_validator, model_validator
 
 from ..data.chat import parse_tool_calls
 from ..data.tokenizer import TOOL_CALL_START
@@ -33,8 +33,9 @@ from .disconnect import client_gone
 from .documents import openai_file_parts
 from .images import content_of, data_url_part
 from .response_store import ResponseStore
-from .schemas import (CUSTOM_INPUT, SEED, ClientTool, CustomToolSpec, JsonSchemaSpec, OutputSpec, ResponseFormat,
-                      ToolName, allowed_tools_spec, client_tools, custom_input, custom_names)
+from .schemas import (CUSTOM_INPUT, SEED, ClientTool, CustomToolSpec, Integer, JsonSchemaSpec, OutputSpec,
+                      ReasoningEffort, ResponseFormat, ToolName, allowed_tools_spec, client_tools, custom_input,
+                      custom_names)
 
 RESPONSES_PATH = "/v1/responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -62,15 +63,27 @@ class CustomTool(CustomToolSpec):
 
 
 class TextFormat(BaseModel):
-    """`text.format`: the Responses API's flat form of Chat Completions' `response_format`."""
+    """`text.format`: the Responses API's flat form of Chat Completions' `response_format`. Type `json_schema`
+    needs its `schema` (as OpenAI's API does; `true`: any JSON), which no other type takes; `name` defaults to
+    "response" (OpenAI requires it; nothing here reads it)."""
 
     model_config = ConfigDict(populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     name: str = "response"
     description: str | None = None
-    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
-    strict: bool | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "TextFormat":
+        # (".schema: ..." names the field below `format`, which the request may lack)
+        if self.schema_ is None and self.type == "json_schema":
+            raise ValueError(".schema: type 'json_schema' needs the schema the answer follows (a JSON Schema "
+                             "object; true: any JSON)")
+        if self.schema_ is not None and self.type != "json_schema":
+            raise ValueError(f".schema: a schema is given only with type 'json_schema', not {self.type!r}")
+        return self
 
     def response_format(self) -> ResponseFormat:
         if self.type != "json_schema":
@@ -83,39 +96,45 @@ class ResponsesText(BaseModel):
     format: TextFormat | None = None  # other settings (verbosity) are accepted and ignored
 
 
+class Reasoning(BaseModel):
+    """`reasoning`: its `effort` (`ReasoningEffort`); other settings (summary) are accepted and ignored."""
+
+    effort: ReasoningEffort | None = None
+
+
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`. max_output_tokens defaults to what the context limit leaves after the prompt; `top_k` and
     `seed` are extensions; `text.format` asks for JSON (structured outputs); `include` with
     "message.output_text.logprobs" returns the message text's log probabilities (each token's, with `top_logprobs`
     alternatives); `store` keeps the response for `previous_response_id` (which continues a stored response's
-    conversation); `reasoning.effort` "none" keeps the think block shut (other efforts leave it unbounded) and any
-    effort is the chat template's `reasoning_effort`; `truncation: "auto"` drops the conversation's earliest turns
-    where it would not fit the context limit (`fitted`); `background` answers at once with the stored response
-    (status "queued", then "in_progress"), generates in a thread and stores the result, which `GET` polls and
-    `POST /v1/responses/{id}/cancel` stops; unknown fields and other `include` values
+    conversation); `reasoning.effort` (one of OpenAI's, `ReasoningEffort`) "none" keeps the think block shut (other
+    efforts leave it unbounded) and any effort is the chat template's `reasoning_effort`; `truncation: "auto"` drops
+    the conversation's earliest turns where it would not fit the context limit (`fitted`); `background` answers at
+    once with the stored response (status "queued", then "in_progress"), generates in a thread and stores the
+    result, which `GET` polls and `POST /v1/responses/{id}/cancel` stops; unknown fields and other `include` values
     (reasoning.encrypted_content: the reasoning comes back as plain text) are ignored."""
 
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
+    max_output_tokens: Integer | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0, le=2)
+    top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
+    top_k: Integer = Field(default=0, ge=0)
     seed: SEED | None = None
-    priority: int = 0  # vLLM's extension: with --scheduling-policy priority, lower values are admitted first
-    stream: bool = False
+    priority: Integer = 0  # vLLM's extension: with --scheduling-policy priority, lower values are admitted first
+    stream: StrictBool = False
     tools: list[FunctionTool | CustomTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True  # false: at most one function_call (as on Chat Completions)
+    parallel_tool_calls: StrictBool = True  # false: at most one function_call (as on Chat Completions)
     previous_response_id: str | None = None
-    store: bool = True
-    background: bool = False  # answered at once (status "queued"); GET polls it, POST .../cancel stops it
+    store: StrictBool = True
+    background: StrictBool = False  # answered at once (status "queued"); GET polls it, POST .../cancel stops it
     text: ResponsesText | None = None
     include: list[str] | None = None  # "message.output_text.logprobs" is honoured; others are ignored
     truncation: Literal["auto", "disabled"] = "disabled"  # auto: the earliest turns dropped to fit the context
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    reasoning: dict[str, Any] | None = None  # {"effort": "none"}: no think block; other settings: unbounded
+    top_logprobs: Integer | None = Field(default=None, ge=0, le=20)
+    reasoning: Reasoning | None = None  # {"effort": "none"}: no think block; other efforts: unbounded
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -125,13 +144,13 @@ class ResponsesRequest(BaseModel):
     @property
     def thinking_budget(self) -> int | None:
         """Think-block tokens allowed: 0 for reasoning.effort "none", else None (no bound)."""
-        return 0 if (self.reasoning or {}).get("effort") == "none" else None
+        return 0 if self.reasoning is not None and self.reasoning.effort == "none" else None
 
     thinking_param: ClassVar[str] = "reasoning"  # the field that asks for a thinking budget (errors name it)
 
     def template_variables(self) -> dict[str, Any] | None:
         """reasoning.effort as the chat template's `reasoning_effort` (as Chat Completions passes its own)."""
-        effort = (self.reasoning or {}).get("effort")
+        effort = self.reasoning.effort if self.reasoning is not None else None
         return None if effort is None else {"reasoning_effort": effort}
 
     @property

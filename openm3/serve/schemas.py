@@ -11,8 +11,8 @@ import dataclasses
 import json
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      ValidationError, ValidationInfo, field_validator, model_validator)
 
 from ..data.chat_template import check_template_variables
 from ..engine.cfg_grammar import CfgGrammar
@@ -21,21 +21,36 @@ from ..engine.regex_grammar import RegexGrammar
 from .validation import explain
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
-SEED = Annotated[int, Field(ge=-2**63, le=2**63 - 1, description="the sampler's seed (an int64, as vLLM takes)")]
+
+
+def _integral(value: Any) -> Any:
+    """A float without a fractional part as its int (5.0 -> 5); any other value as it came."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# A request's integers are JSON Schema's `integer`: an int or a float without a fractional part (5.0 is 5, as vLLM
+# and OpenAI's clients may send it); a boolean (`true` is not token id 1), a string ("5") or 5.5 is refused. Its
+# booleans are strict too (StrictBool: 1 and "true" are refused), and its other numbers (StrictFloat: ints and
+# floats; a boolean or "0.5" is refused).
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+SEED = Annotated[Integer, Field(ge=-2**63, le=2**63 - 1, description="the sampler's seed (an int64, as vLLM takes)")]
 MAX_STOP_SEQUENCES = 64  # Anthropic's stop_sequences (OpenAI's stop: 4): every one is matched at every token
 MAX_BAD_WORDS = 256  # vLLM's bad_words: each is matched at every token on the engine's thread
 # A tool's name goes into the model's markup as written (`<invoke name="NAME">`): OpenAI and Anthropic take
 # [a-zA-Z0-9_-]{1,64}; this server refuses only what would break the markup (quotes, angle brackets, whitespace)
 ToolName = Annotated[str, Field(min_length=1, max_length=256, pattern=r'^[^"<>&\s]+$')]
 MAX_CHOICES = 128  # choices of one request (n, times the prompts of a Completions batch): each is a generation
+# OpenAI's reasoning efforts (Chat Completions' `reasoning_effort`, Responses' `reasoning.effort`): "none" keeps the
+# think block shut; every one reaches the chat template as its `reasoning_effort`
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class StreamOptions(BaseModel):
     """include_usage: a last chunk with the request's usage; vLLM's continuous_usage_stats (with include_usage):
     every chunk also carries the usage so far."""
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
     @property
     def continuous(self) -> bool:
@@ -47,9 +62,10 @@ class OutputSpec:
     """What an answer must be: JSON following `schema` (None: any object; `strict`: OpenAI's strict mode), exactly
     one of `choices` (vLLM's guided choice), text that `regex` matches whole (vLLM's guided regex), text that the
     context-free `grammar` derives (vLLM's guided grammar: Lark's EBNF or GBNF, `cfg_grammar.py`), or a tool-call
-    block (`tools`: the tools as JSON, [{"name", "parameters"}]; `tool_name`: that one tool, else any;
-    `max_calls`: most calls in it, None: no bound; `triggered`: the text is free and the block's grammar holds
-    only from each tool-call start the model writes: `openm3 serve --constrain-tool-calls`)."""
+    block (`tools`: the tools as JSON, [{"name", "parameters"}], Anthropic's with "input_schema" for "parameters";
+    `tool_name`: that one tool, else any; `max_calls`: most calls in it, None: no bound; `triggered`: the text is
+    free and the block's grammar holds only from each tool-call start the model writes: `openm3 serve
+    --constrain-tool-calls`)."""
 
     schema: Any = None
     strict: bool = False
@@ -84,8 +100,8 @@ class JsonSchemaSpec(BaseModel):
 
     name: str = "response"
     description: str | None = None
-    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
-    strict: bool | None = None
+    schema_: dict[str, Any] | StrictBool = Field(default=True, alias="schema")
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -118,11 +134,11 @@ class StructuredOutputsParams(BaseModel):
     `grammar`, `json_object`; a `structural_tag` is refused rather than ignored; vLLM's backend options are
     ignored)."""
 
-    json_: dict[str, Any] | bool | None = Field(default=None, alias="json")
+    json_: dict[str, Any] | StrictBool | None = Field(default=None, alias="json")
     choice: list[str] | None = Field(default=None, min_length=1)
     regex: str | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
     structural_tag: Any = None
 
     @field_validator("structural_tag")
@@ -145,36 +161,37 @@ class SamplingFields(BaseModel):
     `priority`: a request's place in the queue under `--scheduling-policy priority` (lower first)."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
+    max_tokens: Integer | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0, le=2)
+    top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
+    top_k: Integer = Field(default=0, ge=0)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     seed: SEED | None = None
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
+    n: Integer = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per prompt")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's extension
-    guided_json: dict[str, Any] | bool | None = None  # vLLM's older names for the same
+    guided_json: dict[str, Any] | StrictBool | None = None  # vLLM's older names for the same
     guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_regex: str | None = None
     guided_grammar: str | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
-    repetition_penalty: float = Field(default=1.0, gt=0, allow_inf_nan=False)  # vLLM's extensions from here on
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
-    include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0, allow_inf_nan=False)  # vLLM's extensions from here on
+    min_p: StrictFloat = Field(default=0.0, ge=0, le=1)
+    min_tokens: Integer = Field(default=0, ge=0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[Annotated[Integer, Field(ge=0)]] | None = None
+    allowed_token_ids: list[Annotated[Integer, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    include_stop_str_in_output: StrictBool = False
+    truncate_prompt_tokens: Integer | None = Field(default=None, ge=-1)
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=MAX_BAD_WORDS)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="vLLM's: each prompt token's log "
-                                        "probability and rank, with this many alternatives (not with stream)")
-    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower values are admitted first
+    prompt_logprobs: Integer | None = Field(default=None, ge=0, le=20, description="vLLM's: each prompt token's "
+                                              "log probability and rank, with this many alternatives (not with "
+                                              "stream)")
+    priority: Integer = 0  # vLLM's: with --scheduling-policy priority, lower values are admitted first
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -241,13 +258,14 @@ class CompletionRequest(SamplingFields):
     prompt i's j-th). echo: each choice starts with its prompt (and, with logprobs, the prompt tokens' log
     probabilities: a scoring request); with `max_tokens: 0` (OpenAI's legacy scoring form) nothing follows it."""
 
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # (strict: true is not token id 1)
-    max_tokens: int | None = Field(default=16, ge=0, description="0 with echo: the prompt scored, nothing generated")
-    logprobs: int | None = Field(default=None, ge=0, le=20, description="top alternatives per token (0: the "
-                                 "sampled token's alone); null: no log probabilities")
-    echo: bool = False
-    best_of: int | None = Field(default=None, ge=1, le=1, description="candidates ranked per choice: not "
-                                "supported beyond 1 (use n)")
+    prompt: str | list[Integer] | list[str] | list[list[Integer]]  # (`true` is not token id 1)
+    max_tokens: Integer | None = Field(default=16, ge=0, description="0 with echo: the prompt scored, nothing "
+                                         "generated")
+    logprobs: Integer | None = Field(default=None, ge=0, le=20, description="top alternatives per token (0: "
+                                       "the sampled token's alone); null: no log probabilities")
+    echo: StrictBool = False
+    best_of: Integer | None = Field(default=None, ge=1, le=1, description="candidates ranked per choice: not "
+                                      "supported beyond 1 (use n)")
 
     @field_validator("prompt")
     @classmethod
@@ -465,7 +483,7 @@ class CustomToolSpec(BaseModel):
     @field_validator("format")
     @classmethod
     def _known_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        # messages that start with "." name a field below `format` (`client_tools` joins them to the path)
+        # messages that start with "." name a field below `format` (`explain` joins them to the path)
         if v is None or v.get("type") == "text":
             return v
         if v.get("type") != "grammar":
@@ -541,7 +559,7 @@ def client_tools(v: Any, function_model: type[BaseModel], custom_model: type[Bas
             out.append(model.model_validate(entry))
         except ValidationError as e:
             where, message = explain(e.errors(), entry)
-            raise ValueError(f"tools[{i}]{where}{'' if message.startswith('.') else ': '}{message}") from None
+            raise ValueError(f"tools[{i}]{where}: {message}") from None
     check_unique_names([tool_name(t) for t in out])
     return out
 
@@ -666,16 +684,16 @@ class ChatCompletionRequest(SamplingFields, TemplateVariables):
     answer, which holds only what follows it."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True  # vLLM's: the assistant's opening after the conversation
-    continue_final_message: bool = False  # vLLM's: the answer continues the final (assistant) message
+    add_generation_prompt: StrictBool = True  # vLLM's: the assistant's opening after the conversation
+    continue_final_message: StrictBool = False  # vLLM's: the answer continues the final (assistant) message
     prediction: Prediction | None = None
     tools: list[Tool | ChatCustomTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
-    parallel_tool_calls: bool = True
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    reasoning_effort: str | None = None  # "none": no think block (a thinking budget of 0); any: a template variable
+    parallel_tool_calls: StrictBool = True
+    max_completion_tokens: Integer | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: Integer | None = Field(default=None, ge=0, le=20)
+    reasoning_effort: ReasoningEffort | None = None  # "none": no think block (a thinking budget of 0)
 
     @property
     def thinking_budget(self) -> int | None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, Field, StrictBool, field_validator, model_validator
 
-from .schemas import ChatCustomTool, ChatMessage, TemplateVariables, Tool, client_tools, template_messages
+from .schemas import (ChatCustomTool, ChatMessage, Integer, TemplateVariables, Tool, client_tools,
+                      template_messages)
 
 
 class TokenizeRequest(TemplateVariables):
@@ -23,9 +24,9 @@ class TokenizeRequest(TemplateVariables):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[Tool | ChatCustomTool] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -41,7 +42,7 @@ class TokenizeRequest(TemplateVariables):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[Integer]
 
 
 def add_token_routes(app, *, tokenizer, check_model: Callable, max_total_tokens: int, vocab: int,

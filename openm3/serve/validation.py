@@ -27,6 +27,7 @@ _SCALARS = {"str": ("a string", "strings", {"str"}), "int": ("an integer", "inte
             "none": ("null", "nulls", {"null"})}
 _OBJECT = ("an object", "objects", {"object"})
 _ANY = {"str", "int", "float", "bool", "null", "list", "object"}
+_PLACE = re.compile(r"((?:\.\w+|\[\d+\])+): ")  # a validator's message naming a place below its value
 
 
 def describe_invalid(errors: list[dict], body: Any, content_type: str | None = None) -> tuple[str, str | None]:
@@ -48,7 +49,7 @@ def describe_invalid(errors: list[dict], body: Any, content_type: str | None = N
             return "body: expected a JSON object, got an empty body", None
         if isinstance(body, dict) and first.get("type") == "value_error":  # a check of the object as a whole
             return f"body: {_message(first)}", None
-        return f"body: expected a JSON object, got {_got(body)}", None
+        return f"body: expected a JSON object, got {described(body)}", None
     path, message = _explain(pairs, body, [])
     where = _where(path).lstrip(".") or "body"
     param = next((p for p in path if isinstance(p, str)), None)
@@ -77,7 +78,7 @@ def _explain(pairs: list[tuple[tuple, dict]], value: Any, path: list) -> tuple[l
     """(the data path, the message) of the first error in `pairs` (locations relative to `value`, at `path`)."""
     loc, err = pairs[0]
     if not loc:
-        return path, _message(err)
+        return _below(path, _message(err))
     seg = loc[0]
     if _tag(value, loc):  # a tagged union's label: the branch of the value's "type"
         return _explain([(rest[1:], e) for rest, e in pairs if rest[:1] == (seg,)], value, path)
@@ -101,7 +102,17 @@ def _explain(pairs: list[tuple[tuple, dict]], value: Any, path: list) -> tuple[l
         if not all(not rest and e.get("type") in (*_EXPECTED, "literal_error") for rest, e in chosen):
             return _explain(chosen, value, path)
     alternatives = list(dict.fromkeys(a for label in branches for a in _alternatives(label)))
-    return path, f"expected {_join(alternatives)}, got {_got(value)}"
+    return path, f"expected {_join(alternatives)}, got {described(value)}"
+
+
+def _below(path: list, message: str) -> tuple[list, str]:
+    """(path, message) of a validator's text that names a place below its value, '.schema: ...' or
+    '.grammar.syntax: ...' (a place the value may lack: a field it needs), as that place's path and the rest."""
+    place = _PLACE.match(message)
+    if place is None:
+        return path, message
+    segments = re.findall(r"\.(\w+)|\[(\d+)\]", place.group(1))
+    return path + [int(index) if index else key for key, index in segments], message[place.end():]
 
 
 def _tag(value: Any, loc: tuple) -> bool:
@@ -126,9 +137,9 @@ def _message(err: dict) -> str:
     if kind == "missing":
         return "a required field is missing"
     if kind in _EXPECTED:
-        return f"expected {_EXPECTED[kind]}, got {_got(err.get('input'))}"
+        return f"expected {_EXPECTED[kind]}, got {described(err.get('input'))}"
     if kind == "literal_error" and "expected" in (err.get("ctx") or {}):
-        return f"expected {err['ctx']['expected']}, got {_got(err.get('input'))}"
+        return f"expected {err['ctx']['expected']}, got {described(err.get('input'))}"
     return str(err.get("msg", "invalid value")).removeprefix("Value error, ")
 
 
@@ -184,7 +195,7 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _got(value: Any) -> str:
+def described(value: Any) -> str:
     """What came, for a message: 'an integer (5)', "a string ('x')", 'a list', 'an object'."""
     kind = _kind(value)
     if kind == "null":
