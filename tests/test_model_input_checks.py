@@ -1,6 +1,7 @@
-"""Input checks of the models, their configs and loaders: what is refused names the argument or field and what was
-expected, before any heavy work; what is legal but unusual (no tokens, the model's own state_dict names, short
-dtype names in config.json) works."""
+"""Input checks of the models, their configs and loaders, and of what runs them (the Triton MSA kernels' block
+sizes, `generate`'s integer arguments): what is refused names the argument or field and what was expected, before
+any heavy work; what is legal but unusual (no tokens, the model's own state_dict names, short dtype names in
+config.json, numpy integers) works."""
 
 from __future__ import annotations
 
@@ -8,32 +9,24 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from openm3.engine import SamplingParams, generate
+from openm3.layers.moe import load_balancing_loss
 from openm3.models import (CheckpointError, M3ForConditionalGeneration, M3TextConfig, M3TextModel, M3VisionConfig,
                            M3VLConfig, load_pretrained)
 from openm3.models.text import residual_stream_dtype
+from openm3.ops import msa
 from openm3.ops.host import host_list
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
+# the `model` and `vl` fixtures (tests/conftest.py): m3-tiny with TINY's overrides, IMG / VID as placeholder ids
 TINY = dict(num_hidden_layers=2, vocab_size=64, max_position_embeddings=512)
 IMG, VID = 5, 6
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return M3TextModel(M3TextConfig.from_name("m3-tiny", **TINY)).eval()
-
-
-@pytest.fixture(scope="module")
-def vl():
-    torch.manual_seed(0)
-    config = M3VLConfig.from_name("m3-tiny", image_token_index=IMG, video_token_index=VID, **TINY)
-    return M3ForConditionalGeneration(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +115,22 @@ def test_empty_input_trains(model):
         model.zero_grad(set_to_none=True)
 
 
+def test_the_load_balancing_loss_of_no_tokens_is_zero(model):
+    """Transformers' mean over no rows is NaN, which would poison a training step that met an empty batch."""
+    logits = torch.zeros(0, 8, requires_grad=True)
+    loss = load_balancing_loss([logits], 8, 2)
+    loss.backward()
+    assert loss.item() == 0 and logits.grad.shape == (0, 8)
+    try:
+        out = model(torch.zeros(0, dtype=torch.long), return_aux=True)
+        assert out.aux_loss.item() == 0
+        out.aux_loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        assert any(".gate." in name for name in grads) and all(bool(g.isfinite().all()) for g in grads.values())
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
 def test_an_empty_sequence_beside_others(model):
     ids = torch.arange(30) % 64
     with torch.no_grad():
@@ -185,6 +194,21 @@ def test_meta_inputs_are_named(model, vl):
             call()
     with pytest.raises(ValueError, match=r"^cu_seqlens is a meta tensor"):
         host_list(torch.zeros(2, dtype=torch.int32, device="meta"), "cu_seqlens")
+
+
+def test_meta_cu_seqlens_of_the_msa_ops_are_named():
+    q, k = torch.zeros(20, 4, 16), torch.zeros(20, 2, 16)
+    qi, ki = torch.zeros(20, 2, 16), torch.zeros(20, 16)
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    meta = cu.to("meta")
+    block_idx = msa.select_blocks(qi, ki, cu, block_size=16, topk=2)
+    calls = [("cu_seqlens", lambda: msa.select_blocks(qi, ki, meta, block_size=16, topk=2)),
+             ("cu_seqlens", lambda: msa.indexer_kl(q, k, qi, ki, None, meta, block_size=16)),
+             ("cu_seqlens_k", lambda: msa.sparse_attention(q, k, k, block_idx, cu, block_size=16, cu_seqlens_k=meta))]
+    for name, call in calls:
+        with pytest.raises(ValueError, match=rf"^{name} is a meta tensor \(torch.int32 \[2\]\), which holds no "
+                                             r"values"):
+            call()
 
 
 def test_a_model_on_the_meta_device(model):
@@ -336,3 +360,83 @@ def test_a_tied_checkpoint_that_still_holds_lm_head(tmp_path):
     index["weight_map"]["language_model.lm_head.weight"] = "model-extra.safetensors"
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     _same_state(model, load_pretrained(path))
+
+
+# ---------------------------------------------------------------------------------------------- 7. pixel values
+
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_raw_pixels_are_refused_with_the_processor_to_use(vl, kind):
+    """uint8 pixels ran through the tower unnormalised (wrong visual tokens, no error)."""
+    name, token = {"image": ("pixel_values", IMG), "video": ("pixel_values_videos", VID)}[kind]
+    raw = torch.randint(0, 256, (16, 1176), dtype=torch.uint8)
+    inputs = {name: raw, f"{kind}_grid_thw": torch.tensor([[1, 4, 4]])}
+    with pytest.raises(ValueError, match=rf"^{name}: expected normalised pixels \(a floating tensor\), got "
+                                         r"torch.uint8: raw images and videos go through openm3.models.M3Processor"):
+        vl(torch.tensor([token] * 4), **inputs)
+    with torch.no_grad():
+        assert vl(torch.tensor([token] * 4), **{**inputs, name: raw.float() / 255}).logits.shape == (4, 64)
+
+
+# ---------------------------------------------------------------------------------------------- 8. Triton block sizes
+
+# Triton 3.6's interpreter converts 1-element arrays to loop bounds (NumPy deprecates it; NumPy >= 2.4 refuses).
+_INTERPRETER_WARNING = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def _with_block_size(block: int) -> M3TextModel:
+    torch.manual_seed(0)
+    return M3TextModel(M3TextConfig.from_name("m3-tiny", **{**TINY, "index_block_size": block})).eval()
+
+
+@_INTERPRETER_WARNING
+@pytest.mark.parametrize("block,allowed,kernel", [
+    (8, "a multiple of 16", "sparse-attention kernels"),
+    (24, "a multiple of 16 or a power of two below 16", "selection kernel"),
+], ids=["bs8-power-of-two-below-16", "bs24"])
+def test_the_triton_backend_refuses_index_block_sizes_it_cannot_tile(block, allowed, kernel):
+    """The reference takes any block size; the Triton kernels used to accept these and fail inside Triton's compiler
+    on a GPU (the CPU interpreter runs them: it takes tiles a GPU refuses)."""
+    lm = _with_block_size(block)
+    ids = torch.arange(40) % 64
+    with torch.no_grad():
+        assert lm(ids).logits.shape == (40, 64)  # the reference backend (CPU)
+        with msa.use_backend("triton"), pytest.raises(
+                ValueError, match=rf"^block_size={block} \(a model's index_block_size\) must be {allowed} for the "
+                                  rf"Triton {kernel} \(a power of two >= 16 suits every Triton MSA kernel.*\); the "
+                                  r"reference backend takes any block size"):
+            lm(ids)
+
+
+@_INTERPRETER_WARNING
+def test_the_triton_decode_kernels_refuse_a_page_size_that_is_not_a_power_of_two():
+    lm = _with_block_size(48)  # a multiple of 16: prefill and training run on the Triton kernels
+    with msa.use_backend("triton"):
+        with torch.no_grad():
+            assert lm(torch.arange(40) % 64).logits.shape == (40, 64)
+        with pytest.raises(ValueError, match=r"^block_size=48 \(a model's index_block_size\) must be a power of two "
+                                             r">= 16 for the Triton decode kernels; the reference backend takes any"):
+            generate(lm, [[1, 2, 3]], max_new_tokens=2)
+    (result,), _ = generate(lm, [[1, 2, 3]], max_new_tokens=2)  # the reference backend
+    assert len(result.tokens) == 2
+
+
+# ---------------------------------------------------------------------------------------------- 9. numpy integers
+
+def test_numpy_integers_are_taken_wherever_ints_are(model):
+    """Prompts took numpy ints but max_new_tokens, seed, chunk_size, token_budget, logprobs and top_k refused them
+    (or, for seed, failed later with a TypeError)."""
+    def run(cast):
+        seen = []
+        results, _ = generate(model, [np.array([5, 6, 7])], max_new_tokens=cast(3), seed=cast(7),
+                              chunk_size=cast(16), token_budget=cast(64), max_total_tokens=cast(64),
+                              sampling=SamplingParams(temperature=1.0, top_k=cast(5)), stop_tokens=cast(63),
+                              logprobs=cast(2), on_logprobs=lambda b, lp, top: seen.append(len(top)),
+                              prompt_logprobs=cast(1), on_prompt_logprobs=lambda b, entries: seen.append(entries))
+        return results[0].tokens, seen
+
+    assert run(np.int64) == run(int)
+    assert type(SamplingParams(top_k=np.int32(5)).top_k) is int
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got 2.0"):
+        generate(model, [[5, 6, 7]], max_new_tokens=2.0)
+    with pytest.raises(ValueError, match="top_k must be an int >= 0"):
+        SamplingParams(top_k=np.float64(5))

@@ -629,9 +629,11 @@ def test_validate_block_idx_false_skips_only_the_value_checks(backend):
     checks of block_idx in both backends, not its shape/dtype checks or the cu_seqlens checks."""
     from openm3.ops import msa
 
-    x = _base()
-    dup = _set_block(9, 1, 2)(x)  # a duplicated block: invalid values, harmless to read
-    common = dict(block_size=4)
+    case = Case((40, 24), 4, 2, 8, 8, 16, 2)  # blocks of 16 keys: the Triton kernels take multiples of 16
+    x = make_inputs(case, seed=11)
+    x["block_idx"] = select(x, case)
+    dup = _set_block(39, 1, 2)(x)  # a duplicated block (the own one): invalid values, harmless to read
+    common = dict(block_size=16)
     with msa.use_backend(backend):
         with pytest.raises(ValueError, match="at most once"):
             msa.sparse_attention(x["q"], x["k"], x["v"], dup, x["cu_seqlens"], **common)
@@ -646,7 +648,7 @@ def test_validate_block_idx_false_skips_only_the_value_checks(backend):
             msa.sparse_attention(x["q"], x["k"], x["v"], dup.long(), x["cu_seqlens"], validate_block_idx=False,
                                  **common)
         with pytest.raises(ValueError, match="cu_seqlens must end"):
-            msa.indexer_kl(x["q"], x["k"], x["qi"], x["ki"], dup, torch.tensor([0, 10, 15], dtype=torch.int32),
+            msa.indexer_kl(x["q"], x["k"], x["qi"], x["ki"], dup, torch.tensor([0, 40, 63], dtype=torch.int32),
                            validate_block_idx=False, **common)
 
 

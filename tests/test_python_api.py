@@ -22,21 +22,9 @@ from openm3.models.processor import IMAGE_TOKEN, VIDEO_TOKEN, VISION_END_TOKEN, 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
+# the `model` and `vl` fixtures (tests/conftest.py): m3-tiny with TINY's overrides, IMG / VID as placeholder ids
 IMG, VID, START, END = 5, 6, 7, 8
 TINY = dict(num_hidden_layers=2, index_topk_blocks=2, max_position_embeddings=512)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return M3TextModel(M3TextConfig.from_name("m3-tiny", **TINY)).eval()
-
-
-@pytest.fixture(scope="module")
-def vl():
-    torch.manual_seed(0)
-    config = M3VLConfig.from_name("m3-tiny", image_token_index=IMG, video_token_index=VID, **TINY)
-    return M3ForConditionalGeneration(config).eval()
 
 
 # ---------------------------------------------------------------------------------------------- 1. prompts

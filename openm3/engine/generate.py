@@ -28,7 +28,8 @@ from ..threads import set_threads
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .constrained import GrammarConstraint
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, check_logprobs, check_run, prompt_rows_logprobs, sample, token_logprobs
+from .sampling import (SamplingParams, check_logprobs, check_run, plain_int, prompt_rows_logprobs, sample,
+                       token_logprobs)
 from .scheduler import check_images, check_inference_model, decode_step, is_vision_language, prefill, text_model
 from .penalties import Penalties, PenalizedPicker
 from .spec_gate import SpeculationGate
@@ -257,6 +258,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     Returns one GenerationResult per prompt and the run's GenerationStats.
     """
     check_inference_model(model)
+    max_new_tokens, chunk_size, token_budget, max_total_tokens, seed, logprobs, prompt_logprobs = map(
+        plain_int, (max_new_tokens, chunk_size, token_budget, max_total_tokens, seed, logprobs, prompt_logprobs))
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings

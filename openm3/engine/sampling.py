@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -11,6 +12,12 @@ import torch
 
 
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's too): logits / 1e-40 overflow to inf
+
+
+def plain_int(x):
+    """`x` as a Python int when it is an integer scalar of another type (numpy's, which prompts may hold too:
+    `operator.index`); anything else (None, bools, floats, text) unchanged, for the argument's own check."""
+    return operator.index(x) if isinstance(x, numbers.Integral) and not isinstance(x, (int, bool)) else x
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "top_k", plain_int(self.top_k))
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
 

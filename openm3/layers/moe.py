@@ -450,7 +450,8 @@ def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, 
     """Switch-Transformer auxiliary loss over all MoE layers, computed as transformers' M3 does.
 
     router_logits: per MoE layer [N, E]. With p = softmax(logits) and f_e the fraction of (token, slot) pairs whose
-    top-k of p picks expert e (pooled over layers), loss = E * sum_e f_e * mean(p_e). A scalar fp32 tensor.
+    top-k of p picks expert e (pooled over layers), loss = E * sum_e f_e * mean(p_e). A scalar fp32 tensor; 0 for
+    no rows at all (transformers' mean over none is NaN), still connected to the logits (zero gradients).
     """
     if len(router_logits) == 0:
         raise ValueError("router_logits must hold at least one MoE layer's [N, E] logits")
@@ -461,7 +462,7 @@ def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, 
     # graph on CUDA instead of one call per layer, whose host overhead set the pace of this loss)
     logits = router_logits[0] if len(router_logits) == 1 else torch.cat(list(router_logits))
     counts, prob_sum = _balance_terms(logits, top_k)
-    rows = logits.shape[0]
+    rows = max(logits.shape[0], 1)  # no rows: both sums are zeros, so the loss is 0 instead of 0 / 0
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 

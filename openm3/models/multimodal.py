@@ -163,8 +163,12 @@ class M3ForConditionalGeneration(nn.Module):
 
     # ------------------------------------------------------------------ vision -> text embeddings
     def visual_tokens(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
-                      frames_per_clip: int | None = None) -> torch.Tensor:
-        """Packed patches ``[N, C*2*14*14]`` with ``grid_thw: [G, 3]`` -> text-space tokens ``[N / 4, hidden]``."""
+                      frames_per_clip: int | None = None, *, name: str = "pixel_values") -> torch.Tensor:
+        """Packed patches ``[N, C*2*14*14]`` with ``grid_thw: [G, 3]`` -> text-space tokens ``[N / 4, hidden]``.
+
+        The patches are normalised pixels (floating, as ``M3Processor`` writes them); anything else is refused
+        with a ``ValueError`` naming ``name`` (the argument they came in as)."""
+        check_pixel_values(pixel_values, name)
         features = self.vision_tower(pixel_values, grid_thw, frames_per_clip=frames_per_clip)
         return self.multi_modal_projector(features)
 
@@ -189,7 +193,8 @@ class M3ForConditionalGeneration(nn.Module):
                 continue
             if grid is None:
                 raise ValueError(f"{kind}_grid_thw: required with the {kind} pixels")
-            tokens = self.visual_tokens(pixels, grid, frames_per_clip if kind == "video" else None)
+            tokens = self.visual_tokens(pixels, grid, frames_per_clip if kind == "video" else None,
+                                        name="pixel_values" if kind == "image" else "pixel_values_videos")
             if not checked and int(slots.sum()) != tokens.shape[0]:
                 _placeholder_error(kind, int(slots.sum()), tokens.shape[0])
             # The placeholder positions with their count known (from the grid): no device sync, and the backward
@@ -241,6 +246,17 @@ class M3ForConditionalGeneration(nn.Module):
         for config.json's ``dtype`` (float32 when it has none); the tower and projector take the text decoder's.
         device: where the weights are allocated (default CPU)."""
         return load_pretrained(path, dtype=dtype, device=device)
+
+
+def check_pixel_values(pixels, name: str) -> None:
+    """ValueError naming `name` unless `pixels` is a floating tensor: raw pixels (uint8 0-255) would run through the
+    tower unnormalised and give wrong visual tokens without any error."""
+    if not isinstance(pixels, torch.Tensor) or not pixels.is_floating_point():
+        got = pixels.dtype if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+        raise ValueError(f"{name}: expected normalised pixels (a floating tensor), got {got}: raw images and videos "
+                         f"go through openm3.models.M3Processor (or M3ImageProcessor / M3VideoProcessor in "
+                         f"openm3.models.processor), which rescales them and normalises them with the CLIP mean and "
+                         f"std")
 
 
 # ---------------------------------------------------------------------------------------------- vision names

@@ -22,7 +22,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         raise ValueError(f"{name} must be an int32 tensor [B+1] with B >= 1, got {shape}")
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"{name} must be int32, got {cu_seqlens.dtype}")
-    offsets = host_list(cu_seqlens)
+    offsets = host_list(cu_seqlens, name)
     if offsets[0] != 0 or offsets[-1] != total or any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"{name} must start at 0, never decrease and end at T={total}, got {offsets}")
     return offsets

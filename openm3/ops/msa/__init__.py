@@ -8,7 +8,10 @@ Choosing the backend (details in `backend.py`): automatic is `triton` for CUDA t
 `OPENM3_MSA_BACKEND=reference|triton` or `set_backend("...")` force one for the whole process, and
 `with use_backend("..."):` for a block of code (a plain `use_backend("...")` statement changes nothing, and warns).
 The Triton kernels run on CPU tensors only with `TRITON_INTERPRET=1` set before openm3 or triton is imported, and
-only in fp32/fp16 there (the interpreter's bf16 `tl.dot` is wrong); otherwise they raise ValueError.
+only in fp32/fp16 there (the interpreter's bf16 `tl.dot` is wrong); otherwise they raise ValueError. They also
+refuse (ValueError) a `block_size` (a model's `index_block_size`) they cannot tile: the attention kernels take
+multiples of 16, the selection kernel also powers of two below 16, the decode kernels powers of two >= 16
+(`triton_common.check_block_size`); the reference takes any block size.
 
 Layout (packed varlen): `q [T, Hq, D]`, `k, v [Tk, Hkv, D]`, `qi [T, Hi, Di]` (Hi == Hkv), `ki [Tk, Di]`,
 `cu_seqlens` / `cu_seqlens_k` int32 [B + 1] (queries are the last tokens of their sequence: bottom-right causal

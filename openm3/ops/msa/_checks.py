@@ -142,7 +142,7 @@ def _check_cu(cu, name: str, total: int) -> list[int]:
         raise ValueError(f"{name} must be an int32 tensor of shape [B + 1], got {cu.dtype}")
     if cu.numel() < 2:
         raise ValueError(f"{name} must have shape [B + 1] with B >= 1, got {_shape(cu)}")
-    values = host_list(cu)
+    values = host_list(cu, name)
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     if any(b < a for a, b in zip(values, values[1:])):

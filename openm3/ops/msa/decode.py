@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..fused import fused_on_cuda
+from ..host import check_not_meta
 from . import reference
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -82,6 +83,8 @@ def dequantize_index_keys(ki: torch.Tensor, scale: torch.Tensor | None) -> torch
 
 
 def _lengths(name: str, x, batch: int) -> list[int]:
+    if torch.is_tensor(x):
+        check_not_meta(x, name)
     values = x.tolist() if torch.is_tensor(x) else list(x)
     if len(values) != batch:
         raise ValueError(f"{name} must have one entry per sequence ({batch}), got {len(values)}")
@@ -91,6 +94,8 @@ def _lengths(name: str, x, batch: int) -> list[int]:
 def _check_paged(block_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens, block_size: int,
                  num_pages: int) -> tuple[list[int], list[int]]:
     """Validates the paging arguments; returns host lists (q_lens, seq_lens)."""
+    check_not_meta(block_table, "block_table")
+    check_not_meta(cu_seqlens_q, "cu_seqlens_q")
     if block_table.dim() != 2 or block_table.dtype != torch.int32:
         raise ValueError(f"block_table must be int32 [B, max_blocks], got {block_table.dtype} "
                          f"{tuple(block_table.shape)}")

@@ -35,8 +35,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import (check_attention_inputs, check_block_idx, check_block_params, check_scale,
                       check_seqlens)
-from .triton_common import (attention_launch, check_triton_inputs, interpreting, key_block_work, next_pow2,
-                            query_positions, query_tiling, tile_candidates)
+from .triton_common import (attention_launch, check_block_size, check_triton_inputs, interpreting, key_block_work,
+                            next_pow2, query_positions, query_tiling, tile_candidates)
 
 __all__ = ["sparse_attention"]
 
@@ -638,6 +638,7 @@ def _check_inputs(q, k, v, block_idx, cu_seqlens, cu_seqlens_k, block_size, scal
     _, hkv, _ = check_attention_inputs(q, k, v)
     check_triton_inputs(q=q, k=k, v=v)
     check_block_params(block_size=block_size)
+    check_block_size(block_size, "the Triton sparse-attention kernels")
     check_scale(scale)
     segments = check_seqlens(cu_seqlens, q.shape[0], cu_seqlens_k, k.shape[0], device=q.device)
     if block_idx is None or not isinstance(block_idx, torch.Tensor):
@@ -662,7 +663,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
 
     q: [T, Hq, D]; k, v: [Tk, Hkv, D]; block_idx: int32 [Hkv, T, topk] block numbers relative to each sequence
     start, -1 in unused slots; cu_seqlens: int32 [B+1] query offsets; cu_seqlens_k: int32 [B+1] key offsets
-    (default cu_seqlens; queries are the last tokens of their sequence). scale defaults to 1/sqrt(D).
+    (default cu_seqlens; queries are the last tokens of their sequence). block_size: a multiple of 16 (ValueError
+    otherwise; the reference takes any). scale defaults to 1/sqrt(D).
     Returns o [T, Hq, D] in q.dtype and lse fp32 [T, Hq] (natural log; -inf for a query with no visible key).
     Differentiable in q, k, v.
     """

@@ -53,6 +53,32 @@ def check_triton_inputs(kernel: str = "the Triton MSA kernels", /, *, dots: bool
                          f"without the interpreter.")
 
 
+def check_block_size(block_size: int, kernel: str, /, *, small_powers: bool = False,
+                     power_of_two: bool = False) -> None:
+    """ValueError naming `block_size` (a model's `index_block_size`, the engine's page size) where `kernel` cannot
+    tile key blocks of that many keys; `block_size` is an int >= 1 (`check_block_params`). Each Triton entry point
+    calls it before any launch: a GPU would otherwise fail inside Triton's compiler.
+
+    Default (the attention kernels): a multiple of 16. They walk a block in key tiles that divide it, and a GPU's
+    `tl.dot` sums over at least 16 keys of a tile (p @ v). `small_powers` (the selection kernel): also a power of
+    two below 16, as several such blocks share one key tile. `power_of_two` (the decode kernels): a power of two
+    >= 16, as their tiles span a whole page (`tl.arange` over it). The CPU interpreter runs narrower tiles than a
+    GPU does, so it is held to the GPU's rule."""
+    pow2 = block_size & (block_size - 1) == 0
+    if power_of_two:
+        ok, allowed = pow2 and block_size >= 16, "a power of two >= 16"
+    elif small_powers:
+        ok, allowed = block_size % 16 == 0 or pow2, "a multiple of 16 or a power of two below 16"
+    else:
+        ok, allowed = block_size % 16 == 0, "a multiple of 16"
+    if not ok:
+        every = "" if power_of_two else (" (a power of two >= 16 suits every Triton MSA kernel: prefill, training "
+                                         "and decoding)")
+        raise ValueError(f"block_size={block_size} (a model's index_block_size) must be {allowed} for {kernel}"
+                         f"{every}; the reference backend takes any block size (msa.use_backend('reference'), "
+                         f"msa.set_backend('reference') or OPENM3_MSA_BACKEND=reference)")
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (>= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()

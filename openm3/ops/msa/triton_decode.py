@@ -66,7 +66,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .decode import FP8_DTYPE, SCALE_DTYPES, SCALE_E8M0
-from .triton_common import arrival_counters, check_triton_inputs, interpreting
+from .triton_common import arrival_counters, check_block_size, check_triton_inputs, interpreting
 
 _NEG_INF = tl.constexpr(float("-inf"))  # globals read by kernels must be constexpr
 # decode_msa's default attention split: 2 selected blocks from this many sequences up (sequences, not query rows, so
@@ -558,7 +558,7 @@ def _score_candidates(qi, ki_pages, block_table, seq_lens, *, q_len, block_size,
                          f"compiled sm_90+ GPU; got score_loads={score_loads!r}, qi {qi.dtype} on {qi.device}")
     if stages < 1:
         raise ValueError(f"stages must be >= 1, got {stages}")
-    _pow2("block_size", block_size)
+    check_block_size(block_size, "the Triton decode kernels", power_of_two=True)
     _pow2("Di", di)
     max_blocks = block_table.shape[1]
     rows = q_len * hi
@@ -722,7 +722,7 @@ def _check_kv(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> 
     block_size, hkv = k_pages.shape[1], k_pages.shape[2]
     if q.shape[1] % hkv:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of the cache's KV heads ({hkv})")
-    _pow2("block_size", block_size)
+    check_block_size(block_size, "the Triton decode kernels", power_of_two=True)
     _pow2("D", d)
     return block_size, hkv
 

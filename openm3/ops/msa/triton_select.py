@@ -37,7 +37,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import Segment, check_block_params, check_index_inputs, check_scale, check_seqlens
-from .triton_common import check_triton_inputs, interpreting, largest_pow2_divisor, next_pow2, with_overrides
+from .triton_common import (check_block_size, check_triton_inputs, interpreting, largest_pow2_divisor, next_pow2,
+                            with_overrides)
 
 __all__ = ["select_blocks", "select_launch", "SelectLaunch"]
 
@@ -441,6 +442,7 @@ def select_blocks(qi: torch.Tensor, ki: torch.Tensor, cu_seqlens: torch.Tensor, 
     check_index_inputs(qi, ki)
     check_triton_inputs(qi=qi, ki=ki)
     check_block_params(block_size=block_size, topk=topk, local_blocks=local_blocks)
+    check_block_size(block_size, "the Triton selection kernel", small_powers=True)
     check_scale(index_scale, "index_scale")
     segments = check_seqlens(cu_seqlens, qi.shape[0], cu_seqlens_k, ki.shape[0], device=qi.device)
     if qi.dtype == torch.float64:
