@@ -158,6 +158,16 @@ def test_position_ids_up_to_the_last_position(model):
         model(torch.arange(20), position_ids=(torch.arange(20) + 492).int())
 
 
+def test_default_positions_past_the_last_position(model):
+    """Explicit positions past max_position_embeddings were refused and the same positions by default were not
+    (a 513-token sequence ran silently): both are refused now, the way to run it anyway said."""
+    with torch.no_grad():
+        model(torch.arange(1024) % 64, cu_seqlens=torch.tensor([0, 512, 1024], dtype=torch.int32))  # 2 x 512: fine
+        with pytest.raises(ValueError, match=r"a sequence of 513 tokens \(cu_seqlens\) is longer than the model's "
+                                             r"max_position_embeddings=512 .*raise config.max_position_embeddings"):
+            model(torch.arange(1024) % 64, cu_seqlens=torch.tensor([0, 511, 1024], dtype=torch.int32))
+
+
 def test_inputs_embeds_in_another_dtype(model):
     ids = torch.arange(20)
     embeds = model.embed_tokens(ids).detach()

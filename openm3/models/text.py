@@ -113,7 +113,8 @@ def check_position_ids(position_ids: torch.Tensor, num_tokens: int, max_position
         lo, hi = torch.stack(torch.aminmax(position_ids)).tolist()
         if lo < 0 or hi >= max_positions:
             raise ValueError(f"position_ids must lie in [0, max_position_embeddings={max_positions}), "
-                             f"got [{lo}, {hi}]")
+                             f"got [{lo}, {hi}]" + ("; raise config.max_position_embeddings to go past it (the "
+                                                    "rotary embedding extrapolates, untrained)" if lo >= 0 else ""))
 
 
 @contextmanager
@@ -256,6 +257,12 @@ class M3TextModel(CheckpointSwitch, nn.Module):
         if position_ids is None:
             if cache is not None:
                 raise ValueError("position_ids are required with a cache (absolute positions of the new tokens)")
+            longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+            if longest > self.config.max_position_embeddings:  # as explicit positions past it are refused
+                raise ValueError(f"a sequence of {longest} tokens (cu_seqlens) is longer than the model's "
+                                 f"max_position_embeddings={self.config.max_position_embeddings} (its default "
+                                 f"positions run past it); raise config.max_position_embeddings to run it anyway "
+                                 f"(the rotary embedding extrapolates, untrained)")
             position_ids = _positions(offsets, x.device)
         else:
             check_position_ids(position_ids, t, self.config.max_position_embeddings)
