@@ -450,3 +450,26 @@ def test_numpy_integers_are_taken_wherever_ints_are(model):
         generate(model, [[5, 6, 7]], max_new_tokens=2.0)
     with pytest.raises(ValueError, match="top_k must be an int >= 0"):
         SamplingParams(top_k=np.float64(5))
+
+
+def test_numpy_numbers_in_the_batched_generator_and_sampling(model):
+    """`BatchedGenerator` refused numpy ints (token_budget, max_batch, chunk_size, max_new_tokens, seed,
+    logprobs, priority) and `SamplingParams` numpy float32 temperatures / top_p (np.float32 is no float)."""
+    from openm3.engine import BatchedGenerator
+
+    def run(cast, real):
+        gen = BatchedGenerator(model, token_budget=cast(64), max_batch=cast(2), chunk_size=cast(16),
+                               cuda_graphs=False, scheduling="priority")
+        try:
+            tokens, seen = [], []
+            sampling = SamplingParams(temperature=real(0.5), top_p=real(0.75), top_k=cast(5))
+            gen(np.array([5, 6, 7]), max_new_tokens=cast(3), seed=cast(7), sampling=sampling, priority=cast(1),
+                logprobs=cast(2), on_logprobs=lambda lp, top: seen.append(len(top)), on_token=tokens.append)
+            return tokens, seen
+        finally:
+            gen.close()
+
+    assert run(np.int64, np.float32) == run(int, float)
+    assert type(SamplingParams(temperature=np.float32(0.5)).temperature) is float
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=np.float32("nan"))

@@ -63,7 +63,8 @@ from .constrained import GrammarConstraint
 from .penalties import PenalizedPicker
 from .generate import LaunchedStep, check_constraints, check_prompts, check_stop_tokens
 from .graphs import DecodeGraphs
-from .sampling import SamplingParams, check_logprobs, check_run, prompt_rows_logprobs, sample, token_logprobs
+from .sampling import (SamplingParams, check_logprobs, check_run, plain_int, prompt_rows_logprobs, sample,
+                       token_logprobs)
 from .spec_gate import SpeculationGate
 from .speculative import PREDICTION_DRAFTS, SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 from .scheduler import (PromptImages, check_images, check_inference_model, decode_step, is_vision_language,
@@ -153,6 +154,8 @@ class BatchedGenerator:
         if scheduling not in ("fcfs", "priority"):
             raise ValueError(f"scheduling must be 'fcfs' or 'priority', got {scheduling!r}")
         self.scheduling = scheduling
+        token_budget, max_batch, chunk_size, prefill_chunks_per_step = map(
+            plain_int, (token_budget, max_batch, chunk_size, prefill_chunks_per_step))  # numpy ints as ints
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -231,6 +234,8 @@ class BatchedGenerator:
         `prediction_speculative`, the others beside it do not).
         ValueError for a bad request or one that can never fit the cache; an exception raised by a callback ends
         the request and is re-raised here."""
+        max_new_tokens, seed, logprobs, prompt_logprobs, priority = map(
+            plain_int, (max_new_tokens, seed, logprobs, prompt_logprobs, priority))  # numpy ints as ints
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
         check_run(sampling, seed, {"on_token": on_token, "on_cached": on_cached})

@@ -33,6 +33,10 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # numpy floats (np.float32 is no float) as floats
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+                object.__setattr__(self, name, float(value))
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
