@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import runpy
 import sys
 import textwrap
@@ -93,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     root = str(folder.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
+    # and for the processes a benchmark starts (`python -m benchmarks.NAME` under torchrun) from another directory
+    saved_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [saved_path])])
     saved, saved_parser = sys.argv, argparse.ArgumentParser.__init__
     sys.argv = [f"openm3 bench {name}", *rest]
 
@@ -112,4 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         sys.argv, argparse.ArgumentParser.__init__ = saved, saved_parser
+        if saved_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved_path
     return 0

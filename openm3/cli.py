@@ -68,6 +68,8 @@ def smoke(args: argparse.Namespace) -> int:
         source = f"{args.config}, random init, seed {args.seed}"
     built = time.perf_counter() - start
     config = model.config
+    if args.topk > config.vocab_size:
+        raise ValueError(f"--topk must be at most the model's vocab_size={config.vocab_size}, got {args.topk}")
     if tokenizer is None and config.vocab_size < 256:
         raise ValueError(f"vocab_size {config.vocab_size} < 256 cannot hold byte ids")
     # a random model's ids are byte values (0-255); a checkpoint's are its tokenizer's when it has one
@@ -135,11 +137,18 @@ def convert(args: argparse.Namespace) -> int:
 
     from .engine.generate import DTYPES
     from .models import load_pretrained
-    from .models.checkpoint import hidden_sibling, replace_directory
+    from .models.checkpoint import parse_size, hidden_sibling, replace_directory
 
     source, target = Path(args.source), Path(args.target)
     if target.exists() and source.exists() and target.resolve() == source.resolve():
         raise ValueError("target: the same directory as source; write the conversion elsewhere")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"target: {target} is a file, not a directory; name a directory to write")
+    try:  # checked before the model loads
+        parse_size(args.max_shard_size)
+    except ValueError:
+        raise ValueError(f"--max-shard-size: expected a positive size such as 5GB or 500MB, got "
+                         f"{args.max_shard_size!r}") from None
     if target.is_dir() and any(target.iterdir()) and not args.overwrite:
         raise ValueError(f"target: {target} holds files already; pass --overwrite to write into it")
     dtype = DTYPES[args.dtype] if args.dtype else None
@@ -193,6 +202,25 @@ def _run_delegated(name: str, argv: list[str]) -> int:
     except ValueError as err:
         print(f"openm3 {name}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return _interrupted(name)
+    except OSError as err:
+        return _file_error(name, err)
+
+
+def _interrupted(name: str) -> int:
+    """Ctrl-C: one line instead of the traceback of wherever it landed; 130 = 128 + SIGINT, as a shell reports it."""
+    print(f"\nopenm3 {name}: interrupted", file=sys.stderr)
+    return 130
+
+
+def _file_error(name: str, err: OSError) -> int:
+    """A file the command cannot read or write (an --out path under a file, a read-only folder, a full disk): one
+    line naming the path, exit status 1. An OSError that names no file is re-raised with its traceback."""
+    if err.filename is None:
+        raise err
+    print(f"openm3 {name}: error: {err}", file=sys.stderr)
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"openm3 {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return _interrupted(args.command)
+    except OSError as err:
+        return _file_error(args.command, err)
 
 
 if __name__ == "__main__":

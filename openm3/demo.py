@@ -65,7 +65,8 @@ def demo_config(args):
     return TrainConfig(model="m3-tiny", recipe="native", steps=args.steps, seq_len=args.seq_len, text_rows=1,
                        micro_batch=4, lr=args.lr, vision_lr_scale=args.vision_lr_scale,
                        mixture={"text": 1.0, "image": float(args.image_rows), "video": float(args.video_rows)},
-                       warmup_steps=max(1, args.steps // 12), decay_start=int(args.steps * 0.75),
+                       warmup_steps=max(1, args.steps // 12),  # the decay starts after it, even at --steps 1
+                       decay_start=max(max(1, args.steps // 12), int(args.steps * 0.75)),
                        msa_switch_step=max(1, args.steps // 6), kl_weight=1.0, aux_loss_weight=0.01,
                        seed=args.seed, out_dir=str(args.out), ckpt_every=0, eval_every=0,
                        progress=not args.no_progress, tensorboard=True, device="cpu")
@@ -86,13 +87,18 @@ def main(argv=None) -> int:
     check_demo_extras()
     torch.set_num_threads(args.threads)
     from .data import get_tokenizer
+    from .train.checkpoint import write_text_atomic
     from .train.data import MixtureRows
     from .train.eval import BASELINE_SAMPLES, Evaluator
     from .train.factory import model_builder
     from .train.trainer import Trainer
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    cfg = demo_config(args)  # bad settings fail here, before the last report's files are deleted
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file there, or on the way there
+        raise ValueError(f"--out: cannot make the report folder {str(out)!r} ({err.strerror or err})") from None
     for stale in ("metrics.jsonl", "checkpoints", "model", "tensorboard"):  # a fresh run, not a resume
         path = out / stale
         if path.is_dir():
@@ -101,7 +107,6 @@ def main(argv=None) -> int:
             path.unlink()
     t_start = time.perf_counter()
     tokenizer = get_tokenizer()
-    cfg = demo_config(args)
     source = MixtureRows(tokenizer, cfg.seq_len, seed=cfg.seed, weights=DEMO_WEIGHTS, image_size=84,
                          video_size=56, frames_per_clip=cfg.video_frames_per_clip)
     evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=2,
@@ -147,7 +152,7 @@ def main(argv=None) -> int:
         "config": cfg.to_dict(),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=1))  # never half-written
     trainer.close()
     beats = metrics["image_qa_accuracy"] > metrics["image_qa_text_only_accuracy"]
     print(f"image QA accuracy {metrics['image_qa_accuracy']:.2f} vs text-only "

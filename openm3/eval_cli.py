@@ -75,6 +75,14 @@ def check_args(args: argparse.Namespace) -> None:
                          f"{' '.join(CORPORA)}")
     if args.out is not None and os.path.isdir(args.out):
         raise ValueError(f"--out: {args.out!r} is a directory; give a JSON file name")
+    if args.out is not None:  # found now, not after the evaluation has run
+        folder = Path(args.out).resolve().parent
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ValueError(f"--out: cannot write {args.out!r}: {str(folder)!r} is a file, not a directory")
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--out: cannot write {args.out!r}: {str(folder)!r} is not writable")
 
 
 def read_checkpoint(path: str):

@@ -2,6 +2,8 @@
 lacks (and `serve` a port out of range) with one line naming the option, show their defaults in --help, report a
 generation without decode steps without NaNs, and `serve` says what it serves before it listens."""
 
+import os
+
 import pytest
 import torch
 
@@ -167,3 +169,113 @@ def test_generate_and_serve_take_cpu_threads(capsys, monkeypatch):
     assert set_to == [1] and serve_parser().parse_args(["--preset", "m3-tiny", "--threads", "2"]).threads == 2
     with pytest.raises(SystemExit, match="--threads must be >= 1, got 0"):
         generate(["--preset", "m3-tiny", "--prompt-ids", "1", "--device", "cpu", "--threads", "0"])
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    from openm3.models import M3TextConfig, M3TextModel
+
+    return M3TextModel(M3TextConfig.from_name("m3-tiny")).save_pretrained(tmp_path / "ckpt")
+
+
+def test_a_cut_short_shard_is_named_not_a_traceback(tiny_checkpoint, capsys):
+    """A shard cut short (an interrupted copy or download) is one line naming the file, from every loader."""
+    shard = next(tiny_checkpoint.glob("*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    assert openm3_main(["smoke", "--checkpoint", str(tiny_checkpoint)]) == 2
+    assert f"{shard}: not a readable safetensors file (" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="not a readable safetensors file"):
+        generate(["--checkpoint", str(tiny_checkpoint), "--prompt-ids", "1", "--device", "cpu"])
+
+
+def test_convert_checks_its_target_and_shard_size_before_loading(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert openm3_main(["convert", str(tmp_path / "none"), str(tmp_path / "file")]) == 2
+    assert "target: " in capsys.readouterr().err
+    assert openm3_main(["convert", str(tmp_path / "none"), str(tmp_path / "out"), "--max-shard-size", "lots"]) == 2
+    assert "--max-shard-size: expected a positive size such as 5GB or 500MB, got 'lots'" in capsys.readouterr().err
+
+
+def test_generate_refuses_what_it_would_ignore(tiny_checkpoint):
+    """--layers with --checkpoint, and a 0 --token-budget / --max-total-tokens (read as "not given"), are refused."""
+    base = ["--checkpoint", str(tiny_checkpoint), "--prompt-ids", "1,2", "--device", "cpu", "--max-new-tokens", "1"]
+    with pytest.raises(SystemExit, match="--layers: only with --preset"):
+        generate(base + ["--layers", "2"])
+    for flag in ("--token-budget", "--max-total-tokens"):
+        with pytest.raises(SystemExit, match=f"^error: {flag}: expected >= 1, got 0$"):
+            generate(base + [flag, "0"])
+
+
+def test_check_device_refuses_devices_that_cannot_run(monkeypatch):
+    with pytest.raises(ValueError, match="^--device meta: a meta device holds no values"):
+        check_device("meta")
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="^--device xpu: xpu is not available on this machine; use --device cpu$"):
+        check_device("xpu")
+
+
+def test_smoke_topk_beyond_the_vocabulary(capsys):
+    assert openm3_main(["smoke", "--topk", "100000"]) == 2
+    assert "--topk must be at most the model's vocab_size=" in capsys.readouterr().err
+
+
+def test_eval_out_under_a_file_fails_before_the_evaluation(tmp_path):
+    from openm3.eval_cli import check_args, parse_args
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="--out: cannot write .*file.*is a file, not a directory"):
+        check_args(parse_args(["--checkpoint", "x", "--out", str(tmp_path / "file" / "r.json")]))
+
+
+def test_demo_settings_fail_before_the_last_report_is_deleted(tmp_path, capsys):
+    from openm3.demo import demo_config, parse_args
+
+    demo_config(parse_args(["--steps", "1"]))  # the schedule it derives is valid at one step
+    (tmp_path / "report" / "checkpoints").mkdir(parents=True)
+    assert openm3_main(["demo", "--out", str(tmp_path / "report"), "--lr", "-1"]) == 2
+    assert "lr and vision_lr_scale must be > 0" in capsys.readouterr().err
+    assert (tmp_path / "report" / "checkpoints").is_dir()
+    (tmp_path / "file").write_text("x")
+    assert openm3_main(["demo", "--out", str(tmp_path / "file")]) == 2
+    assert "--out: cannot make the report folder" in capsys.readouterr().err
+
+
+def test_bench_processes_find_the_benchmarks(monkeypatch):
+    """A benchmark that starts processes (`python -m benchmarks.NAME` under torchrun) from another directory: they
+    get the checkout on PYTHONPATH; the variable is put back afterwards."""
+    import runpy
+
+    from openm3.bench_cli import benchmarks_dir, main as bench
+
+    seen = []
+    monkeypatch.setattr(runpy, "run_module", lambda *a, **k: seen.append(os.environ.get("PYTHONPATH")))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert bench(["train_distributed"]) == 0
+    assert seen == [os.pathsep.join([str(benchmarks_dir().parent), "/elsewhere"])]
+    assert os.environ["PYTHONPATH"] == "/elsewhere"
+
+
+def test_interrupt_and_file_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    import openm3.data.cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(openm3.data.cli, "main", interrupted)
+    try:
+        code = openm3_main(["data"])
+    except KeyboardInterrupt:  # would stop this pytest session
+        pytest.fail("Ctrl-C escaped openm3's main as a traceback")
+    assert code == 130
+    assert capsys.readouterr().err.strip() == "openm3 data: interrupted"
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("x")
+    assert openm3_main(["data", "preview", "--out", str(tmp_path / "file")]) == 1
+    assert capsys.readouterr().err.startswith("openm3 data: error: [Errno 17] File exists: ")
+
+
+def test_sampling_options_have_help():
+    text = flat(generate_parser().format_help())
+    for shown in ("1 = off (default: 1.0)", "0 = off (default: 0)", "--random-prompt (default: 0)"):
+        assert shown in text

@@ -550,8 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: "
                    "%(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to "
+                   "this total probability, in (0, 1]; 1 = off (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 = off (default: "
+                   "%(default)s)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the top one")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divides (multiplies when negative) the logits of the prompt's and the output's tokens; 1 = "
@@ -561,7 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="times each token's count in the output, subtracted from its logit")
     p.add_argument("--stop", default="", help="comma-separated stop token ids (e.g. 2,7); --chat also stops at the "
                    "end of the assistant's turn")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling, the --preset's random weights and "
+                   "--random-prompt (default: %(default)s)")
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per forward (default: %(default)s)")
     p.add_argument("--token-budget", type=int, default=None, help="tokens to plan the cache for")
     p.add_argument("--max-total-tokens", type=int, default=None, help="prompt + new tokens limit")
@@ -670,6 +673,11 @@ def check_device(name: str | None, flag: str = "--device") -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise ValueError(f"{flag}: expected a torch device such as cpu, cuda or cuda:1, got {name!r}") from None
+    if device.type == "meta":  # shapes without values: nothing runs on it
+        raise ValueError(f"{flag} {name}: a meta device holds no values to compute with; use --device cpu or cuda")
+    backend = getattr(torch, device.type, None)  # torch.mps, torch.xpu, ...
+    if device.type not in ("cpu", "cuda") and not getattr(backend, "is_available", lambda: False)():
+        raise ValueError(f"{flag} {name}: {device.type} is not available on this machine; use --device cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
         raise ValueError(f"{flag} {name}: CUDA is not available on this machine ({why}); use --device cpu")
@@ -785,9 +793,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --max-new-tokens: expected >= 1, got {args.max_new_tokens}")
     if args.chunk_size < 1:
         raise SystemExit(f"error: --chunk-size: expected >= 1, got {args.chunk_size}")
+    for flag, value in (("--token-budget", args.token_budget), ("--max-total-tokens", args.max_total_tokens)):
+        if value is not None and value < 1:  # 0 would read as "not given" below
+            raise SystemExit(f"error: {flag}: expected >= 1, got {value}")
     if args.random_prompt is not None and args.random_prompt <= 0:
         raise SystemExit(f"error: --random-prompt must be > 0, got {args.random_prompt}")
     try:
+        preset_depth(args)  # --layers with --checkpoint is refused, not ignored
         device, dtype = device_and_dtype(args)
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
         penalties = Penalties(presence=args.presence_penalty, frequency=args.frequency_penalty,

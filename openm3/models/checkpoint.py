@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import M3TextConfig
@@ -61,6 +61,16 @@ CONFIG_FILE = "config.json"
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded as an M3 text model (message says which file/tensor)."""
+
+
+def open_shard(file: Path):
+    """`safe_open(file)` for reading; CheckpointError naming the file when it is no readable safetensors file (cut
+    short by an interrupted copy or download, say) instead of safetensors' own error."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({err}); copy or download it "
+                              "again") from None
 
 
 # ---------------------------------------------------------------------------------------------- name mapping
@@ -216,7 +226,7 @@ def write_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], config_d
     replaced as a whole and its other files (a tokenizer, say) are kept; `path` is briefly absent during the swap.
     Returns `path` as a Path.
     """
-    limit = _parse_size(max_shard_size)
+    limit = parse_size(max_shard_size)
     if not isinstance(config_dict, dict):
         raise ValueError(f"config_dict must be a dict, got {type(config_dict).__name__}")
     try:
@@ -357,7 +367,7 @@ def leftover_copies(out: Path) -> list[Path]:
                   and re.fullmatch(rf"\.{re.escape(out.name)}\.[0-9a-f]{{12}}\.(old|partial)", p.name))
 
 
-def _parse_size(size: int | str) -> int:
+def parse_size(size: int | str) -> int:
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*", str(size), re.IGNORECASE)
@@ -488,7 +498,7 @@ def shard_index(path) -> dict[str, list[str]]:
                                   + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         return files
     if (root / SINGLE_FILE).is_file():
-        with safe_open(str(root / SINGLE_FILE), framework="pt") as f:
+        with open_shard(root / SINGLE_FILE) as f:
             return {SINGLE_FILE: list(f.keys())}
     raise CheckpointError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
@@ -519,7 +529,7 @@ class TensorSource:
         for file, names in files.items():
             wanted = [n for n in names if n.endswith(SCALE_SUFFIX)]
             if wanted:
-                with safe_open(str(root / file), framework="pt", device="cpu") as f:
+                with open_shard(root / file) as f:
                     self.scales.update((n, f.get_tensor(n)) for n in wanted)
         listed = {n for names in self.files.values() for n in names}
         orphans = sorted(n for n in self.scales if weight_name(n) not in listed)
@@ -567,7 +577,7 @@ def _plan(source: TensorSource, params: dict[str, torch.Tensor], tied: bool) -> 
     covered: dict[str, int] = {}
     seen: set[_Target] = set()
     for file, listed in source.files.items():
-        with safe_open(str(root / file), framework="pt") as f:
+        with open_shard(root / file) as f:
             present = set(f.keys())
             absent = sorted(set(listed) - present)
             if absent:
@@ -676,7 +686,7 @@ def load_text_model(path, dtype: torch.dtype | str | None = None, device: torch.
     total = sum(p.numel() * p.element_size() for p in params.values())
     with torch.no_grad(), _progress(total, f"loading {root.name}") as bar:
         for file, entries in plan.items():
-            with safe_open(str(root / file), framework="pt", device="cpu") as f:
+            with open_shard(root / file) as f:
                 for name, target in entries:
                     view = target.view(params[target.param])
                     view.copy_(source.get(f, name, device))
