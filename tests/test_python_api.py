@@ -275,3 +275,13 @@ def test_the_processors_vision_batch_feeds_the_model_and_generate(vl):
 def test_the_public_entry_points_say_what_they_take_and_return(fn, words):
     doc = inspect.getdoc(fn) or ""
     assert all(w in doc for w in words), (fn.__qualname__, doc)
+
+
+def test_zero_budgets_are_refused_not_read_as_unset(model):
+    """`token_budget=0` and `max_total_tokens=0` read as "not given" (`or` defaults): refused now."""
+    for name in ("token_budget", "max_total_tokens"):
+        for value in (0, -5, 2.0, True):
+            with pytest.raises(ValueError, match=rf"{name} must be an int >= 1 or None .*got {value!r}"):
+                generate(model, [[5, 6, 7]], max_new_tokens=2, **{name: value})
+    results, _ = generate(model, [[5, 6, 7]], max_new_tokens=2, token_budget=64, max_total_tokens=64)
+    assert len(results[0].tokens) == 2

@@ -208,6 +208,9 @@ def check_stop_tokens(stop_tokens) -> set[int]:
     return {int(t) for t in stop_tokens}
 
 
+_DEFAULT_OF = {"token_budget": "what the batch needs", "max_total_tokens": "the model's max_position_embeddings"}
+
+
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
              sampling: SamplingParams = SamplingParams(), stop_tokens: int | Sequence[int] = (),
@@ -260,6 +263,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     check_inference_model(model)
     max_new_tokens, chunk_size, token_budget, max_total_tokens, seed, logprobs, prompt_logprobs = map(
         plain_int, (max_new_tokens, chunk_size, token_budget, max_total_tokens, seed, logprobs, prompt_logprobs))
+    for name, value in (("token_budget", token_budget), ("max_total_tokens", max_total_tokens)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1 or None (None: {_DEFAULT_OF[name]}), got {value!r}")
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings
