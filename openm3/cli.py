@@ -206,6 +206,11 @@ def _run_delegated(name: str, argv: list[str]) -> int:
         return _interrupted(name)
     except OSError as err:
         return _file_error(name, err)
+    except SystemExit as exit_:  # a command's own "error: ..." exit (generate's): the status the others give
+        if isinstance(exit_.code, str) and exit_.code.startswith("error: "):
+            print(f"openm3 {name}: {exit_.code}", file=sys.stderr)
+            return 2
+        raise
 
 
 def _interrupted(name: str) -> int:

@@ -279,3 +279,12 @@ def test_sampling_options_have_help():
     text = flat(generate_parser().format_help())
     for shown in ("1 = off (default: 1.0)", "0 = off (default: 0)", "--random-prompt (default: 0)"):
         assert shown in text
+
+
+def test_generate_errors_exit_as_the_other_commands_do(capsys):
+    """`openm3 generate`'s own errors exited 1 (a SystemExit message) where the other commands' exit 2."""
+    from openm3.cli import main
+
+    assert main(["generate", "--preset", "m3-tiny", "--random-prompt", "8", "--chunk-size", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "openm3 generate: error: --chunk-size: expected >= 1, got 0"
+    assert main(["eval", "--checkpoint", "/nonexistent/ckpt"]) == 2  # (what the others give)
