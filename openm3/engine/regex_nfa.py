@@ -381,13 +381,7 @@ def _reaching(nfa: Nfa, final) -> frozenset:
             back[t].append(s)
         for _, t in nfa.edges[s]:
             back[t].append(s)
-    seen, todo = set(final), list(final)
-    while todo:
-        for s in back[todo.pop()]:
-            if s not in seen:
-                seen.add(s)
-                todo.append(s)
-    return frozenset(seen)
+    return _reachable(final, back)
 
 
 def _sequence(nfa: Nfa, items, flags: int) -> tuple[int, int]:
