@@ -259,32 +259,35 @@ def test_fp8_exact_near_tie_follows_the_dequantised_scores():
     assert idx[0, 0].tolist() == [3, 0]
 
 
-def test_triton_backend_prefill_and_decode_through_the_cache():
+@pytest.mark.parametrize("bs", [16, 48])
+def test_triton_backend_prefill_and_decode_through_the_cache(bs):
     """With the `triton` backend, chunks of more than MAX_DECODE_QUERIES tokens go through the MSA prefill ops
     (per sequence, over a view of its pages) and 1-token steps through the decode kernels; a dense layer uses the
-    lower-right causal SDPA. The result equals the one-shot reference over the whole sequence."""
+    lower-right causal SDPA. The result equals the one-shot reference over the whole sequence. Pages of 48 tokens
+    (a multiple of 16 the decode kernels cannot tile) take the prefill ops for the 1-token step too."""
     from openm3.ops.attention import dense_attention
     from openm3.ops.msa import use_backend
 
     torch.manual_seed(0)
-    lay = CacheLayout(sparse=(True, False), num_kv_heads=2, head_dim=16, index_head_dim=16, page_size=16)
-    cache = PagedCache(plan_cache(lay, 128, kv_dtype=torch.float32))
+    lay = CacheLayout(sparse=(True, False), num_kv_heads=2, head_dim=16, index_head_dim=16, page_size=bs)
+    cache = PagedCache(plan_cache(lay, 512, kv_dtype=torch.float32))
     cache.admit({0: 16})
-    cache.admit({1: 70})  # its pages do not start at 0
-    t = 70
+    chunks = (20, 33, 1, 16) if bs == 16 else (100, 60, 1, 1)  # 5 / 4 blocks, of which 2 are chosen
+    t = sum(chunks)
+    cache.admit({1: t})  # its pages do not start at 0
     q, k, v, qi, ki = (torch.randn(t, 4, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16),
                        torch.randn(t, 16))
     sparse, dense, start = [], [], 0
     with use_backend("triton"):
-        for n in (20, 33, 1, 16):
+        for n in chunks:
             sl, cu = slice(start, start + n), torch.tensor([0, n], dtype=torch.int32)
             with cache.step([1], [n]):
                 sparse.append(cache.attend(0, q[sl], k[sl], v[sl], qi[sl], ki[sl], cu_seqlens=cu, scale=0.3,
-                                           block_size=16, topk=2, local_blocks=1))
+                                           block_size=bs, topk=2, local_blocks=1))
                 dense.append(cache.attend(1, q[sl], k[sl], v[sl], None, None, cu_seqlens=cu, scale=0.3))
             start += n
     cu = torch.tensor([0, t], dtype=torch.int32)
-    idx = reference.select_blocks(qi, ki, cu, block_size=16, topk=2, local_blocks=1)
-    want, _ = reference.sparse_attention(q, k, v, idx, cu, block_size=16, scale=0.3)
+    idx = reference.select_blocks(qi, ki, cu, block_size=bs, topk=2, local_blocks=1)
+    want, _ = reference.sparse_attention(q, k, v, idx, cu, block_size=bs, scale=0.3)
     torch.testing.assert_close(torch.cat(sparse), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat(dense), dense_attention(q, k, v, cu, scale=0.3), atol=1e-5, rtol=1e-5)

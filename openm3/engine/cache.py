@@ -31,7 +31,9 @@ The model drives the cache through the protocol documented in `openm3/layers/att
 `attend` appends the new keys to the pages and attends the new queries to everything cached. Backends: the
 reference path (`openm3.ops.msa.decode`, any batch shape, CPU) or, with the `triton` backend, the Triton decode
 kernels for decode steps (every sequence has the same small number of new tokens) and the MSA prefill ops of
-`openm3.ops.msa` over each sequence's cached tokens for prefill chunks.
+`openm3.ops.msa` over each sequence's cached tokens for prefill chunks. The decode kernels tile a whole page, so they
+need a power-of-two page size >= 16; with another page size the prefill ops (a multiple of 16) serve decode steps
+too (slower, and not capturable in a CUDA graph: `graphs.DecodeGraphs` then runs the steps eagerly).
 """
 
 from __future__ import annotations
@@ -585,7 +587,7 @@ class PagedCache:
 
         backend = pick_backend(q)
         uniform = len(set(st.q_lens)) == 1 and st.q_lens[0] <= MAX_DECODE_QUERIES
-        if backend == "triton" and uniform:
+        if backend == "triton" and uniform and decode_kernels_tile(self.layout.page_size):
             return self._attend_decode_kernels(layer_idx, q, qi, st, scale=scale, topk=topk, local_blocks=local_blocks)
         if backend == "triton":
             return self._attend_prefill(layer_idx, q, qi, st, scale=scale, topk=topk, local_blocks=local_blocks)
@@ -660,6 +662,12 @@ class PagedCache:
                 outs.append(o)
             start += n_q
         return torch.cat(outs, dim=0)
+
+
+def decode_kernels_tile(page_size: int) -> bool:
+    """Whether the Triton decode kernels take pages of `page_size` tokens (a power of two >= 16: their tiles span a
+    page; `triton_common.check_block_size`)."""
+    return page_size >= 16 and page_size & (page_size - 1) == 0
 
 
 def dense_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:

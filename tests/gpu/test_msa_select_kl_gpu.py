@@ -89,7 +89,7 @@ def _cu(lens):
 
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (16, 4), (16, 1)], ids=["G1", "G4", "G16"])
-@pytest.mark.parametrize("bs", [16, 64], ids=["bs16", "bs64"])
+@pytest.mark.parametrize("bs", [16, 48, 64], ids=["bs16", "bs48", "bs64"])
 def test_varlen_fp32_matches_reference(hq, hkv, bs):
     from openm3.ops.msa import reference
     from openm3.ops.msa.triton_kl import _kl_forward, indexer_kl, kl_launch
