@@ -204,3 +204,34 @@ def test_a_replayed_step_does_not_wait_for_queued_work():
         assert logits.shape == (2, model.config.vocab_size)
     torch.cuda.synchronize()
     assert graphs.captures == 1 and graphs.replays == 3  # the capture step replays too
+
+
+def test_pages_the_decode_kernels_cannot_tile_decode_through_the_prefill_ops():
+    """m3-tiny with MSA blocks of 48 tokens (a multiple of 16: the prefill kernels take it; not a power of two: the
+    decode kernels do not): `generate` decodes through the prefill ops instead of failing, with or without CUDA
+    graphs (a step that cannot be captured runs eagerly), and every greedy token is the full forward's argmax
+    wherever that argmax is clear (a bf16 near-tie may go either way)."""
+    import warnings
+
+    from openm3.engine.generate import for_inference, generate
+    from openm3.models import M3TextConfig, M3TextModel
+
+    torch.manual_seed(0)
+    config = M3TextConfig.from_name("m3-tiny", index_topk_blocks=2, index_block_size=48)
+    model = for_inference(M3TextModel(config).to("cuda", torch.bfloat16))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (170, 40)]
+    eager, _ = generate(model, prompts, max_new_tokens=8, cuda_graphs=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graph capture of such steps may fail and fall back, with a warning
+        graphed, _ = generate(model, prompts, max_new_tokens=8)
+    assert [r.tokens for r in graphed] == [r.tokens for r in eager]
+    for prompt, result in zip(prompts, eager):
+        ids = torch.tensor(prompt + result.tokens[:-1], device="cuda")
+        cu = torch.tensor([0, ids.numel()], dtype=torch.int32, device="cuda")
+        with torch.no_grad():
+            logits = model(ids, cu_seqlens=cu).logits.float()[len(prompt) - 1:]
+        top2 = logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.02 * top2[:, 0].abs().clamp_min(1.0)
+        picked = torch.tensor(result.tokens, device="cuda")
+        assert clear.any() and torch.equal(logits.argmax(-1)[clear], picked[clear])
