@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import RESULTS
+
 RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
 
 HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
@@ -436,7 +438,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-dense-prefill-above", type=int, default=1 << 21,
                    help="skip the dense prefill baseline above this many tokens")
     p.add_argument("--hq", type=int, default=HQ, help="query heads (M3: 64; m3-small: 16), over 4 KV heads")
-    p.add_argument("--out", default="benchmarks/results/")
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     if args.hq < HKV or args.hq % HKV:
         p.error(f"--hq must be a positive multiple of the {HKV} KV heads, got {args.hq}")

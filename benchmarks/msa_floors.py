@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from benchmarks import RESULTS
 from benchmarks._inputs import DI, HI, HKV, HQ, D, m3_inputs
 from openm3.ops.msa.triton_decode import _token_scales
 
@@ -639,7 +640,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--compare", default=None, help="module path of another triton_decode version to time beside "
                    "the current one in the stream and tail parts (e.g. a copy of the file before a change)")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("msa_floors needs a CUDA GPU", file=sys.stderr)

@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from benchmarks import RESULTS
 from benchmarks._inputs import REGIMES, m3_inputs
 from benchmarks._timing import write_result
 from benchmarks.msa_kernels import bench_ms
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--regime", default="drift", choices=REGIMES,
                    help="index queries: drift (a trained indexer's, the default) or iid (a random indexer's: what "
                         "m3-small at random init selects, e.g. in benchmarks.train_throughput)")
-    p.add_argument("--out", default="benchmarks/results/")
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

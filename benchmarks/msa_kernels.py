@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import RESULTS
 from benchmarks._inputs import D, DI, HI, HKV, HQ, REGIMES, m3_inputs
 from benchmarks._timing import event_time_ms
 
@@ -637,7 +638,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072, 1048576])
-    parser.add_argument("--out", default="benchmarks/results/")
+    parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--skip-flex", action="store_true")
     parser.add_argument("--skip-check", action="store_true", help="no fp32 reference check at the smallest T")

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks import RESULTS
 from benchmarks._inputs import D, DI, HI, HKV, HQ, m3_inputs
 from benchmarks._timing import event_time_ms
 
@@ -545,7 +546,7 @@ def main(argv=None) -> int:
                     help="also time launch variants (SELECT_SWEEP, KL_SWEEP) at these T (default 32768)")
     ap.add_argument("--profile", type=int, nargs="*", default=None, metavar="T",
                     help="also list the GPU time of every kernel of select + KL fwd/grad (torch.profiler) at these T")
-    ap.add_argument("--out", default="benchmarks/results/")
+    ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--compile-check", action="store_true",
                     help="only compile every kernel for sm_90 (no GPU needed; TRITON_INTERPRET must be unset)")
     ap.add_argument("--dump-ptx", default=None, metavar="DIR", help="with --compile-check: write each kernel's PTX")

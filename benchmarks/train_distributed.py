@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import RESULTS
+
 RUNS_ON = "2 GPUs or CPU"  # what `openm3 bench` lists beside it
 
 STEPS, CTX, ROWS = 4, 1024, 4
@@ -51,7 +53,7 @@ def run(out_dir: str) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

@@ -70,6 +70,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import RESULTS
 from benchmarks._timing import idle_gaps, profiled_times, top_host_ops
 
 RUNS_ON = "GPU"  # what `openm3 bench` lists beside it
@@ -467,7 +468,7 @@ def summarise_long(result: dict, preset: str, long_ctx: int, long_ckpt: str) -> 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--preset", default="m3-small")
     p.add_argument("--mfu-ctx", type=int, default=8192)
     p.add_argument("--long-ctx", type=int, default=65536)

@@ -6,8 +6,9 @@
 The benchmarks are not part of the installed package (a wheel carries `openm3` only), so the command looks for
 `benchmarks/` beside the package's directory (a clone installed with `pip install -e .`, as `scripts/setup.sh`
 does), then in the working directory. Most of them time Triton kernels or CUDA graphs and need a GPU (the list says
-where each runs: its `RUNS_ON`); each writes its figures as JSON under `--out` where it takes one
-(`benchmarks/results/` holds the recorded ones).
+where each runs: its `RUNS_ON`); each writes its figures as JSON under `--out` where it takes one (the checkout's
+`benchmarks/results/` holds the recorded ones, and is where those that write by default write, whatever the working
+directory).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import runpy
 import sys
 import textwrap
 from pathlib import Path
+
+from .cli import NEGATIVE_NUMBER
 
 USAGE = "usage: openm3 bench [NAME [ARGS ...]]   (no NAME: the list)"
 
@@ -104,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args and kwargs.get("prog") is None:  # (a parser given its own prog keeps it)
             kwargs["prog"] = f"openm3 bench {name}"
         saved_parser(self, *args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER  # `--flag -1e-3` as a value, as every openm3 command's
 
     argparse.ArgumentParser.__init__ = named
     try:

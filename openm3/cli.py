@@ -8,9 +8,25 @@ Each subcommand is one function decorated with `@command(name, help, *arguments)
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import Callable
+
+# A flag's value that is a negative number: argparse's own matcher (before Python 3.13) takes -1 and -.5 but not
+# -1e-3, which it reads as an unknown option ("--lr -1e-3": "expected one argument").
+NEGATIVE_NUMBER = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser taking a negative number in scientific notation as a flag's value (`--lr -1e-3`, not only
+    `--lr=-1e-3`). Every openm3 command's parser is one (`openm3 bench` gives the benchmarks' parsers the same
+    matcher); a subparser is of its parser's class."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER  # (argparse's attribute, read where it tells values apart)
+
 
 _COMMANDS: dict[str, tuple[str, tuple[tuple[tuple, dict], ...], Callable[[argparse.Namespace], int | None]]] = {}
 
@@ -140,8 +156,13 @@ def convert(args: argparse.Namespace) -> int:
     from .models.checkpoint import parse_size, hidden_sibling, replace_directory
 
     source, target = Path(args.source), Path(args.target)
-    if target.exists() and source.exists() and target.resolve() == source.resolve():
-        raise ValueError("target: the same directory as source; write the conversion elsewhere")
+    # the target's folder and its hidden work folder beside it would be written into the source being read
+    if target.resolve() == source.resolve():
+        raise ValueError(f"target: {target} is the source directory {source} itself; write the conversion "
+                         "elsewhere")
+    if source.resolve() in target.resolve().parents:
+        raise ValueError(f"target: {target} is inside the source directory {source}; write the conversion "
+                         "elsewhere")
     if target.exists() and not target.is_dir():
         raise ValueError(f"target: {target} is a file, not a directory; name a directory to write")
     try:  # checked before the model loads
@@ -179,38 +200,84 @@ def _travels_with_weights(name: str) -> bool:
                 or name.startswith("."))
 
 
-# Commands whose module parses its own arguments: `openm3 NAME ...` calls `module.function(argv)`.
-_DELEGATED: dict[str, tuple[str, str]] = {
-    "data": ("openm3.data.cli:main", "offline data: preview samples, build the tokenizer"),
-    "generate": ("openm3.engine.generate:main", "generate text with a model from a checkpoint or a preset"),
-    "train": ("openm3.train.cli:main", "train a model with a recipe (single process or torchrun)"),
-    "eval": ("openm3.eval_cli:main", "evaluate a checkpoint: held-out bits per byte, image / video QA, indexer recall"),
-    "demo": ("openm3.demo:main", "train m3-tiny natively multimodal on CPU, evaluate it, write a report"),
-    "serve": ("openm3.serve.cli:main", "serve a model behind the OpenAI / Anthropic HTTP APIs"),
-    "bench": ("openm3.bench_cli:main", "list the benchmarks of a source checkout, or run one (most need a GPU)"),
+# Commands whose module parses its own arguments: `openm3 NAME ...` calls `module.function(argv)`; the third entry,
+# where there is one, builds the command's parser, whose flags its error messages are told in (`flag_named`).
+_DELEGATED: dict[str, tuple[str, str, str | None]] = {
+    "data": ("openm3.data.cli:main", "offline data: preview samples, build the tokenizer", None),
+    "generate": ("openm3.engine.generate:main", "generate text with a model from a checkpoint or a preset",
+                 "openm3.engine.generate:build_parser"),
+    "train": ("openm3.train.cli:main", "train a model with a recipe (single process or torchrun)",
+              "openm3.train.cli:build_parser"),
+    "eval": ("openm3.eval_cli:main", "evaluate a checkpoint: held-out bits per byte, image / video QA, indexer recall",
+             "openm3.eval_cli:build_parser"),
+    "demo": ("openm3.demo:main", "train m3-tiny natively multimodal on CPU, evaluate it, write a report",
+             "openm3.demo:build_parser"),
+    "serve": ("openm3.serve.cli:main", "serve a model behind the OpenAI / Anthropic HTTP APIs",
+              "openm3.serve.cli:build_parser"),
+    "bench": ("openm3.bench_cli:main", "list the benchmarks of a source checkout, or run one (most need a GPU)", None),
 }
 
 
-def _run_delegated(name: str, argv: list[str]) -> int:
+def _load(target: str) -> Callable:
     import importlib
 
-    target, _ = _DELEGATED[name]
     module_name, fn_name = target.split(":")
-    fn = getattr(importlib.import_module(module_name), fn_name)
-    try:
-        return fn(argv) or 0
-    except ValueError as err:
-        print(f"openm3 {name}: error: {err}", file=sys.stderr)
+    return getattr(importlib.import_module(module_name), fn_name)
+
+
+def _run_delegated(name: str, argv: list[str]) -> int:
+    target, _, parser = _DELEGATED[name]
+
+    def failed(message: str) -> int:
+        if parser is not None:
+            message = flag_named(message, _load(parser)(), argv)
+        print(f"openm3 {name}: error: {message}", file=sys.stderr)
         return 2
+
+    try:
+        return _load(target)(argv) or 0
+    except ValueError as err:
+        return failed(str(err))
     except KeyboardInterrupt:
         return _interrupted(name)
     except OSError as err:
         return _file_error(name, err)
     except SystemExit as exit_:  # a command's own "error: ..." exit (generate's): the status the others give
         if isinstance(exit_.code, str) and exit_.code.startswith("error: "):
-            print(f"openm3 {name}: {exit_.code}", file=sys.stderr)
-            return 2
+            return failed(exit_.code.removeprefix("error: "))
         raise
+
+
+def flag_named(message: str, parser: argparse.ArgumentParser, argv: list[str]) -> str:
+    """An error `message` of a library check that a command passed its flags' values to, with the library's
+    argument names told as the command's flags: `top_p must be in (0, 1]` -> `--top-p must be in (0, 1]`, `lr and
+    vision_lr_scale must be > 0` -> `--lr and --vision-lr-scale must be > 0`. An argument is a value flag's
+    destination; one holding '_' is told anywhere (`with max_new_tokens=4`), a plain word (`lr`, `seed`) or the
+    spelling with spaces (`presence penalty`) only in the names the message opens with, the subject of the check,
+    so prose using the same word is left alone. With a settings file given (`--config`), a setting may come from
+    it: only the flags given in `argv` are told then. The library's own messages are unchanged."""
+    flags = {}  # destination -> (its flag, the flag's spellings)
+    for action in parser._actions:
+        spelled = [s for s in action.option_strings if s.startswith("--")]
+        if spelled and action.nargs != 0 and action.dest != argparse.SUPPRESS:
+            flags.setdefault(action.dest, (spelled[0], set(action.option_strings)))
+    if not flags:
+        return message
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    told = {dest: flag for dest, (flag, spellings) in flags.items() if "--config" not in given or spellings & given}
+    told.update({dest.replace("_", " "): flag for dest, flag in list(told.items()) if "_" in dest})
+    known = sorted({*flags, *(dest.replace("_", " ") for dest in flags)}, key=len, reverse=True)
+
+    def tell(pattern: str, text: str) -> str:
+        return re.sub(pattern, lambda m: told.get(m.group(), m.group()), text)
+
+    names = "|".join(map(re.escape, known))
+    subject = rf"(?:{names}|[a-z]\w*_\w+)"  # or an argument no flag sets: train's `lr and vision_lr_scale`
+    opening = re.match(rf"{subject}(?:(?:, | and ){subject})*(?= must\b| needs\b|:|=| \()", message)
+    cut = opening.end() if opening else 0
+    identifiers = "|".join(re.escape(name) for name in known if "_" in name)
+    tail = tell(rf"(?<![\w./\\-])(?:{identifiers})(?![\w/\\-])", message[cut:]) if identifiers else message[cut:]
+    return tell(rf"(?<![\w-])(?:{names})(?!\w)", message[:cut]) + tail
 
 
 def _interrupted(name: str) -> int:
@@ -231,7 +298,7 @@ def _file_error(name: str, err: OSError) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="openm3", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="openm3", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"openm3 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, arguments, fn) in _COMMANDS.items():
@@ -239,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         for flags, kwargs in arguments:
             p.add_argument(*flags, **kwargs)
         p.set_defaults(_run=fn)
-    for name, (_, help_text) in _DELEGATED.items():
+    for name, (_, help_text, _) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 

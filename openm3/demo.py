@@ -17,6 +17,9 @@ holds:
 - `metrics.jsonl` (every step), `model/` (consolidated checkpoint in the published M3 layout), and the training
   run's own files: `train_config.json`, `checkpoints/` (the last one, ~36 MB: `openm3 train --out DIR --resume`
   continues it), `tensorboard/`.
+
+A run checks its settings, then removes the last run's files from the folder, so one that stops early never leaves
+an earlier run's report there as its own; `metrics.json` and `samples.md` are written whole or not at all.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ from pathlib import Path
 
 import torch
 
+REPORT_FILES = ("metrics.json", "samples.md", "loss_curve.png", "attention_map.png", "indexer_blocks.png")
 DEMO_WEIGHTS = {"text:stdlib": 1.0, "text:topics": 0.5, "text:bible_web": 0.75, "text:bible_kjv": 0.75,
                 "colour_qa": 1.0, "video_qa": 1.0}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="openm3 demo", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    from .cli import ArgumentParser
+
+    p = ArgumentParser(prog="openm3 demo", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
     p.add_argument("--steps", type=int, default=240, help="optimizer steps (default: 240)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per packed row (default: 256)")
@@ -52,10 +58,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch CPU threads (default: 1; the tiny model's ops gain nothing from more, and "
                         "oversubscribed threads spin)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "image_qa", "video_qa", "threads", "image_rows"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.video_rows < 0:  # (0: no video rows) the mixture's own check would name the mixture, not the flag
+        p.error("--video-rows must be >= 0")
     return args
 
 
@@ -99,7 +112,9 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file there, or on the way there
         raise ValueError(f"--out: cannot make the report folder {str(out)!r} ({err.strerror or err})") from None
-    for stale in ("metrics.jsonl", "checkpoints", "model", "tensorboard"):  # a fresh run, not a resume
+    # a fresh run, not a resume: the last run's files go (its metrics.json first), so that a run that stops early
+    # never leaves the folder showing the last run's report as its own
+    for stale in (*REPORT_FILES, "metrics.jsonl", "checkpoints", "model", "tensorboard"):
         path = out / stale
         if path.is_dir():
             shutil.rmtree(path)
@@ -235,6 +250,7 @@ def greedy(model, tokenizer, prompt: list[int], vision: dict | None, max_new_tok
 @torch.no_grad()
 def write_samples(model, tokenizer, evaluator, out: Path) -> list[dict]:
     from .data.tokenizer import BOS
+    from .train.checkpoint import write_text_atomic
 
     samples = []
     for task, n in (("colour_qa", 4), ("video_qa", 2)):
@@ -252,7 +268,7 @@ def write_samples(model, tokenizer, evaluator, out: Path) -> list[dict]:
             lines += [f"- **text** `{s['prompt']}` -> `{s['model']!r}`"]
         else:
             lines += [f"- **{s['kind']}** {s['question']} -> model: `{s['model']}` (expected: `{s['expected']}`)"]
-    (out / "samples.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(out / "samples.md", "\n".join(lines) + "\n")  # never half-written, as metrics.json
     return samples
 
 

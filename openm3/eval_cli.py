@@ -29,10 +29,11 @@ from pathlib import Path
 TASKS = {"image_qa": "colour_qa", "video_qa": "video_qa"}  # option -> QA task of openm3.train.tasks
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    from .cli import ArgumentParser
     from .engine.generate import DTYPES
 
-    p = argparse.ArgumentParser(prog="openm3 eval", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="openm3 eval", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint directory (config.json + "
                    "safetensors, e.g. what `openm3 train --export DIR` or `openm3 demo` writes)")
     p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json or a directory holding one (default: the "
@@ -54,7 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-recall", action="store_true", help="skip the indexer recall")
     p.add_argument("--out", metavar="FILE.json", help="also write the results and settings to this JSON file")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:

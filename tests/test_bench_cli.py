@@ -1,6 +1,7 @@
 """`openm3 bench`: the checkout's benchmarks listed with their questions, one run by name with its own flags, and
 errors that name what was expected."""
 
+import ast
 import json
 from pathlib import Path
 
@@ -63,3 +64,55 @@ def test_a_benchmarks_exit_message_is_printed(capsys, monkeypatch):
     for name in ("moe_decode", "prefill_profile", "moe_router"):
         assert main(["bench", name]) == 1
         assert capsys.readouterr().err.strip() == f"{name} needs a CUDA GPU"
+
+
+def test_train_distributed_writes_under_the_checkouts_results_from_any_directory(tmp_path, monkeypatch):
+    """Run from another directory, `train_distributed` wrote `benchmarks/results/` under it: its runs and result go
+    to the checkout's `benchmarks/results/` (or `--out`), as the other benchmarks' that write by default."""
+    import subprocess
+
+    started = []
+
+    def torchrun(cmd, **_):
+        started.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "stopped here")
+
+    monkeypatch.setattr(subprocess, "run", torchrun)
+    monkeypatch.chdir(tmp_path)
+    for flags, out in (([], BENCHMARKS / "results"), (["--out", str(tmp_path / "mine")], tmp_path / "mine")):
+        assert main(["bench", "train_distributed", *flags]) == 1  # (torchrun "failed")
+        cmd = started.pop()
+        assert Path(cmd[cmd.index("--worker") + 1]) == out / "train_distributed_runs" / "two"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_benchmark_writes_under_the_working_directory_by_default():
+    """An `--out` default of "benchmarks/results" is relative to wherever the benchmark runs: each is None (print
+    only) or the checkout's `benchmarks.RESULTS`."""
+    import benchmarks
+
+    assert benchmarks.RESULTS == BENCHMARKS / "results"
+    defaults = {}
+    for path in BENCHMARKS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" and node.args
+                    and getattr(node.args[0], "value", None) == "--out"):
+                default = next((k.value for k in node.keywords if k.arg == "default"), None)
+                defaults[path.stem] = "None" if default is None else ast.unparse(default)
+    assert "train_distributed" in defaults and set(defaults.values()) == {"None", "RESULTS"}, defaults
+
+
+def test_a_benchmarks_parser_takes_negative_numbers_in_scientific_notation(monkeypatch):
+    """As every openm3 command's parser (tests/test_cli_errors.py): `--flag -1e-3` is a value, not an option."""
+    import argparse
+    import runpy
+
+    parsed = []
+
+    def benchmark(*_, **__):
+        p = argparse.ArgumentParser()
+        p.add_argument("--confidence", type=float)
+        parsed.append(p.parse_args().confidence)
+
+    monkeypatch.setattr(runpy, "run_module", benchmark)
+    assert main(["bench", "structured_decode", "--confidence", "-1e-3"]) == 0 and parsed == [-1e-3]

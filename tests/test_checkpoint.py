@@ -159,7 +159,7 @@ def test_convert_carries_the_files_the_weights_are_used_with(hf_dir, tmp_path, c
     assert main(["convert", str(src), str(out), "--overwrite", "--dtype", "bf16"]) == 0  # generate's spelling too
     assert next(load_pretrained(out).parameters()).dtype == torch.bfloat16
     assert main(["convert", str(src), str(src), "--overwrite"]) == 2
-    assert "target: the same directory as source" in capsys.readouterr().err
+    assert f"target: {src} is the source directory {src} itself" in capsys.readouterr().err
 
 
 def test_cli_version(capsys):

@@ -197,6 +197,24 @@ def test_convert_checks_its_target_and_shard_size_before_loading(tmp_path, capsy
     assert "--max-shard-size: expected a positive size such as 5GB or 500MB, got 'lots'" in capsys.readouterr().err
 
 
+def test_convert_refuses_a_target_inside_its_source(tiny_checkpoint, monkeypatch, capsys):
+    """`convert SRC SRC/sub` wrote the conversion (and its hidden work folder) into the checkpoint it read: refused
+    before anything loads, naming both directories, as SRC itself is."""
+    import openm3.models
+
+    def load(*_, **__):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(openm3.models, "load_pretrained", load)
+    before = sorted(p.name for p in tiny_checkpoint.iterdir())
+    for target, where in ((tiny_checkpoint / "sub", "inside"), (tiny_checkpoint / "sub" / "sub", "inside"),
+                          (tiny_checkpoint / ".." / tiny_checkpoint.name, "the source directory")):
+        assert openm3_main(["convert", str(tiny_checkpoint), str(target), "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"openm3 convert: error: target: {target} is {where}") and str(tiny_checkpoint) in err
+    assert sorted(p.name for p in tiny_checkpoint.iterdir()) == before
+
+
 def test_generate_refuses_what_it_would_ignore(tiny_checkpoint):
     """--layers with --checkpoint, and a 0 --token-budget / --max-total-tokens (read as "not given"), are refused."""
     base = ["--checkpoint", str(tiny_checkpoint), "--prompt-ids", "1,2", "--device", "cpu", "--max-new-tokens", "1"]
@@ -233,9 +251,10 @@ def test_demo_settings_fail_before_the_last_report_is_deleted(tmp_path, capsys):
 
     demo_config(parse_args(["--steps", "1"]))  # the schedule it derives is valid at one step
     (tmp_path / "report" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "report" / "metrics.json").write_text("{}")
     assert openm3_main(["demo", "--out", str(tmp_path / "report"), "--lr", "-1"]) == 2
-    assert "lr and vision_lr_scale must be > 0" in capsys.readouterr().err
-    assert (tmp_path / "report" / "checkpoints").is_dir()
+    assert "--lr and --vision-lr-scale must be > 0" in capsys.readouterr().err
+    assert (tmp_path / "report" / "checkpoints").is_dir() and (tmp_path / "report" / "metrics.json").is_file()
     (tmp_path / "file").write_text("x")
     assert openm3_main(["demo", "--out", str(tmp_path / "file")]) == 2
     assert "--out: cannot make the report folder" in capsys.readouterr().err
@@ -288,3 +307,55 @@ def test_generate_errors_exit_as_the_other_commands_do(capsys):
     assert main(["generate", "--preset", "m3-tiny", "--random-prompt", "8", "--chunk-size", "0"]) == 2
     assert capsys.readouterr().err.strip() == "openm3 generate: error: --chunk-size: expected >= 1, got 0"
     assert main(["eval", "--checkpoint", "/nonexistent/ckpt"]) == 2  # (what the others give)
+
+
+def test_negative_numbers_in_scientific_notation_are_values(tmp_path, capsys):
+    """argparse read `--lr -1e-3` as an unknown option `-1e-3` ("expected one argument"): every command's parser
+    takes it as the flag's value now, as it took -1 and -.5."""
+    from openm3 import cli
+    from openm3.demo import parse_args as demo_args
+    from openm3.train.cli import parse_args as train_args
+
+    args = generate_parser().parse_args(["--preset", "m3-tiny", "--random-prompt", "4", "--presence-penalty", "-1e-1",
+                                         "--frequency-penalty", "-2E+0", "--seed", "-1"])
+    assert (args.presence_penalty, args.frequency_penalty, args.seed) == (-0.1, -2.0, -1)
+    assert train_args(["--lr", "-1e-3", "--kl-weight", "-.5"]).lr == -1e-3
+    assert demo_args(["--lr", "-3.e-3"]).lr == -3e-3
+    assert serve_parser().parse_args(["--preset", "m3-tiny", "--log-stats-interval", "-1e1"]).log_stats_interval == -10
+    with pytest.raises(SystemExit):  # an option is still an option
+        train_args(["--lr", "-e3"])
+    assert "--lr: expected one argument" in capsys.readouterr().err
+    parsers = [cli._load(builder)() for _, _, builder in cli._DELEGATED.values() if builder]
+    assert len(parsers) == 5 and all(isinstance(p, cli.ArgumentParser) for p in parsers + [cli.build_parser()])
+    assert openm3_main(["demo", "--out", str(tmp_path / "report"), "--lr", "-1e-3"]) == 2  # the library's check
+    assert capsys.readouterr().err.strip() == ("openm3 demo: error: --lr and --vision-lr-scale must be > 0, got "
+                                               "-0.001, 0.1")
+
+
+def test_library_checks_name_the_flags_they_were_given_as(tmp_path, capsys):
+    """A check of the library a command passes its flags to named the library's argument (`top_p must be in (0,
+    1]`): `openm3` names the flag, the library keeps its own words."""
+    from openm3.engine.sampling import SamplingParams
+
+    base = ["generate", "--preset", "m3-tiny", "--random-prompt", "4", "--device", "cpu"]
+    for flags, told in ((["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+                        (["--presence-penalty", "-3"], "--presence-penalty must be a number in [-2, 2], got -3.0"),
+                        (["--temperature", "-1e-3"], "--temperature must be a finite number >= 0 (0 = greedy), got "
+                                                     "-0.001")):
+        assert openm3_main(base + flags) == 2
+        assert capsys.readouterr().err.strip() == f"openm3 generate: error: {told}"
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got 2$"):
+        SamplingParams(top_p=2)
+    out = str(tmp_path / "run")
+    assert openm3_main(["train", "--out", out, "--lr", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "openm3 train: error: --lr and vision_lr_scale must be > 0, got -1.0, 1.0"
+    settings = tmp_path / "run.json"
+    settings.write_text('{"lr": -1}')  # from the settings file, not a flag: its field's name
+    assert openm3_main(["train", "--out", out, "--config", str(settings)]) == 2
+    assert capsys.readouterr().err.strip() == "openm3 train: error: lr and vision_lr_scale must be > 0, got -1, 1.0"
+    assert openm3_main(["demo", "--out", out, "--vision-lr-scale", "0"]) == 2
+    assert capsys.readouterr().err.strip() == ("openm3 demo: error: --lr and --vision-lr-scale must be > 0, got 0.003, "
+                                               "0.0")
+    with pytest.raises(SystemExit):  # a mixture of -1 video rows: its own check named the mixture
+        openm3_main(["demo", "--out", out, "--video-rows", "-1"])
+    assert "--video-rows must be >= 0" in capsys.readouterr().err

@@ -38,6 +38,51 @@ def test_bad_arguments_fail():
         parse_args(["--steps", "0"])
 
 
+def test_a_run_that_stops_early_leaves_no_earlier_report(tmp_path, monkeypatch):
+    """The last run's metrics.json stayed until the new run wrote its own: a run that stopped on the way left it
+    there as though it were its report. The report's files go when a run starts (after its settings are
+    checked: tests/test_cli_errors.py)."""
+    import openm3.data
+
+    out = tmp_path / "report"
+    out.mkdir()
+    for name in REPORT_FILES:
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_text("the last run's")
+
+    def stopped(*_, **__):
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(openm3.data, "get_tokenizer", stopped)  # the first step of the run after the clean-up
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(["--out", str(out), "--steps", "1", "--no-progress"])
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_samples_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """samples.md was written in place: a write that failed on the way (here: text its encoding cannot hold) left it
+    cut short. It is replaced whole, as metrics.json is."""
+    from types import SimpleNamespace
+
+    import openm3.demo as demo
+
+    class Tokenizer:
+        def encode(self, text):
+            return [1]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "\ud800"  # a lone surrogate: no encoding writes it
+
+    qa = SimpleNamespace(prompt=[1], vision=None, sample=SimpleNamespace(question="q?", answer="a"))
+    evaluator = SimpleNamespace(qa={"colour_qa": [qa], "video_qa": [qa]})
+    monkeypatch.setattr(demo, "greedy", lambda *_, **__: [1])
+    (tmp_path / "samples.md").write_text("the last run's\n")
+    with pytest.raises(UnicodeEncodeError):
+        demo.write_samples(None, Tokenizer(), evaluator, tmp_path)
+    assert (tmp_path / "samples.md").read_text() == "the last run's\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["samples.md"]  # no temporary file left either
+
+
 @pytest.mark.slow
 def test_full_demo_reads_the_image(tmp_path):
     out = tmp_path / "report"

@@ -149,6 +149,25 @@ def test_a_negative_starting_after_is_a_400(tok):  # noqa: F811
     assert numbers == list(range(len(numbers)))  # -1: from the first event, each once
 
 
+def test_a_stored_responses_query_parameters_are_read_strictly(tok):  # noqa: F811
+    """`GET /v1/responses/{id}` took `stream=1`, `yes` or `True` as true and `starting_after=+5`, ` 5`, `5.0` or
+    `1_0` as integers (FastAPI's lax bool and int): `stream` is `true` or `false` and an integer its digits, as in
+    OpenAI's API; anything else is a 400 naming the parameter."""
+    client = TestClient(create_app(Scripted(tok.encode("a b" + EOS), tok.vocab_size), tok, model_name=NAME,
+                                   max_total_tokens=4096))
+    with client.stream("POST", "/v1/responses", json={"model": NAME, "input": "x", "background": True,
+                                                      "stream": True}) as r:
+        rid = next(e for e in named_events_of(r) if e["type"] == "response.created")["response"]["id"]
+    path = f"/v1/responses/{rid}"
+    _refused(client, path, {"stream": "@"}, ("1", "0", "yes", "True", "on", ""), "true or false", "stream", "stream",
+             method="GET")
+    _refused(client, path, {"stream": "true", "starting_after": "@"}, ("+5", " 5", "5.0", "1_0", "1e1", "", "\u0663"),
+             "an integer", "starting_after", "starting_after", method="GET")
+    assert client.get(path, params={"stream": "false"}).json()["id"] == rid
+    events = named_events(client.get(path, params={"stream": "true"}))
+    assert named_events(client.get(path, params={"stream": "true", "starting_after": "02"})) == events[3:]
+
+
 def named_events_of(response) -> list[dict]:
     """A streamed response's events read whole (the stream's context open)."""
     response.read()
@@ -467,11 +486,12 @@ def _with(body, value):
     return [_with(v, value) for v in body] if isinstance(body, list) else body
 
 
-def _refused(client, path, body, values, expected: str, place: str, param):
+def _refused(client, path, body, values, expected: str, place: str, param, method: str = "POST"):
     """Each of `values` put where `body` has "@" is a 400 whose message starts `{place}: expected {expected}, got`
-    (and names `param`, where the API has one)."""
+    (and names `param`, where the API has one). With method GET, `body` is the URL's query parameters."""
     for value in values:
-        r = client.post(path, json=_with(body, value))
+        sent = _with(body, value)
+        r = client.post(path, json=sent) if method == "POST" else client.get(path, params=sent)
         assert r.status_code == 400, (value, r.text)
         message = r.json()["error"]["message"]
         assert message.startswith(f"{place}: expected {expected}, got "), message

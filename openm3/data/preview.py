@@ -11,7 +11,6 @@ not 8-bit or a picture under 28 pixels is reported as an error, exit status 2). 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -96,7 +95,9 @@ def write_preview(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="openm3 data preview", description=__doc__.split("\n")[0])
+    from ..cli import ArgumentParser
+
+    parser = ArgumentParser(prog="openm3 data preview", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder to write the PNG/GIF files and index into")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--count", type=int, default=4, help="scenes, photos and digits to write (each)")

@@ -280,9 +280,9 @@ def get_tokenizer(settings: TokenizerSettings | None = None, cache_dir: str | Pa
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m openm3.data.cli tokenizer [--out DIR]``: train (or load from the cache) and optionally export."""
-    import argparse
+    from ..cli import ArgumentParser
 
-    parser = argparse.ArgumentParser(prog="openm3 data tokenizer", description="Train or load the cached tokenizer.")
+    parser = ArgumentParser(prog="openm3 data tokenizer", description="Train or load the cached tokenizer.")
     parser.add_argument("--vocab-size", type=int, default=TokenizerSettings.vocab_size)
     parser.add_argument("--chars-per-corpus", type=int, default=TokenizerSettings.chars_per_corpus)
     parser.add_argument("--cache-dir", default=None, help="default: $OPENM3_CACHE or ~/.cache/openm3")

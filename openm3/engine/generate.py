@@ -531,7 +531,9 @@ def _emit(results, seqs, tokens, stop, max_new_tokens, on_token, histories=None,
 # ---------------------------------------------------------------------------------------------- command line
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="openm3 generate", description="Generate text with an M3 model over the "
+    from ..cli import ArgumentParser
+
+    p = ArgumentParser(prog="openm3 generate", description="Generate text with an M3 model over the "
                                 "paged MSA cache (chunked prefill, Triton decode kernels on CUDA).")
     add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group(required=True)

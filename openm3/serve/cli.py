@@ -29,9 +29,10 @@ VLLM_REASONING_PARSERS = {"minimax_m2": "m3", "minimax_m2_append_think": "none"}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..cli import ArgumentParser
     from ..engine.generate import add_chat_template_argument, add_model_arguments, add_speculative_argument
 
-    p = argparse.ArgumentParser(prog="openm3 serve", description="Serve a model behind the OpenAI HTTP API "
+    p = ArgumentParser(prog="openm3 serve", description="Serve a model behind the OpenAI HTTP API "
                                 "(/v1/models, /v1/completions, /v1/chat/completions, /v1/responses) and "
                                 "Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens).")
     add_model_arguments(p)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import threading
 import time
 import uuid
@@ -36,6 +37,7 @@ from .response_store import ResponseStore
 from .schemas import (CUSTOM_INPUT, SEED, ClientTool, CustomToolSpec, Integer, JsonSchemaSpec, OutputSpec,
                       ReasoningEffort, ResponseFormat, ToolName, allowed_tools_spec, client_tools, custom_input,
                       custom_names)
+from .validation import described
 
 RESPONSES_PATH = "/v1/responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -356,8 +358,6 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
     /v1/responses/input_tokens`) on `app`, sharing `create_app`'s validation, prompt building (input_image parts
     are accepted when `takes_images`), generation, log probabilities and streaming; stored responses go to
     `store`."""
-    from fastapi import Query
-
     running: dict[str, _Background] = {}  # background responses in flight, by id
     replays: collections.OrderedDict[str, EventLog] = collections.OrderedDict()  # finished streamed ones' events
 
@@ -371,12 +371,32 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
             raise missing(response_id)
         return found
 
+    def boolean(name: str, text: str | None) -> bool:
+        """A boolean URL parameter as OpenAI's API reads one: `true` or `false` (absent: false); 1, yes, True, on
+        are a 400 (FastAPI's bool took them)."""
+        if text not in (None, "true", "false"):
+            raise api_error(f"{name}: expected true or false, got {described(text)}", name)
+        return text == "true"
+
+    def integer(name: str, text: str | None, least: int) -> int | None:
+        """An integer URL parameter: its digits, with a '-' for a negative one (absent: None); ' 5', '+5', '5.0'
+        and '1_0' are a 400 (FastAPI's int took them)."""
+        if text is None:
+            return None
+        if re.fullmatch(r"-?[0-9]+", text) is None:
+            raise api_error(f"{name}: expected an integer, got {described(text)}", name)
+        if int(text) < least:
+            raise api_error(f"{name}: expected an integer >= {least}, got {int(text)}", name)
+        return int(text)
+
     @app.get(RESPONSES_PATH + "/{response_id}")
-    def get_response(response_id: str, stream: bool = False, starting_after: int | None = Query(None, ge=-1)):
+    def get_response(response_id: str, stream: str | None = None, starting_after: str | None = None):
         """The stored response; with `stream=true` a background response made with `stream: true` is streamed
         again, from its first event or the one after sequence number `starting_after` (a client that lost its
-        connection resumes there), live while it generates."""
-        if not stream:
+        connection resumes there; -1: from the first), live while it generates. The parameters are read as
+        OpenAI's API reads them (see `boolean`, `integer`); others (`include`) are ignored."""
+        streamed, after = boolean("stream", stream), integer("starting_after", starting_after, -1)
+        if not streamed:
             return stored(response_id, store.get)
         job = running.get(response_id)
         log = job.log if job is not None else replays.get(response_id)
@@ -384,7 +404,7 @@ def add_responses_routes(app, *, tokenizer, model_name: str, check: Callable, ch
             stored(response_id, store.get)  # a 404 when there is no such response at all
             raise api_error(f"stream: only a background response made with stream: true can be streamed again "
                             f"(this server keeps the events of the last {REPLAYS} such responses)", "stream")
-        start = 0 if starting_after is None else starting_after + 1
+        start = 0 if after is None else after + 1
         return sse(lambda put, stop: log.replay(put, start, stop), named_events=True, error_chunk=_error_event)
 
     @app.get(RESPONSES_PATH + "/{response_id}/input_items")

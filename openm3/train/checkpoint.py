@@ -43,11 +43,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     it, flushed to disk, then `os.replace`."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # (text the encoding cannot hold, a full disk): no half-written temporary file left
+        tmp.unlink(missing_ok=True)
+        raise
     sync_dir(path.parent)
 
 

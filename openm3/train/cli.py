@@ -64,8 +64,10 @@ _FLAGS = (
 )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="openm3 train", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli import ArgumentParser
+
+    p = ArgumentParser(prog="openm3 train", description=__doc__.split("\n")[0])
     p.add_argument("--config", type=Path, help="JSON file of TrainConfig fields (flags override it)")
     for name, kind, text in _FLAGS:
         aliases = ["--preset"] if name == "model" else []  # generate's and serve's name for it
@@ -103,7 +105,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--export", type=Path, help="write a consolidated checkpoint (published M3 layout) here at the end")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def clip_length_arg(text: str) -> int | None:
