@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .threads import set_threads
+
 REPORT_FILES = ("metrics.json", "samples.md", "loss_curve.png", "attention_map.png", "indexer_blocks.png")
 DEMO_WEIGHTS = {"text:stdlib": 1.0, "text:topics": 0.5, "text:bible_web": 0.75, "text:bible_kjv": 0.75,
                 "colour_qa": 1.0, "video_qa": 1.0}
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("steps", "seq_len", "image_qa", "video_qa", "threads", "image_rows"):
+    for name in ("steps", "seq_len", "image_qa", "video_qa", "image_rows"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     if args.video_rows < 0:  # (0: no video rows) the mixture's own check would name the mixture, not the flag
@@ -97,8 +99,8 @@ def check_demo_extras() -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    set_threads(args.threads)  # ValueError naming --threads below 1, before any work
     check_demo_extras()
-    torch.set_num_threads(args.threads)
     from .data import get_tokenizer
     from .train.checkpoint import write_text_atomic
     from .train.data import MixtureRows

@@ -26,6 +26,8 @@ import os
 import time
 from pathlib import Path
 
+from .threads import check_threads
+
 TASKS = {"image_qa": "colour_qa", "video_qa": "video_qa"}  # option -> QA task of openm3.train.tasks
 
 
@@ -66,7 +68,8 @@ def check_args(args: argparse.Namespace) -> None:
     """ValueError naming the argument for a bad value that needs no checkpoint to tell."""
     from .data.corpora import CORPORA
 
-    for name in ("seq_len", "windows", "image_size", "video_size", "threads"):
+    check_threads(args.threads)  # (set with the device: `device_and_dtype`)
+    for name in ("seq_len", "windows", "image_size", "video_size"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")

@@ -171,6 +171,37 @@ def test_generate_and_serve_take_cpu_threads(capsys, monkeypatch):
         generate(["--preset", "m3-tiny", "--prompt-ids", "1", "--device", "cpu", "--threads", "0"])
 
 
+@pytest.mark.parametrize("threads", ["0", "-1"])
+@pytest.mark.parametrize("command, rest", [
+    ("smoke", []), ("generate", ["--preset", "m3-tiny", "--prompt-ids", "1", "--device", "cpu"]),
+    ("serve", ["--preset", "m3-tiny", "--device", "cpu"]), ("eval", ["--checkpoint", "{tmp}/missing"]),
+    ("train", ["--out", "{tmp}/run", "--steps", "2"]), ("demo", ["--out", "{tmp}/report", "--steps", "1"]),
+])
+def test_every_command_refuses_threads_below_one_alike(command, rest, threads, tmp_path, capsys, monkeypatch):
+    """One check (`openm3.threads`) for every command taking --threads: the same line, exit status 2, before any
+    work (eval's before its --checkpoint is read; train's and demo's before their --out is made)."""
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    argv = [command, *(a.format(tmp=tmp_path) for a in rest), "--threads", threads]
+    assert openm3_main(argv) == 2
+    assert capsys.readouterr().err.endswith(f"openm3 {command}: error: --threads must be >= 1, got {threads}\n")
+    assert set_to == [] and list(tmp_path.iterdir()) == []
+
+
+def test_threads_defaults_are_each_commands_own():
+    """demo runs one thread unless told (its tiny model gains nothing from more); the others leave torch's."""
+    from openm3.cli import build_parser as openm3_parser
+    from openm3.demo import parse_args as demo_args
+    from openm3.eval_cli import parse_args as eval_args
+    from openm3.train.cli import build_parser as train_parser
+
+    assert demo_args([]).threads == 1
+    assert openm3_parser().parse_args(["smoke"]).threads is None
+    assert generate_parser().parse_args(["--preset", "m3-tiny", "--prompt-ids", "1"]).threads is None
+    assert serve_parser().parse_args(["--preset", "m3-tiny"]).threads is None
+    assert eval_args(["--checkpoint", "c"]).threads is None and train_parser().parse_args([]).threads is None
+
+
 @pytest.fixture
 def tiny_checkpoint(tmp_path):
     from openm3.models import M3TextConfig, M3TextModel

@@ -4,8 +4,10 @@ those of running processes, this one's and other names stay."""
 import os
 import subprocess
 import sys
+import threading
 
 from openm3.files import process_alive, remove_orphaned_temporaries
+from openm3.serve.response_store import ResponseStore
 
 
 def dead_pid() -> int:
@@ -27,3 +29,23 @@ def test_only_dead_writers_temporaries_are_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
     (tmp_path / f"b.json.{dead}.tmp").write_text("x")
     assert remove_orphaned_temporaries(tmp_path, r"tokenizer\.json") == []  # another target's: kept
+
+
+def test_a_writers_thread_id_is_not_read_as_its_process_id(tmp_path):
+    """The stored responses' temporaries carry the thread's id (`threading.get_ident()`, past a pid_t) after the
+    process's: the default target's match left it to be read as the process id, and os.kill overflowed."""
+    orphan = tmp_path / f"a.json.{dead_pid()}.{threading.get_ident()}.tmp"
+    orphan.write_text("x")
+    assert remove_orphaned_temporaries(tmp_path) == [orphan.name]
+
+
+def test_a_response_store_opening_its_directory_removes_only_dead_writers_temporaries(tmp_path):
+    rid, thread = "resp_" + "a" * 32, threading.get_ident()
+    orphan = f"{rid}.json.{dead_pid()}.{thread}.tmp"  # a write a crashed server cut short
+    kept = [f"{rid}.json.{os.getpid()}.{thread}.tmp", f"{rid}.json.{os.getppid()}.{thread}.tmp",  # writers at work
+            f"{rid}.json.{2**40}.{thread}.tmp",  # no process has that id: not a temporary of this form
+            "notes.tmp", f"{rid}.json.tmp", f"tokenizer.json.{dead_pid()}.tmp", f"resp_x.json.{dead_pid()}.1.tmp"]
+    for name in (orphan, *kept):
+        (tmp_path / name).write_text('{"items": [')
+    assert ResponseStore(4, str(tmp_path)).get(rid) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)

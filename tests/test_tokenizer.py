@@ -1,6 +1,7 @@
 """Tokenizer: special tokens, byte-exact round trips, caching and deterministic training."""
 
 import json
+import os
 
 import pytest
 from test_files import dead_pid
@@ -109,9 +110,12 @@ def test_a_crashed_writers_temporary_file_is_removed(tmp_path):
     entry = tmp_path / f"tokenizer-{settings.key()}"
     entry.mkdir()
     orphan = entry / f"tokenizer.json.{dead_pid()}.tmp"
-    orphan.write_text('{"version"')
+    kept = [f"tokenizer.json.{os.getppid()}.tmp",  # a writer at work (this process's own is the one renamed)
+            f"tokenizer.json.{2**40}.tmp", "tokenizer.json.tmp", "notes.tmp"]  # not temporaries of this form
+    for name in (orphan.name, *kept):
+        (entry / name).write_text('{"version"')
     get_tokenizer(settings, tmp_path)
-    assert sorted(p.name for p in entry.iterdir()) == ["settings.json", "tokenizer.json"]
+    assert sorted(p.name for p in entry.iterdir()) == sorted(["settings.json", "tokenizer.json", *kept])
 
 
 def test_training_is_deterministic():
