@@ -207,3 +207,35 @@ def test_constrained_decoding_writes_sentences(name, pieces):
                 break
             out.append(pieces[token])
     assert ended >= 10
+
+
+@pytest.mark.parametrize("text,before,taken", [
+    ('start: "😀" WORD | "中文"\nWORD: /[\\u4e00-\\u9fff]+/', "", 2),
+    ('start: "😀" WORD | "中文"\nWORD: /[\\u4e00-\\u9fff]+/', "😀", 4608),
+    ('start: "é"i "x" | "ä" "y" | /[^\\W\\d_a-z]/i "z"', "", None),
+    ('start: a | b\na: "中" "x"\nb: /[\\u4e00-\\u4e3f]/ "y" | "\\U0010ffff"', "", 65),
+    ('root ::= [^a-z\\u0100-\\U0010ffff] "x" | "中"', "", 129),
+], ids=["literals", "class", "nocase-category", "ambiguous", "gbnf-negated"])
+def test_a_character_s_first_bytes_are_taken_when_some_completion_is(text, before, taken):
+    """Every lead byte and longer prefix of a character, down to whole characters (`check_split_characters`):
+    literals of 3 and 4 bytes, regex classes (ignore-case, negated, a category), several stacks at once waiting on
+    different terminals; `taken`: how many of the whole characters checked (those of 2 bytes, and those of 3 and 4
+    under `DEEP`) may come there (None: many)."""
+    from test_regex_grammar import check_split_characters
+
+    g = CfgGrammar(text)
+    got = check_split_characters(g.advance, g.advance(g.start, before.encode()))
+    assert got == taken if taken is not None else got > 100
+
+
+@pytest.mark.parametrize("text,written", [('start: "😀" WORD\nWORD: /[\\u4e00-\\u9fff]+/', "😀中文"),
+                                          ('start: "a" ("中" | /[😀é]/)*', "a中😀é"),
+                                          ('root ::= [^\\x00-\\x7f]+ | "x"', "é中😀")])
+def test_characters_no_token_holds_are_written_through_byte_tokens(text, written):
+    """A vocabulary whose only tokens of non-ASCII text are single bytes: greedy picks write literals' and
+    classes' characters byte by byte, the stop token refused inside a character (where the text before it is a
+    sentence too) and `complete` false there."""
+    from openm3.engine.constrained import TokenBytes, TransitionCache
+    from test_regex_grammar import BYTES_ONLY, write
+
+    write(TransitionCache(CfgGrammar(text), TokenBytes(BYTES_ONLY)), written.encode())

@@ -441,25 +441,29 @@ def test_length_twins_share_masks_and_check_the_long_tokens(tok):
 
 
 def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
-    """Strings with a `pattern` are walked a character (or an escape) per trie edge: at every character of
-    documents with multi-byte characters and escapes, the full mask equals checking each token whole (a vocabulary
-    with whole and split characters and escapes added), and a greedy pick takes a multi-byte token there."""
-    from openm3.engine.json_grammar import _LSTR, _NSTR, _PSTR, compile_schema
+    """Strings with a `pattern` are walked a byte per trie edge (a character or an escape per edge where the
+    `regex` package searches them, `whole_characters_at`): at every byte of documents with multi-byte characters
+    and escapes (every character of the `regex` package's strings), inside characters and escapes too, the full
+    mask equals checking each token whole (a vocabulary with whole and split characters and escapes added), and a
+    greedy pick takes a multi-byte token there."""
+    from openm3.engine.json_grammar import _HSTR, _LSTR, _NSTR, _PSTR, compile_schema
 
     extra = ["é".encode(), "é".encode()[:1], "日".encode(), "日".encode()[:2], "😀".encode(), "😀".encode()[:3],
              b"\\t", b"\\", b"\\u00", b"\\u00e9", b"\\ud83d", b"\\ud83d\\ude00", b'\\\\x"', b'06"', "é\"".encode(),
              b"20", b"24-", b'abc"', "日é".encode(), b'": "2', '": "é'.encode(), '": "日本'.encode(),
-             '": "aé'.encode()[:-1], b'ord": "a', b', "word": "', b'", "esc": "\\t']  # into a pattern string
+             '": "aé'.encode()[:-1], b'ord": "a', b', "word": "', b'", "esc": "\\t',  # into a pattern string
+             b"\\u", b"\\u00e", b"\\ud83d\\u", b"\\ude", b"00", b"\xa9", b"\xe6\x97", b"\x97\xa5"]
     vocab = TokenBytes([*TokenBytes.from_tokenizer(tok).pieces, *extra])
     checked, kinds, twins = 0, set(), 0
     for schema, doc in [(PATTERN_SCHEMA, d) for d in PATTERN_DOCS] + [(ANY_KEY_PATTERN, '{"k": "aé", "kk": "日"}')]:
         grammar = compile_schema(schema)
         transitions = TransitionCache(grammar, vocab)
         data, state, k = doc.encode(), grammar.start, 0
+        between = getattr(grammar, "whole_characters_at", None)
         while k < len(data):
-            inside = grammar.whole_characters_at(state)
-            step = grammar.character_length(data, k) if inside else 1
-            if inside:
+            whole = between is not None and between(state)
+            step = grammar.character_length(data, k) if whole else 1
+            if type(state) is tuple and state[0] in (_NSTR, _PSTR, _LSTR, _HSTR):
                 kinds.add(state[0])
                 twins += grammar.length_twin(state) is not None
             # every state, those whose tokens walk into a pattern string (closing a key first) included
@@ -470,7 +474,7 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
             assert state is not None, (doc, k)
             k += step
         assert grammar.complete(state)
-    assert checked > 20 and kinds == {_NSTR, _PSTR, _LSTR}  # automata (with lengths too), the regex package
+    assert checked > 20 and kinds == {_NSTR, _PSTR, _LSTR, _HSTR}  # automata (lengths, inside a character too)
     assert twins > 20  # positions of "long" that took a shared length twin's mask
     ids = {p: t for t, p in enumerate(vocab.pieces)}
     transitions = TransitionCache(compile_schema(PATTERN_SCHEMA), vocab)
@@ -479,3 +483,69 @@ def test_full_masks_inside_pattern_strings_equal_the_brute_force_mask(tok):
     row = torch.zeros(len(vocab))
     row[ids["日é".encode()]] = 5.0
     assert c.pick(row, SamplingParams()) == ids["日é".encode()]
+
+
+@pytest.mark.parametrize("schema,doc", [
+    ({"type": "string", "pattern": "^[中😀]+$"}, '"😀中"'),
+    ({"type": "string", "pattern": "^[中😀]+$", "minLength": 2, "maxLength": 3}, '"中\\ud83d\\ude00\\u4E2D"'),
+    ({"type": "object", "properties": {"k": {"type": "string", "pattern": "é|\\d"}}}, '{"k": "\\u0660\\u00e9é"}'),
+], ids=["pattern", "lengths", "escapes"])
+def test_pattern_string_characters_no_token_holds_are_written_through_byte_tokens(schema, doc):
+    """A vocabulary whose only tokens are single bytes: greedy picks write a pattern string's characters, and
+    escapes, byte by byte (a byte-level tokenizer splits rare characters and `\\uXXXX` escapes)."""
+    from openm3.engine.json_grammar import compile_schema
+    from test_regex_grammar import BYTES_ONLY, write
+
+    write(TransitionCache(compile_schema(schema), TokenBytes(BYTES_ONLY)), doc.encode())
+
+
+SPLIT_TEXT = "ab é中文 😀x 日本 \u212a ſé 中😀ab"
+OTHER_TEXT = "Ωж中b 9€ 😃x 丁 ab"  # (tokens from it too: many refused)
+
+
+@pytest.mark.parametrize("kind", ["regex-class", "regex-word", "lark", "json-pattern", "tool-text"])
+def test_full_masks_with_tokens_cut_anywhere_equal_the_brute_force_mask(kind):
+    """Tokens cut from multilingual text at random byte offsets (so they start and end inside characters) and
+    every single byte: at every byte of a text, inside characters too, the full mask (a character per trie edge
+    where a token holds it whole, its first bytes where it ends inside one) equals checking each token, and the
+    first-byte mask lets through the first byte of every allowed token."""
+    import random
+
+    from openm3.engine.cfg_grammar import CfgGrammar
+    from openm3.engine.json_grammar import compile_schema
+    from openm3.engine.regex_grammar import RegexGrammar
+    from openm3.engine.tool_grammar import START, ToolCallGrammar
+
+    rng = random.Random(kind)
+    data = SPLIT_TEXT.encode()
+    pieces = {bytes((b,)) for b in range(0xF8)}
+    for text in (data, OTHER_TEXT.encode()):
+        for _ in range(2000):
+            i = rng.randrange(len(text))
+            pieces.add(text[i:i + rng.randint(1, 9)])
+    vocab = TokenBytes(sorted(pieces))
+    grammar, head = {
+        "regex-class": (lambda: RegexGrammar("[a-zé中文日本😀 \u212aſ]+"), b""),
+        "regex-word": (lambda: RegexGrammar("([\\w😀]+ )*[\\w😀]+"), b""),
+        "lark": (lambda: CfgGrammar('start: item (" " item)*\nitem: /[a-zé中文日本\u212aſ]+/ | "😀x" | /中😀[a-z]+/'),
+                 b""),
+        "json-pattern": (lambda: compile_schema({"type": "string", "pattern": "(?i)^[a-zé中文日本😀 ſ]+$",
+                                                 "maxLength": 40}), b'"'),
+        "tool-text": (lambda: ToolCallGrammar([{"name": "t", "text_grammar": {"parameter": "q", "syntax": "regex",
+                                                "definition": "[a-z é中文😀日本\u212aſ]+"},
+                                                "parameters": {"type": "object", "properties": {"q": {}}}}], "t"),
+                      START + b'\n<invoke name="t">\n<parameter name="q">'),
+    }[kind]
+    grammar = grammar()
+    transitions = TransitionCache(grammar, vocab)
+    state, checked = grammar.advance(grammar.start, head), 0
+    for k in range(len(data) + 1):
+        want = torch.tensor([p is not None and grammar.advance(state, p) is not None for p in vocab.pieces])
+        assert torch.equal(transitions.full_mask(state), want), (kind, data[:k])
+        firsts = transitions.first_bytes(state)
+        assert bool(firsts[vocab.first_byte[want]].all()), (kind, data[:k])
+        checked += int(want.sum())
+        if k < len(data):
+            state = grammar.advance(state, data[k:k + 1])
+            assert state is not None, (kind, data[:k + 1])
+    assert 1000 < checked < 0.8 * len(vocab) * (len(data) + 1)

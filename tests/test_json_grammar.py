@@ -760,3 +760,98 @@ def test_valid_schemas_pass_validate_schema_whatever_compile_schema_supports(sch
 
     validate_schema(schema)
     jsonschema.validators.validator_for(schema).check_schema(schema)  # the oracle agrees it is valid
+
+
+def _escape(c: int, rng: random.Random) -> bytes:
+    """The `\\uXXXX` escape of code point c (a surrogate pair past U+FFFF), its hex digits in random case."""
+    units = [c] if c < 0x10000 else [0xD800 + ((c - 0x10000) >> 10), 0xDC00 + ((c - 0x10000) & 0x3FF)]
+    text = "".join(f"\\u{u:04x}" for u in units)
+    return "".join(ch.upper() if ch in "abcdef" and rng.random() < 0.5 else ch for ch in text).encode()
+
+
+def test_held_escapes_stand_for_the_characters_they_start():
+    """`_held_ranges` of the first bytes of an escape (`\\`, `\\u`, hex digits, a high surrogate and its pair so
+    far): it holds every character whose escape starts so, the characters at and inside its ranges' edges start
+    so, those just outside do not; whole escapes and bytes that start none give None."""
+    from openm3.engine.json_grammar import _held_ranges
+
+    rng = random.Random(0)
+
+    def starts(c: int, prefix: bytes) -> bool:
+        return not 0xD800 <= c <= 0xDFFF and 0 <= c <= 0x10FFFF and (
+            prefix in (b"\\", b"\\u") or _escape(c, rng).lower().startswith(prefix.lower()))
+
+    for _ in range(3000):
+        c = rng.choice([rng.randrange(0xD800), rng.randrange(0xE000, 0x110000), 0x10FFFF, 0x10000, 0xFFFF])
+        data = _escape(c, rng)
+        for k in range(1, len(data)):
+            ranges = _held_ranges(data[:k])
+            assert ranges is not None and any(lo <= c <= hi for lo, hi in ranges), (data[:k], hex(c))
+            for lo, hi in ranges:
+                for d in (lo, hi, rng.randint(lo, hi)):
+                    assert starts(d, data[:k]) or 0xD800 <= d <= 0xDFFF, (data[:k], hex(d))
+                for d in (lo - 1, hi + 1):
+                    if not any(a <= d <= b for a, b in ranges):
+                        assert not starts(d, data[:k]), (data[:k], hex(d))
+    for data in (b"\\n", b"\\u0041", b"\\ud83d\\ude00", b"\\x", b"\\udc", b"\\ud83d\\n", b"\\ud83d\\ud8", b"\\u00g"):
+        assert _held_ranges(data) is None, data
+    assert _held_ranges(b"\\uD") == ((0xD000, 0xD7FF), (0x10000, 0x10FFFF))
+
+
+PATTERN_STATES = [  # (schema, [(the text before, how many characters `check_split_characters` finds taken there
+    # of those it checks whole: None, many)])
+    ({"type": "string", "pattern": "^[a-zé中😀]+$"}, [('"a', 3)]),
+    ({"type": "string", "pattern": "^[a-zé中😀]+$", "maxLength": 3}, [('"ab', 3), ('"abc', 0)]),
+    ({"type": "string", "pattern": "^[a-z]*中\\Z", "minLength": 3}, [('"ab', 1), ('"a', 0)]),  # 中 too soon
+    ({"type": "string", "pattern": "^[a-z]*中$", "minLength": 3}, [('"a', 1)]),  # ($: a newline may follow)
+    ({"type": "string", "pattern": "(?i)^[^\\W\\d_]é$"}, [('"', None)]),
+    ({"type": "string", "pattern": "é|\\d"}, [('"', None)]),  # a match anywhere: any character may come
+]
+
+
+@pytest.mark.parametrize("schema,states", PATTERN_STATES, ids=range(len(PATTERN_STATES)))
+def test_a_pattern_string_takes_a_character_s_first_bytes_when_some_completion_fits(schema, states):
+    """Inside a string with a pattern (an automaton, with length bounds too): every lead byte and longer prefix,
+    down to whole characters (`check_split_characters`), is taken exactly when some character that starts with it
+    keeps a match possible within the bounds."""
+    from test_regex_grammar import check_split_characters
+
+    g = compile_schema(schema)
+    for before, taken in states:
+        got = check_split_characters(g.advance, g.advance(g.start, before.encode()))
+        assert got == taken if taken is not None else got > 100, before
+
+
+@pytest.mark.parametrize("schema,before", [({"type": "string", "pattern": "^[a-z中😀]$"}, '"'),
+                                           ({"type": "string", "pattern": "^x*[\\n中😀é]$", "maxLength": 2}, '"x'),
+                                           ({"type": "string", "pattern": "^[\\u0000-\\u4e2d]+$"}, '"')])
+def test_a_pattern_string_takes_an_escape_s_first_bytes_when_some_completion_fits(schema, before):
+    """Inside a string with a pattern: the first bytes of an escape (`\\`, `\\u`, hex digits, a high surrogate and
+    its pair so far) are taken exactly when some whole escape that starts with them is (those on the way to
+    `\\u4e2d`, `\\u0061`, `\\u000a`, `\\u00e9`, `\\ud83d\\ude00` checked down to the whole escapes, each hex digit
+    in both cases; the other prefixes answer for themselves, the shorter ones checked against them)."""
+    g = compile_schema(schema)
+    state = g.advance(g.start, before.encode())
+    ways = (b"\\u4e2d", b"\\u0061", b"\\u000a", b"\\u00e9", b"\\ud83d\\ude00")
+    deep = {q[:k] for q in ways for k in range(1, len(q))}
+    taken = []
+
+    def answer(p: bytes) -> bool:
+        got = g.advance(state, p) is not None
+        try:
+            text = json.loads(b'"' + p + b'"')
+            whole = not any(0xD800 <= ord(ch) <= 0xDFFF for ch in text)
+        except ValueError:
+            whole = False
+        if whole:
+            taken.append(p) if got else None
+            return got
+        if p.lower() not in deep:
+            return got
+        kids = [p + bytes((b,)) for b in b'"\\/bfnrtux0123456789abcdefABCDEF']
+        want = any([answer(k) for k in kids])
+        assert got == want, p
+        return want
+
+    assert answer(b"\\")
+    assert len(taken) > 3

@@ -201,3 +201,60 @@ def test_written_size_counts_what_repeats_write_out(pattern, size):
     from openm3.engine.regex_nfa import written_size
 
     assert written_size(pattern) == size
+
+
+RANGED = PATTERNS + [r"[a-z\u4e00-\u9fff]+", r"(?i)[a-zé]\w*", r"[^\d\s]", r"\W\D?", r"(?s)x.y", r"😀|中文|\U0010ffff",
+                     r"[^a-z\u0100-\U0010ffff]", r"(?i)k+s", r"[\U0001f600-\U0001f64f]+"]
+
+
+@pytest.mark.parametrize("pattern", RANGED)
+@pytest.mark.parametrize("search", [True, False], ids=["search", "fullmatch"])
+def test_step_range_is_the_union_of_the_steps(pattern, search):
+    """`step_range(states, lo, hi)`, the states some character of lo..hi leads to, equals the union of `step` over
+    every character of the range (surrogates are no characters), for states after random texts and ranges of
+    every size up to the 4096 characters of a 3-byte lead byte: small ranges anywhere, and the ranges of the
+    first bytes of random characters."""
+    from openm3.engine.utf8 import utf8_range
+
+    nfa = compile_nfa(pattern, search=search)
+    assert nfa is not None
+    rng = random.Random(pattern)
+    alphabet = ALPHABET + "Éſ\u212a中文丁\U0010ffff\u0660"
+    for trial in range(6):
+        states = nfa.start
+        for ch in "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3))):
+            states = nfa.step(states, ch)
+        for _ in range(5):
+            if rng.random() < 0.5:
+                lo = rng.choice([0, 0x60, 0xC0, 0x4E00, 0xD7F0, 0x1F600, 0x10FFF0, rng.randrange(0x110000)])
+                hi = min(lo + rng.choice([0, 1, 20, 300]), 0x10FFFF)
+            else:
+                data = chr(rng.choice([rng.randrange(0x80, 0xD800), ord(rng.choice(alphabet[-9:]))])).encode()
+                lo, hi = utf8_range(data[:rng.randint(1, len(data) - 1)] if len(data) > 1 else data)
+            chars = [chr(c) for c in range(lo, hi + 1) if not 0xD800 <= c <= 0xDFFF]
+            if not chars or len(chars) > 4096:
+                continue
+            union = frozenset().union(*(nfa.step(states, ch) for ch in chars))
+            assert nfa.step_range(states, lo, hi) == union, (trial, hex(lo), hex(hi))
+
+
+@pytest.mark.parametrize("pattern,ranges", [
+    (r"\w", [(0x10000, 0x3FFFF, True), (0x1F600, 0x1F64F, False), (0xE0000, 0xEFFFF, False)]),
+    (r"(?i)[^\W\d_a-z]", [(0x10000, 0x3FFFF, True), (0x100000, 0x10FFFF, False), (0xC0, 0xFF, True)]),
+    (r"[^\x00-\U0001ffff]", [(0x10000, 0x3FFFF, True), (0x1F000, 0x1FFFF, False), (0x80, 0x7FF, False)]),
+    (r"[\ud800-\udfff\u4e00]", [(0xD000, 0xD7FF, False), (0x4E00, 0x4E3F, True), (0xE000, 0xFFFF, False)]),
+    (r"(?s).", [(0x10FFFF, 0x10FFFF, True)]), (r".", [(0x0A, 0x0A, False), (0x0A, 0x0B, True)]),
+])
+def test_the_widest_ranges_are_answered_exactly_and_fast(pattern, ranges):
+    """The 4-byte lead byte F0 stands for ~196K characters: whether a class (with categories, ignore-case,
+    negation, surrogates among its members) passes some character of such a range is a search of the class's own
+    ranges, made once (`re`'s class run over every character); exact at the edges."""
+    nfa = compile_nfa(pattern, search=False)
+    started = time.perf_counter()
+    for lo, hi, some in ranges:
+        assert nfa.live(nfa.step_range(nfa.start, lo, hi)) == some, (hex(lo), hex(hi))
+    assert time.perf_counter() - started < FAST
+    rx = re.compile(pattern)
+    for lo, hi, some in ranges:
+        if hi - lo < 300_000:
+            assert any(rx.fullmatch(chr(c)) for c in range(lo, hi + 1) if not 0xD800 <= c <= 0xDFFF) == some

@@ -66,9 +66,10 @@ def test_the_patch_grammar_inside_the_call_markup():
     # a value the grammar does not derive cannot be closed; one it does not begin cannot be written at all
     assert grammar.advance(grammar.start, head + PATCH.encode()[:-15] + tail) is None
     assert grammar.advance(grammar.start, head + b"hello") is None
-    # `<` inside the text is text until `</parameter>` is whole; a token may not end inside a character
+    # `<` inside the text is text until `</parameter>` is whole; a token may end inside a character the grammar
+    # takes there
     assert grammar.advance(grammar.start, head + b"*** Begin Patch\n*** Add File: a</p") is not None
-    assert grammar.advance(grammar.start, head + "*** Begin Patch\n*** Add File: é".encode()[:-1]) is None
+    assert grammar.advance(grammar.start, head + "*** Begin Patch\n*** Add File: é".encode()[:-1]) is not None
     regex = ToolCallGrammar([{**tool, "text_grammar": {"parameter": "input", "syntax": "regex",
                                                        "definition": r"\d+(<\d+)?"}}], "apply_patch")
     for value, ok in ((b"12", True), (b"12<3", True), (b"12<", False), (b"x", False)):

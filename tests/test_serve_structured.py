@@ -179,8 +179,8 @@ def test_vllm_guided_fields(client, model, tok):
     keyed = {"type": "object", "required": ["id"], "additionalProperties": False,
              "properties": {"id": {"type": "string", "pattern": "^[a-c]{2}-[0-9]é?$"}}}  # a JSON string's pattern
     r = plain.post("/v1/chat/completions", json={**ASK, "temperature": 1.0, "seed": 4, "n": 3, "guided_json": keyed})
-    for c in r.json()["choices"]:
-        assert re.fullmatch(r"[a-c]{2}-[0-9]é?", json.loads(c["message"]["content"])["id"]), c
+    for c in r.json()["choices"]:  # as JSON Schema's Python checkers read a pattern: `$` takes a final newline too
+        assert re.search(keyed["properties"]["id"]["pattern"], json.loads(c["message"]["content"])["id"]), c
 
 
 def test_vllm_guided_grammar(model, tok):

@@ -195,9 +195,9 @@ def test_huge_counts_in_parameters_compile_at_once(n):
 
 
 def test_text_grammar_values_full_masks_equal_checking_each_token():
-    """A custom tool's input under a text grammar (`text_grammar`): the full mask (walked by whole characters
-    there, by bytes elsewhere) equals checking each token whole, with non-ASCII tokens and tokens that end inside a
-    character (refused inside the value); the value ends only where the grammar has a sentence."""
+    """A custom tool's input under a text grammar (`text_grammar`): the full mask (walked by bytes) equals checking
+    each token whole, with non-ASCII tokens and tokens that end inside a character (taken inside the value where
+    some character that starts so may come); the value ends only where the grammar has a sentence."""
     import torch
 
     from openm3.engine.constrained import TokenBytes, TransitionCache
@@ -213,15 +213,18 @@ def test_text_grammar_values_full_masks_equal_checking_each_token():
     g = ToolCallGrammar([tool], "t")
     transitions = TransitionCache(g, vocab)
     head = START + b'\n<invoke name="t">\n<parameter name="input">'
-    for text in [b"", b"a", "é".encode(), "日a<".encode(), b"ab</", b"ab</param"]:
+    for text in [b"", b"a", "é".encode(), "日a<".encode(), b"ab</", b"ab</param", "日".encode()[:1], b"\xc3"]:
         state = g.advance(g.start, head + text)
         assert state is not None, text
         want = torch.tensor([g.advance(state, p) is not None for p in pieces])
         assert torch.equal(transitions.full_mask(state), want), text
     state = g.advance(g.start, head + b"ab")
     allowed = {p for p, ok in zip(pieces, transitions.full_mask(state)) if ok}
-    assert {"é".encode(), "éa".encode(), "日".encode(), b"</parameter>", b"<"} <= allowed
-    assert not {"é".encode()[:1], "日".encode()[:2], b"a" + "é".encode()[:1], b" ", b"\n"} & allowed
+    assert {"é".encode(), "éa".encode(), "日".encode(), b"</parameter>", b"<", "é".encode()[:1], "日".encode()[:2],
+            b"a" + "é".encode()[:1]} <= allowed
+    assert not {b" ", b"\n"} & allowed
+    held = g.advance(state, "日".encode()[:2])  # inside a character: only its last byte, no tag, no end
+    assert [b for b in range(256) if g.advance(held, bytes((b,))) is not None] == ["日".encode()[2]]
     assert g.advance(g.start, head + b"</parameter>") is None  # an empty value is no sentence
     assert g.advance(g.start, head + b"a<</parameter>") is None
 
@@ -332,3 +335,42 @@ def test_sampled_bounded_values_are_utf8_within_their_lengths():
             assert state[0] == "lits" and out.endswith(b"</parameter>"), out
             if which == "city":
                 assert 2 <= len(value) <= 10, value
+
+
+@pytest.mark.parametrize("syntax,definition,whole", [("regex", "[\u4e00-\u9fff]+", False),
+                                                     ("lark", 'start: "😀" /[\u4e00-\u9fff]/+', False),
+                                                     ("regex", "(?=.)[\u4e00-\u9fff😀]+", True)],
+                         ids=["regex", "lark", "regex-package"])
+def test_text_grammar_characters_no_token_holds(syntax, definition, whole):
+    """A vocabulary whose only tokens of non-ASCII text are single bytes: inside a call, greedy picks write a text
+    grammar's characters byte by byte (an automaton's regex, a Lark grammar), then the end tag. Under a regex left
+    to the `regex` package (lookahead), which is asked about whole texts, a token may not end inside a character:
+    refused, and the full mask (walked a character at a time there) agrees."""
+    import torch
+
+    from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionCache
+    from openm3.engine.sampling import SamplingParams
+
+    tool = {"name": "t", "parameters": {"type": "object", "properties": {"input": {"type": "string"}}},
+            "text_grammar": {"parameter": "input", "syntax": syntax, "definition": definition}}
+    pieces = [None] + [bytes((b,)) for b in range(0xF8)] + [START, END, "中".encode(), "😀".encode()]
+    g = ToolCallGrammar([tool], "t")
+    transitions = TransitionCache(g, TokenBytes(pieces))
+    head = START + b'\n<invoke name="t">\n<parameter name="input">'
+    value = ("😀中文" if syntax == "lark" else "中文").encode()
+    state = g.advance(g.start, head)
+    want = torch.tensor([p is not None and g.advance(state, p) is not None for p in pieces])
+    assert torch.equal(transitions.full_mask(state), want)
+    assert bool(want[1 + value[0]]) != whole  # a lead byte alone
+    if whole:
+        assert g.advance(g.start, head + value + b"</parameter>") is not None
+        return
+    c = GrammarConstraint(transitions, [0])
+    c.read(head)
+    for b in value + b"</parameter>\n</invoke>\n":
+        row = torch.zeros(len(pieces))
+        row[1 + b] = 5.0
+        assert c.pick(row, SamplingParams()) == 1 + b, bytes((b,))
+    row = torch.zeros(len(pieces))
+    row[pieces.index(END)] = 5.0
+    assert c.pick(row, SamplingParams()) == pieces.index(END) and c.complete

@@ -23,7 +23,11 @@ automaton): a stack is the rule positions still open, innermost first, and a sta
 text (a stack ends where its innermost rule waits on a terminal: a literal and how far into it, or a regex and
 its automaton's states). Texts that lead to the same set share it, and with it `TransitionCache`'s masks. Every
 stack in a state can still be completed (rules are checked productive), so decoding never paints itself into a
-corner. Like `RegexGrammar`, the text grows by whole UTF-8 characters.
+corner. A token may end inside a multi-byte character (a byte-level tokenizer splits rare characters over byte
+tokens): the state then holds the character's first bytes beside the set of stacks before it, and takes them when
+some character that starts with them (a range of code points, `openm3.engine.utf8`) moves some stack: a literal
+waiting on a character of the range, or a regex some character of it keeps alive (`Nfa.step_range`). The
+character is stepped once whole, and the text is not `complete` while one is open.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ import collections
 import re
 from typing import Iterator
 
-from .json_grammar import utf8_length
 from .regex_nfa import Nfa, compile_nfa, strong_components
+from .utf8 import split_utf8, utf8_length, utf8_range
 
 __all__ = ["CfgGrammar"]
 
+_UNSEEN = object()  # a memo's "not asked yet" (None is an answer)
 MAX_STACKS = 4096  # stacks in one state: past it the grammar is too ambiguous to follow this way
 
 _COMMON = {  # Lark's common.lark terminals, as regexes
@@ -454,6 +459,8 @@ class CfgGrammar:
         self._remove_left_recursion()
         self._check_left_recursion()
         self._steps: dict = {}
+        self._ranges: dict = {}  # (state, lo, hi) -> whether some character of the range moves a stack
+        self._cuts: dict = {}  # (state, data) -> `_cut`'s answer
         self.start = self._closure([((self.root, a, 0), None, None) for a in range(len(self.rules[self.root]))])
         if not self.start:
             raise ValueError("grammar: the start rule derives nothing")
@@ -639,27 +646,76 @@ class CfgGrammar:
         rest = self._closure([s for s in moved if s[1] is None]) if len(inside) < len(moved) else frozenset()
         return rest | frozenset(inside)
 
+    def _takes_range(self, state: frozenset, lo: int, hi: int) -> bool:
+        """Whether some character of code points lo..hi moves some stack of `state` (its step is then not empty:
+        every stack moved closes into stacks again); memoised (at most 2**16 questions, then cleared)."""
+        key = (state, lo, hi)
+        found = self._ranges.get(key)
+        if found is None:
+            found = False
+            for stack in state:
+                if stack is None:
+                    continue
+                (rule, alt, pos), sub, _ = stack
+                kind, value = self.rules[rule][alt][pos]
+                if lo <= ord(value[sub]) <= hi if kind == "lit" else value.live(value.step_range(sub, lo, hi)):
+                    found = True
+                    break
+            if len(self._ranges) >= 1 << 16:
+                self._ranges.clear()
+            self._ranges[key] = found
+        return found
+
     def advance(self, state, data: bytes):
+        """The state after `data` (None: no sentence starts with the text then): a set of stacks, or (set of
+        stacks, held) inside a character whose first bytes `held` are."""
+        if type(state) is tuple:  # inside a character: its first bytes come first
+            state, held = state
+            data = held + data
         try:
-            text = data.decode("utf-8")  # strict: an incomplete or invalid character is refused
-        except UnicodeDecodeError:
-            return None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:  # it ends inside a character (or is not UTF-8)
+            return self._cut(state, data, e.start)
         for ch in text:
             state = self._step(state, ch)
             if not state:
                 return None
         return state
 
-    def complete(self, state) -> bool:
-        return None in state
+    def _cut(self, state: frozenset, data: bytes, failed: int):
+        """`advance` where `data` (a held character's first bytes included) ends inside a character (its strict
+        decode failed at `failed`): its whole characters stepped, then the next one's first bytes taken when some
+        character of their range moves a stack (`_takes_range`); None where it is not UTF-8. Memoised for data of
+        up to 4 bytes (a token walk asks the same first bytes from the same states again and again; at most 2**16
+        answers, then cleared)."""
+        key = (state, data)
+        out = self._cuts.get(key, _UNSEEN)
+        if out is not _UNSEEN:
+            return out
+        out = split_utf8(data, failed)
+        if out is not None:
+            (text, held), out = out, state
+            for ch in text:
+                out = self._step(out, ch)
+                if not out:
+                    out = None
+                    break
+            if out is not None:
+                out = (out, held) if self._takes_range(out, *utf8_range(held)) else None
+        if len(data) <= 4:
+            if len(self._cuts) >= 1 << 16:
+                self._cuts.clear()
+            self._cuts[key] = out
+        return out
 
     @staticmethod
-    def whole_characters_at(state) -> bool:
-        """Every state lies between whole UTF-8 characters (`TransitionCache` walks tokens a character at a time)."""
-        return True
+    def complete(state) -> bool:
+        return type(state) is not tuple and None in state
 
+    # split characters are taken: `TransitionCache` walks a character per trie edge where a token holds it whole
+    character_steps = True
     character_length = staticmethod(utf8_length)  # a character's bytes at data[i] (0: data ends inside it)
 
     @staticmethod
     def can_continue(state) -> bool:
-        return any(s is not None for s in state)
+        return type(state) is tuple or any(s is not None for s in state)

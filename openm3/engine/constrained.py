@@ -53,6 +53,7 @@ __all__ = ["ChoiceGrammar", "GrammarConstraint", "TokenBytes", "TransitionCache"
 _NO_BYTES = 256  # first-byte slot of tokens with no bytes (special tokens): never allowed by the grammar
 _QUOTE = 0x22  # `"`: a grammar's `quote_free_twin` answers for the tokens without it
 _NOT_UTF8 = 0xF8  # bytes from here on occur in no UTF-8 text: the byte tokens holding them are never allowed
+_SPLIT = 2  # `_walk`'s mode for a state that takes split characters: a character per edge where a token holds it
 
 
 class TokenBytes:
@@ -138,7 +139,15 @@ class TransitionCache:
     """A grammar with memoised transitions: `next(state, token)` is the state after the token's bytes (None: not
     allowed), computed once per (state, token) and shared by every request over this grammar. Holds at most
     `max_entries` transitions (cleared when full: a cache, not a record; ~120 bytes each, measured, so the default
-    bounds it near 25 MB) and `max_masks` full masks (V bools each), and as many of quote-free twins' masks."""
+    bounds it near 25 MB) and `max_masks` full masks (V bools each), and as many of quote-free twins' masks.
+
+    A grammar's state may lie inside a multi-byte character (regexes, Lark grammars and JSON pattern strings hold
+    its first bytes, `openm3.engine.utf8`): a byte-level tokenizer splits rare characters over byte tokens. One
+    whose states (some of them) take whole characters only says where (`whole_characters_at`, with
+    `character_length`): its tokens are walked a character per trie edge there, and a token that ends inside one
+    is refused. One that takes split characters in every state may say so (`character_steps`, with
+    `character_length`): its tokens are walked a character per edge where they hold it whole, the first bytes of
+    one per edge where they end inside it (fewer edges than a byte each)."""
 
     def __init__(self, grammar, vocab: TokenBytes, max_entries: int = 200_000, max_masks: int = 64):
         self.grammar, self.vocab, self.max_entries, self.max_masks = grammar, vocab, max_entries, max_masks
@@ -152,6 +161,8 @@ class TransitionCache:
         # grammars whose states (some of them) lie between whole characters: walked a character per trie edge
         self._chars_at = getattr(grammar, "whole_characters_at", None)
         self._char_length = getattr(grammar, "character_length", None)
+        if getattr(grammar, "character_steps", False):  # states that take split characters, walked by characters
+            self._chars_at = _split_characters
         self._closes = hasattr(grammar, "quote_close")
         self._length_twins = hasattr(grammar, "length_twin")  # bounded pattern strings: see `full_mask`
         self._by_length: tuple | None = None  # (token ids longest first, minus their byte lengths), made when needed
@@ -303,7 +314,8 @@ class TransitionCache:
         mask = self._first.get(state)
         if mask is None:
             mask = torch.zeros(_NO_BYTES + 1, dtype=torch.bool)
-            whole = self._chars_at is not None and self._chars_at(state)
+            mode = self._chars_at(state) if self._chars_at is not None else False
+            whole = bool(mode) and mode != _SPLIT
             for b in range(256):
                 mask[b] = (whole and (0xC2 <= b <= 0xF4 or b == 0x5C)) or \
                     self.grammar.advance(state, bytes((b,))) is not None
@@ -343,18 +355,22 @@ def _walk(advance, state, pieces: list[bytes], ids: list[int], lo: int, hi: int,
           chars_at=None, char_length=None) -> None:
     """Appends to `out` the ids of pieces[lo:hi] (sorted; all share their first `depth` bytes, read into `state`)
     that the grammar accepts, advancing one byte per trie edge and skipping the subtree of a refused edge. Where
-    `chars_at(state)` says the state lies between whole characters, an edge is one character
-    (`char_length(piece, depth)`, 0 for a piece that ends inside it: refused)."""
+    `chars_at(state)` says the state lies between whole characters (True), an edge is one character
+    (`char_length(piece, depth)`, 0 for a piece that ends inside it: refused); where it says `_SPLIT` (a grammar
+    that takes split characters: `character_steps`), an edge is one character too, or the first bytes of one
+    that a piece ends inside (fewer edges than a byte each, the answers the same)."""
     i = lo
     while i < hi and len(pieces[i]) == depth:  # the shared prefix itself is a token
         out.append(ids[i])
         i += 1
-    whole = chars_at is not None and chars_at(state)
+    mode = chars_at(state) if chars_at is not None else False
     while i < hi:
-        step = char_length(pieces[i], depth) if whole else 1
+        step = char_length(pieces[i], depth) if mode else 1
         if step == 0:  # ends inside a character (the shorter pieces of a group sort first)
-            i += 1
-            continue
+            if mode != _SPLIT:
+                i += 1
+                continue
+            step = len(pieces[i]) - depth
         head = pieces[i][:depth + step]
         b = head[-1]
         j = hi if b == 255 else bisect.bisect_left(pieces, head[:-1] + bytes((b + 1,)), i, hi)
@@ -362,6 +378,10 @@ def _walk(advance, state, pieces: list[bytes], ids: list[int], lo: int, hi: int,
         if after is not None:
             _walk(advance, after, pieces, ids, i, j, depth + step, out, chars_at, char_length)
         i = j
+
+
+def _split_characters(state) -> int:
+    return _SPLIT
 
 
 class GrammarConstraint:

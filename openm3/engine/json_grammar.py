@@ -60,9 +60,13 @@ Spelling rules (what the matcher accepts beyond plain JSON syntax)
 - Strings must be valid UTF-8 (no control bytes, no lone continuation or invalid lead bytes, no surrogate code
   points); a `\\uD8xx` high-surrogate escape must be followed by a `\\uDCxx` low one (lone surrogates would not
   re-encode). Lengths count code points, an escape (or a surrogate pair) as one.
-- Inside a string with a pattern the text grows by whole characters (an escape is one): the state after each is
-  checked (some longer text must still contain a match), so data that ends inside a character or an escape is
-  refused there (`whole_characters_at` tells a token walk to step by characters in such states).
+- Inside a string with a pattern the state after each character (an escape is one) is checked: some longer text
+  must still contain a match (within the length bounds). Data may end inside a character or an escape where the
+  pattern runs as an automaton: the configuration then holds its first bytes and takes them when some character
+  that starts with them may come (a range of code points or two: `openm3.engine.utf8`, `_held_ranges`;
+  `Nfa.step_range`); the character counts toward the lengths when whole. Under the `regex` package's partial
+  search, which is asked about a text, the text grows by whole characters: data that ends inside one is refused
+  there (`whole_characters_at` tells a token walk to step by characters in such states).
 - Integers are `-?(0|[1-9][0-9]*)`; numbers JSON's full grammar. Duplicate keys are refused.
 - Whitespace (space, \\n, \\r, \\t) comes in runs of at most `max_whitespace` bytes between tokens, before the
   top-level value and after it.
@@ -79,8 +83,9 @@ import re
 from urllib.parse import unquote
 
 from .regex_nfa import MAX_WRITTEN, Nfa, compile_nfa, written_size
+from .utf8 import UTF8_LEAD, UTF8_PENDING, utf8_length, utf8_prefix, utf8_range
 
-__all__ = ["JsonGrammar", "compile_schema", "utf8_length", "validate_schema"]
+__all__ = ["JsonGrammar", "compile_schema", "validate_schema"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # Keyword sets
@@ -114,7 +119,9 @@ _TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
 #   (_NSTR, nfa, states, parent)                           the same, the pattern as an automaton: its state set
 #   (_LSTR, (nfa, min_len, max_len), states, count, parent)  the same with a length bound: count = characters
 #                                                          (capped at min_len without a max_len)
-_VAL, _STR, _NUM, _LIT, _OBJ, _ARR, _KEYX, _KEYA, _END, _PSTR, _NSTR, _LSTR = range(12)
+#   (_HSTR, spec, states, count, held, parent)             inside a character of an _NSTR (spec: its nfa, count 0)
+#                                                          or _LSTR (spec: its triple) string: its first bytes held
+_VAL, _STR, _NUM, _LIT, _OBJ, _ARR, _KEYX, _KEYA, _END, _PSTR, _NSTR, _LSTR, _HSTR = range(13)
 
 _OBJ_OPEN, _OBJ_COMMA, _OBJ_KEY, _OBJ_VALUE = range(4)  # after `{`, after `,`, after a key, after a value
 _ARR_OPEN, _ARR_VALUE = range(2)  # after `[`, after an item
@@ -151,35 +158,6 @@ def _pattern_admits(pattern, value: str) -> bool:
         if not states:
             return False
     return pattern.matched(states)
-
-
-def utf8_length(data: bytes, i: int) -> int:
-    """Bytes of the UTF-8 character that data[i] starts; 0 when data ends inside it (a byte that starts none counts
-    as one: a grammar refuses it)."""
-    b = data[i]
-    n = 1 if b < 0xC0 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4 if b < 0xF8 else 1
-    return n if i + n <= len(data) else 0
-
-
-def _utf8_tables():
-    """UTF-8 state for a multi-byte sequence cut by a token boundary. `lead[b]` is the state after lead byte b (0:
-    b cannot start a sequence); `pending[s]` = (lo, hi, next): the next byte must lie in lo..hi, then state next."""
-    pending = [None, (0x80, 0xBF, 0), (0x80, 0xBF, 1), (0x80, 0xBF, 2),
-               (0xA0, 0xBF, 1), (0x80, 0x9F, 1), (0x90, 0xBF, 2), (0x80, 0x8F, 2)]
-    lead = [0] * 256
-    for b in range(0xC2, 0xE0):
-        lead[b] = 1
-    for b in range(0xE1, 0xF0):
-        lead[b] = 2
-    lead[0xE0], lead[0xED] = 4, 5
-    for b in range(0xF1, 0xF4):
-        lead[b] = 3
-    lead[0xF0], lead[0xF4] = 6, 7
-    return tuple(lead), tuple(pending)
-
-
-# shared with the tool-call grammar's raw values (`tool_grammar`)
-UTF8_LEAD, UTF8_PENDING = _utf8_tables()
 
 
 def _escape_table():
@@ -239,6 +217,39 @@ def _lex_string(data: bytes, i: int, utf8: int, esc: int):
                 return -1, 0, 0, 0, False
         chars += 1
     return i, utf8, esc, chars, False
+
+
+def _held_ranges(held: bytes) -> tuple[tuple[int, int], ...] | None:
+    """The code points of the string characters (UTF-8 characters, and escapes: what they stand for) that start
+    with `held`, the first bytes of one, as one or two (lo, hi) ranges; None where `held` starts no character (or
+    is one whole). An escape's hex digits give a range of UTF-16 units: those below or above the surrogates stand
+    for themselves, high surrogates for the supplementary characters their pairs make (a low one alone is no
+    character: `_ESCAPES` refuses it)."""
+    if held[0] != _BACKSLASH:
+        return (utf8_range(held),) if utf8_prefix(held) else None
+    j, _, esc, _, _ = _lex_string(held, 0, 0, 0)
+    if j != len(held) or not esc:
+        return None
+    if len(held) <= 2:  # `\` or `\u`: any character
+        return ((0, 0x10FFFF),)
+    if len(held) <= 6:  # `\u` and hex digits of the first unit (all four: a high surrogate, its pair to come)
+        digits = held[2:]
+        free = 4 * (4 - len(digits))
+        lo = int(digits, 16) << free
+        hi = lo | ((1 << free) - 1)
+        out = [(a, b) for a, b in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)) if a <= b]
+        a, b = max(lo, 0xD800), min(hi, 0xDBFF)
+        if a <= b:
+            out.append((0x10000 + ((a - 0xD800) << 10), 0x10000 + ((b - 0xD800) << 10) + 0x3FF))
+        return tuple(out)
+    base = 0x10000 + ((int(held[2:6], 16) - 0xD800) << 10)  # a high surrogate, then `\`, `\u`, low digits
+    digits = held[8:]
+    if not digits:
+        return ((base, base + 0x3FF),)
+    free = 4 * (4 - len(digits))
+    lo = max(int(digits, 16) << free, 0xDC00)
+    hi = min((int(digits, 16) << free) | ((1 << free) - 1), 0xDFFF)
+    return ((base + lo - 0xDC00, base + hi - 0xDC00),)
 
 
 def _number_tables():
@@ -521,7 +532,7 @@ class _Compiler:
         self.keep = []          # merged dicts, kept alive so their ids stay unique
         self.nodes = []         # every node made, for the finishing passes
         self.resolving = set()  # ids of pure-$ref schemas being resolved (a cycle of those has no value)
-        self.patterns = False   # some string has an enforced `pattern`
+        self.patterns = False   # some string has a `pattern` left to the `regex` package (whole characters)
         self.any = self._any_node()
 
     def _any_node(self) -> _Node:
@@ -738,7 +749,6 @@ class _Compiler:
                 raise ValueError(f"schema at {where}: 'pattern' {source!r} matches no string of {lo} to "
                                  f"{'any number of' if hi is None else hi} characters")
         if nfa is not None:
-            self.patterns = True
             return nfa
         compiled = self.regex_pattern(source, where)
         if compiled.search("", partial=True) is None:
@@ -1028,12 +1038,14 @@ class JsonGrammar:
     """A compiled schema: feed bytes to `advance` from `start`. States are hashable; see the module docstring."""
 
     def __init__(self, root: _Node, max_whitespace: int, patterns: bool = False):
+        """patterns: some string's `pattern` is left to the `regex` package (its text grows by whole
+        characters)."""
         self._root = root
         self._max_ws = max_whitespace
         self.start = (_VAL, root, 0, (_END, 0))
         self._steps = (self._value, self._string, self._number, self._literal, self._object, self._array,
                        self._exact_key, self._any_key, self._end, self._pattern_string, self._nfa_string,
-                       self._bounded_nfa_string)
+                       self._bounded_nfa_string, self._held_string)
         if patterns:  # where a walk over tokens must step by whole characters (`whole_characters_at`)
             self.whole_characters_at = self._in_pattern
 
@@ -1143,9 +1155,9 @@ class JsonGrammar:
 
     @staticmethod
     def _in_pattern(state) -> bool:
-        """Whether `state` is inside a string with a pattern, whose states lie between whole characters (an escape
-        is one): a token that ends inside one is refused there."""
-        return type(state) is tuple and (state[0] == _PSTR or state[0] == _NSTR or state[0] == _LSTR)
+        """Whether `state` is inside a string whose pattern the `regex` package searches, whose states lie between
+        whole characters (an escape is one): a token that ends inside one is refused there."""
+        return type(state) is tuple and state[0] == _PSTR
 
     @staticmethod
     def character_length(data: bytes, i: int) -> int:
@@ -1237,8 +1249,8 @@ class JsonGrammar:
             if data[i] == _QUOTE:
                 return (parent if nfa.matched(states) else None), i + 1
             k, char = JsonGrammar._string_character(data, i)
-            if k == 0:
-                return None, i
+            if k == 0:  # the data ends inside a character (or the character is not valid)
+                return JsonGrammar._held_character(nfa, states, 0, data[i:], parent), n
             states = nfa.step(states, char)
             if not nfa.live(states):
                 return None, i
@@ -1257,8 +1269,8 @@ class JsonGrammar:
             if data[i] == _QUOTE:
                 return (parent if count >= lo and nfa.matched(states) else None), i + 1
             k, char = JsonGrammar._string_character(data, i)
-            if k == 0:
-                return None, i
+            if k == 0:  # the data ends inside a character (or the character is not valid)
+                return JsonGrammar._held_character(spec, states, count, data[i:], parent), n
             states = nfa.step(states, char)
             count += 1
             if hi is None and count >= lo:  # past the minimum only "some match ahead" matters
@@ -1270,6 +1282,42 @@ class JsonGrammar:
                 return None, i
             i += k
         return (_LSTR, spec, states, count, parent), i
+
+    @staticmethod
+    def _held_character(spec, states, count, held, parent):
+        """The configuration (`_HSTR`) inside a character of an automaton's pattern string (`spec`: the _NSTR's
+        automaton, or the _LSTR's (nfa, min_len, max_len) with `count` characters before it) whose first bytes
+        `held` are; None where no character that starts with them could come: they start none (invalid, or more
+        than a character), or no character of their ranges keeps a match possible (within the length bounds,
+        the character counted)."""
+        ranges = _held_ranges(held)
+        if ranges is None:
+            return None
+        nfa = spec if type(spec) is Nfa else spec[0]
+        after = nfa.step_range(states, *ranges[0])
+        for lo, hi in ranges[1:]:
+            after = after | nfa.step_range(states, lo, hi)
+        if type(spec) is Nfa:
+            ok = nfa.live(after)
+        else:  # as `_bounded_nfa_string` takes a character (both ask whether SOME state of the set goes on)
+            _, lo, hi = spec
+            more = count + 1
+            if hi is None and more >= lo:
+                ok = nfa.live(after)
+            else:
+                ok = not (hi is not None and more > hi) and nfa.completes(after, lo - more,
+                                                                          None if hi is None else hi - more)
+        return (_HSTR, spec, states, count, held, parent) if ok else None
+
+    def _held_string(self, config, data, i):
+        """Inside a pattern string's character (`_HSTR`): its held first bytes and the data read on as its string
+        reads them (the character taken once whole, or held further)."""
+        _, spec, states, count, held, parent = config
+        if type(spec) is Nfa:
+            config, j = self._nfa_string((_NSTR, spec, states, parent), held + data[i:], 0)
+        else:
+            config, j = self._bounded_nfa_string((_LSTR, spec, states, count, parent), held + data[i:], 0)
+        return config, i + j - len(held)
 
     @staticmethod
     def _string_character(data, i) -> tuple[int, str]:

@@ -12,20 +12,27 @@ bytes, and `advance` asks `regex`'s partial matching whether some match starts w
 reads the whole text). With the automaton every live state can still be completed and decoding never paints
 itself into a corner; `regex`'s partial matching can take a text no match continues where lookaround decides
 (`a(?=b)` takes `a`), and decoding may then find no token to go on with. A pattern that no text matches is refused
-(ValueError) where the automaton, or `regex` on the empty text, can tell. The text grows by whole UTF-8
-characters (`whole_characters_at`): a token that ends inside a multi-byte character is refused (whether some
-completion of it could match is not asked), so a character the tokenizer splits over tokens cannot be written;
-tokens of whole characters, non-ASCII ones included, can.
+(ValueError) where the automaton, or `regex` on the empty text, can tell.
+
+With the automaton a token may end inside a multi-byte character (a byte-level tokenizer splits rare characters,
+many CJK ones and emoji, over byte tokens): the state then holds the character's first bytes beside the state set
+before it, and takes them when some character that starts with them (a range of code points,
+`openm3.engine.utf8`) keeps a match possible (`Nfa.step_range`); the character is stepped once whole, and the
+text is not `complete` while one is open. On `regex`'s partial matching, which can only be asked about a text, the
+text grows by whole UTF-8 characters (`whole_characters_at`): a token that ends inside one is refused there, so a
+character the tokenizer splits over tokens cannot be written under such a pattern.
 """
 
 from __future__ import annotations
 
 import regex
 
-from .json_grammar import utf8_length
 from .regex_nfa import MAX_WRITTEN, compile_nfa, written_size
+from .utf8 import split_utf8, utf8_length, utf8_range
 
 __all__ = ["RegexGrammar"]
+
+_UNSEEN = object()  # a memo's "not asked yet" (None is an answer)
 
 
 class RegexGrammar:
@@ -51,36 +58,74 @@ class RegexGrammar:
         if not (self.nfa.live(self.start) if self.nfa is not None else
                 self.pattern.fullmatch("", partial=True) is not None):
             raise ValueError(f"regex {pattern!r} matches no text: expected a pattern that some answer can match")
+        self._cuts: dict = {}  # (state, data) -> `_cut`'s answer
+        self.character_length = utf8_length  # a character's bytes at data[i] (0: data ends inside it)
+        if self.nfa is None:  # `regex` is asked about whole texts: tokens are walked a character at a time
+            self.whole_characters_at = self._between_characters
+        else:  # split characters are taken: `TransitionCache` walks a character per edge where a token holds it
+            self.character_steps = True
 
     def advance(self, state, data: bytes):
-        if self.nfa is not None:
+        """The state after `data` (None: no match starts with the text then). With the automaton a state is its
+        state set, or (state set, held) inside a character whose first bytes `held` are; with `regex`, the
+        text's bytes (whole characters)."""
+        nfa = self.nfa
+        if nfa is None:
+            out = state + data
             try:
-                text = data.decode("utf-8")  # strict: an incomplete or invalid character is refused
+                text = out.decode("utf-8")
             except UnicodeDecodeError:
                 return None
-            for ch in text:
-                state = self.nfa.step(state, ch)
-                if not self.nfa.live(state):
-                    return None
-            return state
-        out = state + data
+            return out if self.pattern.fullmatch(text, partial=True) is not None else None
+        if type(state) is tuple:  # inside a character: its first bytes come first
+            state, held = state
+            data = held + data
         try:
-            text = out.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-        return out if self.pattern.fullmatch(text, partial=True) is not None else None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:  # it ends inside a character (or is not UTF-8)
+            return self._cut(state, data, e.start)
+        for ch in text:
+            state = nfa.step(state, ch)
+            if not nfa.live(state):
+                return None
+        return state
+
+    def _cut(self, state: frozenset, data: bytes, failed: int):
+        """`advance` where `data` (a held character's first bytes included) ends inside a character (its strict
+        decode failed at `failed`): its whole characters stepped, then the next one's first bytes taken when some
+        character of their range keeps a match possible; None where it is not UTF-8. Memoised for data of up to
+        4 bytes (a token walk asks the same first bytes from the same states again and again; at most 2**16
+        answers, then cleared)."""
+        key = (state, data)
+        out = self._cuts.get(key, _UNSEEN)
+        if out is not _UNSEEN:
+            return out
+        nfa, out = self.nfa, split_utf8(data, failed)
+        if out is not None:
+            (text, held), out = out, state
+            for ch in text:
+                out = nfa.step(out, ch)
+                if not nfa.live(out):
+                    out = None
+                    break
+            if out is not None:
+                out = (out, held) if nfa.live(nfa.step_range(out, *utf8_range(held))) else None
+        if len(data) <= 4:
+            if len(self._cuts) >= 1 << 16:
+                self._cuts.clear()
+            self._cuts[key] = out
+        return out
 
     def complete(self, state) -> bool:
         if self.nfa is not None:
-            return self.nfa.matched(state)
+            return type(state) is not tuple and self.nfa.matched(state)
         return self.pattern.fullmatch(state.decode("utf-8")) is not None
 
     @staticmethod
-    def whole_characters_at(state: bytes) -> bool:
-        """Every state lies between whole UTF-8 characters (`TransitionCache` walks tokens a character at a time)."""
+    def _between_characters(state: bytes) -> bool:
+        """On `regex`'s partial matching every state lies between whole UTF-8 characters (`TransitionCache`
+        walks tokens a character at a time there)."""
         return True
-
-    character_length = staticmethod(utf8_length)  # a character's bytes at data[i] (0: data ends inside it)
 
     def can_continue(self, state: bytes) -> bool:
         """True: whether some longer match exists is not asked (where none does, every token is refused and the

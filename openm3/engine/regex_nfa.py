@@ -19,6 +19,13 @@ matches no text (`[^\\s\\S]`, a lone surrogate) gives an automaton whose start i
 it.
 `search=True` is JSON Schema's rule (a match anywhere in the text), `search=False` a whole-text match.
 
+A grammar that holds the first bytes of a character a token ended inside asks `step_range(states, lo, hi)`: the
+states some character of code points lo..hi leads to (`openm3.engine.utf8`: the characters that share a UTF-8
+prefix are such a range). Each edge's test knows the code points it passes as sorted ranges (`spans`), made when
+first asked: from its literals and ranges, or, for a class with a category or ignoring case, by running `re`'s own
+class over every character once (~15 ms a class), so a question costs a binary search per edge whatever the range
+(a 4-byte lead byte's ~200K characters included).
+
 The length questions (`completes`) cost the same whatever the numbers asked (a `minLength` of 10**18 included):
 the longest match from every state comes from one pass over the automaton, and the table of exact lengths stops at
 `_MAX_LENGTHS` lengths or a work budget, whichever comes first (`length_limit` says where).
@@ -27,6 +34,7 @@ the longest match from every state comes from one pass over the automaton, and t
 from __future__ import annotations
 
 import array
+import bisect
 import functools
 import math
 import re
@@ -74,6 +82,7 @@ class Nfa:
         self._live: frozenset = frozenset()
         self._restart: frozenset = frozenset()  # search: a match may begin at every character
         self._steps: dict = {}  # (states, character) -> states: a token walk asks the same steps again and again
+        self._range_steps: dict = {}  # (states, lo, hi) -> states: `step_range`'s memo
         self._by_length: list | None = None  # see `_exact`; made at the first length question
         self._seen_sets: dict = {}
         self._period: tuple[int, int] | None = None
@@ -106,6 +115,22 @@ class Nfa:
             if len(self._steps) >= 1 << 16:
                 self._steps.clear()
             self._steps[key] = out
+        return out
+
+    def step_range(self, states: frozenset, lo: int, hi: int) -> frozenset:
+        """The union of `step(states, c)` over the characters c of code points lo..hi (a range that holds some
+        character, not only surrogates): the states that some character of the range leads to. Whether some
+        character of the range keeps a match possible (`live`), or one within so many characters (`completes`),
+        is then a question of that set, since both ask whether SOME state of a set can go on. Memoised (at most
+        2**16 ranges, then cleared)."""
+        key = (states, lo, hi)
+        out = self._range_steps.get(key)
+        if out is None:
+            nxt = {t for s in states for test, t in self.edges[s] if _passes_in(test, lo, hi)}
+            out = self.closure(nxt) | self._restart if (nxt or self._restart) else frozenset()
+            if len(self._range_steps) >= 1 << 16:
+                self._range_steps.clear()
+            self._range_steps[key] = out
         return out
 
     def live(self, states: frozenset) -> bool:
@@ -450,8 +475,40 @@ def _edge(nfa: Nfa, test) -> tuple[int, int]:
     return a, b
 
 
+def _spanned(test, make):
+    """`test` (a character's test) with `make`, which lists the (lo, hi) ranges of code points it passes, for
+    `_passes_in`: kept as `test.spans` (sorted starts and ends, surrogates left out) when first asked."""
+    test.make_spans = make
+    return test
+
+
+def _passes_in(test, lo: int, hi: int) -> bool:
+    """Whether `test` passes some character of code points lo..hi: the last of its ranges that starts at or below
+    hi ends at or above lo."""
+    spans = test.__dict__.get("spans")
+    if spans is None:
+        spans = test.spans = _without_surrogates(test.make_spans())
+    starts, ends = spans
+    k = bisect.bisect_right(starts, hi) - 1
+    return k >= 0 and ends[k] >= lo
+
+
+def _without_surrogates(spans) -> tuple[list[int], list[int]]:
+    starts, ends = [], []
+    for lo, hi in spans:
+        for a, b in ((lo, min(hi, 0xD7FF)), (max(lo, 0xE000), hi)):
+            if a <= b:
+                starts.append(a)
+                ends.append(b)
+    return starts, ends
+
+
+@functools.lru_cache(maxsize=4096)  # (a pattern's many edges of one character share one test)
 def _literal(ch: str):
-    return lambda c: c == ch
+    def test(c: str) -> bool:
+        return c == ch
+
+    return _spanned(test, lambda: [(ord(ch), ord(ch))])
 
 
 def _any_char(_c: str) -> bool:
@@ -460,6 +517,10 @@ def _any_char(_c: str) -> bool:
 
 def _not_newline(c: str) -> bool:
     return c != "\n"
+
+
+_spanned(_any_char, lambda: [(0, 0x10FFFF)])
+_spanned(_not_newline, lambda: [(0, 9), (11, 0x10FFFF)])
 
 
 def _class_parts(items: tuple) -> tuple[bool, set, list, list]:
@@ -546,7 +607,37 @@ def _in_class(items: tuple, ignore_case: bool = False):
             hit = c in singles or any(lo <= c <= hi for lo, hi in ranges) or any(f(c) for f in categories)
             return hit != negate
 
-    return test
+    return _spanned(test, lambda: _class_spans(items, ignore_case))
+
+
+def _class_spans(items: tuple, ignore_case: bool) -> list[tuple[int, int]]:
+    """The (lo, hi) code-point ranges a class passes, in order: from its literals and ranges, or, where a category
+    or ignoring case decides (`re`'s own tables), the runs of characters that `re`'s class passes in the text of
+    every character (~15 ms)."""
+    negate, singles, ranges, names = _class_parts(items)
+    if ignore_case or names:
+        compiled = _class_source(items, ignore_case)
+        runs = re.compile(compiled.pattern + "+", compiled.flags).finditer(_every_character())
+        return [(_code_point(m.start()), _code_point(m.end() - 1)) for m in runs]
+    spans: list[list[int]] = []
+    for lo, hi in sorted([(ord(c), ord(c)) for c in singles] + [(ord(lo), ord(hi)) for lo, hi in ranges]):
+        if spans and lo <= spans[-1][1] + 1:
+            spans[-1][1] = max(spans[-1][1], hi)
+        else:
+            spans.append([lo, hi])
+    if not negate:
+        return [(lo, hi) for lo, hi in spans]
+    out, low = [], 0
+    for lo, hi in spans:
+        if low < lo:
+            out.append((low, lo - 1))
+        low = hi + 1
+    return out + [(low, 0x10FFFF)] if low <= 0x10FFFF else out
+
+
+def _code_point(i: int) -> int:
+    """The code point of `_every_character()[i]` (the surrogates are left out of it)."""
+    return i if i < 0xD800 else i + 0x800
 
 
 def _reachable(states, adjacency) -> frozenset:

@@ -14,7 +14,9 @@ the matcher cannot compile). A tool's parameters must be a valid JSON Schema, as
 leave a value raw text. A tool may name a text grammar for one of its parameters (`"text_grammar":
 {"parameter": KEY, "syntax": "lark" | "regex", "definition": ...}`: OpenAI's custom tools with a grammar format,
 whose free-form input is that parameter); its VALUE is then a sentence of that grammar (`cfg_grammar` /
-`regex_grammar`) without `</parameter>` in it, and a token may not end inside one of its characters.
+`regex_grammar`) without `</parameter>` in it. A token may end inside one of its characters (the grammar holds
+the character's first bytes and takes them when some character that starts with them may come), except under a
+regex left to the `regex` package, which takes whole characters only (`whole_characters_at`).
 `<minimax:tool_call>` and `</minimax:tool_call>` are special tokens: the grammar reads them as the marker bytes
 `START` and `END`, which `TokenBytes.from_tokenizer(..., markers=)` gives them (bytes 0xF8-0xFF never occur in
 UTF-8 text, and `TokenBytes` leaves the byte tokens that hold them out of every grammar).
@@ -28,8 +30,9 @@ from typing import Sequence
 
 from .cfg_grammar import CfgGrammar
 from .constrained import ChoiceGrammar
-from .json_grammar import UTF8_LEAD, UTF8_PENDING, compile_schema, utf8_length, validate_schema
+from .json_grammar import compile_schema, validate_schema
 from .regex_grammar import RegexGrammar
+from .utf8 import UTF8_LEAD, UTF8_PENDING, utf8_length
 
 START, END = b"\xff\x01", b"\xff\x02"
 _END_TAG = b"</parameter>"
@@ -63,6 +66,7 @@ class _Tool:
         self.values = {}  # parameter -> JsonGrammar (None: raw text)
         self.lengths = {}  # raw-text parameter -> (minLength, maxLength or None) of a string schema
         self.texts = {}  # parameter -> the text grammar its value follows (a custom tool's input)
+        self.whole = set()  # parameters whose text grammar takes whole characters only (`whole_characters_at`)
         for key, schema in self.props.items():
             self.values[key] = _value_grammar(schema, parameters)
             if self.values[key] is None:
@@ -80,6 +84,8 @@ class _Tool:
                 self.texts[key] = CfgGrammar(definition) if syntax == "lark" else RegexGrammar(definition)
             except ValueError as e:
                 raise ValueError(f"tools: the text grammar of tool {name!r}: {e}") from None
+            if hasattr(self.texts[key], "whole_characters_at"):
+                self.whole.add(key)
 
 
 def _length_bounds(schema) -> tuple[int, int | None]:
@@ -149,11 +155,11 @@ class ToolCallGrammar:
     def complete(self, state) -> bool:
         return state[0] == "done"
 
-    @staticmethod
-    def whole_characters_at(state) -> bool:
-        """Inside a text grammar's value (no character's first bytes held) `TransitionCache` walks tokens a
-        character at a time, since a token may not end inside one there; elsewhere a byte at a time."""
-        return state[0] == "text" and state[-1][:1] < b"\x80"
+    def whole_characters_at(self, state) -> bool:
+        """Inside the value of a text grammar that takes whole characters only (no character's first bytes held)
+        `TransitionCache` walks tokens a character at a time, since a token may not end inside one there;
+        elsewhere a byte at a time."""
+        return state[0] == "text" and state[-1][:1] < b"\x80" and state[5] in self.tools[state[1]].whole
 
     character_length = staticmethod(utf8_length)  # a character's bytes at data[i] (0: data ends inside it)
 
@@ -243,9 +249,11 @@ class ToolCallGrammar:
 
     def _text_step(self, state, b: int):
         """A text grammar's value: `held` bytes not yet given to the grammar are the start of `</parameter>` (which
-        ends the value where the grammar has a whole sentence) or of a multi-byte character."""
+        ends the value where the grammar has a whole sentence) or, for a grammar that takes whole characters only,
+        of a multi-byte character (other grammars hold a character's first bytes themselves)."""
         _, name, seen, count, inner, key, held = state
-        grammar = self.tools[name].texts[key]
+        tool = self.tools[name]
+        grammar = tool.texts[key]
         if held[:1] >= b"\x80":  # a character's first bytes: it goes to the grammar once whole
             if not 0x80 <= b <= 0xBF:
                 return None
@@ -266,9 +274,9 @@ class ToolCallGrammar:
                 return None
         if b == 0x3C:  # a new `<` may begin the tag
             return self._text_step(("text", name, seen, count, inner, key, b""), b)
-        if b >= 0xF5 or 0x80 <= b <= 0xBF:  # not UTF-8 (the marker bytes among them), or a stray continuation
-            return None
-        if b >= 0x80:
+        if b >= 0x80 and key in tool.whole:  # a character for a grammar that takes whole ones: held till whole
+            if b >= 0xF5 or b <= 0xBF:  # not UTF-8 (the marker bytes among them), or a stray continuation
+                return None
             return ("text", name, seen, count, inner, key, bytes((b,)))
         inner = grammar.advance(inner, bytes((b,)))
         return None if inner is None else ("text", name, seen, count, inner, key, b"")
