@@ -419,15 +419,20 @@ def test_the_triton_backend_refuses_index_block_sizes_it_cannot_tile(block, allo
 
 @_INTERPRETER_WARNING
 def test_the_triton_decode_kernels_refuse_a_page_size_that_is_not_a_power_of_two():
+    """The decode kernels tile a whole page: 48 is refused naming the block size and the reference backend; the
+    engine then decodes such pages through the prefill ops (session 50), with the reference backend's tokens."""
+    from openm3.ops.msa.triton_common import check_block_size
+
     lm = _with_block_size(48)  # a multiple of 16: prefill and training run on the Triton kernels
+    with pytest.raises(ValueError, match=r"^block_size=48 \(a model's index_block_size\) must be a power of two "
+                                         r">= 16 for the Triton decode kernels; the reference backend takes any"):
+        check_block_size(48, "the Triton decode kernels", power_of_two=True)
     with msa.use_backend("triton"):
         with torch.no_grad():
             assert lm(torch.arange(40) % 64).logits.shape == (40, 64)
-        with pytest.raises(ValueError, match=r"^block_size=48 \(a model's index_block_size\) must be a power of two "
-                                             r">= 16 for the Triton decode kernels; the reference backend takes any"):
-            generate(lm, [[1, 2, 3]], max_new_tokens=2)
+        (fast,), _ = generate(lm, [[1, 2, 3]], max_new_tokens=2)
     (result,), _ = generate(lm, [[1, 2, 3]], max_new_tokens=2)  # the reference backend
-    assert len(result.tokens) == 2
+    assert len(result.tokens) == 2 and fast.tokens == result.tokens
 
 
 # ---------------------------------------------------------------------------------------------- 9. numpy integers
