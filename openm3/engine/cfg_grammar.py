@@ -38,11 +38,10 @@ import re
 from typing import Iterator
 
 from .regex_nfa import Nfa, compile_nfa, strong_components
-from .utf8 import split_utf8, utf8_length, utf8_range
+from .utf8 import SplitCharacters, utf8_length
 
 __all__ = ["CfgGrammar"]
 
-_UNSEEN = object()  # a memo's "not asked yet" (None is an answer)
 MAX_STACKS = 4096  # stacks in one state: past it the grammar is too ambiguous to follow this way
 
 _COMMON = {  # Lark's common.lark terminals, as regexes
@@ -460,7 +459,8 @@ class CfgGrammar:
         self._check_left_recursion()
         self._steps: dict = {}
         self._ranges: dict = {}  # (state, lo, hi) -> whether some character of the range moves a stack
-        self._cuts: dict = {}  # (state, data) -> `_cut`'s answer
+        self._split = SplitCharacters(lambda state, ch: self._step(state, ch) or None,
+                                      self._takes_range)  # data that ends inside a character
         self.start = self._closure([((self.root, a, 0), None, None) for a in range(len(self.rules[self.root]))])
         if not self.start:
             raise ValueError("grammar: the start rule derives nothing")
@@ -675,38 +675,12 @@ class CfgGrammar:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:  # it ends inside a character (or is not UTF-8)
-            return self._cut(state, data, e.start)
+            return self._split.cut(state, data, e.start)
         for ch in text:
             state = self._step(state, ch)
             if not state:
                 return None
         return state
-
-    def _cut(self, state: frozenset, data: bytes, failed: int):
-        """`advance` where `data` (a held character's first bytes included) ends inside a character (its strict
-        decode failed at `failed`): its whole characters stepped, then the next one's first bytes taken when some
-        character of their range moves a stack (`_takes_range`); None where it is not UTF-8. Memoised for data of
-        up to 4 bytes (a token walk asks the same first bytes from the same states again and again; at most 2**16
-        answers, then cleared)."""
-        key = (state, data)
-        out = self._cuts.get(key, _UNSEEN)
-        if out is not _UNSEEN:
-            return out
-        out = split_utf8(data, failed)
-        if out is not None:
-            (text, held), out = out, state
-            for ch in text:
-                out = self._step(out, ch)
-                if not out:
-                    out = None
-                    break
-            if out is not None:
-                out = (out, held) if self._takes_range(out, *utf8_range(held)) else None
-        if len(data) <= 4:
-            if len(self._cuts) >= 1 << 16:
-                self._cuts.clear()
-            self._cuts[key] = out
-        return out
 
     @staticmethod
     def complete(state) -> bool:

@@ -28,11 +28,9 @@ from __future__ import annotations
 import regex
 
 from .regex_nfa import MAX_WRITTEN, compile_nfa, written_size
-from .utf8 import split_utf8, utf8_length, utf8_range
+from .utf8 import SplitCharacters, utf8_length
 
 __all__ = ["RegexGrammar"]
-
-_UNSEEN = object()  # a memo's "not asked yet" (None is an answer)
 
 
 class RegexGrammar:
@@ -58,7 +56,8 @@ class RegexGrammar:
         if not (self.nfa.live(self.start) if self.nfa is not None else
                 self.pattern.fullmatch("", partial=True) is not None):
             raise ValueError(f"regex {pattern!r} matches no text: expected a pattern that some answer can match")
-        self._cuts: dict = {}  # (state, data) -> `_cut`'s answer
+        self._split = SplitCharacters(self._step, lambda states, lo, hi: self.nfa.live(
+            self.nfa.step_range(states, lo, hi)))  # data that ends inside a character
         self.character_length = utf8_length  # a character's bytes at data[i] (0: data ends inside it)
         if self.nfa is None:  # `regex` is asked about whole texts: tokens are walked a character at a time
             self.whole_characters_at = self._between_characters
@@ -83,38 +82,17 @@ class RegexGrammar:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:  # it ends inside a character (or is not UTF-8)
-            return self._cut(state, data, e.start)
+            return self._split.cut(state, data, e.start)
         for ch in text:
             state = nfa.step(state, ch)
             if not nfa.live(state):
                 return None
         return state
 
-    def _cut(self, state: frozenset, data: bytes, failed: int):
-        """`advance` where `data` (a held character's first bytes included) ends inside a character (its strict
-        decode failed at `failed`): its whole characters stepped, then the next one's first bytes taken when some
-        character of their range keeps a match possible; None where it is not UTF-8. Memoised for data of up to
-        4 bytes (a token walk asks the same first bytes from the same states again and again; at most 2**16
-        answers, then cleared)."""
-        key = (state, data)
-        out = self._cuts.get(key, _UNSEEN)
-        if out is not _UNSEEN:
-            return out
-        nfa, out = self.nfa, split_utf8(data, failed)
-        if out is not None:
-            (text, held), out = out, state
-            for ch in text:
-                out = nfa.step(out, ch)
-                if not nfa.live(out):
-                    out = None
-                    break
-            if out is not None:
-                out = (out, held) if nfa.live(nfa.step_range(out, *utf8_range(held))) else None
-        if len(data) <= 4:
-            if len(self._cuts) >= 1 << 16:
-                self._cuts.clear()
-            self._cuts[key] = out
-        return out
+    def _step(self, states: frozenset, ch: str):
+        """The automaton's states after `ch` (None: no match can come any more)."""
+        states = self.nfa.step(states, ch)
+        return states if self.nfa.live(states) else None
 
     def complete(self, state) -> bool:
         if self.nfa is not None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["UTF8_LEAD", "UTF8_PENDING", "split_utf8", "utf8_length", "utf8_prefix", "utf8_range"]
+__all__ = ["UTF8_LEAD", "UTF8_PENDING", "SplitCharacters", "split_utf8", "utf8_length", "utf8_prefix",
+           "utf8_range"]
 
 
 def utf8_length(data: bytes, i: int) -> int:
@@ -89,3 +90,38 @@ def utf8_range(held: bytes) -> tuple[int, int]:
     if lo < 0xD800 <= hi:  # the lead byte ED alone: D000-DFFF, whose top half is surrogates
         hi = 0xD7FF
     return lo, hi
+
+
+_UNSEEN = object()  # a memo's "not asked yet" (None is an answer)
+
+
+class SplitCharacters:
+    """A character grammar's `advance` where the data ends inside a character: `cut(state, data, failed)` steps
+    the data's whole characters with `step(state, ch)` (None: refused), then takes the incomplete character's first
+    bytes as `(state, held)` when `takes(state, lo, hi)` says some character of their range `utf8_range(held)` may
+    come next; None where the data is not UTF-8. Memoised for data of up to 4 bytes (a token walk asks the same
+    first bytes from the same states again and again; at most 2**16 answers, then cleared)."""
+
+    def __init__(self, step, takes):
+        self.step, self.takes, self._memo = step, takes, {}
+
+    def cut(self, state, data: bytes, failed: int):
+        """`failed`: where a strict decode of `data` failed (`UnicodeDecodeError.start`)."""
+        key = (state, data)
+        out = self._memo.get(key, _UNSEEN)
+        if out is not _UNSEEN:
+            return out
+        out = split_utf8(data, failed)
+        if out is not None:
+            (text, held), out = out, state
+            for ch in text:
+                out = self.step(out, ch)
+                if out is None:
+                    break
+            if out is not None:
+                out = (out, held) if self.takes(out, *utf8_range(held)) else None
+        if len(data) <= 4:
+            if len(self._memo) >= 1 << 16:
+                self._memo.clear()
+            self._memo[key] = out
+        return out
