@@ -220,16 +220,20 @@ class M3ForConditionalGeneration(nn.Module):
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.Tensor | None = None, *, frames_per_clip: int | None = None,
+                labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | float | None = None,
                 **text_kwargs: Any) -> M3TextOutput:
         """Logits for packed ``input_ids: [T]`` (``cu_seqlens``, ``position_ids`` etc. go to the text model).
 
         Images are ``pixel_values: [N, 1176]`` with ``image_grid_thw: [I, 3]``; videos are
         ``pixel_values_videos: [M, 1176]`` with ``video_grid_thw: [K, 3]``, one row per clip, as the processor
         writes them (``M3Processor``'s ``VisionBatch``: ``model(ids, **vision.model_inputs())``).
-        ``frames_per_clip`` splits video rows further (experiments; None keeps the rows)."""
+        ``frames_per_clip`` splits video rows further (experiments; None keeps the rows). ``labels: [T]``
+        (unshifted, -100 ignored, e.g. at the placeholders) and ``num_items_in_batch`` add ``loss`` as in
+        ``M3TextModel.forward``."""
         embeds = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
                             frames_per_clip)
-        return self.language_model(inputs_embeds=embeds, **text_kwargs)
+        return self.language_model(inputs_embeds=embeds, labels=labels, num_items_in_batch=num_items_in_batch,
+                                   **text_kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path, *, max_shard_size: int | str = "5GB") -> Path:

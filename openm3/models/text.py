@@ -8,6 +8,7 @@ and `lm_head` give logits.
 
 from __future__ import annotations
 
+import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from ..layers.recompute import CheckpointSwitch
 from ..layers.rope import rope_cos_sin
 from ..ops.attention import check_cu_seqlens
 from ..ops.host import check_not_meta
+from ..ops.losses import IGNORE_INDEX, causal_lm_loss
 from .config import M3TextConfig
 
 
@@ -37,6 +39,8 @@ class M3TextOutput:
     aux_loss: scalar load-balancing loss over MoE layers (when asked for).
     router_logits: per MoE layer [T, E] (when asked for).
     block_idx: per layer, int32 [Hi, T, topk] for MSA layers and None for dense ones (when asked for).
+    loss: scalar fp32 next-token cross-entropy of `labels` (when given; `openm3.ops.losses.causal_lm_loss`). It is
+    the language-model loss alone: `indexer_kl` and `aux_loss` are not added to it.
     """
 
     logits: torch.Tensor
@@ -44,6 +48,7 @@ class M3TextOutput:
     aux_loss: torch.Tensor | None = None
     router_logits: tuple[torch.Tensor, ...] | None = None
     block_idx: tuple[torch.Tensor | None, ...] | None = None
+    loss: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -115,6 +120,47 @@ def check_position_ids(position_ids: torch.Tensor, num_tokens: int, max_position
             raise ValueError(f"position_ids must lie in [0, max_position_embeddings={max_positions}), "
                              f"got [{lo}, {hi}]" + ("; raise config.max_position_embeddings to go past it (the "
                                                     "rotary embedding extrapolates, untrained)" if lo >= 0 else ""))
+
+
+def check_labels(labels: torch.Tensor, num_tokens: int, device: torch.device, vocab_size: int) -> None:
+    """`labels` must be an int tensor [T] on `device` (the inputs'), each a token id in [0, vocab_size) or -100
+    (ignored). The range check reads the labels' minimum and maximum back (one device sync for a GPU tensor, as
+    for `input_ids`: an id out of range would stop a GPU's cross-entropy kernel with a device-side assert)."""
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"labels must be an int tensor [T={num_tokens}], got {type(labels).__name__}")
+    dtype = labels.dtype
+    if labels.shape != (num_tokens,) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(f"labels must be an int tensor [T={num_tokens}] packed as input_ids / inputs_embeds rows "
+                         f"(unshifted: the model shifts them inside each sequence of cu_seqlens), got {dtype} "
+                         f"{tuple(labels.shape)}" + ("; for B rows of length T pass labels.flatten()"
+                                                     if labels.dim() == 2 else ""))
+    check_not_meta(labels, "labels")
+    if labels.device != device:
+        raise ValueError(f"labels must be on the inputs' device {device}, got {labels.device}")
+    if num_tokens:
+        lo, hi = torch.stack(torch.aminmax(torch.where(labels == IGNORE_INDEX, 0, labels))).tolist()
+        if lo < 0 or hi >= vocab_size:
+            bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))]
+            raise ValueError(f"labels must be token ids in [0, vocab_size={vocab_size}) or {IGNORE_INDEX} (ignored), "
+                             f"got {bad[:5].tolist()}")
+
+
+def check_num_items_in_batch(num_items_in_batch: Any) -> None:
+    """`num_items_in_batch` must be a positive number or a one-element real tensor; a host tensor's value is
+    checked, a GPU tensor's is not read (that would wait for the device)."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        n = num_items_in_batch
+        if n.numel() != 1 or n.dtype == torch.bool or n.is_complex():
+            raise ValueError(f"num_items_in_batch must be a positive number or a one-element tensor (the count of "
+                             f"targets over the accumulated micro-batches), got {n.dtype} {tuple(n.shape)}")
+        check_not_meta(n, "num_items_in_batch")
+        if n.device.type != "cpu" or n.item() > 0:
+            return
+    elif isinstance(num_items_in_batch, numbers.Real) and not isinstance(num_items_in_batch, bool) \
+            and num_items_in_batch > 0:
+        return
+    raise ValueError(f"num_items_in_batch must be a positive number (the count of targets over the accumulated "
+                     f"micro-batches), got {num_items_in_batch!r}")
 
 
 @contextmanager
@@ -230,7 +276,8 @@ class M3TextModel(CheckpointSwitch, nn.Module):
                 msa_stage: str = "sparse", return_kl: bool | None = None, index_input_grad: bool | None = None,
                 return_aux: bool = False,
                 return_router_logits: bool = False, return_block_idx: bool = False,
-                logits_index: torch.Tensor | None = None, cache: Any = None) -> M3TextOutput:
+                logits_index: torch.Tensor | None = None, cache: Any = None, labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | int | float | None = None) -> M3TextOutput:
         """Logits for a packed batch.
 
         input_ids: int [T], or inputs_embeds: [T, hidden] (exactly one). cu_seqlens: int32 [B+1] (default: one
@@ -243,6 +290,9 @@ class M3TextModel(CheckpointSwitch, nn.Module):
         load-balancing loss;
         return_router_logits / return_block_idx: add those per layer. logits_index: int [N], compute logits only
         for these token rows. cache: an inference cache (protocol in `openm3.layers.attention`).
+        labels: int [T] packed as the inputs and unshifted, as transformers' (the target of token i is
+        `labels[i + 1]` of its sequence; -100 ignored): adds `loss`, the fp32 cross-entropy averaged over the
+        targets, or summed and divided by `num_items_in_batch` when given (`openm3.ops.losses.causal_lm_loss`).
         """
         x = self._embed(input_ids, inputs_embeds)
         t = x.shape[0]
@@ -266,6 +316,14 @@ class M3TextModel(CheckpointSwitch, nn.Module):
             position_ids = _positions(offsets, x.device)
         else:
             check_position_ids(position_ids, t, self.config.max_position_embeddings)
+        if labels is not None:
+            check_labels(labels, t, x.device, self.config.vocab_size)
+            if logits_index is not None:
+                raise ValueError("labels and logits_index: pass one (the loss needs the logits of every token)")
+            if num_items_in_batch is not None:
+                check_num_items_in_batch(num_items_in_batch)
+        elif num_items_in_batch is not None:
+            raise ValueError("num_items_in_batch: only used with labels (it divides their summed loss)")
         if msa_stage not in ("sparse", "dense"):
             raise ValueError(f"msa_stage must be 'sparse' or 'dense', got {msa_stage!r}")
         dense_warmup = msa_stage == "dense"
@@ -296,6 +354,8 @@ class M3TextModel(CheckpointSwitch, nn.Module):
         if logits_index is not None:
             x = x[logits_index]
         out = M3TextOutput(logits=self.lm_head(x))
+        if labels is not None:
+            out.loss = causal_lm_loss(out.logits, labels, cu_seqlens, num_items_in_batch)
         if compute_kl:
             out.indexer_kl = torch.stack(kls).mean() if kls else x.new_zeros((), dtype=torch.float32)
         if return_router_logits:

@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..ops.fused import fused_on_cuda
-from .batches import IGNORE
-
-
-@fused_on_cuda
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="none")
+from ..ops.losses import cross_entropy
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy per token in fp32 (0 where ignored). `logits: [T, V]`, `labels: [T]` (aligned,
-    -100 ignored) -> `[T]`.
-
-    On CUDA the loss is one compiled (fused) kernel forward and backward (`fused_on_cuda`): eagerly it
-    materialises fp32 copies of the [T, V] logits, their log-softmax and its gradient (several GB per step at 32K
-    vocab and 16K tokens)."""
-    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
-        raise ValueError(f"logits must be [T, V] and labels [T], got {tuple(logits.shape)} and {tuple(labels.shape)}")
-    return _cross_entropy(logits, labels)
+    -100 ignored) -> `[T]`: `openm3.ops.losses.cross_entropy`, one fused kernel on CUDA, which the models'
+    `labels=` loss shares."""
+    return cross_entropy(logits, labels)
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
