@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from openm3.data.tokenizer import THINK_END, THINK_START, TokenizerSettings, get_tokenizer
-from openm3.engine.constrained import GrammarConstraint, TokenBytes, TransitionCache, draw
+from openm3.engine.constrained import GrammarConstraint, GrammarDeadEnd, TokenBytes, TransitionCache, draw
+from openm3.engine.regex_grammar import RegexGrammar
 from openm3.engine.sampling import SamplingParams, filter_logits
 
 EOS, T0, T1 = 0, 1, 2  # the toy vocabulary's special tokens: end, think start, think end
@@ -249,6 +250,31 @@ def test_a_trigger_token_opens_the_grammar_each_time_and_text_around_is_free():
 def test_a_constraint_needs_a_stop_token():
     with pytest.raises(ValueError, match="stop_tokens"):
         GrammarConstraint(TransitionCache(Digits(2), TokenBytes(PIECES)), [])
+
+
+def test_no_token_left_ends_a_whole_document_else_is_a_grammar_dead_end():
+    """When no allowed token has a finite logit, a whole document ends on the stop token (min_tokens held it back:
+    -inf); otherwise `GrammarDeadEnd` names the constraint's field and why: the grammar's own dead end (the
+    automaton's where no token holds its character, the `regex` package's after a start no match continues; they
+    behave the same) or the logits' (every token it allows at -inf: allowed_token_ids)."""
+    vocab, greedy = TokenBytes(PIECES), SamplingParams()
+    flat = torch.zeros(len(PIECES))
+    c = GrammarConstraint(TransitionCache(Digits(1), vocab), [EOS])
+    assert c.pick(flat.index_fill(0, torch.tensor([3]), 1.0), greedy) == 3
+    assert c.pick(flat.index_fill(0, torch.tensor([EOS]), float("-inf")), greedy) == EOS  # min_tokens gives way
+    for pattern in ("é", "(?=é)é"):  # no token writes é: the automaton's dead end, and the `regex` package's
+        c = GrammarConstraint(TransitionCache(RegexGrammar(pattern), vocab), [EOS], field="guided_regex")
+        with pytest.raises(GrammarDeadEnd, match="^guided_regex: the answer cannot be finished: no token continues"):
+            c.pick(flat, greedy)
+    c = GrammarConstraint(TransitionCache(RegexGrammar("a(?=b)"), vocab), [EOS], field="f")
+    assert c.pick(flat, greedy) == PIECES.index(b"a")  # a start no match continues
+    with pytest.raises(GrammarDeadEnd, match="no token continues the text so far") as caught:
+        c.pick(flat, greedy)
+    assert caught.value.field == "f" and isinstance(caught.value, RuntimeError)
+    digits_out = flat.masked_fill(torch.tensor([p is not None and p.isdigit() for p in PIECES]), float("-inf"))
+    c = GrammarConstraint(TransitionCache(RegexGrammar("[0-9]+"), vocab), [EOS])
+    with pytest.raises(GrammarDeadEnd, match="^constrained decoding: .* logit of -inf"):
+        c.pick(digits_out, greedy)
 
 
 @pytest.fixture(scope="module")

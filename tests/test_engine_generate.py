@@ -84,8 +84,10 @@ def test_filter_logits_top_k_and_top_p():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k")], ids=["temp-neg", "top_p-0", "top_p-1.5", "top_k-neg"])
-def test_bad_sampling_params(kwargs, match):
+    (dict(top_k=-2), "top_k"), (dict(temperature=True), "temperature .* got True"),
+    (dict(top_p=True), "top_p .* got True")],
+    ids=["temp-neg", "top_p-0", "top_p-1.5", "top_k-neg", "temp-bool", "top_p-bool"])
+def test_bad_sampling_params(kwargs, match):  # (a bool is an int: True was temperature 1, top_p 1)
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
 
@@ -96,7 +98,11 @@ def test_bad_sampling_params(kwargs, match):
     ([[1] * 250], dict(max_new_tokens=10), "configured maximum of 256"),
     ([[1, 2]], dict(max_new_tokens=0), "max_new_tokens"),
     ([[1, 99999]], {}, "vocab_size"),
-], ids=["empty-prompt", "no-prompts", "too-long", "no-new-tokens", "bad-id"])
+    ([[1, 2]], dict(max_new_tokens=True), "max_new_tokens must be an int >= 1, got True"),  # (was one token)
+    ([[1, 2]], dict(chunk_size=True), "chunk_size must be a positive int, got True"),  # (was one-token chunks)
+    ([[1, 2]], dict(chunk_size=None), "chunk_size must be a positive int, got None"),  # (was a TypeError)
+], ids=["empty-prompt", "no-prompts", "too-long", "no-new-tokens", "bad-id", "max_new-bool", "chunk-bool",
+        "chunk-none"])
 def test_bad_requests_fail_fast(model, prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate(model, prompts, **kwargs)

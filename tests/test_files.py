@@ -1,12 +1,15 @@
-"""`openm3.files.remove_orphaned_temporaries`: the temporary files of writers that died before their rename go;
-those of running processes, this one's and other names stay."""
+"""`openm3.files`: `atomic_write` leaves the old file or the new one and, when the write fails, no temporary file;
+`remove_orphaned_temporaries`: the temporary files of writers that died before their rename go; those of running
+processes, this one's and other names stay."""
 
 import os
 import subprocess
 import sys
 import threading
 
-from openm3.files import process_alive, remove_orphaned_temporaries
+import pytest
+
+from openm3.files import atomic_write, process_alive, remove_orphaned_temporaries
 from openm3.serve.response_store import ResponseStore
 
 
@@ -49,3 +52,35 @@ def test_a_response_store_opening_its_directory_removes_only_dead_writers_tempor
         (tmp_path / name).write_text('{"items": [')
     assert ResponseStore(4, str(tmp_path)).get(rid) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+def test_an_atomic_write_leaves_the_old_file_or_the_new_one_and_no_temporary(tmp_path):
+    target = tmp_path / "a.json"
+    target.write_text("old")
+    with pytest.raises(ZeroDivisionError):
+        with atomic_write(target) as tmp:
+            assert tmp == f"{target}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write("half")
+            1 / 0
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"] and target.read_text() == "old"
+    with atomic_write(target, per_thread=True) as tmp:
+        assert tmp.endswith(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "w") as f:
+            f.write("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"] and target.read_text() == "new"
+    with pytest.raises(FileNotFoundError):  # the block wrote nothing: the rename fails, nothing is left
+        with atomic_write(target):
+            pass
+    assert target.read_text() == "new"
+    assert remove_orphaned_temporaries(tmp_path / "missing") == []  # a folder it cannot list: nothing to sweep
+
+
+def test_a_response_stores_failed_write_leaves_no_temporary(tmp_path):
+    """A response json cannot write (or a full disk) failed midway and left its `.tmp` until the next start."""
+    store, rid = ResponseStore(4, str(tmp_path)), "resp_" + "b" * 32
+    store.put(rid, [], {"output": [], "n": 1})
+    with pytest.raises(TypeError):
+        store.put(rid, [], {"output": [], "n": object()})  # half written when json meets the object
+    assert [p.name for p in tmp_path.iterdir()] == [rid + ".json"]
+    assert store.get(rid) == {"output": [], "n": 1} == ResponseStore(4, str(tmp_path)).get(rid)

@@ -322,6 +322,41 @@ def test_each_of_openais_reasoning_efforts_is_served(tok):  # noqa: F811
         assert client.post("/v1/chat/completions", json=chat(reasoning_effort=effort)).status_code == 200
 
 
+UNUSED_SETTINGS = [  # (id, path, body, what the message opens with, the good values): checked, though not used
+    ("responses-verbosity", "/v1/responses", {"text": {"verbosity": "ultra"}}, "text.verbosity: expected 'low'",
+     [{"text": {"verbosity": v}} for v in ("low", "medium", "high", None)]),
+    ("responses-summary", "/v1/responses", {"reasoning": {"summary": 5}}, "reasoning.summary: expected 'auto'",
+     [{"reasoning": {"summary": v}} for v in ("auto", "concise", "detailed")]),
+    ("responses-generate-summary", "/v1/responses", {"reasoning": {"generate_summary": True}},
+     "reasoning.generate_summary: expected 'auto'", [{"reasoning": {"generate_summary": "concise"}}]),
+    ("messages-effort", "/v1/messages", {"output_config": {"effort": 5}}, "output_config.effort: expected 'low'",
+     [{"output_config": {"effort": v}} for v in ("low", "medium", "high", "xhigh", "max")]),
+    ("messages-effort-word", "/v1/messages", {"output_config": {"effort": "huge"}}, "output_config.effort: expected",
+     []),
+    ("messages-thinking-type", "/v1/messages", {"thinking": {"type": "bogus"}}, "thinking.type: expected 'enabled'",
+     [{"thinking": {"type": "adaptive"}}, {"thinking": {"type": "disabled"}}]),
+    ("messages-adaptive-budget", "/v1/messages", {"thinking": {"type": "adaptive", "budget_tokens": 2048}},
+     "thinking.budget_tokens: thinking of type adaptive takes no budget_tokens", []),
+]
+
+
+@pytest.mark.parametrize("path,body,message,good", [u[1:] for u in UNUSED_SETTINGS],
+                         ids=[u[0] for u in UNUSED_SETTINGS])
+def test_settings_taken_but_unused_are_still_checked(tok, path, body, message, good):  # noqa: F811
+    """Responses' `text.verbosity` and `reasoning.summary`, Anthropic's `output_config.effort` and `thinking.type`
+    were taken with any value (`effort: 5`, a thinking type no API has) and unused: a 400 naming the field, as the
+    APIs they come from answer, while their own values are served."""
+    client = constraining_client(tok)
+    base = {"model": NAME, "input": "hi", "max_output_tokens": 3} if path == "/v1/responses" else chat()
+    r = client.post(path, json={**base, **body})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert r.json()["error"]["message"].startswith(message), r.text
+    if path == "/v1/responses":
+        assert r.json()["error"]["param"] == next(iter(body))
+    for fields in good:
+        assert client.post(path, json={**base, **fields}).status_code == 200, fields
+
+
 def test_a_json_schema_format_without_its_schema_is_a_400(tok):  # noqa: F811
     """Responses' `text.format` of type json_schema without `schema` was served as any JSON (OpenAI requires the
     schema there); a schema beside another type was ignored."""

@@ -227,7 +227,7 @@ def test_anthropic_thinking_budget_closes_the_think_block(tok, model, stream):
     assert text == [expected(0)[1]]
     unbounded = [t for t in generate(model, [prompt], max_new_tokens=12, stop_tokens=[eos])[0][0].tokens if t != eos]
     reasoning, text = split_reasoning(tok.decode(unbounded), True)
-    assert answer({"type": "adaptive"}, stream) == (reasoning or "", text)  # a type it does not know: no bound
+    assert answer({"type": "adaptive"}, stream) == (reasoning or "", text)  # the model's own choice: no bound
     r = client.post("/v1/messages", json={"model": NAME, "max_tokens": 4, "thinking": {"type": "enabled"},
                                           "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 400 and "budget_tokens" in r.json()["error"]["message"]

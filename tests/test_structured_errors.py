@@ -2,7 +2,8 @@
 the server answers with a 400 naming the field) instead of failing mid-generation (a 500) or pinning a thread, and
 huge counts compiled at once. Through the Lark / GBNF grammars' limits, `StructuredOutputs` (what the server calls
 per request), and the HTTP API for the cases an audit reproduced: an empty `guided_regex`, a malformed forced
-tool's parameters, `minItems: 10**9`."""
+tool's parameters, `minItems: 10**9`. Dead ends only decoding finds (a `regex`-package pattern's lookaround, the
+request's own `allowed_token_ids`) are the request's 400 naming the field, or a stream's error event; never a 500."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from openm3.engine.batching import BatchedGenerator
 from openm3.engine.cfg_grammar import CfgGrammar
 from openm3.serve import ModelBackend, create_app
 from openm3.serve.schemas import OutputSpec
 from openm3.serve.structured import StructuredOutputs
 
-from test_serve import NAME, tiny_model, tok  # noqa: F401 - the fixture and a model maker
+from test_serve import NAME, events, named_events, tiny_model, tok  # noqa: F401 - the fixture, helpers
 
 # Seconds a step that once took 8 s to minutes may take now (~0.5 s at most idle; CI's loaded 2 cores: ~1.4 s)
 FAST = 5.0
@@ -83,6 +85,7 @@ def test_repetition_keeps_states_the_same_depth():
 BAD_SPECS = [
     ("regex-no-character", OutputSpec(regex="[^\\x00-\\U0010ffff]"), "matches no text"),
     ("regex-boundary-alone", OutputSpec(regex="\\b"), "matches no text"),
+    ("regex-lookahead-no-start", OutputSpec(regex="(?=x)y"), "no token of the vocabulary starts a match"),
     ("regex-huge-count", OutputSpec(regex="(?m)a{1000000000}"), "counted repeats"),
     ("grammar-no-character", OutputSpec(grammar="root ::= [^\\x00-\\U0010ffff]"), "matches no text"),
     ("schema-pattern-no-character", OutputSpec({"type": "string", "pattern": "[^\\x00-\\U0010ffff]"}),
@@ -145,3 +148,79 @@ def test_the_audited_requests_are_answered_at_once(tok):
     r, seconds = timed(lambda: client.post("/v1/chat/completions", json={**ASK, "tools": [good],
                                                                          "tool_choice": "required"}))
     assert r.status_code == 200 and seconds < 30, r.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dead ends that only decoding finds: the request's 400 naming the field (a stream: its error event), not a 500
+
+LOOKAHEAD = {"type": "string", "pattern": "^a(?=b)$"}  # `regex` takes `"a`, which no string continues
+
+
+@pytest.fixture(scope="module", params=["model", "batched"])
+def dead_ends(request, tok):
+    """A client on the one-request backend and on the batching one (the dead end is raised on its worker)."""
+    model = tiny_model(tok)
+    backend = ModelBackend(model) if request.param == "model" else BatchedGenerator(model, token_budget=1024,
+                                                                                    max_batch=4, chunk_size=64)
+    yield TestClient(create_app(backend, tok, model_name=NAME, max_total_tokens=256, reasoning_parser="none"))
+    if request.param == "batched":
+        backend.close()
+
+
+def test_a_dead_end_while_decoding_is_a_400_naming_the_field(dead_ends, tok):
+    """`a(?=b)` (left to the `regex` package) takes `a`, then nothing: a 400 naming the field, through every API;
+    a grammar the automaton follows behaves the same where the request's `allowed_token_ids` leave it no token."""
+    words = tok.encode("hello there")  # no digit among them
+    cases = [("/v1/completions", {"prompt": "hi", "guided_regex": "a(?=b)"}, "guided_regex", "'a'"),
+             ("/v1/chat/completions", {"messages": ASK["messages"], "structured_outputs": {"regex": "[0-9]+"},
+                                       "allowed_token_ids": words}, "structured_outputs", "-inf"),
+             ("/v1/chat/completions", {"messages": ASK["messages"], "guided_grammar": "start: /[0-9]+/",
+                                       "allowed_token_ids": words}, "guided_grammar", "-inf"),
+             ("/v1/responses", {"input": "hi", "max_output_tokens": 16, "text": {"format": {
+                 "type": "json_schema", "name": "x", "schema": LOOKAHEAD}}}, "text", "no token continues")]
+    for path, body, field, why in cases:
+        r = dead_ends.post(path, json={"model": NAME, "max_tokens": 16, **body})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error", r.text
+        assert error["param"] == field and error["message"].startswith(field), r.text
+        assert "the answer cannot be finished" in error["message"] and why in error["message"], r.text
+    r = dead_ends.post("/v1/messages", json={**ASK, "max_tokens": 16, "output_config": {"format": {
+        "type": "json_schema", "schema": LOOKAHEAD}}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert r.json()["error"]["message"].startswith("output_config.format: the answer cannot be finished"), r.text
+
+
+def test_a_dead_end_ends_a_stream_with_its_error(dead_ends):
+    """Streamed, the text so far has gone out: the stream ends with the request's error event (OpenAI's error
+    body, Anthropic's `error` event, the Responses API's `response.failed`) and closes as usual."""
+    chunks = events(dead_ends.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 16,
+                                                            "stream": True, "guided_regex": "a(?=b)"}))
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "a"
+    error = chunks[-1]["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "guided_regex", chunks[-1]
+    assert error["message"].startswith("guided_regex: the answer cannot be finished"), chunks[-1]
+    chunks = named_events(dead_ends.post("/v1/messages", json={**ASK, "max_tokens": 16, "stream": True,
+                                                               "output_format": {"type": "json_schema",
+                                                                                 "schema": LOOKAHEAD}}))
+    assert chunks[-1]["type"] == "error" and chunks[-1]["error"]["type"] == "invalid_request_error", chunks[-1]
+    assert chunks[-1]["error"]["message"].startswith("output_format: the answer cannot be finished")
+    chunks = named_events(dead_ends.post("/v1/responses", json={
+        "model": NAME, "input": "hi", "max_output_tokens": 16, "stream": True,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": LOOKAHEAD}}}))
+    assert chunks[-1]["type"] == "response.failed", chunks[-1]
+    assert chunks[-1]["response"]["error"]["message"].startswith("text: the answer cannot be finished")
+
+
+def test_dead_ends_found_up_front_and_whole_documents_under_min_tokens(dead_ends):
+    """A `regex`-package pattern that no token can start is refused before the stream opens; `min_tokens` that
+    would hold back the stop after a whole document gives way (vLLM's too): the answer ends there."""
+    for stream in (False, True):
+        r = dead_ends.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 8,
+                                                    "stream": stream, "guided_regex": "(?=x)y"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+        assert "no token of the vocabulary starts a match" in r.json()["error"]["message"]
+    r = dead_ends.post("/v1/chat/completions", json={**ASK, "max_tokens": 8, "min_tokens": 5,
+                                                     "guided_choice": ["a"]})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == "a" and choice["finish_reason"] == "stop", choice

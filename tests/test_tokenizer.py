@@ -6,6 +6,7 @@ import os
 import pytest
 from test_files import dead_pid
 
+from openm3.data import tokenizer as tokenizer_module
 from openm3.data.chat import render_chat
 from openm3.data.corpora import load_corpus
 from openm3.data.tokenizer import (
@@ -116,6 +117,28 @@ def test_a_crashed_writers_temporary_file_is_removed(tmp_path):
         (entry / name).write_text('{"version"')
     get_tokenizer(settings, tmp_path)
     assert sorted(p.name for p in entry.iterdir()) == sorted(["settings.json", "tokenizer.json", *kept])
+
+
+def test_temporaries_are_swept_when_the_cache_is_read_and_a_failed_write_leaves_none(tmp_path, monkeypatch):
+    """A dead writer's temporary beside a cached tokenizer.json stayed until that entry was trained again; a write
+    that failed (here: its sync to disk) left its own."""
+    settings = TokenizerSettings(vocab_size=600, chars_per_corpus=20_000, corpora=("topics",))
+    entry = tmp_path / f"tokenizer-{settings.key()}"
+    get_tokenizer(settings, tmp_path)
+    orphan, live = entry / f"tokenizer.json.{dead_pid()}.tmp", entry / f"tokenizer.json.{os.getppid()}.tmp"
+    for stale in (orphan, live):
+        stale.write_text('{"version"')
+    get_tokenizer(settings, tmp_path)  # a cache hit
+    assert not orphan.exists() and live.exists()
+
+    def unwritable(_fd):
+        raise OSError("No space left on device")
+
+    other = TokenizerSettings(vocab_size=700, chars_per_corpus=20_000, corpora=("topics",))
+    monkeypatch.setattr(tokenizer_module.os, "fsync", unwritable)
+    with pytest.raises(OSError, match="No space left"):
+        get_tokenizer(other, tmp_path)
+    assert list((tmp_path / f"tokenizer-{other.key()}").iterdir()) == []
 
 
 def test_training_is_deterministic():

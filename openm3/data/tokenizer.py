@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..files import remove_orphaned_temporaries
+from ..files import atomic_write, remove_orphaned_temporaries
 from .corpora import CORPORA, load_corpus, require
 
 PAD = "]!p~["
@@ -261,6 +261,8 @@ def get_tokenizer(settings: TokenizerSettings | None = None, cache_dir: str | Pa
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     entry = directory / f"tokenizer-{settings.key()}"
     path = entry / "tokenizer.json"
+    if entry.is_dir():  # what crashed writers left, swept whenever the entry is used (not only when rebuilt)
+        remove_orphaned_temporaries(entry, re.escape("tokenizer.json"))
     if path.is_file():
         try:
             return M3Tokenizer.from_file(path)
@@ -268,13 +270,11 @@ def get_tokenizer(settings: TokenizerSettings | None = None, cache_dir: str | Pa
             warnings.warn(f"the cached tokenizer {path} is unreadable ({err}); training it again")
     tok = train_tokenizer(settings)
     entry.mkdir(parents=True, exist_ok=True)
-    remove_orphaned_temporaries(entry, re.escape("tokenizer.json"))
-    tmp = entry / f"tokenizer.json.{os.getpid()}.tmp"
-    tok.backend.save(str(tmp))
-    with open(tmp, "rb+") as f:  # on disk before the rename makes it the cache's
-        os.fsync(f.fileno())
-    (entry / "settings.json").write_text(json.dumps(asdict(settings), indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        tok.backend.save(tmp)
+        with open(tmp, "rb+") as f:  # on disk before the rename makes it the cache's
+            os.fsync(f.fileno())
+        (entry / "settings.json").write_text(json.dumps(asdict(settings), indent=1, sort_keys=True))
     return tok
 
 

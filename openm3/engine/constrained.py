@@ -35,6 +35,12 @@ an answer the request asked for then missing; a random model does that often).
 With a `trigger` token the grammar applies only from that token on, and again each time it is sampled: the text
 around is free, and each stretch from the trigger to the grammar's whole document follows the grammar (tool calls
 under `tool_choice: auto`: free text, but every call the model opens is well formed).
+
+Where no token the grammar allows has a finite logit: a whole document ends there, on a stop token (the request's
+own adjustments held the stops back, `min_tokens`: vLLM, too, lets a finished grammar stop under it); otherwise
+`pick` raises `GrammarDeadEnd`. A grammar whose every state can be completed reaches one only where the logits rule
+out all it allows (`allowed_token_ids`, `bad_words`); a pattern left to the `regex` package's partial matching
+(lookaround: `a(?=b)` takes `a`, which no match continues) also where its states cannot be completed.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import torch
 
 from .sampling import SamplingParams, sample
 
-__all__ = ["ChoiceGrammar", "GrammarConstraint", "TokenBytes", "TransitionCache", "draw"]
+__all__ = ["ChoiceGrammar", "GrammarConstraint", "GrammarDeadEnd", "TokenBytes", "TransitionCache", "draw"]
 
 _NO_BYTES = 256  # first-byte slot of tokens with no bytes (special tokens): never allowed by the grammar
 _QUOTE = 0x22  # `"`: a grammar's `quote_free_twin` answers for the tokens without it
@@ -392,12 +398,14 @@ class GrammarConstraint:
     with before the grammar applies (None: the grammar applies from the first token); thinking: the prompt has
     opened that block already (the grammar applies after its end token); lazy_checks: tokens checked one by
     one in a pick before the state's full mask decides it instead; trigger: a token from which on the grammar
-    applies, once per time it is sampled (None: from the first token, once; see the module docstring)."""
+    applies, once per time it is sampled (None: from the first token, once; see the module docstring); field:
+    what asked for the grammar (the server: the request's field), named in a `GrammarDeadEnd`."""
 
     def __init__(self, transitions: TransitionCache, stop_tokens: Sequence[int],
                  think: tuple[int, int] | None = None, thinking: bool = False, lazy_checks: int = 512,
-                 trigger: int | None = None):
+                 trigger: int | None = None, field: str | None = None):
         self.transitions = transitions
+        self.field = field
         self.lazy_checks = lazy_checks
         self.full_masks = 0  # picks that the full mask decided
         self._plain_now = False  # the state takes every plain-text token (set by each pick)
@@ -468,8 +476,7 @@ class GrammarConstraint:
         self._plain_now = self.transitions.takes_plain_text(self.state)
         token = self._choose(logits, row, sampling, generator, min_p if not sampling.greedy else 0.0)
         if token is None:
-            raise RuntimeError("constrained decoding: no token of the vocabulary continues the output "
-                               f"({self.grammar!r} at state {self.state!r})")
+            token = self._no_token_left()
         if self.phase == "start" and token == self.think[0]:
             self.phase = "thinking"
             return token
@@ -481,6 +488,21 @@ class GrammarConstraint:
         return token
 
     # ------------------------------------------------------------------ internals
+
+    def _no_token_left(self) -> int:
+        """The pick where no allowed token has a finite logit: a stop token where the output is a whole document
+        (the logits held the stops back: `min_tokens`), else `GrammarDeadEnd` (module docstring)."""
+        if self.grammar.complete(self.state):
+            return self.stop_tokens[0]
+        if self.grammar.can_continue(self.state) and bool(self.transitions.full_mask(self.state).any()):
+            why = ("every token the grammar allows next has a logit of -inf (the request's own settings, such as "
+                   "allowed_token_ids or bad_words, rule them all out)")
+        else:  # (the grammar's own dead end: a pattern left to `regex`, or a tokenizer without some byte's token)
+            why = ("no token continues the text so far, which is not a whole answer (a pattern with lookaround or "
+                   "other syntax the automaton lacks is checked by the `regex` package a prefix at a time, and can "
+                   "take a start that no match continues)")
+        raise GrammarDeadEnd(f"{self.field or 'constrained decoding'}: the answer cannot be finished: {why}",
+                             self.field)
 
     def _stops_on(self, device: torch.device) -> torch.Tensor:
         """The stop token ids as an int64 tensor on `device` (made once per device)."""
@@ -619,6 +641,15 @@ def draw(row: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
     u = float(torch.rand(1, generator=_cpu(generator)))
     k = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], device=cdf.device, dtype=cdf.dtype)))
     return int(order[min(k, order.numel() - 1)])
+
+
+class GrammarDeadEnd(RuntimeError):
+    """A constrained pick found no token to go on with and no whole document to end (module docstring); `field`:
+    the constraint's (what asked for the grammar), None where it names none."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class _OverBudget(Exception):

@@ -156,7 +156,7 @@ def workspace_estimate(config, chunk_size: int, dtype: torch.dtype, vocab_rows: 
 def check_prompts(prompts, vocab_size: int, max_new_tokens: int, max_total_tokens: int) -> list[torch.Tensor]:
     """Validates token-id prompts (a list of prompts, each a list or 1-D int tensor of ids; or a 2-D tensor's rows);
     returns them as int64 tensors. A flat list of ids or a 1-D tensor is refused: one prompt is `[ids]`, not `ids`."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     batch = isinstance(prompts, torch.Tensor) and prompts.dim() == 2
     if not batch and (isinstance(prompts, (str, torch.Tensor)) or not hasattr(prompts, "__len__")
@@ -266,6 +266,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     for name, value in (("token_budget", token_budget), ("max_total_tokens", max_total_tokens)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be an int >= 1 or None (None: {_DEFAULT_OF[name]}), got {value!r}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings

@@ -11,8 +11,9 @@ operations, and texts that lead to the same set share it, and the masks memoised
 bytes, and `advance` asks `regex`'s partial matching whether some match starts with the text so far (each check
 reads the whole text). With the automaton every live state can still be completed and decoding never paints
 itself into a corner; `regex`'s partial matching can take a text no match continues where lookaround decides
-(`a(?=b)` takes `a`), and decoding may then find no token to go on with. A pattern that no text matches is refused
-(ValueError) where the automaton, or `regex` on the empty text, can tell.
+(`a(?=b)` takes `a`), and decoding may then find no token to go on with (`dead_ends`; `GrammarConstraint` raises
+`GrammarDeadEnd` there). A pattern that no text matches is refused (ValueError) where the automaton, or `regex` on
+the empty text, can tell.
 
 With the automaton a token may end inside a multi-byte character (a byte-level tokenizer splits rare characters,
 many CJK ones and emoji, over byte tokens): the state then holds the character's first bytes beside the state set
@@ -59,6 +60,8 @@ class RegexGrammar:
         self._split = SplitCharacters(self._step, lambda states, lo, hi: self.nfa.live(
             self.nfa.step_range(states, lo, hi)))  # data that ends inside a character
         self.character_length = utf8_length  # a character's bytes at data[i] (0: data ends inside it)
+        # whether a state may lead nowhere (`regex`'s partial matching: lookaround); the automaton's never do
+        self.dead_ends = self.nfa is None
         if self.nfa is None:  # `regex` is asked about whole texts: tokens are walked a character at a time
             self.whole_characters_at = self._between_characters
         else:  # split characters are taken: `TransitionCache` walks a character per edge where a token holds it

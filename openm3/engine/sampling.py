@@ -20,6 +20,11 @@ def plain_int(x):
     return operator.index(x) if isinstance(x, numbers.Integral) and not isinstance(x, (int, bool)) else x
 
 
+def _number(x) -> bool:
+    """An int or a float, not a bool (True is no temperature)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy (argmax), and so is any below `GREEDY_BELOW`; top_k 0 = off; top_p in (0, 1], 1 = off.
@@ -33,13 +38,13 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):  # numpy floats (np.float32 is no float) as floats
+        for name in ("temperature", "top_p"):  # numpy floats (np.float32 is no float) as floats; bools refused
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
                 object.__setattr__(self, name, float(value))
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         object.__setattr__(self, "top_k", plain_int(self.top_k))
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:

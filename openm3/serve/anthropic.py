@@ -52,17 +52,20 @@ class AnthropicMessage(BaseModel):
 
 class ThinkingConfig(BaseModel):
     """Anthropic's `thinking`: enabled with `budget_tokens` (the think block holds at most that many tokens; this
-    server takes any budget >= 1, Anthropic asks >= 1024), or disabled (no think block); another type (a newer
-    API's) leaves the thinking unbounded, as before this field was read."""
+    server takes any budget >= 1, Anthropic asks >= 1024), disabled (no think block), or adaptive (the model's
+    own choice: unbounded); budget_tokens goes with enabled alone, as Anthropic's API asks."""
 
-    type: str
+    type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Integer | None = Field(default=None, ge=1, validate_default=True)
 
     @field_validator("budget_tokens")
     @classmethod
     def _budget(cls, v: int | None, info) -> int | None:
-        if info.data.get("type") == "enabled" and v is None:
+        kind = info.data.get("type")
+        if kind == "enabled" and v is None:
             raise ValueError("thinking of type enabled needs budget_tokens")
+        if kind is not None and kind != "enabled" and v is not None:
+            raise ValueError(f"thinking of type {kind} takes no budget_tokens (enabled does)")
         return v
 
 
@@ -100,7 +103,8 @@ class OutputFormat(BaseModel):
 
 
 class OutputConfig(BaseModel):
-    format: OutputFormat | None = None  # other settings (effort) are accepted and ignored
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # Anthropic's values; checked, not used
 
 
 class MessagesRequest(CountTokensRequest):
@@ -121,7 +125,7 @@ class MessagesRequest(CountTokensRequest):
 
     @property
     def thinking_budget(self) -> int | None:
-        """Think-block tokens allowed (0: no thinking), None: no bound (`thinking` not given)."""
+        """Think-block tokens allowed (0: no thinking), None: no bound (`thinking` not given, or adaptive)."""
         if self.thinking is None or self.thinking.type not in ("enabled", "disabled"):
             return None
         return self.thinking.budget_tokens if self.thinking.type == "enabled" else 0
@@ -342,8 +346,9 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check_model: Callabl
 
             return constraint_maker(spec, "tool_choice", prompt, prefill)()
         auto = (tools, not _one_call(req)) if tools and kind == "auto" else None
-        return constraint_maker(lambda: None if fmt is None else OutputSpec(fmt.schema_), "output_format", prompt,
-                                prefill, auto)()
+        field = "output_format" if req.output_format is not None else "output_config.format"
+        return constraint_maker(lambda: None if fmt is None else OutputSpec(fmt.schema_), field, prompt, prefill,
+                                auto)()
 
     @app.post(MESSAGES_PATH)
     def messages(req: MessagesRequest):
@@ -428,4 +433,6 @@ def add_messages_routes(app, *, tokenizer, model_name: str, check_model: Callabl
                  "usage": usage(stream.sampled)})
             put({"type": "message_stop"})
 
-        return sse(produce, named_events=True, error_chunk=lambda m: error_body(m, "api_error"))
+        return sse(produce, named_events=True,
+                   error_chunk=lambda m, _param, refused: error_body(m, "invalid_request_error" if refused else
+                                                                   "api_error"))

@@ -55,7 +55,7 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 from ..data.chat import parse_tool_calls
 from ..data.chat_template import check_template_variables
 from ..data.tokenizer import THINK_END, THINK_START, TOOL_CALL_START, NotUnicode
-from ..engine.constrained import GrammarConstraint
+from ..engine.constrained import GrammarConstraint, GrammarDeadEnd
 from ..engine.media import chat_prompt
 from ..engine.penalties import Penalties, PenalizedPicker
 from ..engine.sampling import SamplingParams
@@ -101,7 +101,7 @@ class ModelBackend:
     takes_predictions = True  # `draft_context=`: a predicted output's tokens (`generate`'s draft_contexts)
 
     def __init__(self, model, speculative=None, chunk_size: int = 8192, cuda_graphs: bool | None = None):
-        if not isinstance(chunk_size, int) or chunk_size < 1:
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.model, self.chunk_size = model, chunk_size
         self.cuda_graphs = cuda_graphs  # as `generate`'s (None: graphs on a CUDA device)
@@ -141,6 +141,11 @@ class ModelBackend:
         except _Aborted:
             return "abort"
         return results[0].finish_reason
+
+
+def _openai_error_chunk(message: str, param: str | None, refused: bool) -> dict:
+    """A stream's error event in OpenAI's form (`sse`): the request's error, or the server's."""
+    return error_body(message, param, kind="invalid_request_error" if refused else "server_error")
 
 
 class _Aborted(Exception):
@@ -467,11 +472,13 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
             constraint: GrammarConstraint | None = None, prediction: list[int] | None = None) -> str:
         """Generates (under the lock unless the backend is concurrent), feeding `stream` and calling
         `on_part(kind, text)` with its routed deltas (`TextStream.parts`); returns the finish reason ('stop' |
-        'length'). `images` go to the backend only when there are some. on_start(): called once, when the
-        request's prompt is known to be admitted (`stream.cached` is then set) or at its first token, whichever
-        the backend reports first. logprobs: collects each token's log probabilities (`logprobs_for` made it);
-        prompt_entries: those of the prompt's tokens (`prompt_entries_for`). seed: the sampler's (default: the
-        request's, else a random one). constraint: picks the tokens (structured outputs, `constraint_maker`).
+        'length'); an `APIError` (a 400) naming the field where the constraint finds no token to go on with
+        (`GrammarDeadEnd`: a stream reports it as its error event). `images` go to the backend only when there
+        are some. on_start(): called once, when the request's prompt is known to be admitted (`stream.cached` is
+        then set) or at its first token, whichever the backend reports first. logprobs: collects each token's log
+        probabilities (`logprobs_for` made it); prompt_entries: those of the prompt's tokens
+        (`prompt_entries_for`). seed: the sampler's (default: the request's, else a random one). constraint: picks
+        the tokens (structured outputs, `constraint_maker`).
         prediction: a predicted output's token ids (OpenAI's `prediction`), where a backend that
         `takes_predictions` looks speculative drafts up too (with a speculative config of its own or, if none,
         just for this request).
@@ -549,6 +556,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 return "stop" if finish == "abort" else finish
             except _Stop:
                 return "stop"
+            except GrammarDeadEnd as e:  # the request's grammar (or its masks) cannot be honoured: its 400 after all
+                raise APIError(f"{e}; the answer so far: {stream.text[-200:]!r}",
+                               e.field.split(".")[0] if e.field else None) from None
             finally:
                 timer.end()
                 start()
@@ -593,6 +603,7 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         them, parallel calls allowed) of a request whose model may call them (`tool_choice` auto): with
         `constrain_tool_calls` (and a backend that constrains) each call block it opens follows their grammar, the
         text around stays free."""
+        field = param  # named in errors: the field that gave the spec where it says (`guided_regex`), else param
         try:
             spec = spec_of()
             if spec is None and auto_calls is not None and auto_calls[0] and constrain_tool_calls \
@@ -600,15 +611,18 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 spec = OutputSpec.auto_calls(*auto_calls)
             if spec is None:
                 return lambda: None
+            field = spec.field or param
             if not getattr(backend, "supports_constraints", False):
                 raise ValueError("this server's backend does not constrain decoding (structured outputs)")
             think = reasoning_parser == "m3" and chat_prompt_ids is not None and not prefill
-            make = structured.factory(spec, think=think, thinking=think and opens_think(chat_prompt_ids))
+            make = structured.factory(spec, think=think, thinking=think and opens_think(chat_prompt_ids),
+                                      field=field)
         except ValueError as e:
             message = str(e)
             if message.startswith("tools:"):  # the tools' definitions are at fault, not the field that used them
-                param = "tools"
-            raise APIError(message if message.startswith(f"{param}:") else f"{param}: {message}", param) from None
+                field = "tools"
+            raise APIError(message if message.startswith(f"{field}:") else f"{field}: {message}",
+                           field.split(".")[0]) from None
         if not prefill:
             return make
         try:
@@ -732,11 +746,12 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
         return [future.result() for future in futures]
 
     def sse(produce: Callable[[Callable[[dict], None], threading.Event], None], named_events: bool = False,
-            error_chunk: Callable[[str], dict] | None = None) -> StreamingResponse:
+            error_chunk: Callable[[str, str | None, bool], dict] | None = None) -> StreamingResponse:
         """Streams the chunks `produce(put, cancelled)` puts (it runs in a worker thread) as SSE events: Chat
         Completions' `data:` lines closed by `[DONE]`, or events named by each chunk's `type` (Anthropic's
         Messages, OpenAI's Responses). A failure after the status line is sent is reported in the stream as
-        `error_chunk(message)` (default: OpenAI's error body).
+        `error_chunk(message, param, refused)` (default: OpenAI's error body): refused, an `APIError` that would
+        have been the request's 400 (a grammar's dead end, `run`), else the server's error.
 
         The events are read on the server's event loop (no thread waits on them), so a client that disconnects
         is noticed at once, while its request still waits for a place or prefills, not only at its next chunk:
@@ -758,8 +773,9 @@ def create_app(backend: Backend, tokenizer, *, model_name: str, max_total_tokens
                 try:
                     produce(put, cancelled)
                 except Exception as e:  # the status line is sent already: report in the stream
-                    message = f"generation failed: {e}"
-                    put(error_chunk(message) if error_chunk else error_body(message, None, kind="server_error"))
+                    refused = isinstance(e, APIError)
+                    message, param = (e.message, e.param) if refused else (f"generation failed: {e}", None)
+                    put((error_chunk or _openai_error_chunk)(message, param, refused))
                 finally:
                     put(None)
 

@@ -8,7 +8,8 @@ turn's input then output) with its own `input` appended, as OpenAI's API does (t
 carried over). Each turn is kept once, so a long conversation takes memory in proportion to its length. The store
 holds the `capacity` responses used last (least recently used dropped first; continuing a conversation uses every
 turn of it). With a `directory` each stored response is also written there (one JSON file per response, written to
-a temporary name and renamed, so a crash leaves the file whole or absent) and the store starts with the files it
+a temporary name and renamed, so a crash leaves the file whole or absent; a failed write removes its temporary
+file and leaves the response unstored, its error raised) and the store starts with the files it
 finds (the latest `capacity` by the time they were last used; older ones are evicted, their files removed; a
 background response the last run left queued or in progress reads as failed); without one nothing survives a
 restart.
@@ -23,7 +24,7 @@ import re
 import threading
 from collections import OrderedDict
 
-from ..files import remove_orphaned_temporaries
+from ..files import atomic_write, remove_orphaned_temporaries
 
 __all__ = ["ResponseStore"]
 
@@ -80,11 +81,8 @@ class ResponseStore:
             self._kept[rid] = kept
 
     def _write(self, rid: str, kept: tuple) -> None:
-        path = self._path(rid)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_write(self._path(rid), per_thread=True) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump({"items": kept[0], "response": kept[1], "previous": kept[2]}, f)
-        os.replace(tmp, path)
 
     def _touch(self, rid: str) -> None:
         """Marks a response used (its file's time orders the next start's store)."""

@@ -95,13 +95,17 @@ class TextFormat(BaseModel):
 
 
 class ResponsesText(BaseModel):
-    format: TextFormat | None = None  # other settings (verbosity) are accepted and ignored
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # OpenAI's values; checked, not used
 
 
 class Reasoning(BaseModel):
-    """`reasoning`: its `effort` (`ReasoningEffort`); other settings (summary) are accepted and ignored."""
+    """`reasoning`: its `effort` (`ReasoningEffort`); `summary` (and its deprecated `generate_summary`) take
+    OpenAI's values and are not used: the reasoning comes back whole."""
 
     effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -302,8 +306,10 @@ UNFINISHED = ("queued", "in_progress")  # a background response's statuses befor
 REPLAYS = 64  # finished streamed background responses whose events `GET ...?stream=true` can still replay
 
 
-def _error_event(message: str) -> dict:
-    return {"type": "error", "code": "server_error", "message": message, "param": None}
+def _error_event(message: str, param: str | None = None, refused: bool = False) -> dict:
+    """A stream's `error` event: the request's error (`refused`, naming `param`), or the server's."""
+    return {"type": "error", "code": "invalid_request_error" if refused else "server_error", "message": message,
+            "param": param}
 
 
 class EventLog:

@@ -65,7 +65,8 @@ class OutputSpec:
     block (`tools`: the tools as JSON, [{"name", "parameters"}], Anthropic's with "input_schema" for "parameters";
     `tool_name`: that one tool, else any; `max_calls`: most calls in it, None: no bound; `triggered`: the text is
     free and the block's grammar holds only from each tool-call start the model writes: `openm3 serve
-    --constrain-tool-calls`)."""
+    --constrain-tool-calls`). `field`: the request field that asked for it, named in errors (None: the caller's
+    default)."""
 
     schema: Any = None
     strict: bool = False
@@ -76,6 +77,7 @@ class OutputSpec:
     tool_name: str | None = None
     max_calls: int | None = None
     triggered: bool = False
+    field: str | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def forced_call(cls, tools: list[dict] | None, name: str | None, parallel: bool = True) -> "OutputSpec":
@@ -89,7 +91,8 @@ class OutputSpec:
     def auto_calls(cls, tools: list[dict], parallel: bool = True) -> "OutputSpec":
         """The calls the model chooses to write under `tool_choice: auto`: free text, and every tool-call block it
         opens a well-formed one over `tools` (at most one call in a block unless `parallel`)."""
-        return cls(tools=json.dumps(tools, sort_keys=True), max_calls=None if parallel else 1, triggered=True)
+        return cls(tools=json.dumps(tools, sort_keys=True), max_calls=None if parallel else 1, triggered=True,
+                   field="tools")
 
 
 class JsonSchemaSpec(BaseModel):
@@ -242,7 +245,7 @@ class SamplingFields(BaseModel):
         named = [k for k, v in given.items() if v is not None]
         if len(named) > 1:
             raise ValueError(f"give one output constraint, got {', '.join(named)}")
-        return given[named[0]] if named else None
+        return dataclasses.replace(given[named[0]], field=named[0]) if named else None
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v: str | list[str] | None) -> list[str]:

@@ -41,17 +41,25 @@ class StructuredOutputs:
         self._grammars: collections.OrderedDict[str, TransitionCache] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def factory(self, spec: OutputSpec, *, think: bool = False, thinking: bool = False
+    def factory(self, spec: OutputSpec, *, think: bool = False, thinking: bool = False, field: str | None = None
                 ) -> Callable[[], GrammarConstraint]:
         """A maker of fresh constraints (one per choice) for answers that `spec` allows. think: the answer may open
-        with a think block first; thinking: the prompt opened it already. ValueError naming the problem for a
-        schema the grammar cannot honour."""
+        with a think block first; thinking: the prompt opened it already; field: the request's field that asked
+        for it (named where decoding finds no token to go on with, `GrammarDeadEnd`). ValueError naming the
+        problem for a schema the grammar cannot honour."""
         transitions = self._transitions(spec)
+        grammar = transitions.grammar
+        if getattr(grammar, "dead_ends", False) and not grammar.complete(grammar.start) \
+                and not bool(transitions.full_mask(grammar.start).any()):  # (the mask is memoised)
+            raise ValueError(f"regex {spec.regex!r}: no token of the vocabulary starts a match (lookaround and other "
+                             "syntax the automaton lacks are checked by the `regex` package, a whole character at "
+                             "a time)")
         ids = self.tokenizer.special_ids
         pair = (ids[THINK_START], ids[THINK_END]) if think else None
         eos = self.tokenizer.eos_id
         trigger = ids[TOOL_CALL_START] if spec.triggered else None
-        return lambda: GrammarConstraint(transitions, [eos], think=pair, thinking=thinking, trigger=trigger)
+        return lambda: GrammarConstraint(transitions, [eos], think=pair, thinking=thinking, trigger=trigger,
+                                         field=field)
 
     def _transitions(self, spec: OutputSpec) -> TransitionCache:
         key = json.dumps([spec.schema, spec.strict, spec.choices, spec.regex, spec.grammar, spec.tools,
@@ -60,8 +68,9 @@ class StructuredOutputs:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
-        # Each raises ValueError (the caller's 400) for what no answer could follow, so decoding never finds that
-        # no token goes on: a pattern or grammar that matches no text, a tool whose parameters are malformed.
+        # Each raises ValueError (the caller's 400) for what no answer could follow, so decoding finds no token to
+        # go on with only under the request's own masks or a pattern left to the `regex` package (`GrammarDeadEnd`):
+        # a pattern or grammar that matches no text, a tool whose parameters are malformed.
         if spec.tools is not None:
             grammar = ToolCallGrammar(json.loads(spec.tools), spec.tool_name, spec.max_calls)
         elif spec.choices is not None:
