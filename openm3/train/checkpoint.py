@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..files import atomic_write
 from ..models.checkpoint import replace_directory, sync_dir
 from ..models.vision import DEFAULT_FRAMES_PER_CLIP
 from .distributed import DistInfo, barrier
@@ -40,18 +41,14 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` so that a crash leaves either the old file or the new one: a temporary file beside
-    it, flushed to disk, then `os.replace`."""
+    it (`openm3.files.atomic_write`: removed where the write fails, e.g. text the encoding cannot hold or a full
+    disk), flushed to disk, then renamed over it."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    with atomic_write(path) as tmp:
         with open(tmp, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # (text the encoding cannot hold, a full disk): no half-written temporary file left
-        tmp.unlink(missing_ok=True)
-        raise
     sync_dir(path.parent)
 
 
