@@ -73,6 +73,14 @@ def test_the_warm_up_steps_one_row_and_several(monkeypatch):
     assert 1 in sizes and max(sizes) >= 2 and gen.batch_sizes == {}
 
 
+@pytest.mark.parametrize("name", ["max_batch", "chunk_size", "prefill_chunks_per_step"])
+def test_batched_generator_refuses_a_bool_for_a_count(name):
+    """True is no count (an int subclass, it would mean 1): refused before the cache is planned."""
+    model = M3TextModel(M3TextConfig.from_name("m3-tiny")).eval()
+    with pytest.raises(ValueError, match=f"^{name} must be a positive int, got True"):
+        BatchedGenerator(model, token_budget=256, **{name: True})
+
+
 def test_warm_up_checks_its_arguments_and_reports_a_failed_request():
     with pytest.raises(ValueError, match="max_batch must be a positive int"):
         warm_up(lambda *a, **k: "stop", 100, max_batch=0)

@@ -76,6 +76,8 @@ def test_engine_logprobs_equal_the_model(model, monkeypatch):
         check_entries(model, prompt, [(t, lp, top) for t, (lp, top) in zip(answer, got)], 0)
     with pytest.raises(ValueError, match="logprobs must be an int in \\[0, 20\\]"):
         generate(model, [prompt], logprobs=21, on_logprobs=lambda *a: None)
+    with pytest.raises(ValueError, match="^prompt_logprobs must be an int .* given with on_prompt_logprobs"):
+        generate(model, [prompt], prompt_logprobs=1)  # (the prompt's pair is named, not logprobs / on_logprobs)
 
 
 def test_chat_and_completion_logprobs(model, tok):

@@ -156,11 +156,11 @@ class BatchedGenerator:
         self.scheduling = scheduling
         token_budget, max_batch, chunk_size, prefill_chunks_per_step = map(
             plain_int, (token_budget, max_batch, chunk_size, prefill_chunks_per_step))  # numpy ints as ints
-        if not isinstance(max_batch, int) or max_batch < 1:
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-        if not isinstance(chunk_size, int) or chunk_size < 1:
+        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        if not isinstance(prefill_chunks_per_step, int) or prefill_chunks_per_step < 1:
+        if not isinstance(prefill_chunks_per_step, int) or isinstance(prefill_chunks_per_step, bool) or prefill_chunks_per_step < 1:
             raise ValueError(f"prefill_chunks_per_step must be a positive int, got {prefill_chunks_per_step!r}")
         for name, value in (("speculative", speculative), ("prediction_speculative", prediction_speculative)):
             if value is not None and not isinstance(value, SpeculativeConfig):
@@ -244,7 +244,7 @@ class BatchedGenerator:
                              f"priority {priority} needs scheduling='priority'")
         (ids,) = check_prompts([prompt], self.vocab_size, max_new_tokens, self.config.max_position_embeddings)
         check_logprobs(logprobs, on_logprobs)
-        check_logprobs(prompt_logprobs, on_prompt_logprobs)
+        check_logprobs(prompt_logprobs, on_prompt_logprobs, ("prompt_logprobs", "on_prompt_logprobs"))
         stop_tokens = check_stop_tokens(stop_tokens)
         check_constraints([constraint], 1, stop_tokens)
         (vision,) = check_images(self.model, [ids], None if images is None else [images])

@@ -277,7 +277,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     if speculative is not None and not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
     check_logprobs(logprobs, on_logprobs)
-    check_logprobs(prompt_logprobs, on_prompt_logprobs)
+    check_logprobs(prompt_logprobs, on_prompt_logprobs, ("prompt_logprobs", "on_prompt_logprobs"))
     check_constraints(constraints, len(ids), stop)
     if constraints is not None and not any(constraints):
         constraints = None

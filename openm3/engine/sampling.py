@@ -134,11 +134,12 @@ def prompt_rows_logprobs(logits: torch.Tensor, tokens, top: int) -> list[PromptL
     return [PromptLogprob(v, alternatives, r) for (v, alternatives), r in zip(rows, ranks)]
 
 
-def check_logprobs(logprobs, on_logprobs) -> None:
-    """logprobs: None, or the number of top alternatives (0-20) reported with each token to `on_logprobs`."""
+def check_logprobs(logprobs, on_logprobs, names: tuple[str, str] = ("logprobs", "on_logprobs")) -> None:
+    """logprobs: None, or the number of top alternatives (0-20) reported with each token to `on_logprobs`; `names`:
+    the two arguments' names in the error (`prompt_logprobs` / `on_prompt_logprobs` for the prompt's)."""
     if logprobs is None and on_logprobs is None:
         return
     if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS \
             or on_logprobs is None:
-        raise ValueError(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] given with on_logprobs, got "
+        raise ValueError(f"{names[0]} must be an int in [0, {MAX_TOP_LOGPROBS}] given with {names[1]}, got "
                          f"{logprobs!r} and {'a callback' if on_logprobs else 'no callback'}")
