@@ -165,3 +165,21 @@ def test_threads_below_one_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"^--threads must be >= 1, got 0$"):
         cli.main(["--out", str(tmp_path / "run"), "--steps", "2", "--threads", "0"])
     assert not (tmp_path / "run").exists()
+
+
+def test_the_full_m3_preset_takes_the_tokenizers_special_ids_and_is_measured_against_the_host(tmp_path, monkeypatch):
+    """`--model m3` with the bundled tokenizer: the preset's bos / eos ids (the published tokenizer's, 200034 /
+    200020) become this tokenizer's (they failed M3TextConfig's check before), and its ~428B parameters are refused
+    by the memory check before anything is built (the kernel's out-of-memory killer ended it before)."""
+    from openm3.train import factory, memory
+
+    fake = type("T", (), {"vocab_size": 4096, "image_id": 1, "video_id": 2, "bos_id": 3, "eos_id": 4})()
+    config = factory.model_builder("m3", fake, num_hidden_layers=4).text_config
+    assert (config.bos_token_id, config.eos_token_id, config.vocab_size) == (3, 4, 4096)
+    small = factory.model_builder("m3-small", fake).text_config  # presets without them keep None
+    assert (small.bos_token_id, small.eos_token_id) == (None, None)
+    monkeypatch.setattr(memory, "host_memory", lambda: 24 << 30)
+    monkeypatch.setattr("openm3.train.trainer.Trainer.__init__", lambda self, *a, **k: (_ for _ in ()).throw(
+        RuntimeError("built")))
+    with pytest.raises(ValueError, match=r"on this host by the memory estimate .* the host has 24\.0 GiB"):
+        cli.main(["--model", "m3", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "m3")])

@@ -11,6 +11,10 @@ Every run writes its settings to `train_config.json` in its folder (`--config` t
 Bad settings (unknown recipe, decay before warmup, a global batch the world size does not divide, a context longer
 than the model's, a missing `data` extra) fail before anything is built.
 
+Before the model is built it prints its memory estimate per rank (`openm3.train.memory`; `-v`: every part) and
+refuses a run whose estimate exceeds the GPU's memory (on a CPU: the host's memory and swap, shared by its ranks) by
+more than 10%, saying what to change (`--skip-memory-check` runs it anyway).
+
 `--resume` continues the run in `--out` from its latest checkpoint, with the settings that run was made with (its
 checkpoint holds them): flags may change how it runs (`config.RESUMABLE`: steps, decay start, checkpoint and
 evaluation cadence, micro-batch, device, memory and speed options) but not what it trains (model, recipe, data,
@@ -105,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--export", type=Path, help="write a consolidated checkpoint (published M3 layout) here at the end")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="run even when the memory estimate exceeds the GPU (by default a run whose estimate is over "
+                        "110%% of the GPU's memory is refused before the model is built)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print every part of the memory estimate (parameters, gradients, optimizer, activations, "
+                        "...), not only the total")
     return p
 
 
@@ -161,7 +171,7 @@ def _given_settings(args: argparse.Namespace) -> dict:
             raise ValueError(f"--config: {str(args.config)!r} is not valid JSON ({e})") from None
         if not isinstance(base, dict):
             raise ValueError(f"--config must hold a JSON object of TrainConfig fields, got {type(base).__name__}")
-    skip = {"config", "resume", "export", "threads"}
+    skip = {"config", "resume", "export", "threads", "skip_memory_check", "verbose"}
     overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
     if overrides.get("video_frames_per_clip") == ALL_FRAMES:
         overrides["video_frames_per_clip"] = None
@@ -208,6 +218,34 @@ def check_context(cfg: TrainConfig, text_config) -> None:
                          f"longer contexts")
 
 
+def check_memory(cfg: TrainConfig, build, *, skip: bool = False, verbose: bool = False):
+    """Print the run's memory estimate (`openm3.train.memory`; rank 0) from the model's shapes (`build` called on
+    the meta device: no weights) and refuse a run whose estimate exceeds the GPU's memory, or on a CPU the host's
+    (`memory.check_fits`), unless `skip`. Returns the estimate."""
+    import torch
+
+    from . import distributed as D
+    from .memory import check_fits, estimate_training_memory, host_memory
+
+    device = D.pick_device(cfg.device)
+    with torch.device("meta"):
+        skeleton = (getattr(build, "skeleton", None) or build)()
+    estimate = estimate_training_memory(skeleton, cfg, D.world_size_from_env(),
+                                        "cuda" if device.type == "cuda" else "cpu")
+    gpu = device.type == "cuda"
+    total = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[1] if gpu else host_memory()
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if main_rank:
+        print(estimate.summary(total))
+        if verbose:
+            print(estimate.table())
+    if total is not None and not skip:
+        warning = check_fits(estimate, total, cfg, 1 if gpu else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if warning and main_rank:
+            print(f"warning: {warning}")
+    return estimate
+
+
 def eval_questions(ev: dict, build) -> dict:
     """The evaluation's image / video question counts (`extra.eval.qa`): 50 image and 24 video questions for a
     vision-language model, none for a text-only one (`--init-from` a text checkpoint), which cannot take them."""
@@ -252,6 +290,7 @@ def main(argv=None) -> int:
     else:
         build = model_builder(cfg.model, tokenizer, **({"num_hidden_layers": cfg.layers} if cfg.layers else {}))
     check_context(cfg, build.text_config)
+    check_memory(cfg, build, skip=args.skip_memory_check, verbose=args.verbose)
     ev = extra.get("eval", {})
     evaluator = Evaluator(tokenizer, seq_len=cfg.seq_len, windows=ev.get("windows", 2), qa=eval_questions(ev, build),
                           frames_per_clip=cfg.video_frames_per_clip, **sizes)

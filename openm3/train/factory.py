@@ -19,6 +19,11 @@ def model_builder(name: str, tokenizer, *, multimodal: bool = True, **overrides)
     if name not in PRESETS:
         raise ValueError(f"model must be one of {sorted(PRESETS)}, got {name!r}")
     overrides = {"vocab_size": tokenizer.vocab_size, **overrides}
+    # a preset that names the published tokenizer's bos / eos ids (`m3`: 200034 / 200020) takes this tokenizer's
+    base = PRESETS[name]()
+    for key, own in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):
+        if base.get(key, getattr(M3TextConfig, key)) is not None and key not in overrides:
+            overrides[key] = getattr(tokenizer, own)
     if not multimodal:
         from ..models.text import M3TextModel
 

@@ -29,6 +29,7 @@ from .batches import IGNORE, Batch, RowSource, shard_micro_batches, step_rows
 from .checkpoint import CheckpointManager, export_consolidated, is_complete, latest_checkpoint, write_text_atomic
 from .config import TrainConfig, resume_conflicts
 from .losses import token_losses
+from .memory import MemoryEstimate, estimate_training_memory, memory_advice
 from .metrics import MetricsLogger, Progress, read_jsonl
 
 KINDS = ("text", "image", "video")
@@ -455,20 +456,23 @@ class Trainer:
         elif info.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(info.device) / 2**30
             total = torch.cuda.get_device_properties(info.device).total_memory / 2**30
-            where = f"GPU memory ({peak:.1f} GiB peak allocated of {total:.1f} GiB)"
+            try:
+                need = f"; estimated need {self.memory_estimate().total / 2**30:.1f} GiB"
+            except ValueError:  # not an openm3 model: no estimate
+                need = ""
+            where = f"GPU memory ({peak:.1f} GiB peak allocated of {total:.1f} GiB{need})"
         else:
             where = f"{info.device.type} memory"
-        tips = []
-        if cfg.micro_batch > 1:
-            tips.append(f"a smaller --micro-batch (now {cfg.micro_batch}; the step keeps its rows through gradient "
-                        "accumulation)")
-        if not cfg.activation_checkpointing:
-            tips.append("--activation-checkpointing")
-        tips.append(f"a shorter --seq-len (now {cfg.seq_len})")
-        if not on_cpu:
-            tips.append(f"more GPUs (torchrun --nproc_per_node N shards the model; now {info.world_size})")
         return (f"training ran out of {where} after {self.step} completed steps, {cfg.micro_batch} rows of "
-                f"{cfg.seq_len} tokens per forward on each rank: try " + ", ".join(tips[:-1]) + f" or {tips[-1]}")
+                f"{cfg.seq_len} tokens per forward on each rank: "
+                + memory_advice(cfg, info.world_size, gpu=not on_cpu))
+
+    def memory_estimate(self, **kwargs) -> MemoryEstimate:
+        """The device memory this trainer's steps need per rank, estimated from its model's shapes and its config
+        (`openm3.train.memory.estimate_training_memory`; `kwargs` go to it). ValueError for a model that is not an
+        openm3 model."""
+        device = "cuda" if self.info.device.type == "cuda" else "cpu"
+        return estimate_training_memory(self.model, self.cfg, self.info.world_size, device, **kwargs)
 
     def close(self) -> None:
         if self._prefetcher is not None:
