@@ -84,8 +84,19 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> (router_logits [N, E], weights fp32 [N, k], expert ids int64 [N, k])."""
-        logits = F.linear(x.to(self.weight.dtype), self.weight)
+        logits = F.linear(self._input(x), self.weight)
         return (logits, *self.pick(logits))
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the weight's dtype, as transformers' router casts it, except where autocast would cast that copy
+        straight back: x in the autocast dtype beside fp32 weights (the trainer's one-GPU bf16 autocast). The
+        matmul runs in the autocast dtype either way, on the same values, but on x itself it saves x, which the
+        layer's other ops save anyway, instead of a new bf16 copy: 2 * hidden bytes per token per MoE layer."""
+        device = x.device.type
+        if self.weight.dtype == torch.float32 and torch.is_autocast_enabled(device) \
+                and x.dtype == torch.get_autocast_dtype(device):
+            return x
+        return x.to(self.weight.dtype)
 
     def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router after its matmul: (weights fp32 [N, k], expert ids int64 [N, k]) from logits [N, E]."""

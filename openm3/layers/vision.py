@@ -93,6 +93,34 @@ def apply_axial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return apply_rope(x, cos, sin)
 
 
+def autocast_inputs(t: torch.Tensor, readers: int) -> tuple[torch.Tensor, ...]:
+    """t for `readers` ops that autocast runs in its lower precision (linear, matmul): while autocast is on for t's
+    device, an fp32 t cast to the autocast dtype once, which all of them save, where each would have cast, and
+    saved, a copy of its own; else t itself. The same values, and the same gradient: each reader's comes back to
+    t in t's dtype on its own, summed there as when each op cast t itself."""
+    device = t.device.type
+    if t.dtype != torch.float32 or not torch.is_autocast_enabled(device):
+        return (t,) * readers
+    cast = t.detach().to(torch.get_autocast_dtype(device))
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return (cast,) * readers
+    return tuple(_SharedCast.apply(t, cast) for _ in range(readers))
+
+
+class _SharedCast(torch.autograd.Function):
+    """`x.to(cast.dtype)` for one reader of `cast` (x cast once, outside autograd): a view of `cast`, and a
+    gradient cast back to x's dtype (as `.to`'s own backward does)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = x.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> list[int]:
     """Validate ``cu_seqlens: int [S+1]`` (0, strictly increasing, ends at ``total``); return segment lengths."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
@@ -126,9 +154,10 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q = apply_axial_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_axial_rope(self.k_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_heads, self.head_dim)
+        xq, xk, xv = autocast_inputs(x, 3)  # under autocast the fp32 LayerNorm output cast once, saved once
+        q = apply_axial_rope(self.q_proj(xq).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_axial_rope(self.k_proj(xk).view(n, self.num_heads, self.head_dim), cos, sin)
+        v = self.v_proj(xv).view(n, self.num_heads, self.head_dim)
         return self.out_proj(self.attend(q, k, v, cu_seqlens).reshape(n, -1))
 
     # Dynamo does not trace this (the segments come from `cu_seqlens`' host values, a loop over runs of equal

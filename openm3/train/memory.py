@@ -185,9 +185,9 @@ def _layer_items(c, s: _Run, i: int) -> tuple[dict[str, int], dict[str, int]]:
         return attn, mlp
     e, k, inner = c.num_local_experts, c.num_experts_per_tok, c.intermediate_size
     mlp["shared_expert"] = _mlp(s, c.shared_intermediate_size)
-    # router: logits, ids (int64), mixing weights (fp32); under autocast over fp32 weights its bf16 input's
-    # `x.to(fp32)` is cast back to bf16 by the linear, a copy it saves
-    mlp["router"] = (4 * e + 12 * k + 4) if s.cpu else (s.a * e + 12 * k + (2 * h if s.autocast and s.r == 2 else 0))
+    # router: logits, ids (int64), mixing weights (fp32); its input is the layer's (`Router._input`: no copy of its
+    # own under autocast)
+    mlp["router"] = (4 * e + 12 * k + 4) if s.cpu else (s.a * e + 12 * k)
     if s.cpu or s.a == 4:  # reference experts (`Experts.resolved_impl`: grouped is CUDA bf16 only), per (token,
         # slot): the gathered rows, the eager SwiGLU's tensors, the weighted output
         mlp["experts"] = k * (s.a * (3 * h + 7 * inner) + 20)
@@ -232,12 +232,12 @@ def _loss_items(c, s: _Run) -> dict[str, int]:
 def _vision_items(vc, projector_hidden: int, text_hidden: int, s: _Run) -> tuple[dict[str, int], int, int]:
     """Bytes per patch the vision tower and projector save: (items, one block's, a checkpointed block's input).
     A block saves its two LayerNorms' fp32 inputs and statistics (autocast runs LayerNorm in fp32), the
-    projections' input (under autocast the fp32 LayerNorm output cast once per projection: q, k, v), q, k, v, the
-    SDPA output and statistics, out_proj's, fc1's and fc2's inputs, GELU's input, and under autocast bf16 copies
-    of the fp32 RoPE tables (two per rotation)."""
+    projections' input (under autocast the fp32 LayerNorm output cast once for q, k and v: `autocast_inputs`), q, k,
+    v, the SDPA output and statistics, out_proj's, fc1's and fc2's inputs, GELU's input, and under autocast bf16
+    copies of the fp32 RoPE tables (two per rotation)."""
     hv, iv, a = vc.hidden_size, vc.intermediate_size, s.a
     rope = 6 * ((vc.head_dim // 3) // 2)  # rotated channels per head
-    block = (8 * hv + a * hv * (9 if s.autocast else 7) + 2 * a * iv + 4 * vc.num_attention_heads + 16
+    block = (8 * hv + 7 * a * hv + 2 * a * iv + 4 * vc.num_attention_heads + 16
              + (4 * rope * a if s.autocast else 0))
     patch = vc.num_channels * vc.temporal_patch_size * vc.patch_size ** 2
     group = vc.spatial_merge_size ** 2
