@@ -28,6 +28,14 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
     return offsets
 
 
+def expand_kv_heads(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
+    """Whether SDPA gets K / V repeated to the query heads instead of `enable_gqa`: on CUDA only flash (fp16 /
+    bf16, no mask) and cuDNN take `enable_gqa`; an fp32 sequence or one with a mask would fall back to the math
+    kernel, which holds the [Hq, q_len, k_len] scores (and saves them for the backward): O(S^2) memory, 2 GiB per
+    sequence of 8K tokens at 8 heads in fp32. The repeated K / V (O(S)) let the memory-efficient kernel run."""
+    return device_type == "cuda" and (masked or dtype not in (torch.float16, torch.bfloat16))
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                     scale: float | None = None, cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention per packed sequence.
@@ -66,13 +74,17 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         qb = q[qs:qe].transpose(0, 1).unsqueeze(0)
         kb = k[ks:ke].transpose(0, 1).unsqueeze(0)
         vb = v[ks:ke].transpose(0, 1).unsqueeze(0)
+        masked = 1 < q_len < k_len
+        gqa = hq != hkv
+        if gqa and expand_kv_heads(q.device.type, q.dtype, masked):
+            kb, vb, gqa = kb.repeat_interleave(hq // hkv, 1), vb.repeat_interleave(hq // hkv, 1), False
         if q_len == k_len:
-            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=hq != hkv)
-        elif q_len == 1:  # one decode query sees every key: no mask
-            ob = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=hq != hkv)
+            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+        elif not masked:  # one decode query sees every key: no mask
+            ob = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=gqa)
         else:
             pos = torch.arange(k_len - q_len, k_len, device=q.device)
             mask = torch.arange(k_len, device=q.device)[None, :] <= pos[:, None]
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=gqa)
         outs.append(ob[0].transpose(0, 1))
     return torch.cat(outs, dim=0) if outs else torch.empty_like(q)
