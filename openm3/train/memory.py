@@ -5,8 +5,9 @@
     print(est.summary())          # one line: the total and its biggest parts
     print(est.table())            # every part
 
-`openm3 train` prints it before building the model and, on CUDA, refuses a run whose estimate exceeds the GPU
-(`check_fits`); `Trainer.memory_estimate()` gives it for a built trainer. Parts, in bytes per rank:
+`openm3 train` prints it before building the model and refuses a run whose estimate exceeds the GPU (on a CPU: the
+host's memory and swap, `host_memory`) by a margin (`check_fits`); `Trainer.memory_estimate()` gives it for a built
+trainer. Parts, in bytes per rank:
 
 - parameters: fp32 weights (the trainer builds fp32 models: one GPU casts under a bf16 autocast, FSDP2 gathers bf16
   copies), sharded over the ranks by FSDP2.
