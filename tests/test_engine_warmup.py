@@ -86,6 +86,8 @@ def test_warm_up_checks_its_arguments_and_reports_a_failed_request():
         warm_up(lambda *a, **k: "stop", 100, max_batch=0)
     with pytest.raises(ValueError, match="new_tokens must be a positive int"):
         warm_up(lambda *a, **k: "stop", 100, max_batch=1, new_tokens=0)
+    with pytest.raises(ValueError, match="max_batch must be a positive int, got True"):  # (engine.check_count)
+        warm_up(lambda *a, **k: "stop", 100, max_batch=True)
     with pytest.raises(ValueError, match="max_total_tokens must be an int >= 2"):
         warm_up(lambda *a, **k: "stop", 100, max_batch=1, max_total_tokens=1)
 

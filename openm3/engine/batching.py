@@ -63,8 +63,8 @@ from .constrained import GrammarConstraint
 from .penalties import PenalizedPicker
 from .generate import LaunchedStep, check_constraints, check_prompts, check_stop_tokens
 from .graphs import DecodeGraphs
-from .sampling import (SamplingParams, check_logprobs, check_run, plain_int, prompt_rows_logprobs, sample,
-                       token_logprobs)
+from .sampling import (SamplingParams, check_count, check_logprobs, check_run, plain_int, prompt_rows_logprobs,
+                       sample, token_logprobs)
 from .spec_gate import SpeculationGate
 from .speculative import PREDICTION_DRAFTS, SpeculativeConfig, TokenHistory, keep_verified, step_drafts
 from .scheduler import (PromptImages, check_images, check_inference_model, decode_step, is_vision_language,
@@ -156,12 +156,9 @@ class BatchedGenerator:
         self.scheduling = scheduling
         token_budget, max_batch, chunk_size, prefill_chunks_per_step = map(
             plain_int, (token_budget, max_batch, chunk_size, prefill_chunks_per_step))  # numpy ints as ints
-        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        if not isinstance(prefill_chunks_per_step, int) or isinstance(prefill_chunks_per_step, bool) or prefill_chunks_per_step < 1:
-            raise ValueError(f"prefill_chunks_per_step must be a positive int, got {prefill_chunks_per_step!r}")
+        for name, value in (("max_batch", max_batch), ("chunk_size", chunk_size),
+                            ("prefill_chunks_per_step", prefill_chunks_per_step)):
+            check_count(name, value)
         for name, value in (("speculative", speculative), ("prediction_speculative", prediction_speculative)):
             if value is not None and not isinstance(value, SpeculativeConfig):
                 raise ValueError(f"{name} must be a SpeculativeConfig or None, got {type(value).__name__}")

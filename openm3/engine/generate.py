@@ -28,8 +28,8 @@ from ..threads import set_threads
 from .cache import CacheFullError, CacheLayout, PagedCache, plan_cache
 from .constrained import GrammarConstraint
 from .graphs import DecodeGraphs
-from .sampling import (SamplingParams, check_logprobs, check_run, plain_int, prompt_rows_logprobs, sample,
-                       token_logprobs)
+from .sampling import (SamplingParams, check_count, check_logprobs, check_run, plain_int, prompt_rows_logprobs,
+                       sample, token_logprobs)
 from .scheduler import check_images, check_inference_model, decode_step, is_vision_language, prefill, text_model
 from .penalties import Penalties, PenalizedPicker
 from .spec_gate import SpeculationGate
@@ -266,8 +266,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     for name, value in (("token_budget", token_budget), ("max_total_tokens", max_total_tokens)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be an int >= 1 or None (None: {_DEFAULT_OF[name]}), got {value!r}")
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_count("chunk_size", chunk_size)
     lm = text_model(model)
     config = lm.config
     limit = max_total_tokens or config.max_position_embeddings

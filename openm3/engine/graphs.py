@@ -35,6 +35,7 @@ import torch
 from ..ops.host import copy_from_host
 from .cache import PagedCache, StepBuffers
 from .scheduler import decode_step
+from .sampling import check_count
 
 __all__ = ["DecodeGraphs", "padded_rows", "padded_width"]
 
@@ -100,8 +101,7 @@ class DecodeGraphs:
     def __init__(self, model, cache: PagedCache, *, max_graphs: int = 32):
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a cache on a CUDA device, got {cache.device}")
-        if not isinstance(max_graphs, int) or max_graphs < 1:
-            raise ValueError(f"max_graphs must be a positive int, got {max_graphs!r}")
+        check_count("max_graphs", max_graphs)
         self.model = model
         self.cache = cache
         self.max_graphs = max_graphs

@@ -20,6 +20,12 @@ def plain_int(x):
     return operator.index(x) if isinstance(x, numbers.Integral) and not isinstance(x, (int, bool)) else x
 
 
+def check_count(name: str, value) -> None:
+    """ValueError naming `name` unless `value` is an int >= 1 (not a bool: True is no count)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def _number(x) -> bool:
     """An int or a float, not a bool (True is no temperature)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -21,6 +21,7 @@ import torch
 
 from ..models.processor import VisionBatch
 from .cache import PagedCache
+from .sampling import check_count
 
 
 class PromptImages(NamedTuple):
@@ -252,8 +253,7 @@ def prefill_chunks(model, cache: PagedCache, seq_ids: Sequence[int], prompts: Se
     a prompt with `all_logits[b]` takes at most `all_logits_rows` tokens per forward (its rows' memory).
     dropped: indices of prompts to leave out from the next forward on (read before each one: a caller may add to
     it between two chunks, e.g. for a request nobody waits for any more)."""
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_count("chunk_size", chunk_size)
     check_inference_model(model)
     if len(seq_ids) != len(prompts):
         raise ValueError(f"seq_ids ({len(seq_ids)}) and prompts ({len(prompts)}) must match")

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_count
 
 __all__ = ["warm_up"]
 
@@ -32,10 +32,8 @@ def warm_up(backend, vocab_size: int, max_batch: int, *, max_total_tokens: int |
     """Runs the warm-up requests through `backend` (a `BatchedGenerator`, or anything called like one, as
     `openm3.serve.app.ModelBackend`); returns the seconds it took. `max_batch` 1: only the request alone.
     max_total_tokens: the most a request may hold (prompt + new tokens); the warm-up's stay within it."""
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-    if not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(f"new_tokens must be a positive int, got {new_tokens!r}")
+    check_count("max_batch", max_batch)
+    check_count("new_tokens", new_tokens)
     if max_total_tokens is not None:
         if not isinstance(max_total_tokens, int) or max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be an int >= 2, got {max_total_tokens!r}")

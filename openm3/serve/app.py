@@ -58,7 +58,7 @@ from ..data.tokenizer import THINK_END, THINK_START, TOOL_CALL_START, NotUnicode
 from ..engine.constrained import GrammarConstraint, GrammarDeadEnd
 from ..engine.media import chat_prompt
 from ..engine.penalties import Penalties, PenalizedPicker
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import SamplingParams, check_count
 from ..engine.scheduler import PromptImages, is_vision_language, text_model
 from ..models.vision import DEFAULT_FRAMES_PER_CLIP, check_frames_per_clip
 from . import anthropic, responses, tokens
@@ -101,8 +101,7 @@ class ModelBackend:
     takes_predictions = True  # `draft_context=`: a predicted output's tokens (`generate`'s draft_contexts)
 
     def __init__(self, model, speculative=None, chunk_size: int = 8192, cuda_graphs: bool | None = None):
-        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        check_count("chunk_size", chunk_size)
         self.model, self.chunk_size = model, chunk_size
         self.cuda_graphs = cuda_graphs  # as `generate`'s (None: graphs on a CUDA device)
         self.speculative = speculative  # a SpeculativeConfig, or None
